@@ -1,0 +1,526 @@
+//! The limits document ([`GatewayLimits`]): everything one gateway pod needs to pool, route and
+//! throttle, rendered by the operator and applied by the gateway (via `PUT /v1/limits` or the
+//! durable ConfigMap file). The gateway never reads the CRD; this is its whole contract.
+//!
+//! The same YAML/JSON shape is what a user writes to run a gateway standalone.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::Duration;
+
+/// Everything a gateway pod enforces, in one versioned document.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GatewayLimits {
+    /// Hash of the document's content (see [`GatewayLimits::content_revision`]). Empty in a
+    /// hand-written file: the gateway computes it. When set it must match the content.
+    #[serde(default)]
+    pub revision: String,
+    /// Monotonically increasing version. A gateway refuses a document older than the one it runs.
+    #[serde(default)]
+    pub generation: u64,
+    /// Limits on the downstream (client-facing) side of every listener.
+    #[serde(default)]
+    pub listener: ListenerLimits,
+    /// Per-client concurrency rules; backends refer to one by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub client_policies: Vec<ClientPolicy>,
+    /// Model backends, matched in this order: the first whose route matches a request gets it.
+    #[serde(default)]
+    pub backends: Vec<BackendLimits>,
+}
+
+/// Downstream limits: what protects the gateway itself from its clients.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct ListenerLimits {
+    /// Open client connections the pod accepts in total; beyond it, new connections wait in the
+    /// kernel backlog.
+    pub max_connections: u32,
+    /// Open connections one client (by source IP) may hold; beyond it new ones are closed at once.
+    /// Stops a client that opens connections and never closes them from draining the pod.
+    pub max_connections_per_client: Option<u32>,
+    /// Close a client keep-alive connection idle this long.
+    pub idle_timeout: Duration,
+    /// A client must send its complete request head within this time (slowloris protection).
+    pub header_read_timeout: Duration,
+    /// Largest request head accepted, in bytes; larger ones get 431.
+    pub max_header_bytes: u32,
+    /// Most request headers accepted; more get 431.
+    pub max_headers: u32,
+    /// Largest request body accepted, in bytes; larger ones get 413.
+    pub max_body_bytes: u64,
+    /// How much of a request body the router may buffer to read its JSON `model` field.
+    pub route_body_bytes: u32,
+}
+
+impl Default for ListenerLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 16_384,
+            max_connections_per_client: None,
+            idle_timeout: Duration::from_secs(60),
+            header_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 16 * 1024,
+            max_headers: 100,
+            max_body_bytes: 16 * 1024 * 1024,
+            route_body_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// One group of interchangeable model-server instances, with this pod's share of their capacity.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BackendLimits {
+    /// Unique name; used as the `backend` metric label.
+    pub name: String,
+    /// `namespace/name` of the ConnectionPolicy this backend comes from (empty when standalone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    /// Which requests go to this backend.
+    #[serde(default, rename = "match")]
+    pub route: RouteMatch,
+    /// The instances to pool connections to.
+    pub endpoints: Vec<Endpoint>,
+    /// This pod's connection pool per endpoint.
+    pub pool: PoolLimits,
+    /// Hard limits on one proxied call.
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    /// Active health checking; none means every endpoint is presumed healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<HealthCheck>,
+    /// Passive ejection of failing endpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outlier_detection: Option<OutlierDetection>,
+    /// Name of the entry in `clientPolicies` that limits callers of this backend (none: unlimited).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_policy: Option<String>,
+}
+
+/// A request matches when every condition given here holds; an empty match takes everything.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RouteMatch {
+    /// The request path starts with this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_prefix: Option<String>,
+    /// Each of these headers is present with exactly this value (names are case-insensitive).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+    /// The JSON request body's top-level `model` field equals this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// One backend instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Endpoint {
+    /// Stable name (a pod name, or `ip:port`); used as the `endpoint` metric label.
+    pub name: String,
+    /// Where to connect: `ip:port`.
+    pub address: SocketAddr,
+}
+
+/// The connection pool of one backend, per endpoint, in this pod.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolLimits {
+    /// Hard cap on open connections from this pod to one endpoint (this pod's share of the fleet
+    /// target).
+    pub max_connections_per_endpoint: u32,
+    /// Lease requests that may wait for a connection, per backend in this pod; beyond it: 503.
+    pub max_pending: u32,
+    /// Longest wait for a connection before giving up with 503 (seed 1's connectionRequestTimeout).
+    pub lease_timeout: Duration,
+    /// Close a pooled connection idle this long.
+    pub idle_timeout: Duration,
+    /// Close a connection this old when it is next returned.
+    pub max_lifetime: Duration,
+    /// Give up connecting after this long.
+    pub connect_timeout: Duration,
+    /// Check a connection that sat idle longer than this before reusing it.
+    pub validate_after_idle: Duration,
+}
+
+/// Hard limits on one proxied call.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// From sending the request to the response head.
+    pub first_byte: Duration,
+    /// The whole call, response body included.
+    pub total: Duration,
+    /// Longest silence between two body chunks of a streaming (SSE) response.
+    pub stream_idle: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            first_byte: Duration::from_secs(15),
+            total: Duration::from_secs(120),
+            stream_idle: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Active HTTP health checking of each endpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HealthCheck {
+    /// Path probed with GET; a 2xx answer is healthy.
+    pub path: String,
+    /// Time between probes.
+    pub interval: Duration,
+    /// Timeout of one probe.
+    #[serde(default = "HealthCheck::default_timeout")]
+    pub timeout: Duration,
+    /// Consecutive failed probes that mark an endpoint unhealthy.
+    pub unhealthy_threshold: u32,
+    /// Consecutive passed probes that mark it healthy again.
+    pub healthy_threshold: u32,
+}
+
+impl HealthCheck {
+    fn default_timeout() -> Duration {
+        Duration::from_secs(1)
+    }
+}
+
+/// Passive outlier ejection: endpoints that fail calls in a row are taken out for a while.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OutlierDetection {
+    /// Consecutive failed calls (connect error, 5xx, timeout) that eject an endpoint.
+    pub consecutive_failures: u32,
+    /// First ejection length; each further ejection of the same endpoint lasts longer.
+    pub base_ejection: Duration,
+    /// Never eject more than this share of a backend's endpoints.
+    pub max_ejected_percent: u32,
+}
+
+/// Per-client concurrency rules.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClientPolicy {
+    /// Unique name; backends refer to it.
+    pub name: String,
+    /// How a request's client is identified.
+    pub identity: ClientIdentity,
+    /// Calls one client may have in flight.
+    pub max_concurrency: u32,
+    /// Calls one client may have waiting beyond that; more get 429.
+    pub max_queue: u32,
+    /// Longest wait in that queue before 429.
+    pub queue_timeout: Duration,
+    /// Named clients with their own limits (an allowlist for batch callers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<ClientOverride>,
+    /// Demotion of clients whose calls are often slow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slow_calls: Option<SlowCalls>,
+}
+
+/// How a request's client is identified. On the wire: `{header: x-api-key}` or `{sourceIp: {}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "ClientIdentityWire", into = "ClientIdentityWire")]
+pub enum ClientIdentity {
+    /// The value of this request header (an API key, say). It is never logged or exported raw.
+    Header(String),
+    /// The connection's source IP address.
+    SourceIp,
+}
+
+/// The wire form of [`ClientIdentity`]: exactly one field set. A plain struct rather than a
+/// serde enum, so that every YAML and JSON library reads and writes it the same way.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ClientIdentityWire {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    header: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    source_ip: Option<BTreeMap<String, serde_json::Value>>,
+}
+
+impl TryFrom<ClientIdentityWire> for ClientIdentity {
+    type Error = String;
+
+    fn try_from(w: ClientIdentityWire) -> Result<Self, String> {
+        match (w.header, w.source_ip) {
+            (Some(h), None) => Ok(Self::Header(h)),
+            (None, Some(m)) if m.is_empty() => Ok(Self::SourceIp),
+            (None, Some(_)) => Err("identity.sourceIp takes no fields: write `sourceIp: {}`".into()),
+            _ => Err("identity needs exactly one of `header: <name>` or `sourceIp: {}`".into()),
+        }
+    }
+}
+
+impl From<ClientIdentity> for ClientIdentityWire {
+    fn from(id: ClientIdentity) -> Self {
+        match id {
+            ClientIdentity::Header(h) => Self { header: Some(h), source_ip: None },
+            ClientIdentity::SourceIp => Self { header: None, source_ip: Some(BTreeMap::new()) },
+        }
+    }
+}
+
+/// A named client with its own concurrency limit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClientOverride {
+    /// Name used in metrics and logs instead of the key.
+    pub name: String,
+    /// Hex SHA-256 of the client's identity value (the API key, or the IP address as text).
+    pub key_sha256: String,
+    /// This client's concurrency limit.
+    pub max_concurrency: u32,
+}
+
+/// Slow-call tracking: a client whose calls are often slow is demoted for a while.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SlowCalls {
+    /// A call slower than this counts as slow.
+    pub threshold: Duration,
+    /// Demote when more than this share of a client's recent calls were slow (0 < ratio ≤ 1).
+    pub max_ratio: f64,
+    /// Concurrency of a demoted client.
+    pub demoted_concurrency: u32,
+    /// How long a demotion lasts.
+    pub cooldown: Duration,
+    /// Calls needed in the window before the ratio is judged.
+    #[serde(default = "SlowCalls::default_min_calls")]
+    pub min_calls: u32,
+}
+
+impl SlowCalls {
+    fn default_min_calls() -> u32 {
+        10
+    }
+}
+
+// === impl GatewayLimits ===
+
+/// One thing wrong with a limits document, with where it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Violation {
+    /// JSON-path-like location, e.g. `backends[1].pool.leaseTimeout`.
+    pub field: String,
+    /// What is wrong there.
+    pub message: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// Why a limits document was refused: every violation found, not just the first.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid limits document: {}", .violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+pub struct InvalidLimits {
+    /// Everything found wrong.
+    pub violations: Vec<Violation>,
+}
+
+impl GatewayLimits {
+    /// The content revision: the first 12 hex digits of the SHA-256 of the document's canonical
+    /// JSON, without `revision` and `generation`. Equal content gives equal revisions.
+    pub fn content_revision(&self) -> String {
+        let content = serde_json::json!({
+            "listener": self.listener,
+            "clientPolicies": self.client_policies,
+            "backends": self.backends,
+        });
+        // serde_json writes maps in key order (no preserve_order), so this is canonical.
+        let digest = Sha256::digest(content.to_string().as_bytes());
+        hex::encode(&digest[..6])
+    }
+
+    /// Sets `revision` from the content.
+    pub fn with_content_revision(mut self) -> Self {
+        self.revision = self.content_revision();
+        self
+    }
+
+    /// Checks every invariant the types cannot: unique names, references that resolve, positive
+    /// timeouts, thresholds in range. Pure; the gateway refuses a document that fails it (422)
+    /// and the operator never renders one.
+    pub fn validate(&self) -> Result<(), InvalidLimits> {
+        let mut v = Validator::default();
+        if !self.revision.is_empty() && self.revision != self.content_revision() {
+            v.push("revision", format!("{:?} does not match the content ({})", self.revision, self.content_revision()));
+        }
+        let l = &self.listener;
+        v.positive_u64("listener.maxConnections", l.max_connections.into());
+        if l.max_connections_per_client == Some(0) {
+            v.push("listener.maxConnectionsPerClient", "must be at least 1 when set");
+        }
+        v.positive("listener.idleTimeout", l.idle_timeout);
+        v.positive("listener.headerReadTimeout", l.header_read_timeout);
+        if l.max_header_bytes < 1024 {
+            v.push("listener.maxHeaderBytes", "must be at least 1024");
+        }
+        v.positive_u64("listener.maxHeaders", l.max_headers.into());
+
+        let mut policy_names = BTreeSet::new();
+        for (i, p) in self.client_policies.iter().enumerate() {
+            let at = |f: &str| format!("clientPolicies[{i}].{f}");
+            v.name(&at("name"), &p.name);
+            if !policy_names.insert(p.name.as_str()) {
+                v.push(at("name"), format!("duplicate client policy {:?}", p.name));
+            }
+            if let ClientIdentity::Header(h) = &p.identity {
+                if http_token(h).is_err() {
+                    v.push(at("identity.header"), format!("{h:?} is not a valid header name"));
+                }
+            }
+            v.positive_u64(&at("maxConcurrency"), p.max_concurrency.into());
+            v.positive(&at("queueTimeout"), p.queue_timeout);
+            let mut override_names = BTreeSet::new();
+            for (j, o) in p.overrides.iter().enumerate() {
+                let at = |f: &str| format!("clientPolicies[{i}].overrides[{j}].{f}");
+                v.name(&at("name"), &o.name);
+                if o.name == "other" {
+                    v.push(at("name"), "\"other\" is reserved for clients without an override");
+                }
+                if !override_names.insert(o.name.as_str()) {
+                    v.push(at("name"), format!("duplicate override {:?}", o.name));
+                }
+                if o.key_sha256.len() != 64 || !o.key_sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    v.push(at("keySha256"), "must be 64 hex digits (the SHA-256 of the client's key)");
+                }
+                v.positive_u64(&at("maxConcurrency"), o.max_concurrency.into());
+            }
+            if let Some(s) = &p.slow_calls {
+                v.positive(&at("slowCalls.threshold"), s.threshold);
+                v.positive(&at("slowCalls.cooldown"), s.cooldown);
+                if !(s.max_ratio > 0.0 && s.max_ratio <= 1.0) {
+                    v.push(at("slowCalls.maxRatio"), "must be in (0, 1]");
+                }
+                if s.demoted_concurrency == 0 || s.demoted_concurrency > p.max_concurrency {
+                    v.push(at("slowCalls.demotedConcurrency"), "must be between 1 and maxConcurrency");
+                }
+            }
+        }
+
+        let mut backend_names = BTreeSet::new();
+        for (i, b) in self.backends.iter().enumerate() {
+            let at = |f: &str| format!("backends[{i}].{f}");
+            v.name(&at("name"), &b.name);
+            if !backend_names.insert(b.name.as_str()) {
+                v.push(at("name"), format!("duplicate backend {:?}", b.name));
+            }
+            if let Some(prefix) = &b.route.path_prefix {
+                if !prefix.starts_with('/') {
+                    v.push(at("match.pathPrefix"), "must start with /");
+                }
+            }
+            for name in b.route.headers.keys() {
+                if http_token(name).is_err() {
+                    v.push(at("match.headers"), format!("{name:?} is not a valid header name"));
+                }
+            }
+            let mut endpoint_names = BTreeSet::new();
+            for (j, e) in b.endpoints.iter().enumerate() {
+                if e.name.is_empty() || e.name.len() > 253 {
+                    v.push(at(&format!("endpoints[{j}].name")), "must be 1 to 253 characters");
+                }
+                if !endpoint_names.insert(e.name.as_str()) {
+                    v.push(at(&format!("endpoints[{j}].name")), format!("duplicate endpoint {:?}", e.name));
+                }
+            }
+            let p = &b.pool;
+            v.positive_u64(&at("pool.maxConnectionsPerEndpoint"), p.max_connections_per_endpoint.into());
+            v.positive(&at("pool.leaseTimeout"), p.lease_timeout);
+            v.positive(&at("pool.idleTimeout"), p.idle_timeout);
+            v.positive(&at("pool.maxLifetime"), p.max_lifetime);
+            v.positive(&at("pool.connectTimeout"), p.connect_timeout);
+            let t = &b.timeouts;
+            v.positive(&at("timeouts.firstByte"), t.first_byte);
+            v.positive(&at("timeouts.total"), t.total);
+            v.positive(&at("timeouts.streamIdle"), t.stream_idle);
+            if t.first_byte > t.total {
+                v.push(at("timeouts.firstByte"), format!("{} is longer than timeouts.total {}", t.first_byte, t.total));
+            }
+            if let Some(h) = &b.health_check {
+                if !h.path.starts_with('/') {
+                    v.push(at("healthCheck.path"), "must start with /");
+                }
+                v.positive(&at("healthCheck.interval"), h.interval);
+                v.positive(&at("healthCheck.timeout"), h.timeout);
+                v.positive_u64(&at("healthCheck.unhealthyThreshold"), h.unhealthy_threshold.into());
+                v.positive_u64(&at("healthCheck.healthyThreshold"), h.healthy_threshold.into());
+            }
+            if let Some(o) = &b.outlier_detection {
+                v.positive_u64(&at("outlierDetection.consecutiveFailures"), o.consecutive_failures.into());
+                v.positive(&at("outlierDetection.baseEjection"), o.base_ejection);
+                if o.max_ejected_percent > 100 {
+                    v.push(at("outlierDetection.maxEjectedPercent"), "must be at most 100");
+                }
+            }
+            if let Some(cp) = &b.client_policy {
+                if !policy_names.contains(cp.as_str()) {
+                    v.push(at("clientPolicy"), format!("no client policy named {cp:?}"));
+                }
+            }
+        }
+        v.finish()
+    }
+}
+
+/// Collects violations while a document is checked.
+#[derive(Default)]
+struct Validator {
+    violations: Vec<Violation>,
+}
+
+impl Validator {
+    fn push(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.violations.push(Violation { field: field.into(), message: message.into() });
+    }
+
+    fn positive(&mut self, field: &str, d: Duration) {
+        if d.is_zero() {
+            self.push(field, "must be longer than 0s");
+        }
+    }
+
+    fn positive_u64(&mut self, field: &str, n: u64) {
+        if n == 0 {
+            self.push(field, "must be at least 1");
+        }
+    }
+
+    /// Names become metric label values: keep them short and printable.
+    fn name(&mut self, field: &str, name: &str) {
+        let ok = !name.is_empty()
+            && name.len() <= 63
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !ok {
+            self.push(field, format!("{name:?} must be 1 to 63 characters of a-z, A-Z, 0-9, '-', '_', '.'"));
+        }
+    }
+
+    fn finish(self) -> Result<(), InvalidLimits> {
+        if self.violations.is_empty() { Ok(()) } else { Err(InvalidLimits { violations: self.violations }) }
+    }
+}
+
+/// Whether `s` is a valid HTTP header name (an RFC 9110 token).
+fn http_token(s: &str) -> Result<(), ()> {
+    let ok = !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+    if ok { Ok(()) } else { Err(()) }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,144 @@
+//! Tests of the limits document: its YAML shape, content revision and validation.
+
+use super::*;
+
+const EXAMPLE: &str = r#"
+generation: 3
+listener:
+  maxConnectionsPerClient: 64
+clientPolicies:
+- name: default
+  identity: {header: x-api-key}
+  maxConcurrency: 8
+  maxQueue: 32
+  queueTimeout: 2s
+  overrides:
+  - {name: batch-team, keySha256: "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", maxConcurrency: 40}
+  slowCalls: {threshold: 20s, maxRatio: 0.2, demotedConcurrency: 2, cooldown: 5m}
+backends:
+- name: model-a
+  match: {pathPrefix: /v1/, headers: {x-model: model-a}}
+  endpoints:
+  - {name: model-a-0, address: "127.0.0.10:8000"}
+  - {name: model-a-1, address: "127.0.0.11:8000"}
+  pool:
+    maxConnectionsPerEndpoint: 16
+    maxPending: 128
+    leaseTimeout: 300ms
+    idleTimeout: 30s
+    maxLifetime: 10m
+    connectTimeout: 1s
+    validateAfterIdle: 2s
+  timeouts: {firstByte: 15s, total: 120s, streamIdle: 15s}
+  healthCheck: {path: /health, interval: 5s, unhealthyThreshold: 3, healthyThreshold: 2}
+  outlierDetection: {consecutiveFailures: 5, baseEjection: 30s, maxEjectedPercent: 50}
+  clientPolicy: default
+"#;
+
+fn example() -> GatewayLimits {
+    serde_norway::from_str(EXAMPLE).expect("example parses")
+}
+
+#[test]
+fn example_parses_and_validates() {
+    let doc = example();
+    assert_eq!(doc.generation, 3);
+    assert_eq!(doc.backends[0].pool.lease_timeout, Duration::from_millis(300));
+    assert_eq!(doc.client_policies[0].identity, ClientIdentity::Header("x-api-key".into()));
+    assert_eq!(doc.listener.max_connections, ListenerLimits::default().max_connections);
+    doc.validate().expect("example is valid");
+}
+
+#[test]
+fn json_round_trip_keeps_the_revision() {
+    let doc = example().with_content_revision();
+    let json = serde_json::to_string(&doc).unwrap();
+    let back: GatewayLimits = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, doc);
+    assert_eq!(back.content_revision(), doc.revision);
+    back.validate().unwrap();
+}
+
+#[test]
+fn revision_follows_content_not_generation() {
+    let a = example();
+    let mut b = example();
+    b.generation += 10;
+    assert_eq!(a.content_revision(), b.content_revision());
+    b.backends[0].pool.max_connections_per_endpoint += 1;
+    assert_ne!(a.content_revision(), b.content_revision());
+    assert_eq!(a.content_revision().len(), 12);
+}
+
+#[test]
+fn unknown_fields_are_refused() {
+    let err = serde_norway::from_str::<GatewayLimits>("generation: 1\nbackendz: []\n").unwrap_err();
+    assert!(err.to_string().contains("backendz"), "{err}");
+}
+
+#[test]
+fn a_stale_revision_is_refused() {
+    let mut doc = example().with_content_revision();
+    doc.backends[0].pool.max_pending = 1;
+    let err = doc.validate().unwrap_err();
+    assert_eq!(err.violations.len(), 1);
+    assert_eq!(err.violations[0].field, "revision");
+}
+
+#[test]
+fn every_violation_is_reported_with_its_field() {
+    let mut doc = example();
+    doc.backends.push(doc.backends[0].clone());
+    let b = &mut doc.backends[1];
+    b.pool.max_connections_per_endpoint = 0;
+    b.pool.lease_timeout = Duration::ZERO;
+    b.timeouts.first_byte = Duration::from_secs(300);
+    b.client_policy = Some("nope".into());
+    b.endpoints.push(b.endpoints[0].clone());
+    doc.client_policies[0].overrides[0].key_sha256 = "abc".into();
+    let err = doc.validate().unwrap_err();
+    let fields: Vec<&str> = err.violations.iter().map(|v| v.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        [
+            "clientPolicies[0].overrides[0].keySha256",
+            "backends[1].name",
+            "backends[1].endpoints[2].name",
+            "backends[1].pool.maxConnectionsPerEndpoint",
+            "backends[1].pool.leaseTimeout",
+            "backends[1].timeouts.firstByte",
+            "backends[1].clientPolicy",
+        ]
+    );
+    let text = err.to_string();
+    assert!(text.contains("duplicate backend \"model-a\""), "{text}");
+    assert!(text.contains("no client policy named \"nope\""), "{text}");
+}
+
+#[test]
+fn source_ip_identity_round_trips() {
+    let mut doc = example();
+    doc.client_policies[0].identity = ClientIdentity::SourceIp;
+    let yaml = serde_norway::to_string(&doc).unwrap();
+    assert!(yaml.contains("sourceIp: {}"), "{yaml}");
+    let back: GatewayLimits = serde_norway::from_str(&yaml).unwrap();
+    assert_eq!(back, doc);
+}
+
+#[test]
+fn identity_needs_exactly_one_kind() {
+    for bad in ["{}", "{header: x-api-key, sourceIp: {}}", "{sourceIp: {a: 1}}"] {
+        let err = serde_norway::from_str::<ClientIdentity>(bad).unwrap_err().to_string();
+        assert!(err.contains("identity"), "{bad}: {err}");
+    }
+}
+
+#[test]
+fn header_names_and_label_names_are_checked() {
+    let mut doc = example();
+    doc.client_policies[0].identity = ClientIdentity::Header("x api key".into());
+    doc.backends[0].name = "model a".into();
+    doc.backends[0].client_policy = None;
+    let fields: Vec<String> = doc.validate().unwrap_err().violations.into_iter().map(|v| v.field).collect();
+    assert_eq!(fields, ["clientPolicies[0].identity.header", "backends[0].name"]);
+}

@@ -1,0 +1,35 @@
+// Components: the real Kubernetes commands (kube-apiserver, kube-controller-manager, kubectl)
+// wrapped so that one binary can run each of them, hyperkube style.
+package main
+
+import (
+	"os"
+
+	"k8s.io/component-base/cli"
+	apiserverapp "k8s.io/kubernetes/cmd/kube-apiserver/app"
+	kcmapp "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	kubectlcmd "k8s.io/kubectl/pkg/cmd"
+	kubectlutil "k8s.io/kubectl/pkg/cmd/util"
+)
+
+func runAPIServer(args []string) int {
+	cmd := apiserverapp.NewAPIServerCommand()
+	cmd.SetArgs(args)
+	return cli.Run(cmd)
+}
+
+func runControllerManager(args []string) int {
+	cmd := kcmapp.NewControllerManagerCommand()
+	cmd.SetArgs(args)
+	return cli.Run(cmd)
+}
+
+func runKubectl(args []string) int {
+	// kubectl inspects os.Args itself (plugin lookup), so present it as if it were invoked directly.
+	os.Args = append([]string{"kubectl"}, args...)
+	cmd := kubectlcmd.NewDefaultKubectlCommand()
+	if err := cli.RunNoErrOutput(cmd); err != nil {
+		kubectlutil.CheckErr(err)
+	}
+	return 0
+}

@@ -1,0 +1,59 @@
+// Command cluster is poolpilot's embedded Kubernetes control plane: one multi-call binary that
+// carries a real etcd, kube-apiserver, kube-controller-manager and kubectl, all built from the
+// Kubernetes Go modules, so tests and the demo run against the real API machinery.
+//
+// Subcommands:
+//
+//	cluster up --dir D              start etcd + kube-apiserver + kube-controller-manager, write D/admin.kubeconfig
+//	cluster kubectl ...             a real kubectl (also when the binary is invoked through a link named "kubectl")
+//	cluster kube-apiserver ...      the real kube-apiserver (started by "up" as a child process)
+//	cluster kube-controller-manager ...
+//	cluster version                 the Kubernetes version this binary was built from
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"k8s.io/component-base/version"
+)
+
+const usage = `usage: cluster <command> [flags]
+
+commands:
+  up --dir DIR [flags]            run an embedded control plane until SIGTERM/SIGINT (see "cluster up --help")
+  kubectl ARGS...                 run the bundled kubectl
+  kube-apiserver FLAGS...         run kube-apiserver (normally started by "up")
+  kube-controller-manager FLAGS...run kube-controller-manager (normally started by "up")
+  version                         print the Kubernetes version compiled in
+`
+
+func main() {
+	// Busybox-style: a link named kubectl runs kubectl directly.
+	if filepath.Base(os.Args[0]) == "kubectl" {
+		os.Exit(runKubectl(os.Args[1:]))
+	}
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	cmd, args := os.Args[1], os.Args[2:]
+	switch cmd {
+	case "up":
+		os.Exit(runUp(args))
+	case "kubectl":
+		os.Exit(runKubectl(args))
+	case "kube-apiserver":
+		os.Exit(runAPIServer(args))
+	case "kube-controller-manager":
+		os.Exit(runControllerManager(args))
+	case "version", "--version":
+		fmt.Println(version.Get().GitVersion)
+	case "help", "-h", "--help":
+		fmt.Print(usage)
+	default:
+		fmt.Fprintf(os.Stderr, "cluster: unknown command %q\n\n%s", cmd, usage)
+		os.Exit(2)
+	}
+}

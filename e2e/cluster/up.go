@@ -1,0 +1,372 @@
+// Up: starts etcd, kube-apiserver and kube-controller-manager on 127.0.0.1, waits until the
+// cluster really serves, publishes the admin kubeconfig and a ready marker, and tears it all
+// down on SIGTERM/SIGINT (or when a watched parent process goes away).
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/component-base/version"
+)
+
+// defaultControllers are the kube-controller-manager loops that a test cluster without a real
+// kubelet wants. node-lifecycle and pod-garbage-collector are left out on purpose: with no real
+// node heartbeats they would evict and delete every pod.
+var defaultControllers = []string{
+	"deployment-controller", "replicaset-controller", "statefulset-controller", "job-controller",
+	"garbage-collector-controller", "namespace-controller",
+	"serviceaccount-controller", "serviceaccount-token-controller", "root-ca-certificate-publisher-controller",
+	"endpoints-controller", "endpointslice-controller", "endpointslice-mirroring-controller",
+	"clusterrole-aggregation-controller", "disruption-controller",
+}
+
+// readyMarker is what "up" writes to DIR/ready once the cluster serves; tests and make targets
+// read it to find the cluster.
+type readyMarker struct {
+	PID        int    `json:"pid"`
+	Server     string `json:"server"`
+	Kubeconfig string `json:"kubeconfig"`
+	Version    string `json:"version"`
+}
+
+// child is a control-plane component running as a child process of "up".
+type child struct {
+	name string
+	log  string
+	cmd  *exec.Cmd
+	done chan error
+}
+
+func runUp(args []string) int {
+	fs := flag.NewFlagSet("up", flag.ContinueOnError)
+	dir := fs.String("dir", "", "state directory (required): pki/, etcd/, logs, admin.kubeconfig, ready")
+	port := fs.Int("port", 0, "kube-apiserver secure port on 127.0.0.1 (0 picks a free port)")
+	controllers := fs.String("controllers", strings.Join(defaultControllers, ","), "kube-controller-manager --controllers")
+	watchPID := fs.Int("watch-pid", 0, "shut down when this process exits (0: never)")
+	timeout := fs.Duration("timeout", 3*time.Minute, "give up if the cluster is not ready within this time")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *dir == "" {
+		fmt.Fprintln(os.Stderr, "cluster up: --dir is required")
+		return 2
+	}
+	absDir, err := filepath.Abs(*dir)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
+		return 1
+	}
+	if err := up(absDir, *port, *controllers, *watchPID, *timeout); err != nil {
+		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+func up(dir string, port int, controllers string, watchPID int, timeout time.Duration) error {
+	// Every "up" starts a fresh cluster: stale state from an earlier run would only confuse tests.
+	for _, stale := range []string{"ready", "etcd", "pki"} {
+		if err := os.RemoveAll(filepath.Join(dir, stale)); err != nil {
+			return err
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(dir, "logs"), 0o755); err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if watchPID > 0 {
+		ctx = watchProcess(ctx, watchPID)
+	}
+
+	ports, err := freePorts(3)
+	if err != nil {
+		return err
+	}
+	if port == 0 {
+		port = ports[2]
+	}
+	server := fmt.Sprintf("https://127.0.0.1:%d", port)
+
+	p, err := generatePKI(filepath.Join(dir, "pki"))
+	if err != nil {
+		return fmt.Errorf("pki: %w", err)
+	}
+	admin := filepath.Join(dir, "admin.kubeconfig")
+	kcmKubeconfig := filepath.Join(dir, "pki", "controller-manager.kubeconfig")
+	if err := p.writeKubeconfig(kcmKubeconfig, server, "system:kube-controller-manager", nil); err != nil {
+		return err
+	}
+
+	etcdLog := filepath.Join(dir, "logs", "etcd.log")
+	etcd, err := startEtcd(dir, ports[0], ports[1], etcdLog)
+	if err != nil {
+		return withLogTail(err, etcdLog)
+	}
+	defer etcd.Close()
+	logf("etcd serving on 127.0.0.1:%d", ports[0])
+
+	apiserver, err := startChild(dir, "kube-apiserver", apiserverFlags(dir, p, port, ports[0]))
+	if err != nil {
+		return err
+	}
+	children := []*child{apiserver}
+	defer func() { stopChildren(children) }()
+
+	deadline, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := waitReady(deadline, server, p, apiserver); err != nil {
+		return withLogTail(fmt.Errorf("kube-apiserver: %w", err), apiserver.log)
+	}
+	// Only now publish the admin identity: whoever sees the file can use the cluster at once.
+	if err := p.writeKubeconfig(admin, server, "poolpilot-admin", []string{"system:masters"}); err != nil {
+		return err
+	}
+	logf("kube-apiserver ready at %s", server)
+
+	kcm, err := startChild(dir, "kube-controller-manager", controllerManagerFlags(p, kcmKubeconfig, controllers))
+	if err != nil {
+		return err
+	}
+	children = append(children, kcm)
+	if err := waitControllers(deadline, admin, kcm); err != nil {
+		return withLogTail(fmt.Errorf("kube-controller-manager: %w", err), kcm.log)
+	}
+	logf("kube-controller-manager running (%s)", controllers)
+
+	marker, _ := json.MarshalIndent(readyMarker{PID: os.Getpid(), Server: server, Kubeconfig: admin, Version: version.Get().GitVersion}, "", "  ")
+	if err := writeFileAtomic(filepath.Join(dir, "ready"), marker, 0o644); err != nil {
+		return err
+	}
+	defer os.Remove(filepath.Join(dir, "ready"))
+	logf("READY kubeconfig=%s", admin)
+
+	select {
+	case <-ctx.Done():
+		logf("shutting down")
+		return nil
+	case err := <-apiserver.done:
+		return withLogTail(fmt.Errorf("kube-apiserver exited: %v", err), apiserver.log)
+	case err := <-kcm.done:
+		return withLogTail(fmt.Errorf("kube-controller-manager exited: %v", err), kcm.log)
+	case err := <-etcd.Err():
+		return withLogTail(fmt.Errorf("etcd failed: %v", err), etcdLog)
+	}
+}
+
+func apiserverFlags(dir string, p *pki, port, etcdPort int) []string {
+	issuer := "https://kubernetes.default.svc.cluster.local"
+	return []string{
+		fmt.Sprintf("--etcd-servers=http://127.0.0.1:%d", etcdPort),
+		"--bind-address=127.0.0.1",
+		"--advertise-address=127.0.0.1",
+		fmt.Sprintf("--secure-port=%d", port),
+		"--cert-dir=" + p.dir,
+		"--tls-cert-file=" + p.path("apiserver.crt"),
+		"--tls-private-key-file=" + p.path("apiserver.key"),
+		"--client-ca-file=" + p.path("ca.crt"),
+		"--service-account-issuer=" + issuer,
+		"--api-audiences=" + issuer,
+		"--service-account-key-file=" + p.path("sa.pub"),
+		"--service-account-signing-key-file=" + p.path("sa.key"),
+		"--service-cluster-ip-range=10.96.0.0/16",
+		"--authorization-mode=Node,RBAC",
+		"--allow-privileged=true",
+		"--profiling=false",
+		"--v=1",
+	}
+}
+
+func controllerManagerFlags(p *pki, kubeconfig, controllers string) []string {
+	return []string{
+		"--kubeconfig=" + kubeconfig,
+		"--authentication-kubeconfig=" + kubeconfig,
+		"--authorization-kubeconfig=" + kubeconfig,
+		"--leader-elect=false",
+		"--use-service-account-credentials=true",
+		"--service-account-private-key-file=" + p.path("sa.key"),
+		"--root-ca-file=" + p.path("ca.crt"),
+		"--cluster-signing-cert-file=" + p.path("ca.crt"),
+		"--cluster-signing-key-file=" + p.path("ca.key"),
+		"--secure-port=0",
+		"--controllers=" + controllers,
+		"--concurrent-deployment-syncs=10",
+		"--concurrent-replicaset-syncs=10",
+		"--concurrent-gc-syncs=20",
+		"--v=1",
+	}
+}
+
+// startChild runs this same binary with a component subcommand, its output in DIR/logs/NAME.log.
+func startChild(dir, name string, flags []string) (*child, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	logPath := filepath.Join(dir, "logs", name+".log")
+	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, append([]string{name}, flags...)...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	// If "up" is killed outright, its children must not outlive it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		logFile.Close()
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	c := &child{name: name, log: logPath, cmd: cmd, done: make(chan error, 1)}
+	go func() {
+		c.done <- cmd.Wait()
+		logFile.Close()
+	}()
+	return c, nil
+}
+
+// stopChildren stops the components in reverse start order: SIGTERM, then SIGKILL after 15s.
+func stopChildren(children []*child) {
+	for i := len(children) - 1; i >= 0; i-- {
+		c := children[i]
+		_ = c.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-c.done:
+		case <-time.After(15 * time.Second):
+			_ = c.cmd.Process.Kill()
+			<-c.done
+		}
+	}
+}
+
+// waitReady polls /readyz with the cluster CA until it answers 200, then waits for the default
+// namespace, as Kubernetes' own test server does.
+func waitReady(ctx context.Context, server string, p *pki, c *child) error {
+	pool := x509.NewCertPool()
+	pool.AddCert(p.ca.cert)
+	httpc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+	last := "no answer yet"
+	for {
+		resp, err := httpc.Get(server + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			last = resp.Status
+		} else {
+			last = err.Error()
+		}
+		select {
+		case err := <-c.done:
+			return fmt.Errorf("exited before becoming ready: %v", err)
+		case <-ctx.Done():
+			return fmt.Errorf("not ready in time (last /readyz: %s)", last)
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
+// waitControllers waits for the default namespace and its default ServiceAccount: the latter is
+// created by kube-controller-manager, so it proves the controllers run and can write.
+func waitControllers(ctx context.Context, kubeconfig string, c *child) error {
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return err
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	for {
+		_, err := client.CoreV1().ServiceAccounts("default").Get(ctx, "default", metav1.GetOptions{})
+		if err == nil {
+			return nil
+		}
+		if !apierrors.IsNotFound(err) && !errors.Is(err, context.DeadlineExceeded) {
+			logf("waiting for controllers: %v", err)
+		}
+		select {
+		case err := <-c.done:
+			return fmt.Errorf("exited before the default ServiceAccount appeared: %v", err)
+		case <-ctx.Done():
+			return fmt.Errorf("the default ServiceAccount did not appear in time")
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
+// watchProcess returns a context that ends when pid no longer exists.
+func watchProcess(parent context.Context, pid int) context.Context {
+	ctx, cancel := context.WithCancel(parent)
+	go func() {
+		defer cancel()
+		for {
+			if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
+				logf("watched process %d is gone", pid)
+				return
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(time.Second):
+			}
+		}
+	}()
+	return ctx
+}
+
+func freePorts(n int) ([]int, error) {
+	ports := make([]int, 0, n)
+	var listeners []net.Listener
+	defer func() {
+		for _, l := range listeners {
+			l.Close()
+		}
+	}()
+	for i := 0; i < n; i++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		listeners = append(listeners, l)
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+// withLogTail appends the last lines of a component's log to an error, so a startup failure
+// explains itself.
+func withLogTail(err error, logPath string) error {
+	data, readErr := os.ReadFile(logPath)
+	if readErr != nil || len(data) == 0 {
+		return err
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > 40 {
+		lines = lines[len(lines)-40:]
+	}
+	return fmt.Errorf("%w\n--- last lines of %s ---\n%s", err, logPath, strings.Join(lines, "\n"))
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "%s cluster: %s\n", time.Now().Format("15:04:05"), fmt.Sprintf(format, args...))
+}

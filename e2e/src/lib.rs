@@ -1,0 +1,1 @@
+//! poolpilot-e2e.
