@@ -6,10 +6,10 @@ import (
 	"os"
 
 	"k8s.io/component-base/cli"
-	apiserverapp "k8s.io/kubernetes/cmd/kube-apiserver/app"
-	kcmapp "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	kubectlcmd "k8s.io/kubectl/pkg/cmd"
 	kubectlutil "k8s.io/kubectl/pkg/cmd/util"
+	apiserverapp "k8s.io/kubernetes/cmd/kube-apiserver/app"
+	kcmapp "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 )
 
 func runAPIServer(args []string) int {

@@ -53,7 +53,9 @@ type child struct {
 	name string
 	log  string
 	cmd  *exec.Cmd
-	done chan error
+	// done is closed when the process has exited; err is its exit status then.
+	done chan struct{}
+	err  error
 }
 
 func runUp(args []string) int {
@@ -164,10 +166,10 @@ func up(dir string, port int, controllers string, watchPID int, timeout time.Dur
 	case <-ctx.Done():
 		logf("shutting down")
 		return nil
-	case err := <-apiserver.done:
-		return withLogTail(fmt.Errorf("kube-apiserver exited: %v", err), apiserver.log)
-	case err := <-kcm.done:
-		return withLogTail(fmt.Errorf("kube-controller-manager exited: %v", err), kcm.log)
+	case <-apiserver.done:
+		return withLogTail(fmt.Errorf("kube-apiserver exited: %v", apiserver.err), apiserver.log)
+	case <-kcm.done:
+		return withLogTail(fmt.Errorf("kube-controller-manager exited: %v", kcm.err), kcm.log)
 	case err := <-etcd.Err():
 		return withLogTail(fmt.Errorf("etcd failed: %v", err), etcdLog)
 	}
@@ -191,6 +193,9 @@ func apiserverFlags(dir string, p *pki, port, etcdPort int) []string {
 		"--service-cluster-ip-range=10.96.0.0/16",
 		"--authorization-mode=Node,RBAC",
 		"--allow-privileged=true",
+		// Every component listens on loopback, which the endpoint reconciler refuses to publish
+		// for the "kubernetes" Service; pods are told the apiserver's address by the local kubelet.
+		"--endpoint-reconciler-type=none",
 		"--profiling=false",
 		"--v=1",
 	}
@@ -235,10 +240,11 @@ func startChild(dir, name string, flags []string) (*child, error) {
 		logFile.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
-	c := &child{name: name, log: logPath, cmd: cmd, done: make(chan error, 1)}
+	c := &child{name: name, log: logPath, cmd: cmd, done: make(chan struct{})}
 	go func() {
-		c.done <- cmd.Wait()
+		c.err = cmd.Wait()
 		logFile.Close()
+		close(c.done)
 	}()
 	return c, nil
 }
@@ -247,6 +253,11 @@ func startChild(dir, name string, flags []string) (*child, error) {
 func stopChildren(children []*child) {
 	for i := len(children) - 1; i >= 0; i-- {
 		c := children[i]
+		select {
+		case <-c.done:
+			continue
+		default:
+		}
 		_ = c.cmd.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-c.done:
@@ -276,8 +287,8 @@ func waitReady(ctx context.Context, server string, p *pki, c *child) error {
 			last = err.Error()
 		}
 		select {
-		case err := <-c.done:
-			return fmt.Errorf("exited before becoming ready: %v", err)
+		case <-c.done:
+			return fmt.Errorf("exited before becoming ready: %v", c.err)
 		case <-ctx.Done():
 			return fmt.Errorf("not ready in time (last /readyz: %s)", last)
 		case <-time.After(250 * time.Millisecond):
@@ -305,8 +316,8 @@ func waitControllers(ctx context.Context, kubeconfig string, c *child) error {
 			logf("waiting for controllers: %v", err)
 		}
 		select {
-		case err := <-c.done:
-			return fmt.Errorf("exited before the default ServiceAccount appeared: %v", err)
+		case <-c.done:
+			return fmt.Errorf("exited before the default ServiceAccount appeared: %v", c.err)
 		case <-ctx.Done():
 			return fmt.Errorf("the default ServiceAccount did not appear in time")
 		case <-time.After(250 * time.Millisecond):

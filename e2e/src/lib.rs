@@ -1,1 +1,21 @@
-//! poolpilot-e2e.
+//! poolpilot's end-to-end support: drives the embedded Kubernetes control plane the way a user
+//! would (processes, kubectl, the Kubernetes API) and gives tests temporary namespaces that dump
+//! what happened when a test fails.
+//!
+//! ```text
+//!  test ──► Cluster::shared() ──► reuse DIR/ready, or spawn `cluster up --dir DIR`
+//!             │                      (etcd + kube-apiserver + kube-controller-manager)
+//!             ├─► client()           kube::Client with the admin identity
+//!             ├─► kubectl()          the version-matched kubectl built into the same binary
+//!             └─► with_namespace()   temp namespace, dump of pods/events/logs on failure
+//! ```
+
+pub mod cluster;
+pub mod modelsim;
+pub mod namespace;
+pub mod paths;
+pub mod wait;
+
+pub use cluster::Cluster;
+pub use namespace::{TestNamespace, with_namespace};
+pub use wait::{eventually, wait_for};

@@ -1,0 +1,196 @@
+//! The embedded control plane as tests see it: start-or-reuse one cluster per machine, hand out
+//! admin clients and a version-matched kubectl.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use serde::Deserialize;
+use tokio::sync::OnceCell;
+
+use crate::paths;
+
+/// What `cluster up` writes to `DIR/ready` once the cluster serves.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ReadyMarker {
+    /// Process id of `cluster up`.
+    pub pid: u32,
+    /// The apiserver URL, `https://127.0.0.1:PORT`.
+    pub server: String,
+    /// Path of the admin kubeconfig.
+    pub kubeconfig: PathBuf,
+    /// Kubernetes version of the control plane.
+    pub version: String,
+}
+
+/// A running embedded cluster.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    dir: PathBuf,
+    bin: PathBuf,
+    marker: ReadyMarker,
+}
+
+/// How long a cold `cluster up` may take on a loaded 2-core machine.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(240);
+
+static SHARED: OnceCell<Cluster> = OnceCell::const_new();
+
+impl Cluster {
+    /// The cluster all tests of this machine share: the one already running in
+    /// [`paths::cluster_dir`] (as `make cluster-up` leaves it), or a new one started for this test
+    /// process, which stops when the process exits.
+    pub async fn shared() -> anyhow::Result<&'static Cluster> {
+        SHARED.get_or_try_init(|| Self::start_or_reuse(paths::cluster_dir(), paths::cluster_bin())).await
+    }
+
+    /// Reuses the cluster in `dir` if it answers, otherwise starts one there with `bin`.
+    pub async fn start_or_reuse(dir: PathBuf, bin: PathBuf) -> anyhow::Result<Cluster> {
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        if let Some(cluster) = Self::reuse(&dir, &bin).await {
+            return Ok(cluster);
+        }
+        // Several test binaries may start at once: one of them starts the cluster, the others
+        // wait on the lock and then reuse it.
+        let lock_path = dir.join("start.lock");
+        let lock = File::create(&lock_path).with_context(|| format!("create {}", lock_path.display()))?;
+        let lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock)).await??;
+        if let Some(cluster) = Self::reuse(&dir, &bin).await {
+            drop(lock);
+            return Ok(cluster);
+        }
+        let cluster = Self::start(&dir, &bin).await;
+        drop(lock);
+        cluster
+    }
+
+    async fn reuse(dir: &Path, bin: &Path) -> Option<Cluster> {
+        let marker: ReadyMarker = serde_json::from_slice(&std::fs::read(dir.join("ready")).ok()?).ok()?;
+        let cluster = Cluster { dir: dir.to_owned(), bin: bin.to_owned(), marker };
+        let client = cluster.client().await.ok()?;
+        client.apiserver_version().await.ok()?;
+        Some(cluster)
+    }
+
+    async fn start(dir: &Path, bin: &Path) -> anyhow::Result<Cluster> {
+        if !bin.exists() {
+            bail!("{} does not exist: build it with `make cluster` (or set POOLPILOT_CLUSTER_BIN)", bin.display());
+        }
+        let log_path = dir.join("up.log");
+        let log = File::create(&log_path)?;
+        let mut child = tokio::process::Command::new(bin)
+            .arg("up")
+            .arg("--dir")
+            .arg(dir)
+            .arg("--watch-pid")
+            .arg(std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            // The cluster outlives the spawning test thread; `--watch-pid` ends it with the process.
+            .kill_on_drop(false)
+            .spawn()
+            .with_context(|| format!("spawn {} up", bin.display()))?;
+        let waited = tokio::time::timeout(STARTUP_TIMEOUT, async {
+            loop {
+                if let Some(status) = child.try_wait()? {
+                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                    bail!("`cluster up` exited with {status} before it was ready:\n{log}");
+                }
+                if let Some(cluster) = Self::reuse(dir, bin).await {
+                    return Ok(cluster);
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        })
+        .await;
+        match waited {
+            Ok(result) => result,
+            Err(_) => {
+                let _ = child.start_kill();
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                bail!("cluster not ready after {STARTUP_TIMEOUT:?}:\n{log}")
+            }
+        }
+    }
+
+    /// The state folder (`pki/`, `logs/`, `admin.kubeconfig`, `ready`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The admin kubeconfig path.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.marker.kubeconfig
+    }
+
+    /// The apiserver URL.
+    pub fn server(&self) -> &str {
+        &self.marker.server
+    }
+
+    /// The cluster CA certificate file.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join("pki/ca.crt")
+    }
+
+    /// The Kubernetes version the control plane reports.
+    pub fn version(&self) -> &str {
+        &self.marker.version
+    }
+
+    /// A client with the admin identity (`system:masters`).
+    pub async fn client(&self) -> anyhow::Result<kube::Client> {
+        Ok(kube::Client::try_from(self.admin_config().await?)?)
+    }
+
+    /// A client that authenticates with a bearer token (a ServiceAccount's, say) and nothing else.
+    pub async fn client_with_token(&self, token: &str) -> anyhow::Result<kube::Client> {
+        let mut config = self.admin_config().await?;
+        config.auth_info = kube::config::AuthInfo { token: Some(token.to_owned().into()), ..Default::default() };
+        Ok(kube::Client::try_from(config)?)
+    }
+
+    async fn admin_config(&self) -> anyhow::Result<kube::Config> {
+        let kubeconfig = Kubeconfig::read_from(self.kubeconfig())?;
+        Ok(kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?)
+    }
+
+    /// A `kubectl` command (the bundled, version-matched one) using the admin kubeconfig.
+    pub fn kubectl(&self) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        cmd.arg("kubectl").arg("--kubeconfig").arg(self.kubeconfig());
+        cmd.stdin(Stdio::null()).kill_on_drop(true);
+        cmd
+    }
+
+    /// A `kubectl` command that talks to the apiserver as the holder of `token` and nothing else.
+    pub fn kubectl_with_token(&self, token: &str) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        cmd.arg("kubectl")
+            .arg("--kubeconfig=/dev/null")
+            .arg(format!("--server={}", self.server()))
+            .arg(format!("--certificate-authority={}", self.ca_file().display()))
+            .arg(format!("--token={token}"));
+        cmd.stdin(Stdio::null()).kill_on_drop(true);
+        cmd
+    }
+}
+
+/// Runs a prepared command, failing with its stderr when it exits non-zero; returns stdout.
+pub async fn run(cmd: &mut tokio::process::Command) -> anyhow::Result<String> {
+    let out = output(cmd).await?;
+    if !out.status.success() {
+        bail!("{:?} failed ({}):\n{}", cmd.as_std(), out.status, String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// Runs a prepared command and returns its whole output, whatever its exit status.
+pub async fn output(cmd: &mut tokio::process::Command) -> anyhow::Result<std::process::Output> {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.output().await.with_context(|| format!("run {:?}", cmd.as_std()))
+}

@@ -1,0 +1,175 @@
+//! Temporary namespaces for tests: created per test, dumped (pods, events, pod logs, extra files)
+//! when the test fails, deleted afterwards unless `POOLPILOT_E2E_KEEP` is set.
+
+use std::fmt::Write as _;
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+
+use futures::FutureExt as _;
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
+use kube::Resource;
+use parking_lot::Mutex;
+use rand::Rng as _;
+
+use crate::Cluster;
+
+/// Label put on every test namespace, so leftovers are easy to find and delete.
+pub const TEST_NAMESPACE_LABEL: &str = "poolpilot.io/e2e";
+
+/// A namespace that lives for one test.
+pub struct TestNamespace {
+    name: String,
+    client: kube::Client,
+    cluster: &'static Cluster,
+    extra_dumps: Mutex<Vec<(String, PathBuf)>>,
+}
+
+impl std::fmt::Debug for TestNamespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestNamespace").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl TestNamespace {
+    /// The namespace name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// An admin client.
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
+    /// The cluster the namespace lives in.
+    pub fn cluster(&self) -> &'static Cluster {
+        self.cluster
+    }
+
+    /// An API handle for namespaced kind `K` in this namespace.
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as Resource>::DynamicType: Default,
+    {
+        Api::namespaced(self.client.clone(), &self.name)
+    }
+
+    /// Adds a file (an operator's log, say) to what is printed if the test fails.
+    pub fn dump_on_failure(&self, label: impl Into<String>, path: impl Into<PathBuf>) {
+        self.extra_dumps.lock().push((label.into(), path.into()));
+    }
+
+    /// Everything worth seeing about the namespace: pods with their status, events in order,
+    /// the tail of every pod log the local kubelet kept, and the extra files.
+    pub async fn dump(&self) -> String {
+        let mut out = format!("===== dump of namespace {} =====\n", self.name);
+        let pods: Api<Pod> = self.api();
+        match pods.list(&ListParams::default()).await {
+            Ok(list) => {
+                for pod in list {
+                    let status = pod.status.clone().unwrap_or_default();
+                    let _ = writeln!(
+                        out,
+                        "pod {} phase={} node={} ip={}",
+                        pod.metadata.name.as_deref().unwrap_or("?"),
+                        status.phase.as_deref().unwrap_or("?"),
+                        pod.spec.as_ref().and_then(|s| s.node_name.as_deref()).unwrap_or("-"),
+                        status.pod_ip.as_deref().unwrap_or("-"),
+                    );
+                    for c in status.conditions.unwrap_or_default() {
+                        let _ = writeln!(out, "  condition {}={} {}", c.type_, c.status, c.message.unwrap_or_default());
+                    }
+                    for c in status.container_statuses.unwrap_or_default() {
+                        let _ = writeln!(out, "  container {} ready={} restarts={} state={:?}", c.name, c.ready, c.restart_count, c.state);
+                    }
+                }
+            }
+            Err(e) => {
+                let _ = writeln!(out, "(could not list pods: {e})");
+            }
+        }
+        let events: Api<Event> = self.api();
+        match events.list(&ListParams::default()).await {
+            Ok(list) => {
+                let mut items = list.items;
+                items.sort_by_key(|e| e.metadata.creation_timestamp.clone());
+                for e in items {
+                    let _ = writeln!(
+                        out,
+                        "event {} {} {}/{}: {}",
+                        e.type_.unwrap_or_default(),
+                        e.reason.unwrap_or_default(),
+                        e.involved_object.kind.unwrap_or_default(),
+                        e.involved_object.name.unwrap_or_default(),
+                        e.message.unwrap_or_default()
+                    );
+                }
+            }
+            Err(e) => {
+                let _ = writeln!(out, "(could not list events: {e})");
+            }
+        }
+        let mut files: Vec<(String, PathBuf)> = Vec::new();
+        let pod_logs = self.cluster.dir().join("kubelet/pods").join(&self.name);
+        if let Ok(pods) = std::fs::read_dir(&pod_logs) {
+            for pod in pods.flatten() {
+                for log in std::fs::read_dir(pod.path()).into_iter().flatten().flatten() {
+                    if log.path().extension().is_some_and(|e| e == "log") {
+                        files.push((format!("log of {}/{}", pod.file_name().to_string_lossy(), log.file_name().to_string_lossy()), log.path()));
+                    }
+                }
+            }
+        }
+        files.extend(self.extra_dumps.lock().iter().cloned());
+        for (label, path) in files {
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| format!("(unreadable: {e})"));
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            let _ = writeln!(out, "----- {label} ({}), last {} lines -----\n{}", path.display(), tail.len(), tail.join("\n"));
+        }
+        out
+    }
+}
+
+/// Runs `test` in a fresh namespace named `<prefix>-<random>`. If the test fails or panics, the
+/// namespace is dumped to stderr; then it is deleted (unless `POOLPILOT_E2E_KEEP` is set) and the
+/// failure is passed on.
+pub async fn with_namespace<F>(prefix: &str, test: F) -> anyhow::Result<()>
+where
+    F: AsyncFnOnce(&TestNamespace) -> anyhow::Result<()>,
+{
+    let cluster = Cluster::shared().await?;
+    let client = cluster.client().await?;
+    let suffix: u32 = rand::rng().random_range(0..0xfffff);
+    let name = format!("{prefix}-{suffix:05x}");
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            labels: Some([(TEST_NAMESPACE_LABEL.to_owned(), "true".to_owned())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    namespaces.create(&PostParams::default(), &ns).await?;
+    let tns = TestNamespace { name: name.clone(), client, cluster, extra_dumps: Mutex::new(Vec::new()) };
+
+    let outcome = AssertUnwindSafe(test(&tns)).catch_unwind().await;
+    let failed = !matches!(outcome, Ok(Ok(())));
+    if failed {
+        eprintln!("{}", tns.dump().await);
+    }
+    if std::env::var_os("POOLPILOT_E2E_KEEP").is_none() {
+        if let Err(e) = namespaces.delete(&name, &DeleteParams::default()).await {
+            eprintln!("could not delete test namespace {name}: {e}");
+        }
+    } else {
+        eprintln!("keeping namespace {name} (POOLPILOT_E2E_KEEP is set)");
+    }
+    match outcome {
+        Ok(result) => result,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}

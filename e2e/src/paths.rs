@@ -1,0 +1,24 @@
+//! Where the e2e tooling finds its binaries and keeps its state: one cache folder outside the
+//! clone (`$POOLPILOT_CACHE`, default `~/.cache/poolpilot`), shared by make, tests and the demo.
+
+use std::path::PathBuf;
+
+/// The cache root: `$POOLPILOT_CACHE` or `$HOME/.cache/poolpilot`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("POOLPILOT_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+    PathBuf::from(home).join(".cache/poolpilot")
+}
+
+/// The embedded control plane binary (`make cluster` builds it): `$POOLPILOT_CLUSTER_BIN` or
+/// `<cache>/bin/cluster`.
+pub fn cluster_bin() -> PathBuf {
+    std::env::var_os("POOLPILOT_CLUSTER_BIN").map(PathBuf::from).unwrap_or_else(|| cache_dir().join("bin/cluster"))
+}
+
+/// The state folder of the shared test cluster: `$POOLPILOT_CLUSTER_DIR` or `<cache>/cluster`.
+pub fn cluster_dir() -> PathBuf {
+    std::env::var_os("POOLPILOT_CLUSTER_DIR").map(PathBuf::from).unwrap_or_else(|| cache_dir().join("cluster"))
+}
