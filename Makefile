@@ -27,6 +27,7 @@ GO_LDFLAGS       := -s -w \
 	-X k8s.io/client-go/pkg/version.gitVersion=$(K8S_VERSION) \
 	-X k8s.io/client-go/pkg/version.gitMajor=1 \
 	-X k8s.io/client-go/pkg/version.gitMinor=$(K8S_MINOR)
+RUST_BIN         := $(CARGO_TARGET_DIR)/debug
 CLUSTER_SOURCES  := $(wildcard e2e/cluster/*.go) e2e/cluster/go.mod e2e/cluster/go.sum
 
 ##@ Main
@@ -43,7 +44,10 @@ test: lint unit e2e ## Everything CI runs: lint, unit + loopback tests, end-to-e
 ##@ Build
 
 .PHONY: build
-build: cluster ## Build every Rust binary and the embedded cluster
+build: cluster bins ## Build every Rust binary and the embedded cluster
+
+.PHONY: bins
+bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim)
 	cargo build --workspace --bins
 
 .PHONY: cluster
@@ -75,13 +79,14 @@ e2e: cluster ## End-to-end tests on the embedded cluster (started, or reused if 
 ##@ Embedded cluster
 
 .PHONY: cluster-up
-cluster-up: cluster ## Start the embedded cluster in the background (reused by tests and the demo)
+cluster-up: cluster bins ## Start the embedded cluster with the local kubelet in the background (reused by tests and the demo)
 	@if [ -f $(CLUSTER_DIR)/ready ] && kill -0 $$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' $(CLUSTER_DIR)/ready) 2>/dev/null; then \
 		echo "cluster already running"; \
 	else \
 		mkdir -p $(CLUSTER_DIR); \
 		echo ">> starting the embedded cluster in $(CLUSTER_DIR)"; \
-		nohup $(CLUSTER_BIN) up --dir $(CLUSTER_DIR) > $(CLUSTER_DIR)/up.log 2>&1 & \
+		nohup $(CLUSTER_BIN) up --dir $(CLUSTER_DIR) --kubelet $(RUST_BIN)/local-kubelet \
+			--kubelet-arg=--bin-dir=$(RUST_BIN) > $(CLUSTER_DIR)/up.log 2>&1 & \
 		for i in $$(seq 1 240); do \
 			[ -f $(CLUSTER_DIR)/ready ] && break; \
 			kill -0 $$! 2>/dev/null || { cat $(CLUSTER_DIR)/up.log; exit 1; }; \

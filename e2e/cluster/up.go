@@ -65,6 +65,10 @@ func runUp(args []string) int {
 	controllers := fs.String("controllers", strings.Join(defaultControllers, ","), "kube-controller-manager --controllers")
 	watchPID := fs.Int("watch-pid", 0, "shut down when this process exits (0: never)")
 	timeout := fs.Duration("timeout", 3*time.Minute, "give up if the cluster is not ready within this time")
+	var kubelet kubeletOptions
+	fs.StringVar(&kubelet.path, "kubelet", "", "run this local kubelet binary as the cluster's node (none: pods stay Pending)")
+	fs.StringVar(&kubelet.node, "node-name", "poolpilot-local", "name of the local kubelet's Node")
+	fs.Var(&kubelet.args, "kubelet-arg", "extra flag for the local kubelet (repeatable)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -77,16 +81,29 @@ func runUp(args []string) int {
 		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
 		return 1
 	}
-	if err := up(absDir, *port, *controllers, *watchPID, *timeout); err != nil {
+	if err := up(absDir, *port, *controllers, *watchPID, *timeout, kubelet); err != nil {
 		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
 		return 1
 	}
 	return 0
 }
 
-func up(dir string, port int, controllers string, watchPID int, timeout time.Duration) error {
+// kubeletOptions says whether and how "up" runs the local kubelet.
+type kubeletOptions struct {
+	path string
+	node string
+	args stringList
+}
+
+// stringList is a repeatable string flag.
+type stringList []string
+
+func (l *stringList) String() string     { return strings.Join(*l, " ") }
+func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
+
+func up(dir string, port int, controllers string, watchPID int, timeout time.Duration, kubelet kubeletOptions) error {
 	// Every "up" starts a fresh cluster: stale state from an earlier run would only confuse tests.
-	for _, stale := range []string{"ready", "etcd", "pki"} {
+	for _, stale := range []string{"ready", "etcd", "pki", "kubelet"} {
 		if err := os.RemoveAll(filepath.Join(dir, stale)); err != nil {
 			return err
 		}
@@ -155,6 +172,22 @@ func up(dir string, port int, controllers string, watchPID int, timeout time.Dur
 	}
 	logf("kube-controller-manager running (%s)", controllers)
 
+	// A never-closing channel stands for "no kubelet" in the select below.
+	kubeletDone := make(chan struct{})
+	if kubelet.path != "" {
+		flags := append([]string{"--kubeconfig=" + admin, "--state-dir=" + filepath.Join(dir, "kubelet"), "--node-name=" + kubelet.node}, kubelet.args...)
+		k, err := startProgram(dir, "local-kubelet", kubelet.path, flags)
+		if err != nil {
+			return err
+		}
+		children = append(children, k)
+		kubeletDone = k.done
+		if err := waitNodeReady(deadline, admin, kubelet.node, k); err != nil {
+			return withLogTail(fmt.Errorf("local kubelet: %w", err), k.log)
+		}
+		logf("local kubelet running as node %s", kubelet.node)
+	}
+
 	marker, _ := json.MarshalIndent(readyMarker{PID: os.Getpid(), Server: server, Kubeconfig: admin, Version: version.Get().GitVersion}, "", "  ")
 	if err := writeFileAtomic(filepath.Join(dir, "ready"), marker, 0o644); err != nil {
 		return err
@@ -170,6 +203,9 @@ func up(dir string, port int, controllers string, watchPID int, timeout time.Dur
 		return withLogTail(fmt.Errorf("kube-apiserver exited: %v", apiserver.err), apiserver.log)
 	case <-kcm.done:
 		return withLogTail(fmt.Errorf("kube-controller-manager exited: %v", kcm.err), kcm.log)
+	case <-kubeletDone:
+		k := children[len(children)-1]
+		return withLogTail(fmt.Errorf("local kubelet exited: %v", k.err), k.log)
 	case err := <-etcd.Err():
 		return withLogTail(fmt.Errorf("etcd failed: %v", err), etcdLog)
 	}
@@ -227,12 +263,17 @@ func startChild(dir, name string, flags []string) (*child, error) {
 	if err != nil {
 		return nil, err
 	}
+	return startProgram(dir, name, self, append([]string{name}, flags...))
+}
+
+// startProgram runs a program as a child of "up", its output in DIR/logs/NAME.log.
+func startProgram(dir, name, program string, args []string) (*child, error) {
 	logPath := filepath.Join(dir, "logs", name+".log")
 	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(self, append([]string{name}, flags...)...)
+	cmd := exec.Command(program, args...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// If "up" is killed outright, its children must not outlive it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
@@ -320,6 +361,35 @@ func waitControllers(ctx context.Context, kubeconfig string, c *child) error {
 			return fmt.Errorf("exited before the default ServiceAccount appeared: %v", c.err)
 		case <-ctx.Done():
 			return fmt.Errorf("the default ServiceAccount did not appear in time")
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
+// waitNodeReady waits until the local kubelet has registered its Node as Ready.
+func waitNodeReady(ctx context.Context, kubeconfig, name string, c *child) error {
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return err
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	for {
+		node, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err == nil {
+			for _, cond := range node.Status.Conditions {
+				if cond.Type == "Ready" && cond.Status == "True" {
+					return nil
+				}
+			}
+		}
+		select {
+		case <-c.done:
+			return fmt.Errorf("exited before its node was Ready: %v", c.err)
+		case <-ctx.Done():
+			return fmt.Errorf("node %s not Ready in time", name)
 		case <-time.After(250 * time.Millisecond):
 		}
 	}

@@ -47,7 +47,8 @@ impl Cluster {
         SHARED.get_or_try_init(|| Self::start_or_reuse(paths::cluster_dir(), paths::cluster_bin())).await
     }
 
-    /// Reuses the cluster in `dir` if it answers, otherwise starts one there with `bin`.
+    /// Reuses the cluster in `dir` if it answers, otherwise starts one there with `bin` and the
+    /// local kubelet (running this workspace's binaries as pod images).
     pub async fn start_or_reuse(dir: PathBuf, bin: PathBuf) -> anyhow::Result<Cluster> {
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         if let Some(cluster) = Self::reuse(&dir, &bin).await {
@@ -79,6 +80,10 @@ impl Cluster {
         if !bin.exists() {
             bail!("{} does not exist: build it with `make cluster` (or set POOLPILOT_CLUSTER_BIN)", bin.display());
         }
+        let kubelet = paths::kubelet_bin();
+        if !kubelet.exists() {
+            bail!("{} does not exist: build it with `cargo build -p poolpilot-e2e --bins`", kubelet.display());
+        }
         let log_path = dir.join("up.log");
         let log = File::create(&log_path)?;
         let mut child = tokio::process::Command::new(bin)
@@ -87,6 +92,9 @@ impl Cluster {
             .arg(dir)
             .arg("--watch-pid")
             .arg(std::process::id().to_string())
+            .arg("--kubelet")
+            .arg(&kubelet)
+            .arg(format!("--kubelet-arg=--bin-dir={}", paths::workspace_bin_dir().display()))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -130,6 +138,11 @@ impl Cluster {
     /// The apiserver URL.
     pub fn server(&self) -> &str {
         &self.marker.server
+    }
+
+    /// Where the local kubelet keeps pod folders: `pods/<namespace>/<pod>/<container>.log`.
+    pub fn kubelet_dir(&self) -> PathBuf {
+        self.dir.join("kubelet")
     }
 
     /// The cluster CA certificate file.

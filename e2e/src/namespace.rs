@@ -112,7 +112,7 @@ impl TestNamespace {
             }
         }
         let mut files: Vec<(String, PathBuf)> = Vec::new();
-        let pod_logs = self.cluster.dir().join("kubelet/pods").join(&self.name);
+        let pod_logs = self.cluster.kubelet_dir().join("pods").join(&self.name);
         if let Ok(pods) = std::fs::read_dir(&pod_logs) {
             for pod in pods.flatten() {
                 for log in std::fs::read_dir(pod.path()).into_iter().flatten().flatten() {

@@ -22,3 +22,17 @@ pub fn cluster_bin() -> PathBuf {
 pub fn cluster_dir() -> PathBuf {
     std::env::var_os("POOLPILOT_CLUSTER_DIR").map(PathBuf::from).unwrap_or_else(|| cache_dir().join("cluster"))
 }
+
+/// The folder holding this workspace's binaries (`target/debug` or `target/release`), found
+/// next to the running executable: a test binary lives in `<profile>/deps/`, a bin in `<profile>/`.
+pub fn workspace_bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().map(PathBuf::from).unwrap_or_default();
+    if dir.file_name().is_some_and(|n| n == "deps") { dir.parent().map(PathBuf::from).unwrap_or(dir) } else { dir }
+}
+
+/// The local kubelet binary: `$POOLPILOT_KUBELET_BIN` or `local-kubelet` in
+/// [`workspace_bin_dir`].
+pub fn kubelet_bin() -> PathBuf {
+    std::env::var_os("POOLPILOT_KUBELET_BIN").map(PathBuf::from).unwrap_or_else(|| workspace_bin_dir().join("local-kubelet"))
+}

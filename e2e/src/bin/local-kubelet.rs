@@ -1,0 +1,67 @@
+//! `local-kubelet`: runs the pods of the embedded cluster as local processes (see
+//! `poolpilot_e2e::kubelet`). Started by `cluster up --kubelet PATH`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use poolpilot_e2e::kubelet::{ImageResolver, KubeletConfig};
+
+/// Makes this machine a Kubernetes node whose pods are local processes.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// kubeconfig of the identity the kubelet uses.
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: PathBuf,
+    /// Name of the Node to register.
+    #[arg(long, default_value = "poolpilot-local")]
+    node_name: String,
+    /// Where pod folders (volumes, logs) go.
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// A folder searched for image binaries (`<name>` or `poolpilot-<name>`); repeatable.
+    #[arg(long = "bin-dir")]
+    bin_dirs: Vec<PathBuf>,
+    /// An explicit image mapping `IMAGE=PATH`; repeatable.
+    #[arg(long = "image", value_parser = parse_image)]
+    images: Vec<(String, PathBuf)>,
+    /// Longest back-off between restarts of a crashing container.
+    #[arg(long, default_value = "10s", value_parser = humantime_secs)]
+    max_backoff: Duration,
+}
+
+fn parse_image(s: &str) -> Result<(String, PathBuf), String> {
+    let (image, path) = s.split_once('=').ok_or("expected IMAGE=PATH")?;
+    Ok((image.to_owned(), PathBuf::from(path)))
+}
+
+fn humantime_secs(s: &str) -> Result<Duration, String> {
+    s.parse::<poolpilot_api::Duration>().map(Into::into).map_err(|e| e.to_string())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
+    let args = Args::parse();
+    let kubeconfig = kube::config::Kubeconfig::read_from(&args.kubeconfig)?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+    let host = config.cluster_url.host().unwrap_or("127.0.0.1").to_owned();
+    let port = config.cluster_url.port_u16().unwrap_or(443);
+    let client = kube::Client::try_from(config)?;
+    let kubelet = KubeletConfig {
+        node_name: args.node_name,
+        state_dir: args.state_dir,
+        images: ImageResolver { images: args.images.into_iter().collect(), bin_dirs: args.bin_dirs },
+        apiserver: (host, port),
+        backoff: (Duration::from_secs(1), args.max_backoff),
+    };
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    poolpilot_e2e::kubelet::run(client, kubelet, shutdown).await
+}

@@ -1,0 +1,293 @@
+//! The local kubelet: makes this machine one Kubernetes node whose pods are local processes.
+//!
+//! ```text
+//!  watch Pods ──► unbound pod ──► POST pods/binding (we are the only node, so the scheduler too)
+//!      │
+//!      └──► pod bound here ──► one worker per pod (pod.rs):
+//!              loopback IP 127.0.x.y · volumes (volumes.rs) · processes (process.rs)
+//!              · probes (probe.rs) · restarts with back-off · status patches · deletion
+//! ```
+//!
+//! Each pod gets its own loopback address, so pods can listen on the same ports; processes run
+//! in a private mount namespace where the pod's volumes are bind-mounted at their real
+//! `mountPath`s (a ServiceAccount token at `/var/run/secrets/kubernetes.io/serviceaccount` makes
+//! in-cluster clients work unchanged). Pod logs are kept in
+//! `<state-dir>/pods/<namespace>/<pod>/<container>.log`.
+
+mod node;
+mod pod;
+mod probe;
+mod process;
+mod volumes;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::api::core::v1::{Binding, ConfigMap, ObjectReference, Pod, Secret};
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::ResourceExt as _;
+use nix::sys::signal::Signal;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+pub use pod::NOFILE_ANNOTATION;
+pub use process::ImageResolver;
+
+/// How the local kubelet is set up.
+#[derive(Clone, Debug)]
+pub struct KubeletConfig {
+    /// Name of the Node it registers.
+    pub node_name: String,
+    /// Where pod folders (volumes, logs) live.
+    pub state_dir: PathBuf,
+    /// Which binary stands for which image.
+    pub images: ImageResolver,
+    /// How pods reach the apiserver (`KUBERNETES_SERVICE_HOST`/`_PORT`).
+    pub apiserver: (String, u16),
+    /// First and longest restart back-off.
+    pub backoff: (Duration, Duration),
+}
+
+/// What every pod worker shares.
+pub(crate) struct KubeletContext {
+    client: kube::Client,
+    node_name: String,
+    host_ip: String,
+    state_dir: PathBuf,
+    images: ImageResolver,
+    apiserver: (String, u16),
+    backoff: (Duration, Duration),
+    volumes: volumes::VolumeSources,
+    ips: Mutex<IpPool>,
+    pids: Mutex<HashSet<u32>>,
+}
+
+impl KubeletContext {
+    fn allocate_ip(&self, uid: &str, previous: Option<Ipv4Addr>) -> Ipv4Addr {
+        self.ips.lock().allocate(uid, previous)
+    }
+
+    fn release_ip(&self, uid: &str) {
+        self.ips.lock().release(uid);
+    }
+
+    fn track_pid(&self, pid: u32, running: bool) {
+        let mut pids = self.pids.lock();
+        if running {
+            pids.insert(pid);
+        } else {
+            pids.remove(&pid);
+        }
+    }
+
+    fn configmap(&self, ns: &str, name: &str) -> Option<ConfigMap> {
+        self.volumes.configmaps.get(&ObjectRef::new(name).within(ns)).map(|c| (*c).clone())
+    }
+
+    fn secret(&self, ns: &str, name: &str) -> Option<Secret> {
+        self.volumes.secrets.get(&ObjectRef::new(name).within(ns)).map(|s| (*s).clone())
+    }
+}
+
+/// Loopback addresses for pods: 127.0.1.1 upward, one per pod uid.
+#[derive(Debug, Default)]
+struct IpPool {
+    by_uid: HashMap<String, Ipv4Addr>,
+    next: u32,
+}
+
+impl IpPool {
+    const FIRST: u32 = u32::from_be_bytes([127, 0, 1, 1]);
+    const LAST: u32 = u32::from_be_bytes([127, 0, 255, 254]);
+
+    fn allocate(&mut self, uid: &str, previous: Option<Ipv4Addr>) -> Ipv4Addr {
+        if let Some(ip) = self.by_uid.get(uid) {
+            return *ip;
+        }
+        let used: HashSet<Ipv4Addr> = self.by_uid.values().copied().collect();
+        let ip = match previous.filter(|ip| (Self::FIRST..=Self::LAST).contains(&u32::from(*ip)) && !used.contains(ip)) {
+            Some(ip) => ip,
+            None => {
+                let span = Self::LAST - Self::FIRST + 1;
+                let mut candidate;
+                loop {
+                    candidate = Ipv4Addr::from(Self::FIRST + self.next % span);
+                    self.next += 1;
+                    // Skip .0 and .255 in each /24, which some programs refuse to bind.
+                    let last = candidate.octets()[3];
+                    if last != 0 && last != 255 && !used.contains(&candidate) {
+                        break;
+                    }
+                }
+                candidate
+            }
+        };
+        self.by_uid.insert(uid.to_owned(), ip);
+        ip
+    }
+
+    fn release(&mut self, uid: &str) {
+        self.by_uid.remove(uid);
+    }
+}
+
+/// Runs the kubelet until `shutdown` resolves, then stops every pod process.
+pub async fn run(client: kube::Client, config: KubeletConfig, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+    node::register(&client, &config.node_name).await?;
+    let (configmaps, configmaps_writer) = reflector::store::<ConfigMap>();
+    let (secrets, secrets_writer) = reflector::store::<Secret>();
+    tokio::spawn(
+        watcher(Api::<ConfigMap>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .reflect(configmaps_writer)
+            .for_each(|_| async {}),
+    );
+    tokio::spawn(
+        watcher(Api::<Secret>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .reflect(secrets_writer)
+            .for_each(|_| async {}),
+    );
+    configmaps.wait_until_ready().await?;
+    secrets.wait_until_ready().await?;
+    let ctx = Arc::new(KubeletContext {
+        client: client.clone(),
+        node_name: config.node_name.clone(),
+        host_ip: "127.0.0.1".into(),
+        state_dir: config.state_dir,
+        images: config.images,
+        apiserver: config.apiserver,
+        backoff: config.backoff,
+        volumes: volumes::VolumeSources { configmaps, secrets, client: client.clone() },
+        ips: Mutex::new(IpPool::default()),
+        pids: Mutex::new(HashSet::new()),
+    });
+    tokio::spawn(node::heartbeat(client.clone(), config.node_name.clone()));
+    tracing::info!(node = %config.node_name, "local kubelet running");
+
+    tokio::select! {
+        result = watch_pods(ctx.clone()) => result?,
+        () = shutdown => tracing::info!("shutting down: stopping all pod processes"),
+    }
+    stop_all(&ctx).await;
+    Ok(())
+}
+
+/// Binds unscheduled pods to this node and keeps one worker per pod bound here.
+async fn watch_pods(ctx: Arc<KubeletContext>) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::all(ctx.client.clone());
+    let mut workers: BTreeMap<String, watch::Sender<Option<Pod>>> = BTreeMap::new();
+    let mut stream = watcher(pods.clone(), watcher::Config::default()).default_backoff().boxed();
+    // Pods seen during a relist, to notice the ones deleted while the watch was down.
+    let mut relist: Option<HashSet<String>> = None;
+    while let Some(event) = stream.try_next().await? {
+        match event {
+            watcher::Event::Init => relist = Some(HashSet::new()),
+            watcher::Event::InitApply(pod) | watcher::Event::Apply(pod) => {
+                if let Some(seen) = relist.as_mut() {
+                    seen.extend(pod.uid());
+                }
+                handle_pod(&ctx, &mut workers, pod).await;
+            }
+            watcher::Event::Delete(pod) => {
+                if let Some(tx) = pod.uid().and_then(|uid| workers.remove(&uid)) {
+                    let _ = tx.send(None);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(seen) = relist.take() {
+                    workers.retain(|uid, tx| {
+                        let keep = seen.contains(uid);
+                        if !keep {
+                            let _ = tx.send(None);
+                        }
+                        keep
+                    });
+                }
+            }
+        }
+        workers.retain(|_, tx| !tx.is_closed());
+    }
+    Ok(())
+}
+
+async fn handle_pod(ctx: &Arc<KubeletContext>, workers: &mut BTreeMap<String, watch::Sender<Option<Pod>>>, pod: Pod) {
+    let Some(uid) = pod.uid() else { return };
+    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    match node.as_deref() {
+        None if pod.metadata.deletion_timestamp.is_none() => bind(ctx, &pod).await,
+        Some(n) if n == ctx.node_name => {
+            if let Some(tx) = workers.get(&uid) {
+                let _ = tx.send(Some(pod));
+            } else if !is_finished(&pod) {
+                let (tx, rx) = watch::channel(Some(pod));
+                workers.insert(uid, tx);
+                tokio::spawn(pod::run_pod(ctx.clone(), rx));
+            }
+        }
+        _ => {}
+    }
+}
+
+fn is_finished(pod: &Pod) -> bool {
+    matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))
+}
+
+async fn bind(ctx: &KubeletContext, pod: &Pod) {
+    let ns = pod.namespace().unwrap_or_default();
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let binding = Binding {
+        metadata: ObjectMeta { name: Some(pod.name_any()), namespace: Some(ns), ..Default::default() },
+        target: ObjectReference { api_version: Some("v1".into()), kind: Some("Node".into()), name: Some(ctx.node_name.clone()), ..Default::default() },
+    };
+    match api.create_subresource::<Binding, Binding>("binding", &pod.name_any(), &PostParams::default(), &binding).await {
+        Ok(_) => tracing::info!(pod = %pod.name_any(), "bound"),
+        // Already bound (a racing event) or gone: the next watch event settles it.
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
+        Err(e) => tracing::warn!(pod = %pod.name_any(), error = %e, "binding failed"),
+    }
+}
+
+async fn stop_all(ctx: &KubeletContext) {
+    let pids: Vec<u32> = ctx.pids.lock().iter().copied().collect();
+    for pid in &pids {
+        process::signal_group(*pid, Signal::SIGTERM);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for pid in &pids {
+        process::signal_group(*pid, Signal::SIGKILL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ip_pool_gives_each_pod_its_own_loopback_address() {
+        let mut pool = IpPool::default();
+        let a = pool.allocate("a", None);
+        let b = pool.allocate("b", None);
+        assert_eq!(a, Ipv4Addr::new(127, 0, 1, 1));
+        assert_eq!(b, Ipv4Addr::new(127, 0, 1, 2));
+        assert_eq!(pool.allocate("a", None), a, "stable per pod");
+        // A restarted kubelet keeps a pod's reported address when it is free.
+        assert_eq!(pool.allocate("c", Some(Ipv4Addr::new(127, 0, 9, 9))), Ipv4Addr::new(127, 0, 9, 9));
+        assert_ne!(pool.allocate("d", Some(a)), a, "an address in use is not handed out twice");
+        pool.release("a");
+        assert!(!pool.by_uid.contains_key("a"));
+    }
+
+    #[test]
+    fn ip_pool_skips_network_and_broadcast_octets() {
+        let mut pool = IpPool { next: 253, ..Default::default() };
+        let ips: Vec<Ipv4Addr> = (0..4).map(|i| pool.allocate(&i.to_string(), None)).collect();
+        assert_eq!(ips, [Ipv4Addr::new(127, 0, 1, 254), Ipv4Addr::new(127, 0, 2, 1), Ipv4Addr::new(127, 0, 2, 2), Ipv4Addr::new(127, 0, 2, 3)]);
+    }
+}

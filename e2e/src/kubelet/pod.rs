@@ -1,0 +1,602 @@
+//! One pod on the local node, from binding to deletion: its loopback IP, volumes, container
+//! processes (init containers first), restarts with back-off, readiness and liveness probes, the
+//! pod status it reports, and graceful termination.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Container, ContainerStateTerminated, EnvVar, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::ResourceExt as _;
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::KubeletContext;
+use super::probe::{self, ProbeTiming};
+use super::process::{self, BindMount, ProcessSpec};
+use super::volumes::{PodVolumes, pod_field};
+
+/// Annotation that sets the open-files limit (`RLIMIT_NOFILE`) of a pod's processes.
+pub const NOFILE_ANNOTATION: &str = "poolpilot.io/nofile-limit";
+
+/// What a container's processes and probes report back to the pod worker.
+#[derive(Debug)]
+enum Report {
+    Exited { container: usize, run: u64, code: i32 },
+    Probed { container: usize, run: u64, kind: ProbeKind, result: Result<(), String> },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ProbeKind {
+    Readiness,
+    Liveness,
+}
+
+/// A container's current process.
+#[derive(Debug)]
+struct Run {
+    id: u64,
+    pid: u32,
+    started_at: Timestamp,
+    started: Instant,
+    killed_for: Option<String>,
+}
+
+/// Probe bookkeeping for one probe of one container.
+#[derive(Debug, Default)]
+struct ProbeState {
+    next: Option<Instant>,
+    in_flight: bool,
+    successes: u32,
+    failures: u32,
+}
+
+#[derive(Debug)]
+struct ContainerState {
+    spec: Container,
+    init: bool,
+    run: Option<Run>,
+    restart_count: i32,
+    /// The termination of the previous run (`lastState`).
+    last_terminated: Option<ContainerStateTerminated>,
+    /// Set when the container finished for good (no restart coming).
+    finished: Option<ContainerStateTerminated>,
+    waiting: Option<(String, String)>,
+    next_start: Instant,
+    backoff: Duration,
+    ready: bool,
+    readiness: ProbeState,
+    liveness: ProbeState,
+}
+
+/// The pod worker's whole state.
+struct PodWorker {
+    ctx: Arc<KubeletContext>,
+    pod: Pod,
+    api: Api<Pod>,
+    dir: PathBuf,
+    ip: Ipv4Addr,
+    volumes: PodVolumes,
+    volume_error: Option<String>,
+    next_volume_sync: Instant,
+    containers: Vec<ContainerState>,
+    start_time: Timestamp,
+    conditions: BTreeMap<&'static str, (bool, Timestamp)>,
+    last_status: Option<Value>,
+    run_ids: u64,
+    reports_tx: mpsc::UnboundedSender<Report>,
+}
+
+/// Runs one pod until it is deleted. `updates` carries the latest version of the pod, `None`
+/// once it is gone from the API.
+pub async fn run_pod(ctx: Arc<KubeletContext>, mut updates: watch::Receiver<Option<Pod>>) {
+    let Some(pod) = updates.borrow_and_update().clone() else { return };
+    let (reports_tx, mut reports) = mpsc::unbounded_channel();
+    let mut worker = PodWorker::new(ctx, pod, reports_tx);
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tokio::select! {
+            changed = updates.changed() => {
+                let latest = if changed.is_ok() { updates.borrow_and_update().clone() } else { None };
+                match latest {
+                    Some(pod) if pod.metadata.deletion_timestamp.is_none() => worker.pod = pod,
+                    Some(pod) => {
+                        worker.pod = pod;
+                        worker.terminate(&mut reports).await;
+                        worker.finalize_deletion().await;
+                        break;
+                    }
+                    None => {
+                        worker.terminate(&mut reports).await;
+                        break;
+                    }
+                }
+            }
+            Some(report) = reports.recv() => worker.handle(report),
+            _ = tick.tick() => worker.step().await,
+        }
+        worker.publish_status().await;
+    }
+    worker.ctx.release_ip(worker.pod.uid().as_deref().unwrap_or_default());
+    let _ = std::fs::remove_dir_all(worker.dir.join("volumes"));
+}
+
+impl PodWorker {
+    fn new(ctx: Arc<KubeletContext>, pod: Pod, reports_tx: mpsc::UnboundedSender<Report>) -> Self {
+        let ns = pod.namespace().unwrap_or_default();
+        let name = pod.name_any();
+        let dir = ctx.state_dir.join("pods").join(&ns).join(&name);
+        let _ = std::fs::create_dir_all(&dir);
+        let uid = pod.uid().unwrap_or_default();
+        let previous_ip = pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()).and_then(|ip| ip.parse().ok());
+        let ip = ctx.allocate_ip(&uid, previous_ip);
+        let spec = pod.spec.clone().unwrap_or_default();
+        let now = Instant::now();
+        let state = |spec: Container, init: bool| ContainerState {
+            spec,
+            init,
+            run: None,
+            restart_count: 0,
+            last_terminated: None,
+            finished: None,
+            waiting: Some(("ContainerCreating".into(), String::new())),
+            next_start: now,
+            backoff: ctx.backoff.0,
+            ready: false,
+            readiness: ProbeState::default(),
+            liveness: ProbeState::default(),
+        };
+        let containers = spec
+            .init_containers
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| state(c, true))
+            .chain(spec.containers.into_iter().map(|c| state(c, false)))
+            .collect();
+        let api = Api::namespaced(ctx.client.clone(), &ns);
+        Self {
+            volumes: PodVolumes::new(dir.join("volumes")),
+            volume_error: Some("volumes not rendered yet".into()),
+            next_volume_sync: now,
+            ctx,
+            pod,
+            api,
+            dir,
+            ip,
+            containers,
+            start_time: Timestamp::now(),
+            conditions: BTreeMap::new(),
+            last_status: None,
+            run_ids: 0,
+            reports_tx,
+        }
+    }
+
+    fn restart_policy(&self) -> &str {
+        self.pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()).unwrap_or("Always")
+    }
+
+    /// Periodic work: keep volumes in sync, start what is due, schedule probes.
+    async fn step(&mut self) {
+        let now = Instant::now();
+        if now >= self.next_volume_sync {
+            self.next_volume_sync = now + Duration::from_secs(1);
+            self.volume_error = self.volumes.sync(&self.pod, &self.ctx.volumes).await.err().map(|e| e.to_string());
+        }
+        if let Some(err) = &self.volume_error {
+            for c in self.containers.iter_mut().filter(|c| c.run.is_none() && c.finished.is_none()) {
+                c.waiting = Some(("ContainerCreating".into(), err.clone()));
+            }
+            return;
+        }
+        // Init containers run one at a time, in order; the others wait for all of them.
+        let init_pending = self.containers.iter().position(|c| c.init && c.finished.as_ref().is_none_or(|t| t.exit_code != 0));
+        let startable: Vec<usize> = match init_pending {
+            Some(i) => vec![i],
+            None => (0..self.containers.len()).filter(|&i| !self.containers[i].init).collect(),
+        };
+        for i in startable {
+            let c = &self.containers[i];
+            if c.run.is_none() && c.finished.is_none() && now >= c.next_start {
+                self.start(i);
+            }
+        }
+        self.schedule_probes(now);
+    }
+
+    fn start(&mut self, index: usize) {
+        match self.process_spec(index) {
+            Ok(spec) => match process::spawn(&spec) {
+                Ok(mut child) => {
+                    self.run_ids += 1;
+                    let run = self.run_ids;
+                    let pid = child.id().unwrap_or_default();
+                    let tx = self.reports_tx.clone();
+                    tokio::spawn(async move {
+                        let code = process::exit_code(child.wait().await);
+                        let _ = tx.send(Report::Exited { container: index, run, code });
+                    });
+                    self.ctx.track_pid(pid, true);
+                    let c = &mut self.containers[index];
+                    c.run = Some(Run { id: run, pid, started_at: Timestamp::now(), started: Instant::now(), killed_for: None });
+                    c.waiting = None;
+                    c.ready = false;
+                    let first_probe = |p: &Option<k8s_openapi::api::core::v1::Probe>| p.as_ref().map(|p| Instant::now() + ProbeTiming::of(p).initial_delay);
+                    c.readiness = ProbeState { next: first_probe(&c.spec.readiness_probe), ..Default::default() };
+                    c.liveness = ProbeState { next: first_probe(&c.spec.liveness_probe), ..Default::default() };
+                    tracing::info!(pod = %self.pod.name_any(), container = %c.spec.name, pid, "started");
+                }
+                Err(e) => self.start_failed(index, e.reason(), e.to_string()),
+            },
+            Err(e) => self.start_failed(index, e.reason(), e.to_string()),
+        }
+    }
+
+    fn start_failed(&mut self, index: usize, reason: &str, message: String) {
+        let max = self.ctx.backoff.1;
+        let c = &mut self.containers[index];
+        tracing::warn!(pod = %self.pod.name_any(), container = %c.spec.name, %message, "cannot start");
+        c.waiting = Some((reason.to_owned(), message));
+        c.next_start = Instant::now() + c.backoff;
+        c.backoff = (c.backoff * 2).min(max);
+    }
+
+    /// The process for container `index`: binary, argv, environment, mounts, limits.
+    fn process_spec(&self, index: usize) -> Result<ProcessSpec, process::StartError> {
+        let c = &self.containers[index].spec;
+        let image = c.image.clone().unwrap_or_default();
+        let env = self.environment(c);
+        let expand = |s: &String| process::expand(s, &env);
+        let command: Vec<String> = c.command.clone().unwrap_or_default().iter().map(expand).collect();
+        let args: Vec<String> = c.args.clone().unwrap_or_default().iter().map(expand).collect();
+        let (program, args) = match command.split_first() {
+            Some((program, rest)) => (self.ctx.images.resolve_command(&image, program)?, rest.iter().cloned().chain(args).collect()),
+            None => (self.ctx.images.resolve(&image)?, args),
+        };
+        let mut mounts = Vec::new();
+        for m in c.volume_mounts.clone().unwrap_or_default() {
+            let mut source = self.volumes.path_of(&self.pod, &m.name).ok_or_else(|| process::StartError::MissingVolume(m.name.clone()))?;
+            if let Some(sub) = m.sub_path.as_deref().filter(|s| !s.is_empty()) {
+                source = source.join(sub);
+            }
+            mounts.push(BindMount { source, target: PathBuf::from(&m.mount_path), read_only: m.read_only.unwrap_or(false) });
+        }
+        let nofile_limit = self.pod.annotations().get(NOFILE_ANNOTATION).and_then(|v| v.parse().ok());
+        Ok(ProcessSpec {
+            program,
+            args,
+            env,
+            working_dir: c.working_dir.clone().map(PathBuf::from).filter(|p| p.is_dir()).unwrap_or_else(|| self.dir.clone()),
+            mounts,
+            nofile_limit,
+            log_file: self.dir.join(format!("{}.log", c.name)),
+        })
+    }
+
+    /// The container's environment as a container runtime builds it: a base, the Kubernetes
+    /// service variables, the pod's identity, then `envFrom` and `env` in order (later wins,
+    /// `$(VAR)` expanded against what came before).
+    fn environment(&self, c: &Container) -> BTreeMap<String, String> {
+        let (api_host, api_port) = &self.ctx.apiserver;
+        let mut env: BTreeMap<String, String> = [
+            ("PATH", process::CONTAINER_PATH.to_owned()),
+            ("HOME", "/root".to_owned()),
+            ("HOSTNAME", self.pod.name_any()),
+            ("KUBERNETES_SERVICE_HOST", api_host.clone()),
+            ("KUBERNETES_SERVICE_PORT", api_port.to_string()),
+            ("KUBERNETES_SERVICE_PORT_HTTPS", api_port.to_string()),
+            ("POD_NAME", self.pod.name_any()),
+            ("POD_NAMESPACE", self.pod.namespace().unwrap_or_default()),
+            ("POD_IP", self.ip.to_string()),
+            ("NODE_NAME", self.ctx.node_name.clone()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        let ns = self.pod.namespace().unwrap_or_default();
+        for from in c.env_from.clone().unwrap_or_default() {
+            let prefix = from.prefix.clone().unwrap_or_default();
+            if let Some(cm) = from.config_map_ref.and_then(|r| self.ctx.configmap(&ns, &r.name)) {
+                for (k, v) in cm.data.unwrap_or_default() {
+                    env.insert(format!("{prefix}{k}"), v);
+                }
+            }
+            if let Some(secret) = from.secret_ref.and_then(|r| self.ctx.secret(&ns, &r.name)) {
+                for (k, v) in secret.data.unwrap_or_default() {
+                    env.insert(format!("{prefix}{k}"), String::from_utf8_lossy(&v.0).into_owned());
+                }
+            }
+        }
+        for var in c.env.clone().unwrap_or_default() {
+            let value = self.env_value(&var, &env, &ns);
+            env.insert(var.name, value);
+        }
+        env
+    }
+
+    fn env_value(&self, var: &EnvVar, env: &BTreeMap<String, String>, ns: &str) -> String {
+        if let Some(value) = &var.value {
+            return process::expand(value, env);
+        }
+        let Some(from) = &var.value_from else { return String::new() };
+        if let Some(field) = &from.field_ref {
+            let mut pod = self.pod.clone();
+            let status = pod.status.get_or_insert_default();
+            status.pod_ip = Some(self.ip.to_string());
+            status.host_ip = Some(self.ctx.host_ip.clone());
+            return pod_field(&pod, &field.field_path).unwrap_or_default();
+        }
+        if let Some(key) = &from.config_map_key_ref {
+            return self.ctx.configmap(ns, &key.name).and_then(|cm| cm.data.unwrap_or_default().remove(&key.key)).unwrap_or_default();
+        }
+        if let Some(key) = &from.secret_key_ref {
+            return self
+                .ctx
+                .secret(ns, &key.name)
+                .and_then(|s| s.data.unwrap_or_default().remove(&key.key))
+                .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+                .unwrap_or_default();
+        }
+        String::new()
+    }
+
+    fn schedule_probes(&mut self, now: Instant) {
+        let ip = self.ip.to_string();
+        for (index, c) in self.containers.iter_mut().enumerate() {
+            let Some(run) = &c.run else { continue };
+            if c.spec.readiness_probe.is_none() && !c.ready {
+                c.ready = true;
+            }
+            let ports: BTreeMap<String, u16> = c
+                .spec
+                .ports
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|p| Some((p.name?, u16::try_from(p.container_port).ok()?)))
+                .collect();
+            for (kind, probe, state) in [
+                (ProbeKind::Readiness, c.spec.readiness_probe.clone(), &mut c.readiness),
+                (ProbeKind::Liveness, c.spec.liveness_probe.clone(), &mut c.liveness),
+            ] {
+                let Some(probe) = probe else { continue };
+                if state.in_flight || state.next.is_none_or(|next| now < next) {
+                    continue;
+                }
+                state.in_flight = true;
+                state.next = Some(now + ProbeTiming::of(&probe).period);
+                let (tx, ip, ports, run) = (self.reports_tx.clone(), ip.clone(), ports.clone(), run.id);
+                let env = BTreeMap::new();
+                tokio::spawn(async move {
+                    let result = probe::run(&probe, &ip, &ports, &env).await;
+                    let _ = tx.send(Report::Probed { container: index, run, kind, result });
+                });
+            }
+        }
+    }
+
+    fn handle(&mut self, report: Report) {
+        let pod_name = self.pod.name_any();
+        let policy = self.restart_policy().to_owned();
+        let (initial_backoff, max_backoff) = self.ctx.backoff;
+        match report {
+            Report::Exited { container, run, code } => {
+                let c = &mut self.containers[container];
+                let Some(r) = c.run.take_if(|r| r.id == run) else { return };
+                self.ctx.track_pid(r.pid, false);
+                let terminated = ContainerStateTerminated {
+                    exit_code: code,
+                    reason: Some(r.killed_for.clone().unwrap_or_else(|| if code == 0 { "Completed".into() } else { "Error".into() })),
+                    message: r.killed_for.clone(),
+                    started_at: Some(Time(r.started_at)),
+                    finished_at: Some(Time(Timestamp::now())),
+                    ..Default::default()
+                };
+                tracing::info!(pod = %pod_name, container = %c.spec.name, code, "exited");
+                c.ready = false;
+                let restart = match policy.as_str() {
+                    "Never" => false,
+                    "OnFailure" => code != 0,
+                    _ => !c.init || code != 0,
+                };
+                if restart {
+                    if r.started.elapsed() > Duration::from_secs(30) {
+                        c.backoff = initial_backoff;
+                    }
+                    c.restart_count += 1;
+                    c.next_start = Instant::now() + c.backoff;
+                    c.waiting = Some((
+                        "CrashLoopBackOff".into(),
+                        format!("back-off {:?} restarting failed container={} pod={pod_name}", c.backoff, c.spec.name),
+                    ));
+                    c.backoff = (c.backoff * 2).min(max_backoff);
+                    c.last_terminated = Some(terminated);
+                } else {
+                    c.finished = Some(terminated);
+                }
+            }
+            Report::Probed { container, run, kind, result } => {
+                let c = &mut self.containers[container];
+                let Some(r) = c.run.as_mut().filter(|r| r.id == run) else { return };
+                let (probe, state) = match kind {
+                    ProbeKind::Readiness => (c.spec.readiness_probe.as_ref(), &mut c.readiness),
+                    ProbeKind::Liveness => (c.spec.liveness_probe.as_ref(), &mut c.liveness),
+                };
+                let Some(timing) = probe.map(ProbeTiming::of) else { return };
+                state.in_flight = false;
+                match &result {
+                    Ok(()) => {
+                        state.successes += 1;
+                        state.failures = 0;
+                    }
+                    Err(why) => {
+                        state.failures += 1;
+                        state.successes = 0;
+                        tracing::debug!(pod = %pod_name, container = %c.spec.name, ?kind, %why, "probe failed");
+                    }
+                }
+                match kind {
+                    ProbeKind::Readiness => {
+                        if state.successes >= timing.success_threshold {
+                            c.ready = true;
+                        } else if state.failures >= timing.failure_threshold {
+                            c.ready = false;
+                        }
+                    }
+                    ProbeKind::Liveness => {
+                        if state.failures >= timing.failure_threshold && r.killed_for.is_none() {
+                            let why = result.err().unwrap_or_default();
+                            tracing::info!(pod = %pod_name, container = %c.spec.name, %why, "liveness probe failed, restarting");
+                            r.killed_for = Some(format!("liveness probe failed: {why}"));
+                            process::signal_group(r.pid, Signal::SIGKILL);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops every process: SIGTERM, then SIGKILL after the pod's grace period.
+    async fn terminate(&mut self, reports: &mut mpsc::UnboundedReceiver<Report>) {
+        let grace = self
+            .pod
+            .metadata
+            .deletion_grace_period_seconds
+            .or_else(|| self.pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds))
+            .unwrap_or(30)
+            .clamp(0, 120) as u64;
+        for c in &self.containers {
+            if let Some(r) = &c.run {
+                process::signal_group(r.pid, Signal::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(grace);
+        while self.containers.iter().any(|c| c.run.is_some()) {
+            match tokio::time::timeout_at(deadline, reports.recv()).await {
+                Ok(Some(report)) => self.handle(report),
+                Ok(None) => break,
+                Err(_) => {
+                    for c in &self.containers {
+                        if let Some(r) = &c.run {
+                            process::signal_group(r.pid, Signal::SIGKILL);
+                        }
+                    }
+                    // The exits arrive shortly; a restart they may schedule never happens.
+                    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                        while self.containers.iter().any(|c| c.run.is_some()) {
+                            match reports.recv().await {
+                                Some(report) => self.handle(report),
+                                None => break,
+                            }
+                        }
+                    })
+                    .await;
+                    break;
+                }
+            }
+        }
+    }
+
+    /// The kubelet's last word on a deleted pod: remove it from the API for good.
+    async fn finalize_deletion(&self) {
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions { uid: self.pod.uid(), resource_version: None }),
+            ..Default::default()
+        };
+        match self.api.delete(&self.pod.name_any(), &params).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => tracing::warn!(pod = %self.pod.name_any(), error = %e, "could not finalize deletion"),
+        }
+    }
+
+    fn set_condition(&mut self, kind: &'static str, status: bool) {
+        match self.conditions.get(kind) {
+            Some((current, _)) if *current == status => {}
+            _ => {
+                self.conditions.insert(kind, (status, Timestamp::now()));
+            }
+        }
+    }
+
+    /// Computes the pod status and patches it when it changed.
+    async fn publish_status(&mut self) {
+        let mains: Vec<&ContainerState> = self.containers.iter().filter(|c| !c.init).collect();
+        let inits_done = self.containers.iter().filter(|c| c.init).all(|c| c.finished.as_ref().is_some_and(|t| t.exit_code == 0));
+        let init_failed_for_good = self.restart_policy() == "Never"
+            && self.containers.iter().any(|c| c.init && c.finished.as_ref().is_some_and(|t| t.exit_code != 0));
+        let all_ready = inits_done && mains.iter().all(|c| c.ready && c.run.is_some());
+        let phase = if init_failed_for_good {
+            "Failed"
+        } else if !mains.is_empty() && mains.iter().all(|c| c.finished.is_some()) {
+            if mains.iter().all(|c| c.finished.as_ref().is_some_and(|t| t.exit_code == 0)) { "Succeeded" } else { "Failed" }
+        } else if mains.iter().any(|c| c.run.is_some() || c.restart_count > 0 || c.finished.is_some()) {
+            "Running"
+        } else {
+            "Pending"
+        };
+        let statuses = |init: bool| -> Vec<Value> {
+            self.containers.iter().filter(|c| c.init == init).map(container_status).collect()
+        };
+        let (init_statuses, main_statuses) = (statuses(true), statuses(false));
+        self.set_condition("PodScheduled", true);
+        self.set_condition("PodReadyToStartContainers", self.volume_error.is_none());
+        self.set_condition("Initialized", inits_done);
+        self.set_condition("ContainersReady", all_ready);
+        self.set_condition("Ready", all_ready);
+        let conditions: Vec<Value> = self
+            .conditions
+            .iter()
+            .map(|(kind, (status, at))| json!({"type": kind, "status": if *status { "True" } else { "False" }, "lastTransitionTime": at.to_string()}))
+            .collect();
+        let host = &self.ctx.host_ip;
+        let ip = self.ip.to_string();
+        let status = json!({
+            "phase": phase,
+            "hostIP": host, "hostIPs": [{"ip": host}],
+            "podIP": ip, "podIPs": [{"ip": ip}],
+            "startTime": self.start_time.to_string(),
+            "conditions": conditions,
+            "initContainerStatuses": init_statuses,
+            "containerStatuses": main_statuses,
+        });
+        if self.last_status.as_ref() == Some(&status) {
+            return;
+        }
+        match self.api.patch_status(&self.pod.name_any(), &PatchParams::default(), &Patch::Merge(json!({"status": status}))).await {
+            Ok(_) => self.last_status = Some(status),
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => tracing::warn!(pod = %self.pod.name_any(), error = %e, "status patch failed; will retry"),
+        }
+    }
+}
+
+fn container_status(c: &ContainerState) -> Value {
+    let terminated = |t: &ContainerStateTerminated| json!({"terminated": t});
+    let state = match (&c.run, &c.finished, &c.waiting) {
+        (Some(r), _, _) => json!({"running": {"startedAt": r.started_at.to_string()}}),
+        (None, Some(t), _) => terminated(t),
+        (None, None, Some((reason, message))) => json!({"waiting": {"reason": reason, "message": message}}),
+        (None, None, None) => json!({"waiting": {"reason": "ContainerCreating"}}),
+    };
+    let image = c.spec.image.clone().unwrap_or_default();
+    json!({
+        "name": c.spec.name,
+        "image": image,
+        "imageID": format!("local://{image}"),
+        "containerID": c.run.as_ref().map(|r| format!("local://{}", r.pid)),
+        "ready": c.ready && c.run.is_some(),
+        "started": c.run.is_some(),
+        "restartCount": c.restart_count,
+        "state": state,
+        "lastState": c.last_terminated.as_ref().map(terminated).unwrap_or_else(|| json!({})),
+    })
+}
