@@ -28,6 +28,11 @@ GO_LDFLAGS       := -s -w \
 	-X k8s.io/client-go/pkg/version.gitMajor=1 \
 	-X k8s.io/client-go/pkg/version.gitMinor=$(K8S_MINOR)
 RUST_BIN         := $(CARGO_TARGET_DIR)/debug
+PROMETHEUS_BIN   := $(BIN)/prometheus
+PROMETHEUS_VERSION := 3.16.0
+export POOLPILOT_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
+# True when a cluster started by `cluster up` is serving from $(CLUSTER_DIR).
+CLUSTER_RUNNING  = { [ -f $(CLUSTER_DIR)/ready ] && kill -0 $$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' $(CLUSTER_DIR)/ready) 2>/dev/null; }
 CLUSTER_SOURCES  := $(wildcard e2e/cluster/*.go) e2e/cluster/go.mod e2e/cluster/go.sum
 
 ##@ Main
@@ -51,7 +56,7 @@ bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim)
 	cargo build --workspace --bins
 
 .PHONY: cluster
-cluster: $(CLUSTER_BIN) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl)
+cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl) and Prometheus
 
 $(CLUSTER_BIN): $(CLUSTER_SOURCES)
 	@mkdir -p $(BIN)
@@ -59,34 +64,49 @@ $(CLUSTER_BIN): $(CLUSTER_SOURCES)
 	cd e2e/cluster && CGO_ENABLED=0 go build -trimpath -ldflags '$(GO_LDFLAGS)' -o $(CLUSTER_BIN) .
 	@ln -sf cluster $(BIN)/kubectl
 
+# Prometheus with Kubernetes service discovery, from its Go module (pinned in e2e/prometheus/go.mod).
+$(PROMETHEUS_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
+	@mkdir -p $(BIN)
+	@echo ">> building Prometheus $(PROMETHEUS_VERSION) from its Go module (cold: ~10 min on 2 cores)"
+	cd e2e/prometheus && CGO_ENABLED=0 go build -trimpath \
+		-ldflags '-s -w -X github.com/prometheus/common/version.Version=$(PROMETHEUS_VERSION)' \
+		-o $(PROMETHEUS_BIN) github.com/prometheus/prometheus/cmd/prometheus
+
 ##@ Checks
 
 .PHONY: lint
-lint: ## rustfmt, clippy -D warnings, gofmt/go vet of the cluster, CRD drift
+lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	@test -z "$$(gofmt -l e2e/cluster)" || { echo "gofmt needed:"; gofmt -l e2e/cluster; exit 1; }
 
 .PHONY: unit
-unit: ## Unit and loopback integration tests (no cluster needed)
-	cargo test --workspace --lib --bins
-	cargo test --workspace --doc
+unit: ## Unit and loopback integration tests, doc tests (no cluster needed)
+	cargo test --workspace --exclude poolpilot-e2e
+	cargo test -p poolpilot-e2e --lib --bins
 
 .PHONY: e2e
-e2e: cluster ## End-to-end tests on the embedded cluster (started, or reused if already up)
-	cargo test -p poolpilot-e2e --tests -- --test-threads=4
+e2e: cluster bins ## End-to-end tests on the embedded cluster (reused if `make cluster-up` left one running)
+	@if $(CLUSTER_RUNNING); then \
+		cargo test -p poolpilot-e2e --tests -- --test-threads=4; \
+	else \
+		trap '$(MAKE) --no-print-directory cluster-down' EXIT; \
+		$(MAKE) --no-print-directory cluster-up; \
+		cargo test -p poolpilot-e2e --tests -- --test-threads=4; \
+	fi
 
 ##@ Embedded cluster
 
 .PHONY: cluster-up
 cluster-up: cluster bins ## Start the embedded cluster with the local kubelet in the background (reused by tests and the demo)
-	@if [ -f $(CLUSTER_DIR)/ready ] && kill -0 $$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' $(CLUSTER_DIR)/ready) 2>/dev/null; then \
+	@if $(CLUSTER_RUNNING); then \
 		echo "cluster already running"; \
 	else \
 		mkdir -p $(CLUSTER_DIR); \
 		echo ">> starting the embedded cluster in $(CLUSTER_DIR)"; \
 		nohup $(CLUSTER_BIN) up --dir $(CLUSTER_DIR) --kubelet $(RUST_BIN)/local-kubelet \
-			--kubelet-arg=--bin-dir=$(RUST_BIN) > $(CLUSTER_DIR)/up.log 2>&1 & \
+			--kubelet-arg=--bin-dir=$(RUST_BIN) --prometheus $(PROMETHEUS_BIN) --prometheus-port 9090 \
+			> $(CLUSTER_DIR)/up.log 2>&1 & \
 		for i in $$(seq 1 240); do \
 			[ -f $(CLUSTER_DIR)/ready ] && break; \
 			kill -0 $$! 2>/dev/null || { cat $(CLUSTER_DIR)/up.log; exit 1; }; \
@@ -95,6 +115,7 @@ cluster-up: cluster bins ## Start the embedded cluster with the local kubelet in
 		[ -f $(CLUSTER_DIR)/ready ] || { echo "cluster not ready after 240s"; cat $(CLUSTER_DIR)/up.log; exit 1; }; \
 	fi
 	@echo "kubeconfig: $(CLUSTER_DIR)/admin.kubeconfig"
+	@echo "prometheus: http://127.0.0.1:9090"
 	@echo "use it:     export KUBECONFIG=$(CLUSTER_DIR)/admin.kubeconfig PATH=$(BIN):\$$PATH; kubectl get ns"
 
 .PHONY: cluster-down

@@ -16,7 +16,9 @@ pub const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"
 
 /// Why a duration string was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("invalid duration {input:?}: expected a number with a unit (ns, us, ms, s, m, h), like \"300ms\" or \"1m30s\"")]
+#[error(
+    "invalid duration {input:?}: expected a number with a unit (ns, us, ms, s, m, h), like \"300ms\" or \"1m30s\""
+)]
 pub struct ParseDurationError {
     input: String,
 }
@@ -62,7 +64,9 @@ impl FromStr for Duration {
     type Err = ParseDurationError;
 
     fn from_str(input: &str) -> Result<Self, Self::Err> {
-        let err = || ParseDurationError { input: input.to_owned() };
+        let err = || ParseDurationError {
+            input: input.to_owned(),
+        };
         let s = input.trim();
         if s.is_empty() {
             return Err(err());
@@ -70,9 +74,13 @@ impl FromStr for Duration {
         let mut total = std::time::Duration::ZERO;
         let mut rest = s;
         while !rest.is_empty() {
-            let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(err)?;
+            let num_len = rest
+                .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .ok_or_else(err)?;
             let (num, tail) = rest.split_at(num_len);
-            let unit_len = tail.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(tail.len());
+            let unit_len = tail
+                .find(|c: char| c.is_ascii_digit() || c == '.')
+                .unwrap_or(tail.len());
             let (unit, tail) = tail.split_at(unit_len);
             let scale_ns: f64 = match unit {
                 "ns" => 1.0,
@@ -91,7 +99,9 @@ impl FromStr for Duration {
             if nanos > u64::MAX as f64 {
                 return Err(err());
             }
-            total = total.checked_add(std::time::Duration::from_nanos(nanos.round() as u64)).ok_or_else(err)?;
+            total = total
+                .checked_add(std::time::Duration::from_nanos(nanos.round() as u64))
+                .ok_or_else(err)?;
             rest = tail;
         }
         Ok(Self(total))
@@ -107,10 +117,10 @@ impl fmt::Display for Duration {
         }
         let nanos = d.as_nanos();
         // Sub-second precision: the largest unit that divides it exactly.
-        if nanos % 1_000_000_000 != 0 {
+        if !nanos.is_multiple_of(1_000_000_000) {
             return match nanos {
-                n if n % 1_000_000 == 0 => write!(f, "{}ms", n / 1_000_000),
-                n if n % 1_000 == 0 => write!(f, "{}us", n / 1_000),
+                n if n.is_multiple_of(1_000_000) => write!(f, "{}ms", n / 1_000_000),
+                n if n.is_multiple_of(1_000) => write!(f, "{}us", n / 1_000),
                 n => write!(f, "{n}ns"),
             };
         }
@@ -179,7 +189,10 @@ mod tests {
     #[test]
     fn refuses_garbage() {
         for bad in ["", "5", "ms", "5 minutes", "-1s", "1d", "1.2.3s", "s5"] {
-            assert!(bad.parse::<Duration>().is_err(), "{bad:?} should be refused");
+            assert!(
+                bad.parse::<Duration>().is_err(),
+                "{bad:?} should be refused"
+            );
         }
     }
 

@@ -257,7 +257,9 @@ impl TryFrom<ClientIdentityWire> for ClientIdentity {
         match (w.header, w.source_ip) {
             (Some(h), None) => Ok(Self::Header(h)),
             (None, Some(m)) if m.is_empty() => Ok(Self::SourceIp),
-            (None, Some(_)) => Err("identity.sourceIp takes no fields: write `sourceIp: {}`".into()),
+            (None, Some(_)) => {
+                Err("identity.sourceIp takes no fields: write `sourceIp: {}`".into())
+            }
             _ => Err("identity needs exactly one of `header: <name>` or `sourceIp: {}`".into()),
         }
     }
@@ -266,8 +268,14 @@ impl TryFrom<ClientIdentityWire> for ClientIdentity {
 impl From<ClientIdentity> for ClientIdentityWire {
     fn from(id: ClientIdentity) -> Self {
         match id {
-            ClientIdentity::Header(h) => Self { header: Some(h), source_ip: None },
-            ClientIdentity::SourceIp => Self { header: None, source_ip: Some(BTreeMap::new()) },
+            ClientIdentity::Header(h) => Self {
+                header: Some(h),
+                source_ip: None,
+            },
+            ClientIdentity::SourceIp => Self {
+                header: None,
+                source_ip: Some(BTreeMap::new()),
+            },
         }
     }
 }
@@ -358,12 +366,22 @@ impl GatewayLimits {
     pub fn validate(&self) -> Result<(), InvalidLimits> {
         let mut v = Validator::default();
         if !self.revision.is_empty() && self.revision != self.content_revision() {
-            v.push("revision", format!("{:?} does not match the content ({})", self.revision, self.content_revision()));
+            v.push(
+                "revision",
+                format!(
+                    "{:?} does not match the content ({})",
+                    self.revision,
+                    self.content_revision()
+                ),
+            );
         }
         let l = &self.listener;
         v.positive_u64("listener.maxConnections", l.max_connections.into());
         if l.max_connections_per_client == Some(0) {
-            v.push("listener.maxConnectionsPerClient", "must be at least 1 when set");
+            v.push(
+                "listener.maxConnectionsPerClient",
+                "must be at least 1 when set",
+            );
         }
         v.positive("listener.idleTimeout", l.idle_timeout);
         v.positive("listener.headerReadTimeout", l.header_read_timeout);
@@ -379,10 +397,13 @@ impl GatewayLimits {
             if !policy_names.insert(p.name.as_str()) {
                 v.push(at("name"), format!("duplicate client policy {:?}", p.name));
             }
-            if let ClientIdentity::Header(h) = &p.identity {
-                if http_token(h).is_err() {
-                    v.push(at("identity.header"), format!("{h:?} is not a valid header name"));
-                }
+            if let ClientIdentity::Header(h) = &p.identity
+                && http_token(h).is_err()
+            {
+                v.push(
+                    at("identity.header"),
+                    format!("{h:?} is not a valid header name"),
+                );
             }
             v.positive_u64(&at("maxConcurrency"), p.max_concurrency.into());
             v.positive(&at("queueTimeout"), p.queue_timeout);
@@ -391,13 +412,20 @@ impl GatewayLimits {
                 let at = |f: &str| format!("clientPolicies[{i}].overrides[{j}].{f}");
                 v.name(&at("name"), &o.name);
                 if o.name == "other" {
-                    v.push(at("name"), "\"other\" is reserved for clients without an override");
+                    v.push(
+                        at("name"),
+                        "\"other\" is reserved for clients without an override",
+                    );
                 }
                 if !override_names.insert(o.name.as_str()) {
                     v.push(at("name"), format!("duplicate override {:?}", o.name));
                 }
-                if o.key_sha256.len() != 64 || !o.key_sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    v.push(at("keySha256"), "must be 64 hex digits (the SHA-256 of the client's key)");
+                if o.key_sha256.len() != 64 || !o.key_sha256.bytes().all(|b| b.is_ascii_hexdigit())
+                {
+                    v.push(
+                        at("keySha256"),
+                        "must be 64 hex digits (the SHA-256 of the client's key)",
+                    );
                 }
                 v.positive_u64(&at("maxConcurrency"), o.max_concurrency.into());
             }
@@ -408,7 +436,10 @@ impl GatewayLimits {
                     v.push(at("slowCalls.maxRatio"), "must be in (0, 1]");
                 }
                 if s.demoted_concurrency == 0 || s.demoted_concurrency > p.max_concurrency {
-                    v.push(at("slowCalls.demotedConcurrency"), "must be between 1 and maxConcurrency");
+                    v.push(
+                        at("slowCalls.demotedConcurrency"),
+                        "must be between 1 and maxConcurrency",
+                    );
                 }
             }
         }
@@ -420,27 +451,39 @@ impl GatewayLimits {
             if !backend_names.insert(b.name.as_str()) {
                 v.push(at("name"), format!("duplicate backend {:?}", b.name));
             }
-            if let Some(prefix) = &b.route.path_prefix {
-                if !prefix.starts_with('/') {
-                    v.push(at("match.pathPrefix"), "must start with /");
-                }
+            if let Some(prefix) = &b.route.path_prefix
+                && !prefix.starts_with('/')
+            {
+                v.push(at("match.pathPrefix"), "must start with /");
             }
             for name in b.route.headers.keys() {
                 if http_token(name).is_err() {
-                    v.push(at("match.headers"), format!("{name:?} is not a valid header name"));
+                    v.push(
+                        at("match.headers"),
+                        format!("{name:?} is not a valid header name"),
+                    );
                 }
             }
             let mut endpoint_names = BTreeSet::new();
             for (j, e) in b.endpoints.iter().enumerate() {
                 if e.name.is_empty() || e.name.len() > 253 {
-                    v.push(at(&format!("endpoints[{j}].name")), "must be 1 to 253 characters");
+                    v.push(
+                        at(&format!("endpoints[{j}].name")),
+                        "must be 1 to 253 characters",
+                    );
                 }
                 if !endpoint_names.insert(e.name.as_str()) {
-                    v.push(at(&format!("endpoints[{j}].name")), format!("duplicate endpoint {:?}", e.name));
+                    v.push(
+                        at(&format!("endpoints[{j}].name")),
+                        format!("duplicate endpoint {:?}", e.name),
+                    );
                 }
             }
             let p = &b.pool;
-            v.positive_u64(&at("pool.maxConnectionsPerEndpoint"), p.max_connections_per_endpoint.into());
+            v.positive_u64(
+                &at("pool.maxConnectionsPerEndpoint"),
+                p.max_connections_per_endpoint.into(),
+            );
             v.positive(&at("pool.leaseTimeout"), p.lease_timeout);
             v.positive(&at("pool.idleTimeout"), p.idle_timeout);
             v.positive(&at("pool.maxLifetime"), p.max_lifetime);
@@ -450,7 +493,10 @@ impl GatewayLimits {
             v.positive(&at("timeouts.total"), t.total);
             v.positive(&at("timeouts.streamIdle"), t.stream_idle);
             if t.first_byte > t.total {
-                v.push(at("timeouts.firstByte"), format!("{} is longer than timeouts.total {}", t.first_byte, t.total));
+                v.push(
+                    at("timeouts.firstByte"),
+                    format!("{} is longer than timeouts.total {}", t.first_byte, t.total),
+                );
             }
             if let Some(h) = &b.health_check {
                 if !h.path.starts_with('/') {
@@ -458,20 +504,32 @@ impl GatewayLimits {
                 }
                 v.positive(&at("healthCheck.interval"), h.interval);
                 v.positive(&at("healthCheck.timeout"), h.timeout);
-                v.positive_u64(&at("healthCheck.unhealthyThreshold"), h.unhealthy_threshold.into());
-                v.positive_u64(&at("healthCheck.healthyThreshold"), h.healthy_threshold.into());
+                v.positive_u64(
+                    &at("healthCheck.unhealthyThreshold"),
+                    h.unhealthy_threshold.into(),
+                );
+                v.positive_u64(
+                    &at("healthCheck.healthyThreshold"),
+                    h.healthy_threshold.into(),
+                );
             }
             if let Some(o) = &b.outlier_detection {
-                v.positive_u64(&at("outlierDetection.consecutiveFailures"), o.consecutive_failures.into());
+                v.positive_u64(
+                    &at("outlierDetection.consecutiveFailures"),
+                    o.consecutive_failures.into(),
+                );
                 v.positive(&at("outlierDetection.baseEjection"), o.base_ejection);
                 if o.max_ejected_percent > 100 {
-                    v.push(at("outlierDetection.maxEjectedPercent"), "must be at most 100");
+                    v.push(
+                        at("outlierDetection.maxEjectedPercent"),
+                        "must be at most 100",
+                    );
                 }
             }
-            if let Some(cp) = &b.client_policy {
-                if !policy_names.contains(cp.as_str()) {
-                    v.push(at("clientPolicy"), format!("no client policy named {cp:?}"));
-                }
+            if let Some(cp) = &b.client_policy
+                && !policy_names.contains(cp.as_str())
+            {
+                v.push(at("clientPolicy"), format!("no client policy named {cp:?}"));
             }
         }
         v.finish()
@@ -486,7 +544,10 @@ struct Validator {
 
 impl Validator {
     fn push(&mut self, field: impl Into<String>, message: impl Into<String>) {
-        self.violations.push(Violation { field: field.into(), message: message.into() });
+        self.violations.push(Violation {
+            field: field.into(),
+            message: message.into(),
+        });
     }
 
     fn positive(&mut self, field: &str, d: Duration) {
@@ -505,20 +566,33 @@ impl Validator {
     fn name(&mut self, field: &str, name: &str) {
         let ok = !name.is_empty()
             && name.len() <= 63
-            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
         if !ok {
-            self.push(field, format!("{name:?} must be 1 to 63 characters of a-z, A-Z, 0-9, '-', '_', '.'"));
+            self.push(
+                field,
+                format!("{name:?} must be 1 to 63 characters of a-z, A-Z, 0-9, '-', '_', '.'"),
+            );
         }
     }
 
     fn finish(self) -> Result<(), InvalidLimits> {
-        if self.violations.is_empty() { Ok(()) } else { Err(InvalidLimits { violations: self.violations }) }
+        if self.violations.is_empty() {
+            Ok(())
+        } else {
+            Err(InvalidLimits {
+                violations: self.violations,
+            })
+        }
     }
 }
 
 /// Whether `s` is a valid HTTP header name (an RFC 9110 token).
 fn http_token(s: &str) -> Result<(), ()> {
-    let ok = !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+    let ok = !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
     if ok { Ok(()) } else { Err(()) }
 }
 

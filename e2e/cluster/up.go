@@ -17,6 +17,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -46,6 +47,7 @@ type readyMarker struct {
 	Server     string `json:"server"`
 	Kubeconfig string `json:"kubeconfig"`
 	Version    string `json:"version"`
+	Prometheus string `json:"prometheus,omitempty"`
 }
 
 // child is a control-plane component running as a child process of "up".
@@ -63,12 +65,16 @@ func runUp(args []string) int {
 	dir := fs.String("dir", "", "state directory (required): pki/, etcd/, logs, admin.kubeconfig, ready")
 	port := fs.Int("port", 0, "kube-apiserver secure port on 127.0.0.1 (0 picks a free port)")
 	controllers := fs.String("controllers", strings.Join(defaultControllers, ","), "kube-controller-manager --controllers")
-	watchPID := fs.Int("watch-pid", 0, "shut down when this process exits (0: never)")
+	watchClients := fs.Bool("watch-clients", false, "shut down once no process registered in DIR/clients/<pid> has been alive for 5s")
 	timeout := fs.Duration("timeout", 3*time.Minute, "give up if the cluster is not ready within this time")
 	var kubelet kubeletOptions
 	fs.StringVar(&kubelet.path, "kubelet", "", "run this local kubelet binary as the cluster's node (none: pods stay Pending)")
 	fs.StringVar(&kubelet.node, "node-name", "poolpilot-local", "name of the local kubelet's Node")
 	fs.Var(&kubelet.args, "kubelet-arg", "extra flag for the local kubelet (repeatable)")
+	var prom prometheusOptions
+	fs.StringVar(&prom.path, "prometheus", "", "run this Prometheus binary with Kubernetes service discovery against the cluster")
+	fs.IntVar(&prom.port, "prometheus-port", 0, "Prometheus port on 127.0.0.1 (0 picks a free port)")
+	fs.DurationVar(&prom.scrapeInterval, "scrape-interval", 2*time.Second, "Prometheus scrape and evaluation interval")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -81,7 +87,7 @@ func runUp(args []string) int {
 		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
 		return 1
 	}
-	if err := up(absDir, *port, *controllers, *watchPID, *timeout, kubelet); err != nil {
+	if err := up(absDir, *port, *controllers, *watchClients, *timeout, kubelet, prom); err != nil {
 		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
 		return 1
 	}
@@ -101,9 +107,9 @@ type stringList []string
 func (l *stringList) String() string     { return strings.Join(*l, " ") }
 func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
 
-func up(dir string, port int, controllers string, watchPID int, timeout time.Duration, kubelet kubeletOptions) error {
+func up(dir string, port int, controllers string, watchClients bool, timeout time.Duration, kubelet kubeletOptions, prom prometheusOptions) error {
 	// Every "up" starts a fresh cluster: stale state from an earlier run would only confuse tests.
-	for _, stale := range []string{"ready", "etcd", "pki", "kubelet"} {
+	for _, stale := range []string{"ready", "etcd", "pki", "kubelet", "prometheus", "logs"} {
 		if err := os.RemoveAll(filepath.Join(dir, stale)); err != nil {
 			return err
 		}
@@ -111,10 +117,14 @@ func up(dir string, port int, controllers string, watchPID int, timeout time.Dur
 	if err := os.MkdirAll(filepath.Join(dir, "logs"), 0o755); err != nil {
 		return err
 	}
+	// Whoever starts the next cluster in this folder waits for this process to be gone.
+	if err := writeFileAtomic(filepath.Join(dir, "up.pid"), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
+		return err
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if watchPID > 0 {
-		ctx = watchProcess(ctx, watchPID)
+	if watchClients {
+		ctx = watchClientProcesses(ctx, filepath.Join(dir, "clients"))
 	}
 
 	ports, err := freePorts(3)
@@ -188,7 +198,22 @@ func up(dir string, port int, controllers string, watchPID int, timeout time.Dur
 		logf("local kubelet running as node %s", kubelet.node)
 	}
 
-	marker, _ := json.MarshalIndent(readyMarker{PID: os.Getpid(), Server: server, Kubeconfig: admin, Version: version.Get().GitVersion}, "", "  ")
+	promDone := make(chan struct{})
+	promURL := ""
+	if prom.path != "" {
+		c, url, err := startPrometheus(deadline, dir, admin, server, p, prom)
+		if c != nil {
+			children = append(children, c)
+			promDone = c.done
+		}
+		if err != nil {
+			return err
+		}
+		promURL = url
+		logf("prometheus ready at %s", url)
+	}
+
+	marker, _ := json.MarshalIndent(readyMarker{PID: os.Getpid(), Server: server, Kubeconfig: admin, Version: version.Get().GitVersion, Prometheus: promURL}, "", "  ")
 	if err := writeFileAtomic(filepath.Join(dir, "ready"), marker, 0o644); err != nil {
 		return err
 	}
@@ -197,6 +222,8 @@ func up(dir string, port int, controllers string, watchPID int, timeout time.Dur
 
 	select {
 	case <-ctx.Done():
+		// Withdraw the marker first, so that nobody starts to reuse a cluster that is stopping.
+		os.Remove(filepath.Join(dir, "ready"))
 		logf("shutting down")
 		return nil
 	case <-apiserver.done:
@@ -204,8 +231,9 @@ func up(dir string, port int, controllers string, watchPID int, timeout time.Dur
 	case <-kcm.done:
 		return withLogTail(fmt.Errorf("kube-controller-manager exited: %v", kcm.err), kcm.log)
 	case <-kubeletDone:
-		k := children[len(children)-1]
-		return withLogTail(fmt.Errorf("local kubelet exited: %v", k.err), k.log)
+		return childExited(children, "local-kubelet")
+	case <-promDone:
+		return childExited(children, "prometheus")
 	case err := <-etcd.Err():
 		return withLogTail(fmt.Errorf("etcd failed: %v", err), etcdLog)
 	}
@@ -366,6 +394,16 @@ func waitControllers(ctx context.Context, kubeconfig string, c *child) error {
 	}
 }
 
+// childExited reports the unexpected exit of the named child with its log tail.
+func childExited(children []*child, name string) error {
+	for _, c := range children {
+		if c.name == name {
+			return withLogTail(fmt.Errorf("%s exited: %v", name, c.err), c.log)
+		}
+	}
+	return fmt.Errorf("%s exited", name)
+}
+
 // waitNodeReady waits until the local kubelet has registered its Node as Ready.
 func waitNodeReady(ctx context.Context, kubeconfig, name string, c *child) error {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
@@ -395,14 +433,28 @@ func waitNodeReady(ctx context.Context, kubeconfig, name string, c *child) error
 	}
 }
 
-// watchProcess returns a context that ends when pid no longer exists.
-func watchProcess(parent context.Context, pid int) context.Context {
+// watchClientProcesses returns a context that ends once none of the processes registered as
+// files named by their pid in dir has been alive for clientGrace. Test processes that start or
+// reuse the cluster register there; a cluster started for tests thus outlives each test binary
+// but not the last one.
+func watchClientProcesses(parent context.Context, dir string) context.Context {
+	const clientGrace = 5 * time.Second
 	ctx, cancel := context.WithCancel(parent)
 	go func() {
 		defer cancel()
+		lastSeen := time.Now()
 		for {
-			if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
-				logf("watched process %d is gone", pid)
+			entries, _ := os.ReadDir(dir)
+			for _, e := range entries {
+				pid, err := strconv.Atoi(e.Name())
+				if err != nil || syscall.Kill(pid, 0) == syscall.ESRCH {
+					os.Remove(filepath.Join(dir, e.Name()))
+					continue
+				}
+				lastSeen = time.Now()
+			}
+			if time.Since(lastSeen) > clientGrace {
+				logf("no client process left")
 				return
 			}
 			select {

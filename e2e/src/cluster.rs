@@ -24,6 +24,9 @@ pub struct ReadyMarker {
     pub kubeconfig: PathBuf,
     /// Kubernetes version of the control plane.
     pub version: String,
+    /// URL of the cluster's Prometheus (Kubernetes service discovery of annotated pods).
+    #[serde(default)]
+    pub prometheus: Option<String>,
 }
 
 /// A running embedded cluster.
@@ -44,7 +47,9 @@ impl Cluster {
     /// [`paths::cluster_dir`] (as `make cluster-up` leaves it), or a new one started for this test
     /// process, which stops when the process exits.
     pub async fn shared() -> anyhow::Result<&'static Cluster> {
-        SHARED.get_or_try_init(|| Self::start_or_reuse(paths::cluster_dir(), paths::cluster_bin())).await
+        SHARED
+            .get_or_try_init(|| Self::start_or_reuse(paths::cluster_dir(), paths::cluster_bin()))
+            .await
     }
 
     /// Reuses the cluster in `dir` if it answers, otherwise starts one there with `bin` and the
@@ -57,7 +62,8 @@ impl Cluster {
         // Several test binaries may start at once: one of them starts the cluster, the others
         // wait on the lock and then reuse it.
         let lock_path = dir.join("start.lock");
-        let lock = File::create(&lock_path).with_context(|| format!("create {}", lock_path.display()))?;
+        let lock =
+            File::create(&lock_path).with_context(|| format!("create {}", lock_path.display()))?;
         let lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock)).await??;
         if let Some(cluster) = Self::reuse(&dir, &bin).await {
             drop(lock);
@@ -69,8 +75,15 @@ impl Cluster {
     }
 
     async fn reuse(dir: &Path, bin: &Path) -> Option<Cluster> {
-        let marker: ReadyMarker = serde_json::from_slice(&std::fs::read(dir.join("ready")).ok()?).ok()?;
-        let cluster = Cluster { dir: dir.to_owned(), bin: bin.to_owned(), marker };
+        let marker: ReadyMarker =
+            serde_json::from_slice(&std::fs::read(dir.join("ready")).ok()?).ok()?;
+        let cluster = Cluster {
+            dir: dir.to_owned(),
+            bin: bin.to_owned(),
+            marker,
+        };
+        // Register before checking: a cluster started for tests stays up while a client lives.
+        register_client(dir).ok()?;
         let client = cluster.client().await.ok()?;
         client.apiserver_version().await.ok()?;
         Some(cluster)
@@ -78,27 +91,47 @@ impl Cluster {
 
     async fn start(dir: &Path, bin: &Path) -> anyhow::Result<Cluster> {
         if !bin.exists() {
-            bail!("{} does not exist: build it with `make cluster` (or set POOLPILOT_CLUSTER_BIN)", bin.display());
+            bail!(
+                "{} does not exist: build it with `make cluster` (or set POOLPILOT_CLUSTER_BIN)",
+                bin.display()
+            );
         }
         let kubelet = paths::kubelet_bin();
-        if !kubelet.exists() {
-            bail!("{} does not exist: build it with `cargo build -p poolpilot-e2e --bins`", kubelet.display());
+        let prometheus = paths::prometheus_bin();
+        for (what, path, how) in [
+            (
+                "local kubelet",
+                &kubelet,
+                "cargo build -p poolpilot-e2e --bins",
+            ),
+            ("Prometheus", &prometheus, "make cluster"),
+        ] {
+            if !path.exists() {
+                bail!(
+                    "the {what} {} does not exist: build it with `{how}`",
+                    path.display()
+                );
+            }
         }
+        register_client(dir)?;
+        wait_for_previous_instance(dir).await;
         let log_path = dir.join("up.log");
         let log = File::create(&log_path)?;
         let mut child = tokio::process::Command::new(bin)
             .arg("up")
             .arg("--dir")
             .arg(dir)
-            .arg("--watch-pid")
-            .arg(std::process::id().to_string())
+            .arg("--watch-clients")
             .arg("--kubelet")
             .arg(&kubelet)
             .arg(format!("--kubelet-arg=--bin-dir={}", paths::workspace_bin_dir().display()))
+            .arg("--prometheus")
+            .arg(&prometheus)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
-            // The cluster outlives the spawning test thread; `--watch-pid` ends it with the process.
+            // The cluster outlives this test process while other registered clients live
+            // (`--watch-clients`); it stops a few seconds after the last one.
             .kill_on_drop(false)
             .spawn()
             .with_context(|| format!("spawn {} up", bin.display()))?;
@@ -150,6 +183,36 @@ impl Cluster {
         self.dir.join("pki/ca.crt")
     }
 
+    /// The cluster's Prometheus URL.
+    pub fn prometheus_url(&self) -> anyhow::Result<&str> {
+        self.marker
+            .prometheus
+            .as_deref()
+            .ok_or_else(|| anyhow::anyhow!("this cluster was started without Prometheus"))
+    }
+
+    /// Runs an instant PromQL query against the cluster's Prometheus; returns the result vector
+    /// (each sample as `{metric: {labels}, value: [time, "value"]}`).
+    pub async fn prometheus_query(&self, promql: &str) -> anyhow::Result<Vec<serde_json::Value>> {
+        let url = format!("{}/api/v1/query", self.prometheus_url()?);
+        let body: serde_json::Value = reqwest::Client::new()
+            .get(url)
+            .query(&[("query", promql)])
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        anyhow::ensure!(
+            body["status"] == "success",
+            "query {promql:?} failed: {body}"
+        );
+        Ok(body["data"]["result"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default())
+    }
+
     /// The Kubernetes version the control plane reports.
     pub fn version(&self) -> &str {
         &self.marker.version
@@ -163,7 +226,10 @@ impl Cluster {
     /// A client that authenticates with a bearer token (a ServiceAccount's, say) and nothing else.
     pub async fn client_with_token(&self, token: &str) -> anyhow::Result<kube::Client> {
         let mut config = self.admin_config().await?;
-        config.auth_info = kube::config::AuthInfo { token: Some(token.to_owned().into()), ..Default::default() };
+        config.auth_info = kube::config::AuthInfo {
+            token: Some(token.to_owned().into()),
+            ..Default::default()
+        };
         Ok(kube::Client::try_from(config)?)
     }
 
@@ -175,7 +241,9 @@ impl Cluster {
     /// A `kubectl` command (the bundled, version-matched one) using the admin kubeconfig.
     pub fn kubectl(&self) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(&self.bin);
-        cmd.arg("kubectl").arg("--kubeconfig").arg(self.kubeconfig());
+        cmd.arg("kubectl")
+            .arg("--kubeconfig")
+            .arg(self.kubeconfig());
         cmd.stdin(Stdio::null()).kill_on_drop(true);
         cmd
     }
@@ -186,10 +254,37 @@ impl Cluster {
         cmd.arg("kubectl")
             .arg("--kubeconfig=/dev/null")
             .arg(format!("--server={}", self.server()))
-            .arg(format!("--certificate-authority={}", self.ca_file().display()))
+            .arg(format!(
+                "--certificate-authority={}",
+                self.ca_file().display()
+            ))
             .arg(format!("--token={token}"));
         cmd.stdin(Stdio::null()).kill_on_drop(true);
         cmd
+    }
+}
+
+/// Registers this process as a user of the cluster in `dir` (see `cluster up --watch-clients`).
+fn register_client(dir: &Path) -> std::io::Result<()> {
+    let clients = dir.join("clients");
+    std::fs::create_dir_all(&clients)?;
+    std::fs::write(clients.join(std::process::id().to_string()), b"")
+}
+
+/// An earlier `cluster up` in the same folder may still be stopping; a new one must not wipe its
+/// state under it.
+async fn wait_for_previous_instance(dir: &Path) {
+    let Ok(pid) = std::fs::read_to_string(dir.join("up.pid")) else {
+        return;
+    };
+    let Ok(pid) = pid.trim().parse::<i32>() else {
+        return;
+    };
+    for _ in 0..60 {
+        if nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
@@ -197,7 +292,12 @@ impl Cluster {
 pub async fn run(cmd: &mut tokio::process::Command) -> anyhow::Result<String> {
     let out = output(cmd).await?;
     if !out.status.success() {
-        bail!("{:?} failed ({}):\n{}", cmd.as_std(), out.status, String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "{:?} failed ({}):\n{}",
+            cmd.as_std(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(String::from_utf8(out.stdout)?)
 }
@@ -205,5 +305,7 @@ pub async fn run(cmd: &mut tokio::process::Command) -> anyhow::Result<String> {
 /// Runs a prepared command and returns its whole output, whatever its exit status.
 pub async fn output(cmd: &mut tokio::process::Command) -> anyhow::Result<std::process::Output> {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    cmd.output().await.with_context(|| format!("run {:?}", cmd.as_std()))
+    cmd.output()
+        .await
+        .with_context(|| format!("run {:?}", cmd.as_std()))
 }

@@ -11,6 +11,7 @@
 //! ```
 
 pub mod cluster;
+pub mod kubelet;
 pub mod modelsim;
 pub mod namespace;
 pub mod paths;

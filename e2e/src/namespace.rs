@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use futures::FutureExt as _;
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use kube::Resource;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use parking_lot::Mutex;
 use rand::Rng as _;
 
@@ -27,7 +27,9 @@ pub struct TestNamespace {
 
 impl std::fmt::Debug for TestNamespace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TestNamespace").field("name", &self.name).finish_non_exhaustive()
+        f.debug_struct("TestNamespace")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }
 
@@ -75,14 +77,27 @@ impl TestNamespace {
                         "pod {} phase={} node={} ip={}",
                         pod.metadata.name.as_deref().unwrap_or("?"),
                         status.phase.as_deref().unwrap_or("?"),
-                        pod.spec.as_ref().and_then(|s| s.node_name.as_deref()).unwrap_or("-"),
+                        pod.spec
+                            .as_ref()
+                            .and_then(|s| s.node_name.as_deref())
+                            .unwrap_or("-"),
                         status.pod_ip.as_deref().unwrap_or("-"),
                     );
                     for c in status.conditions.unwrap_or_default() {
-                        let _ = writeln!(out, "  condition {}={} {}", c.type_, c.status, c.message.unwrap_or_default());
+                        let _ = writeln!(
+                            out,
+                            "  condition {}={} {}",
+                            c.type_,
+                            c.status,
+                            c.message.unwrap_or_default()
+                        );
                     }
                     for c in status.container_statuses.unwrap_or_default() {
-                        let _ = writeln!(out, "  container {} ready={} restarts={} state={:?}", c.name, c.ready, c.restart_count, c.state);
+                        let _ = writeln!(
+                            out,
+                            "  container {} ready={} restarts={} state={:?}",
+                            c.name, c.ready, c.restart_count, c.state
+                        );
                     }
                 }
             }
@@ -115,19 +130,37 @@ impl TestNamespace {
         let pod_logs = self.cluster.kubelet_dir().join("pods").join(&self.name);
         if let Ok(pods) = std::fs::read_dir(&pod_logs) {
             for pod in pods.flatten() {
-                for log in std::fs::read_dir(pod.path()).into_iter().flatten().flatten() {
+                for log in std::fs::read_dir(pod.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
                     if log.path().extension().is_some_and(|e| e == "log") {
-                        files.push((format!("log of {}/{}", pod.file_name().to_string_lossy(), log.file_name().to_string_lossy()), log.path()));
+                        files.push((
+                            format!(
+                                "log of {}/{}",
+                                pod.file_name().to_string_lossy(),
+                                log.file_name().to_string_lossy()
+                            ),
+                            log.path(),
+                        ));
                     }
                 }
             }
         }
         files.extend(self.extra_dumps.lock().iter().cloned());
         for (label, path) in files {
-            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| format!("(unreadable: {e})"));
+            let text =
+                std::fs::read_to_string(&path).unwrap_or_else(|e| format!("(unreadable: {e})"));
             let lines: Vec<&str> = text.lines().collect();
             let tail = &lines[lines.len().saturating_sub(60)..];
-            let _ = writeln!(out, "----- {label} ({}), last {} lines -----\n{}", path.display(), tail.len(), tail.join("\n"));
+            let _ = writeln!(
+                out,
+                "----- {label} ({}), last {} lines -----\n{}",
+                path.display(),
+                tail.len(),
+                tail.join("\n")
+            );
         }
         out
     }
@@ -154,7 +187,12 @@ where
         ..Default::default()
     };
     namespaces.create(&PostParams::default(), &ns).await?;
-    let tns = TestNamespace { name: name.clone(), client, cluster, extra_dumps: Mutex::new(Vec::new()) };
+    let tns = TestNamespace {
+        name: name.clone(),
+        client,
+        cluster,
+        extra_dumps: Mutex::new(Vec::new()),
+    };
 
     let outcome = AssertUnwindSafe(test(&tns)).catch_unwind().await;
     let failed = !matches!(outcome, Ok(Ok(())));

@@ -15,12 +15,24 @@ pub fn cache_dir() -> PathBuf {
 /// The embedded control plane binary (`make cluster` builds it): `$POOLPILOT_CLUSTER_BIN` or
 /// `<cache>/bin/cluster`.
 pub fn cluster_bin() -> PathBuf {
-    std::env::var_os("POOLPILOT_CLUSTER_BIN").map(PathBuf::from).unwrap_or_else(|| cache_dir().join("bin/cluster"))
+    std::env::var_os("POOLPILOT_CLUSTER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/cluster"))
+}
+
+/// The Prometheus binary (`make cluster` builds it): `$POOLPILOT_PROMETHEUS_BIN` or
+/// `<cache>/bin/prometheus`.
+pub fn prometheus_bin() -> PathBuf {
+    std::env::var_os("POOLPILOT_PROMETHEUS_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/prometheus"))
 }
 
 /// The state folder of the shared test cluster: `$POOLPILOT_CLUSTER_DIR` or `<cache>/cluster`.
 pub fn cluster_dir() -> PathBuf {
-    std::env::var_os("POOLPILOT_CLUSTER_DIR").map(PathBuf::from).unwrap_or_else(|| cache_dir().join("cluster"))
+    std::env::var_os("POOLPILOT_CLUSTER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("cluster"))
 }
 
 /// The folder holding this workspace's binaries (`target/debug` or `target/release`), found
@@ -28,11 +40,17 @@ pub fn cluster_dir() -> PathBuf {
 pub fn workspace_bin_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
     let dir = exe.parent().map(PathBuf::from).unwrap_or_default();
-    if dir.file_name().is_some_and(|n| n == "deps") { dir.parent().map(PathBuf::from).unwrap_or(dir) } else { dir }
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().map(PathBuf::from).unwrap_or(dir)
+    } else {
+        dir
+    }
 }
 
 /// The local kubelet binary: `$POOLPILOT_KUBELET_BIN` or `local-kubelet` in
 /// [`workspace_bin_dir`].
 pub fn kubelet_bin() -> PathBuf {
-    std::env::var_os("POOLPILOT_KUBELET_BIN").map(PathBuf::from).unwrap_or_else(|| workspace_bin_dir().join("local-kubelet"))
+    std::env::var_os("POOLPILOT_KUBELET_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_bin_dir().join("local-kubelet"))
 }

@@ -6,9 +6,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use anyhow::anyhow;
+use kube::Resource;
 use kube::api::Api;
 use kube::runtime::wait::{Condition, await_condition};
-use kube::Resource;
 use serde::de::DeserializeOwned;
 
 /// Waits until the object `name` satisfies `condition` (which also sees `None` while the object
@@ -33,7 +33,9 @@ where
                 Ok(None) => "(does not exist)".to_owned(),
                 Err(e) => format!("(could not read it: {e})"),
             };
-            Err(anyhow!("timed out after {timeout:?} waiting for {name} to be {what}; last state:\n{last}"))
+            Err(anyhow!(
+                "timed out after {timeout:?} waiting for {name} to be {what}; last state:\n{last}"
+            ))
         }
     }
 }

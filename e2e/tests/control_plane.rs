@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use poolpilot_e2e::cluster::{output, run};
 use poolpilot_e2e::{Cluster, eventually, wait_for, with_namespace};
 use serde_json::json;
@@ -27,45 +27,78 @@ async fn deployment_creates_pods_and_garbage_collection_removes_them() -> anyhow
                 "selector": {"matchLabels": {"app": "web"}},
                 "template": {
                     "metadata": {"labels": {"app": "web"}},
-                    "spec": {"containers": [{"name": "web", "image": "poolpilot/modelsim"}]}
+                    // No node carries this label, so the pods stay unscheduled and Pending.
+                    "spec": {
+                        "nodeSelector": {"poolpilot.io/e2e-no-such-node": "true"},
+                        "containers": [{"name": "web", "image": "poolpilot/modelsim"}]
+                    }
                 }
             }
         }))?;
-        let created = deployments.create(&PostParams::default(), &deployment).await?;
+        let created = deployments
+            .create(&PostParams::default(), &deployment)
+            .await?;
         let deployment_uid = created.uid().expect("created objects have a uid");
 
         // The deployment controller creates a ReplicaSet owned by the Deployment ...
         let rs = eventually("a ReplicaSet owned by the Deployment", WAIT, || async {
-            let list = replicasets.list(&ListParams::default().labels("app=web")).await?;
+            let list = replicasets
+                .list(&ListParams::default().labels("app=web"))
+                .await?;
             list.items
                 .into_iter()
-                .find(|rs| rs.owner_references().iter().any(|o| o.uid == deployment_uid))
+                .find(|rs| {
+                    rs.owner_references()
+                        .iter()
+                        .any(|o| o.uid == deployment_uid)
+                })
                 .ok_or_else(|| anyhow::anyhow!("no ReplicaSet yet"))
         })
         .await?;
         let rs_uid = rs.uid().expect("uid");
 
-        // ... and the replicaset controller creates its two Pods, which stay Pending: no kubelet
-        // has bound them to a node.
+        // ... and the replicaset controller creates its two Pods, which stay Pending: no node
+        // matches their selector.
         let owned = eventually("two Pods owned by the ReplicaSet", WAIT, || async {
             let list = pods.list(&ListParams::default().labels("app=web")).await?;
-            let owned: Vec<Pod> =
-                list.items.into_iter().filter(|p| p.owner_references().iter().any(|o| o.uid == rs_uid)).collect();
+            let owned: Vec<Pod> = list
+                .items
+                .into_iter()
+                .filter(|p| p.owner_references().iter().any(|o| o.uid == rs_uid))
+                .collect();
             anyhow::ensure!(owned.len() == 2, "{} pods so far", owned.len());
             Ok(owned)
         })
         .await?;
         for pod in &owned {
             let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-            assert_eq!(phase, Some("Pending"), "pod {} should be Pending without a kubelet", pod.name_any());
+            assert_eq!(
+                phase,
+                Some("Pending"),
+                "pod {} should be Pending without a matching node",
+                pod.name_any()
+            );
         }
 
         // Deleting the Deployment lets the garbage collector remove the ReplicaSet and its Pods.
         deployments.delete("web", &DeleteParams::default()).await?;
-        wait_for(&replicasets, &rs.name_any(), "garbage-collected", WAIT, |o: Option<&ReplicaSet>| o.is_none())
-            .await?;
+        wait_for(
+            &replicasets,
+            &rs.name_any(),
+            "garbage-collected",
+            WAIT,
+            |o: Option<&ReplicaSet>| o.is_none(),
+        )
+        .await?;
         for pod in &owned {
-            wait_for(&pods, &pod.name_any(), "garbage-collected", WAIT, |o: Option<&Pod>| o.is_none()).await?;
+            wait_for(
+                &pods,
+                &pod.name_any(),
+                "garbage-collected",
+                WAIT,
+                |o: Option<&Pod>| o.is_none(),
+            )
+            .await?;
         }
         Ok(())
     })
@@ -77,12 +110,28 @@ async fn deleting_a_namespace_completes() -> anyhow::Result<()> {
     let cluster = Cluster::shared().await?;
     let namespaces: Api<Namespace> = Api::all(cluster.client().await?);
     let name = format!("cp-nsdelete-{}", std::process::id());
-    namespaces.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": name}}))?).await?;
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": name}}))?,
+        )
+        .await?;
     // Something inside it for the namespace controller to clean up.
     let sas: Api<ServiceAccount> = Api::namespaced(cluster.client().await?, &name);
-    sas.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": "leftover"}}))?).await?;
+    sas.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": "leftover"}}))?,
+    )
+    .await?;
     namespaces.delete(&name, &DeleteParams::default()).await?;
-    wait_for(&namespaces, &name, "deleted", WAIT, |o: Option<&Namespace>| o.is_none()).await?;
+    wait_for(
+        &namespaces,
+        &name,
+        "deleted",
+        WAIT,
+        |o: Option<&Namespace>| o.is_none(),
+    )
+    .await?;
     Ok(())
 }
 
@@ -139,9 +188,20 @@ async fn rbac_refuses_a_service_account_without_rights() -> anyhow::Result<()> {
     with_namespace("cp-rbac", async |ns| {
         let cluster = ns.cluster();
         let n = ns.name();
-        run(cluster.kubectl().args(["create", "serviceaccount", "reader", "-n", n])).await?;
-        run(cluster.kubectl().args(["create", "role", "configmap-reader", "--verb=get,list", "--resource=configmaps", "-n", n]))
-            .await?;
+        run(cluster
+            .kubectl()
+            .args(["create", "serviceaccount", "reader", "-n", n]))
+        .await?;
+        run(cluster.kubectl().args([
+            "create",
+            "role",
+            "configmap-reader",
+            "--verb=get,list",
+            "--resource=configmaps",
+            "-n",
+            n,
+        ]))
+        .await?;
         run(cluster.kubectl().args([
             "create",
             "rolebinding",
@@ -152,22 +212,43 @@ async fn rbac_refuses_a_service_account_without_rights() -> anyhow::Result<()> {
             n,
         ]))
         .await?;
-        let token = run(cluster.kubectl().args(["create", "token", "reader", "-n", n])).await?;
+        let token = run(cluster
+            .kubectl()
+            .args(["create", "token", "reader", "-n", n]))
+        .await?;
         let token = token.trim();
 
         // Allowed: what the Role grants.
-        let allowed = run(cluster.kubectl_with_token(token).args(["get", "configmaps", "-n", n, "-o", "name"])).await?;
-        assert!(allowed.contains("configmap/kube-root-ca.crt"), "root CA publisher should have run: {allowed}");
+        let allowed = run(cluster.kubectl_with_token(token).args([
+            "get",
+            "configmaps",
+            "-n",
+            n,
+            "-o",
+            "name",
+        ]))
+        .await?;
+        assert!(
+            allowed.contains("configmap/kube-root-ca.crt"),
+            "root CA publisher should have run: {allowed}"
+        );
 
         // Refused: Secrets, through kubectl and through kube-rs alike.
-        let out = output(cluster.kubectl_with_token(token).args(["get", "secrets", "-n", n])).await?;
+        let out = output(
+            cluster
+                .kubectl_with_token(token)
+                .args(["get", "secrets", "-n", n]),
+        )
+        .await?;
         assert!(!out.status.success());
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
-            stderr.contains("Forbidden") && stderr.contains(&format!("system:serviceaccount:{n}:reader")),
+            stderr.contains("Forbidden")
+                && stderr.contains(&format!("system:serviceaccount:{n}:reader")),
             "expected an RBAC refusal naming the identity, got: {stderr}"
         );
-        let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(cluster.client_with_token(token).await?, n);
+        let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+            Api::namespaced(cluster.client_with_token(token).await?, n);
         match secrets.list(&ListParams::default()).await {
             Err(kube::Error::Api(status)) => assert_eq!(status.code, 403, "{status:?}"),
             other => panic!("listing secrets should be forbidden, got {other:?}"),
@@ -183,7 +264,8 @@ async fn version_is_the_real_kubernetes_version() -> anyhow::Result<()> {
     let info = cluster.client().await?.apiserver_version().await?;
     assert_eq!((info.major.as_str(), info.minor.as_str()), ("1", "37"));
     assert_eq!(info.git_version, "v1.37.2");
-    let json: serde_json::Value = serde_json::from_str(&run(cluster.kubectl().args(["version", "-o", "json"])).await?)?;
+    let json: serde_json::Value =
+        serde_json::from_str(&run(cluster.kubectl().args(["version", "-o", "json"])).await?)?;
     assert_eq!(json["serverVersion"]["gitVersion"], "v1.37.2");
     assert_eq!(json["clientVersion"]["gitVersion"], "v1.37.2");
     Ok(())

@@ -7,15 +7,21 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use poolpilot_e2e::{TestNamespace, eventually, wait_for, with_namespace};
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(60);
 
 fn pod_log(ns: &TestNamespace, pod: &str, container: &str) -> String {
-    let path = ns.cluster().kubelet_dir().join("pods").join(ns.name()).join(pod).join(format!("{container}.log"));
+    let path = ns
+        .cluster()
+        .kubelet_dir()
+        .join("pods")
+        .join(ns.name())
+        .join(pod)
+        .join(format!("{container}.log"));
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
@@ -29,14 +35,17 @@ fn is_ready(pod: &Pod) -> bool {
 async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
     let mut body = String::new();
     stream.read_to_string(&mut body).await?;
     Ok(body)
 }
 
 #[tokio::test]
-async fn deployment_pods_run_on_their_own_loopback_ips_and_stop_when_deleted() -> anyhow::Result<()> {
+async fn deployment_pods_run_on_their_own_loopback_ips_and_stop_when_deleted() -> anyhow::Result<()>
+{
     with_namespace("kl-deploy", async |ns| {
         let deployments: Api<Deployment> = ns.api();
         let pods: Api<Pod> = ns.api();
@@ -162,7 +171,8 @@ async fn a_pod_whose_readiness_probe_fails_is_not_ready() -> anyhow::Result<()> 
 }
 
 #[tokio::test]
-async fn configmap_changes_reach_the_running_process_and_nofile_is_honoured() -> anyhow::Result<()> {
+async fn configmap_changes_reach_the_running_process_and_nofile_is_honoured() -> anyhow::Result<()>
+{
     with_namespace("kl-volume", async |ns| {
         let configmaps: Api<ConfigMap> = ns.api();
         let pods: Api<Pod> = ns.api();

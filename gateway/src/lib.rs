@@ -1,1 +1,195 @@
-//! poolpilot-gateway.
+//! poolpilot-gateway: the data plane. A reverse proxy for model backends that pools
+//! connections per endpoint under a hard cap, throttles each client, cuts slow calls, tells
+//! rejected clients when to come back, and exposes what the operator needs to tune it.
+//!
+//! ```text
+//!  client ──► server (accept caps, head limits, idle timeout, drain)
+//!               │
+//!               ▼
+//!             proxy: route (path / headers / JSON model) ──► limiter (per client: 429)
+//!               │                                               │
+//!               ▼                                               ▼
+//!             pool (per backend, per endpoint cap, FIFO waiters: 503) ──► backend
+//!               ▲                 ▲
+//!     health (probes, ejection)   gateway (limits in force; applied by admin PUT or reload)
+//!
+//!  admin port: /healthz /readyz /metrics /v1/limits /v1/stats
+//! ```
+//!
+//! Every failure of a request is typed and becomes a response in one place: [`error`].
+
+pub mod admin;
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod gateway;
+pub mod health;
+pub mod limiter;
+pub mod metrics;
+pub mod pool;
+pub mod procfs;
+pub mod proxy;
+pub mod reload;
+pub mod route;
+pub mod server;
+pub mod upstream;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use config::GatewayConfig;
+pub use gateway::Gateway;
+pub use metrics::Metrics;
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The configuration could not be read.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    /// A listener could not be bound.
+    #[error("binding {addr} failed")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The IO error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A started gateway.
+#[derive(Debug)]
+pub struct Running {
+    /// The bound proxy address.
+    pub proxy_addr: SocketAddr,
+    /// The bound admin address.
+    pub admin_addr: SocketAddr,
+    /// The live state.
+    pub gateway: Gateway,
+    shutdown: watch::Sender<bool>,
+    conns: Arc<server::Connections>,
+    tasks: Vec<JoinHandle<()>>,
+    drain_grace: Duration,
+}
+
+/// Binds the listeners, loads the limits file if there is one, and starts serving.
+pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
+    let token = admin::AdminToken::new(config.read_token()?.as_deref());
+    if config.admin_token_file.is_none() {
+        tracing::warn!("no adminTokenFile configured: PUT /v1/limits is refused");
+    }
+    let bind = |addr: SocketAddr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Bind { addr, source })
+    };
+    let proxy = bind(config.listeners.proxy).await?;
+    let admin = bind(config.listeners.admin).await?;
+    let proxy_addr = proxy.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listeners.proxy,
+        source,
+    })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listeners.admin,
+        source,
+    })?;
+
+    let gw = Gateway::new(Metrics::new());
+    let (shutdown, shutdown_rx) = watch::channel(false);
+    let conns = Arc::new(server::Connections::default());
+    let mut tasks = vec![gw.spawn_maintenance()];
+    if let Some(path) = &config.limits_file {
+        let seen = match reload::load_once(&gw, path) {
+            Ok(digest) => Some(digest),
+            Err(error) => {
+                tracing::warn!(%error, "no limits file yet; waiting for it or for PUT /v1/limits");
+                None
+            }
+        };
+        tasks.push(tokio::spawn(reload::watch_file(
+            gw.clone(),
+            path.clone(),
+            config.limits_poll_interval.get(),
+            seen,
+            shutdown_rx.clone(),
+        )));
+    }
+    tasks.push(tokio::spawn(admin::serve(
+        admin,
+        gw.clone(),
+        token,
+        shutdown_rx.clone(),
+    )));
+    tasks.push(tokio::spawn(server::serve(
+        proxy,
+        gw.clone(),
+        conns.clone(),
+        shutdown_rx,
+    )));
+    tracing::info!(%proxy_addr, %admin_addr, "gateway started");
+    Ok(Running {
+        proxy_addr,
+        admin_addr,
+        gateway: gw,
+        shutdown,
+        conns,
+        tasks,
+        drain_grace: config.drain_grace.get(),
+    })
+}
+
+impl Running {
+    /// Client connections open now.
+    pub fn open_connections(&self) -> usize {
+        self.conns.open()
+    }
+
+    /// Graceful shutdown: readiness fails, the listeners stop accepting, in-flight requests
+    /// finish (up to the drain grace), then everything stops. Returns the number of client
+    /// connections still open when the grace ran out (0 for a clean drain).
+    pub async fn shutdown(self) -> usize {
+        self.gateway.set_draining();
+        let _ = self.shutdown.send(true);
+        let left = server::drain(&self.conns, self.drain_grace).await;
+        for task in &self.tasks {
+            task.abort();
+        }
+        if left > 0 {
+            tracing::warn!(left, "drain grace over; closing the remaining connections");
+        } else {
+            tracing::info!("drained");
+        }
+        left
+    }
+}
+
+/// Runs until SIGTERM or SIGINT, then drains.
+pub async fn run(config: GatewayConfig) -> Result<(), StartError> {
+    let running = start(config).await?;
+    wait_for_signal().await;
+    tracing::info!("shutdown signal received; draining");
+    running.shutdown().await;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot listen for SIGTERM; only SIGINT stops the gateway");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -43,9 +43,18 @@ fn example() -> GatewayLimits {
 fn example_parses_and_validates() {
     let doc = example();
     assert_eq!(doc.generation, 3);
-    assert_eq!(doc.backends[0].pool.lease_timeout, Duration::from_millis(300));
-    assert_eq!(doc.client_policies[0].identity, ClientIdentity::Header("x-api-key".into()));
-    assert_eq!(doc.listener.max_connections, ListenerLimits::default().max_connections);
+    assert_eq!(
+        doc.backends[0].pool.lease_timeout,
+        Duration::from_millis(300)
+    );
+    assert_eq!(
+        doc.client_policies[0].identity,
+        ClientIdentity::Header("x-api-key".into())
+    );
+    assert_eq!(
+        doc.listener.max_connections,
+        ListenerLimits::default().max_connections
+    );
     doc.validate().expect("example is valid");
 }
 
@@ -127,8 +136,14 @@ fn source_ip_identity_round_trips() {
 
 #[test]
 fn identity_needs_exactly_one_kind() {
-    for bad in ["{}", "{header: x-api-key, sourceIp: {}}", "{sourceIp: {a: 1}}"] {
-        let err = serde_norway::from_str::<ClientIdentity>(bad).unwrap_err().to_string();
+    for bad in [
+        "{}",
+        "{header: x-api-key, sourceIp: {}}",
+        "{sourceIp: {a: 1}}",
+    ] {
+        let err = serde_norway::from_str::<ClientIdentity>(bad)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("identity"), "{bad}: {err}");
     }
 }
@@ -139,6 +154,15 @@ fn header_names_and_label_names_are_checked() {
     doc.client_policies[0].identity = ClientIdentity::Header("x api key".into());
     doc.backends[0].name = "model a".into();
     doc.backends[0].client_policy = None;
-    let fields: Vec<String> = doc.validate().unwrap_err().violations.into_iter().map(|v| v.field).collect();
-    assert_eq!(fields, ["clientPolicies[0].identity.header", "backends[0].name"]);
+    let fields: Vec<String> = doc
+        .validate()
+        .unwrap_err()
+        .violations
+        .into_iter()
+        .map(|v| v.field)
+        .collect();
+    assert_eq!(
+        fields,
+        ["clientPolicies[0].identity.header", "backends[0].name"]
+    );
 }

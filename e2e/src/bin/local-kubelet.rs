@@ -37,12 +37,18 @@ fn parse_image(s: &str) -> Result<(String, PathBuf), String> {
 }
 
 fn humantime_secs(s: &str) -> Result<Duration, String> {
-    s.parse::<poolpilot_api::Duration>().map(Into::into).map_err(|e| e.to_string())
+    s.parse::<poolpilot_api::Duration>()
+        .map(Into::into)
+        .map_err(|e| e.to_string())
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
     let args = Args::parse();
     let kubeconfig = kube::config::Kubeconfig::read_from(&args.kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
@@ -52,12 +58,16 @@ async fn main() -> anyhow::Result<()> {
     let kubelet = KubeletConfig {
         node_name: args.node_name,
         state_dir: args.state_dir,
-        images: ImageResolver { images: args.images.into_iter().collect(), bin_dirs: args.bin_dirs },
+        images: ImageResolver {
+            images: args.images.into_iter().collect(),
+            bin_dirs: args.bin_dirs,
+        },
         apiserver: (host, port),
         backoff: (Duration::from_secs(1), args.max_backoff),
     };
     let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = term.recv() => {}
             _ = tokio::signal::ctrl_c() => {}

@@ -28,10 +28,10 @@ use std::time::Duration;
 
 use futures::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::core::v1::{Binding, ConfigMap, ObjectReference, Pod, Secret};
+use kube::ResourceExt as _;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt as _, watcher};
-use kube::ResourceExt as _;
 use nix::sys::signal::Signal;
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -87,11 +87,17 @@ impl KubeletContext {
     }
 
     fn configmap(&self, ns: &str, name: &str) -> Option<ConfigMap> {
-        self.volumes.configmaps.get(&ObjectRef::new(name).within(ns)).map(|c| (*c).clone())
+        self.volumes
+            .configmaps
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|c| (*c).clone())
     }
 
     fn secret(&self, ns: &str, name: &str) -> Option<Secret> {
-        self.volumes.secrets.get(&ObjectRef::new(name).within(ns)).map(|s| (*s).clone())
+        self.volumes
+            .secrets
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|s| (*s).clone())
     }
 }
 
@@ -111,7 +117,9 @@ impl IpPool {
             return *ip;
         }
         let used: HashSet<Ipv4Addr> = self.by_uid.values().copied().collect();
-        let ip = match previous.filter(|ip| (Self::FIRST..=Self::LAST).contains(&u32::from(*ip)) && !used.contains(ip)) {
+        let ip = match previous
+            .filter(|ip| (Self::FIRST..=Self::LAST).contains(&u32::from(*ip)) && !used.contains(ip))
+        {
             Some(ip) => ip,
             None => {
                 let span = Self::LAST - Self::FIRST + 1;
@@ -138,21 +146,31 @@ impl IpPool {
 }
 
 /// Runs the kubelet until `shutdown` resolves, then stops every pod process.
-pub async fn run(client: kube::Client, config: KubeletConfig, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+pub async fn run(
+    client: kube::Client,
+    config: KubeletConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
     node::register(&client, &config.node_name).await?;
     let (configmaps, configmaps_writer) = reflector::store::<ConfigMap>();
     let (secrets, secrets_writer) = reflector::store::<Secret>();
     tokio::spawn(
-        watcher(Api::<ConfigMap>::all(client.clone()), watcher::Config::default())
-            .default_backoff()
-            .reflect(configmaps_writer)
-            .for_each(|_| async {}),
+        watcher(
+            Api::<ConfigMap>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(configmaps_writer)
+        .for_each(|_| async {}),
     );
     tokio::spawn(
-        watcher(Api::<Secret>::all(client.clone()), watcher::Config::default())
-            .default_backoff()
-            .reflect(secrets_writer)
-            .for_each(|_| async {}),
+        watcher(
+            Api::<Secret>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(secrets_writer)
+        .for_each(|_| async {}),
     );
     configmaps.wait_until_ready().await?;
     secrets.wait_until_ready().await?;
@@ -164,7 +182,11 @@ pub async fn run(client: kube::Client, config: KubeletConfig, shutdown: impl std
         images: config.images,
         apiserver: config.apiserver,
         backoff: config.backoff,
-        volumes: volumes::VolumeSources { configmaps, secrets, client: client.clone() },
+        volumes: volumes::VolumeSources {
+            configmaps,
+            secrets,
+            client: client.clone(),
+        },
         ips: Mutex::new(IpPool::default()),
         pids: Mutex::new(HashSet::new()),
     });
@@ -183,7 +205,9 @@ pub async fn run(client: kube::Client, config: KubeletConfig, shutdown: impl std
 async fn watch_pods(ctx: Arc<KubeletContext>) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::all(ctx.client.clone());
     let mut workers: BTreeMap<String, watch::Sender<Option<Pod>>> = BTreeMap::new();
-    let mut stream = watcher(pods.clone(), watcher::Config::default()).default_backoff().boxed();
+    let mut stream = watcher(pods.clone(), watcher::Config::default())
+        .default_backoff()
+        .boxed();
     // Pods seen during a relist, to notice the ones deleted while the watch was down.
     let mut relist: Option<HashSet<String>> = None;
     while let Some(event) = stream.try_next().await? {
@@ -217,11 +241,17 @@ async fn watch_pods(ctx: Arc<KubeletContext>) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn handle_pod(ctx: &Arc<KubeletContext>, workers: &mut BTreeMap<String, watch::Sender<Option<Pod>>>, pod: Pod) {
+async fn handle_pod(
+    ctx: &Arc<KubeletContext>,
+    workers: &mut BTreeMap<String, watch::Sender<Option<Pod>>>,
+    pod: Pod,
+) {
     let Some(uid) = pod.uid() else { return };
     let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
     match node.as_deref() {
-        None if pod.metadata.deletion_timestamp.is_none() => bind(ctx, &pod).await,
+        None if pod.metadata.deletion_timestamp.is_none() && fits(&ctx.node_name, &pod) => {
+            bind(ctx, &pod).await
+        }
         Some(n) if n == ctx.node_name => {
             if let Some(tx) = workers.get(&uid) {
                 let _ = tx.send(Some(pod));
@@ -235,18 +265,49 @@ async fn handle_pod(ctx: &Arc<KubeletContext>, workers: &mut BTreeMap<String, wa
     }
 }
 
+/// Whether the pod's `nodeSelector` matches the local Node (the only scheduling rule we apply).
+fn fits(node_name: &str, pod: &Pod) -> bool {
+    let labels = node::labels(node_name);
+    let selector = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_selector.clone())
+        .unwrap_or_default();
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
 fn is_finished(pod: &Pod) -> bool {
-    matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
 }
 
 async fn bind(ctx: &KubeletContext, pod: &Pod) {
     let ns = pod.namespace().unwrap_or_default();
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let binding = Binding {
-        metadata: ObjectMeta { name: Some(pod.name_any()), namespace: Some(ns), ..Default::default() },
-        target: ObjectReference { api_version: Some("v1".into()), kind: Some("Node".into()), name: Some(ctx.node_name.clone()), ..Default::default() },
+        metadata: ObjectMeta {
+            name: Some(pod.name_any()),
+            namespace: Some(ns),
+            ..Default::default()
+        },
+        target: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(ctx.node_name.clone()),
+            ..Default::default()
+        },
     };
-    match api.create_subresource::<Binding, Binding>("binding", &pod.name_any(), &PostParams::default(), &binding).await {
+    match api
+        .create_subresource::<Binding, Binding>(
+            "binding",
+            &pod.name_any(),
+            &PostParams::default(),
+            &binding,
+        )
+        .await
+    {
         Ok(_) => tracing::info!(pod = %pod.name_any(), "bound"),
         // Already bound (a racing event) or gone: the next watch event settles it.
         Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
@@ -278,16 +339,36 @@ mod tests {
         assert_eq!(b, Ipv4Addr::new(127, 0, 1, 2));
         assert_eq!(pool.allocate("a", None), a, "stable per pod");
         // A restarted kubelet keeps a pod's reported address when it is free.
-        assert_eq!(pool.allocate("c", Some(Ipv4Addr::new(127, 0, 9, 9))), Ipv4Addr::new(127, 0, 9, 9));
-        assert_ne!(pool.allocate("d", Some(a)), a, "an address in use is not handed out twice");
+        assert_eq!(
+            pool.allocate("c", Some(Ipv4Addr::new(127, 0, 9, 9))),
+            Ipv4Addr::new(127, 0, 9, 9)
+        );
+        assert_ne!(
+            pool.allocate("d", Some(a)),
+            a,
+            "an address in use is not handed out twice"
+        );
         pool.release("a");
         assert!(!pool.by_uid.contains_key("a"));
     }
 
     #[test]
     fn ip_pool_skips_network_and_broadcast_octets() {
-        let mut pool = IpPool { next: 253, ..Default::default() };
-        let ips: Vec<Ipv4Addr> = (0..4).map(|i| pool.allocate(&i.to_string(), None)).collect();
-        assert_eq!(ips, [Ipv4Addr::new(127, 0, 1, 254), Ipv4Addr::new(127, 0, 2, 1), Ipv4Addr::new(127, 0, 2, 2), Ipv4Addr::new(127, 0, 2, 3)]);
+        let mut pool = IpPool {
+            next: 253,
+            ..Default::default()
+        };
+        let ips: Vec<Ipv4Addr> = (0..4)
+            .map(|i| pool.allocate(&i.to_string(), None))
+            .collect();
+        assert_eq!(
+            ips,
+            [
+                Ipv4Addr::new(127, 0, 1, 254),
+                Ipv4Addr::new(127, 0, 2, 1),
+                Ipv4Addr::new(127, 0, 2, 2),
+                Ipv4Addr::new(127, 0, 2, 3)
+            ]
+        );
     }
 }

@@ -10,25 +10,39 @@ use serde_json::json;
 
 const FIELD_MANAGER: &str = "poolpilot-local-kubelet";
 
+/// The labels of the local Node; pods whose `nodeSelector` asks for anything else stay Pending,
+/// as the scheduler would leave them.
+pub fn labels(name: &str) -> std::collections::BTreeMap<String, String> {
+    [
+        ("kubernetes.io/hostname", name),
+        ("kubernetes.io/os", "linux"),
+        ("kubernetes.io/arch", std::env::consts::ARCH),
+        ("node.kubernetes.io/instance-type", "poolpilot-local"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
 /// Creates or updates the Node `name` and marks it Ready.
 pub async fn register(client: &kube::Client, name: &str) -> kube::Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let node = json!({
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {
-            "name": name,
-            "labels": {
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": std::env::consts::ARCH,
-                "node.kubernetes.io/instance-type": "poolpilot-local",
-            }
-        },
+        "metadata": {"name": name, "labels": labels(name)},
         "spec": {}
     });
-    nodes.patch(name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&node)).await?;
+    nodes
+        .patch(
+            name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&node),
+        )
+        .await?;
     patch_status(&nodes, name, cpus).await
 }
 
@@ -51,14 +65,18 @@ async fn patch_status(nodes: &Api<Node>, name: &str, cpus: usize) -> kube::Resul
             },
         }
     });
-    nodes.patch_status(name, &PatchParams::default(), &Patch::Merge(&status)).await?;
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
     Ok(())
 }
 
 /// Refreshes the Ready condition every 20 seconds, forever.
 pub async fn heartbeat(client: kube::Client, name: String) {
     let nodes: Api<Node> = Api::all(client);
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     loop {
         tokio::time::sleep(Duration::from_secs(20)).await;
         if let Err(e) = patch_status(&nodes, &name, cpus).await {

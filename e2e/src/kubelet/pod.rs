@@ -11,8 +11,8 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Container, ContainerStateTerminated, EnvVar, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
@@ -29,8 +29,17 @@ pub const NOFILE_ANNOTATION: &str = "poolpilot.io/nofile-limit";
 /// What a container's processes and probes report back to the pod worker.
 #[derive(Debug)]
 enum Report {
-    Exited { container: usize, run: u64, code: i32 },
-    Probed { container: usize, run: u64, kind: ProbeKind, result: Result<(), String> },
+    Exited {
+        container: usize,
+        run: u64,
+        code: i32,
+    },
+    Probed {
+        container: usize,
+        run: u64,
+        kind: ProbeKind,
+        result: Result<(), String>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,7 +106,9 @@ struct PodWorker {
 /// Runs one pod until it is deleted. `updates` carries the latest version of the pod, `None`
 /// once it is gone from the API.
 pub async fn run_pod(ctx: Arc<KubeletContext>, mut updates: watch::Receiver<Option<Pod>>) {
-    let Some(pod) = updates.borrow_and_update().clone() else { return };
+    let Some(pod) = updates.borrow_and_update().clone() else {
+        return;
+    };
     let (reports_tx, mut reports) = mpsc::unbounded_channel();
     let mut worker = PodWorker::new(ctx, pod, reports_tx);
     let mut tick = tokio::time::interval(Duration::from_millis(200));
@@ -124,7 +135,9 @@ pub async fn run_pod(ctx: Arc<KubeletContext>, mut updates: watch::Receiver<Opti
         }
         worker.publish_status().await;
     }
-    worker.ctx.release_ip(worker.pod.uid().as_deref().unwrap_or_default());
+    worker
+        .ctx
+        .release_ip(worker.pod.uid().as_deref().unwrap_or_default());
     let _ = std::fs::remove_dir_all(worker.dir.join("volumes"));
 }
 
@@ -135,7 +148,11 @@ impl PodWorker {
         let dir = ctx.state_dir.join("pods").join(&ns).join(&name);
         let _ = std::fs::create_dir_all(&dir);
         let uid = pod.uid().unwrap_or_default();
-        let previous_ip = pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()).and_then(|ip| ip.parse().ok());
+        let previous_ip = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|ip| ip.parse().ok());
         let ip = ctx.allocate_ip(&uid, previous_ip);
         let spec = pod.spec.clone().unwrap_or_default();
         let now = Instant::now();
@@ -180,7 +197,11 @@ impl PodWorker {
     }
 
     fn restart_policy(&self) -> &str {
-        self.pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()).unwrap_or("Always")
+        self.pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.restart_policy.as_deref())
+            .unwrap_or("Always")
     }
 
     /// Periodic work: keep volumes in sync, start what is due, schedule probes.
@@ -188,19 +209,33 @@ impl PodWorker {
         let now = Instant::now();
         if now >= self.next_volume_sync {
             self.next_volume_sync = now + Duration::from_secs(1);
-            self.volume_error = self.volumes.sync(&self.pod, &self.ctx.volumes).await.err().map(|e| e.to_string());
+            self.volume_error = self
+                .volumes
+                .sync(&self.pod, &self.ctx.volumes)
+                .await
+                .err()
+                .map(|e| e.to_string());
         }
         if let Some(err) = &self.volume_error {
-            for c in self.containers.iter_mut().filter(|c| c.run.is_none() && c.finished.is_none()) {
+            for c in self
+                .containers
+                .iter_mut()
+                .filter(|c| c.run.is_none() && c.finished.is_none())
+            {
                 c.waiting = Some(("ContainerCreating".into(), err.clone()));
             }
             return;
         }
         // Init containers run one at a time, in order; the others wait for all of them.
-        let init_pending = self.containers.iter().position(|c| c.init && c.finished.as_ref().is_none_or(|t| t.exit_code != 0));
+        let init_pending = self
+            .containers
+            .iter()
+            .position(|c| c.init && c.finished.as_ref().is_none_or(|t| t.exit_code != 0));
         let startable: Vec<usize> = match init_pending {
             Some(i) => vec![i],
-            None => (0..self.containers.len()).filter(|&i| !self.containers[i].init).collect(),
+            None => (0..self.containers.len())
+                .filter(|&i| !self.containers[i].init)
+                .collect(),
         };
         for i in startable {
             let c = &self.containers[i];
@@ -221,16 +256,35 @@ impl PodWorker {
                     let tx = self.reports_tx.clone();
                     tokio::spawn(async move {
                         let code = process::exit_code(child.wait().await);
-                        let _ = tx.send(Report::Exited { container: index, run, code });
+                        let _ = tx.send(Report::Exited {
+                            container: index,
+                            run,
+                            code,
+                        });
                     });
                     self.ctx.track_pid(pid, true);
                     let c = &mut self.containers[index];
-                    c.run = Some(Run { id: run, pid, started_at: Timestamp::now(), started: Instant::now(), killed_for: None });
+                    c.run = Some(Run {
+                        id: run,
+                        pid,
+                        started_at: Timestamp::now(),
+                        started: Instant::now(),
+                        killed_for: None,
+                    });
                     c.waiting = None;
                     c.ready = false;
-                    let first_probe = |p: &Option<k8s_openapi::api::core::v1::Probe>| p.as_ref().map(|p| Instant::now() + ProbeTiming::of(p).initial_delay);
-                    c.readiness = ProbeState { next: first_probe(&c.spec.readiness_probe), ..Default::default() };
-                    c.liveness = ProbeState { next: first_probe(&c.spec.liveness_probe), ..Default::default() };
+                    let first_probe = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
+                        p.as_ref()
+                            .map(|p| Instant::now() + ProbeTiming::of(p).initial_delay)
+                    };
+                    c.readiness = ProbeState {
+                        next: first_probe(&c.spec.readiness_probe),
+                        ..Default::default()
+                    };
+                    c.liveness = ProbeState {
+                        next: first_probe(&c.spec.liveness_probe),
+                        ..Default::default()
+                    };
                     tracing::info!(pod = %self.pod.name_any(), container = %c.spec.name, pid, "started");
                 }
                 Err(e) => self.start_failed(index, e.reason(), e.to_string()),
@@ -254,26 +308,57 @@ impl PodWorker {
         let image = c.image.clone().unwrap_or_default();
         let env = self.environment(c);
         let expand = |s: &String| process::expand(s, &env);
-        let command: Vec<String> = c.command.clone().unwrap_or_default().iter().map(expand).collect();
-        let args: Vec<String> = c.args.clone().unwrap_or_default().iter().map(expand).collect();
+        let command: Vec<String> = c
+            .command
+            .clone()
+            .unwrap_or_default()
+            .iter()
+            .map(expand)
+            .collect();
+        let args: Vec<String> = c
+            .args
+            .clone()
+            .unwrap_or_default()
+            .iter()
+            .map(expand)
+            .collect();
         let (program, args) = match command.split_first() {
-            Some((program, rest)) => (self.ctx.images.resolve_command(&image, program)?, rest.iter().cloned().chain(args).collect()),
+            Some((program, rest)) => (
+                self.ctx.images.resolve_command(&image, program)?,
+                rest.iter().cloned().chain(args).collect(),
+            ),
             None => (self.ctx.images.resolve(&image)?, args),
         };
         let mut mounts = Vec::new();
         for m in c.volume_mounts.clone().unwrap_or_default() {
-            let mut source = self.volumes.path_of(&self.pod, &m.name).ok_or_else(|| process::StartError::MissingVolume(m.name.clone()))?;
+            let mut source = self
+                .volumes
+                .path_of(&self.pod, &m.name)
+                .ok_or_else(|| process::StartError::MissingVolume(m.name.clone()))?;
             if let Some(sub) = m.sub_path.as_deref().filter(|s| !s.is_empty()) {
                 source = source.join(sub);
             }
-            mounts.push(BindMount { source, target: PathBuf::from(&m.mount_path), read_only: m.read_only.unwrap_or(false) });
+            mounts.push(BindMount {
+                source,
+                target: PathBuf::from(&m.mount_path),
+                read_only: m.read_only.unwrap_or(false),
+            });
         }
-        let nofile_limit = self.pod.annotations().get(NOFILE_ANNOTATION).and_then(|v| v.parse().ok());
+        let nofile_limit = self
+            .pod
+            .annotations()
+            .get(NOFILE_ANNOTATION)
+            .and_then(|v| v.parse().ok());
         Ok(ProcessSpec {
             program,
             args,
             env,
-            working_dir: c.working_dir.clone().map(PathBuf::from).filter(|p| p.is_dir()).unwrap_or_else(|| self.dir.clone()),
+            working_dir: c
+                .working_dir
+                .clone()
+                .map(PathBuf::from)
+                .filter(|p| p.is_dir())
+                .unwrap_or_else(|| self.dir.clone()),
             mounts,
             nofile_limit,
             log_file: self.dir.join(format!("{}.log", c.name)),
@@ -303,14 +388,20 @@ impl PodWorker {
         let ns = self.pod.namespace().unwrap_or_default();
         for from in c.env_from.clone().unwrap_or_default() {
             let prefix = from.prefix.clone().unwrap_or_default();
-            if let Some(cm) = from.config_map_ref.and_then(|r| self.ctx.configmap(&ns, &r.name)) {
+            if let Some(cm) = from
+                .config_map_ref
+                .and_then(|r| self.ctx.configmap(&ns, &r.name))
+            {
                 for (k, v) in cm.data.unwrap_or_default() {
                     env.insert(format!("{prefix}{k}"), v);
                 }
             }
             if let Some(secret) = from.secret_ref.and_then(|r| self.ctx.secret(&ns, &r.name)) {
                 for (k, v) in secret.data.unwrap_or_default() {
-                    env.insert(format!("{prefix}{k}"), String::from_utf8_lossy(&v.0).into_owned());
+                    env.insert(
+                        format!("{prefix}{k}"),
+                        String::from_utf8_lossy(&v.0).into_owned(),
+                    );
                 }
             }
         }
@@ -325,7 +416,9 @@ impl PodWorker {
         if let Some(value) = &var.value {
             return process::expand(value, env);
         }
-        let Some(from) = &var.value_from else { return String::new() };
+        let Some(from) = &var.value_from else {
+            return String::new();
+        };
         if let Some(field) = &from.field_ref {
             let mut pod = self.pod.clone();
             let status = pod.status.get_or_insert_default();
@@ -334,7 +427,11 @@ impl PodWorker {
             return pod_field(&pod, &field.field_path).unwrap_or_default();
         }
         if let Some(key) = &from.config_map_key_ref {
-            return self.ctx.configmap(ns, &key.name).and_then(|cm| cm.data.unwrap_or_default().remove(&key.key)).unwrap_or_default();
+            return self
+                .ctx
+                .configmap(ns, &key.name)
+                .and_then(|cm| cm.data.unwrap_or_default().remove(&key.key))
+                .unwrap_or_default();
         }
         if let Some(key) = &from.secret_key_ref {
             return self
@@ -363,8 +460,16 @@ impl PodWorker {
                 .filter_map(|p| Some((p.name?, u16::try_from(p.container_port).ok()?)))
                 .collect();
             for (kind, probe, state) in [
-                (ProbeKind::Readiness, c.spec.readiness_probe.clone(), &mut c.readiness),
-                (ProbeKind::Liveness, c.spec.liveness_probe.clone(), &mut c.liveness),
+                (
+                    ProbeKind::Readiness,
+                    c.spec.readiness_probe.clone(),
+                    &mut c.readiness,
+                ),
+                (
+                    ProbeKind::Liveness,
+                    c.spec.liveness_probe.clone(),
+                    &mut c.liveness,
+                ),
             ] {
                 let Some(probe) = probe else { continue };
                 if state.in_flight || state.next.is_none_or(|next| now < next) {
@@ -372,11 +477,17 @@ impl PodWorker {
                 }
                 state.in_flight = true;
                 state.next = Some(now + ProbeTiming::of(&probe).period);
-                let (tx, ip, ports, run) = (self.reports_tx.clone(), ip.clone(), ports.clone(), run.id);
+                let (tx, ip, ports, run) =
+                    (self.reports_tx.clone(), ip.clone(), ports.clone(), run.id);
                 let env = BTreeMap::new();
                 tokio::spawn(async move {
                     let result = probe::run(&probe, &ip, &ports, &env).await;
-                    let _ = tx.send(Report::Probed { container: index, run, kind, result });
+                    let _ = tx.send(Report::Probed {
+                        container: index,
+                        run,
+                        kind,
+                        result,
+                    });
                 });
             }
         }
@@ -387,13 +498,25 @@ impl PodWorker {
         let policy = self.restart_policy().to_owned();
         let (initial_backoff, max_backoff) = self.ctx.backoff;
         match report {
-            Report::Exited { container, run, code } => {
+            Report::Exited {
+                container,
+                run,
+                code,
+            } => {
                 let c = &mut self.containers[container];
-                let Some(r) = c.run.take_if(|r| r.id == run) else { return };
+                let Some(r) = c.run.take_if(|r| r.id == run) else {
+                    return;
+                };
                 self.ctx.track_pid(r.pid, false);
                 let terminated = ContainerStateTerminated {
                     exit_code: code,
-                    reason: Some(r.killed_for.clone().unwrap_or_else(|| if code == 0 { "Completed".into() } else { "Error".into() })),
+                    reason: Some(r.killed_for.clone().unwrap_or_else(|| {
+                        if code == 0 {
+                            "Completed".into()
+                        } else {
+                            "Error".into()
+                        }
+                    })),
                     message: r.killed_for.clone(),
                     started_at: Some(Time(r.started_at)),
                     finished_at: Some(Time(Timestamp::now())),
@@ -414,7 +537,10 @@ impl PodWorker {
                     c.next_start = Instant::now() + c.backoff;
                     c.waiting = Some((
                         "CrashLoopBackOff".into(),
-                        format!("back-off {:?} restarting failed container={} pod={pod_name}", c.backoff, c.spec.name),
+                        format!(
+                            "back-off {:?} restarting failed container={} pod={pod_name}",
+                            c.backoff, c.spec.name
+                        ),
                     ));
                     c.backoff = (c.backoff * 2).min(max_backoff);
                     c.last_terminated = Some(terminated);
@@ -422,14 +548,23 @@ impl PodWorker {
                     c.finished = Some(terminated);
                 }
             }
-            Report::Probed { container, run, kind, result } => {
+            Report::Probed {
+                container,
+                run,
+                kind,
+                result,
+            } => {
                 let c = &mut self.containers[container];
-                let Some(r) = c.run.as_mut().filter(|r| r.id == run) else { return };
+                let Some(r) = c.run.as_mut().filter(|r| r.id == run) else {
+                    return;
+                };
                 let (probe, state) = match kind {
                     ProbeKind::Readiness => (c.spec.readiness_probe.as_ref(), &mut c.readiness),
                     ProbeKind::Liveness => (c.spec.liveness_probe.as_ref(), &mut c.liveness),
                 };
-                let Some(timing) = probe.map(ProbeTiming::of) else { return };
+                let Some(timing) = probe.map(ProbeTiming::of) else {
+                    return;
+                };
                 state.in_flight = false;
                 match &result {
                     Ok(()) => {
@@ -469,7 +604,12 @@ impl PodWorker {
             .pod
             .metadata
             .deletion_grace_period_seconds
-            .or_else(|| self.pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds))
+            .or_else(|| {
+                self.pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.termination_grace_period_seconds)
+            })
             .unwrap_or(30)
             .clamp(0, 120) as u64;
         for c in &self.containers {
@@ -508,13 +648,18 @@ impl PodWorker {
     async fn finalize_deletion(&self) {
         let params = DeleteParams {
             grace_period_seconds: Some(0),
-            preconditions: Some(Preconditions { uid: self.pod.uid(), resource_version: None }),
+            preconditions: Some(Preconditions {
+                uid: self.pod.uid(),
+                resource_version: None,
+            }),
             ..Default::default()
         };
         match self.api.delete(&self.pod.name_any(), &params).await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-            Err(e) => tracing::warn!(pod = %self.pod.name_any(), error = %e, "could not finalize deletion"),
+            Err(e) => {
+                tracing::warn!(pod = %self.pod.name_any(), error = %e, "could not finalize deletion")
+            }
         }
     }
 
@@ -530,21 +675,42 @@ impl PodWorker {
     /// Computes the pod status and patches it when it changed.
     async fn publish_status(&mut self) {
         let mains: Vec<&ContainerState> = self.containers.iter().filter(|c| !c.init).collect();
-        let inits_done = self.containers.iter().filter(|c| c.init).all(|c| c.finished.as_ref().is_some_and(|t| t.exit_code == 0));
+        let inits_done = self
+            .containers
+            .iter()
+            .filter(|c| c.init)
+            .all(|c| c.finished.as_ref().is_some_and(|t| t.exit_code == 0));
         let init_failed_for_good = self.restart_policy() == "Never"
-            && self.containers.iter().any(|c| c.init && c.finished.as_ref().is_some_and(|t| t.exit_code != 0));
+            && self
+                .containers
+                .iter()
+                .any(|c| c.init && c.finished.as_ref().is_some_and(|t| t.exit_code != 0));
         let all_ready = inits_done && mains.iter().all(|c| c.ready && c.run.is_some());
         let phase = if init_failed_for_good {
             "Failed"
         } else if !mains.is_empty() && mains.iter().all(|c| c.finished.is_some()) {
-            if mains.iter().all(|c| c.finished.as_ref().is_some_and(|t| t.exit_code == 0)) { "Succeeded" } else { "Failed" }
-        } else if mains.iter().any(|c| c.run.is_some() || c.restart_count > 0 || c.finished.is_some()) {
+            if mains
+                .iter()
+                .all(|c| c.finished.as_ref().is_some_and(|t| t.exit_code == 0))
+            {
+                "Succeeded"
+            } else {
+                "Failed"
+            }
+        } else if mains
+            .iter()
+            .any(|c| c.run.is_some() || c.restart_count > 0 || c.finished.is_some())
+        {
             "Running"
         } else {
             "Pending"
         };
         let statuses = |init: bool| -> Vec<Value> {
-            self.containers.iter().filter(|c| c.init == init).map(container_status).collect()
+            self.containers
+                .iter()
+                .filter(|c| c.init == init)
+                .map(container_status)
+                .collect()
         };
         let (init_statuses, main_statuses) = (statuses(true), statuses(false));
         self.set_condition("PodScheduled", true);
@@ -571,10 +737,20 @@ impl PodWorker {
         if self.last_status.as_ref() == Some(&status) {
             return;
         }
-        match self.api.patch_status(&self.pod.name_any(), &PatchParams::default(), &Patch::Merge(json!({"status": status}))).await {
+        match self
+            .api
+            .patch_status(
+                &self.pod.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": status})),
+            )
+            .await
+        {
             Ok(_) => self.last_status = Some(status),
             Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => tracing::warn!(pod = %self.pod.name_any(), error = %e, "status patch failed; will retry"),
+            Err(e) => {
+                tracing::warn!(pod = %self.pod.name_any(), error = %e, "status patch failed; will retry")
+            }
         }
     }
 }
@@ -584,7 +760,9 @@ fn container_status(c: &ContainerState) -> Value {
     let state = match (&c.run, &c.finished, &c.waiting) {
         (Some(r), _, _) => json!({"running": {"startedAt": r.started_at.to_string()}}),
         (None, Some(t), _) => terminated(t),
-        (None, None, Some((reason, message))) => json!({"waiting": {"reason": reason, "message": message}}),
+        (None, None, Some((reason, message))) => {
+            json!({"waiting": {"reason": reason, "message": message}})
+        }
         (None, None, None) => json!({"waiting": {"reason": "ContainerCreating"}}),
     };
     let image = c.spec.image.clone().unwrap_or_default();

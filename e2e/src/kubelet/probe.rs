@@ -26,7 +26,8 @@ pub struct ProbeTiming {
 impl ProbeTiming {
     /// Timing of `probe` with Kubernetes' defaults.
     pub fn of(probe: &Probe) -> Self {
-        let secs = |v: Option<i32>, default: i32| Duration::from_secs(v.unwrap_or(default).max(0) as u64);
+        let secs =
+            |v: Option<i32>, default: i32| Duration::from_secs(v.unwrap_or(default).max(0) as u64);
         Self {
             initial_delay: secs(probe.initial_delay_seconds, 0),
             period: secs(probe.period_seconds, 10).max(Duration::from_secs(1)),
@@ -39,7 +40,12 @@ impl ProbeTiming {
 
 /// Runs `probe` once against the container at `pod_ip`; `Err` carries why it failed.
 /// Named ports are looked up in `ports` (the container's `ports[].name`).
-pub async fn run(probe: &Probe, pod_ip: &str, ports: &BTreeMap<String, u16>, env: &BTreeMap<String, String>) -> Result<(), String> {
+pub async fn run(
+    probe: &Probe,
+    pod_ip: &str,
+    ports: &BTreeMap<String, u16>,
+    env: &BTreeMap<String, String>,
+) -> Result<(), String> {
     let timeout = ProbeTiming::of(probe).timeout;
     match tokio::time::timeout(timeout, run_once(probe, pod_ip, ports, env)).await {
         Ok(result) => result,
@@ -47,33 +53,57 @@ pub async fn run(probe: &Probe, pod_ip: &str, ports: &BTreeMap<String, u16>, env
     }
 }
 
-async fn run_once(probe: &Probe, pod_ip: &str, ports: &BTreeMap<String, u16>, env: &BTreeMap<String, String>) -> Result<(), String> {
+async fn run_once(
+    probe: &Probe,
+    pod_ip: &str,
+    ports: &BTreeMap<String, u16>,
+    env: &BTreeMap<String, String>,
+) -> Result<(), String> {
     if let Some(http) = &probe.http_get {
         let port = port_of(&http.port, ports)?;
         let host = http.host.clone().unwrap_or_else(|| pod_ip.to_owned());
         let path = http.path.clone().unwrap_or_else(|| "/".into());
-        let mut stream = tokio::net::TcpStream::connect((host.as_str(), port)).await.map_err(|e| format!("connect {host}:{port}: {e}"))?;
-        let mut request = format!("GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: kube-probe/1.37\r\nConnection: close\r\n");
+        let mut stream = tokio::net::TcpStream::connect((host.as_str(), port))
+            .await
+            .map_err(|e| format!("connect {host}:{port}: {e}"))?;
+        let mut request = format!(
+            "GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: kube-probe/1.37\r\nConnection: close\r\n"
+        );
         for h in http.http_headers.clone().unwrap_or_default() {
             request.push_str(&format!("{}: {}\r\n", h.name, h.value));
         }
         request.push_str("\r\n");
-        stream.write_all(request.as_bytes()).await.map_err(|e| e.to_string())?;
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
         let mut head = vec![0u8; 64];
         let n = stream.read(&mut head).await.map_err(|e| e.to_string())?;
         let line = String::from_utf8_lossy(&head[..n]);
-        let code: u16 = line.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("not an HTTP answer: {line:?}"))?;
-        return if (200..400).contains(&code) { Ok(()) } else { Err(format!("HTTP probe failed with statuscode: {code}")) };
+        let code: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| format!("not an HTTP answer: {line:?}"))?;
+        return if (200..400).contains(&code) {
+            Ok(())
+        } else {
+            Err(format!("HTTP probe failed with statuscode: {code}"))
+        };
     }
     if let Some(tcp) = &probe.tcp_socket {
         let port = port_of(&tcp.port, ports)?;
         let host = tcp.host.clone().unwrap_or_else(|| pod_ip.to_owned());
-        tokio::net::TcpStream::connect((host.as_str(), port)).await.map_err(|e| format!("connect {host}:{port}: {e}"))?;
+        tokio::net::TcpStream::connect((host.as_str(), port))
+            .await
+            .map_err(|e| format!("connect {host}:{port}: {e}"))?;
         return Ok(());
     }
     if let Some(exec) = &probe.exec {
         let command = exec.command.clone().unwrap_or_default();
-        let (program, args) = command.split_first().ok_or("exec probe without a command")?;
+        let (program, args) = command
+            .split_first()
+            .ok_or("exec probe without a command")?;
         let status = tokio::process::Command::new(program)
             .args(args)
             .env_clear()
@@ -82,7 +112,11 @@ async fn run_once(probe: &Probe, pod_ip: &str, ports: &BTreeMap<String, u16>, en
             .status()
             .await
             .map_err(|e| format!("exec {program}: {e}"))?;
-        return if status.success() { Ok(()) } else { Err(format!("exec probe exited with {status}")) };
+        return if status.success() {
+            Ok(())
+        } else {
+            Err(format!("exec probe exited with {status}"))
+        };
     }
     Err("probe has no handler (httpGet, tcpSocket or exec)".into())
 }
@@ -90,6 +124,9 @@ async fn run_once(probe: &Probe, pod_ip: &str, ports: &BTreeMap<String, u16>, en
 fn port_of(port: &IntOrString, ports: &BTreeMap<String, u16>) -> Result<u16, String> {
     match port {
         IntOrString::Int(p) => u16::try_from(*p).map_err(|_| format!("bad port {p}")),
-        IntOrString::String(name) => ports.get(name).copied().ok_or_else(|| format!("no container port named {name:?}")),
+        IntOrString::String(name) => ports
+            .get(name)
+            .copied()
+            .ok_or_else(|| format!("no container port named {name:?}")),
     }
 }

@@ -39,7 +39,9 @@ impl StartError {
     pub fn reason(&self) -> &'static str {
         match self {
             StartError::ImageNotFound { .. } => "ErrImagePull",
-            StartError::CommandNotFound(_) | StartError::MissingVolume(_) => "CreateContainerConfigError",
+            StartError::CommandNotFound(_) | StartError::MissingVolume(_) => {
+                "CreateContainerConfigError"
+            }
             StartError::Spawn(_) => "RunContainerError",
         }
     }
@@ -69,18 +71,32 @@ impl ImageResolver {
             .iter()
             .flat_map(|d| [d.join(name), d.join(format!("poolpilot-{name}"))])
             .collect();
-        candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| StartError::ImageNotFound {
-            image: image.to_owned(),
-            looked_for: candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
-        })
+        candidates
+            .iter()
+            .find(|p| p.is_file())
+            .cloned()
+            .ok_or_else(|| StartError::ImageNotFound {
+                image: image.to_owned(),
+                looked_for: candidates
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
     }
 
     /// The program for a container's `command[0]`: the image's binary when the name matches it,
     /// an absolute path as is, or a lookup in the bin dirs and then [`CONTAINER_PATH`].
     pub fn resolve_command(&self, image: &str, program: &str) -> Result<PathBuf, StartError> {
-        let base = Path::new(program).file_name().map(|b| b.to_string_lossy().into_owned()).unwrap_or_default();
+        let base = Path::new(program)
+            .file_name()
+            .map(|b| b.to_string_lossy().into_owned())
+            .unwrap_or_default();
         if let Ok(bin) = self.resolve(image) {
-            let bin_name = bin.file_name().map(|b| b.to_string_lossy().into_owned()).unwrap_or_default();
+            let bin_name = bin
+                .file_name()
+                .map(|b| b.to_string_lossy().into_owned())
+                .unwrap_or_default();
             if bin_name == base || bin_name == format!("poolpilot-{base}") {
                 return Ok(bin);
             }
@@ -153,7 +169,10 @@ pub fn spawn(spec: &ProcessSpec) -> Result<tokio::process::Child, StartError> {
             }
         }
     }
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log_file)?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&spec.log_file)?;
     let mut cmd = tokio::process::Command::new(&spec.program);
     cmd.args(&spec.args)
         .env_clear()
@@ -183,7 +202,9 @@ pub fn signal_group(pid: u32, signal: Signal) {
 pub fn exit_code(status: std::io::Result<std::process::ExitStatus>) -> i32 {
     use std::os::unix::process::ExitStatusExt as _;
     match status {
-        Ok(status) => status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0)),
+        Ok(status) => status
+            .code()
+            .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)),
         Err(_) => 255,
     }
 }
@@ -196,7 +217,10 @@ struct MountPlan {
 impl MountPlan {
     fn new(mounts: &[BindMount]) -> std::io::Result<Self> {
         let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
-        let binds = mounts.iter().map(|m| Ok((c(&m.source)?, c(&m.target)?, m.read_only))).collect::<std::io::Result<_>>()?;
+        let binds = mounts
+            .iter()
+            .map(|m| Ok((c(&m.source)?, c(&m.target)?, m.read_only)))
+            .collect::<std::io::Result<_>>()?;
         Ok(Self { binds })
     }
 
@@ -207,12 +231,30 @@ impl MountPlan {
         if !self.binds.is_empty() {
             unshare(CloneFlags::CLONE_NEWNS)?;
             // Keep our mounts from propagating back to the host.
-            mount(None::<&CStr>, c"/", None::<&CStr>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&CStr>)?;
+            mount(
+                None::<&CStr>,
+                c"/",
+                None::<&CStr>,
+                MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+                None::<&CStr>,
+            )?;
             for (source, target, read_only) in &self.binds {
-                mount(Some(source.as_c_str()), target.as_c_str(), None::<&CStr>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&CStr>)?;
+                mount(
+                    Some(source.as_c_str()),
+                    target.as_c_str(),
+                    None::<&CStr>,
+                    MsFlags::MS_BIND | MsFlags::MS_REC,
+                    None::<&CStr>,
+                )?;
                 if *read_only {
                     let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY;
-                    mount(None::<&CStr>, target.as_c_str(), None::<&CStr>, flags, None::<&CStr>)?;
+                    mount(
+                        None::<&CStr>,
+                        target.as_c_str(),
+                        None::<&CStr>,
+                        flags,
+                        None::<&CStr>,
+                    )?;
                 }
             }
         }
@@ -222,7 +264,6 @@ impl MountPlan {
         Ok(())
     }
 }
-
 
 /// Expands `$(VAR)` references in a container's command, args or env values the way the kubelet
 /// does: known variables are replaced, `$$` escapes, unknown references stay as written.
@@ -262,25 +303,51 @@ mod tests {
     #[test]
     fn expands_like_the_kubelet() {
         let vars: BTreeMap<String, String> = [("POD_IP".into(), "127.0.1.5".into())].into();
-        assert_eq!(expand("--listen=$(POD_IP):8000", &vars), "--listen=127.0.1.5:8000");
-        assert_eq!(expand("$(UNKNOWN) $$(POD_IP) $5", &vars), "$(UNKNOWN) $(POD_IP) $5");
+        assert_eq!(
+            expand("--listen=$(POD_IP):8000", &vars),
+            "--listen=127.0.1.5:8000"
+        );
+        assert_eq!(
+            expand("$(UNKNOWN) $$(POD_IP) $5", &vars),
+            "$(UNKNOWN) $(POD_IP) $5"
+        );
         assert_eq!(expand("$(POD_IP", &vars), "$(POD_IP");
     }
 
     #[test]
     fn image_names_lose_registry_and_tag() {
-        assert_eq!(strip_tag("ghcr.io/poolpilot/gateway:v1"), "ghcr.io/poolpilot/gateway");
-        assert_eq!(strip_tag("localhost:5000/gateway"), "localhost:5000/gateway");
-        assert_eq!(strip_tag("poolpilot/gateway@sha256:abc"), "poolpilot/gateway");
+        assert_eq!(
+            strip_tag("ghcr.io/poolpilot/gateway:v1"),
+            "ghcr.io/poolpilot/gateway"
+        );
+        assert_eq!(
+            strip_tag("localhost:5000/gateway"),
+            "localhost:5000/gateway"
+        );
+        assert_eq!(
+            strip_tag("poolpilot/gateway@sha256:abc"),
+            "poolpilot/gateway"
+        );
     }
 
     #[test]
     fn images_resolve_to_binaries_in_the_bin_dirs() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("poolpilot-gateway"), "").unwrap();
-        let resolver = ImageResolver { images: BTreeMap::new(), bin_dirs: vec![dir.path().to_owned()] };
-        assert_eq!(resolver.resolve("ghcr.io/poolpilot/gateway:v1").unwrap(), dir.path().join("poolpilot-gateway"));
-        assert_eq!(resolver.resolve_command("poolpilot/gateway", "/poolpilot-gateway").unwrap(), dir.path().join("poolpilot-gateway"));
+        let resolver = ImageResolver {
+            images: BTreeMap::new(),
+            bin_dirs: vec![dir.path().to_owned()],
+        };
+        assert_eq!(
+            resolver.resolve("ghcr.io/poolpilot/gateway:v1").unwrap(),
+            dir.path().join("poolpilot-gateway")
+        );
+        assert_eq!(
+            resolver
+                .resolve_command("poolpilot/gateway", "/poolpilot-gateway")
+                .unwrap(),
+            dir.path().join("poolpilot-gateway")
+        );
         let err = resolver.resolve("poolpilot/nothing").unwrap_err();
         assert_eq!(err.reason(), "ErrImagePull");
         assert!(err.to_string().contains("poolpilot-nothing"), "{err}");

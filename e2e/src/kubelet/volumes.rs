@@ -23,12 +23,18 @@ pub enum VolumeError {
     SourceNotFound { kind: &'static str, name: String },
     /// A key the pod names is not in its ConfigMap or Secret.
     #[error("key {key:?} not found in {kind} {name:?}")]
-    KeyNotFound { kind: &'static str, name: String, key: String },
+    KeyNotFound {
+        kind: &'static str,
+        name: String,
+        key: String,
+    },
     /// A field the downward API names is not one we can resolve.
     #[error("unsupported downward API field {0:?}")]
     UnsupportedField(String),
     /// A volume type the local kubelet does not run.
-    #[error("volume {0:?}: unsupported volume type (local kubelet runs configMap, secret, downwardAPI, projected, emptyDir, hostPath)")]
+    #[error(
+        "volume {0:?}: unsupported volume type (local kubelet runs configMap, secret, downwardAPI, projected, emptyDir, hostPath)"
+    )]
     Unsupported(String),
     /// The TokenRequest for a ServiceAccount token failed.
     #[error("token for ServiceAccount {0:?}: {1}")]
@@ -65,12 +71,21 @@ type Files = BTreeMap<String, Vec<u8>>;
 impl PodVolumes {
     /// Volumes of one pod, rendered under `root/<volume name>`.
     pub fn new(root: PathBuf) -> Self {
-        Self { root, tokens: HashMap::new() }
+        Self {
+            root,
+            tokens: HashMap::new(),
+        }
     }
 
     /// The host folder (or hostPath) that stands for volume `name`.
     pub fn path_of(&self, pod: &Pod, name: &str) -> Option<PathBuf> {
-        let volume = pod.spec.as_ref()?.volumes.as_ref()?.iter().find(|v| v.name == name)?;
+        let volume = pod
+            .spec
+            .as_ref()?
+            .volumes
+            .as_ref()?
+            .iter()
+            .find(|v| v.name == name)?;
         Some(match &volume.host_path {
             Some(hp) => PathBuf::from(&hp.path),
             None => self.root.join(name),
@@ -80,7 +95,12 @@ impl PodVolumes {
     /// Renders every volume of `pod`; unchanged contents are left alone.
     pub async fn sync(&mut self, pod: &Pod, sources: &VolumeSources) -> Result<(), VolumeError> {
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        for volume in pod.spec.as_ref().and_then(|s| s.volumes.clone()).unwrap_or_default() {
+        for volume in pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.volumes.clone())
+            .unwrap_or_default()
+        {
             let dir = self.root.join(&volume.name);
             if volume.empty_dir.is_some() {
                 std::fs::create_dir_all(&dir)?;
@@ -95,13 +115,31 @@ impl PodVolumes {
         Ok(())
     }
 
-    async fn files_of(&mut self, volume: &Volume, pod: &Pod, ns: &str, sources: &VolumeSources) -> Result<Files, VolumeError> {
+    async fn files_of(
+        &mut self,
+        volume: &Volume,
+        pod: &Pod,
+        ns: &str,
+        sources: &VolumeSources,
+    ) -> Result<Files, VolumeError> {
         if let Some(cm) = &volume.config_map {
-            return configmap_files(sources, ns, &cm.name, cm.items.as_deref(), cm.optional.unwrap_or(false));
+            return configmap_files(
+                sources,
+                ns,
+                &cm.name,
+                cm.items.as_deref(),
+                cm.optional.unwrap_or(false),
+            );
         }
         if let Some(secret) = &volume.secret {
             let name = secret.secret_name.clone().unwrap_or_default();
-            return secret_files(sources, ns, &name, secret.items.as_deref(), secret.optional.unwrap_or(false));
+            return secret_files(
+                sources,
+                ns,
+                &name,
+                secret.items.as_deref(),
+                secret.optional.unwrap_or(false),
+            );
         }
         if let Some(downward) = &volume.downward_api {
             return downward_files(pod, downward.items.as_deref().unwrap_or_default());
@@ -110,17 +148,34 @@ impl PodVolumes {
             let mut files = Files::new();
             for source in projected.sources.clone().unwrap_or_default() {
                 if let Some(cm) = &source.config_map {
-                    files.extend(configmap_files(sources, ns, &cm.name, cm.items.as_deref(), cm.optional.unwrap_or(false))?);
+                    files.extend(configmap_files(
+                        sources,
+                        ns,
+                        &cm.name,
+                        cm.items.as_deref(),
+                        cm.optional.unwrap_or(false),
+                    )?);
                 }
                 if let Some(secret) = &source.secret {
-                    files.extend(secret_files(sources, ns, &secret.name, secret.items.as_deref(), secret.optional.unwrap_or(false))?);
+                    files.extend(secret_files(
+                        sources,
+                        ns,
+                        &secret.name,
+                        secret.items.as_deref(),
+                        secret.optional.unwrap_or(false),
+                    )?);
                 }
                 if let Some(downward) = &source.downward_api {
-                    files.extend(downward_files(pod, downward.items.as_deref().unwrap_or_default())?);
+                    files.extend(downward_files(
+                        pod,
+                        downward.items.as_deref().unwrap_or_default(),
+                    )?);
                 }
                 if let Some(sat) = &source.service_account_token {
                     let key = format!("{}/{}", volume.name, sat.path);
-                    let token = self.token(pod, ns, sat.audience.as_deref(), &key, sources).await?;
+                    let token = self
+                        .token(pod, ns, sat.audience.as_deref(), &key, sources)
+                        .await?;
                     files.insert(sat.path.clone(), token.into_bytes());
                 }
             }
@@ -129,13 +184,24 @@ impl PodVolumes {
         Err(VolumeError::Unsupported(volume.name.clone()))
     }
 
-    async fn token(&mut self, pod: &Pod, ns: &str, audience: Option<&str>, key: &str, sources: &VolumeSources) -> Result<String, VolumeError> {
-        if let Some((token, renew_at)) = self.tokens.get(key) {
-            if Instant::now() < *renew_at {
-                return Ok(token.clone());
-            }
+    async fn token(
+        &mut self,
+        pod: &Pod,
+        ns: &str,
+        audience: Option<&str>,
+        key: &str,
+        sources: &VolumeSources,
+    ) -> Result<String, VolumeError> {
+        if let Some((token, renew_at)) = self.tokens.get(key)
+            && Instant::now() < *renew_at
+        {
+            return Ok(token.clone());
         }
-        let sa_name = pod.spec.as_ref().and_then(|s| s.service_account_name.clone()).unwrap_or_else(|| "default".into());
+        let sa_name = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.service_account_name.clone())
+            .unwrap_or_else(|| "default".into());
         let api: Api<ServiceAccount> = Api::namespaced(sources.client.clone(), ns);
         let request = TokenRequest {
             spec: Some(TokenRequestSpec {
@@ -156,30 +222,90 @@ impl PodVolumes {
             .await
             .map_err(|e| VolumeError::Token(sa_name.clone(), e))?;
         let token = response.status.and_then(|s| s.token).unwrap_or_default();
-        self.tokens.insert(key.to_owned(), (token.clone(), Instant::now() + TOKEN_LIFETIME.mul_f32(0.8)));
+        self.tokens.insert(
+            key.to_owned(),
+            (token.clone(), Instant::now() + TOKEN_LIFETIME.mul_f32(0.8)),
+        );
         Ok(token)
     }
 }
 
-fn configmap_files(sources: &VolumeSources, ns: &str, name: &str, items: Option<&[KeyToPath]>, optional: bool) -> Result<Files, VolumeError> {
+fn configmap_files(
+    sources: &VolumeSources,
+    ns: &str,
+    name: &str,
+    items: Option<&[KeyToPath]>,
+    optional: bool,
+) -> Result<Files, VolumeError> {
     let Some(cm) = sources.configmaps.get(&ObjectRef::new(name).within(ns)) else {
-        return if optional { Ok(Files::new()) } else { Err(VolumeError::SourceNotFound { kind: "ConfigMap", name: name.into() }) };
+        return if optional {
+            Ok(Files::new())
+        } else {
+            Err(VolumeError::SourceNotFound {
+                kind: "ConfigMap",
+                name: name.into(),
+            })
+        };
     };
-    let mut all: Files = cm.data.clone().unwrap_or_default().into_iter().map(|(k, v)| (k, v.into_bytes())).collect();
-    all.extend(cm.binary_data.clone().unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)));
+    let mut all: Files = cm
+        .data
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.into_bytes()))
+        .collect();
+    all.extend(
+        cm.binary_data
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.0)),
+    );
     select_items("ConfigMap", name, all, items, optional)
 }
 
-fn secret_files(sources: &VolumeSources, ns: &str, name: &str, items: Option<&[KeyToPath]>, optional: bool) -> Result<Files, VolumeError> {
+fn secret_files(
+    sources: &VolumeSources,
+    ns: &str,
+    name: &str,
+    items: Option<&[KeyToPath]>,
+    optional: bool,
+) -> Result<Files, VolumeError> {
     let Some(secret) = sources.secrets.get(&ObjectRef::new(name).within(ns)) else {
-        return if optional { Ok(Files::new()) } else { Err(VolumeError::SourceNotFound { kind: "Secret", name: name.into() }) };
+        return if optional {
+            Ok(Files::new())
+        } else {
+            Err(VolumeError::SourceNotFound {
+                kind: "Secret",
+                name: name.into(),
+            })
+        };
     };
-    let mut all: Files = secret.data.clone().unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)).collect();
-    all.extend(secret.string_data.clone().unwrap_or_default().into_iter().map(|(k, v)| (k, v.into_bytes())));
+    let mut all: Files = secret
+        .data
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.0))
+        .collect();
+    all.extend(
+        secret
+            .string_data
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.into_bytes())),
+    );
     select_items("Secret", name, all, items, optional)
 }
 
-fn select_items(kind: &'static str, name: &str, mut all: Files, items: Option<&[KeyToPath]>, optional: bool) -> Result<Files, VolumeError> {
+fn select_items(
+    kind: &'static str,
+    name: &str,
+    mut all: Files,
+    items: Option<&[KeyToPath]>,
+    optional: bool,
+) -> Result<Files, VolumeError> {
     let Some(items) = items else { return Ok(all) };
     let mut files = Files::new();
     for item in items {
@@ -188,7 +314,13 @@ fn select_items(kind: &'static str, name: &str, mut all: Files, items: Option<&[
                 files.insert(item.path.clone(), data);
             }
             None if optional => {}
-            None => return Err(VolumeError::KeyNotFound { kind, name: name.into(), key: item.key.clone() }),
+            None => {
+                return Err(VolumeError::KeyNotFound {
+                    kind,
+                    name: name.into(),
+                    key: item.key.clone(),
+                });
+            }
         }
     }
     Ok(files)
@@ -198,7 +330,10 @@ fn downward_files(pod: &Pod, items: &[DownwardAPIVolumeFile]) -> Result<Files, V
     let mut files = Files::new();
     for item in items {
         if let Some(field) = &item.field_ref {
-            files.insert(item.path.clone(), pod_field(pod, &field.field_path)?.into_bytes());
+            files.insert(
+                item.path.clone(),
+                pod_field(pod, &field.field_path)?.into_bytes(),
+            );
         }
     }
     Ok(files)
@@ -208,12 +343,21 @@ fn downward_files(pod: &Pod, items: &[DownwardAPIVolumeFile]) -> Result<Files, V
 pub fn pod_field(pod: &Pod, path: &str) -> Result<String, VolumeError> {
     let meta = &pod.metadata;
     let map_text = |m: &Option<BTreeMap<String, String>>| {
-        m.clone().unwrap_or_default().iter().map(|(k, v)| format!("{k}={v:?}")).collect::<Vec<_>>().join("\n")
+        m.clone()
+            .unwrap_or_default()
+            .iter()
+            .map(|(k, v)| format!("{k}={v:?}"))
+            .collect::<Vec<_>>()
+            .join("\n")
     };
     let keyed = |prefix: &str, m: &Option<BTreeMap<String, String>>| {
         path.strip_prefix(prefix)
             .and_then(|rest| rest.strip_suffix("']"))
-            .map(|key| m.as_ref().and_then(|m| m.get(key).cloned()).unwrap_or_default())
+            .map(|key| {
+                m.as_ref()
+                    .and_then(|m| m.get(key).cloned())
+                    .unwrap_or_default()
+            })
     };
     if let Some(v) = keyed("metadata.labels['", &meta.labels) {
         return Ok(v);
@@ -230,7 +374,9 @@ pub fn pod_field(pod: &Pod, path: &str) -> Result<String, VolumeError> {
         "metadata.labels" => map_text(&meta.labels),
         "metadata.annotations" => map_text(&meta.annotations),
         "spec.nodeName" => spec.and_then(|s| s.node_name.clone()).unwrap_or_default(),
-        "spec.serviceAccountName" => spec.and_then(|s| s.service_account_name.clone()).unwrap_or_default(),
+        "spec.serviceAccountName" => spec
+            .and_then(|s| s.service_account_name.clone())
+            .unwrap_or_default(),
         "status.podIP" => status.and_then(|s| s.pod_ip.clone()).unwrap_or_default(),
         "status.hostIP" => status.and_then(|s| s.host_ip.clone()).unwrap_or_default(),
         other => return Err(VolumeError::UnsupportedField(other.to_owned())),
@@ -262,8 +408,10 @@ pub fn write_atomically(dir: &Path, files: &Files) -> std::io::Result<()> {
     let old = std::fs::read_link(&data).ok();
     std::fs::rename(&tmp_link, &data)?;
     // Top-level entries are links through ..data; add new ones, drop those that are gone.
-    let top: std::collections::BTreeSet<String> =
-        files.keys().map(|p| p.split('/').next().unwrap_or(p).to_owned()).collect();
+    let top: std::collections::BTreeSet<String> = files
+        .keys()
+        .map(|p| p.split('/').next().unwrap_or(p).to_owned())
+        .collect();
     for name in &top {
         let link = dir.join(name);
         if std::fs::symlink_metadata(&link).is_err() {
@@ -303,7 +451,10 @@ mod tests {
     use super::*;
 
     fn files(pairs: &[(&str, &str)]) -> Files {
-        pairs.iter().map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
+            .collect()
     }
 
     #[test]
@@ -312,7 +463,10 @@ mod tests {
         let vol = dir.path().join("config");
         write_atomically(&vol, &files(&[("a.yaml", "one"), ("nested/b", "two")])).unwrap();
         assert_eq!(std::fs::read_to_string(vol.join("a.yaml")).unwrap(), "one");
-        assert_eq!(std::fs::read_to_string(vol.join("nested/b")).unwrap(), "two");
+        assert_eq!(
+            std::fs::read_to_string(vol.join("nested/b")).unwrap(),
+            "two"
+        );
         let first = std::fs::read_link(vol.join("..data")).unwrap();
 
         // Unchanged content: nothing is rewritten.
@@ -321,7 +475,10 @@ mod tests {
 
         // Changed content: a new generation, the old one removed, dropped keys gone.
         write_atomically(&vol, &files(&[("a.yaml", "three")])).unwrap();
-        assert_eq!(std::fs::read_to_string(vol.join("a.yaml")).unwrap(), "three");
+        assert_eq!(
+            std::fs::read_to_string(vol.join("a.yaml")).unwrap(),
+            "three"
+        );
         assert!(!vol.join("nested").exists());
         assert!(!vol.join(first).exists());
     }

@@ -1,0 +1,222 @@
+//! modelsim's configuration: where it listens, what it serves, its service time model, its
+//! capacity (concurrency slots and queue) and the faults it injects.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Everything a [`Modelsim`](super::Modelsim) needs to start. `Config::default()` listens on
+/// `127.0.0.1:0` (an ephemeral port, for tests) and serves one model, `sim-model`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Address of the serving listener (OpenAI API, health, metrics, admin). Port 0 picks a free
+    /// port; read it back with [`Modelsim::addr`](super::Modelsim::addr).
+    pub listen: SocketAddr,
+    /// Optional second listener serving the same routes, whose connections are *not* counted as
+    /// client connections: point Prometheus scrapes and test probes at it so that they never
+    /// disturb the exact client connection count.
+    pub admin_listen: Option<SocketAddr>,
+    /// Name of this instance (the pod name in a cluster), returned in the `x-modelsim-instance`
+    /// response header and in stats.
+    pub instance: String,
+    /// Model names served; a request naming another model gets a 404. A request without a model
+    /// is served as the first one.
+    pub models: Vec<String>,
+    /// How long a request takes.
+    pub service: ServiceTime,
+    /// Requests served at once (a model server's batch slots). At least 1.
+    pub max_concurrency: u32,
+    /// Requests waiting for a slot beyond `max_concurrency`; one more is refused.
+    pub max_queue: u32,
+    /// Status of a refusal when the queue is full (503 like an overloaded server, or 429).
+    pub refuse_status: u16,
+    /// Seed of the random draws (jitter, fault ratios); `None` seeds from the OS.
+    pub seed: Option<u64>,
+    /// Faults in force at start; change them at runtime with
+    /// [`Modelsim::set_faults`](super::Modelsim::set_faults) or `PUT /admin/faults`.
+    pub faults: Faults,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin_listen: None,
+            instance: "modelsim".to_owned(),
+            models: vec!["sim-model".to_owned()],
+            service: ServiceTime::default(),
+            max_concurrency: 64,
+            max_queue: 128,
+            refuse_status: 503,
+            seed: None,
+            faults: Faults::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Checks the values that have no sensible meaning (no model, no slot, a non-error refusal
+    /// status, invalid faults).
+    pub fn validate(&self) -> Result<(), String> {
+        if self.models.is_empty() || self.models.iter().any(|m| m.trim().is_empty()) {
+            return Err("at least one non-empty model name is needed".to_owned());
+        }
+        if self.max_concurrency == 0 {
+            return Err("max_concurrency must be at least 1".to_owned());
+        }
+        if !(400..=599).contains(&self.refuse_status) {
+            return Err(format!(
+                "refuse_status {} is not a 4xx or 5xx status",
+                self.refuse_status
+            ));
+        }
+        self.service.validate()?;
+        self.faults.validate()
+    }
+}
+
+/// The service time model. A request producing `n` tokens takes
+/// `base_latency·j + Σ_{i=1..n} per_token·j·(1 + saturation_slowdown·(in_flight/max_concurrency)²)`
+/// once it holds a slot, where `j` is one jitter draw per request (mean 1) and `in_flight` is read
+/// at every token, so a saturated server decodes slower, like a model server whose batch is full.
+/// Time spent queued for a slot comes on top.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServiceTime {
+    /// Time to the first token (prefill), per request.
+    pub base_latency: Duration,
+    /// Decode time per output token at low load.
+    pub per_token: Duration,
+    /// Per-request multiplicative jitter.
+    pub jitter: Jitter,
+    /// How much slower each token gets when every slot is busy: 1.0 means twice as slow.
+    pub saturation_slowdown: f64,
+    /// Output tokens of a request that gives no `max_tokens`.
+    pub default_tokens: u32,
+    /// Cap on `max_tokens` (a larger request is served with this many).
+    pub max_tokens: u32,
+}
+
+impl Default for ServiceTime {
+    fn default() -> Self {
+        Self {
+            base_latency: Duration::from_millis(20),
+            per_token: Duration::from_millis(10),
+            jitter: Jitter::LogNormal { sigma: 0.25 },
+            saturation_slowdown: 1.0,
+            default_tokens: 16,
+            max_tokens: 4096,
+        }
+    }
+}
+
+impl ServiceTime {
+    /// A fixed service time: `base_latency` plus `tokens × per_token`, no jitter, no slowdown.
+    pub fn fixed(base_latency: Duration, per_token: Duration, tokens: u32) -> Self {
+        Self {
+            base_latency,
+            per_token,
+            jitter: Jitter::None,
+            saturation_slowdown: 0.0,
+            default_tokens: tokens,
+            max_tokens: tokens.max(1),
+        }
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if !(self.saturation_slowdown.is_finite() && self.saturation_slowdown >= 0.0) {
+            return Err("saturation_slowdown must be a finite number ≥ 0".to_owned());
+        }
+        if self.default_tokens == 0 || self.max_tokens == 0 {
+            return Err("default_tokens and max_tokens must be at least 1".to_owned());
+        }
+        if let Jitter::LogNormal { sigma } = self.jitter
+            && !(sigma.is_finite() && (0.0..=3.0).contains(&sigma))
+        {
+            return Err("log-normal jitter sigma must be within [0, 3]".to_owned());
+        }
+        Ok(())
+    }
+}
+
+/// Per-request multiplicative jitter on the service time, with mean 1.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Jitter {
+    /// Every request takes exactly the configured time.
+    None,
+    /// `exp(σ·z − σ²/2)`, `z` standard normal: most requests near the mean, a long right tail.
+    LogNormal {
+        /// Standard deviation of the underlying normal.
+        sigma: f64,
+    },
+    /// Exponentially distributed factor (mean 1): very spread out, like a memoryless server.
+    Exponential,
+}
+
+/// Faults a modelsim injects. Every field defaults to "no fault", so `{}` clears them all and a
+/// JSON document may carry only the fields it sets. Ratios are probabilities in `[0, 1]`, drawn
+/// independently per inference request, checked in the order reset, error, stall.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Faults {
+    /// Share of inference requests that are accepted and then never answered (no response head),
+    /// or, with `stall_after_tokens`, that stop after that many tokens and hang. A stalled request
+    /// stays stalled until the client gives up, even if the fault is later cleared.
+    pub stall_ratio: f64,
+    /// Make stalled requests hang mid-response after this many tokens instead of before the
+    /// response head. They hold their concurrency slot while they hang.
+    pub stall_after_tokens: Option<u32>,
+    /// Share of inference requests answered at once with `error_status`.
+    pub error_ratio: f64,
+    /// Status of injected errors (default 500).
+    pub error_status: u16,
+    /// Share of inference requests whose connection is reset (TCP RST) instead of answered.
+    pub reset_ratio: f64,
+    /// Delay before the response head of every inference request, in milliseconds.
+    pub slow_headers_ms: u64,
+    /// `/health` answers 503.
+    pub health_failing: bool,
+    /// Close a connection that has been idle (no request in progress, no bytes moved) this many
+    /// milliseconds, like servers that drop idle keep-alive connections.
+    pub idle_close_ms: Option<u64>,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self {
+            stall_ratio: 0.0,
+            stall_after_tokens: None,
+            error_ratio: 0.0,
+            error_status: 500,
+            reset_ratio: 0.0,
+            slow_headers_ms: 0,
+            health_failing: false,
+            idle_close_ms: None,
+        }
+    }
+}
+
+impl Faults {
+    /// Checks ratios and the error status.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, ratio) in [
+            ("stall_ratio", self.stall_ratio),
+            ("error_ratio", self.error_ratio),
+            ("reset_ratio", self.reset_ratio),
+        ] {
+            if !(0.0..=1.0).contains(&ratio) {
+                return Err(format!("{name} must be within [0, 1], got {ratio}"));
+            }
+        }
+        if !(400..=599).contains(&self.error_status) {
+            return Err(format!(
+                "error_status {} is not a 4xx or 5xx status",
+                self.error_status
+            ));
+        }
+        if self.idle_close_ms == Some(0) {
+            return Err("idle_close_ms must be at least 1 (or absent)".to_owned());
+        }
+        Ok(())
+    }
+}

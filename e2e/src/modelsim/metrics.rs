@@ -1,0 +1,440 @@
+//! modelsim's counters and gauges: the Prometheus registry served at `/metrics` and the
+//! [`Stats`] snapshot served at `/admin/stats`, both read from the same atomics.
+
+use std::sync::atomic::Ordering;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+
+/// A snapshot of a modelsim's state, from [`Modelsim::stats`](super::Modelsim::stats) or
+/// `GET /admin/stats` (same JSON field names).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// The instance name.
+    pub instance: String,
+    /// TCP connections on the serving listener that are open right now (accepted and not yet
+    /// closed by either side). Connections still in the kernel's accept backlog are not counted.
+    pub connections_open: u64,
+    /// Highest `connections_open` since start or the last peak reset.
+    pub connections_peak: u64,
+    /// Connections accepted on the serving listener since start.
+    pub connections_accepted: u64,
+    /// Connections closed by the idle-close fault.
+    pub connections_closed_idle: u64,
+    /// Connections reset by the reset fault.
+    pub connections_reset: u64,
+    /// Failed accepts (e.g. EMFILE when the process is out of file descriptors).
+    pub accept_errors: u64,
+    /// Connections open on the admin listener (not part of `connections_open`).
+    pub admin_connections_open: u64,
+    /// Inference requests holding a concurrency slot now.
+    pub in_flight: u64,
+    /// Highest `in_flight` since start or the last peak reset.
+    pub in_flight_peak: u64,
+    /// Inference requests waiting for a slot now.
+    pub queued: u64,
+    /// Highest `queued` since start or the last peak reset.
+    pub queued_peak: u64,
+    /// Inference requests hanging on the stall fault now (before their response head).
+    pub stalled: u64,
+    /// Configured concurrency slots.
+    pub max_concurrency: u64,
+    /// Configured queue length.
+    pub max_queue: u64,
+    /// Inference requests received (well-formed or not).
+    pub requests_received: u64,
+    /// Inference requests answered in full.
+    pub served: u64,
+    /// Inference requests refused because the queue was full.
+    pub refused: u64,
+    /// Inference requests rejected as malformed (400) or for an unknown model (404).
+    pub rejected_invalid: u64,
+    /// Inference requests abandoned by their client before the answer was complete.
+    pub cancelled: u64,
+    /// Injected error responses.
+    pub errors_injected: u64,
+    /// Injected connection resets.
+    pub resets_injected: u64,
+    /// Injected stalls (before the head or mid-response).
+    pub stalls_injected: u64,
+    /// Output tokens produced.
+    pub tokens_generated: u64,
+    /// The server is shutting down.
+    pub draining: bool,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ResponseLabels {
+    pub endpoint: &'static str,
+    pub code: u16,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct FaultLabels {
+    pub kind: &'static str,
+}
+
+pub(crate) const FAULT_STALL: FaultLabels = FaultLabels { kind: "stall" };
+pub(crate) const FAULT_ERROR: FaultLabels = FaultLabels { kind: "error" };
+pub(crate) const FAULT_RESET: FaultLabels = FaultLabels { kind: "reset" };
+pub(crate) const FAULT_SLOW_HEADERS: FaultLabels = FaultLabels {
+    kind: "slow_headers",
+};
+
+/// All metrics of one modelsim. Gauges and counters are shared atomics: cloning one (as the
+/// registry does) shares the value.
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    registry: Registry,
+    pub in_flight: Gauge,
+    pub in_flight_peak: Gauge,
+    pub queued: Gauge,
+    pub queued_peak: Gauge,
+    pub stalled: Gauge,
+    pub max_concurrency: Gauge,
+    pub max_queue: Gauge,
+    pub requests_received: Counter,
+    pub responses: Family<ResponseLabels, Counter>,
+    pub served: Counter,
+    pub refused: Counter,
+    pub rejected_invalid: Counter,
+    pub cancelled: Counter,
+    pub faults: Family<FaultLabels, Counter>,
+    pub tokens: Counter,
+    pub duration: Histogram,
+    pub queue_wait: Histogram,
+    pub time_to_first_token: Histogram,
+    pub connections_open: Gauge,
+    pub connections_peak: Gauge,
+    pub connections_accepted: Counter,
+    pub connections_closed_idle: Counter,
+    pub connections_reset: Counter,
+    pub accept_errors: Counter,
+    pub admin_connections_open: Gauge,
+    pub health_failing: Gauge,
+    pub open_fds: Gauge,
+    pub max_fds: Gauge,
+}
+
+fn latency_buckets() -> Histogram {
+    // 1 ms … ~65 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+impl Metrics {
+    pub fn new(max_concurrency: u32, max_queue: u32) -> Self {
+        let mut registry = Registry::default();
+        let m = Self {
+            in_flight: Gauge::default(),
+            in_flight_peak: Gauge::default(),
+            queued: Gauge::default(),
+            queued_peak: Gauge::default(),
+            stalled: Gauge::default(),
+            max_concurrency: Gauge::default(),
+            max_queue: Gauge::default(),
+            requests_received: Counter::default(),
+            responses: Family::default(),
+            served: Counter::default(),
+            refused: Counter::default(),
+            rejected_invalid: Counter::default(),
+            cancelled: Counter::default(),
+            faults: Family::default(),
+            tokens: Counter::default(),
+            duration: latency_buckets(),
+            queue_wait: latency_buckets(),
+            time_to_first_token: latency_buckets(),
+            connections_open: Gauge::default(),
+            connections_peak: Gauge::default(),
+            connections_accepted: Counter::default(),
+            connections_closed_idle: Counter::default(),
+            connections_reset: Counter::default(),
+            accept_errors: Counter::default(),
+            admin_connections_open: Gauge::default(),
+            health_failing: Gauge::default(),
+            open_fds: Gauge::default(),
+            max_fds: Gauge::default(),
+            registry: Registry::default(),
+        };
+        m.max_concurrency.set(i64::from(max_concurrency));
+        m.max_queue.set(i64::from(max_queue));
+        let r = &mut registry;
+        r.register(
+            "modelsim_requests_in_flight",
+            "Inference requests holding a concurrency slot",
+            m.in_flight.clone(),
+        );
+        r.register(
+            "modelsim_requests_in_flight_peak",
+            "Highest in-flight requests since start or peak reset",
+            m.in_flight_peak.clone(),
+        );
+        r.register(
+            "modelsim_requests_queued",
+            "Inference requests waiting for a concurrency slot",
+            m.queued.clone(),
+        );
+        r.register(
+            "modelsim_requests_queued_peak",
+            "Highest queued requests since start or peak reset",
+            m.queued_peak.clone(),
+        );
+        r.register(
+            "modelsim_requests_stalled",
+            "Inference requests hanging on the stall fault before their response head",
+            m.stalled.clone(),
+        );
+        r.register(
+            "modelsim_max_concurrency",
+            "Configured concurrency slots",
+            m.max_concurrency.clone(),
+        );
+        r.register(
+            "modelsim_max_queue",
+            "Configured queue length beyond the slots",
+            m.max_queue.clone(),
+        );
+        r.register(
+            "modelsim_requests_received",
+            "Inference requests received",
+            m.requests_received.clone(),
+        );
+        r.register(
+            "modelsim_responses",
+            "Inference responses by endpoint and status code",
+            m.responses.clone(),
+        );
+        r.register(
+            "modelsim_requests_served",
+            "Inference requests answered in full",
+            m.served.clone(),
+        );
+        r.register(
+            "modelsim_requests_refused",
+            "Inference requests refused because the queue was full",
+            m.refused.clone(),
+        );
+        r.register(
+            "modelsim_requests_rejected_invalid",
+            "Inference requests rejected as malformed or for an unknown model",
+            m.rejected_invalid.clone(),
+        );
+        r.register(
+            "modelsim_requests_cancelled",
+            "Inference requests abandoned by the client before completion",
+            m.cancelled.clone(),
+        );
+        r.register(
+            "modelsim_faults_injected",
+            "Injected faults by kind",
+            m.faults.clone(),
+        );
+        r.register(
+            "modelsim_tokens_generated",
+            "Output tokens produced",
+            m.tokens.clone(),
+        );
+        r.register(
+            "modelsim_request_duration_seconds",
+            "Time from arrival to the end of the response, of requests served in full",
+            m.duration.clone(),
+        );
+        r.register(
+            "modelsim_queue_wait_seconds",
+            "Time spent waiting for a concurrency slot",
+            m.queue_wait.clone(),
+        );
+        r.register(
+            "modelsim_time_to_first_token_seconds",
+            "Time from arrival to the first output token",
+            m.time_to_first_token.clone(),
+        );
+        r.register(
+            "modelsim_connections_open",
+            "TCP connections held open by clients on the serving listener",
+            m.connections_open.clone(),
+        );
+        r.register(
+            "modelsim_connections_peak",
+            "Highest open client connections since start or peak reset",
+            m.connections_peak.clone(),
+        );
+        r.register(
+            "modelsim_connections_accepted",
+            "TCP connections accepted on the serving listener",
+            m.connections_accepted.clone(),
+        );
+        r.register(
+            "modelsim_connections_closed_idle",
+            "Connections closed by the idle-close fault",
+            m.connections_closed_idle.clone(),
+        );
+        r.register(
+            "modelsim_connections_reset",
+            "Connections reset by the reset fault",
+            m.connections_reset.clone(),
+        );
+        r.register(
+            "modelsim_accept_errors",
+            "Failed accepts (e.g. EMFILE when out of file descriptors)",
+            m.accept_errors.clone(),
+        );
+        r.register(
+            "modelsim_admin_connections_open",
+            "TCP connections open on the admin listener",
+            m.admin_connections_open.clone(),
+        );
+        r.register(
+            "modelsim_health_failing",
+            "1 while /health answers 503",
+            m.health_failing.clone(),
+        );
+        r.register(
+            "process_open_fds",
+            "Number of open file descriptors",
+            m.open_fds.clone(),
+        );
+        r.register(
+            "process_max_fds",
+            "Maximum number of open file descriptors (soft RLIMIT_NOFILE)",
+            m.max_fds.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// Raises `peak` to `value` if it is higher.
+    pub fn raise_peak(peak: &Gauge, value: i64) {
+        peak.inner().fetch_max(value, Ordering::Relaxed);
+    }
+
+    /// Sets every peak to the current value.
+    pub fn reset_peaks(&self) {
+        self.in_flight_peak.set(self.in_flight.get());
+        self.queued_peak.set(self.queued.get());
+        self.connections_peak.set(self.connections_open.get());
+    }
+
+    fn fault_count(&self, labels: &FaultLabels) -> u64 {
+        self.faults.get(labels).map_or(0, |c| c.get())
+    }
+
+    pub fn stats(&self, instance: &str, draining: bool) -> Stats {
+        let g = |g: &Gauge| u64::try_from(g.get()).unwrap_or(0);
+        Stats {
+            instance: instance.to_owned(),
+            connections_open: g(&self.connections_open),
+            connections_peak: g(&self.connections_peak),
+            connections_accepted: self.connections_accepted.get(),
+            connections_closed_idle: self.connections_closed_idle.get(),
+            connections_reset: self.connections_reset.get(),
+            accept_errors: self.accept_errors.get(),
+            admin_connections_open: g(&self.admin_connections_open),
+            in_flight: g(&self.in_flight),
+            in_flight_peak: g(&self.in_flight_peak),
+            queued: g(&self.queued),
+            queued_peak: g(&self.queued_peak),
+            stalled: g(&self.stalled),
+            max_concurrency: g(&self.max_concurrency),
+            max_queue: g(&self.max_queue),
+            requests_received: self.requests_received.get(),
+            served: self.served.get(),
+            refused: self.refused.get(),
+            rejected_invalid: self.rejected_invalid.get(),
+            cancelled: self.cancelled.get(),
+            errors_injected: self.fault_count(&FAULT_ERROR),
+            resets_injected: self.fault_count(&FAULT_RESET),
+            stalls_injected: self.fault_count(&FAULT_STALL),
+            tokens_generated: self.tokens.get(),
+            draining,
+        }
+    }
+
+    /// The OpenMetrics text exposition, with the process fd gauges read from `/proc/self` now.
+    pub fn encode(&self) -> String {
+        if let Some(open) = open_fds() {
+            self.open_fds.set(open);
+        }
+        if let Some(max) = max_fds() {
+            self.max_fds.set(max);
+        }
+        let mut out = String::with_capacity(8192);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Open file descriptors of this process (entries of `/proc/self/fd`, which includes the one
+/// used to list it, as Prometheus' own process collector does).
+pub fn open_fds() -> Option<i64> {
+    let entries = std::fs::read_dir("/proc/self/fd").ok()?;
+    i64::try_from(entries.count()).ok()
+}
+
+/// The soft open-files limit of this process, from `/proc/self/limits`; `None` when unlimited
+/// or unreadable.
+pub fn max_fds() -> Option<i64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    parse_max_open_files(&limits)
+}
+
+fn parse_max_open_files(limits: &str) -> Option<i64> {
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.trim_start_matches("Max open files")
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_soft_open_files_limit() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                      Max processes             63704                63704                processes \n\
+                      Max open files            1024                 524288               files     \n";
+        assert_eq!(parse_max_open_files(limits), Some(1024));
+        assert_eq!(
+            parse_max_open_files("Max open files unlimited unlimited files"),
+            None
+        );
+        assert_eq!(parse_max_open_files(""), None);
+    }
+
+    #[test]
+    fn reads_this_process_fds() {
+        let open = open_fds().expect("/proc/self/fd");
+        let max = max_fds().expect("/proc/self/limits");
+        assert!(open >= 3 && open <= max, "open {open}, max {max}");
+    }
+
+    #[test]
+    fn exposition_names_the_contract_metrics() {
+        let m = Metrics::new(4, 8);
+        m.refused.inc();
+        m.faults.get_or_create(&FAULT_SLOW_HEADERS).inc();
+        let text = m.encode();
+        for name in [
+            "modelsim_requests_in_flight ",
+            "modelsim_requests_queued ",
+            "modelsim_requests_refused_total 1",
+            "modelsim_requests_served_total 0",
+            "modelsim_request_duration_seconds_bucket",
+            "modelsim_connections_open ",
+            "modelsim_connections_accepted_total ",
+            "modelsim_faults_injected_total{kind=\"slow_headers\"} 1",
+            "modelsim_max_concurrency 4",
+            "process_open_fds ",
+            "process_max_fds ",
+        ] {
+            assert!(text.contains(name), "{name} missing from\n{text}");
+        }
+    }
+}

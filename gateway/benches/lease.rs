@@ -1,0 +1,84 @@
+//! Micro-benchmark of the pool's hot path: an uncontended lease of an idle connection and its
+//! release back to the pool (one lock round trip each way, no IO).
+
+use std::hint::black_box;
+use std::io;
+use std::net::SocketAddr;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use poolpilot_api::Duration;
+use poolpilot_api::limits::{Endpoint, PoolLimits};
+use poolpilot_gateway::Metrics;
+use poolpilot_gateway::pool::{Connect, Pool, Poolable};
+
+/// A connection that is always open: measures the pool, not a socket.
+#[derive(Debug)]
+struct Conn;
+
+impl Poolable for Conn {
+    fn is_open(&self) -> bool {
+        true
+    }
+}
+
+#[derive(Debug)]
+struct Connector;
+
+impl Connect for Connector {
+    type Conn = Conn;
+
+    async fn connect(&self, _addr: SocketAddr) -> io::Result<Conn> {
+        Ok(Conn)
+    }
+}
+
+fn limits() -> PoolLimits {
+    PoolLimits {
+        max_connections_per_endpoint: 64,
+        max_pending: 128,
+        lease_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_secs(30),
+        max_lifetime: Duration::from_secs(600),
+        connect_timeout: Duration::from_secs(1),
+        validate_after_idle: Duration::from_secs(2),
+    }
+}
+
+fn endpoints(n: u16) -> Vec<Endpoint> {
+    (0..n)
+        .map(|i| Endpoint {
+            name: format!("ep-{i}"),
+            address: SocketAddr::from(([127, 0, 0, 1], 8000 + i)),
+        })
+        .collect()
+}
+
+fn lease_release(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for n in [1, 8] {
+        let pool = rt.block_on(async {
+            Pool::new("bench", limits(), &endpoints(n), Connector, Metrics::new())
+        });
+        // Warm: one idle connection per endpoint.
+        rt.block_on(async {
+            let mut lease = pool.lease().await.unwrap();
+            lease.keep();
+        });
+        c.bench_function(
+            &format!("lease+release, {n} endpoint(s), uncontended"),
+            |b| {
+                b.to_async(&rt).iter(|| async {
+                    let mut lease = pool.lease().await.unwrap();
+                    black_box(lease.reused());
+                    lease.keep();
+                })
+            },
+        );
+    }
+}
+
+criterion_group!(benches, lease_release);
+criterion_main!(benches);

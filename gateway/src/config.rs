@@ -1,0 +1,187 @@
+//! The gateway's own configuration: command line (clap) and the YAML file it names
+//! (listeners, admin token file, limits file, drain grace). The limits themselves are the
+//! separate, hot-reloadable [`poolpilot_api::GatewayLimits`] document.
+
+use std::fs;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use poolpilot_api::Duration;
+use serde::Deserialize;
+
+/// Command line of `poolpilot-gateway`.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "poolpilot-gateway",
+    version,
+    about = "poolpilot's pooled, throttled AI gateway"
+)]
+pub struct Args {
+    /// The gateway configuration file (YAML).
+    #[arg(long, env = "POOLPILOT_GATEWAY_CONFIG")]
+    pub config: PathBuf,
+    /// Log format.
+    #[arg(long, env = "POOLPILOT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// How logs are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The configuration file.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// Where to listen.
+    pub listeners: Listeners,
+    /// File holding the admin API bearer token. Without it, `PUT /v1/limits` is refused.
+    #[serde(default)]
+    pub admin_token_file: Option<PathBuf>,
+    /// The limits document (YAML or JSON), loaded at start and re-applied when it changes.
+    #[serde(default)]
+    pub limits_file: Option<PathBuf>,
+    /// How often the limits file is checked for changes.
+    #[serde(default = "GatewayConfig::default_poll")]
+    pub limits_poll_interval: Duration,
+    /// How long in-flight requests may take to finish after SIGTERM.
+    #[serde(default = "GatewayConfig::default_grace")]
+    pub drain_grace: Duration,
+}
+
+/// Listener addresses.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Listeners {
+    /// The proxy (client-facing) address.
+    pub proxy: SocketAddr,
+    /// The admin API address (health, metrics, limits).
+    pub admin: SocketAddr,
+}
+
+/// Why the configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Reading a file failed.
+    #[error("reading {path} failed")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The IO error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The configuration is not valid YAML of the expected shape.
+    #[error("parsing {path} failed")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        #[source]
+        source: serde_norway::Error,
+    },
+    /// The admin token file is empty.
+    #[error("admin token file {0} is empty")]
+    EmptyToken(PathBuf),
+}
+
+impl GatewayConfig {
+    fn default_poll() -> Duration {
+        Duration::from_secs(2)
+    }
+
+    fn default_grace() -> Duration {
+        Duration::from_secs(30)
+    }
+
+    /// Loads `path`; relative file paths in it are taken relative to its directory.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        let mut config: Self =
+            serde_norway::from_str(&text).map_err(|source| ConfigError::Parse {
+                path: path.into(),
+                source,
+            })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for file in [&mut config.admin_token_file, &mut config.limits_file]
+            .into_iter()
+            .flatten()
+        {
+            if file.is_relative() {
+                *file = base.join(&*file);
+            }
+        }
+        Ok(config)
+    }
+
+    /// Reads the admin token, if a token file is configured.
+    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
+        let Some(path) = &self.admin_token_file else {
+            return Ok(None);
+        };
+        let token = fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let token = token.trim();
+        if token.is_empty() {
+            return Err(ConfigError::EmptyToken(path.clone()));
+        }
+        Ok(Some(token.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_config_loads_with_paths_resolved() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gateway.yaml");
+        let config = GatewayConfig::load(&path).expect("the example config is valid");
+        assert_eq!(config.listeners.proxy.port(), 8080);
+        assert_eq!(
+            config.limits_file.as_deref(),
+            Some(path.parent().unwrap().join("limits.yaml").as_path())
+        );
+        assert_eq!(config.drain_grace, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("gw.yaml");
+        fs::write(
+            &path,
+            "listeners: {proxy: '127.0.0.1:1', admin: '127.0.0.1:2'}\nlimitFile: x\n",
+        )
+        .unwrap();
+        let err = GatewayConfig::load(&path).unwrap_err();
+        assert!(format!("{:?}", err).contains("limitFile"), "{err:?}");
+    }
+
+    #[test]
+    fn an_empty_token_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("token"), "\n").unwrap();
+        let path = dir.path().join("gw.yaml");
+        fs::write(
+            &path,
+            "listeners: {proxy: '127.0.0.1:1', admin: '127.0.0.1:2'}\nadminTokenFile: token\n",
+        )
+        .unwrap();
+        let config = GatewayConfig::load(&path).unwrap();
+        assert!(matches!(
+            config.read_token(),
+            Err(ConfigError::EmptyToken(_))
+        ));
+    }
+}

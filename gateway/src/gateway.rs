@@ -1,0 +1,437 @@
+//! The gateway's live state: the limits document in force, the routes built from it, one pool
+//! per backend and one limiter per client policy, and applying a new document *in place*
+//! (pools resize and keep their connections, limiters keep their clients).
+//!
+//! Readers take an `Arc<Snapshot>` (one read lock, one clone) and never block an apply; an
+//! apply is serialised by its own lock, builds the new snapshot and swaps it in.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::{Mutex, RwLock};
+use poolpilot_api::GatewayLimits;
+use poolpilot_api::limits::{HealthCheck, InvalidLimits, RouteMatch, Timeouts};
+use tokio::task::JoinHandle;
+
+use crate::health;
+use crate::limiter::{ClientLimiter, ClientStats};
+use crate::metrics::Metrics;
+use crate::pool::{Pool, PoolStats};
+use crate::upstream::HttpConnector;
+
+/// Where a limits document came from (metric label, logs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitsSource {
+    /// `PUT /v1/limits`.
+    Api,
+    /// The limits file.
+    File,
+}
+
+impl LimitsSource {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Api => "api",
+            Self::File => "file",
+        }
+    }
+}
+
+/// Why a limits document was not applied. The limits in force stay.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// It fails validation (422).
+    #[error(transparent)]
+    Invalid(#[from] InvalidLimits),
+    /// Its generation is older than the one in force (409).
+    #[error("generation {offered} is older than generation {current} in force")]
+    Stale {
+        /// The document's generation.
+        offered: u64,
+        /// The generation in force.
+        current: u64,
+    },
+    /// Same generation as the one in force, different content (409): bump the generation.
+    #[error(
+        "generation {generation} is in force with revision {current}; revision {offered} needs a newer generation"
+    )]
+    Conflict {
+        /// The generation.
+        generation: u64,
+        /// Revision in force.
+        current: String,
+        /// Revision offered.
+        offered: String,
+    },
+}
+
+/// What an apply did.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Applied {
+    /// Revision now in force.
+    pub revision: String,
+    /// Generation now in force.
+    pub generation: u64,
+    /// Whether anything changed (false when the same document was applied again).
+    #[serde(skip)]
+    pub changed: bool,
+}
+
+/// The live gateway. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Gateway {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    metrics: Metrics,
+    snapshot: RwLock<Arc<Snapshot>>,
+    registry: Mutex<Registry>,
+    loaded: AtomicBool,
+    draining: AtomicBool,
+    /// Serialises scrapes: live gauges are cleared and set again before each one.
+    scrape: Mutex<()>,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    backends: HashMap<String, Arc<Backend>>,
+    limiters: HashMap<String, ClientLimiter>,
+}
+
+/// One backend: its pool and its health checker.
+#[derive(Debug)]
+pub(crate) struct Backend {
+    pub(crate) name: Arc<str>,
+    pub(crate) pool: Pool<HttpConnector>,
+    health: Mutex<Option<(HealthCheck, JoinHandle<()>)>>,
+}
+
+/// The limits in force and what was built from them.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// The document, with its revision set.
+    pub limits: GatewayLimits,
+    pub(crate) routes: Vec<Route>,
+    pub(crate) needs_model: bool,
+}
+
+/// One backend's route with what a request on it needs.
+#[derive(Debug)]
+pub(crate) struct Route {
+    pub(crate) matcher: RouteMatch,
+    pub(crate) backend: Arc<Backend>,
+    pub(crate) timeouts: Timeouts,
+    pub(crate) limiter: Option<ClientLimiter>,
+}
+
+// === impl Gateway ===
+
+impl Gateway {
+    /// A gateway with no backends (every request gets 404) until limits are applied.
+    pub fn new(metrics: Metrics) -> Self {
+        let limits = GatewayLimits::default().with_content_revision();
+        metrics.set_limits_info(&limits.revision, limits.generation);
+        Self {
+            inner: Arc::new(Inner {
+                metrics,
+                snapshot: RwLock::new(Arc::new(Snapshot {
+                    limits,
+                    routes: Vec::new(),
+                    needs_model: false,
+                })),
+                registry: Mutex::default(),
+                loaded: AtomicBool::new(false),
+                draining: AtomicBool::new(false),
+                scrape: Mutex::new(()),
+            }),
+        }
+    }
+
+    /// The limits in force.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.inner.snapshot.read().clone()
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// Ready: limits were loaded and the gateway is not draining.
+    pub fn is_ready(&self) -> bool {
+        self.inner.loaded.load(Ordering::Acquire) && !self.is_draining()
+    }
+
+    /// Whether shutdown began.
+    pub fn is_draining(&self) -> bool {
+        self.inner.draining.load(Ordering::Acquire)
+    }
+
+    /// Marks the gateway as draining (`/readyz` fails from now on).
+    pub fn set_draining(&self) {
+        self.inner.draining.store(true, Ordering::Release);
+    }
+
+    /// Validates `doc` and swaps it in. A document older than the one in force is refused; the
+    /// same generation is accepted only with the same content, except generation 0 (a
+    /// hand-written file), which is applied whenever its content changes.
+    pub fn apply(
+        &self,
+        mut doc: GatewayLimits,
+        source: LimitsSource,
+    ) -> Result<Applied, ApplyError> {
+        let result = self.try_apply(&mut doc, source);
+        if let Err(error) = &result {
+            self.inner.metrics.limits_rejected(source.as_str());
+            tracing::warn!(source = source.as_str(), %error, "limits refused; the limits in force stay");
+        }
+        result
+    }
+
+    fn try_apply(
+        &self,
+        doc: &mut GatewayLimits,
+        source: LimitsSource,
+    ) -> Result<Applied, ApplyError> {
+        doc.validate()?;
+        if doc.revision.is_empty() {
+            doc.revision = doc.content_revision();
+        }
+        let mut registry = self.inner.registry.lock();
+        let current = self.snapshot();
+        let loaded = self.inner.loaded.load(Ordering::Acquire);
+        let (cur_gen, cur_rev) = (current.limits.generation, current.limits.revision.clone());
+        if loaded {
+            if doc.generation < cur_gen {
+                return Err(ApplyError::Stale {
+                    offered: doc.generation,
+                    current: cur_gen,
+                });
+            }
+            if doc.generation == cur_gen && doc.revision == cur_rev {
+                return Ok(Applied {
+                    revision: cur_rev,
+                    generation: cur_gen,
+                    changed: false,
+                });
+            }
+            if doc.generation == cur_gen && cur_gen != 0 {
+                return Err(ApplyError::Conflict {
+                    generation: cur_gen,
+                    current: cur_rev,
+                    offered: doc.revision.clone(),
+                });
+            }
+        }
+
+        // Client limiters: keep the ones whose name stays, update them in place.
+        let mut limiters = HashMap::new();
+        for policy in &doc.client_policies {
+            let limiter = match registry.limiters.remove(&policy.name) {
+                Some(existing) => {
+                    existing.set_policy(policy.clone());
+                    existing
+                }
+                None => ClientLimiter::new(policy.clone(), self.inner.metrics.clone()),
+            };
+            limiters.insert(policy.name.clone(), limiter);
+        }
+
+        // Backends: resize pools in place, create new ones, retire removed ones.
+        let mut backends = HashMap::new();
+        let mut routes = Vec::with_capacity(doc.backends.len());
+        for b in &doc.backends {
+            let backend = match registry.backends.remove(&b.name) {
+                Some(existing) => {
+                    existing.pool.set_endpoints(&b.endpoints);
+                    existing.pool.set_limits(b.pool.clone());
+                    existing
+                }
+                None => Arc::new(Backend {
+                    name: b.name.as_str().into(),
+                    pool: Pool::new(
+                        &b.name,
+                        b.pool.clone(),
+                        &b.endpoints,
+                        HttpConnector,
+                        self.inner.metrics.clone(),
+                    ),
+                    health: Mutex::new(None),
+                }),
+            };
+            backend
+                .pool
+                .set_health_rules(b.health_check.clone(), b.outlier_detection.clone());
+            backend.set_health_check(b.health_check.clone());
+            routes.push(Route {
+                matcher: b.route.clone(),
+                backend: backend.clone(),
+                timeouts: b.timeouts.clone(),
+                limiter: b
+                    .client_policy
+                    .as_ref()
+                    .and_then(|p| limiters.get(p).cloned()),
+            });
+            backends.insert(b.name.clone(), backend);
+        }
+        for (name, removed) in registry.backends.drain() {
+            tracing::info!(backend = %name, "backend removed; its connections close as they return");
+            removed.retire();
+        }
+        registry.backends = backends;
+        registry.limiters = limiters;
+
+        let needs_model = doc.backends.iter().any(|b| b.route.model.is_some());
+        let applied = Applied {
+            revision: doc.revision.clone(),
+            generation: doc.generation,
+            changed: true,
+        };
+        self.inner
+            .metrics
+            .set_limits_info(&doc.revision, doc.generation);
+        *self.inner.snapshot.write() = Arc::new(Snapshot {
+            limits: doc.clone(),
+            routes,
+            needs_model,
+        });
+        self.inner.loaded.store(true, Ordering::Release);
+        tracing::info!(
+            source = source.as_str(),
+            revision = %applied.revision,
+            generation = applied.generation,
+            backends = doc.backends.len(),
+            "limits applied"
+        );
+        Ok(applied)
+    }
+
+    /// Per backend and endpoint counts, and the top clients by calls in flight.
+    pub fn stats(&self) -> serde_json::Value {
+        let snapshot = self.snapshot();
+        let backends: serde_json::Map<String, serde_json::Value> = snapshot
+            .routes
+            .iter()
+            .map(|r| {
+                let stats: PoolStats = r.backend.pool.stats();
+                (
+                    r.backend.name.to_string(),
+                    serde_json::to_value(stats).unwrap_or_default(),
+                )
+            })
+            .collect();
+        let registry = self.inner.registry.lock();
+        let mut clients: Vec<(String, ClientStats)> = registry
+            .limiters
+            .iter()
+            .flat_map(|(policy, l)| {
+                l.top_clients(10)
+                    .into_iter()
+                    .map(move |c| (policy.clone(), c))
+            })
+            .collect();
+        clients.sort_by_key(|c| std::cmp::Reverse(c.1.inflight));
+        clients.truncate(10);
+        serde_json::json!({
+            "revision": snapshot.limits.revision,
+            "generation": snapshot.limits.generation,
+            "backends": backends,
+            "topClients": clients.into_iter().map(|(policy, c)| {
+                let mut v = serde_json::to_value(c).unwrap_or_default();
+                v["policy"] = policy.into();
+                v
+            }).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The metrics text, with the gauges computed from live state set just before.
+    pub fn scrape(&self) -> String {
+        let _one_at_a_time = self.inner.scrape.lock();
+        self.refresh_gauges();
+        self.inner.metrics.encode()
+    }
+
+    /// Sets the gauges computed from live state.
+    pub fn refresh_gauges(&self) {
+        let m = &self.inner.metrics;
+        m.clear_gauges();
+        let snapshot = self.snapshot();
+        for r in &snapshot.routes {
+            m.set_pool_gauges(&r.backend.name, &r.backend.pool.stats());
+        }
+        let registry = self.inner.registry.lock();
+        let mut by_label: HashMap<Arc<str>, u32> = HashMap::new();
+        for limiter in registry.limiters.values() {
+            for (label, n) in limiter.inflight_by_label() {
+                *by_label.entry(label).or_default() += n;
+            }
+        }
+        for (label, n) in by_label {
+            m.set_client_inflight(&label, n);
+        }
+        let (open, max) = crate::procfs::fds();
+        m.set_process_fds(open, max);
+    }
+
+    /// Forgets idle clients periodically, for as long as the gateway lives.
+    pub fn spawn_maintenance(&self) -> JoinHandle<()> {
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(10));
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                let limiters: Vec<ClientLimiter> =
+                    inner.registry.lock().limiters.values().cloned().collect();
+                for l in limiters {
+                    l.purge();
+                }
+            }
+        })
+    }
+}
+
+// === impl Backend ===
+
+impl Backend {
+    /// Starts, restarts or stops active health checking.
+    fn set_health_check(&self, check: Option<HealthCheck>) {
+        let mut health = self.health.lock();
+        let unchanged = match (&*health, &check) {
+            (Some((running, _)), Some(wanted)) => running == wanted,
+            (None, None) => true,
+            _ => false,
+        };
+        if unchanged {
+            return;
+        }
+        if let Some((_, task)) = health.take() {
+            task.abort();
+        }
+        if let Some(check) = check {
+            let task = health::spawn(self.pool.clone(), check.clone());
+            *health = Some((check, task));
+        }
+    }
+
+    fn retire(&self) {
+        if let Some((_, task)) = self.health.lock().take() {
+            task.abort();
+        }
+        self.pool.retire();
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        if let Some((_, task)) = self.health.get_mut().take() {
+            task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,474 @@
+//! The per-client limiter of one client policy: max concurrency per client (with named
+//! overrides, an allowlist for batch callers), a bounded per-client FIFO queue with a queue
+//! timeout, and slow-call demotion for a cooldown. Clients are known only by the SHA-256 of
+//! their identity (API key or source IP): raw keys are never stored, logged or exported.
+//!
+//! Memory is bounded: a client has an entry only while it has calls in flight or queued, is
+//! demoted, or has recent slow-call history; idle entries are purged after a while.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use poolpilot_api::limits::{ClientIdentity, ClientPolicy};
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::metrics::Metrics;
+use crate::pool::rate_whole_seconds;
+
+/// The label of clients without an override.
+pub const OTHER: &str = "other";
+
+/// A client's identity: the SHA-256 of its key. Never holds the raw key.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientKey([u8; 32]);
+
+impl ClientKey {
+    /// Hashes an identity value (the API key, or the IP address as text).
+    pub fn of(value: &[u8]) -> Self {
+        Self(Sha256::digest(value).into())
+    }
+
+    /// A short, non-reversible display form (`sha256:` and 12 hex digits).
+    pub fn short(&self) -> String {
+        format!("sha256:{}", hex::encode(&self.0[..6]))
+    }
+}
+
+impl fmt::Debug for ClientKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.short())
+    }
+}
+
+/// Why a client's request was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientRejection {
+    /// Over its concurrency and its queue is full.
+    #[error("client {client} is over its concurrency limit of {limit} and its queue is full")]
+    Concurrency {
+        /// Override name or `other`.
+        client: Arc<str>,
+        /// The limit in force (lower while demoted).
+        limit: u32,
+        /// Computed from the client's drain rate or its demotion cooldown.
+        retry_after: Duration,
+    },
+    /// Waited `queueTimeout` in its queue.
+    #[error("client {client} waited {waited:?} in its queue")]
+    QueueTimeout {
+        /// Override name or `other`.
+        client: Arc<str>,
+        /// How long it waited.
+        waited: Duration,
+        /// Computed from the client's drain rate or its demotion cooldown.
+        retry_after: Duration,
+    },
+}
+
+impl ClientRejection {
+    /// The metric reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Concurrency { .. } => "client_concurrency",
+            Self::QueueTimeout { .. } => "client_queue_timeout",
+        }
+    }
+}
+
+/// A client in `/v1/stats`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ClientStats {
+    /// Override name, or the short hash of the key.
+    pub client: String,
+    /// Calls in flight.
+    pub inflight: u32,
+    /// Calls queued.
+    pub queued: u32,
+    /// The concurrency limit in force.
+    pub limit: u32,
+    /// Whether slow calls demoted it.
+    pub demoted: bool,
+}
+
+/// The limiter of one client policy. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ClientLimiter {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    metrics: Metrics,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    policy: ClientPolicy,
+    overrides: HashMap<ClientKey, (Arc<str>, u32)>,
+    clients: HashMap<ClientKey, Client>,
+    next_waiter: u64,
+}
+
+#[derive(Debug)]
+struct Client {
+    label: Arc<str>,
+    inflight: u32,
+    queue: VecDeque<(u64, oneshot::Sender<()>)>,
+    /// Outcomes of recent calls (true = slow), newest last.
+    recent: VecDeque<bool>,
+    demoted_until: Option<Instant>,
+    /// Mean call duration, seconds (EWMA).
+    mean_call: Option<f64>,
+    last_seen: Instant,
+}
+
+/// A granted call slot, held for the whole call (response body included). Dropping it ends
+/// the call: its duration feeds the client's pace and slow-call ratio, and a queued call of
+/// the same client is admitted.
+#[derive(Debug)]
+pub struct ClientPermit {
+    limiter: Arc<Inner>,
+    key: ClientKey,
+    label: Arc<str>,
+    started: Instant,
+}
+
+// === impl ClientLimiter ===
+
+impl ClientLimiter {
+    /// A limiter enforcing `policy`.
+    pub fn new(policy: ClientPolicy, metrics: Metrics) -> Self {
+        let overrides = overrides_of(&policy);
+        Self {
+            inner: Arc::new(Inner {
+                metrics,
+                state: Mutex::new(State {
+                    policy,
+                    overrides,
+                    clients: HashMap::new(),
+                    next_waiter: 0,
+                }),
+            }),
+        }
+    }
+
+    /// Applies a new policy in place: clients keep their in-flight calls, queues and
+    /// demotions; raised limits admit queued calls at once.
+    pub fn set_policy(&self, policy: ClientPolicy) {
+        let mut state = self.inner.state.lock();
+        state.overrides = overrides_of(&policy);
+        state.policy = policy;
+        let overrides = state.overrides.clone();
+        for (key, client) in &mut state.clients {
+            client.label = overrides
+                .get(key)
+                .map_or_else(|| OTHER.into(), |(name, _)| name.clone());
+        }
+        let keys: Vec<ClientKey> = state.clients.keys().copied().collect();
+        let now = Instant::now();
+        for key in keys {
+            state.admit_queued(&key, now);
+        }
+    }
+
+    /// The identity rule of the policy.
+    pub fn identity(&self) -> ClientIdentity {
+        self.inner.state.lock().policy.identity.clone()
+    }
+
+    /// Admits a call of `key`, queueing it up to `queueTimeout` while the client is at its
+    /// limit.
+    pub async fn acquire(&self, key: ClientKey) -> Result<ClientPermit, ClientRejection> {
+        let start = Instant::now();
+        let (rx, id, label, queue_timeout) = {
+            let mut state = self.inner.state.lock();
+            let limit = state.limit(&key, start);
+            let max_queue = state.policy.max_queue as usize;
+            let queue_timeout = state.policy.queue_timeout.get();
+            let label = state.label(&key);
+            let client = state.client(key, label.clone(), start);
+            if client.inflight < limit && client.queue.is_empty() {
+                client.inflight += 1;
+                self.inner.metrics.client_queue_wait(&label, 0.0);
+                return Ok(self.permit(key, label));
+            }
+            if client.queue.len() >= max_queue {
+                let err = ClientRejection::Concurrency {
+                    client: label.clone(),
+                    limit,
+                    retry_after: client.retry_after(limit, start, queue_timeout),
+                };
+                self.inner.metrics.client_rejected(&label, err.reason());
+                return Err(err);
+            }
+            let (tx, rx) = oneshot::channel();
+            let id = state.next_waiter;
+            state.next_waiter += 1;
+            state
+                .clients
+                .get_mut(&key)
+                .expect("just inserted")
+                .queue
+                .push_back((id, tx));
+            (rx, id, label, queue_timeout)
+        };
+        if !matches!(tokio::time::timeout(queue_timeout, rx).await, Ok(Ok(()))) {
+            {
+                let mut state = self.inner.state.lock();
+                let now = Instant::now();
+                let limit = state.limit(&key, now);
+                let client = state.clients.get_mut(&key);
+                match client {
+                    Some(c) if c.queue.iter().any(|(w, _)| *w == id) => {
+                        c.queue.retain(|(w, _)| *w != id);
+                        let err = ClientRejection::QueueTimeout {
+                            client: label.clone(),
+                            waited: start.elapsed(),
+                            retry_after: c.retry_after(limit, now, queue_timeout),
+                        };
+                        self.inner.metrics.client_rejected(&label, err.reason());
+                        return Err(err);
+                    }
+                    // Admitted while the timer fired: the slot is ours.
+                    _ => {}
+                }
+            }
+        }
+        self.inner
+            .metrics
+            .client_queue_wait(&label, start.elapsed().as_secs_f64());
+        Ok(self.permit(key, label))
+    }
+
+    fn permit(&self, key: ClientKey, label: Arc<str>) -> ClientPermit {
+        ClientPermit {
+            limiter: self.inner.clone(),
+            key,
+            label,
+            started: Instant::now(),
+        }
+    }
+
+    /// Clients by calls in flight, most first, at most `n`.
+    pub fn top_clients(&self, n: usize) -> Vec<ClientStats> {
+        let now = Instant::now();
+        let state = self.inner.state.lock();
+        let mut all: Vec<ClientStats> = state
+            .clients
+            .iter()
+            .filter(|(_, c)| c.inflight > 0 || !c.queue.is_empty())
+            .map(|(key, c)| ClientStats {
+                client: match state.overrides.get(key) {
+                    Some((name, _)) => name.to_string(),
+                    None => key.short(),
+                },
+                inflight: c.inflight,
+                queued: c.queue.len() as u32,
+                limit: state.limit(key, now),
+                demoted: c.demoted_until.is_some_and(|u| now < u),
+            })
+            .collect();
+        all.sort_by(|a, b| {
+            b.inflight
+                .cmp(&a.inflight)
+                .then_with(|| a.client.cmp(&b.client))
+        });
+        all.truncate(n);
+        all
+    }
+
+    /// Calls in flight per client label (override names and `other`), for the gauge.
+    pub fn inflight_by_label(&self) -> HashMap<Arc<str>, u32> {
+        let state = self.inner.state.lock();
+        let mut out: HashMap<Arc<str>, u32> = HashMap::new();
+        for (name, _) in state.overrides.values() {
+            out.entry(name.clone()).or_default();
+        }
+        out.entry(OTHER.into()).or_default();
+        for c in state.clients.values() {
+            *out.entry(c.label.clone()).or_default() += c.inflight;
+        }
+        out
+    }
+
+    /// Drops entries of clients idle for longer than their history matters.
+    pub fn purge(&self) {
+        let now = Instant::now();
+        let mut state = self.inner.state.lock();
+        let keep_for = state
+            .policy
+            .slow_calls
+            .as_ref()
+            .map_or(Duration::ZERO, |s| {
+                s.cooldown.get().max(s.threshold.get() * 2)
+            })
+            .max(Duration::from_secs(60));
+        state.clients.retain(|_, c| {
+            c.inflight > 0
+                || !c.queue.is_empty()
+                || c.demoted_until.is_some_and(|u| now < u)
+                || now.duration_since(c.last_seen) < keep_for
+        });
+    }
+
+    /// Entries held (for tests of the memory bound).
+    pub fn tracked_clients(&self) -> usize {
+        self.inner.state.lock().clients.len()
+    }
+}
+
+fn overrides_of(policy: &ClientPolicy) -> HashMap<ClientKey, (Arc<str>, u32)> {
+    policy
+        .overrides
+        .iter()
+        .filter_map(|o| {
+            let mut key = [0u8; 32];
+            hex::decode_to_slice(&o.key_sha256, &mut key).ok()?;
+            Some((ClientKey(key), (o.name.as_str().into(), o.max_concurrency)))
+        })
+        .collect()
+}
+
+// === impl State ===
+
+impl State {
+    fn label(&self, key: &ClientKey) -> Arc<str> {
+        self.overrides
+            .get(key)
+            .map_or_else(|| OTHER.into(), |(name, _)| name.clone())
+    }
+
+    fn client(&mut self, key: ClientKey, label: Arc<str>, now: Instant) -> &mut Client {
+        let client = self.clients.entry(key).or_insert_with(|| Client {
+            label,
+            inflight: 0,
+            queue: VecDeque::new(),
+            recent: VecDeque::new(),
+            demoted_until: None,
+            mean_call: None,
+            last_seen: now,
+        });
+        client.last_seen = now;
+        client
+    }
+
+    /// The limit of `key` now: its override or the policy's, lowered while demoted.
+    fn limit(&self, key: &ClientKey, now: Instant) -> u32 {
+        let base = self
+            .overrides
+            .get(key)
+            .map_or(self.policy.max_concurrency, |(_, max)| *max);
+        let demoted = self
+            .clients
+            .get(key)
+            .and_then(|c| c.demoted_until)
+            .is_some_and(|until| now < until);
+        match (&self.policy.slow_calls, demoted) {
+            (Some(slow), true) => slow.demoted_concurrency.min(base),
+            _ => base,
+        }
+    }
+
+    /// Hands free slots of `key` to its queued calls, oldest first.
+    fn admit_queued(&mut self, key: &ClientKey, now: Instant) {
+        let limit = self.limit(key, now);
+        let Some(client) = self.clients.get_mut(key) else {
+            return;
+        };
+        while client.inflight < limit {
+            let Some((_, tx)) = client.queue.pop_front() else {
+                break;
+            };
+            if tx.send(()).is_ok() {
+                client.inflight += 1;
+            }
+        }
+    }
+
+    /// Records a finished call: its duration, slow-call ratio and demotion.
+    fn finish(&mut self, key: &ClientKey, took: Duration, now: Instant) {
+        let slow = self.policy.slow_calls.clone();
+        let Some(client) = self.clients.get_mut(key) else {
+            return;
+        };
+        client.inflight = client.inflight.saturating_sub(1);
+        client.last_seen = now;
+        let secs = took.as_secs_f64();
+        client.mean_call = Some(client.mean_call.map_or(secs, |m| m + 0.2 * (secs - m)));
+        let Some(slow) = slow else { return };
+        if client.demoted_until.is_some_and(|u| now >= u) {
+            tracing::info!(client = %client.label, "client restored after its slow-call cooldown");
+            client.demoted_until = None;
+        }
+        let window = (slow.min_calls.max(1) as usize) * 2;
+        client.recent.push_back(took > slow.threshold.get());
+        while client.recent.len() > window {
+            client.recent.pop_front();
+        }
+        if client.demoted_until.is_none() && client.recent.len() >= slow.min_calls as usize {
+            let slow_calls = client.recent.iter().filter(|s| **s).count();
+            let ratio = slow_calls as f64 / client.recent.len() as f64;
+            if ratio > slow.max_ratio {
+                tracing::warn!(
+                    client = %client.label,
+                    ratio,
+                    cooldown = %slow.cooldown,
+                    "client demoted: too many slow calls"
+                );
+                client.demoted_until = Some(now + slow.cooldown.get());
+                client.recent.clear();
+            }
+        }
+    }
+}
+
+// === impl Client ===
+
+impl Client {
+    /// Retry-After: the rest of a demotion, else the time for this client's queue (and one
+    /// more call) to drain at its observed pace: `limit` calls per mean call duration. Before
+    /// any call of the client finished, the queue timeout (how long a queued call may wait).
+    fn retry_after(&self, limit: u32, now: Instant, unobserved: Duration) -> Duration {
+        if let Some(until) = self.demoted_until.filter(|u| now < *u) {
+            return rate_whole_seconds(until.duration_since(now).as_secs_f64());
+        }
+        let ahead = self.queue.len() as f64 + 1.0;
+        let secs = match self.mean_call {
+            Some(mean) => mean * ahead / f64::from(limit.max(1)),
+            None => unobserved.as_secs_f64(),
+        };
+        rate_whole_seconds(secs)
+    }
+}
+
+// === impl ClientPermit ===
+
+impl ClientPermit {
+    /// The client's metric label (override name or `other`).
+    pub fn label(&self) -> &Arc<str> {
+        &self.label
+    }
+
+    /// When the call was admitted.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+}
+
+impl Drop for ClientPermit {
+    fn drop(&mut self) {
+        let now = Instant::now();
+        let mut state = self.limiter.state.lock();
+        state.finish(&self.key, now.duration_since(self.started), now);
+        state.admit_queued(&self.key, now);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,222 @@
+//! State-machine tests of the client limiter with paused time.
+
+use poolpilot_api::Duration as ApiDuration;
+use poolpilot_api::limits::{ClientOverride, SlowCalls};
+
+use super::*;
+
+fn policy(max: u32, queue: u32) -> ClientPolicy {
+    ClientPolicy {
+        name: "default".into(),
+        identity: ClientIdentity::Header("x-api-key".into()),
+        max_concurrency: max,
+        max_queue: queue,
+        queue_timeout: ApiDuration::from_secs(2),
+        overrides: vec![ClientOverride {
+            name: "batch-team".into(),
+            key_sha256: hex::encode(Sha256::digest(b"batch-key")),
+            max_concurrency: 5,
+        }],
+        slow_calls: None,
+    }
+}
+
+fn limiter(max: u32, queue: u32) -> ClientLimiter {
+    ClientLimiter::new(policy(max, queue), Metrics::new())
+}
+
+#[tokio::test(start_paused = true)]
+async fn over_the_limit_queues_then_refuses_while_others_pass() {
+    let l = limiter(2, 1);
+    let alice = ClientKey::of(b"alice");
+    let _a1 = l.acquire(alice).await.unwrap();
+    let _a2 = l.acquire(alice).await.unwrap();
+    let queued = {
+        let l = l.clone();
+        tokio::spawn(async move { l.acquire(alice).await.map(|_| ()) })
+    };
+    tokio::task::yield_now().await;
+    match l.acquire(alice).await {
+        Err(ClientRejection::Concurrency {
+            client,
+            limit,
+            retry_after,
+        }) => {
+            assert_eq!((&*client, limit), ("other", 2));
+            // Nothing finished yet: the queue timeout is the estimate.
+            assert_eq!(retry_after, Duration::from_secs(2));
+        }
+        other => panic!("expected a concurrency rejection, got {other:?}"),
+    }
+    let bob = ClientKey::of(b"bob");
+    l.acquire(bob).await.expect("another client is unaffected");
+    drop(queued);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_call_is_admitted_when_a_slot_frees() {
+    let l = limiter(1, 4);
+    let key = ClientKey::of(b"alice");
+    let first = l.acquire(key).await.unwrap();
+    let queued = {
+        let l = l.clone();
+        tokio::spawn(async move { l.acquire(key).await.map(|p| p.started()) })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(first);
+    let started = queued
+        .await
+        .unwrap()
+        .expect("admitted when the first call ended");
+    assert_eq!(started.elapsed(), Duration::ZERO);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_queue_times_out() {
+    let l = limiter(1, 4);
+    let key = ClientKey::of(b"alice");
+    let _first = l.acquire(key).await.unwrap();
+    let start = Instant::now();
+    match l.acquire(key).await {
+        Err(ClientRejection::QueueTimeout { waited, .. }) => {
+            assert_eq!(waited, Duration::from_secs(2));
+            assert_eq!(start.elapsed(), Duration::from_secs(2));
+        }
+        other => panic!("expected a queue timeout, got {other:?}"),
+    }
+    assert_eq!(
+        l.top_clients(10)[0].queued,
+        0,
+        "the timed-out call left the queue"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_allowlisted_client_gets_its_own_limit() {
+    let l = limiter(1, 0);
+    let batch = ClientKey::of(b"batch-key");
+    let mut permits = Vec::new();
+    for _ in 0..5 {
+        let p = l.acquire(batch).await.expect("the override allows 5");
+        assert_eq!(&**p.label(), "batch-team");
+        permits.push(p);
+    }
+    assert!(matches!(
+        l.acquire(batch).await,
+        Err(ClientRejection::Concurrency { limit: 5, .. })
+    ));
+    let top = l.top_clients(1);
+    assert_eq!((top[0].client.as_str(), top[0].inflight), ("batch-team", 5));
+    assert_eq!(l.inflight_by_label()["batch-team"], 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_follows_the_clients_pace() {
+    let l = limiter(2, 1);
+    let key = ClientKey::of(b"alice");
+    // Calls of 3s each.
+    for _ in 0..3 {
+        let p = l.acquire(key).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        drop(p);
+    }
+    let _p1 = l.acquire(key).await.unwrap();
+    let _p2 = l.acquire(key).await.unwrap();
+    let _queued = {
+        let l = l.clone();
+        tokio::spawn(async move { l.acquire(key).await.map(|_| ()) })
+    };
+    tokio::task::yield_now().await;
+    match l.acquire(key).await {
+        // Two calls to drain (the queued one and this one) at 2 per 3s: 3s.
+        Err(ClientRejection::Concurrency { retry_after, .. }) => {
+            assert_eq!(retry_after, Duration::from_secs(3))
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn slow_clients_are_demoted_then_restored() {
+    let mut p = policy(4, 0);
+    p.slow_calls = Some(SlowCalls {
+        threshold: ApiDuration::from_secs(1),
+        max_ratio: 0.5,
+        demoted_concurrency: 1,
+        cooldown: ApiDuration::from_secs(30),
+        min_calls: 4,
+    });
+    let l = ClientLimiter::new(p, Metrics::new());
+    let key = ClientKey::of(b"slowpoke");
+    for _ in 0..4 {
+        let permit = l.acquire(key).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        drop(permit);
+    }
+    let held = l.acquire(key).await.unwrap();
+    match l.acquire(key).await {
+        Err(ClientRejection::Concurrency {
+            limit, retry_after, ..
+        }) => {
+            assert_eq!(limit, 1, "demoted to demotedConcurrency");
+            assert_eq!(
+                retry_after,
+                Duration::from_secs(30),
+                "the rest of the cooldown"
+            );
+        }
+        other => panic!("expected a demoted rejection, got {other:?}"),
+    }
+    assert!(l.top_clients(1)[0].demoted);
+    let other = ClientKey::of(b"quick");
+    let _q: Vec<_> = [
+        l.acquire(other).await.unwrap(),
+        l.acquire(other).await.unwrap(),
+    ]
+    .into();
+    drop(held);
+
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    let _a = l.acquire(key).await.unwrap();
+    let _b = l
+        .acquire(key)
+        .await
+        .expect("restored to its full limit after the cooldown");
+}
+
+#[tokio::test(start_paused = true)]
+async fn raising_the_limit_admits_queued_calls() {
+    let l = limiter(1, 4);
+    let key = ClientKey::of(b"alice");
+    let _first = l.acquire(key).await.unwrap();
+    let queued = {
+        let l = l.clone();
+        tokio::spawn(async move { l.acquire(key).await.map(|_| ()) })
+    };
+    tokio::task::yield_now().await;
+    l.set_policy(policy(2, 4));
+    queued
+        .await
+        .unwrap()
+        .expect("admitted by the raise, before the queue timeout");
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_clients_are_forgotten() {
+    let l = limiter(1, 1);
+    for i in 0..1000u32 {
+        drop(l.acquire(ClientKey::of(&i.to_be_bytes())).await.unwrap());
+    }
+    assert_eq!(l.tracked_clients(), 1000);
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    l.purge();
+    assert_eq!(l.tracked_clients(), 0);
+}
+
+#[test]
+fn keys_are_never_shown_raw() {
+    let key = ClientKey::of(b"sk-secret-api-key");
+    let shown = format!("{key:?} {}", key.short());
+    assert!(!shown.contains("secret"));
+    assert!(shown.starts_with("sha256:"));
+}

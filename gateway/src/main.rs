@@ -1,0 +1,19 @@
+//! The `poolpilot-gateway` binary: parse the command line, set up logs, run.
+
+use clap::Parser;
+use poolpilot_gateway::config::{Args, LogFormat};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter);
+    match args.log_format {
+        LogFormat::Json => logs.json().init(),
+        LogFormat::Text => logs.init(),
+    }
+    let config = poolpilot_gateway::GatewayConfig::load(&args.config)?;
+    poolpilot_gateway::run(config).await?;
+    Ok(())
+}

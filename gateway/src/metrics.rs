@@ -1,0 +1,530 @@
+//! The gateway's Prometheus metrics: exactly the names and labels of DESIGN §4 (what the
+//! operator queries), plus listener and reload counters and the process fd gauges. Labels are
+//! bounded: backend and endpoint names come from the limits, client labels are configured
+//! override names or `other`, reasons and kinds are enums.
+
+use std::fmt;
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+/// Why a pooled connection was closed (`reason` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CloseReason {
+    /// Idle longer than `idleTimeout`.
+    Idle,
+    /// Older than `maxLifetime`.
+    Lifetime,
+    /// The backend closed it.
+    PeerClosed,
+    /// It failed the validate-after-idle check.
+    ValidateFailed,
+    /// The cap shrank below the open count.
+    Shrink,
+    /// A call on it failed or was cut short.
+    Error,
+    /// A call on it timed out.
+    Timeout,
+    /// Its endpoint or backend left the limits.
+    Removed,
+}
+
+impl CloseReason {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::Lifetime => "lifetime",
+            Self::PeerClosed => "peer_closed",
+            Self::ValidateFailed => "validate_failed",
+            Self::Shrink => "shrink",
+            Self::Error => "error",
+            Self::Timeout => "timeout",
+            Self::Removed => "removed",
+        }
+    }
+}
+
+impl EncodeLabelValue for CloseReason {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        self.as_str().encode(encoder)
+    }
+}
+
+/// Kinds of upstream timeout (`kind` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TimeoutKind {
+    /// `connectTimeout`.
+    Connect,
+    /// `timeouts.firstByte`.
+    FirstByte,
+    /// `timeouts.total`.
+    Total,
+    /// `timeouts.streamIdle`.
+    StreamIdle,
+}
+
+impl TimeoutKind {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::FirstByte => "first_byte",
+            Self::Total => "total",
+            Self::StreamIdle => "stream_idle",
+        }
+    }
+}
+
+impl EncodeLabelValue for TimeoutKind {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        self.as_str().encode(encoder)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BackendLabel {
+    backend: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct EndpointLabels {
+    backend: String,
+    endpoint: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ConnectionLabels {
+    backend: String,
+    endpoint: String,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClosedLabels {
+    backend: String,
+    endpoint: String,
+    reason: CloseReason,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DurationLabels {
+    backend: String,
+    code_class: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TimeoutLabels {
+    backend: String,
+    kind: TimeoutKind,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClientLabel {
+    client: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClientReasonLabels {
+    client: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct LimitsLabels {
+    revision: String,
+    generation: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SourceLabel {
+    source: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Every metric family of the gateway, registered in one registry. Cheap to clone; clones
+/// share the families.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<parking_lot::Mutex<Registry>>,
+    pool_connections: Family<ConnectionLabels, Gauge>,
+    pool_pending: Family<BackendLabel, Gauge>,
+    pool_max_connections: Family<EndpointLabels, Gauge>,
+    pool_lease_wait: HistogramFamily<BackendLabel>,
+    pool_lease_timeouts: Family<BackendLabel, Counter>,
+    pool_created: Family<EndpointLabels, Counter>,
+    pool_reused: Family<EndpointLabels, Counter>,
+    pool_closed: Family<ClosedLabels, Counter>,
+    upstream_duration: HistogramFamily<DurationLabels>,
+    upstream_timeouts: Family<TimeoutLabels, Counter>,
+    upstream_retries: Family<BackendLabel, Counter>,
+    client_inflight: Family<ClientLabel, Gauge>,
+    client_rejected: Family<ClientReasonLabels, Counter>,
+    client_queue_wait: HistogramFamily<ClientLabel>,
+    endpoint_healthy: Family<EndpointLabels, Gauge>,
+    limits_info: Family<LimitsLabels, Gauge>,
+    limits_rejected: Family<SourceLabel, Counter>,
+    accept_errors: Counter,
+    downstream_connections: Gauge,
+    downstream_rejected: Counter,
+    open_fds: Gauge,
+    max_fds: Gauge,
+}
+
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+fn wait_histogram() -> Histogram {
+    // 0.5ms .. ~16s: lease and queue waits span sub-millisecond to the lease timeout.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+fn duration_histogram() -> Histogram {
+    // 5ms .. ~160s: model calls run from milliseconds to minutes.
+    Histogram::new(exponential_buckets(0.005, 2.0, 16))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every family.
+    pub fn new() -> Self {
+        let mut r = Registry::default();
+        let m = Self {
+            registry: Arc::default(),
+            pool_connections: Family::default(),
+            pool_pending: Family::default(),
+            pool_max_connections: Family::default(),
+            pool_lease_wait: Family::new_with_constructor(wait_histogram),
+            pool_lease_timeouts: Family::default(),
+            pool_created: Family::default(),
+            pool_reused: Family::default(),
+            pool_closed: Family::default(),
+            upstream_duration: Family::new_with_constructor(duration_histogram),
+            upstream_timeouts: Family::default(),
+            upstream_retries: Family::default(),
+            client_inflight: Family::default(),
+            client_rejected: Family::default(),
+            client_queue_wait: Family::new_with_constructor(wait_histogram),
+            endpoint_healthy: Family::default(),
+            limits_info: Family::default(),
+            limits_rejected: Family::default(),
+            accept_errors: Counter::default(),
+            downstream_connections: Gauge::default(),
+            downstream_rejected: Counter::default(),
+            open_fds: Gauge::default(),
+            max_fds: Gauge::default(),
+        };
+        r.register(
+            "poolpilot_pool_connections",
+            "Open upstream connections by state (leased, idle)",
+            m.pool_connections.clone(),
+        );
+        r.register(
+            "poolpilot_pool_pending",
+            "Lease requests waiting for a connection",
+            m.pool_pending.clone(),
+        );
+        r.register(
+            "poolpilot_pool_max_connections",
+            "Cap on open connections per endpoint in this pod (the per-pod share in force)",
+            m.pool_max_connections.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_pool_lease_wait",
+            "Time a request waited for a pooled connection",
+            Unit::Seconds,
+            m.pool_lease_wait.clone(),
+        );
+        r.register(
+            "poolpilot_pool_lease_timeouts",
+            "Lease requests that gave up after leaseTimeout",
+            m.pool_lease_timeouts.clone(),
+        );
+        r.register(
+            "poolpilot_pool_connections_created",
+            "Upstream connections opened",
+            m.pool_created.clone(),
+        );
+        r.register(
+            "poolpilot_pool_connections_reused",
+            "Leases served by an idle pooled connection",
+            m.pool_reused.clone(),
+        );
+        r.register(
+            "poolpilot_pool_connections_closed",
+            "Upstream connections closed, by reason",
+            m.pool_closed.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_upstream_request_duration",
+            "Upstream call duration, from sending the request to the end of the response",
+            Unit::Seconds,
+            m.upstream_duration.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_timeouts",
+            "Upstream calls cut by a timeout, by kind",
+            m.upstream_timeouts.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_retries",
+            "Requests re-sent because a reused connection failed before any byte was sent",
+            m.upstream_retries.clone(),
+        );
+        r.register(
+            "poolpilot_client_inflight",
+            "Calls in flight per client",
+            m.client_inflight.clone(),
+        );
+        r.register(
+            "poolpilot_client_rejected",
+            "Client requests rejected, by reason",
+            m.client_rejected.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_client_queue_wait",
+            "Time a request waited in its client's queue",
+            Unit::Seconds,
+            m.client_queue_wait.clone(),
+        );
+        r.register(
+            "poolpilot_endpoint_healthy",
+            "1 when the endpoint may receive requests (probes pass, not ejected)",
+            m.endpoint_healthy.clone(),
+        );
+        r.register(
+            "poolpilot_limits_info",
+            "The limits document in force",
+            m.limits_info.clone(),
+        );
+        r.register(
+            "poolpilot_limits_rejected",
+            "Limits documents refused (invalid or stale), by source",
+            m.limits_rejected.clone(),
+        );
+        r.register(
+            "poolpilot_listener_accept_errors",
+            "Errors accepting client connections",
+            m.accept_errors.clone(),
+        );
+        r.register(
+            "poolpilot_downstream_connections",
+            "Open client connections",
+            m.downstream_connections.clone(),
+        );
+        r.register(
+            "poolpilot_downstream_connections_rejected",
+            "Client connections closed at once because their source held too many",
+            m.downstream_rejected.clone(),
+        );
+        r.register(
+            "process_open_fds",
+            "Number of open file descriptors",
+            m.open_fds.clone(),
+        );
+        r.register(
+            "process_max_fds",
+            "Maximum number of open file descriptors",
+            m.max_fds.clone(),
+        );
+        *m.registry.lock() = r;
+        m
+    }
+
+    /// The text exposition (OpenMetrics) of every family.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let registry = self.registry.lock();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+        out
+    }
+
+    // --- pool ---
+
+    pub(crate) fn lease_wait(&self, backend: &str) -> Histogram {
+        self.pool_lease_wait.get_or_create_owned(&BackendLabel {
+            backend: backend.into(),
+        })
+    }
+
+    pub(crate) fn lease_timeouts(&self, backend: &str) -> Counter {
+        self.pool_lease_timeouts.get_or_create_owned(&BackendLabel {
+            backend: backend.into(),
+        })
+    }
+
+    /// `(created, reused)` counters of one endpoint.
+    pub(crate) fn endpoint_counters(&self, backend: &str, endpoint: &str) -> (Counter, Counter) {
+        let labels = EndpointLabels {
+            backend: backend.into(),
+            endpoint: endpoint.into(),
+        };
+        (
+            self.pool_created.get_or_create_owned(&labels),
+            self.pool_reused.get_or_create_owned(&labels),
+        )
+    }
+
+    pub(crate) fn connection_closed(&self, backend: &str, endpoint: &str, reason: CloseReason) {
+        let labels = ClosedLabels {
+            backend: backend.into(),
+            endpoint: endpoint.into(),
+            reason,
+        };
+        self.pool_closed.get_or_create(&labels).inc();
+    }
+
+    /// Clears the gauges computed from live state, before they are set again.
+    pub(crate) fn clear_gauges(&self) {
+        self.pool_connections.clear();
+        self.pool_pending.clear();
+        self.pool_max_connections.clear();
+        self.endpoint_healthy.clear();
+        self.client_inflight.clear();
+    }
+
+    pub(crate) fn set_pool_gauges(&self, backend: &str, stats: &crate::pool::PoolStats) {
+        self.pool_pending
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .set(stats.pending.into());
+        for ep in &stats.endpoints {
+            let labels = EndpointLabels {
+                backend: backend.into(),
+                endpoint: ep.name.clone(),
+            };
+            self.pool_max_connections
+                .get_or_create(&labels)
+                .set(ep.max.into());
+            self.endpoint_healthy
+                .get_or_create(&labels)
+                .set(ep.healthy.into());
+            for (state, value) in [("leased", ep.leased), ("idle", ep.idle)] {
+                let labels = ConnectionLabels {
+                    backend: backend.into(),
+                    endpoint: ep.name.clone(),
+                    state,
+                };
+                self.pool_connections
+                    .get_or_create(&labels)
+                    .set(value.into());
+            }
+        }
+    }
+
+    // --- upstream ---
+
+    pub(crate) fn upstream_duration(&self, backend: &str, status: u16, secs: f64) {
+        let code_class = match status {
+            100..=199 => "1xx",
+            200..=299 => "2xx",
+            300..=399 => "3xx",
+            400..=499 => "4xx",
+            _ => "5xx",
+        };
+        self.upstream_duration
+            .get_or_create(&DurationLabels {
+                backend: backend.into(),
+                code_class,
+            })
+            .observe(secs);
+    }
+
+    pub(crate) fn upstream_timeout(&self, backend: &str, kind: TimeoutKind) {
+        self.upstream_timeouts
+            .get_or_create(&TimeoutLabels {
+                backend: backend.into(),
+                kind,
+            })
+            .inc();
+    }
+
+    pub(crate) fn upstream_retry(&self, backend: &str) {
+        self.upstream_retries
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .inc();
+    }
+
+    // --- clients ---
+
+    pub(crate) fn client_rejected(&self, client: &str, reason: &'static str) {
+        self.client_rejected
+            .get_or_create(&ClientReasonLabels {
+                client: client.into(),
+                reason,
+            })
+            .inc();
+    }
+
+    pub(crate) fn client_queue_wait(&self, client: &str, secs: f64) {
+        self.client_queue_wait
+            .get_or_create(&ClientLabel {
+                client: client.into(),
+            })
+            .observe(secs);
+    }
+
+    pub(crate) fn set_client_inflight(&self, client: &str, n: u32) {
+        self.client_inflight
+            .get_or_create(&ClientLabel {
+                client: client.into(),
+            })
+            .set(n.into());
+    }
+
+    // --- limits, listener, process ---
+
+    pub(crate) fn set_limits_info(&self, revision: &str, generation: u64) {
+        self.limits_info.clear();
+        let labels = LimitsLabels {
+            revision: revision.into(),
+            generation: generation.to_string(),
+        };
+        self.limits_info.get_or_create(&labels).set(1);
+    }
+
+    pub(crate) fn limits_rejected(&self, source: &'static str) {
+        self.limits_rejected
+            .get_or_create(&SourceLabel { source })
+            .inc();
+    }
+
+    pub(crate) fn accept_error(&self) {
+        self.accept_errors.inc();
+    }
+
+    pub(crate) fn downstream_connections(&self) -> &Gauge {
+        &self.downstream_connections
+    }
+
+    pub(crate) fn downstream_rejected(&self) {
+        self.downstream_rejected.inc();
+    }
+
+    pub(crate) fn set_process_fds(&self, open: Option<u64>, max: Option<u64>) {
+        if let Some(open) = open {
+            self.open_fds.set(open as i64);
+        }
+        if let Some(max) = max {
+            self.max_fds.set(max as i64);
+        }
+    }
+}

@@ -1,0 +1,574 @@
+//! State-machine tests of the pool with fake connections and paused time.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use poolpilot_api::Duration as ApiDuration;
+
+use super::*;
+
+#[derive(Debug)]
+struct FakeConn {
+    id: usize,
+    open: Arc<AtomicBool>,
+    valid: Arc<AtomicBool>,
+    live: Arc<AtomicUsize>,
+}
+
+impl Poolable for FakeConn {
+    fn is_open(&self) -> bool {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    fn validate(&mut self) -> bool {
+        self.is_open() && self.valid.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for FakeConn {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[derive(Debug, Default)]
+struct FakeConnector {
+    created: AtomicUsize,
+    live: Arc<AtomicUsize>,
+    /// Handles of every connection made, to close or invalidate them from the test.
+    handles: Mutex<Vec<(Arc<AtomicBool>, Arc<AtomicBool>)>>,
+    connect_delay: Mutex<Duration>,
+    refuse: AtomicBool,
+}
+
+impl Connect for Arc<FakeConnector> {
+    type Conn = FakeConn;
+
+    fn connect(&self, _addr: SocketAddr) -> impl Future<Output = io::Result<FakeConn>> + Send {
+        let this = self.clone();
+        async move {
+            let delay = *this.connect_delay.lock();
+            tokio::time::sleep(delay).await;
+            if this.refuse.load(Ordering::SeqCst) {
+                return Err(io::Error::from(io::ErrorKind::ConnectionRefused));
+            }
+            let id = this.created.fetch_add(1, Ordering::SeqCst);
+            this.live.fetch_add(1, Ordering::SeqCst);
+            let open = Arc::new(AtomicBool::new(true));
+            let valid = Arc::new(AtomicBool::new(true));
+            this.handles.lock().push((open.clone(), valid.clone()));
+            Ok(FakeConn {
+                id,
+                open,
+                valid,
+                live: this.live.clone(),
+            })
+        }
+    }
+}
+
+fn limits(max: u32) -> PoolLimits {
+    PoolLimits {
+        max_connections_per_endpoint: max,
+        max_pending: 4,
+        lease_timeout: ApiDuration::from_millis(300),
+        idle_timeout: ApiDuration::from_secs(30),
+        max_lifetime: ApiDuration::from_secs(600),
+        connect_timeout: ApiDuration::from_secs(1),
+        validate_after_idle: ApiDuration::from_secs(2),
+    }
+}
+
+fn endpoints(n: usize) -> Vec<Endpoint> {
+    (0..n)
+        .map(|i| Endpoint {
+            name: format!("ep-{i}"),
+            address: SocketAddr::from(([127, 0, 0, 1], 9000 + i as u16)),
+        })
+        .collect()
+}
+
+fn pool(max: u32, n: usize) -> (Pool<Arc<FakeConnector>>, Arc<FakeConnector>) {
+    let connector = Arc::new(FakeConnector::default());
+    let pool = Pool::new(
+        "model-a",
+        limits(max),
+        &endpoints(n),
+        connector.clone(),
+        Metrics::new(),
+    );
+    (pool, connector)
+}
+
+fn open_total(pool: &Pool<Arc<FakeConnector>>) -> u32 {
+    pool.stats()
+        .endpoints
+        .iter()
+        .map(|e| e.leased + e.idle + e.connecting)
+        .sum()
+}
+
+#[tokio::test(start_paused = true)]
+async fn reuses_an_idle_connection() {
+    let (pool, connector) = pool(2, 1);
+    let mut first = pool.lease().await.expect("a free slot must be leased");
+    assert!(!first.reused());
+    first.keep();
+    drop(first);
+    assert_eq!(pool.stats().endpoints[0].idle, 1);
+
+    let second = pool
+        .lease()
+        .await
+        .expect("the idle connection must be leased");
+    assert!(
+        second.reused(),
+        "the idle connection is reused, not a new one opened"
+    );
+    assert_eq!(connector.created.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_discarded_connection_is_closed_not_pooled() {
+    let (pool, connector) = pool(2, 1);
+    let mut lease = pool.lease().await.unwrap();
+    lease.discard(CloseReason::Timeout);
+    drop(lease);
+    assert_eq!(open_total(&pool), 0);
+    assert_eq!(
+        connector.live.load(Ordering::SeqCst),
+        0,
+        "the connection was dropped"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_cap_holds_and_waiters_are_served_in_order() {
+    let (pool, connector) = pool(2, 1);
+    let mut a = pool.lease().await.unwrap();
+    let b = pool.lease().await.unwrap();
+
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..3 {
+        let pool = pool.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let mut lease = pool
+                .lease()
+                .await
+                .expect("a waiter gets a connection in time");
+            tx.send((i, lease.conn().id)).unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            lease.keep();
+        });
+        // Queue them in a known order.
+        tokio::task::yield_now().await;
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().pending, 3);
+    assert_eq!(open_total(&pool), 2, "no connection beyond the cap");
+
+    a.keep();
+    let a_id = a.conn().id;
+    drop(a);
+    assert_eq!(
+        rx.recv().await,
+        Some((0, a_id)),
+        "the oldest waiter gets the returned connection"
+    );
+    drop(b); // discarded: its slot goes to the next waiter, which connects
+    assert_eq!(rx.recv().await.map(|(i, _)| i), Some(1));
+    assert_eq!(rx.recv().await.map(|(i, _)| i), Some(2));
+    assert!(connector.created.load(Ordering::SeqCst) <= 3);
+    assert!(open_total(&pool) <= 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_gives_up_at_the_lease_timeout() {
+    let (pool, _) = pool(1, 1);
+    let held = pool.lease().await.unwrap();
+    let start = Instant::now();
+    let err = pool
+        .lease()
+        .await
+        .expect_err("the pool is full until the lease timeout");
+    assert_eq!(start.elapsed(), Duration::from_millis(300));
+    match err {
+        PoolError::LeaseTimeout {
+            waited,
+            retry_after,
+            ..
+        } => {
+            assert_eq!(waited, Duration::from_millis(300));
+            // No lease was ever released: the estimate falls back to the lease timeout → 1s.
+            assert_eq!(retry_after, Duration::from_secs(1));
+        }
+        other => panic!("expected a lease timeout, got {other:?}"),
+    }
+    assert_eq!(
+        pool.stats().pending,
+        0,
+        "the timed-out waiter left the queue"
+    );
+    drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_refuses_with_a_retry_after_from_the_drain_rate() {
+    let (pool, _) = pool(1, 1);
+    // Releases every 500ms: the queue drains at 2 per second.
+    for _ in 0..4 {
+        let mut lease = pool.lease().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        lease.keep();
+    }
+    let _held = pool.lease().await.unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..4 {
+        let pool = pool.clone();
+        waiters.push(tokio::spawn(async move { pool.lease().await.map(|_| ()) }));
+        tokio::task::yield_now().await;
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().pending, 4);
+    match pool.lease().await {
+        Err(PoolError::QueueFull {
+            pending,
+            retry_after,
+            ..
+        }) => {
+            assert_eq!(pending, 4);
+            // 4 releases in the last 1.5s (2.67/s); 5 requests to drain: 1.9s, rounded up.
+            assert_eq!(retry_after, Duration::from_secs(2));
+        }
+        other => panic!("expected a full queue, got {other:?}"),
+    }
+    for w in waiters {
+        assert!(matches!(
+            w.await.unwrap(),
+            Err(PoolError::LeaseTimeout { .. })
+        ));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn growing_the_cap_wakes_waiters_at_once() {
+    let (pool, _) = pool(1, 1);
+    let _held = pool.lease().await.unwrap();
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(|l| l.wait()) })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().pending, 1);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    pool.set_limits(limits(2));
+    let wait = waiter.await.unwrap().expect("the waiter gets the new slot");
+    assert_eq!(
+        wait,
+        Duration::from_millis(50),
+        "woken by the resize, not by the timeout"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn shrinking_the_cap_closes_connections_as_they_return() {
+    let (pool, connector) = pool(3, 1);
+    let mut leases = Vec::new();
+    for _ in 0..3 {
+        leases.push(pool.lease().await.unwrap());
+    }
+    pool.set_limits(limits(1));
+    assert_eq!(
+        pool.stats().endpoints[0].leased,
+        3,
+        "in-flight leases are untouched"
+    );
+    assert_eq!(connector.live.load(Ordering::SeqCst), 3);
+    for mut lease in leases {
+        assert!(
+            lease.conn().is_open(),
+            "no in-flight connection is closed by a shrink"
+        );
+        lease.keep();
+    }
+    let stats = &pool.stats().endpoints[0];
+    assert_eq!(
+        (stats.leased, stats.idle),
+        (0, 1),
+        "only the new cap is kept"
+    );
+    assert_eq!(connector.live.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shrinking_closes_excess_idle_connections_now() {
+    let (pool, connector) = pool(3, 1);
+    let leases: Vec<_> = [pool.lease().await.unwrap(), pool.lease().await.unwrap()].into();
+    for mut lease in leases {
+        lease.keep();
+    }
+    assert_eq!(pool.stats().endpoints[0].idle, 2);
+    pool.set_limits(limits(1));
+    assert_eq!(pool.stats().endpoints[0].idle, 1);
+    assert_eq!(connector.live.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_connections_are_reaped_after_the_idle_timeout() {
+    let (pool, connector) = pool(2, 1);
+    let mut lease = pool.lease().await.unwrap();
+    lease.keep();
+    drop(lease);
+    tokio::time::sleep(Duration::from_secs(29)).await;
+    pool.reap();
+    assert_eq!(pool.stats().endpoints[0].idle, 1);
+    // The background reaper closes it shortly after 30s.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(pool.stats().endpoints[0].idle, 0);
+    assert_eq!(connector.live.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_closed_by_the_peer_is_not_reused() {
+    let (pool, connector) = pool(2, 1);
+    let mut lease = pool.lease().await.unwrap();
+    lease.keep();
+    drop(lease);
+    connector.handles.lock()[0].0.store(false, Ordering::SeqCst);
+    let lease = pool.lease().await.unwrap();
+    assert!(
+        !lease.reused(),
+        "a closed idle connection is dropped, a new one opened"
+    );
+    assert_eq!(connector.created.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn validates_only_after_the_validate_after_idle_period() {
+    let (pool, connector) = pool(2, 1);
+    let mut lease = pool.lease().await.unwrap();
+    lease.keep();
+    drop(lease);
+    connector.handles.lock()[0].1.store(false, Ordering::SeqCst);
+    // Idle 1s (< validateAfterIdle 2s): reused without validation.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut lease = pool.lease().await.unwrap();
+    assert!(lease.reused());
+    lease.keep();
+    drop(lease);
+    // Idle 3s: validated, fails, replaced.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let lease = pool.lease().await.unwrap();
+    assert!(
+        !lease.reused(),
+        "a connection failing validation is replaced"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn connections_older_than_max_lifetime_are_not_pooled() {
+    let (pool, connector) = pool(2, 1);
+    let mut lease = pool.lease().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(601)).await;
+    lease.keep();
+    drop(lease);
+    assert_eq!(pool.stats().endpoints[0].idle, 0);
+    assert_eq!(connector.live.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn connect_timeout_frees_the_slot() {
+    let (pool, connector) = pool(1, 1);
+    *connector.connect_delay.lock() = Duration::from_secs(5);
+    let err = pool
+        .lease()
+        .await
+        .expect_err("connect takes longer than connectTimeout");
+    assert!(matches!(err, PoolError::ConnectTimeout { .. }), "{err:?}");
+    assert_eq!(open_total(&pool), 0, "the reserved slot is released");
+    *connector.connect_delay.lock() = Duration::ZERO;
+    pool.lease().await.expect("the slot can be used again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_connect_fails_the_lease() {
+    let (pool, connector) = pool(1, 1);
+    connector.refuse.store(true, Ordering::SeqCst);
+    let err = pool.lease().await.expect_err("connect is refused");
+    assert!(matches!(err, PoolError::Connect { .. }), "{err:?}");
+    assert_eq!(err.endpoint(), Some("ep-0"));
+    assert_eq!(open_total(&pool), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_waiter_does_not_swallow_a_connection() {
+    let (pool, _) = pool(1, 1);
+    let mut held = pool.lease().await.unwrap();
+    let cancelled = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(|_| ()) })
+    };
+    tokio::task::yield_now().await;
+    cancelled.abort();
+    let _ = cancelled.await;
+    held.keep();
+    drop(held);
+    let lease = pool
+        .lease()
+        .await
+        .expect("the returned connection is still available");
+    assert!(lease.reused());
+}
+
+#[tokio::test(start_paused = true)]
+async fn picks_the_endpoint_with_more_spare_capacity() {
+    let (pool, _) = pool(4, 2);
+    let mut leases = Vec::new();
+    for _ in 0..8 {
+        leases.push(pool.lease().await.unwrap());
+        let stats = pool.stats();
+        let (a, b) = (stats.endpoints[0].leased, stats.endpoints[1].leased);
+        assert!(
+            a.abs_diff(b) <= 1,
+            "leases spread by spare capacity: {a} vs {b}"
+        );
+    }
+}
+
+fn outlier(consecutive: u32, percent: u32) -> OutlierDetection {
+    OutlierDetection {
+        consecutive_failures: consecutive,
+        base_ejection: ApiDuration::from_secs(10),
+        max_ejected_percent: percent,
+    }
+}
+
+fn check() -> HealthCheck {
+    HealthCheck {
+        path: "/health".into(),
+        interval: ApiDuration::from_secs(1),
+        timeout: ApiDuration::from_secs(1),
+        unhealthy_threshold: 2,
+        healthy_threshold: 2,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn consecutive_failures_eject_and_probes_bring_it_back() {
+    let (pool, _) = pool(4, 2);
+    pool.set_health_rules(Some(check()), Some(outlier(3, 50)));
+    for _ in 0..3 {
+        pool.report_call("ep-0", false);
+    }
+    let stats = pool.stats();
+    assert!(stats.endpoints[0].ejected && !stats.endpoints[0].healthy);
+    for _ in 0..6 {
+        let lease = pool.lease().await.unwrap();
+        assert_eq!(
+            &**lease.endpoint(),
+            "ep-1",
+            "an ejected endpoint gets no traffic"
+        );
+    }
+
+    // Ejection over, but no probe has passed since: still out.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert!(!pool.stats().endpoints[0].healthy);
+    pool.report_probe("ep-0", true);
+    assert!(
+        !pool.stats().endpoints[0].healthy,
+        "one probe is below healthyThreshold"
+    );
+    pool.report_probe("ep-0", true);
+    assert!(
+        pool.stats().endpoints[0].healthy,
+        "back after two passing probes"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn never_ejects_more_than_the_max_percent() {
+    let (pool, _) = pool(4, 2);
+    pool.set_health_rules(None, Some(outlier(1, 50)));
+    pool.report_call("ep-0", false);
+    pool.report_call("ep-1", false);
+    let stats = pool.stats();
+    assert_eq!(stats.endpoints.iter().filter(|e| e.ejected).count(), 1);
+    pool.lease()
+        .await
+        .expect("the endpoint left in service takes traffic");
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_probes_take_an_endpoint_out() {
+    let (pool, _) = pool(4, 1);
+    pool.set_health_rules(Some(check()), None);
+    pool.report_probe("ep-0", false);
+    assert!(
+        pool.stats().endpoints[0].healthy,
+        "one failure is below unhealthyThreshold"
+    );
+    pool.report_probe("ep-0", false);
+    match pool.lease().await {
+        Err(PoolError::NoHealthyEndpoint { retry_after, .. }) => {
+            // Two passing probes at a 1s interval.
+            assert_eq!(retry_after, Duration::from_secs(2));
+        }
+        other => panic!("expected no healthy endpoint, got {other:?}"),
+    }
+    pool.report_probe("ep-0", true);
+    pool.report_probe("ep-0", true);
+    pool.lease().await.expect("healthy again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_removed_endpoint_closes_its_connections_as_they_return() {
+    let (pool, connector) = pool(2, 2);
+    let mut leases = Vec::new();
+    for _ in 0..4 {
+        leases.push(pool.lease().await.unwrap());
+    }
+    pool.set_endpoints(&endpoints(1));
+    assert_eq!(pool.stats().endpoints.len(), 1);
+    for mut lease in leases {
+        lease.keep();
+    }
+    assert_eq!(pool.stats().endpoints[0].idle, 2);
+    assert_eq!(
+        connector.live.load(Ordering::SeqCst),
+        2,
+        "the removed endpoint's connections closed"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_lease_records_its_wait() {
+    let metrics = Metrics::new();
+    let connector = Arc::new(FakeConnector::default());
+    let pool = Pool::new(
+        "model-a",
+        limits(1),
+        &endpoints(1),
+        connector,
+        metrics.clone(),
+    );
+    let mut held = pool.lease().await.unwrap();
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(|_| ()) })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    held.keep();
+    drop(held);
+    waiter.await.unwrap().unwrap();
+    let text = metrics.encode();
+    assert!(
+        text.contains("poolpilot_pool_lease_wait_seconds_count{backend=\"model-a\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("poolpilot_pool_lease_wait_seconds_sum{backend=\"model-a\"} 0.1"),
+        "{text}"
+    );
+}

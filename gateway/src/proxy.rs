@@ -1,0 +1,609 @@
+//! The request path of one proxied call:
+//!
+//! ```text
+//! head limits (431/413) → route (path, headers, buffered JSON `model`) → client limiter (429)
+//!   → pool lease (503) → send on the leased connection, retried only when a *reused*
+//!     connection failed before any byte was sent → first-byte timeout (504)
+//!   → stream the response back frame by frame under the stream-idle and total timeouts
+//! ```
+//!
+//! The lease and the client permit live in the response body (`UpstreamBody`) until the last
+//! frame: a connection returns to the pool only after a complete exchange, and a client's call
+//! counts against its concurrency for as long as it streams.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, Uri, Version};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use poolpilot_api::limits::{ClientIdentity, ListenerLimits};
+use tokio::time::{Instant, Sleep};
+
+use crate::body::{BoxError, ClientBody, RequestBody, ResponseBody};
+use crate::error::ProxyError;
+use crate::gateway::{Backend, Gateway, Route};
+use crate::limiter::{ClientKey, ClientPermit};
+use crate::metrics::{CloseReason, Metrics, TimeoutKind};
+use crate::pool::Lease;
+use crate::route;
+use crate::upstream::HttpConnector;
+
+/// Re-sends after a reused connection failed before sending: enough to get past a few stale
+/// keep-alive connections, bounded so a dying backend cannot loop a request.
+const MAX_RETRIES: usize = 3;
+
+/// The `Via` pseudonym.
+const VIA: &str = "poolpilot";
+
+/// Proxies one request; every failure becomes a response through [`ProxyError`].
+pub async fn handle(
+    gw: Gateway,
+    peer: SocketAddr,
+    req: Request<Incoming>,
+) -> Response<ResponseBody> {
+    match proxy(&gw, peer, req).await {
+        Ok(response) => response,
+        Err(error) => {
+            tracing::debug!(%error, reason = error.reason(), "request not proxied");
+            error.to_response()
+        }
+    }
+}
+
+async fn proxy(
+    gw: &Gateway,
+    peer: SocketAddr,
+    req: Request<Incoming>,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    if gw.is_draining() {
+        return Err(ProxyError::ShuttingDown);
+    }
+    let snapshot = gw.snapshot();
+    let listener = &snapshot.limits.listener;
+    check_head(&req, listener)?;
+    let (mut parts, incoming) = req.into_parts();
+
+    // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`.
+    let (model, body) = if snapshot.needs_model && !incoming.is_end_stream() {
+        buffer_for_model(incoming, listener).await?
+    } else {
+        (
+            None,
+            ClientBody::new(None, Some(incoming), listener.max_body_bytes),
+        )
+    };
+    let route = snapshot
+        .routes
+        .iter()
+        .find(|r| route::matches(&r.matcher, &parts, model.as_deref()))
+        .ok_or(ProxyError::NoRoute)?;
+
+    let permit = match &route.limiter {
+        Some(limiter) => Some(
+            limiter
+                .acquire(client_key(&limiter.identity(), &parts.headers, peer))
+                .await?,
+        ),
+        None => None,
+    };
+
+    prepare_upstream_head(&mut parts, peer);
+    let too_large = body.too_large_flag();
+    let req = Request::from_parts(parts, body.boxed_unsync());
+    let result = forward(gw.metrics(), route, req, permit).await;
+    if too_large.load(Ordering::Relaxed) {
+        return Err(ProxyError::BodyTooLarge {
+            limit: listener.max_body_bytes,
+        });
+    }
+    result
+}
+
+/// 431 for too many or too large headers, 413 for a declared body over the limit. hyper
+/// enforces the same limits while parsing HTTP/1 heads; this covers HTTP/2 and limits below
+/// hyper's smallest read buffer.
+fn check_head<B>(req: &Request<B>, limits: &ListenerLimits) -> Result<(), ProxyError> {
+    if req.headers().len() > limits.max_headers as usize {
+        return Err(ProxyError::HeadersTooLarge("too many headers"));
+    }
+    let head_bytes: usize = req.uri().to_string().len()
+        + req
+            .headers()
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len() + 4)
+            .sum::<usize>();
+    if head_bytes > limits.max_header_bytes as usize {
+        return Err(ProxyError::HeadersTooLarge("request head too large"));
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limits.max_body_bytes) {
+        return Err(ProxyError::BodyTooLarge {
+            limit: limits.max_body_bytes,
+        });
+    }
+    Ok(())
+}
+
+/// Reads up to `routeBodyBytes` of the body. A body that ends within it is parsed for
+/// `model`; a longer one routes without a model. Either way nothing read is lost.
+async fn buffer_for_model(
+    mut incoming: Incoming,
+    limits: &ListenerLimits,
+) -> Result<(Option<String>, ClientBody), ProxyError> {
+    let cap = limits.route_body_bytes as usize;
+    let mut buf = BytesMut::new();
+    loop {
+        if buf.len() > cap {
+            let prefix = buf.freeze();
+            return Ok((
+                None,
+                ClientBody::new(Some(prefix), Some(incoming), limits.max_body_bytes),
+            ));
+        }
+        match incoming.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                    if buf.len() as u64 > limits.max_body_bytes {
+                        return Err(ProxyError::BodyTooLarge {
+                            limit: limits.max_body_bytes,
+                        });
+                    }
+                }
+            }
+            Some(Err(e)) => return Err(ProxyError::ClientBody(e.into())),
+            None => {
+                let body = buf.freeze();
+                let model = route::model_of(&body);
+                return Ok((
+                    model,
+                    ClientBody::new(Some(body), None, limits.max_body_bytes),
+                ));
+            }
+        }
+    }
+}
+
+/// The client's identity: the configured header's value, or (without it, or for a source-IP
+/// policy) the source IP, both hashed.
+fn client_key(identity: &ClientIdentity, headers: &HeaderMap, peer: SocketAddr) -> ClientKey {
+    if let ClientIdentity::Header(name) = identity
+        && let Some(value) = headers.get(name.as_str())
+    {
+        return ClientKey::of(value.as_bytes());
+    }
+    ClientKey::of(peer.ip().to_string().as_bytes())
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) plus those the `Connection` header names.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in [
+        header::CONNECTION,
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+fn via_value(version: Version) -> HeaderValue {
+    let v = match version {
+        Version::HTTP_09 => "0.9",
+        Version::HTTP_10 => "1.0",
+        Version::HTTP_2 => "2",
+        Version::HTTP_3 => "3",
+        _ => "1.1",
+    };
+    HeaderValue::from_str(&format!("{v} {VIA}")).expect("a valid header value")
+}
+
+/// Turns the client's head into the upstream head: origin-form URI, HTTP/1.1, `Host` kept
+/// (or taken from an HTTP/2 `:authority`), hop-by-hop headers dropped, `X-Forwarded-For` and
+/// `Via` appended.
+fn prepare_upstream_head(parts: &mut http::request::Parts, peer: SocketAddr) {
+    strip_hop_by_hop(&mut parts.headers);
+    if !parts.headers.contains_key(header::HOST)
+        && let Some(authority) = parts.uri.authority()
+        && let Ok(host) = HeaderValue::from_str(authority.as_str())
+    {
+        parts.headers.insert(header::HOST, host);
+    }
+    let xff = match parts
+        .headers
+        .get("x-forwarded-for")
+        .and_then(|v| v.to_str().ok())
+    {
+        Some(prior) => format!("{prior}, {}", peer.ip()),
+        None => peer.ip().to_string(),
+    };
+    if let Ok(xff) = HeaderValue::from_str(&xff) {
+        parts.headers.insert("x-forwarded-for", xff);
+    }
+    parts.headers.append(header::VIA, via_value(parts.version));
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    parts.uri = Uri::try_from(path).unwrap_or_else(|_| Uri::from_static("/"));
+    parts.version = Version::HTTP_11;
+}
+
+/// Why a send did not produce a response head.
+enum SendFailure {
+    /// Nothing was written: the request can go on another connection.
+    NotSent(Box<Request<RequestBody>>, hyper::Error),
+    /// The exchange failed after (possibly) writing.
+    Failed(hyper::Error),
+}
+
+/// Leases a connection, sends, waits for the head, and wraps the response body.
+async fn forward(
+    metrics: &Metrics,
+    route: &Route,
+    mut req: Request<RequestBody>,
+    permit: Option<ClientPermit>,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let backend = &route.backend;
+    let timeouts = &route.timeouts;
+    let mut retries = 0;
+    loop {
+        let mut lease = backend.pool.lease().await.inspect_err(|e| {
+            if let Some(endpoint) = e.endpoint() {
+                backend.pool.report_call(endpoint, false);
+            }
+            if matches!(e, crate::pool::PoolError::ConnectTimeout { .. }) {
+                metrics.upstream_timeout(&backend.name, TimeoutKind::Connect);
+            }
+        })?;
+        let sent_at = Instant::now();
+        let exchange = async {
+            let conn = lease.conn();
+            if let Err(e) = conn.sender.ready().await {
+                return Err(SendFailure::NotSent(Box::new(req), e));
+            }
+            conn.sender
+                .try_send_request(req)
+                .await
+                .map_err(|mut e| match e.take_message() {
+                    Some(req) => SendFailure::NotSent(Box::new(req), e.into_error()),
+                    None => SendFailure::Failed(e.into_error()),
+                })
+        };
+        let first_byte = timeouts.first_byte.get();
+        let result = tokio::time::timeout(first_byte, exchange).await;
+        let endpoint = lease.endpoint().clone();
+        match result {
+            Ok(Ok(response)) => {
+                return Ok(respond(
+                    metrics,
+                    backend.clone(),
+                    lease,
+                    permit,
+                    response,
+                    sent_at,
+                    timeouts,
+                ));
+            }
+            Ok(Err(SendFailure::NotSent(unsent, error)))
+                if lease.reused() && retries < MAX_RETRIES =>
+            {
+                tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection failed before sending; retrying");
+                lease.discard(CloseReason::PeerClosed);
+                metrics.upstream_retry(&backend.name);
+                retries += 1;
+                req = *unsent;
+            }
+            Ok(Err(SendFailure::NotSent(_, error) | SendFailure::Failed(error))) => {
+                lease.discard(CloseReason::Error);
+                backend.pool.report_call(&endpoint, false);
+                metrics.upstream_duration(&backend.name, 502, sent_at.elapsed().as_secs_f64());
+                return Err(ProxyError::Upstream {
+                    backend: backend.name.to_string(),
+                    source: error,
+                });
+            }
+            Err(_elapsed) => {
+                // Dropping the send future closed the connection; count it and move on.
+                lease.discard(CloseReason::Timeout);
+                backend.pool.report_call(&endpoint, false);
+                metrics.upstream_timeout(&backend.name, TimeoutKind::FirstByte);
+                metrics.upstream_duration(&backend.name, 504, sent_at.elapsed().as_secs_f64());
+                return Err(ProxyError::FirstByteTimeout {
+                    backend: backend.name.to_string(),
+                    timeout: first_byte,
+                });
+            }
+        }
+    }
+}
+
+fn respond(
+    metrics: &Metrics,
+    backend: Arc<Backend>,
+    lease: Lease<HttpConnector>,
+    permit: Option<ClientPermit>,
+    response: Response<Incoming>,
+    sent_at: Instant,
+    timeouts: &poolpilot_api::limits::Timeouts,
+) -> Response<ResponseBody> {
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    parts.headers.append(header::VIA, via_value(parts.version));
+    let call = Call {
+        metrics: metrics.clone(),
+        backend,
+        lease,
+        _permit: permit,
+        status: parts.status.as_u16(),
+        sent_at,
+    };
+    let body = UpstreamBody::new(
+        body,
+        call,
+        timeouts.stream_idle.get(),
+        sent_at + timeouts.total.get(),
+    );
+    Response::from_parts(parts, body.boxed_unsync())
+}
+
+/// One call in progress: what must happen when its response ends.
+struct Call {
+    metrics: Metrics,
+    backend: Arc<Backend>,
+    lease: Lease<HttpConnector>,
+    _permit: Option<ClientPermit>,
+    status: u16,
+    sent_at: Instant,
+}
+
+/// How a response body ended.
+#[derive(Clone, Copy, Debug)]
+enum End {
+    /// The backend sent all of it.
+    Complete,
+    /// Reading it failed.
+    Failed,
+    /// A timeout cut it.
+    Timeout(TimeoutKind),
+    /// The client went away first.
+    Abandoned,
+}
+
+impl Call {
+    fn finish(mut self, end: End) {
+        let name = &self.backend.name;
+        let endpoint = self.lease.endpoint().clone();
+        let status = match end {
+            End::Timeout(_) => 504,
+            End::Failed => 502,
+            _ => self.status,
+        };
+        self.metrics
+            .upstream_duration(name, status, self.sent_at.elapsed().as_secs_f64());
+        match end {
+            End::Complete => {
+                self.lease.keep();
+                self.backend.pool.report_call(&endpoint, self.status < 500);
+            }
+            End::Failed => {
+                self.lease.discard(CloseReason::Error);
+                self.backend.pool.report_call(&endpoint, false);
+            }
+            End::Timeout(kind) => {
+                tracing::debug!(backend = %name, %endpoint, kind = kind.as_str(), "response cut by a timeout");
+                self.lease.discard(CloseReason::Timeout);
+                self.metrics.upstream_timeout(name, kind);
+                self.backend.pool.report_call(&endpoint, false);
+            }
+            End::Abandoned => self.lease.discard(CloseReason::Error),
+        }
+        // The lease goes back to the pool and the client permit is released here.
+    }
+}
+
+/// The backend's response body on its way to the client: streamed frame by frame (SSE
+/// chunks are never buffered), cut cleanly at `streamIdle` silence or the `total` deadline.
+/// An HTTP/1 chunked or HTTP/2 response then simply ends; the connection is discarded.
+pub(crate) struct UpstreamBody {
+    inner: Incoming,
+    call: Option<Call>,
+    stream_idle: Duration,
+    idle: Pin<Box<Sleep>>,
+    deadline: Pin<Box<Sleep>>,
+}
+
+impl UpstreamBody {
+    fn new(inner: Incoming, call: Call, stream_idle: Duration, deadline: Instant) -> Self {
+        let mut body = Self {
+            inner,
+            call: Some(call),
+            stream_idle,
+            idle: Box::pin(tokio::time::sleep(stream_idle)),
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+        };
+        if body.inner.is_end_stream() {
+            body.end(End::Complete);
+        }
+        body
+    }
+
+    fn end(&mut self, end: End) {
+        if let Some(call) = self.call.take() {
+            call.finish(end);
+        }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.call.is_none() {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                let deadline = Instant::now() + this.stream_idle;
+                this.idle.as_mut().reset(deadline);
+                if this.inner.is_end_stream() {
+                    this.end(End::Complete);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.end(End::Failed);
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                this.end(End::Complete);
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.deadline.as_mut().poll(cx).is_ready() {
+                    this.end(End::Timeout(TimeoutKind::Total));
+                    return Poll::Ready(None);
+                }
+                if this.idle.as_mut().poll(cx).is_ready() {
+                    this.end(End::Timeout(TimeoutKind::StreamIdle));
+                    return Poll::Ready(None);
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.call.is_none() || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for UpstreamBody {
+    fn drop(&mut self) {
+        self.end(End::Abandoned);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstream_head_drops_hop_by_hop_and_adds_forwarding_headers() {
+        let req = Request::builder()
+            .method("POST")
+            .uri("http://gw.example:8080/v1/chat?stream=true")
+            .version(Version::HTTP_11)
+            .header("connection", "keep-alive, x-secret-hop")
+            .header("x-secret-hop", "1")
+            .header("keep-alive", "timeout=5")
+            .header("transfer-encoding", "chunked")
+            .header("x-forwarded-for", "10.0.0.1")
+            .header("authorization", "Bearer kept")
+            .body(())
+            .unwrap();
+        let (mut parts, ()) = req.into_parts();
+        prepare_upstream_head(&mut parts, ([192, 168, 1, 7], 5555).into());
+        let h = &parts.headers;
+        for gone in [
+            "connection",
+            "x-secret-hop",
+            "keep-alive",
+            "transfer-encoding",
+        ] {
+            assert!(!h.contains_key(gone), "{gone} must not be forwarded");
+        }
+        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 192.168.1.7");
+        assert_eq!(h["via"], "1.1 poolpilot");
+        assert_eq!(h["host"], "gw.example:8080");
+        assert_eq!(h["authorization"], "Bearer kept");
+        assert_eq!(parts.uri, "/v1/chat?stream=true");
+    }
+
+    #[test]
+    fn head_limits_give_431_and_413() {
+        let limits = ListenerLimits {
+            max_headers: 3,
+            max_header_bytes: 1024,
+            max_body_bytes: 10,
+            ..Default::default()
+        };
+        let mut b = Request::builder().uri("/");
+        for i in 0..4 {
+            b = b.header(format!("x-h{i}"), "v");
+        }
+        let err = check_head(&b.body(()).unwrap(), &limits).unwrap_err();
+        assert_eq!(err.status(), 431);
+        let big = Request::builder()
+            .uri("/")
+            .header("x-big", "v".repeat(2000))
+            .body(())
+            .unwrap();
+        assert_eq!(check_head(&big, &limits).unwrap_err().status(), 431);
+        let body = Request::builder()
+            .uri("/")
+            .header("content-length", "11")
+            .body(())
+            .unwrap();
+        assert_eq!(check_head(&body, &limits).unwrap_err().status(), 413);
+        let fine = Request::builder()
+            .uri("/")
+            .header("content-length", "10")
+            .body(())
+            .unwrap();
+        assert!(check_head(&fine, &limits).is_ok());
+    }
+
+    #[test]
+    fn identity_is_the_header_or_else_the_source_ip() {
+        let peer: SocketAddr = ([10, 1, 2, 3], 4000).into();
+        let mut headers = HeaderMap::new();
+        let by_header = ClientIdentity::Header("x-api-key".into());
+        assert_eq!(
+            client_key(&by_header, &headers, peer),
+            ClientKey::of(b"10.1.2.3")
+        );
+        headers.insert("x-api-key", HeaderValue::from_static("sk-1"));
+        assert_eq!(
+            client_key(&by_header, &headers, peer),
+            ClientKey::of(b"sk-1")
+        );
+        assert_eq!(
+            client_key(&ClientIdentity::SourceIp, &headers, peer),
+            ClientKey::of(b"10.1.2.3")
+        );
+    }
+}

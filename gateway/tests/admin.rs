@@ -1,0 +1,294 @@
+//! Loopback tests of the admin API (limits PUT/GET, readiness, stats, the metric contract),
+//! hot reload of the limits file, and routing by path, header and JSON `model`.
+
+mod support;
+
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use support::*;
+
+async fn put(gw: &Gw, token: Option<&str>, body: &str) -> (u16, serde_json::Value) {
+    let bearer = token.map(|t| format!("Bearer {t}"));
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(b) = &bearer {
+        headers.push(("authorization", b.as_str()));
+    }
+    let mut client = connect(gw.admin).await;
+    let (status, _, text) = client
+        .call(request("PUT", "/v1/limits", &headers, body))
+        .await;
+    (
+        status.as_u16(),
+        serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+async fn limits_in_force(gw: &Gw) -> serde_json::Value {
+    serde_json::from_str(&get(gw.admin, "/v1/limits", &[]).await.2).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_limits_needs_the_token_and_keeps_the_old_limits_on_error() {
+    let backend = Backend::start().await;
+    let gw = Gw::start_with(None, Duration::from_secs(1)).await;
+    assert_eq!(
+        get(gw.admin, "/readyz", &[]).await.0,
+        503,
+        "not ready without limits"
+    );
+    assert_eq!(get(gw.admin, "/healthz", &[]).await.0, 200);
+
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
+    doc["generation"] = 5.into();
+    let body = doc.to_string();
+    assert_eq!(put(&gw, None, &body).await.0, 401);
+    assert_eq!(put(&gw, Some("wrong-token"), &body).await.0, 401);
+
+    let (status, applied) = put(&gw, Some(&gw.token), &body).await;
+    assert_eq!(status, 200, "{applied}");
+    assert_eq!(applied["generation"], 5);
+    let revision = applied["revision"].as_str().unwrap().to_owned();
+    assert_eq!(revision.len(), 12);
+    assert_eq!(limits_in_force(&gw).await["revision"], revision);
+    assert_eq!(get(gw.admin, "/readyz", &[]).await.0, 200);
+    assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
+
+    let mut invalid = doc.clone();
+    invalid["generation"] = 6.into();
+    invalid["backends"][0]["pool"]["leaseTimeout"] = "0s".into();
+    let (status, error) = put(&gw, Some(&gw.token), &invalid.to_string()).await;
+    assert_eq!(status, 422);
+    assert!(
+        error["error"]
+            .as_str()
+            .unwrap()
+            .contains("backends[0].pool.leaseTimeout"),
+        "{error}"
+    );
+    let (status, error) = put(&gw, Some(&gw.token), "{\"backendz\": []}").await;
+    assert_eq!(status, 422, "{error}");
+    assert_eq!(
+        limits_in_force(&gw).await["revision"],
+        revision,
+        "the old limits stay in force"
+    );
+    assert_eq!(limits_in_force(&gw).await["generation"], 5);
+
+    let mut older = doc.clone();
+    older["generation"] = 4.into();
+    older["backends"][0]["pool"]["maxPending"] = 7.into();
+    let (status, conflict) = put(&gw, Some(&gw.token), &older.to_string()).await;
+    assert_eq!(status, 409);
+    assert_eq!(conflict["generation"], 5);
+
+    let text = gw.metrics().await;
+    assert_eq!(
+        metric(&text, "poolpilot_limits_rejected_total{source=\"api\"}"),
+        Some(3.0)
+    );
+    assert!(text.contains(&format!(
+        "poolpilot_limits_info{{revision=\"{revision}\",generation=\"5\"}} 1"
+    )));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_follow_the_contract() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(limits("model-a", &[backend.addr], 4)).await;
+    assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
+    let text = gw.metrics().await;
+    // Families without samples are not written; the counters this traffic does not touch
+    // (closed, timeouts, client rejections and waits) are checked by the tests that cause them.
+    for (name, kind) in [
+        ("poolpilot_pool_connections", "gauge"),
+        ("poolpilot_pool_pending", "gauge"),
+        ("poolpilot_pool_max_connections", "gauge"),
+        ("poolpilot_pool_lease_wait_seconds", "histogram"),
+        ("poolpilot_pool_lease_timeouts", "counter"),
+        ("poolpilot_pool_connections_created", "counter"),
+        ("poolpilot_pool_connections_reused", "counter"),
+        ("poolpilot_upstream_request_duration_seconds", "histogram"),
+        ("poolpilot_endpoint_healthy", "gauge"),
+        ("poolpilot_limits_info", "gauge"),
+        ("process_open_fds", "gauge"),
+        ("process_max_fds", "gauge"),
+    ] {
+        assert!(
+            text.contains(&format!("# TYPE {name} {kind}\n")),
+            "missing {name} ({kind}) in\n{text}"
+        );
+    }
+    assert!(text.contains("poolpilot_upstream_request_duration_seconds_count{backend=\"model-a\",code_class=\"2xx\"} 1"), "{text}");
+    assert!(metric(&text, "process_open_fds").unwrap() > 5.0);
+    let stats: serde_json::Value =
+        serde_json::from_str(&get(gw.admin, "/v1/stats", &[]).await.2).unwrap();
+    let ep = &stats["backends"]["model-a"]["endpoints"][0];
+    assert_eq!(
+        (
+            ep["leased"].as_u64(),
+            ep["idle"].as_u64(),
+            ep["max"].as_u64()
+        ),
+        (Some(0), Some(1), Some(4)),
+        "{stats}"
+    );
+    assert_eq!(stats["backends"]["model-a"]["pending"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_limits_file_is_loaded_at_start_and_reapplied_when_it_changes() {
+    let backend = Backend::start().await;
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
+    doc["generation"] = 3.into();
+    let gw = Gw::start_with(
+        Some(&serde_norway::to_string(&doc).unwrap()),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(
+        limits_in_force(&gw).await["generation"],
+        3,
+        "started from the file"
+    );
+    assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
+    let path = gw.dir.path().join("limits.yaml");
+
+    doc["generation"] = 4.into();
+    doc["backends"][0]["pool"]["maxConnectionsPerEndpoint"] = 9.into();
+    std::fs::write(&path, serde_norway::to_string(&doc).unwrap()).unwrap();
+    assert_eventually!(
+        limits_in_force(&gw).await["generation"] == 4,
+        Duration::from_secs(2),
+        "the changed file is applied"
+    );
+    assert_eq!(
+        limits_in_force(&gw).await["backends"][0]["pool"]["maxConnectionsPerEndpoint"],
+        9
+    );
+
+    std::fs::write(&path, "backends: [{name: broken}]\n").unwrap();
+    assert_eventually!(
+        metric(
+            &gw.metrics().await,
+            "poolpilot_limits_rejected_total{source=\"file\"}"
+        ) == Some(1.0),
+        Duration::from_secs(2),
+        "a broken file is refused"
+    );
+    doc["generation"] = 2.into();
+    std::fs::write(&path, serde_norway::to_string(&doc).unwrap()).unwrap();
+    assert_eventually!(
+        metric(
+            &gw.metrics().await,
+            "poolpilot_limits_rejected_total{source=\"file\"}"
+        ) == Some(2.0),
+        Duration::from_secs(2),
+        "an older generation is refused"
+    );
+    assert_eq!(
+        limits_in_force(&gw).await["generation"],
+        4,
+        "the limits in force stay"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_by_model_header_and_path() {
+    let a = Backend::start().await;
+    let b = Backend::start().await;
+    let c = Backend::start().await;
+    let mut ba = backend_json("by-model", &[a.addr], 2);
+    ba["match"] = serde_json::json!({"model": "llama-3"});
+    let mut bb = backend_json("by-header", &[b.addr], 2);
+    bb["match"] = serde_json::json!({"headers": {"x-model": "mistral"}});
+    let mut bc = backend_json("by-path", &[c.addr], 2);
+    bc["match"] = serde_json::json!({"pathPrefix": "/v1/"});
+    let gw = Gw::start(from_json(serde_json::json!({
+        "generation": 1,
+        "listener": {"routeBodyBytes": 64},
+        "backends": [ba, bb, bc],
+    })))
+    .await;
+
+    let (status, _, body) = post(
+        gw.proxy,
+        "/v1/chat",
+        &[],
+        r#"{"model":"llama-3","messages":[]}"#,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("\"bodyBytes\":33"),
+        "the buffered body reaches the backend whole: {body}"
+    );
+    post(
+        gw.proxy,
+        "/v1/chat",
+        &[("x-model", "mistral")],
+        r#"{"model":"other"}"#,
+    )
+    .await;
+    post(gw.proxy, "/v1/chat", &[], r#"{"model":"other"}"#).await;
+    let seen = |b: &Backend| b.seen.requests.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!((seen(&a), seen(&b), seen(&c)), (1, 1, 1));
+    assert_eq!(post(gw.proxy, "/v2/none", &[], "{}").await.0, 404);
+
+    // A body longer than routeBodyBytes routes without its model, and reaches the backend whole.
+    let long = format!(r#"{{"model":"llama-3","padding":"{}"}}"#, "x".repeat(5000));
+    let (status, _, body) = post(gw.proxy, "/v1/chat", &[], &long).await;
+    assert_eq!(status, 200);
+    assert!(
+        body.contains(&format!("\"bodyBytes\":{}", long.len())),
+        "{body}"
+    );
+    assert_eq!(
+        (seen(&a), seen(&c)),
+        (1, 2),
+        "routed by path, not by the unread model"
+    );
+
+    // Forwarding headers reach the backend; hop-by-hop ones do not.
+    let (_, _, body) = post(
+        gw.proxy,
+        "/v1/chat",
+        &[
+            ("x-forwarded-for", "10.9.8.7"),
+            ("x-hop", "1"),
+            ("connection", "x-hop"),
+        ],
+        "{}",
+    )
+    .await;
+    assert!(
+        body.contains(r#"\"x-forwarded-for\": \"10.9.8.7, 127.0.0.1\""#),
+        "{body}"
+    );
+    assert!(body.contains(r#"\"via\": \"1.1 poolpilot\""#), "{body}");
+    assert!(!body.contains("x-hop"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_are_served() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(limits("model-a", &[backend.addr], 2)).await;
+    let stream = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    for _ in 0..3 {
+        let req = http::Request::post("http://gateway.test/v1/chat")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        let response = sender.send_request(req).await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["via"], "1.1 poolpilot");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert!(String::from_utf8_lossy(&body).contains(r#"\"host\": \"gateway.test\""#));
+    }
+}

@@ -1,0 +1,193 @@
+//! Loopback tests of the per-client limiter through the real gateway: 429 with Retry-After
+//! for one client while another is unaffected, the allowlist, and slow-call demotion.
+
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use support::*;
+
+fn with_policy(
+    backend: std::net::SocketAddr,
+    policy: serde_json::Value,
+) -> poolpilot_api::GatewayLimits {
+    let mut doc = serde_json::to_value(limits("model-a", &[backend], 64)).unwrap();
+    doc["clientPolicies"] = serde_json::json!([policy]);
+    doc["backends"][0]["clientPolicy"] = "default".into();
+    from_json(doc)
+}
+
+fn policy() -> serde_json::Value {
+    serde_json::json!({
+        "name": "default",
+        "identity": {"header": "x-api-key"},
+        "maxConcurrency": 2,
+        "maxQueue": 1,
+        "queueTimeout": "300ms",
+        "overrides": [{"name": "batch-team", "keySha256": sha256_hex("batch-key"), "maxConcurrency": 6}]
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_over_its_limit_gets_429_while_another_is_unaffected() {
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(500, Ordering::SeqCst);
+    let gw = Gw::start(with_policy(backend.addr, policy())).await;
+
+    let mut alice = Vec::new();
+    for _ in 0..5 {
+        let proxy = gw.proxy;
+        alice.push(tokio::spawn(async move {
+            post(proxy, "/v1/x", &[("x-api-key", "alice")], "{}").await
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let bob = post(gw.proxy, "/v1/x", &[("x-api-key", "bob")], "{}").await;
+    assert_eq!(bob.0, 200, "another client is unaffected");
+
+    let mut statuses = Vec::new();
+    for a in alice {
+        let (status, headers, body) = a.await.unwrap();
+        if status == 429 {
+            let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let reason = json["error"].as_str().unwrap().to_owned();
+            assert!(
+                headers["retry-after"]
+                    .to_str()
+                    .unwrap()
+                    .parse::<u64>()
+                    .unwrap()
+                    >= 1
+            );
+            statuses.push(reason);
+        } else {
+            statuses.push(status.as_u16().to_string());
+        }
+    }
+    statuses.sort();
+    // 2 in flight, 1 queued (times out at 300ms, before a slot frees at 500ms), 2 refused.
+    assert_eq!(
+        statuses,
+        [
+            "200",
+            "200",
+            "client_concurrency",
+            "client_concurrency",
+            "client_queue_timeout"
+        ]
+    );
+
+    let text = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_client_rejected_total{client=\"other\",reason=\"client_concurrency\"}"
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_client_rejected_total{client=\"other\",reason=\"client_queue_timeout\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_client_queue_wait_seconds_count{client=\"other\"}"
+        ),
+        Some(3.0),
+        "alice ×2 and bob"
+    );
+    assert_eq!(
+        metric(&text, "poolpilot_client_inflight{client=\"other\"}"),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&text, "poolpilot_client_inflight{client=\"batch-team\"}"),
+        Some(0.0)
+    );
+    assert!(
+        !text.contains("alice") && !text.contains("bob"),
+        "client keys never reach the metrics"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowlisted_client_gets_its_higher_limit() {
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(300, Ordering::SeqCst);
+    let gw = Gw::start(with_policy(backend.addr, policy())).await;
+    let mut batch = Vec::new();
+    for _ in 0..6 {
+        let proxy = gw.proxy;
+        batch.push(tokio::spawn(async move {
+            post(proxy, "/v1/x", &[("x-api-key", "batch-key")], "{}")
+                .await
+                .0
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stats: serde_json::Value =
+        serde_json::from_str(&get(gw.admin, "/v1/stats", &[]).await.2).unwrap();
+    assert_eq!(stats["topClients"][0]["client"], "batch-team");
+    assert_eq!(stats["topClients"][0]["inflight"], 6);
+    for b in batch {
+        assert_eq!(
+            b.await.unwrap(),
+            200,
+            "six concurrent calls fit the override"
+        );
+    }
+    assert_eq!(backend.seen.max_inflight.load(Ordering::SeqCst), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_is_demoted_then_restored_after_the_cooldown() {
+    let backend = Backend::start().await;
+    let mut p = policy();
+    p["maxQueue"] = 0.into();
+    p["slowCalls"] = serde_json::json!({
+        "threshold": "100ms", "maxRatio": 0.5, "demotedConcurrency": 1, "cooldown": "1s", "minCalls": 2
+    });
+    let gw = Gw::start(with_policy(backend.addr, p)).await;
+    let key = [("x-api-key", "slowpoke")];
+
+    backend.script.delay_ms.store(150, Ordering::SeqCst);
+    for _ in 0..2 {
+        assert_eq!(post(gw.proxy, "/v1/x", &key, "{}").await.0, 200);
+    }
+    // Demoted: a second concurrent call is refused, with the cooldown as Retry-After.
+    backend.script.delay_ms.store(300, Ordering::SeqCst);
+    let first = {
+        let proxy = gw.proxy;
+        tokio::spawn(async move { post(proxy, "/v1/x", &key, "{}").await.0 })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (status, headers, body) = post(gw.proxy, "/v1/x", &key, "{}").await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(headers["retry-after"], "1", "the rest of the 1s cooldown");
+    assert_eq!(first.await.unwrap(), 200);
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    backend.script.delay_ms.store(200, Ordering::SeqCst);
+    let both = [
+        tokio::spawn({
+            let proxy = gw.proxy;
+            async move { post(proxy, "/v1/x", &key, "{}").await.0 }
+        }),
+        tokio::spawn({
+            let proxy = gw.proxy;
+            async move { post(proxy, "/v1/x", &key, "{}").await.0 }
+        }),
+    ];
+    for b in both {
+        assert_eq!(
+            b.await.unwrap(),
+            200,
+            "restored to two concurrent calls after the cooldown"
+        );
+    }
+}

@@ -1,0 +1,444 @@
+//! Loopback tests of the client-facing hardening: malformed input, oversized heads and
+//! bodies, slowloris, per-client connection caps, keep-alive idle timeout, graceful drain,
+//! and — against the real binary — 10,000 idle client connections (RSS measured), EMFILE
+//! survival and SIGTERM.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+/// Sends raw bytes and reads until the gateway closes or `wait` passes.
+async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(wait, s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn with_listener(backend: SocketAddr, listener: serde_json::Value) -> poolpilot_api::GatewayLimits {
+    let mut doc = serde_json::to_value(limits("model-a", &[backend], 4)).unwrap();
+    doc["listener"] = listener;
+    from_json(doc)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_requests_get_4xx_and_the_gateway_carries_on() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(with_listener(
+        backend.addr,
+        serde_json::json!({"maxBodyBytes": 1000, "maxHeaders": 20}),
+    ))
+    .await;
+    let wait = Duration::from_secs(2);
+
+    assert!(
+        raw(gw.proxy, b"GARBAGE\r\n\r\n", wait)
+            .await
+            .starts_with("HTTP/1.1 400")
+    );
+    assert!(
+        raw(
+            gw.proxy,
+            b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+            wait
+        )
+        .await
+        .starts_with("HTTP/1.1 400")
+    );
+    assert!(
+        raw(gw.proxy, &[0xff; 64], wait)
+            .await
+            .starts_with("HTTP/1.1 400")
+    );
+
+    let huge = format!(
+        "GET /v1/x HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(40_000)
+    );
+    assert!(
+        raw(gw.proxy, huge.as_bytes(), wait)
+            .await
+            .starts_with("HTTP/1.1 431"),
+        "an oversized head"
+    );
+    let many: String = (0..30).map(|i| format!("X-H{i}: v\r\n")).collect();
+    let many = format!("GET /v1/x HTTP/1.1\r\nHost: x\r\n{many}\r\n");
+    assert!(
+        raw(gw.proxy, many.as_bytes(), wait)
+            .await
+            .starts_with("HTTP/1.1 431"),
+        "too many headers"
+    );
+
+    let declared = b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n";
+    assert!(
+        raw(gw.proxy, declared, wait)
+            .await
+            .starts_with("HTTP/1.1 413"),
+        "a declared body over the limit"
+    );
+    let mut chunked =
+        b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..4 {
+        chunked.extend_from_slice(format!("190\r\n{}\r\n", "b".repeat(400)).as_bytes());
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let response = raw(gw.proxy, &chunked, wait).await;
+    assert!(
+        response.starts_with("HTTP/1.1 413"),
+        "a streamed body over the limit: {response}"
+    );
+
+    assert_eq!(
+        post(gw.proxy, "/v1/x", &[], "{}").await.0,
+        200,
+        "still serving"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowloris_client_is_cut_at_the_header_read_timeout() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(with_listener(
+        backend.addr,
+        serde_json::json!({"headerReadTimeout": "400ms"}),
+    ))
+    .await;
+    let mut slow = TcpStream::connect(gw.proxy).await.unwrap();
+    let start = Instant::now();
+    let mut closed_after = None;
+    for byte in b"GET /v1/x HTTP/1.1\r\nHost: x\r\nX-Slow: "
+        .iter()
+        .chain([b'a'; 200].iter())
+    {
+        if slow.write_all(&[*byte]).await.is_err() {
+            closed_after = Some(start.elapsed());
+            break;
+        }
+        // Meanwhile, normal clients are served.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if start.elapsed() > Duration::from_secs(3) {
+            break;
+        }
+    }
+    let closed_after = match closed_after {
+        Some(t) => t,
+        None => {
+            let mut buf = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(1), slow.read_to_end(&mut buf)).await;
+            assert!(start.elapsed() < Duration::from_secs(5));
+            start.elapsed()
+        }
+    };
+    assert!(
+        closed_after < Duration::from_secs(3),
+        "cut at ~400ms, not served forever: {closed_after:?}"
+    );
+    assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_holding_too_many_connections_gets_no_more() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(with_listener(
+        backend.addr,
+        serde_json::json!({"maxConnectionsPerClient": 3}),
+    ))
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let mut c = connect(gw.proxy).await;
+        assert_eq!(c.call(request("GET", "/v1/x", &[], "")).await.0, 200);
+        held.push(c);
+    }
+    let mut fourth = TcpStream::connect(gw.proxy).await.unwrap();
+    let _ = fourth
+        .write_all(b"GET /v1/x HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(2), fourth.read_to_end(&mut buf)).await;
+    assert!(
+        read.is_ok() && buf.is_empty(),
+        "the fourth connection is closed without a response"
+    );
+    let text = gw.metrics().await;
+    assert_eq!(
+        metric(&text, "poolpilot_downstream_connections_rejected_total"),
+        Some(1.0)
+    );
+    drop(held);
+    assert_eventually!(
+        try_get(gw.proxy, "/v1/x").await == Some(200),
+        Duration::from_secs(2),
+        "room again once the client closed its connections"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_max_connections_new_clients_wait_in_the_backlog() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(with_listener(
+        backend.addr,
+        serde_json::json!({"maxConnections": 2}),
+    ))
+    .await;
+    let mut first = connect(gw.proxy).await;
+    let mut second = connect(gw.proxy).await;
+    assert_eq!(first.call(request("GET", "/v1/x", &[], "")).await.0, 200);
+    assert_eq!(second.call(request("GET", "/v1/x", &[], "")).await.0, 200);
+    let third = tokio::spawn({
+        let proxy = gw.proxy;
+        async move { get(proxy, "/v1/x", &[]).await.0 }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !third.is_finished(),
+        "a third connection is not served while two are open"
+    );
+    drop(first);
+    let status = tokio::time::timeout(Duration::from_secs(2), third)
+        .await
+        .expect("served once one closed");
+    assert_eq!(status.unwrap(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_client_keep_alive_connections_are_closed() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(with_listener(
+        backend.addr,
+        serde_json::json!({"idleTimeout": "300ms"}),
+    ))
+    .await;
+    let mut s = TcpStream::connect(gw.proxy).await.unwrap();
+    s.write_all(b"GET /v1/x HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(3), s.read_to_end(&mut buf))
+        .await
+        .expect("the idle keep-alive connection is closed by the gateway")
+        .unwrap();
+    assert!(String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200"));
+    let idle = start.elapsed();
+    assert!(
+        idle >= Duration::from_millis(250) && idle < Duration::from_secs(2),
+        "{idle:?}"
+    );
+    assert_eventually!(
+        gw.running.as_ref().unwrap().open_connections() == 0,
+        Duration::from_secs(1),
+        "the connection is uncounted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_in_flight_requests_and_stops_accepting() {
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(500, Ordering::SeqCst);
+    let mut gw = Gw::start_with(None, Duration::from_secs(5)).await;
+    gw.apply(limits("model-a", &[backend.addr], 4));
+    let proxy = gw.proxy;
+    let in_flight = tokio::spawn(async move { post(proxy, "/v1/x", &[], "{}").await.0 });
+    assert_eventually!(
+        backend.seen.inflight.load(Ordering::SeqCst) == 1,
+        Duration::from_secs(1),
+        "in flight"
+    );
+    let running = gw.running.take().unwrap();
+    let start = Instant::now();
+    let left = running.shutdown().await;
+    assert_eq!(left, 0, "drained cleanly");
+    assert_eq!(
+        in_flight.await.unwrap(),
+        200,
+        "the in-flight request completed"
+    );
+    assert!(start.elapsed() < Duration::from_secs(2));
+    assert!(
+        TcpStream::connect(proxy).await.is_err(),
+        "no longer accepting"
+    );
+}
+
+// === the real binary ===
+
+struct Process {
+    child: Child,
+    proxy: SocketAddr,
+    admin: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Process {
+    /// Runs the binary with `limits`, under `ulimit -n <fds>` when given.
+    async fn start(limits: &poolpilot_api::GatewayLimits, fds: Option<u32>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+        };
+        let (proxy, admin) = (port(), port());
+        std::fs::write(
+            dir.path().join("limits.yaml"),
+            serde_norway::to_string(limits).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("token"), "t\n").unwrap();
+        let config = format!(
+            "listeners: {{proxy: '{proxy}', admin: '{admin}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\n"
+        );
+        std::fs::write(dir.path().join("gateway.yaml"), config).unwrap();
+        let bin = env!("CARGO_BIN_EXE_poolpilot-gateway");
+        let config_path = dir.path().join("gateway.yaml");
+        let mut cmd = match fds {
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" --config \"$1\""))
+                    .arg(bin)
+                    .arg(&config_path);
+                c
+            }
+            None => {
+                let mut c = Command::new(bin);
+                c.arg("--config").arg(&config_path);
+                c
+            }
+        };
+        let child = cmd
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let process = Self {
+            child,
+            proxy,
+            admin,
+            _dir: dir,
+        };
+        assert_eventually!(
+            try_get(admin, "/readyz").await == Some(200),
+            Duration::from_secs(10),
+            "the gateway process becomes ready"
+        );
+        process
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    /// SIGTERM, then the exit status.
+    async fn terminate(mut self) -> std::process::ExitStatus {
+        let ok = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the gateway exits after SIGTERM");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_idle_client_connections_stay_cheap() {
+    let backend = Backend::start().await;
+    let process = Process::start(
+        &with_listener(
+            backend.addr,
+            serde_json::json!({"idleTimeout": "60s", "headerReadTimeout": "60s"}),
+        ),
+        None,
+    )
+    .await;
+    assert_eq!(post(process.proxy, "/v1/x", &[], "{}").await.0, 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = process.rss_kib();
+
+    const N: usize = 10_000;
+    let mut idle = Vec::with_capacity(N);
+    for _ in 0..N {
+        idle.push(TcpStream::connect(process.proxy).await.expect("connect"));
+    }
+    assert_eventually!(
+        metric(
+            &get(process.admin, "/metrics", &[]).await.2,
+            "poolpilot_downstream_connections"
+        ) == Some(N as f64),
+        Duration::from_secs(20),
+        "the gateway holds every idle connection"
+    );
+    let after = process.rss_kib();
+    let per_conn = (after.saturating_sub(before)) as f64 * 1024.0 / N as f64;
+    println!(
+        "RSS {before} KiB → {after} KiB with {N} idle client connections: {per_conn:.0} bytes each"
+    );
+    assert!(
+        per_conn < 64.0 * 1024.0,
+        "memory per idle connection stays bounded: {per_conn:.0} bytes"
+    );
+    assert_eq!(
+        post(process.proxy, "/v1/x", &[], "{}").await.0,
+        200,
+        "still serving"
+    );
+    drop(idle);
+    let status = process.terminate().await;
+    assert!(status.success(), "SIGTERM exits cleanly: {status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_out_of_file_descriptors_is_survived() {
+    let backend = Backend::start().await;
+    let process = Process::start(&limits("model-a", &[backend.addr], 4), Some(64)).await;
+    let mut held = Vec::new();
+    for _ in 0..100 {
+        if let Ok(s) = TcpStream::connect(process.proxy).await {
+            held.push(s);
+        }
+    }
+    // The gateway hit EMFILE accepting some of them; it must back off, not die.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(held);
+    assert_eventually!(
+        try_get(process.admin, "/healthz").await == Some(200),
+        Duration::from_secs(10),
+        "the gateway recovers once descriptors free up"
+    );
+    let text = get(process.admin, "/metrics", &[]).await.2;
+    let errors = metric(&text, "poolpilot_listener_accept_errors_total").unwrap();
+    assert!(errors >= 1.0, "accept errors were counted: {errors}");
+    assert_eq!(metric(&text, "process_max_fds"), Some(64.0));
+    assert_eq!(post(process.proxy, "/v1/x", &[], "{}").await.0, 200);
+    assert!(process.terminate().await.success());
+}

@@ -1,0 +1,447 @@
+//! Test support for loopback integration tests: a scriptable model backend that counts its
+//! concurrent connections and requests (and can stall, stream SSE, fail, or close idle
+//! connections), the gateway started in-process on 127.0.0.1:0, and small HTTP clients.
+
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::{Frame, Incoming};
+use hyper::client::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use poolpilot_api::GatewayLimits;
+use poolpilot_gateway::config::{GatewayConfig, Listeners};
+use poolpilot_gateway::{Running, start};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+pub type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// Retries `$cond` every 10ms until it holds or `$within` passes.
+#[macro_export]
+macro_rules! assert_eventually {
+    ($cond:expr, $within:expr, $($msg:tt)+) => {{
+        let deadline = tokio::time::Instant::now() + $within;
+        loop {
+            if $cond {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!($($msg)+);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }};
+}
+
+/// What the backend does, changeable while it runs.
+#[derive(Debug, Default)]
+pub struct Script {
+    /// Delay before the response head, in ms.
+    pub delay_ms: AtomicU64,
+    /// Status of model calls (0 = 200).
+    pub status: AtomicU16,
+    /// Status of `/health` (0 = 200).
+    pub health_status: AtomicU16,
+    /// SSE: chunks to send (0 = a plain JSON body).
+    pub sse_chunks: AtomicUsize,
+    /// SSE: time between chunks, ms.
+    pub sse_interval_ms: AtomicU64,
+    /// SSE: stall forever after this many chunks (0 = never).
+    pub sse_stall_after: AtomicUsize,
+    /// Close a keep-alive connection idle this long, ms (0 = never).
+    pub idle_close_ms: AtomicU64,
+}
+
+/// What the backend saw.
+#[derive(Debug, Default)]
+pub struct Seen {
+    pub connections: AtomicUsize,
+    pub max_connections: AtomicUsize,
+    pub accepted: AtomicUsize,
+    pub requests: AtomicUsize,
+    pub health_requests: AtomicUsize,
+    pub inflight: AtomicUsize,
+    pub max_inflight: AtomicUsize,
+}
+
+/// A model backend on 127.0.0.1.
+#[derive(Clone, Debug)]
+pub struct Backend {
+    pub addr: SocketAddr,
+    pub script: Arc<Script>,
+    pub seen: Arc<Seen>,
+}
+
+impl Backend {
+    pub async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let backend = Self {
+            addr,
+            script: Arc::default(),
+            seen: Arc::default(),
+        };
+        let b = backend.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                tokio::spawn(b.clone().serve(stream));
+            }
+        });
+        backend
+    }
+
+    async fn serve(self, stream: TcpStream) {
+        let seen = self.seen.clone();
+        let now = seen.connections.fetch_add(1, Ordering::SeqCst) + 1;
+        seen.max_connections.fetch_max(now, Ordering::SeqCst);
+        seen.accepted.fetch_add(1, Ordering::SeqCst);
+        let last_end = Arc::new(AtomicU64::new(0));
+        let busy = Arc::new(AtomicUsize::new(0));
+        let base = Instant::now();
+        let service = {
+            let (this, last_end, busy) = (self.clone(), last_end.clone(), busy.clone());
+            service_fn(move |req| {
+                let (this, last_end, busy) = (this.clone(), last_end.clone(), busy.clone());
+                async move {
+                    busy.fetch_add(1, Ordering::SeqCst);
+                    let response = this.respond(req).await;
+                    busy.fetch_sub(1, Ordering::SeqCst);
+                    last_end.store(base.elapsed().as_millis() as u64, Ordering::SeqCst);
+                    Ok::<_, Infallible>(response)
+                }
+            })
+        };
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .serve_connection(TokioIo::new(stream), service);
+        tokio::pin!(conn);
+        loop {
+            tokio::select! {
+                _ = conn.as_mut() => break,
+                _ = tokio::time::sleep(Duration::from_millis(10)) => {
+                    let idle_close = self.script.idle_close_ms.load(Ordering::SeqCst);
+                    let idle_ms = base.elapsed().as_millis() as u64 - last_end.load(Ordering::SeqCst);
+                    if idle_close > 0 && busy.load(Ordering::SeqCst) == 0 && idle_ms >= idle_close {
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+        }
+        seen.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    async fn respond(&self, req: Request<Incoming>) -> Response<Body> {
+        if req.uri().path() == "/health" {
+            self.seen.health_requests.fetch_add(1, Ordering::SeqCst);
+            let status = self.script.health_status.load(Ordering::SeqCst);
+            return plain(if status == 0 { 200 } else { status }, "ok");
+        }
+        self.seen.requests.fetch_add(1, Ordering::SeqCst);
+        let now = self.seen.inflight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.seen.max_inflight.fetch_max(now, Ordering::SeqCst);
+        let echo_headers = format!("{:?}", req.headers());
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let delay = self.script.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        self.seen.inflight.fetch_sub(1, Ordering::SeqCst);
+        let status = self.script.status.load(Ordering::SeqCst);
+        let chunks = self.script.sse_chunks.load(Ordering::SeqCst);
+        if chunks > 0 {
+            let interval =
+                Duration::from_millis(self.script.sse_interval_ms.load(Ordering::SeqCst));
+            let stall_after = self.script.sse_stall_after.load(Ordering::SeqCst);
+            let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+            tokio::spawn(async move {
+                for i in 0..chunks {
+                    if stall_after > 0 && i == stall_after {
+                        // Stall: hold the stream open without sending.
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                    }
+                    let chunk = Bytes::from(format!("data: {{\"token\":{i}}}\n\n"));
+                    if tx.send(chunk).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(interval).await;
+                }
+            });
+            return Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(ChannelBody(rx).boxed_unsync())
+                .unwrap();
+        }
+        let text = serde_json::json!({
+            "ok": true,
+            "bodyBytes": body.len(),
+            "headers": echo_headers,
+        });
+        plain(if status == 0 { 200 } else { status }, &text.to_string())
+    }
+}
+
+/// An SSE body fed by a channel: each message is one chunk on the wire.
+struct ChannelBody(tokio::sync::mpsc::Receiver<Bytes>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+    }
+}
+
+fn plain(status: u16, text: &str) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(text.to_owned())).boxed_unsync())
+        .unwrap()
+}
+
+// === the gateway ===
+
+/// The gateway, started in-process on loopback.
+pub struct Gw {
+    pub running: Option<Running>,
+    pub proxy: SocketAddr,
+    pub admin: SocketAddr,
+    pub token: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Gw {
+    /// Starts a gateway and applies `limits` to it.
+    pub async fn start(limits: GatewayLimits) -> Self {
+        let gw = Self::start_with(None, Duration::from_secs(5)).await;
+        gw.running
+            .as_ref()
+            .unwrap()
+            .gateway
+            .apply(limits, poolpilot_gateway::gateway::LimitsSource::Api)
+            .expect("test limits are valid");
+        gw
+    }
+
+    /// Starts a gateway with an optional limits file (polled every 50ms) and drain grace.
+    pub async fn start_with(limits_file: Option<&str>, drain_grace: Duration) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let token = "test-admin-token".to_owned();
+        std::fs::write(dir.path().join("token"), format!("{token}\n")).unwrap();
+        let limits_path = dir.path().join("limits.yaml");
+        if let Some(text) = limits_file {
+            std::fs::write(&limits_path, text).unwrap();
+        }
+        let config = GatewayConfig {
+            listeners: Listeners {
+                proxy: "127.0.0.1:0".parse().unwrap(),
+                admin: "127.0.0.1:0".parse().unwrap(),
+            },
+            admin_token_file: Some(dir.path().join("token")),
+            limits_file: limits_file.map(|_| limits_path),
+            limits_poll_interval: poolpilot_api::Duration::from_millis(50),
+            drain_grace: drain_grace.into(),
+        };
+        let running = start(config).await.expect("the gateway starts");
+        Self {
+            proxy: running.proxy_addr,
+            admin: running.admin_addr,
+            running: Some(running),
+            token,
+            dir,
+        }
+    }
+
+    pub fn gateway(&self) -> &poolpilot_gateway::Gateway {
+        &self.running.as_ref().unwrap().gateway
+    }
+
+    /// Applies limits directly (as a PUT would).
+    pub fn apply(&self, limits: GatewayLimits) {
+        self.gateway()
+            .apply(limits, poolpilot_gateway::gateway::LimitsSource::Api)
+            .expect("test limits are valid");
+    }
+
+    pub async fn metrics(&self) -> String {
+        get(self.admin, "/metrics", &[]).await.2
+    }
+}
+
+// === limits builders ===
+
+/// Limits with one backend per `(name, endpoints)`, each matching `/<name>/` or, for the
+/// first, everything else too.
+pub fn limits(name: &str, endpoints: &[SocketAddr], max_per_endpoint: u32) -> GatewayLimits {
+    let doc = serde_json::json!({
+        "generation": 1,
+        "listener": {"idleTimeout": "30s", "headerReadTimeout": "2s"},
+        "backends": [backend_json(name, endpoints, max_per_endpoint)],
+    });
+    serde_json::from_value(doc).expect("valid test limits")
+}
+
+/// One backend's limits as JSON, with short timeouts suited to tests.
+pub fn backend_json(
+    name: &str,
+    endpoints: &[SocketAddr],
+    max_per_endpoint: u32,
+) -> serde_json::Value {
+    let endpoints: Vec<_> = endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, a)| serde_json::json!({"name": format!("{name}-{i}"), "address": a.to_string()}))
+        .collect();
+    serde_json::json!({
+        "name": name,
+        "endpoints": endpoints,
+        "pool": {
+            "maxConnectionsPerEndpoint": max_per_endpoint,
+            "maxPending": 1000,
+            "leaseTimeout": "5s",
+            "idleTimeout": "30s",
+            "maxLifetime": "10m",
+            "connectTimeout": "1s",
+            "validateAfterIdle": "2s"
+        },
+        "timeouts": {"firstByte": "5s", "total": "30s", "streamIdle": "5s"}
+    })
+}
+
+/// Turns edited JSON back into limits.
+pub fn from_json(v: serde_json::Value) -> GatewayLimits {
+    serde_json::from_value(v).expect("valid test limits")
+}
+
+pub fn sha256_hex(s: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(s.as_bytes()))
+}
+
+// === clients ===
+
+/// One client connection (HTTP/1.1 keep-alive).
+pub struct Conn {
+    pub sender: http1::SendRequest<Body>,
+}
+
+pub async fn connect(addr: SocketAddr) -> Conn {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (sender, conn) = http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    Conn { sender }
+}
+
+impl Conn {
+    pub async fn send(&mut self, req: Request<Body>) -> hyper::Result<Response<Incoming>> {
+        self.sender.ready().await?;
+        self.sender.send_request(req).await
+    }
+
+    /// Sends and reads the whole response.
+    pub async fn call(&mut self, req: Request<Body>) -> (StatusCode, http::HeaderMap, String) {
+        let response = self.send(req).await.expect("a response");
+        let (parts, body) = response.into_parts();
+        let bytes = body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        (
+            parts.status,
+            parts.headers,
+            String::from_utf8_lossy(&bytes).into_owned(),
+        )
+    }
+}
+
+pub fn request(method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Request<Body> {
+    let mut b = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "gateway.test");
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let body = if body.is_empty() {
+        Empty::new().boxed_unsync()
+    } else {
+        Full::new(Bytes::from(body.to_owned())).boxed_unsync()
+    };
+    b.body(body).unwrap()
+}
+
+/// GET on a fresh connection.
+pub async fn get(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> (StatusCode, http::HeaderMap, String) {
+    connect(addr)
+        .await
+        .call(request("GET", path, headers, ""))
+        .await
+}
+
+/// POST on a fresh connection.
+pub async fn post(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (StatusCode, http::HeaderMap, String) {
+    connect(addr)
+        .await
+        .call(request("POST", path, headers, body))
+        .await
+}
+
+/// A metric's value: the first sample line starting with `series` (name and labels).
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))?
+        .rsplit(' ')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A GET that reports failure instead of panicking, for polling.
+pub async fn try_get(addr: SocketAddr, path: &str) -> Option<u16> {
+    let stream = TcpStream::connect(addr).await.ok()?;
+    let (mut sender, conn) = http1::handshake::<_, Body>(TokioIo::new(stream))
+        .await
+        .ok()?;
+    tokio::spawn(conn);
+    let response = sender
+        .send_request(request("GET", path, &[], ""))
+        .await
+        .ok()?;
+    Some(response.status().as_u16())
+}

@@ -1,0 +1,197 @@
+//! Loopback tests of call timeouts and streaming: first-byte timeout → 504 with the
+//! connection discarded, a stalled SSE stream ended at streamIdle, SSE chunks forwarded as
+//! they are produced.
+
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use support::*;
+use tokio::time::Instant;
+
+fn with_timeouts(
+    backend: std::net::SocketAddr,
+    first_byte: &str,
+    stream_idle: &str,
+) -> poolpilot_api::GatewayLimits {
+    let mut doc = serde_json::to_value(limits("model-a", &[backend], 4)).unwrap();
+    doc["backends"][0]["timeouts"] =
+        serde_json::json!({"firstByte": first_byte, "total": "10s", "streamIdle": stream_idle});
+    from_json(doc)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_backend_gets_504_at_first_byte_and_its_connection_discarded() {
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(5_000, Ordering::SeqCst);
+    let gw = Gw::start(with_timeouts(backend.addr, "300ms", "5s")).await;
+    let start = Instant::now();
+    let (status, _, body) = post(gw.proxy, "/v1/x", &[], "{}").await;
+    let took = start.elapsed();
+    assert_eq!(status, 504);
+    assert!(body.contains("first_byte_timeout"), "{body}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    assert_eventually!(
+        backend.seen.connections.load(Ordering::SeqCst) == 0,
+        Duration::from_secs(2),
+        "the timed-out upstream connection is closed, not pooled"
+    );
+    let text = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_upstream_timeouts_total{backend=\"model-a\",kind=\"first_byte\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_pool_connections_closed_total{backend=\"model-a\",endpoint=\"model-a-0\",reason=\"timeout\"}"
+        ),
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_chunks_reach_the_client_as_they_are_produced() {
+    let backend = Backend::start().await;
+    backend.script.sse_chunks.store(5, Ordering::SeqCst);
+    backend.script.sse_interval_ms.store(200, Ordering::SeqCst);
+    let gw = Gw::start(with_timeouts(backend.addr, "2s", "2s")).await;
+    let mut client = connect(gw.proxy).await;
+    let response = client
+        .send(request("POST", "/v1/chat", &[], "{\"stream\":true}"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let mut body = response.into_body();
+    let start = Instant::now();
+    let mut arrivals = Vec::new();
+    let mut text = String::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            arrivals.push(start.elapsed());
+            text.push_str(std::str::from_utf8(&data).unwrap());
+        }
+    }
+    assert_eq!(text.matches("data: ").count(), 5, "{text}");
+    assert!(arrivals.len() >= 5, "{arrivals:?}");
+    // Chunk k is produced at ~200ms·k; it must arrive then, not at the end of the stream.
+    assert!(arrivals[0] < Duration::from_millis(150), "{arrivals:?}");
+    assert!(
+        arrivals[2] >= Duration::from_millis(350) && arrivals[2] < Duration::from_millis(600),
+        "{arrivals:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_stalling_midway_is_ended_at_stream_idle() {
+    let backend = Backend::start().await;
+    backend.script.sse_chunks.store(10, Ordering::SeqCst);
+    backend.script.sse_interval_ms.store(50, Ordering::SeqCst);
+    backend.script.sse_stall_after.store(3, Ordering::SeqCst);
+    let gw = Gw::start(with_timeouts(backend.addr, "2s", "400ms")).await;
+    let mut client = connect(gw.proxy).await;
+    let start = Instant::now();
+    let response = client
+        .send(request("POST", "/v1/chat", &[], "{}"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let collected = tokio::time::timeout(Duration::from_secs(3), response.into_body().collect())
+        .await
+        .expect("the gateway ends the stalled stream")
+        .expect("the stream ends cleanly (chunked terminator), not with an error");
+    let took = start.elapsed();
+    let text = String::from_utf8(collected.to_bytes().to_vec()).unwrap();
+    assert_eq!(
+        text.matches("data: ").count(),
+        3,
+        "the chunks before the stall arrived: {text}"
+    );
+    assert!(
+        took >= Duration::from_millis(500) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    assert_eventually!(
+        backend.seen.connections.load(Ordering::SeqCst) == 0,
+        Duration::from_secs(2),
+        "the stalled upstream connection is discarded"
+    );
+    let text = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_upstream_timeouts_total{backend=\"model-a\",kind=\"stream_idle\"}"
+        ),
+        Some(1.0)
+    );
+    // The client connection is still usable: the stream ended cleanly.
+    let response = client
+        .send(request("GET", "/v1/models", &[], ""))
+        .await
+        .expect("the client connection survived");
+    assert_eq!(response.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_longer_than_the_total_timeout_is_ended_there() {
+    let backend = Backend::start().await;
+    backend.script.sse_chunks.store(100, Ordering::SeqCst);
+    backend.script.sse_interval_ms.store(50, Ordering::SeqCst);
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
+    doc["backends"][0]["timeouts"] =
+        serde_json::json!({"firstByte": "500ms", "total": "600ms", "streamIdle": "5s"});
+    let gw = Gw::start(from_json(doc)).await;
+    let start = Instant::now();
+    let (status, _, body) = post(gw.proxy, "/v1/chat", &[], "{}").await;
+    let took = start.elapsed();
+    assert_eq!(status, 200);
+    let chunks = body.matches("data: ").count();
+    assert!(
+        (8..=14).contains(&chunks),
+        "about 600ms of 50ms chunks: {chunks}"
+    );
+    assert!(
+        took >= Duration::from_millis(600) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    let text = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_upstream_timeouts_total{backend=\"model-a\",kind=\"total\"}"
+        ),
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_refusing_connections_gives_502_and_is_ejected() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let live = Backend::start().await;
+    let mut doc = serde_json::to_value(limits("model-a", &[closed, live.addr], 4)).unwrap();
+    doc["backends"][0]["outlierDetection"] = serde_json::json!({"consecutiveFailures": 1, "baseEjection": "10s", "maxEjectedPercent": 50});
+    let gw = Gw::start(from_json(doc)).await;
+    let mut statuses = Vec::new();
+    for _ in 0..10 {
+        statuses.push(post(gw.proxy, "/v1/x", &[], "{}").await.0.as_u16());
+    }
+    let refused = statuses.iter().filter(|s| **s == 502).count();
+    assert!(
+        refused <= 1,
+        "one refused connect ejects the endpoint: {statuses:?}"
+    );
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 10 - refused);
+    assert_eq!(live.seen.requests.load(Ordering::SeqCst), 10 - refused);
+}
