@@ -31,6 +31,7 @@ RUST_BIN         := $(CARGO_TARGET_DIR)/debug
 PROMETHEUS_BIN   := $(BIN)/prometheus
 PROMETHEUS_VERSION := 3.16.0
 export POOLPILOT_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
+PROMTOOL_BIN     := $(BIN)/promtool
 # True when a cluster started by `cluster up` is serving from $(CLUSTER_DIR).
 CLUSTER_RUNNING  = { [ -f $(CLUSTER_DIR)/ready ] && kill -0 $$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' $(CLUSTER_DIR)/ready) 2>/dev/null; }
 CLUSTER_SOURCES  := $(wildcard e2e/cluster/*.go) e2e/cluster/go.mod e2e/cluster/go.sum
@@ -65,12 +66,22 @@ $(CLUSTER_BIN): $(CLUSTER_SOURCES)
 	@ln -sf cluster $(BIN)/kubectl
 
 # Prometheus with Kubernetes service discovery, from its Go module (pinned in e2e/prometheus/go.mod).
+# The build tags keep Kubernetes discovery and leave out the cloud providers' (AWS, Azure, GCE...),
+# which are most of its compile time.
 $(PROMETHEUS_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
 	@mkdir -p $(BIN)
 	@echo ">> building Prometheus $(PROMETHEUS_VERSION) from its Go module (cold: ~10 min on 2 cores)"
-	cd e2e/prometheus && CGO_ENABLED=0 go build -trimpath \
+	cd e2e/prometheus && CGO_ENABLED=0 go build -trimpath -tags remove_all_sd,enable_kubernetes_sd \
 		-ldflags '-s -w -X github.com/prometheus/common/version.Version=$(PROMETHEUS_VERSION)' \
 		-o $(PROMETHEUS_BIN) github.com/prometheus/prometheus/cmd/prometheus
+
+# promtool from the same Prometheus module: checks and unit-tests the alerting rules.
+$(PROMTOOL_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
+	@mkdir -p $(BIN)
+	@echo ">> building promtool $(PROMETHEUS_VERSION) from its Go module"
+	cd e2e/prometheus && CGO_ENABLED=0 go build -trimpath \
+		-ldflags '-s -w -X github.com/prometheus/common/version.Version=$(PROMETHEUS_VERSION)' \
+		-o $(PROMTOOL_BIN) github.com/prometheus/prometheus/cmd/promtool
 
 ##@ Checks
 
@@ -81,9 +92,20 @@ lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
 	@test -z "$$(gofmt -l e2e/cluster)" || { echo "gofmt needed:"; gofmt -l e2e/cluster; exit 1; }
 
 .PHONY: unit
-unit: ## Unit and loopback integration tests, doc tests (no cluster needed)
+unit: monitoring-test ## Unit and loopback integration tests, doc tests, alert rule tests (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
 	cargo test -p poolpilot-e2e --lib --bins
+
+.PHONY: monitoring-test
+monitoring-test: $(PROMTOOL_BIN) ## promtool check + unit tests of the alerting rules (manifests/monitoring)
+	$(PROMTOOL_BIN) check rules manifests/monitoring/rules/poolpilot.rules.yaml
+	$(PROMTOOL_BIN) test rules manifests/monitoring/tests/poolpilot.test.yaml
+
+.PHONY: crds
+crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml) and its copy in manifests/crds
+	cargo run -q -p poolpilot-api --bin crdgen > crds/connectionpolicy.yaml.tmp
+	mv crds/connectionpolicy.yaml.tmp crds/connectionpolicy.yaml
+	cp crds/connectionpolicy.yaml manifests/crds/connectionpolicy.yaml
 
 .PHONY: e2e
 e2e: cluster bins ## End-to-end tests on the embedded cluster (reused if `make cluster-up` left one running)
@@ -126,3 +148,26 @@ cluster-down: ## Stop the embedded cluster
 		for i in $$(seq 1 30); do kill -0 $$pid 2>/dev/null || break; sleep 1; done; \
 		echo "cluster stopped"; \
 	else echo "no cluster running"; fi
+
+##@ Benchmarks
+
+BENCH_TARGET_DIR ?= $(CACHE)/target-bench
+BENCH_BIN        := $(BENCH_TARGET_DIR)/release
+
+.PHONY: bench
+bench: bench-peers ## Proxy benchmarks beside HAProxy and nginx, rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
+	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-bench
+	$(BENCH_BIN)/poolpilot-bench run --gateway-bin $(BENCH_BIN)/poolpilot-gateway \
+		--run-dir $(CACHE)/bench-run --out BENCHMARKS.md --analysis e2e/bench/analysis.md
+
+.PHONY: bench-peers
+bench-peers: ## Install the benchmark peers when missing: haproxy, nginx, wrk, perf (Debian packages)
+	@missing=""; \
+	for tool in haproxy:haproxy nginx:nginx wrk:wrk perf:linux-perf; do \
+		command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo ">> installing$$missing"; \
+		apt-get update -qq; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi

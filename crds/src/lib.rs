@@ -4,6 +4,10 @@
 
 pub mod duration;
 pub mod limits;
+#[cfg(feature = "kube")]
+pub mod policy;
 
 pub use duration::Duration;
 pub use limits::GatewayLimits;
+#[cfg(feature = "kube")]
+pub use policy::{ConnectionPolicy, ConnectionPolicySpec, ConnectionPolicyStatus, crd, crd_yaml};

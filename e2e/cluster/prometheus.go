@@ -17,7 +17,6 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 )
@@ -138,11 +137,7 @@ func startPrometheus(ctx context.Context, dir, adminKubeconfig, server string, p
 // prometheusToken creates the ServiceAccount kube-system/poolpilot-e2e-prometheus with read-only
 // discovery rights and returns a day-long token for it.
 func prometheusToken(ctx context.Context, adminKubeconfig string) (string, error) {
-	rest, err := clientcmd.BuildConfigFromFlags("", adminKubeconfig)
-	if err != nil {
-		return "", err
-	}
-	client, err := kubernetes.NewForConfig(rest)
+	client, err := newClient(adminKubeconfig)
 	if err != nil {
 		return "", err
 	}

@@ -8,7 +8,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -22,7 +21,6 @@ import (
 	"syscall"
 	"time"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -365,35 +363,6 @@ func waitReady(ctx context.Context, server string, p *pki, c *child) error {
 	}
 }
 
-// waitControllers waits for the default namespace and its default ServiceAccount: the latter is
-// created by kube-controller-manager, so it proves the controllers run and can write.
-func waitControllers(ctx context.Context, kubeconfig string, c *child) error {
-	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-	if err != nil {
-		return err
-	}
-	client, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		return err
-	}
-	for {
-		_, err := client.CoreV1().ServiceAccounts("default").Get(ctx, "default", metav1.GetOptions{})
-		if err == nil {
-			return nil
-		}
-		if !apierrors.IsNotFound(err) && !errors.Is(err, context.DeadlineExceeded) {
-			logf("waiting for controllers: %v", err)
-		}
-		select {
-		case <-c.done:
-			return fmt.Errorf("exited before the default ServiceAccount appeared: %v", c.err)
-		case <-ctx.Done():
-			return fmt.Errorf("the default ServiceAccount did not appear in time")
-		case <-time.After(250 * time.Millisecond):
-		}
-	}
-}
-
 // childExited reports the unexpected exit of the named child with its log tail.
 func childExited(children []*child, name string) error {
 	for _, c := range children {
@@ -404,33 +373,60 @@ func childExited(children []*child, name string) error {
 	return fmt.Errorf("%s exited", name)
 }
 
-// waitNodeReady waits until the local kubelet has registered its Node as Ready.
-func waitNodeReady(ctx context.Context, kubeconfig, name string, c *child) error {
+// newClient builds a client-go clientset from a kubeconfig file.
+func newClient(kubeconfig string) (*kubernetes.Clientset, error) {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	client, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		return err
-	}
-	for {
-		node, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
-		if err == nil {
-			for _, cond := range node.Status.Conditions {
-				if cond.Type == "Ready" && cond.Status == "True" {
-					return nil
-				}
-			}
-		}
+	return kubernetes.NewForConfig(cfg)
+}
+
+// pollUntil calls check every 250ms until it reports done, the component c exits, or ctx ends.
+func pollUntil(ctx context.Context, c *child, what string, check func() bool) error {
+	for !check() {
 		select {
 		case <-c.done:
-			return fmt.Errorf("exited before its node was Ready: %v", c.err)
+			return fmt.Errorf("exited before %s: %v", what, c.err)
 		case <-ctx.Done():
-			return fmt.Errorf("node %s not Ready in time", name)
+			return fmt.Errorf("%s did not happen in time", what)
 		case <-time.After(250 * time.Millisecond):
 		}
 	}
+	return nil
+}
+
+// waitControllers waits for the default ServiceAccount of the default namespace: it is created
+// by kube-controller-manager, so it proves the controllers run and can write.
+func waitControllers(ctx context.Context, kubeconfig string, c *child) error {
+	client, err := newClient(kubeconfig)
+	if err != nil {
+		return err
+	}
+	return pollUntil(ctx, c, "the default ServiceAccount appeared", func() bool {
+		_, err := client.CoreV1().ServiceAccounts("default").Get(ctx, "default", metav1.GetOptions{})
+		return err == nil
+	})
+}
+
+// waitNodeReady waits until the local kubelet has registered its Node as Ready.
+func waitNodeReady(ctx context.Context, kubeconfig, name string, c *child) error {
+	client, err := newClient(kubeconfig)
+	if err != nil {
+		return err
+	}
+	return pollUntil(ctx, c, "node "+name+" was Ready", func() bool {
+		node, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		for _, cond := range node.Status.Conditions {
+			if cond.Type == "Ready" && cond.Status == "True" {
+				return true
+			}
+		}
+		return false
+	})
 }
 
 // watchClientProcesses returns a context that ends once none of the processes registered as

@@ -1,1 +1,81 @@
-//! poolpilot-operator.
+//! poolpilot's operator: tunes each ConnectionPolicy's connection-pool targets from Prometheus,
+//! checks them against the gateway pods' file-descriptor limits and rolls the rendered limits
+//! out, pod by pod, telling the user in status what it did and why.
+//!
+//! ```text
+//!   watches (policies, pods, EndpointSlices, ConfigMaps)      PromQL every interval (prom)
+//!                 │                                                   │
+//!                 ▼                                                   ▼
+//!   reconcile: observe → validate → plan → roll out → status    Snapshot (shared)
+//!                         └─ plan: pure, `now` passed in ─┘
+//!                 │                        │                  │
+//!                 ▼                        ▼                  ▼
+//!        ConfigMap (SSA, owned)   PUT /v1/limits per pod   status (SSA) + Events
+//! ```
+//!
+//! [`plan`] is the pure planning core (no client, no IO, no clock); [`reconcile`] runs the
+//! pipeline around it; [`controller`] wires watches, leader election, the Prometheus poller and
+//! the `/metrics` + `/healthz` server.
+
+pub mod admin;
+pub mod args;
+pub mod clock;
+pub mod controller;
+pub mod gateway;
+pub mod metrics;
+pub mod plan;
+pub mod prom;
+pub mod reconcile;
+pub mod telemetry;
+
+/// A reconcile failure, by the pipeline step that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Observing the namespace failed.
+    #[error("observe step failed")]
+    Observe(#[from] reconcile::observe::ObserveError),
+    /// The planner produced no plan for the policy (a bug).
+    #[error("plan step failed: {0}")]
+    Plan(String),
+    /// Rolling out failed.
+    #[error("rollout step failed")]
+    Rollout(#[from] reconcile::rollout::RolloutError),
+    /// Writing status failed.
+    #[error("status step failed")]
+    Status(#[from] reconcile::status::StatusError),
+    /// Adding or removing the finalizer failed, or the cleanup behind it did.
+    #[error("finalizer failed")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+}
+
+impl Error {
+    /// The step that failed, as a bounded metric label.
+    pub fn step(&self) -> &'static str {
+        match self {
+            Self::Observe(_) => "observe",
+            Self::Plan(_) => "plan",
+            Self::Rollout(_) => "rollout",
+            Self::Status(_) => "status",
+            Self::Finalizer(e) => match &**e {
+                kube::runtime::finalizer::Error::ApplyFailed(inner)
+                | kube::runtime::finalizer::Error::CleanupFailed(inner) => inner.step(),
+                _ => "finalizer",
+            },
+        }
+    }
+}
+
+/// Result with the reconcile [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error with its whole `source()` chain, for logs and status messages.
+pub fn report(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

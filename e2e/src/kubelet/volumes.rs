@@ -237,31 +237,25 @@ fn configmap_files(
     items: Option<&[KeyToPath]>,
     optional: bool,
 ) -> Result<Files, VolumeError> {
-    let Some(cm) = sources.configmaps.get(&ObjectRef::new(name).within(ns)) else {
-        return if optional {
-            Ok(Files::new())
-        } else {
-            Err(VolumeError::SourceNotFound {
-                kind: "ConfigMap",
-                name: name.into(),
-            })
-        };
-    };
-    let mut all: Files = cm
-        .data
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(k, v)| (k, v.into_bytes()))
-        .collect();
-    all.extend(
-        cm.binary_data
-            .clone()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, v)| (k, v.0)),
-    );
-    select_items("ConfigMap", name, all, items, optional)
+    let data = sources
+        .configmaps
+        .get(&ObjectRef::new(name).within(ns))
+        .map(|cm| {
+            let text = cm
+                .data
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.into_bytes()));
+            let binary = cm
+                .binary_data
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.0));
+            text.chain(binary).collect()
+        });
+    source_files("ConfigMap", name, data, items, optional)
 }
 
 fn secret_files(
@@ -271,32 +265,44 @@ fn secret_files(
     items: Option<&[KeyToPath]>,
     optional: bool,
 ) -> Result<Files, VolumeError> {
-    let Some(secret) = sources.secrets.get(&ObjectRef::new(name).within(ns)) else {
-        return if optional {
-            Ok(Files::new())
-        } else {
-            Err(VolumeError::SourceNotFound {
-                kind: "Secret",
-                name: name.into(),
-            })
-        };
-    };
-    let mut all: Files = secret
-        .data
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(k, v)| (k, v.0))
-        .collect();
-    all.extend(
-        secret
-            .string_data
-            .clone()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, v)| (k, v.into_bytes())),
-    );
-    select_items("Secret", name, all, items, optional)
+    let data = sources
+        .secrets
+        .get(&ObjectRef::new(name).within(ns))
+        .map(|secret| {
+            let binary = secret
+                .data
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.0));
+            let text = secret
+                .string_data
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.into_bytes()));
+            binary.chain(text).collect()
+        });
+    source_files("Secret", name, data, items, optional)
+}
+
+/// The files a ConfigMap or Secret (`kind`) projects: all its keys, or the `items` chosen;
+/// `data` is `None` when the object does not exist.
+fn source_files(
+    kind: &'static str,
+    name: &str,
+    data: Option<Files>,
+    items: Option<&[KeyToPath]>,
+    optional: bool,
+) -> Result<Files, VolumeError> {
+    match data {
+        Some(all) => select_items(kind, name, all, items, optional),
+        None if optional => Ok(Files::new()),
+        None => Err(VolumeError::SourceNotFound {
+            kind,
+            name: name.into(),
+        }),
+    }
 }
 
 fn select_items(

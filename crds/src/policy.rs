@@ -1,0 +1,757 @@
+//! The `ConnectionPolicy` custom resource (`poolpilot.io/v1alpha1`): what a user declares about a
+//! group of model backends (capacity, pool, timeouts, client limits, autoscale bounds, rollout) and
+//! the status the operator reports back. Every field's doc comment becomes `kubectl explain` text;
+//! cross-field rules are CEL `x-kubernetes-validations`, so `kubectl apply` refuses a bad policy.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::Duration;
+
+/// The largest number of backends one policy may declare (keeps CEL cost estimates bounded).
+pub const MAX_BACKENDS: usize = 32;
+
+/// Connection-pool, throttling and autoscaling policy for a group of model backends, enforced by
+/// the gateway pods that `gatewaySelector` selects. The operator divides each backend's declared
+/// capacity across those pods, tunes the pool targets from Prometheus, and rolls the resulting
+/// limits out to every pod.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "poolpilot.io",
+    version = "v1alpha1",
+    kind = "ConnectionPolicy",
+    plural = "connectionpolicies",
+    singular = "connectionpolicy",
+    shortname = "cpol",
+    category = "poolpilot",
+    namespaced,
+    status = "ConnectionPolicyStatus",
+    derive = "PartialEq",
+    doc = "Connection-pool, throttling and autoscaling policy for a group of model backends, \
+           enforced by the gateway pods it selects.",
+    printcolumn = r#"{"name":"Targets","type":"string","jsonPath":".status.targets","description":"Fleet-wide connection target per endpoint of each backend"}"#,
+    printcolumn = r#"{"name":"Updated","type":"string","jsonPath":".status.updated","description":"Pods running the current limits / ready selected pods"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Saturated","type":"string","jsonPath":".status.conditions[?(@.type==\"Saturated\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "self.backends.all(b, self.backends.filter(c, c.name == b.name).size() == 1)",
+        "message": "backend names must be unique within a policy",
+        "fieldPath": ".backends"
+    },
+    {
+        "rule": "self.backends.all(b, double(self.autoscale.min) <= double(b.capacity.maxConnectionsPerEndpoint) * (1.0 - b.capacity.headroom))",
+        "message": "autoscale.min must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom) of any backend",
+        "fieldPath": ".autoscale.min"
+    },
+    {
+        "rule": "!has(self.autoscale.max) || self.backends.all(b, double(self.autoscale.max) <= double(b.capacity.maxConnectionsPerEndpoint) * (1.0 - b.capacity.headroom))",
+        "message": "autoscale.max must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom) of any backend",
+        "fieldPath": ".autoscale.max"
+    }
+]))]
+pub struct ConnectionPolicySpec {
+    /// Which gateway pods (in this namespace) enforce this policy. An empty selector selects every
+    /// pod in the namespace, which is rarely what you want.
+    pub gateway_selector: LabelSelector,
+    /// The model backends, matched against requests in this order: the first backend whose
+    /// `match` fits a request gets it. Names must be unique across every policy that selects the
+    /// same pods; on a clash the older policy wins.
+    #[schemars(length(min = 1, max = 32))]
+    pub backends: Vec<BackendSpec>,
+    /// Per-client concurrency limits for calls to these backends. None: clients are not limited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clients: Option<ClientsSpec>,
+    /// Downstream limits of each selected gateway pod.
+    #[serde(default)]
+    pub listener: ListenerSpec,
+    /// Bounds and pace of the operator's tuning of the per-endpoint connection targets.
+    #[serde(default)]
+    pub autoscale: AutoscaleSpec,
+    /// File-descriptor budget of each selected gateway pod.
+    #[serde(default)]
+    pub file_descriptors: FileDescriptorsSpec,
+    /// How new limits reach the selected pods.
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+}
+
+/// One group of interchangeable model-server instances.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendSpec {
+    /// Unique name; the `backend` label of every gateway metric about it.
+    #[schemars(
+        length(min = 1, max = 63),
+        pattern(r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$")
+    )]
+    pub name: String,
+    /// Which requests go to this backend. Every condition given must hold; an empty match takes
+    /// every request that reaches it.
+    #[serde(default, rename = "match")]
+    pub route: RouteMatchSpec,
+    /// The instances: a Service whose EndpointSlices the operator resolves, or static addresses.
+    pub endpoints: EndpointsSpec,
+    /// What one backend instance can take, for the whole gateway fleet.
+    pub capacity: CapacitySpec,
+    /// The connection pool each gateway pod keeps to each endpoint.
+    #[serde(default)]
+    pub pool: PoolSpec,
+    /// Hard limits on one proxied call.
+    #[serde(default)]
+    pub timeouts: TimeoutsSpec,
+    /// Active health checking of each endpoint. None: endpoints are presumed healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<HealthCheckSpec>,
+    /// Passive ejection of endpoints that fail calls in a row. None: never eject.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outlier_detection: Option<OutlierDetectionSpec>,
+}
+
+/// Request matching. A request matches when every condition given here holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RouteMatchSpec {
+    /// The request path starts with this (for example `/v1/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256), pattern(r"^/"))]
+    pub path_prefix: Option<String>,
+    /// Each of these headers is present with exactly this value (names are case-insensitive).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 16))]
+    pub headers: BTreeMap<String, String>,
+    /// The JSON request body's top-level `model` field equals this (OpenAI-style APIs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub model: Option<String>,
+}
+
+/// Where a backend's instances are: exactly one of `service` and `addresses`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.service) != has(self.addresses)", "message": "set exactly one of endpoints.service and endpoints.addresses"}
+]))]
+pub struct EndpointsSpec {
+    /// A Service in the policy's namespace; its ready endpoints (from EndpointSlices) are pooled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<ServiceRef>,
+    /// Fixed instance addresses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub addresses: Option<Vec<StaticEndpoint>>,
+}
+
+/// A Service whose endpoints are the backend's instances.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceRef {
+    /// The Service's name.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// The port the backend instances listen on, as listed in the Service's EndpointSlices (the
+    /// Service's `targetPort` as a number).
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: u16,
+}
+
+/// One fixed backend instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StaticEndpoint {
+    /// Stable name (the `endpoint` metric label); defaults to the address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub name: Option<String>,
+    /// `ip:port` of the instance (IPv6 as `[addr]:port`).
+    #[schemars(length(min = 3, max = 64))]
+    pub address: String,
+}
+
+/// A backend instance's capacity, declared once for the whole gateway fleet.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "double(self.maxConnectionsPerEndpoint) * (1.0 - self.headroom) >= 1.0", "message": "capacity leaves less than one connection per endpoint after headroom"}
+]))]
+pub struct CapacitySpec {
+    /// Concurrent connections ONE backend instance can take, summed over ALL gateway pods. The
+    /// operator divides it across the ready selected pods; it never multiplies with replicas.
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub max_connections_per_endpoint: u32,
+    /// Share of that capacity kept in reserve, never pooled (0.2 keeps 20% free).
+    #[serde(default = "CapacitySpec::default_headroom")]
+    #[schemars(range(min = 0.0, max = 0.9))]
+    pub headroom: f64,
+}
+
+/// One gateway pod's connection pool to one endpoint. The pool size itself is the operator's
+/// per-pod share of the fleet target; everything else is taken as written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "duration(self.validateAfterIdle) <= duration(self.idleTimeout)", "message": "pool.validateAfterIdle must not exceed pool.idleTimeout"}
+]))]
+pub struct PoolSpec {
+    /// Lease requests that may wait for a connection, per pod and backend; beyond them the gateway
+    /// answers 503 with a Retry-After.
+    #[schemars(range(max = 1_000_000))]
+    pub max_pending: u32,
+    /// Longest wait for a pooled connection before failing fast with 503 (seed 1's
+    /// connectionRequestTimeout). Keep it well under the callers' own deadline.
+    #[schemars(schema_with = "positive_duration")]
+    pub lease_timeout: Duration,
+    /// Close a pooled connection idle this long.
+    #[schemars(schema_with = "positive_duration")]
+    pub idle_timeout: Duration,
+    /// Close a connection this old when it is next returned to the pool.
+    #[schemars(schema_with = "positive_duration")]
+    pub max_lifetime: Duration,
+    /// Give up connecting to an endpoint after this long.
+    #[schemars(schema_with = "positive_duration")]
+    pub connect_timeout: Duration,
+    /// Check a connection that sat idle longer than this before reusing it.
+    #[schemars(schema_with = "positive_duration")]
+    pub validate_after_idle: Duration,
+}
+
+/// Hard limits on one proxied call; the gateway closes the upstream connection when one fires.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "duration(self.firstByte) <= duration(self.total)", "message": "timeouts.firstByte must not exceed timeouts.total"},
+    {"rule": "duration(self.streamIdle) <= duration(self.total)", "message": "timeouts.streamIdle must not exceed timeouts.total"}
+]))]
+pub struct TimeoutsSpec {
+    /// From sending the request to receiving the response head.
+    #[schemars(schema_with = "positive_duration")]
+    pub first_byte: Duration,
+    /// The whole call, streamed response body included.
+    #[schemars(schema_with = "positive_duration")]
+    pub total: Duration,
+    /// Longest silence between two chunks of a streaming (SSE) response.
+    #[schemars(schema_with = "positive_duration")]
+    pub stream_idle: Duration,
+}
+
+/// Active HTTP health checking.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "duration(self.timeout) <= duration(self.interval)", "message": "healthCheck.timeout must not exceed healthCheck.interval"}
+]))]
+pub struct HealthCheckSpec {
+    /// Path probed with GET; any 2xx answer is healthy.
+    #[schemars(length(min = 1, max = 256), pattern(r"^/"))]
+    pub path: String,
+    /// Time between two probes of one endpoint.
+    #[schemars(schema_with = "positive_duration")]
+    pub interval: Duration,
+    /// Timeout of one probe.
+    #[serde(default = "HealthCheckSpec::default_timeout")]
+    #[schemars(schema_with = "positive_duration")]
+    pub timeout: Duration,
+    /// Consecutive failed probes that mark an endpoint unhealthy.
+    #[serde(default = "HealthCheckSpec::default_unhealthy")]
+    #[schemars(range(min = 1, max = 100))]
+    pub unhealthy_threshold: u32,
+    /// Consecutive passed probes that mark it healthy again.
+    #[serde(default = "HealthCheckSpec::default_healthy")]
+    #[schemars(range(min = 1, max = 100))]
+    pub healthy_threshold: u32,
+}
+
+/// Passive outlier ejection.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OutlierDetectionSpec {
+    /// Consecutive failed calls (connect error, 5xx, timeout) that eject an endpoint.
+    #[schemars(range(min = 1, max = 1000))]
+    pub consecutive_failures: u32,
+    /// First ejection length; each further ejection of the same endpoint lasts longer.
+    #[schemars(schema_with = "positive_duration")]
+    pub base_ejection: Duration,
+    /// Never eject more than this percentage of a backend's endpoints.
+    #[serde(default = "OutlierDetectionSpec::default_max_ejected")]
+    #[schemars(range(max = 100))]
+    pub max_ejected_percent: u32,
+}
+
+/// Per-client concurrency limits (seed 2: one client must not hold the whole pool).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self.overrides.all(o, self.overrides.filter(p, p.name == o.name).size() == 1)", "message": "client override names must be unique"},
+    {"rule": "!has(self.slowCalls) || self.slowCalls.demotedConcurrency <= self.maxConcurrency", "message": "clients.slowCalls.demotedConcurrency must not exceed clients.maxConcurrency"}
+]))]
+pub struct ClientsSpec {
+    /// How a request's client is identified.
+    pub identity: ClientIdentitySpec,
+    /// Calls one client may have in flight, per gateway pod.
+    #[schemars(range(min = 1, max = 100_000))]
+    pub max_concurrency: u32,
+    /// Calls one client may have waiting beyond that; more are refused with 429 and Retry-After.
+    #[serde(default)]
+    #[schemars(range(max = 100_000))]
+    pub max_queue: u32,
+    /// Longest wait in that queue before 429.
+    #[serde(default = "ClientsSpec::default_queue_timeout")]
+    #[schemars(schema_with = "positive_duration")]
+    pub queue_timeout: Duration,
+    /// Named clients with their own concurrency limit (an allowlist for batch callers).
+    #[serde(default)]
+    #[schemars(length(max = 64))]
+    pub overrides: Vec<ClientOverrideSpec>,
+    /// Demotion of clients whose calls are often slow. None: no demotion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slow_calls: Option<SlowCallsSpec>,
+    /// Downstream connections one client (by source IP) may hold open on one gateway pod; stops a
+    /// client that never closes its connections from draining the pod (seed 2's leak). When
+    /// several policies select a pod, the largest value applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub max_connections_per_client: Option<u32>,
+}
+
+/// How a client is identified: exactly one of `header` and `sourceIP`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.header) != has(self.sourceIP)", "message": "set exactly one of identity.header and identity.sourceIP"}
+]))]
+pub struct ClientIdentitySpec {
+    /// A request header whose value identifies the client (an API key, say). Values are never
+    /// logged or exported raw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128), pattern(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"))]
+    pub header: Option<String>,
+    /// Identify clients by their connection's source IP address. Write `sourceIP: {}`.
+    #[serde(default, rename = "sourceIP", skip_serializing_if = "Option::is_none")]
+    pub source_ip: Option<SourceIp>,
+}
+
+/// Marker: clients are identified by source IP. Takes no fields.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SourceIp {}
+
+/// A named client with its own concurrency limit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientOverrideSpec {
+    /// Name used in metrics and logs instead of the key (`other` is reserved).
+    #[schemars(
+        length(min = 1, max = 63),
+        pattern(r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$")
+    )]
+    pub name: String,
+    /// Which client this is.
+    #[serde(rename = "match")]
+    pub client: ClientMatchSpec,
+    /// This client's concurrency limit, per gateway pod.
+    #[schemars(range(min = 1, max = 100_000))]
+    pub max_concurrency: u32,
+}
+
+/// Identifies one client without storing its key in the cluster.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientMatchSpec {
+    /// Lower-case hex SHA-256 of the client's identity value (the API key, or the IP as text).
+    #[schemars(pattern(r"^[0-9a-f]{64}$"))]
+    pub key_sha256: String,
+}
+
+/// Slow-call demotion.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self.maxRatio > 0.0", "message": "slowCalls.maxRatio must be above 0"}
+]))]
+pub struct SlowCallsSpec {
+    /// A call slower than this counts as slow.
+    #[schemars(schema_with = "positive_duration")]
+    pub threshold: Duration,
+    /// Demote a client when more than this share of its recent calls were slow (0 < ratio ≤ 1).
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub max_ratio: f64,
+    /// Concurrency of a demoted client.
+    #[schemars(range(min = 1, max = 100_000))]
+    pub demoted_concurrency: u32,
+    /// How long a demotion lasts.
+    #[schemars(schema_with = "positive_duration")]
+    pub cooldown: Duration,
+    /// Calls of a client needed before its slow-call ratio is judged.
+    #[serde(default = "SlowCallsSpec::default_min_calls")]
+    #[schemars(range(min = 1, max = 100_000))]
+    pub min_calls: u32,
+}
+
+/// Downstream limits of each gateway pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ListenerSpec {
+    /// Client connections one gateway pod accepts in total. Counted in the pod's file-descriptor
+    /// budget. When several policies select a pod, the largest value applies.
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub max_connections: u32,
+}
+
+/// Bounds and pace of the operator's tuning.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.max) || self.min <= self.max", "message": "autoscale.min must not exceed autoscale.max"}
+]))]
+pub struct AutoscaleSpec {
+    /// Tune the targets from observed demand. When false every backend runs at its upper bound
+    /// (`max`, or capacity × (1 − headroom)), still clamped to the file-descriptor budget.
+    pub enabled: bool,
+    /// Lower bound of the target: fleet-wide connections per backend endpoint, summed over all
+    /// selected gateway pods.
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub min: u32,
+    /// Upper bound of the target; never above capacity × (1 − headroom), which is the default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub max: Option<u32>,
+    /// Spare share kept above the observed demand: target = demand × (1 + margin).
+    #[schemars(range(min = 0.0, max = 4.0))]
+    pub margin: f64,
+    /// How often the targets are reconsidered.
+    #[schemars(schema_with = "positive_duration")]
+    pub interval: Duration,
+    /// How fast targets may shrink.
+    pub scale_down: ScaleDownSpec,
+}
+
+/// Slow, stabilized shrinking.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ScaleDownSpec {
+    /// Shrink to the highest recommendation seen over this window, and at most once per window.
+    #[schemars(schema_with = "positive_duration")]
+    pub stabilization_window: Duration,
+    /// Largest decrease of one step, in percent of the current target.
+    #[schemars(range(min = 1, max = 100))]
+    pub max_step_percent: u32,
+}
+
+/// Per-pod file-descriptor budget.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct FileDescriptorsSpec {
+    /// Descriptors kept free in each gateway pod for listeners, logs and the admin API. Pool
+    /// shares are clamped so that pools + client connections + reserve fit in half the pod's
+    /// `process_max_fds`.
+    #[schemars(range(max = 1_000_000))]
+    pub reserve: u32,
+}
+
+/// How new limits reach the pods.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct RolloutSpec {
+    /// `Progressive`: canary pods first, verified before the rest; `AllAtOnce`: every pod at once.
+    pub strategy: RolloutStrategy,
+    /// Pods that get new limits first under the Progressive strategy.
+    #[schemars(range(min = 1, max = 1000))]
+    pub canary_pods: u32,
+    /// Autoscale intervals the canary pods must stay healthy before the rest are updated.
+    #[schemars(range(max = 100))]
+    pub verify_intervals: u32,
+}
+
+/// Rollout strategy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum RolloutStrategy {
+    /// Canary pods first, then the rest once the canaries acknowledged and stayed healthy.
+    #[default]
+    Progressive,
+    /// Every selected pod at once.
+    AllAtOnce,
+}
+
+/// What the operator observed, decided and applied.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConnectionPolicyStatus {
+    /// The `metadata.generation` this status was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Content hash of the limits document rendered for the selected pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// Generation of that limits document (increases with every new revision).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits_generation: Option<u64>,
+    /// One-line summary of the targets, `backend=target` (for `kubectl get`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub targets: Option<String>,
+    /// Pods running the current revision / ready selected pods, as `updated/ready` (for `kubectl get`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub updated: Option<String>,
+    /// `Accepted`, `MetricsAvailable`, `FdBudget`, `RolledOut`, `Saturated` and `Ready`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Per backend: target, per-pod share, observed saturation and the last scale decision.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub backends: Vec<BackendStatus>,
+    /// The selected gateway pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods: Option<PodsStatus>,
+}
+
+/// One backend as the operator sees it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendStatus {
+    /// The backend's name.
+    pub name: String,
+    /// Endpoints resolved.
+    pub endpoints: u32,
+    /// Fleet-wide connection target per endpoint.
+    pub target: u32,
+    /// Each pod's share of the target (the pool size per endpoint in each pod).
+    pub per_pod: u32,
+    /// Leased connections, fleet sum, averaged over the last interval (absent: no data).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leased: Option<f64>,
+    /// Pending lease requests, fleet sum, averaged over the last interval (absent: no data).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<f64>,
+    /// Demand over the pooled capacity in force (leased + pending) / (target × endpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub utilization: Option<f64>,
+    /// The last change of the target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale: Option<ScaleRecord>,
+}
+
+/// One change of a target, with its reason.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ScaleRecord {
+    /// When it was decided.
+    pub time: Time,
+    /// Target before.
+    pub from: u32,
+    /// Target after.
+    pub to: u32,
+    /// Why, with the numbers.
+    pub reason: String,
+}
+
+/// The selected gateway pods.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodsStatus {
+    /// Pods the gateway selector selects.
+    pub selected: u32,
+    /// Of those, pods that are ready (they get a share of the budget).
+    pub ready: u32,
+    /// Ready pods that acknowledged the current revision.
+    pub updated: u32,
+    /// The smallest `process_max_fds` of the selected pods (absent: not known yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fd_limit: Option<u64>,
+    /// File descriptors the rendered limits need in the busiest pod.
+    pub fd_needed: u64,
+    /// Pods that refused or did not answer the current revision, with why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<PodFailure>,
+}
+
+/// A pod that did not take the current revision.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodFailure {
+    /// The pod's name.
+    pub pod: String,
+    /// What it answered, or why it could not be reached.
+    pub message: String,
+}
+
+// === defaults ===
+
+impl CapacitySpec {
+    fn default_headroom() -> f64 {
+        0.2
+    }
+}
+
+impl Default for PoolSpec {
+    fn default() -> Self {
+        Self {
+            max_pending: 128,
+            lease_timeout: Duration::from_millis(300),
+            idle_timeout: Duration::from_secs(30),
+            max_lifetime: Duration::from_secs(600),
+            connect_timeout: Duration::from_secs(1),
+            validate_after_idle: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Default for TimeoutsSpec {
+    fn default() -> Self {
+        Self {
+            first_byte: Duration::from_secs(15),
+            total: Duration::from_secs(120),
+            stream_idle: Duration::from_secs(15),
+        }
+    }
+}
+
+impl HealthCheckSpec {
+    fn default_timeout() -> Duration {
+        Duration::from_secs(1)
+    }
+    fn default_unhealthy() -> u32 {
+        3
+    }
+    fn default_healthy() -> u32 {
+        2
+    }
+}
+
+impl OutlierDetectionSpec {
+    fn default_max_ejected() -> u32 {
+        50
+    }
+}
+
+impl ClientsSpec {
+    fn default_queue_timeout() -> Duration {
+        Duration::from_secs(2)
+    }
+}
+
+impl SlowCallsSpec {
+    fn default_min_calls() -> u32 {
+        10
+    }
+}
+
+impl Default for ListenerSpec {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+        }
+    }
+}
+
+impl Default for AutoscaleSpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            min: 1,
+            max: None,
+            margin: 0.2,
+            interval: Duration::from_secs(15),
+            scale_down: ScaleDownSpec::default(),
+        }
+    }
+}
+
+impl Default for ScaleDownSpec {
+    fn default() -> Self {
+        Self {
+            stabilization_window: Duration::from_secs(300),
+            max_step_percent: 20,
+        }
+    }
+}
+
+impl Default for FileDescriptorsSpec {
+    fn default() -> Self {
+        Self { reserve: 256 }
+    }
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        Self {
+            strategy: RolloutStrategy::Progressive,
+            canary_pods: 1,
+            verify_intervals: 2,
+        }
+    }
+}
+
+// === impl CapacitySpec ===
+
+impl CapacitySpec {
+    /// The most connections the fleet may hold to one endpoint: capacity × (1 − headroom),
+    /// rounded down (the CEL rules guarantee at least 1).
+    pub fn budget(&self) -> u32 {
+        let b = (f64::from(self.max_connections_per_endpoint) * (1.0 - self.headroom)).floor();
+        // `as` saturates; the schema keeps headroom within [0, 0.9].
+        (b as u32).max(1)
+    }
+}
+
+/// The `ConnectionPolicy` CustomResourceDefinition as committed: the derived one, with the
+/// schema's integer formats narrowed to the ones Kubernetes knows (`int32`, `int64`; the ranges
+/// already bound them) and doc-comment line breaks inside paragraphs joined, so that `kubectl
+/// explain` wraps the text itself.
+pub fn crd()
+-> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    use kube::CustomResourceExt;
+    let mut value = serde_json::to_value(ConnectionPolicy::crd()).expect("a CRD serialises");
+    tidy_schema(&mut value);
+    serde_json::from_value(value).expect("a tidied CRD deserialises")
+}
+
+fn tidy_schema(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            if let Some(Value::String(f)) = map.get_mut("format") {
+                match f.as_str() {
+                    "uint8" | "uint16" | "uint32" => *f = "int32".into(),
+                    "uint64" => *f = "int64".into(),
+                    _ => {}
+                }
+            }
+            if let Some(Value::String(d)) = map.get_mut("description") {
+                *d = d
+                    .split("\n\n")
+                    .map(|p| p.split('\n').map(str::trim).collect::<Vec<_>>().join(" "))
+                    .collect::<Vec<_>>()
+                    .join("\n\n");
+            }
+            map.values_mut().for_each(tidy_schema);
+        }
+        Value::Array(items) => items.iter_mut().for_each(tidy_schema),
+        _ => {}
+    }
+}
+
+/// The generated CustomResourceDefinition YAML of [`ConnectionPolicy`], exactly as committed in
+/// `crds/connectionpolicy.yaml` (the `crdgen` bin prints it; a test checks the file for drift).
+pub fn crd_yaml() -> String {
+    let yaml = serde_norway::to_string(&crd()).expect("a CRD serialises to YAML");
+    format!("# Generated by `cargo run -p poolpilot-api --bin crdgen`; do not edit.\n---\n{yaml}")
+}
+
+/// The schema of every duration field: a Go-style duration string that must be longer than zero.
+fn positive_duration(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "pattern": crate::duration::DURATION_PATTERN,
+        "maxLength": 32,
+        "x-kubernetes-validations": [
+            {"rule": "duration(self) > duration('0s')", "message": "must be longer than 0s"}
+        ]
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,344 @@
+//! Tests of the `ConnectionPolicy` API: the committed CRD YAML, the sample policy, defaults and the
+//! shape of the generated schema (CEL rules, docs, printer columns).
+
+use serde_json::Value;
+
+use super::*;
+
+const SAMPLE: &str = include_str!("../../examples/connectionpolicy.yaml");
+
+fn crd_json() -> Value {
+    serde_json::to_value(crd()).expect("the CRD serialises")
+}
+
+/// The schema of `spec`, or of a sub-object of it, by property path.
+fn spec_schema(path: &[&str]) -> Value {
+    let mut v =
+        crd_json()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            .clone();
+    for p in path {
+        v = match v.get("items") {
+            Some(items) if v["type"] == "array" => items["properties"][*p].clone(),
+            _ => v["properties"][*p].clone(),
+        };
+        assert!(!v.is_null(), "no schema at {path:?} ({p})");
+    }
+    v
+}
+
+fn rules(schema: &Value) -> Vec<String> {
+    schema["x-kubernetes-validations"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|r| r["rule"].as_str().unwrap().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn committed_crd_yaml_matches_the_types() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/connectionpolicy.yaml");
+    let committed = std::fs::read_to_string(path).unwrap_or_default();
+    assert!(
+        committed == crd_yaml(),
+        "crds/connectionpolicy.yaml is out of date: run \
+         `cargo run -p poolpilot-api --bin crdgen > crds/connectionpolicy.yaml`"
+    );
+}
+
+#[test]
+fn sample_policy_parses_with_its_values() {
+    let p: ConnectionPolicy = serde_norway::from_str(SAMPLE).expect("the sample parses");
+    assert_eq!(p.spec.backends.len(), 2);
+    let a = &p.spec.backends[0];
+    assert_eq!(a.capacity.budget(), 51);
+    assert_eq!(a.pool.lease_timeout, Duration::from_millis(300));
+    assert_eq!(a.endpoints.service.as_ref().map(|s| s.port), Some(8000));
+    let b = &p.spec.backends[1];
+    assert_eq!(b.capacity.headroom, 0.2, "headroom defaults to 20%");
+    assert_eq!(
+        b.pool,
+        PoolSpec::default(),
+        "an omitted pool takes the defaults"
+    );
+    let clients = p.spec.clients.as_ref().expect("clients are set");
+    assert_eq!(clients.identity.header.as_deref(), Some("x-api-key"));
+    assert_eq!(clients.overrides[0].max_concurrency, 40);
+    assert_eq!(p.spec.autoscale.max, Some(25));
+    assert_eq!(p.spec.rollout.strategy, RolloutStrategy::Progressive);
+}
+
+#[test]
+fn minimal_policy_takes_documented_defaults() {
+    let p: ConnectionPolicySpec = serde_norway::from_str(
+        "gatewaySelector: {}\nbackends:\n- name: m\n  endpoints: {addresses: [{address: '127.0.0.1:80'}]}\n  capacity: {maxConnectionsPerEndpoint: 10}\n",
+    )
+    .expect("a minimal spec parses");
+    assert_eq!(p.autoscale, AutoscaleSpec::default());
+    assert!(p.autoscale.enabled);
+    assert_eq!(p.autoscale.interval, Duration::from_secs(15));
+    assert_eq!(
+        p.autoscale.scale_down.stabilization_window,
+        Duration::from_secs(300)
+    );
+    assert_eq!(p.file_descriptors.reserve, 256);
+    assert_eq!(p.listener.max_connections, 1024);
+    assert_eq!(p.rollout.canary_pods, 1);
+    assert_eq!(p.backends[0].timeouts.total, Duration::from_secs(120));
+    assert_eq!(p.backends[0].capacity.budget(), 8);
+}
+
+#[test]
+fn source_ip_identity_round_trips() {
+    let id: ClientIdentitySpec = serde_norway::from_str("sourceIP: {}").unwrap();
+    assert_eq!(id.source_ip, Some(SourceIp {}));
+    assert_eq!(
+        serde_json::to_value(&id).unwrap(),
+        serde_json::json!({"sourceIP": {}})
+    );
+}
+
+#[test]
+fn capacity_budget_rounds_down_and_never_reaches_zero() {
+    let c = |max, headroom| CapacitySpec {
+        max_connections_per_endpoint: max,
+        headroom,
+    };
+    assert_eq!(c(64, 0.2).budget(), 51);
+    assert_eq!(c(700, 0.2).budget(), 560);
+    assert_eq!(c(10, 0.0).budget(), 10);
+    assert_eq!(c(1, 0.9).budget(), 1);
+}
+
+#[test]
+fn crd_names_scope_and_subresources() {
+    let crd = crd_json();
+    assert_eq!(crd["metadata"]["name"], "connectionpolicies.poolpilot.io");
+    assert_eq!(crd["spec"]["scope"], "Namespaced");
+    assert_eq!(
+        crd["spec"]["names"]["shortNames"],
+        serde_json::json!(["cpol"])
+    );
+    let version = &crd["spec"]["versions"][0];
+    assert_eq!(version["name"], "v1alpha1");
+    assert_eq!(version["subresources"]["status"], serde_json::json!({}));
+    let columns: Vec<&str> = version["additionalPrinterColumns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(columns, ["Targets", "Updated", "Ready", "Saturated", "Age"]);
+}
+
+#[test]
+fn schema_carries_the_cross_field_rules() {
+    let spec = rules(&spec_schema(&[]));
+    assert!(
+        spec.iter().any(|r| r.contains("c.name == b.name")),
+        "unique backend names: {spec:?}"
+    );
+    assert!(
+        spec.iter().any(|r| r.contains("self.autoscale.max")),
+        "max ≤ capacity: {spec:?}"
+    );
+    assert!(
+        spec.iter().any(|r| r.contains("self.autoscale.min")),
+        "min ≤ capacity: {spec:?}"
+    );
+    assert!(
+        rules(&spec_schema(&["autoscale"]))
+            .iter()
+            .any(|r| r == "!has(self.max) || self.min <= self.max")
+    );
+    let timeouts = rules(&spec_schema(&["backends", "timeouts"]));
+    assert!(
+        timeouts
+            .iter()
+            .any(|r| r.contains("firstByte") && r.contains("total")),
+        "{timeouts:?}"
+    );
+    assert!(!rules(&spec_schema(&["backends", "endpoints"])).is_empty());
+    assert!(!rules(&spec_schema(&["clients", "identity"])).is_empty());
+    let lease = spec_schema(&["backends", "pool", "leaseTimeout"]);
+    assert_eq!(rules(&lease), ["duration(self) > duration('0s')"]);
+    assert_eq!(lease["pattern"], crate::duration::DURATION_PATTERN);
+}
+
+#[test]
+fn every_spec_field_is_documented() {
+    fn walk(path: &str, schema: &Value, seen: &mut usize, missing: &mut Vec<String>) {
+        if let Some(props) = schema["properties"].as_object() {
+            for (name, sub) in props {
+                let at = format!("{path}.{name}");
+                *seen += 1;
+                if sub["description"].as_str().is_none_or(str::is_empty) {
+                    missing.push(at.clone());
+                }
+                walk(&at, sub, seen, missing);
+            }
+        }
+        if schema["type"] == "array" {
+            walk(path, &schema["items"], seen, missing);
+        }
+    }
+    let root = &crd_json()["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    let (mut seen, mut missing) = (0, Vec::new());
+    walk("spec", &root["properties"]["spec"], &mut seen, &mut missing);
+    walk(
+        "status",
+        &root["properties"]["status"],
+        &mut seen,
+        &mut missing,
+    );
+    assert!(seen > 100, "the walk reached only {seen} fields");
+    // Kubernetes' own types (label selectors, conditions) come documented from k8s-openapi.
+    assert!(
+        missing.is_empty(),
+        "fields without a doc comment: {missing:?}"
+    );
+}
+
+// === CEL rules, evaluated client-side as the apiserver would ===
+
+fn sample() -> ConnectionPolicy {
+    serde_norway::from_str(SAMPLE).expect("the sample parses")
+}
+
+/// The CEL messages `policy` violates (empty: the apiserver accepts it).
+fn cel_errors(policy: &ConnectionPolicy) -> Vec<String> {
+    match kube::core::cel::validate_cel(policy) {
+        Ok(()) => Vec::new(),
+        Err(errors) => errors.iter().map(|e| e.message.clone()).collect(),
+    }
+}
+
+fn assert_refused(policy: &ConnectionPolicy, message: &str) {
+    let errors = cel_errors(policy);
+    assert!(
+        errors.iter().any(|e| e.contains(message)),
+        "expected {message:?}, got {errors:?}"
+    );
+}
+
+#[test]
+fn cel_accepts_the_sample() {
+    assert_eq!(cel_errors(&sample()), Vec::<String>::new());
+}
+
+#[test]
+fn cel_refuses_duplicate_backend_names() {
+    let mut p = sample();
+    p.spec.backends[1].name = "model-a".into();
+    assert_refused(&p, "backend names must be unique within a policy");
+}
+
+#[test]
+fn cel_refuses_bounds_beyond_capacity() {
+    let mut p = sample();
+    p.spec.autoscale.max = Some(26); // model-b allows 32 × 0.8 = 25.6
+    assert_refused(
+        &p,
+        "autoscale.max must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom)",
+    );
+    let mut p = sample();
+    p.spec.autoscale.max = None;
+    p.spec.autoscale.min = 30;
+    assert_refused(
+        &p,
+        "autoscale.min must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom)",
+    );
+    let mut p = sample();
+    p.spec.autoscale.min = 20;
+    p.spec.autoscale.max = Some(10);
+    assert_refused(&p, "autoscale.min must not exceed autoscale.max");
+}
+
+#[test]
+fn cel_refuses_zero_durations_and_first_byte_beyond_total() {
+    let mut p = sample();
+    p.spec.backends[0].pool.lease_timeout = Duration::ZERO;
+    assert_refused(&p, "must be longer than 0s");
+    let mut p = sample();
+    p.spec.backends[0].timeouts.first_byte = Duration::from_secs(200);
+    assert_refused(&p, "timeouts.firstByte must not exceed timeouts.total");
+    let mut p = sample();
+    p.spec.backends[0].pool.validate_after_idle = Duration::from_secs(60);
+    assert_refused(
+        &p,
+        "pool.validateAfterIdle must not exceed pool.idleTimeout",
+    );
+}
+
+#[test]
+fn cel_refuses_ambiguous_endpoints_and_identities() {
+    let mut p = sample();
+    p.spec.backends[0].endpoints.addresses = Some(vec![StaticEndpoint {
+        name: None,
+        address: "10.0.0.1:80".into(),
+    }]);
+    assert_refused(
+        &p,
+        "set exactly one of endpoints.service and endpoints.addresses",
+    );
+    let mut p = sample();
+    p.spec.clients.as_mut().unwrap().identity.source_ip = Some(SourceIp {});
+    assert_refused(
+        &p,
+        "set exactly one of identity.header and identity.sourceIP",
+    );
+}
+
+#[test]
+fn cel_refuses_client_rule_breaks() {
+    let mut p = sample();
+    let c = p.spec.clients.as_mut().unwrap();
+    c.overrides.push(c.overrides[0].clone());
+    assert_refused(&p, "client override names must be unique");
+    let mut p = sample();
+    p.spec
+        .clients
+        .as_mut()
+        .unwrap()
+        .slow_calls
+        .as_mut()
+        .unwrap()
+        .demoted_concurrency = 9;
+    assert_refused(
+        &p,
+        "clients.slowCalls.demotedConcurrency must not exceed clients.maxConcurrency",
+    );
+}
+
+#[test]
+fn cel_refuses_a_capacity_that_leaves_nothing() {
+    let mut p = sample();
+    p.spec.autoscale.min = 1;
+    p.spec.autoscale.max = None;
+    p.spec.backends[1].capacity = CapacitySpec {
+        max_connections_per_endpoint: 1,
+        headroom: 0.5,
+    };
+    assert_refused(
+        &p,
+        "capacity leaves less than one connection per endpoint after headroom",
+    );
+}
+
+#[test]
+fn crd_uses_only_formats_kubernetes_knows_and_unwrapped_docs() {
+    let text = serde_json::to_string(&crd_json()).unwrap();
+    for f in ["uint8", "uint16", "uint32", "uint64"] {
+        assert!(
+            !text.contains(&format!("\"format\":\"{f}\"")),
+            "format {f} left in the CRD"
+        );
+    }
+    let pending = spec_schema(&["backends", "pool", "maxPending"]);
+    assert!(
+        !pending["description"].as_str().unwrap().contains('\n'),
+        "{pending}"
+    );
+}

@@ -1,0 +1,248 @@
+//! The deployment manifests against the real thing: the local overlay passes the apiserver's
+//! server-side dry run (schemas, the CRD's CEL rules, RBAC objects, every admission check), every
+//! PromQL expression of the Grafana dashboard and of the alerting rules runs on the e2e
+//! Prometheus, and the copies kept next to their sources (the CRD, the PrometheusRule) match them.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use poolpilot_e2e::cluster::run;
+use poolpilot_e2e::{Cluster, with_namespace};
+use serde_json::Value;
+
+/// The workspace root (the parent of `e2e/`).
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ has a parent")
+        .to_path_buf()
+}
+
+fn read(relative: &str) -> anyhow::Result<String> {
+    let path = workspace().join(relative);
+    std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))
+}
+
+fn yaml(relative: &str) -> anyhow::Result<Value> {
+    serde_norway::from_str(&read(relative)?).with_context(|| format!("parse {relative}"))
+}
+
+const RULES: &str = "manifests/monitoring/rules/poolpilot.rules.yaml";
+const PROMETHEUS_RULE: &str = "manifests/monitoring/prometheus-rule.yaml";
+const DASHBOARD: &str = "manifests/monitoring/dashboards/poolpilot-saturation.json";
+
+#[test]
+fn the_crd_in_manifests_is_the_generated_one() -> anyhow::Result<()> {
+    anyhow::ensure!(
+        read("manifests/crds/connectionpolicy.yaml")? == read("crds/connectionpolicy.yaml")?,
+        "manifests/crds/connectionpolicy.yaml differs from crds/connectionpolicy.yaml: run `make crds`"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_prometheus_rule_carries_the_rules_file() -> anyhow::Result<()> {
+    let plain = yaml(RULES)?;
+    let operator = yaml(PROMETHEUS_RULE)?;
+    assert_eq!(operator["kind"], "PrometheusRule");
+    let groups = &plain["groups"];
+    assert!(
+        groups.as_array().is_some_and(|g| !g.is_empty()),
+        "no rule groups in {RULES}"
+    );
+    assert_eq!(
+        &operator["spec"]["groups"], groups,
+        "{PROMETHEUS_RULE} and {RULES} differ"
+    );
+    Ok(())
+}
+
+/// `kubectl apply --dry-run=server -k manifests/overlays/local`, in a test namespace: a wrapper
+/// kustomization moves every namespaced object of the overlay into it and drops the overlay's
+/// Namespace objects (a server dry run cannot create a namespace and then fill it). The CRD is
+/// installed for real first, as `kubectl apply -k manifests/crds` does, so that the sample
+/// ConnectionPolicy is validated against its schema and CEL rules.
+#[tokio::test]
+async fn the_local_overlay_passes_a_server_side_dry_run() -> anyhow::Result<()> {
+    with_namespace("manifests", async |ns| {
+        let cluster = ns.cluster();
+        let root = workspace();
+        run(cluster
+            .kubectl()
+            .arg("apply")
+            .arg("-k")
+            .arg(root.join("manifests/crds")))
+        .await?;
+        run(cluster.kubectl().args([
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/connectionpolicies.poolpilot.io",
+        ]))
+        .await?;
+
+        let wrapper = tempfile::tempdir()?;
+        let overlay = root.join("manifests/overlays/local").canonicalize()?;
+        // kustomize accepts only relative paths to bases.
+        let up = "../".repeat(wrapper.path().canonicalize()?.components().count() - 1);
+        let relative = format!("{up}{}", overlay.strip_prefix("/")?.display());
+        std::fs::write(
+            wrapper.path().join("kustomization.yaml"),
+            format!(
+                "apiVersion: kustomize.config.k8s.io/v1beta1\n\
+                 kind: Kustomization\n\
+                 namespace: {}\n\
+                 resources:\n- {relative}\n\
+                 patches:\n\
+                 - patch: |\n    $patch: delete\n    apiVersion: v1\n    kind: Namespace\n    \
+                 metadata:\n      name: any\n  target:\n    kind: Namespace\n",
+                ns.name()
+            ),
+        )?;
+
+        let out = run(cluster
+            .kubectl()
+            .args(["apply", "--dry-run=server", "-k"])
+            .arg(wrapper.path()))
+        .await?;
+        let applied: Vec<&str> = out
+            .lines()
+            .filter(|l| l.ends_with("(server dry run)"))
+            .collect();
+        for expected in [
+            "customresourcedefinition.apiextensions.k8s.io/connectionpolicies.poolpilot.io",
+            "clusterrole.rbac.authorization.k8s.io/poolpilot-operator",
+            "clusterrolebinding.rbac.authorization.k8s.io/poolpilot-operator",
+            "role.rbac.authorization.k8s.io/poolpilot-operator-leader-election",
+            "serviceaccount/poolpilot-operator",
+            "deployment.apps/poolpilot-operator",
+            "poddisruptionbudget.policy/poolpilot-operator",
+            "serviceaccount/poolpilot-gateway",
+            "secret/poolpilot-admin-token",
+            "deployment.apps/poolpilot-gateway",
+            "service/poolpilot-gateway",
+            "networkpolicy.networking.k8s.io/poolpilot-gateway",
+            "poddisruptionbudget.policy/poolpilot-gateway",
+            "deployment.apps/model-a",
+            "deployment.apps/model-b",
+            "service/model-a",
+            "service/model-b",
+            "connectionpolicy.poolpilot.io/models",
+        ] {
+            anyhow::ensure!(
+                applied
+                    .iter()
+                    .any(|l| l.starts_with(&format!("{expected} "))),
+                "{expected} missing from the dry run:\n{out}"
+            );
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// Every `expr` in the dashboard (panels, annotations) and the variables' `label_values` queries.
+fn dashboard_queries(dashboard: &Value) -> Vec<String> {
+    fn walk(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(map) => {
+                for (k, v) in map {
+                    match (k.as_str(), v) {
+                        ("expr", Value::String(e)) => out.push(e.clone()),
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    walk(&dashboard["annotations"], &mut out);
+    for var in dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        if var["type"] != "query" {
+            continue;
+        }
+        let query = var["query"]["query"]
+            .as_str()
+            .or_else(|| var["query"].as_str())
+            .unwrap_or_default();
+        out.push(label_values(query).unwrap_or_else(|| query.to_owned()));
+    }
+    out
+}
+
+/// Grafana's `label_values(expr, label)` as the PromQL it stands for.
+fn label_values(query: &str) -> Option<String> {
+    let inner = query
+        .trim()
+        .strip_prefix("label_values(")?
+        .strip_suffix(')')?;
+    let (expr, label) = inner.rsplit_once(',')?;
+    Some(format!("group by ({}) ({})", label.trim(), expr.trim()))
+}
+
+/// The dashboard's variables as the "All" selection and a fixed rate window.
+fn substitute(expr: &str) -> String {
+    expr.replace("$__rate_interval", "1m")
+        .replace("$__interval", "1m")
+        .replace("$namespace", ".*")
+        .replace("$backend", ".*")
+}
+
+#[test]
+fn label_values_become_promql() {
+    assert_eq!(
+        label_values(r#"label_values(up{job="x"}, namespace)"#).as_deref(),
+        Some(r#"group by (namespace) (up{job="x"})"#)
+    );
+    assert_eq!(label_values("sum(up)"), None);
+}
+
+#[tokio::test]
+async fn every_dashboard_and_alert_query_runs_on_prometheus() -> anyhow::Result<()> {
+    let cluster = Cluster::shared().await?;
+    let dashboard: Value = serde_json::from_str(&read(DASHBOARD)?)?;
+    let mut queries = dashboard_queries(&dashboard);
+    let dashboard_count = queries.len();
+    anyhow::ensure!(
+        dashboard_count >= 30,
+        "only {dashboard_count} queries found in {DASHBOARD}"
+    );
+    let rules = yaml(RULES)?;
+    for group in rules["groups"].as_array().into_iter().flatten() {
+        for rule in group["rules"].as_array().into_iter().flatten() {
+            let expr = rule["expr"].as_str().context("a rule without expr")?;
+            queries.push(expr.to_owned());
+        }
+    }
+    anyhow::ensure!(
+        queries.len() >= dashboard_count + 7,
+        "fewer than 7 alerting rules in {RULES}"
+    );
+
+    let mut failures = Vec::new();
+    for query in &queries {
+        let promql = substitute(query);
+        if promql.contains('$') {
+            failures.push(format!("{query}: an unknown dashboard variable"));
+            continue;
+        }
+        if let Err(e) = cluster.prometheus_query(&promql).await {
+            failures.push(format!("{promql}: {e:#}"));
+        }
+    }
+    anyhow::ensure!(
+        failures.is_empty(),
+        "{} of {} queries failed:\n{}",
+        failures.len(),
+        queries.len(),
+        failures.join("\n")
+    );
+    Ok(())
+}

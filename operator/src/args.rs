@@ -1,0 +1,100 @@
+//! Command-line flags (each also readable from the environment).
+
+use std::net::SocketAddr;
+
+use clap::Parser;
+use poolpilot_api::Duration;
+
+/// poolpilot-operator: tunes gateway connection pools from Prometheus and rolls the limits out.
+#[derive(Clone, Debug, Parser)]
+#[command(version, about)]
+pub struct Args {
+    /// Prometheus base URL.
+    #[arg(
+        long,
+        env = "POOLPILOT_PROMETHEUS_URL",
+        default_value = "http://prometheus:9090"
+    )]
+    pub prometheus_url: String,
+    /// How often the batched Prometheus queries run.
+    #[arg(long, env = "POOLPILOT_METRICS_INTERVAL", default_value = "15s")]
+    pub metrics_interval: Duration,
+    /// Prometheus' scrape interval of the gateways; samples older than two of them are stale.
+    #[arg(long, env = "POOLPILOT_SCRAPE_INTERVAL", default_value = "15s")]
+    pub scrape_interval: Duration,
+    /// Window over which the lowest p90 latency is a backend's latency baseline.
+    #[arg(long, env = "POOLPILOT_BASELINE_WINDOW", default_value = "6h")]
+    pub baseline_window: Duration,
+    /// Name of the Secret, in each policy's namespace, holding the gateways' admin token.
+    #[arg(
+        long,
+        env = "POOLPILOT_TOKEN_SECRET",
+        default_value = "poolpilot-admin-token"
+    )]
+    pub token_secret: String,
+    /// Key of the token in that Secret.
+    #[arg(long, env = "POOLPILOT_TOKEN_KEY", default_value = "token")]
+    pub token_key: String,
+    /// The gateways' admin port (the pod annotation `poolpilot.io/admin-port` overrides it).
+    #[arg(long, env = "POOLPILOT_ADMIN_PORT", default_value_t = 9901)]
+    pub admin_port: u16,
+    /// Timeout of one PUT to a gateway.
+    #[arg(long, env = "POOLPILOT_PUT_TIMEOUT", default_value = "5s")]
+    pub put_timeout: Duration,
+    /// Longest time between two reconciles of a policy.
+    #[arg(long, env = "POOLPILOT_MAX_REQUEUE", default_value = "60s")]
+    pub max_requeue: Duration,
+    /// Watch and reconcile only this namespace (empty: every namespace). Its policies, gateway
+    /// pods, EndpointSlices and ConfigMaps must then all live there.
+    #[arg(long, env = "POOLPILOT_NAMESPACE", default_value = "")]
+    pub namespace: String,
+    /// Label selector narrowing the pod watch (empty: every pod).
+    #[arg(long, env = "POOLPILOT_POD_SELECTOR", default_value = "")]
+    pub pod_selector: String,
+    /// Address of the operator's own `/metrics` and `/healthz`.
+    #[arg(long, env = "POOLPILOT_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// Run leader election (turn off only when a single replica runs).
+    #[arg(long, env = "POOLPILOT_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_election: bool,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub lease_namespace: String,
+    /// Name of the leader-election Lease.
+    #[arg(
+        long,
+        env = "POOLPILOT_LEASE_NAME",
+        default_value = "poolpilot-operator"
+    )]
+    pub lease_name: String,
+    /// This replica's identity in the Lease and in Events (defaults to the host name).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Log format.
+    #[arg(long, env = "POOLPILOT_LOG_FORMAT", default_value = "plain", value_parser = ["plain", "json"])]
+    pub log_format: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_durations_parse() {
+        let a = Args::try_parse_from([
+            "poolpilot-operator",
+            "--metrics-interval",
+            "30s",
+            "--leader-election",
+            "false",
+        ])
+        .unwrap();
+        assert_eq!(a.metrics_interval, Duration::from_secs(30));
+        assert_eq!(a.scrape_interval, Duration::from_secs(15));
+        assert_eq!(a.baseline_window, Duration::from_secs(6 * 3600));
+        assert_eq!(a.admin_port, 9901);
+        assert!(!a.leader_election);
+        assert_eq!(a.namespace, "", "every namespace by default");
+        assert!(Args::try_parse_from(["poolpilot-operator", "--put-timeout", "soon"]).is_err());
+    }
+}

@@ -1,0 +1,430 @@
+//! Wiring: the Kubernetes client, caches of pods, EndpointSlices and the operator's ConfigMaps,
+//! the Prometheus poller, the `/metrics` server, leader election, and the Controller over
+//! ConnectionPolicy that also reacts to the selected pods, the backends' EndpointSlices and its
+//! own ConfigMaps. Runs until SIGTERM or Ctrl-C.
+
+use std::sync::Arc;
+
+use futures::{StreamExt, future};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, ListParams};
+use kube::runtime::controller::Controller;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use kube_lease_manager::LeaseManagerBuilder;
+use parking_lot::{Mutex, RwLock};
+use poolpilot_api::ConnectionPolicy;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::args::Args;
+use crate::gateway::HttpGateways;
+use crate::metrics::{Metrics, QueryLabel};
+use crate::plan::selector;
+use crate::prom::{self, Queries, Snapshot};
+use crate::reconcile::observe::MANAGED_BY;
+use crate::reconcile::{self, Config, Context, Stores};
+
+/// Why the operator could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// No usable kubeconfig or in-cluster config.
+    #[error("failed to create a Kubernetes client")]
+    Client(#[source] kube::Error),
+    /// The CRD is not installed (or not readable).
+    #[error(
+        "cannot list ConnectionPolicies; is the CRD installed? (kubectl apply -f crds/connectionpolicy.yaml)"
+    )]
+    Crd(#[source] kube::Error),
+    /// The metrics address could not be bound.
+    #[error("failed to listen on {addr}")]
+    Listen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The Prometheus client could not be built.
+    #[error(transparent)]
+    Prometheus(#[from] prom::PromError),
+    /// The gateway HTTP client could not be built.
+    #[error("failed to build the gateway HTTP client")]
+    Gateways(#[source] reqwest::Error),
+    /// Leader election failed.
+    #[error("leader election failed")]
+    Lease(#[source] kube_lease_manager::LeaseManagerError),
+}
+
+/// Runs the operator until a shutdown signal.
+pub async fn run(args: Args) -> Result<(), RunError> {
+    let client = Client::try_default().await.map_err(RunError::Client)?;
+    let scope = Scope::new(&args.namespace);
+    info!(
+        namespace = scope.0.as_deref().unwrap_or("(all)"),
+        "watching ConnectionPolicies"
+    );
+    scope
+        .api::<ConnectionPolicy>(&client)
+        .list(&ListParams::default().limit(1))
+        .await
+        .map_err(RunError::Crd)?;
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(signals(shutdown.clone()));
+
+    let mut registry = Registry::with_prefix("poolpilot_operator");
+    let metrics = Metrics::default().register(&mut registry);
+    let listener = crate::admin::bind(args.listen)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: args.listen,
+            source,
+        })?;
+    tokio::spawn(crate::admin::serve(
+        listener,
+        Arc::new(registry),
+        shutdown.clone(),
+    ));
+
+    let pods = cache::<Pod>(
+        scope.api(&client),
+        watcher::Config::default().labels(&args.pod_selector),
+        &shutdown,
+    );
+    let slices = cache::<EndpointSlice>(scope.api(&client), watcher::Config::default(), &shutdown);
+    let managed = format!("{}={}", MANAGED_BY.0, MANAGED_BY.1);
+    let configmaps = cache::<ConfigMap>(
+        scope.api(&client),
+        watcher::Config::default().labels(&managed),
+        &shutdown,
+    );
+
+    let snapshot = Arc::new(RwLock::new(Snapshot::default()));
+    let prometheus = prometheus_http_query::Client::try_from(args.prometheus_url.as_str())
+        .map_err(|source| prom::PromError::Url {
+            url: args.prometheus_url.clone(),
+            source,
+        })?;
+    tokio::spawn(poll_prometheus(
+        prometheus,
+        queries(&args),
+        snapshot.clone(),
+        metrics.clone(),
+        args.metrics_interval.get(),
+        shutdown.clone(),
+    ));
+
+    let identity = args.identity.clone().unwrap_or_else(hostname);
+    let gateways = HttpGateways::new(args.put_timeout.get()).map_err(RunError::Gateways)?;
+    let term = Term {
+        client: client.clone(),
+        scope,
+        args: args.clone(),
+        identity: identity.clone(),
+        metrics,
+        snapshot,
+        gateways,
+        pods,
+        slices,
+        configmaps,
+    };
+
+    if !args.leader_election {
+        term.run(shutdown.clone()).await;
+        return Ok(());
+    }
+    let manager = LeaseManagerBuilder::new(client, &args.lease_name)
+        .with_namespace(&args.lease_namespace)
+        .with_identity(&identity)
+        .build()
+        .await
+        .map_err(RunError::Lease)?;
+    let (mut leader, task) = manager.watch().await;
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            changed = leader.changed() => if changed.is_err() { break },
+        }
+        if !*leader.borrow_and_update() {
+            continue;
+        }
+        info!(%identity, "became the leader");
+        let stop = shutdown.child_token();
+        let watch_stop = stop.clone();
+        let mut lost = leader.clone();
+        tokio::spawn(async move {
+            // Ends with the term either way, so that no receiver outlives it: the lease task
+            // finishes only once every receiver is gone.
+            tokio::select! {
+                _ = lost.wait_for(|is_leader| !is_leader) => watch_stop.cancel(),
+                () = watch_stop.cancelled() => {}
+            }
+        });
+        term.run(stop).await;
+        if shutdown.is_cancelled() {
+            break;
+        }
+        warn!(%identity, "lost the leadership; stopped reconciling");
+    }
+    drop(leader);
+    match task.await {
+        Ok(Ok(manager)) => {
+            if let Err(e) = manager.release().await {
+                warn!(error = %crate::report(&e), "failed to release the lease");
+            }
+        }
+        Ok(Err(e)) => return Err(RunError::Lease(e)),
+        Err(e) => warn!(error = %e, "the lease task panicked"),
+    }
+    Ok(())
+}
+
+/// Everything one leadership term needs.
+struct Term {
+    client: Client,
+    scope: Scope,
+    args: Args,
+    identity: String,
+    metrics: Metrics,
+    snapshot: Arc<RwLock<Snapshot>>,
+    gateways: HttpGateways,
+    pods: Store<Pod>,
+    slices: Store<EndpointSlice>,
+    configmaps: Store<ConfigMap>,
+}
+
+impl Term {
+    /// Runs the Controller until `stop` is cancelled.
+    async fn run(&self, stop: CancellationToken) {
+        let c = &self.client;
+        let controller = Controller::new(
+            self.scope.api::<ConnectionPolicy>(c),
+            watcher::Config::default(),
+        );
+        let policies = controller.store();
+        // `poolpilot_operator_policies` counts from this cache while this replica leads.
+        let _tracking = self.metrics.policies.track(policies.clone());
+        let ctx = Arc::new(Context {
+            client: c.clone(),
+            config: Config {
+                admin_port: self.args.admin_port,
+                token_secret: self.args.token_secret.clone(),
+                token_key: self.args.token_key.clone(),
+                snapshot_max_age: self.args.metrics_interval.get() * 2
+                    + self.args.scrape_interval.get() * 2,
+                max_requeue: self.args.max_requeue.get(),
+            },
+            stores: Stores {
+                policies: policies.clone(),
+                pods: self.pods.clone(),
+                slices: self.slices.clone(),
+                configmaps: self.configmaps.clone(),
+            },
+            snapshot: self.snapshot.clone(),
+            memory: Mutex::default(),
+            rollouts: Mutex::default(),
+            gateways: self.gateways.clone(),
+            recorder: Recorder::new(
+                c.clone(),
+                Reporter {
+                    controller: "poolpilot-operator".into(),
+                    instance: Some(self.identity.clone()),
+                },
+            ),
+            metrics: self.metrics.clone(),
+            clock: crate::clock::now,
+        });
+        let (by_pod, by_slice) = (policies.clone(), policies);
+        let managed = format!("{}={}", MANAGED_BY.0, MANAGED_BY.1);
+        controller
+            .owns(
+                self.scope.api::<ConfigMap>(c),
+                watcher::Config::default().labels(&managed),
+            )
+            .watches(
+                self.scope.api::<Pod>(c),
+                watcher::Config::default().labels(&self.args.pod_selector),
+                move |pod| policies_selecting(&by_pod, &pod),
+            )
+            .watches(
+                self.scope.api::<EndpointSlice>(c),
+                watcher::Config::default(),
+                move |slice| policies_using(&by_slice, &slice),
+            )
+            .graceful_shutdown_on(stop.cancelled_owned())
+            .run(reconcile::reconcile, reconcile::error_policy, ctx)
+            .for_each(|res| {
+                if let Err(e) = res {
+                    warn!(error = %crate::report(&e), "reconcile error");
+                }
+                future::ready(())
+            })
+            .await;
+    }
+}
+
+/// The policies whose gateway selector selects `pod`.
+fn policies_selecting(
+    store: &Store<ConnectionPolicy>,
+    pod: &Pod,
+) -> Vec<ObjectRef<ConnectionPolicy>> {
+    let ns = pod.namespace();
+    store
+        .state()
+        .iter()
+        .filter(|p| {
+            p.namespace() == ns && selector::matches(&p.spec.gateway_selector, pod.labels())
+        })
+        .map(|p| ObjectRef::from_obj(&**p))
+        .collect()
+}
+
+/// The policies with a backend on the Service that `slice` belongs to.
+fn policies_using(
+    store: &Store<ConnectionPolicy>,
+    slice: &EndpointSlice,
+) -> Vec<ObjectRef<ConnectionPolicy>> {
+    let ns = slice.namespace();
+    let Some(service) = slice.labels().get("kubernetes.io/service-name") else {
+        return Vec::new();
+    };
+    store
+        .state()
+        .iter()
+        .filter(|p| p.namespace() == ns)
+        .filter(|p| {
+            p.spec.backends.iter().any(|b| {
+                b.endpoints
+                    .service
+                    .as_ref()
+                    .is_some_and(|s| &s.name == service)
+            })
+        })
+        .map(|p| ObjectRef::from_obj(&**p))
+        .collect()
+}
+
+/// Where the operator watches: one namespace (`--namespace`) or all of them.
+#[derive(Clone, Debug)]
+struct Scope(Option<String>);
+
+impl Scope {
+    fn new(namespace: &str) -> Self {
+        Self((!namespace.is_empty()).then(|| namespace.to_owned()))
+    }
+
+    /// An API handle for namespaced kind `K` within the scope.
+    fn api<K>(&self, client: &Client) -> Api<K>
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        match &self.0 {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+}
+
+/// A cache of `K`, kept current by a background watch of `api` until `shutdown`.
+fn cache<K>(api: Api<K>, config: watcher::Config, shutdown: &CancellationToken) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let stream = reflector::reflector(writer, watcher(api, config))
+        .default_backoff()
+        .touched_objects();
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                item = stream.next() => match item {
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => warn!(error = %crate::report(&e), "watch error"),
+                    None => return,
+                },
+            }
+        }
+    });
+    store
+}
+
+fn queries(args: &Args) -> Queries {
+    Queries {
+        window: args.metrics_interval.get(),
+        baseline_window: args.baseline_window.get(),
+        freshness: args.scrape_interval.get() * 2,
+    }
+}
+
+/// Runs the batched queries every `interval` and publishes the snapshot.
+async fn poll_prometheus(
+    client: prometheus_http_query::Client,
+    queries: Queries,
+    snapshot: Arc<RwLock<Snapshot>>,
+    metrics: Metrics,
+    interval: std::time::Duration,
+    shutdown: CancellationToken,
+) {
+    let all = queries.all();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let (rows, errors) = prom::query_round(&client, &all).await;
+        for e in &errors {
+            if let prom::PromError::Query { name, .. } = e {
+                metrics
+                    .query_errors
+                    .get_or_create(&QueryLabel { query: name })
+                    .inc();
+            }
+        }
+        if let Some(first) = errors.first() {
+            let (failed, of) = (errors.len(), all.len());
+            warn!(failed, of, error = %crate::report(first), "Prometheus queries failed; their inputs count as missing");
+        }
+        *snapshot.write() = Snapshot::fold(crate::clock::now(), &rows);
+    }
+}
+
+/// Cancels `token` on SIGTERM or Ctrl-C.
+async fn signals(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(e) => {
+            error!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the operator");
+            let _ = ctrl_c.await;
+        }
+    }
+    info!("shutting down");
+    token.cancel();
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "poolpilot-operator".into())
+}

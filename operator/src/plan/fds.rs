@@ -1,0 +1,294 @@
+//! The fleet budget and the file-descriptor check. A backend's fleet target is divided across the
+//! ready pods its policy selects (rounded down: the fleet never holds more than the target). Then,
+//! per pod, over every accepted policy that selects it, the pools (Σ share × endpoints), the
+//! client connections and the reserve must fit in half the pod's `process_max_fds` (Envoy's
+//! advice). If not, the shares are scaled down proportionally, never below the share of
+//! `autoscale.min`, and the policy reports `FdBudget=False` with the numbers.
+
+use std::collections::BTreeMap;
+
+use super::{PolicyInput, PolicyPlan};
+
+/// Part of `process_max_fds` the pools, clients and reserve may use.
+pub const FD_FRACTION: f64 = 0.5;
+
+/// One pod's share of a fleet-wide target: `target / ready` rounded down, at least 1. With no
+/// ready pod the first one to become ready may take the whole target.
+pub fn share(target: u32, ready: u32) -> u32 {
+    target.checked_div(ready).unwrap_or(target).max(1)
+}
+
+/// The fd check as one policy sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FdReport {
+    /// The smallest `process_max_fds` of the selected pods (`None`: not known).
+    pub limit: Option<u64>,
+    /// What the pools, clients and reserve may use: half of that.
+    pub allowed: Option<u64>,
+    /// Fds the busiest selected pod would need at the unclamped shares.
+    pub needed_unclamped: u64,
+    /// Fds the busiest selected pod needs at the rendered shares.
+    pub needed: u64,
+    /// The busiest pod.
+    pub worst_pod: Option<String>,
+    /// Whether any share was scaled down.
+    pub clamped: bool,
+}
+
+impl FdReport {
+    /// `Some(true)` within budget, `Some(false)` over it (shares clamped), `None` unknown.
+    pub fn within(&self) -> Option<bool> {
+        let allowed = self.allowed?;
+        Some(!self.clamped && self.needed <= allowed)
+    }
+
+    /// The numbers, for the condition and the Event.
+    pub fn message(&self) -> String {
+        let Some(allowed) = self.allowed else {
+            return "process_max_fds of the selected pods is not known yet".to_owned();
+        };
+        let pod = self
+            .worst_pod
+            .as_deref()
+            .map(|p| format!(" (pod {p})"))
+            .unwrap_or_default();
+        if !self.clamped {
+            return format!("needs {} fds, pods allow {allowed}{pod}", self.needed);
+        }
+        let after = if self.needed <= allowed {
+            format!("pool shares scaled down to need {}", self.needed)
+        } else {
+            format!("even at autoscale.min the pools need {}", self.needed)
+        };
+        format!(
+            "needs {} fds, pods allow {allowed}{pod}; {after}",
+            self.needed_unclamped
+        )
+    }
+}
+
+/// One pool on one pod, as the water-filling sees it.
+#[derive(Clone, Copy, Debug)]
+struct Pool {
+    plan: usize,
+    backend: usize,
+    share: u32,
+    endpoints: u32,
+    min_share: u32,
+}
+
+/// Runs the check over every pod, clamps `per_pod` of the plans' backends, and fills each
+/// accepted plan's [`FdReport`]. `limits` holds the known `process_max_fds` per pod.
+pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeMap<String, u64>) {
+    // Which accepted plans select each pod.
+    let mut on_pod: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (i, plan) in plans.iter().enumerate() {
+        if plan.acceptance.is_accepted() {
+            for pod in &plan.selected {
+                on_pod.entry(pod.clone()).or_default().push(i);
+            }
+        }
+    }
+
+    let mut caps: BTreeMap<(usize, usize), u32> = BTreeMap::new();
+    let mut need_before: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut fixed_cost: BTreeMap<&str, u64> = BTreeMap::new();
+    for (pod, idxs) in &on_pod {
+        let listener = idxs
+            .iter()
+            .map(|&i| policies[i].spec.listener.max_connections)
+            .max()
+            .unwrap_or(0);
+        let reserve = idxs
+            .iter()
+            .map(|&i| policies[i].spec.file_descriptors.reserve)
+            .max()
+            .unwrap_or(0);
+        let fixed = u64::from(listener) + u64::from(reserve);
+        let pools: Vec<Pool> = idxs
+            .iter()
+            .flat_map(|&i| {
+                let ready = plans[i].ready.len() as u32;
+                plans[i]
+                    .backends
+                    .iter()
+                    .enumerate()
+                    .map(move |(j, b)| (i, j, b, ready))
+            })
+            .map(|(i, j, b, ready)| Pool {
+                plan: i,
+                backend: j,
+                share: b.per_pod,
+                endpoints: b.endpoints,
+                min_share: share(b.bounds.min, ready).min(b.per_pod),
+            })
+            .collect();
+        let before: u64 = pools
+            .iter()
+            .map(|p| u64::from(p.share) * u64::from(p.endpoints))
+            .sum::<u64>()
+            + fixed;
+        need_before.insert(pod, before);
+        fixed_cost.insert(pod, fixed);
+        let Some(&limit) = limits.get(pod.as_str()) else {
+            continue;
+        };
+        let allowed = allowed(limit);
+        if before <= allowed {
+            continue;
+        }
+        for (p, cap) in pools
+            .iter()
+            .zip(water_fill(&pools, allowed.saturating_sub(fixed)))
+        {
+            let e = caps.entry((p.plan, p.backend)).or_insert(cap);
+            *e = (*e).min(cap);
+        }
+    }
+
+    for ((i, j), cap) in &caps {
+        let b = &mut plans[*i].backends[*j];
+        b.per_pod = b.per_pod.min(*cap);
+    }
+
+    // Needs after clamping, per pod.
+    let mut need_after: BTreeMap<&str, u64> = BTreeMap::new();
+    for (pod, idxs) in &on_pod {
+        let pools: u64 = idxs
+            .iter()
+            .flat_map(|&i| plans[i].backends.iter())
+            .map(|b| u64::from(b.per_pod) * u64::from(b.endpoints))
+            .sum();
+        need_after.insert(
+            pod,
+            pools + fixed_cost.get(pod.as_str()).copied().unwrap_or(0),
+        );
+    }
+
+    for (i, plan) in plans.iter_mut().enumerate() {
+        if !plan.acceptance.is_accepted() {
+            continue;
+        }
+        let mut report = FdReport {
+            clamped: caps.keys().any(|(p, _)| *p == i),
+            ..FdReport::default()
+        };
+        for pod in &plan.selected {
+            let after = need_after.get(pod.as_str()).copied().unwrap_or(0);
+            if after >= report.needed {
+                report.needed = after;
+                report.worst_pod = Some(pod.clone());
+            }
+            report.needed_unclamped = report
+                .needed_unclamped
+                .max(need_before.get(pod.as_str()).copied().unwrap_or(0));
+            if let Some(&l) = limits.get(pod) {
+                report.limit = Some(report.limit.map_or(l, |m: u64| m.min(l)));
+            }
+        }
+        report.allowed = report.limit.map(allowed);
+        plan.fds = report;
+    }
+}
+
+/// The fds a pod with this `process_max_fds` lets the pools, clients and reserve use.
+pub fn allowed(limit: u64) -> u64 {
+    (limit as f64 * FD_FRACTION).floor() as u64
+}
+
+/// Largest shares, proportional to the current ones, whose pools fit in `avail` fds; a pool
+/// never drops below its `min_share` (if the minima alone do not fit, every pool sits at its min).
+fn water_fill(pools: &[Pool], avail: u64) -> Vec<u32> {
+    let mut at_min = vec![false; pools.len()];
+    loop {
+        let fixed: u64 = pools
+            .iter()
+            .zip(&at_min)
+            .filter(|(_, m)| **m)
+            .map(|(p, _)| u64::from(p.min_share) * u64::from(p.endpoints))
+            .sum();
+        let free: u64 = pools
+            .iter()
+            .zip(&at_min)
+            .filter(|(_, m)| !**m)
+            .map(|(p, _)| u64::from(p.share) * u64::from(p.endpoints))
+            .sum();
+        let factor = if free == 0 {
+            0.0
+        } else {
+            avail.saturating_sub(fixed) as f64 / free as f64
+        };
+        let mut changed = false;
+        let caps: Vec<u32> = pools
+            .iter()
+            .zip(at_min.iter_mut())
+            .map(|(p, m)| {
+                if *m {
+                    return p.min_share;
+                }
+                let c = (f64::from(p.share) * factor.min(1.0)).floor() as u32;
+                if c < p.min_share {
+                    *m = true;
+                    changed = true;
+                    p.min_share
+                } else {
+                    c
+                }
+            })
+            .collect();
+        if !changed {
+            return caps;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(share: u32, endpoints: u32, min_share: u32) -> Pool {
+        Pool {
+            plan: 0,
+            backend: 0,
+            share,
+            endpoints,
+            min_share,
+        }
+    }
+
+    #[test]
+    fn shares_round_down_and_never_reach_zero() {
+        assert_eq!(share(150, 3), 50);
+        assert_eq!(share(50, 3), 16);
+        assert_eq!(share(2, 3), 1);
+        assert_eq!(share(40, 0), 40);
+    }
+
+    #[test]
+    fn water_fill_is_proportional_and_fits() {
+        let pools = [pool(100, 4, 1), pool(50, 2, 1)];
+        let caps = water_fill(&pools, 250);
+        assert_eq!(caps, [50, 25]);
+        assert!(u64::from(caps[0]) * 4 + u64::from(caps[1]) * 2 <= 250);
+    }
+
+    #[test]
+    fn water_fill_never_goes_below_min_and_rebalances_the_rest() {
+        let pools = [pool(100, 2, 40), pool(100, 2, 1)];
+        let caps = water_fill(&pools, 200);
+        assert_eq!(caps[0], 50, "half of 100 stays above the min");
+        let pools = [pool(100, 2, 80), pool(100, 2, 1)];
+        let caps = water_fill(&pools, 200);
+        assert_eq!(
+            caps,
+            [80, 20],
+            "the first pool is held at its min; the other takes the rest"
+        );
+    }
+
+    #[test]
+    fn water_fill_with_no_room_leaves_everything_at_min() {
+        let caps = water_fill(&[pool(10, 1, 3), pool(10, 1, 2)], 0);
+        assert_eq!(caps, [3, 2]);
+    }
+}

@@ -1,0 +1,367 @@
+//! The pure planning core: given every policy and gateway pod of one namespace, the latest
+//! Prometheus samples, the autoscale memory and `now`, decide the targets, check them against the
+//! file-descriptor budget, render one limits document per pod and compute each policy's status.
+//! No kube client, no IO, no clock: every decision here is a unit test.
+//!
+//! ```text
+//!  policies + pods + endpoints + samples + memory + now
+//!        │
+//!   validate ──► conflicts (oldest wins) ──► accepted policies
+//!        │
+//!   autoscale (per backend, when its interval is due) ──► fleet targets
+//!        │
+//!   budget: target ÷ ready pods ──► per-pod shares ──► fd check (clamp) ──► render per pod
+//!        │
+//!   status (conditions with stable transition times)
+//! ```
+
+pub mod autoscale;
+pub mod conditions;
+pub mod fds;
+pub mod render;
+pub mod selector;
+pub mod status;
+pub mod validate;
+pub mod waves;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+pub use k8s_openapi::jiff::Timestamp;
+use poolpilot_api::limits::Endpoint;
+use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus, GatewayLimits};
+
+use self::autoscale::{BackendMemory, Bounds, Decision};
+use self::fds::FdReport;
+use self::validate::Acceptance;
+
+/// `namespace/name` of a policy.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PolicyKey {
+    /// The policy's namespace.
+    pub namespace: String,
+    /// The policy's name.
+    pub name: String,
+}
+
+impl std::fmt::Display for PolicyKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// One policy as the planner needs it.
+#[derive(Clone, Debug)]
+pub struct PolicyInput {
+    /// Which policy.
+    pub key: PolicyKey,
+    /// `metadata.generation`.
+    pub generation: i64,
+    /// `metadata.creationTimestamp`; the older policy wins a conflict.
+    pub created: Timestamp,
+    /// The spec as stored.
+    pub spec: ConnectionPolicySpec,
+    /// The status as stored (conditions keep their transition times; targets survive restarts).
+    pub status: Option<ConnectionPolicyStatus>,
+    /// Resolved endpoints per backend name (from EndpointSlices or the static addresses).
+    pub endpoints: BTreeMap<String, Vec<Endpoint>>,
+}
+
+impl PolicyInput {
+    /// The gateway selector.
+    pub fn selector(&self) -> &LabelSelector {
+        &self.spec.gateway_selector
+    }
+}
+
+/// One gateway pod in the policies' namespace.
+#[derive(Clone, Debug, Default)]
+pub struct GatewayPod {
+    /// The pod's name.
+    pub name: String,
+    /// Its labels (matched against the policies' gateway selectors).
+    pub labels: BTreeMap<String, String>,
+    /// Its IP, once it has one.
+    pub ip: Option<IpAddr>,
+    /// Whether it is ready; only ready pods get a share of a backend's budget.
+    pub ready: bool,
+    /// The limits the pod acknowledged last (from a PUT answer), if known.
+    pub acked: Option<Acked>,
+}
+
+/// What a gateway pod said it runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Acked {
+    /// Content revision.
+    pub revision: String,
+    /// Document generation.
+    pub generation: u64,
+}
+
+/// The latest Prometheus samples for one backend (fleet sums). `None` is missing data: a query
+/// error, an empty result, NaN or a stale sample. Never zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BackendSample {
+    /// Leased connections, summed over the pods, averaged over the interval.
+    pub leased: Option<f64>,
+    /// Pending lease requests, summed over the pods, averaged over the interval.
+    pub pending: Option<f64>,
+    /// Upstream p90 latency now, in seconds.
+    pub latency_p90: Option<f64>,
+    /// The p90 latency's baseline, in seconds.
+    pub latency_baseline: Option<f64>,
+}
+
+/// The latest file-descriptor samples of one pod.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodSample {
+    /// `process_max_fds`.
+    pub max_fds: Option<u64>,
+    /// `process_open_fds`.
+    pub open_fds: Option<u64>,
+}
+
+/// Everything Prometheus told us at one instant.
+#[derive(Clone, Debug, Default)]
+pub struct Samples {
+    /// Per policy and backend name.
+    pub backends: BTreeMap<(PolicyKey, String), BackendSample>,
+    /// Per pod name.
+    pub pods: BTreeMap<String, PodSample>,
+}
+
+/// What the planner remembers between runs (the runtime keeps it in memory; after a restart it
+/// is rebuilt from status).
+#[derive(Clone, Debug, Default)]
+pub struct Memory {
+    /// Autoscale memory per policy and backend.
+    pub backends: BTreeMap<(PolicyKey, String), BackendMemory>,
+    /// The last known `process_max_fds` per pod (used while a sample is missing).
+    pub fd_limits: BTreeMap<String, u64>,
+}
+
+/// The whole input of one planning run for one namespace.
+#[derive(Clone, Debug, Default)]
+pub struct FleetInput {
+    /// Every policy in the namespace.
+    pub policies: Vec<PolicyInput>,
+    /// Every gateway pod in the namespace (selected by at least one policy or not).
+    pub pods: Vec<GatewayPod>,
+    /// The latest samples.
+    pub samples: Samples,
+    /// Documents already published (the policies' ConfigMaps): generations never go back.
+    pub published: Vec<Acked>,
+    /// Every rendered document's generation must be above this (a pod said it runs it).
+    pub generation_floor: u64,
+    /// The policy being reconciled: only its backends get autoscale decisions this run (the
+    /// others keep their targets until their own reconcile). `None`: every policy decides.
+    pub focus: Option<PolicyKey>,
+}
+
+/// The plan for one backend of an accepted policy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackendPlan {
+    /// The backend's name.
+    pub name: String,
+    /// Endpoints resolved.
+    pub endpoints: u32,
+    /// The fleet-wide target per endpoint chosen by the autoscaler (or the upper bound).
+    pub target: u32,
+    /// Each ready pod's share after the fd check.
+    pub per_pod: u32,
+    /// The bounds the target lives in.
+    pub bounds: Bounds,
+    /// What the autoscaler decided this run (`None`: not due this run).
+    pub decision: Option<Decision>,
+    /// The sample the decision was made from.
+    pub sample: BackendSample,
+}
+
+/// The plan for one policy.
+#[derive(Clone, Debug)]
+pub struct PolicyPlan {
+    /// Which policy.
+    pub key: PolicyKey,
+    /// Whether it is accepted, and if not why.
+    pub acceptance: Acceptance,
+    /// Names of the pods it selects, sorted.
+    pub selected: Vec<String>,
+    /// Of those, the ready ones.
+    pub ready: Vec<String>,
+    /// Per backend, in spec order (empty when not accepted).
+    pub backends: Vec<BackendPlan>,
+    /// The fd check over the pods it selects.
+    pub fds: FdReport,
+    /// Whether its metrics are available (`None` when autoscale is off).
+    pub metrics_available: Option<MetricsState>,
+    /// The document its ConfigMap holds: the one rendered for its first selected pod.
+    pub document: Option<GatewayLimits>,
+}
+
+/// Availability of a policy's metrics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MetricsState {
+    /// False after three missed samples in a row, until two fresh ones.
+    pub available: bool,
+    /// Why, for the condition message.
+    pub message: String,
+}
+
+/// The output of one planning run.
+#[derive(Clone, Debug, Default)]
+pub struct FleetPlan {
+    /// Per policy, in input order.
+    pub policies: Vec<PolicyPlan>,
+    /// The document each selected pod should run, by pod name.
+    pub documents: BTreeMap<String, GatewayLimits>,
+}
+
+impl FleetPlan {
+    /// The plan of one policy.
+    pub fn policy(&self, key: &PolicyKey) -> Option<&PolicyPlan> {
+        self.policies.iter().find(|p| &p.key == key)
+    }
+}
+
+/// Plans the namespace: validation and conflicts, autoscaling (only for backends whose interval is
+/// due at `now`), budgets, the fd check and the rendered documents. `memory` is updated in place.
+pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPlan {
+    let selection = selector::select(&input.policies, &input.pods);
+    let acceptance = validate::accept(&input.policies, &selection);
+
+    // Remember the latest fd limits, so a missing sample holds the last known one.
+    for (pod, s) in &input.samples.pods {
+        if let Some(max) = s.max_fds {
+            memory.fd_limits.insert(pod.clone(), max);
+        }
+    }
+
+    let mut plans = Vec::with_capacity(input.policies.len());
+    for (i, policy) in input.policies.iter().enumerate() {
+        let selected = selection[i].clone();
+        let ready: Vec<String> = selected
+            .iter()
+            .filter(|p| input.pods.iter().any(|pod| &pod.name == *p && pod.ready))
+            .cloned()
+            .collect();
+        let accepted = acceptance[i].is_accepted();
+        let mut backends = Vec::new();
+        let mut metrics = None;
+        if accepted {
+            let mut missing = Vec::new();
+            let mut any_unavailable = false;
+            for b in &policy.spec.backends {
+                let endpoints = policy.endpoints.get(&b.name).map_or(0, Vec::len) as u32;
+                let bounds = Bounds::of(&policy.spec, b);
+                let key = (policy.key.clone(), b.name.clone());
+                let sample = input
+                    .samples
+                    .backends
+                    .get(&key)
+                    .copied()
+                    .unwrap_or_default();
+                let previous = previous_target(policy, &b.name);
+                let mem = memory
+                    .backends
+                    .entry(key)
+                    .or_insert_with(|| BackendMemory::start(previous, &bounds, now));
+                let decision = if !policy.spec.autoscale.enabled {
+                    mem.target = bounds.upper;
+                    None
+                } else if input.focus.as_ref().is_none_or(|f| f == &policy.key)
+                    && mem.due(policy.spec.autoscale.interval.get(), now)
+                {
+                    Some(autoscale::decide(&bounds, mem, &sample, endpoints, now))
+                } else {
+                    mem.target = bounds.clamp(mem.target);
+                    None
+                };
+                if let Some(what) = autoscale::missing_inputs(&sample) {
+                    missing.push(format!("{} ({what})", b.name));
+                }
+                any_unavailable |= !mem.metrics_available;
+                let ready_count = ready.len() as u32;
+                backends.push(BackendPlan {
+                    name: b.name.clone(),
+                    endpoints,
+                    target: mem.target,
+                    per_pod: fds::share(mem.target, ready_count),
+                    bounds,
+                    decision,
+                    sample,
+                });
+            }
+            if policy.spec.autoscale.enabled {
+                let message = if any_unavailable {
+                    format!(
+                        "no usable data for {} for {} intervals in a row; targets held",
+                        missing.join(", "),
+                        autoscale::MISSES_BEFORE_UNAVAILABLE
+                    )
+                } else if missing.is_empty() {
+                    "fresh samples for every backend".to_owned()
+                } else {
+                    format!("missing data for {}; targets held", missing.join(", "))
+                };
+                metrics = Some(MetricsState {
+                    available: !any_unavailable,
+                    message,
+                });
+            }
+        }
+        plans.push(PolicyPlan {
+            key: policy.key.clone(),
+            acceptance: acceptance[i].clone(),
+            selected,
+            ready,
+            backends,
+            fds: FdReport::default(),
+            metrics_available: metrics,
+            document: None,
+        });
+    }
+
+    let fd_limits: BTreeMap<String, u64> = input
+        .pods
+        .iter()
+        .filter_map(|p| memory.fd_limits.get(&p.name).map(|l| (p.name.clone(), *l)))
+        .collect();
+    fds::check(&input.policies, &mut plans, &fd_limits);
+
+    let documents = render::render_all(
+        &input.policies,
+        &input.pods,
+        &mut plans,
+        &input.published,
+        input.generation_floor,
+    );
+    FleetPlan {
+        policies: plans,
+        documents,
+    }
+}
+
+/// The target a policy's status recorded for a backend (continuity across operator restarts).
+fn previous_target(policy: &PolicyInput, backend: &str) -> Option<u32> {
+    policy
+        .status
+        .as_ref()?
+        .backends
+        .iter()
+        .find(|b| b.name == backend)
+        .map(|b| b.target)
+}
+
+/// Time from `then` to `now`; zero if `then` is in the future.
+pub(crate) fn elapsed(then: Timestamp, now: Timestamp) -> std::time::Duration {
+    let d = now.duration_since(then);
+    if d.is_negative() {
+        std::time::Duration::ZERO
+    } else {
+        d.unsigned_abs()
+    }
+}

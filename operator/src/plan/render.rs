@@ -1,0 +1,262 @@
+//! Rendering: one `GatewayLimits` document per gateway pod, merging the backends of every accepted
+//! policy that selects it (oldest policy first, backends in spec order), with each pod's share of
+//! the fleet targets, a content revision and a generation that only ever increases.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use poolpilot_api::GatewayLimits;
+use poolpilot_api::limits::{
+    BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, HealthCheck, ListenerLimits,
+    OutlierDetection, PoolLimits, RouteMatch, SlowCalls, Timeouts,
+};
+use poolpilot_api::policy::BackendSpec;
+use sha2::{Digest, Sha256};
+
+use super::validate::Acceptance;
+use super::{Acked, GatewayPod, PolicyInput, PolicyPlan};
+
+/// Renders every pod's document (pods no accepted policy selects get an empty one, which removes
+/// backends of deleted policies), and stores in each accepted plan the document of its first
+/// selected pod (or, without pods, of the policies sharing its selector). A policy whose own
+/// document does not validate is marked invalid first. `published` lists documents already
+/// written (ConfigMaps), so that generations keep increasing across operator restarts.
+pub fn render_all(
+    policies: &[PolicyInput],
+    pods: &[GatewayPod],
+    plans: &mut [PolicyPlan],
+    published: &[Acked],
+    floor: u64,
+) -> BTreeMap<String, GatewayLimits> {
+    for (i, plan) in plans.iter_mut().enumerate() {
+        if plan.acceptance.is_accepted()
+            && let Err(e) = document(policies, &[(i, &*plan)]).validate()
+        {
+            plan.acceptance =
+                Acceptance::Invalid(e.violations.iter().map(ToString::to_string).collect());
+        }
+    }
+
+    let mut generations = Generations::new(policies, pods, published, floor);
+    let mut out = BTreeMap::new();
+    let mut pod_names: Vec<&GatewayPod> = pods.iter().collect();
+    pod_names.sort_by(|a, b| a.name.cmp(&b.name));
+    for pod in pod_names {
+        let on_pod: Vec<(usize, &PolicyPlan)> = plans
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.acceptance.is_accepted() && p.selected.contains(&pod.name))
+            .collect();
+        let mut doc = document(policies, &on_pod).with_content_revision();
+        doc.generation = generations.of(&doc.revision);
+        out.insert(pod.name.clone(), doc);
+    }
+
+    for i in 0..plans.len() {
+        if !plans[i].acceptance.is_accepted() {
+            plans[i].document = None;
+            continue;
+        }
+        plans[i].document = match plans[i].selected.first() {
+            Some(pod) => out.get(pod).cloned(),
+            None => {
+                let selector = &policies[i].spec.gateway_selector;
+                let peers: Vec<(usize, &PolicyPlan)> = plans
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, p)| {
+                        p.acceptance.is_accepted()
+                            && &policies[*j].spec.gateway_selector == selector
+                    })
+                    .collect();
+                let mut doc = document(policies, &peers).with_content_revision();
+                doc.generation = generations.of(&doc.revision);
+                Some(doc)
+            }
+        };
+    }
+    out
+}
+
+/// Hands out generations: an existing one for a revision already known (if above the floor),
+/// otherwise one above everything known.
+struct Generations {
+    known: BTreeMap<String, u64>,
+    floor: u64,
+    next: u64,
+}
+
+impl Generations {
+    fn new(policies: &[PolicyInput], pods: &[GatewayPod], published: &[Acked], floor: u64) -> Self {
+        let mut known = BTreeMap::new();
+        let mut max = floor;
+        let acked = pods.iter().filter_map(|p| p.acked.clone());
+        let statuses = policies.iter().filter_map(|p| {
+            let s = p.status.as_ref()?;
+            Some(Acked {
+                revision: s.revision.clone()?,
+                generation: s.limits_generation?,
+            })
+        });
+        for a in published.iter().cloned().chain(acked).chain(statuses) {
+            max = max.max(a.generation);
+            let g = known.entry(a.revision).or_insert(a.generation);
+            *g = (*g).max(a.generation);
+        }
+        Self {
+            known,
+            floor,
+            next: max + 1,
+        }
+    }
+
+    fn of(&mut self, revision: &str) -> u64 {
+        if let Some(g) = self.known.get(revision).filter(|g| **g > self.floor) {
+            return *g;
+        }
+        let g = self.next;
+        self.next += 1;
+        self.known.insert(revision.to_owned(), g);
+        g
+    }
+}
+
+/// The document of a set of accepted plans (by index into `policies`), oldest policy first.
+fn document(policies: &[PolicyInput], plans: &[(usize, &PolicyPlan)]) -> GatewayLimits {
+    let mut order: Vec<&(usize, &PolicyPlan)> = plans.iter().collect();
+    order.sort_by(|a, b| {
+        let (pa, pb) = (&policies[a.0], &policies[b.0]);
+        (pa.created, &pa.key).cmp(&(pb.created, &pb.key))
+    });
+
+    let mut listener = ListenerLimits::default();
+    listener.max_connections = order
+        .iter()
+        .map(|(i, _)| policies[*i].spec.listener.max_connections)
+        .max()
+        .unwrap_or(listener.max_connections);
+    listener.max_connections_per_client = order
+        .iter()
+        .filter_map(|(i, _)| {
+            policies[*i]
+                .spec
+                .clients
+                .as_ref()?
+                .max_connections_per_client
+        })
+        .max();
+
+    let mut client_policies = Vec::new();
+    let mut backends = Vec::new();
+    let mut used_names = BTreeSet::new();
+    for (i, plan) in order {
+        let policy = &policies[*i];
+        let client_policy = policy.spec.clients.as_ref().map(|c| {
+            let name = client_policy_name(&policy.key.name, &mut used_names);
+            client_policies.push(ClientPolicy {
+                name: name.clone(),
+                identity: match &c.identity.header {
+                    Some(h) => ClientIdentity::Header(h.clone()),
+                    None => ClientIdentity::SourceIp,
+                },
+                max_concurrency: c.max_concurrency,
+                max_queue: c.max_queue,
+                queue_timeout: c.queue_timeout,
+                overrides: c
+                    .overrides
+                    .iter()
+                    .map(|o| ClientOverride {
+                        name: o.name.clone(),
+                        key_sha256: o.client.key_sha256.clone(),
+                        max_concurrency: o.max_concurrency,
+                    })
+                    .collect(),
+                slow_calls: c.slow_calls.as_ref().map(|s| SlowCalls {
+                    threshold: s.threshold,
+                    max_ratio: s.max_ratio,
+                    demoted_concurrency: s.demoted_concurrency,
+                    cooldown: s.cooldown,
+                    min_calls: s.min_calls,
+                }),
+            });
+            name
+        });
+        for (spec, planned) in policy.spec.backends.iter().zip(&plan.backends) {
+            backends.push(backend(
+                policy,
+                spec,
+                planned.per_pod,
+                client_policy.clone(),
+            ));
+        }
+    }
+    GatewayLimits {
+        revision: String::new(),
+        generation: 0,
+        listener,
+        client_policies,
+        backends,
+    }
+}
+
+fn backend(
+    policy: &PolicyInput,
+    b: &BackendSpec,
+    per_pod: u32,
+    client_policy: Option<String>,
+) -> BackendLimits {
+    BackendLimits {
+        name: b.name.clone(),
+        policy: Some(policy.key.to_string()),
+        route: RouteMatch {
+            path_prefix: b.route.path_prefix.clone(),
+            headers: b.route.headers.clone(),
+            model: b.route.model.clone(),
+        },
+        endpoints: policy.endpoints.get(&b.name).cloned().unwrap_or_default(),
+        pool: PoolLimits {
+            max_connections_per_endpoint: per_pod,
+            max_pending: b.pool.max_pending,
+            lease_timeout: b.pool.lease_timeout,
+            idle_timeout: b.pool.idle_timeout,
+            max_lifetime: b.pool.max_lifetime,
+            connect_timeout: b.pool.connect_timeout,
+            validate_after_idle: b.pool.validate_after_idle,
+        },
+        timeouts: Timeouts {
+            first_byte: b.timeouts.first_byte,
+            total: b.timeouts.total,
+            stream_idle: b.timeouts.stream_idle,
+        },
+        health_check: b.health_check.as_ref().map(|h| HealthCheck {
+            path: h.path.clone(),
+            interval: h.interval,
+            timeout: h.timeout,
+            unhealthy_threshold: h.unhealthy_threshold,
+            healthy_threshold: h.healthy_threshold,
+        }),
+        outlier_detection: b.outlier_detection.as_ref().map(|o| OutlierDetection {
+            consecutive_failures: o.consecutive_failures,
+            base_ejection: o.base_ejection,
+            max_ejected_percent: o.max_ejected_percent,
+        }),
+        client_policy,
+    }
+}
+
+/// A client-policy name for a policy: its name when it fits the document's 63-character label
+/// rule, else a prefix plus a short hash; unique within one document.
+fn client_policy_name(policy: &str, used: &mut BTreeSet<String>) -> String {
+    let mut name = if policy.len() <= 63 {
+        policy.to_owned()
+    } else {
+        let hash = hex::encode(&Sha256::digest(policy.as_bytes())[..4]);
+        format!("{}-{hash}", &policy[..54])
+    };
+    let base = name.clone();
+    let mut n = 1;
+    while !used.insert(name.clone()) {
+        n += 1;
+        name = format!("{}-{n}", &base[..base.len().min(60)]);
+    }
+    name
+}

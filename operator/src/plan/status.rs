@@ -1,0 +1,282 @@
+//! The status step's pure half: a policy's plan, its autoscale memory and the rollout's outcome
+//! become the `ConnectionPolicyStatus` to apply (conditions, per-backend targets and decisions,
+//! pods selected / updated, fd numbers).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use poolpilot_api::ConnectionPolicyStatus;
+use poolpilot_api::policy::{BackendStatus, PodFailure, PodsStatus, ScaleRecord};
+
+use super::conditions::{Computed, Kind, Status, merge};
+use super::validate::Acceptance;
+use super::waves::{PodState, refusals, updated_count};
+use super::{Memory, PolicyInput, PolicyPlan, Timestamp};
+
+/// How the rollout went for one policy's ready selected pods.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RolloutReport {
+    /// Every ready selected pod with what it runs and should run.
+    pub pods: Vec<PodState>,
+    /// Pods that could not be reached, with the error.
+    pub unreachable: BTreeMap<String, String>,
+    /// Why the rollout waits, if it does.
+    pub waiting: Option<String>,
+    /// Why the rollout stopped, if it did.
+    pub halted: Option<String>,
+}
+
+/// The status of `policy` after this run.
+pub fn compute(
+    policy: &PolicyInput,
+    plan: &PolicyPlan,
+    memory: &Memory,
+    rollout: &RolloutReport,
+    now: Timestamp,
+) -> ConnectionPolicyStatus {
+    let old = policy.status.clone().unwrap_or_default();
+    let ready = plan.ready.len();
+    let updated = updated_count(&rollout.pods);
+    let doc = plan.document.as_ref();
+
+    let backends: Vec<BackendStatus> = plan
+        .backends
+        .iter()
+        .map(|b| {
+            let mem = memory.backends.get(&(plan.key.clone(), b.name.clone()));
+            let demand = b.sample.leased.zip(b.sample.pending).map(|(l, p)| l + p);
+            let pooled = f64::from(b.per_pod) * f64::from(b.endpoints) * ready as f64;
+            BackendStatus {
+                name: b.name.clone(),
+                endpoints: b.endpoints,
+                target: b.target,
+                per_pod: b.per_pod,
+                leased: b.sample.leased.filter(|v| v.is_finite()),
+                pending: b.sample.pending.filter(|v| v.is_finite()),
+                utilization: demand
+                    .filter(|d| d.is_finite() && pooled > 0.0)
+                    .map(|d| (d / pooled * 1000.0).round() / 1000.0),
+                last_scale: mem
+                    .and_then(|m| m.last_scale.as_ref())
+                    .map(|s| ScaleRecord {
+                        time: Time(s.at),
+                        from: s.from,
+                        to: s.to,
+                        reason: s.reason.clone(),
+                    }),
+            }
+            .with_last_scale_from(&old, &b.name)
+        })
+        .collect();
+
+    let mut failures: Vec<PodFailure> = refusals(&rollout.pods)
+        .into_iter()
+        .chain(rollout.unreachable.clone())
+        .map(|(pod, message)| PodFailure { pod, message })
+        .collect();
+    failures.sort_by(|a, b| a.pod.cmp(&b.pod));
+
+    let conditions = merge(
+        &old.conditions,
+        conditions(plan, rollout, &backends, memory, updated),
+        policy.generation,
+        now,
+    );
+    let accepted = plan.acceptance.is_accepted();
+    ConnectionPolicyStatus {
+        observed_generation: Some(policy.generation),
+        revision: doc.map(|d| d.revision.clone()),
+        limits_generation: doc.map(|d| d.generation),
+        targets: accepted.then(|| {
+            backends
+                .iter()
+                .map(|b| format!("{}={}", b.name, b.target))
+                .collect::<Vec<_>>()
+                .join(",")
+        }),
+        updated: Some(format!("{updated}/{ready}")),
+        conditions,
+        backends,
+        pods: Some(PodsStatus {
+            selected: plan.selected.len() as u32,
+            ready: ready as u32,
+            updated: updated as u32,
+            fd_limit: plan.fds.limit,
+            fd_needed: plan.fds.needed,
+            failures,
+        }),
+    }
+}
+
+trait WithLastScale {
+    fn with_last_scale_from(self, old: &ConnectionPolicyStatus, name: &str) -> Self;
+}
+
+impl WithLastScale for BackendStatus {
+    /// Keeps the stored last scale when memory has none (after an operator restart).
+    fn with_last_scale_from(mut self, old: &ConnectionPolicyStatus, name: &str) -> Self {
+        if self.last_scale.is_none() {
+            self.last_scale = old
+                .backends
+                .iter()
+                .find(|b| b.name == name)
+                .and_then(|b| b.last_scale.clone());
+        }
+        self
+    }
+}
+
+fn conditions(
+    plan: &PolicyPlan,
+    rollout: &RolloutReport,
+    backends: &[BackendStatus],
+    memory: &Memory,
+    updated: usize,
+) -> Vec<Computed> {
+    let accepted = match &plan.acceptance {
+        Acceptance::Accepted => Computed::new(
+            Kind::Accepted,
+            Status::True,
+            "Accepted",
+            "valid, no conflicts",
+        ),
+        Acceptance::Invalid(errors) => {
+            Computed::new(Kind::Accepted, Status::False, "Invalid", errors.join("; "))
+        }
+        Acceptance::Conflicted(why) => {
+            Computed::new(Kind::Accepted, Status::False, "Conflicted", why.clone())
+        }
+    };
+    if !plan.acceptance.is_accepted() {
+        let why = "the policy is not accepted";
+        return vec![
+            accepted,
+            Computed::new(Kind::MetricsAvailable, Status::Unknown, "NotAccepted", why),
+            Computed::new(Kind::FdBudget, Status::Unknown, "NotAccepted", why),
+            Computed::new(Kind::RolledOut, Status::False, "NotAccepted", why),
+            Computed::new(Kind::Saturated, Status::Unknown, "NotAccepted", why),
+            Computed::new(Kind::Ready, Status::False, "NotAccepted", why),
+        ];
+    }
+
+    let metrics = match &plan.metrics_available {
+        None => Computed::new(
+            Kind::MetricsAvailable,
+            Status::Unknown,
+            "AutoscaleDisabled",
+            "autoscale is off",
+        ),
+        Some(m) if m.available => Computed::new(
+            Kind::MetricsAvailable,
+            Status::True,
+            "SamplesFresh",
+            m.message.clone(),
+        ),
+        Some(m) => Computed::new(
+            Kind::MetricsAvailable,
+            Status::False,
+            "SamplesMissing",
+            m.message.clone(),
+        ),
+    };
+
+    let fd = match plan.fds.within() {
+        Some(true) => Computed::new(
+            Kind::FdBudget,
+            Status::True,
+            "WithinBudget",
+            plan.fds.message(),
+        ),
+        Some(false) => Computed::new(
+            Kind::FdBudget,
+            Status::False,
+            "OverBudget",
+            plan.fds.message(),
+        ),
+        None => Computed::new(
+            Kind::FdBudget,
+            Status::Unknown,
+            "FdLimitUnknown",
+            plan.fds.message(),
+        ),
+    };
+
+    let ready = plan.ready.len();
+    let revision = plan
+        .document
+        .as_ref()
+        .map(|d| format!("revision {} (generation {})", d.revision, d.generation));
+    let revision = revision.unwrap_or_default();
+    let rolled = if ready == 0 {
+        Computed::new(
+            Kind::RolledOut,
+            Status::False,
+            "NoReadyPods",
+            "no ready gateway pod matches gatewaySelector",
+        )
+    } else if let Some(halted) = &rollout.halted {
+        Computed::new(Kind::RolledOut, Status::False, "Halted", halted.clone())
+    } else if updated == ready {
+        Computed::new(
+            Kind::RolledOut,
+            Status::True,
+            "RolledOut",
+            format!("{updated}/{ready} ready pods run {revision}"),
+        )
+    } else {
+        let mut msg = format!("{updated}/{ready} ready pods run {revision}");
+        if let Some(w) = &rollout.waiting {
+            msg.push_str(&format!("; {w}"));
+        }
+        for (pod, e) in &rollout.unreachable {
+            msg.push_str(&format!("; pod {pod} unreachable: {e}"));
+        }
+        Computed::new(Kind::RolledOut, Status::False, "Progressing", msg)
+    };
+
+    let saturated: Vec<String> = plan
+        .backends
+        .iter()
+        .filter_map(|b| {
+            let m = memory.backends.get(&(plan.key.clone(), b.name.clone()))?;
+            m.saturation
+                .as_ref()
+                .map(|why| format!("{}: {why}", b.name))
+        })
+        .collect();
+    let saturated = if saturated.is_empty() {
+        let util = backends
+            .iter()
+            .filter_map(|b| {
+                b.utilization
+                    .map(|u| format!("{} {:.0}%", b.name, u * 100.0))
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let msg = if util.is_empty() {
+            "no backend is saturated".to_owned()
+        } else {
+            format!("utilization {util}")
+        };
+        Computed::new(Kind::Saturated, Status::False, "WithinCapacity", msg)
+    } else {
+        Computed::new(
+            Kind::Saturated,
+            Status::True,
+            "Saturated",
+            saturated.join("; "),
+        )
+    };
+
+    let ready_cond = if rolled.status == Status::True {
+        Computed::new(Kind::Ready, Status::True, "Ready", rolled.message.clone())
+    } else {
+        Computed::new(
+            Kind::Ready,
+            Status::False,
+            rolled.reason,
+            rolled.message.clone(),
+        )
+    };
+    vec![accepted, metrics, fd, rolled, saturated, ready_cond]
+}

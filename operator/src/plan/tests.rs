@@ -1,0 +1,751 @@
+//! Tests of the whole planning run: fleet division, the fd check with its numbers, conflicts,
+//! rendering with monotonic generations, status conditions, and the budget properties.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use poolpilot_api::limits::Endpoint;
+use proptest::prelude::*;
+
+use super::conditions::Kind;
+use super::status::{RolloutReport, compute};
+use super::waves::PodState;
+use super::*;
+
+pub(crate) fn at(secs: i64) -> Timestamp {
+    Timestamp::from_second(1_800_000_000 + secs).unwrap()
+}
+
+/// A policy named `name`, created at `created`, from a YAML spec; every backend gets `endpoints`
+/// resolved endpoints.
+pub(crate) fn policy(name: &str, created: i64, spec: &str, endpoints: u32) -> PolicyInput {
+    let spec: ConnectionPolicySpec = serde_norway::from_str(spec).expect("test spec parses");
+    let endpoints = spec
+        .backends
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let eps = (0..endpoints)
+                .map(|j| Endpoint {
+                    name: format!("{}-{j}", b.name),
+                    address: SocketAddr::new(
+                        IpAddr::V4(Ipv4Addr::new(10, 1, i as u8, j as u8)),
+                        8000,
+                    ),
+                })
+                .collect();
+            (b.name.clone(), eps)
+        })
+        .collect();
+    PolicyInput {
+        key: PolicyKey {
+            namespace: "ns".into(),
+            name: name.into(),
+        },
+        generation: 1,
+        created: at(created),
+        spec,
+        status: None,
+        endpoints,
+    }
+}
+
+/// `n` ready gateway pods `gw-0..` labelled `app=gw`.
+pub(crate) fn pods(n: usize) -> Vec<GatewayPod> {
+    (0..n)
+        .map(|i| GatewayPod {
+            name: format!("gw-{i}"),
+            labels: [("app".to_owned(), "gw".to_owned())].into(),
+            ip: Some(IpAddr::V4(Ipv4Addr::new(127, 0, 1, i as u8))),
+            ready: true,
+            acked: None,
+        })
+        .collect()
+}
+
+fn spec(backend: &str, capacity: u32, extra: &str) -> String {
+    format!(
+        "gatewaySelector: {{matchLabels: {{app: gw}}}}\nbackends:\n- name: {backend}\n  endpoints: {{service: {{name: {backend}, port: 8000}}}}\n  capacity: {{maxConnectionsPerEndpoint: {capacity}, headroom: 0.2}}\n{extra}"
+    )
+}
+
+fn key(name: &str) -> PolicyKey {
+    PolicyKey {
+        namespace: "ns".into(),
+        name: name.into(),
+    }
+}
+
+fn fds(pods: &[GatewayPod], max: u64) -> BTreeMap<String, PodSample> {
+    pods.iter()
+        .map(|p| {
+            (
+                p.name.clone(),
+                PodSample {
+                    max_fds: Some(max),
+                    open_fds: Some(100),
+                },
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn fleet_budget_is_divided_across_ready_pods() {
+    // 64 × 0.8 = 51 per endpoint for the fleet; autoscale off runs at that bound.
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 64, "autoscale: {enabled: false}\n"),
+        2,
+    );
+    let mut pods = pods(4);
+    pods[3].ready = false;
+    let input = FleetInput {
+        policies: vec![p],
+        pods,
+        ..FleetInput::default()
+    };
+    let plan = plan(&input, &mut Memory::default(), at(0));
+    let b = &plan.policies[0].backends[0];
+    assert_eq!((b.target, b.per_pod), (51, 17), "51 over 3 ready pods");
+    assert_eq!(
+        plan.documents["gw-0"].backends[0]
+            .pool
+            .max_connections_per_endpoint,
+        17
+    );
+    assert_eq!(plan.documents["gw-0"].backends[0].endpoints.len(), 2);
+    assert_eq!(plan.policies[0].ready, ["gw-0", "gw-1", "gw-2"]);
+}
+
+#[test]
+fn pods_three_to_six_grow_the_fleet_total_by_at_most_five_percent() {
+    for capacity in [10, 32, 64, 100, 257, 700, 1000] {
+        let p = policy(
+            "a",
+            0,
+            &spec("m", capacity, "autoscale: {enabled: false}\n"),
+            1,
+        );
+        let total = |n: usize| {
+            let input = FleetInput {
+                policies: vec![p.clone()],
+                pods: pods(n),
+                ..FleetInput::default()
+            };
+            let plan = plan(&input, &mut Memory::default(), at(0));
+            let per_pod = plan.documents["gw-0"].backends[0]
+                .pool
+                .max_connections_per_endpoint;
+            f64::from(per_pod) * n as f64
+        };
+        let (three, six) = (total(3), total(6));
+        assert!(
+            six <= three * 1.05,
+            "capacity {capacity}: 3 pods hold {three}, 6 pods hold {six}"
+        );
+        assert!(
+            six <= f64::from(p.spec.backends[0].capacity.budget()),
+            "never above the fleet budget"
+        );
+    }
+}
+
+#[test]
+fn fd_check_clamps_with_the_exact_numbers() {
+    // One pod, 7 endpoints × 82 + 512 client connections + 256 reserve = 1342 fds; a limit of
+    // 2048 allows half of it, 1024.
+    let extra = "listener: {maxConnections: 512}\nfileDescriptors: {reserve: 256}\nautoscale: {enabled: false, max: 82}\n";
+    let p = policy("a", 0, &spec("model-a", 200, extra), 7);
+    let pods = pods(1);
+    let samples = Samples {
+        pods: fds(&pods, 2048),
+        ..Samples::default()
+    };
+    let input = FleetInput {
+        policies: vec![p],
+        pods,
+        samples,
+        ..FleetInput::default()
+    };
+    let plan = plan(&input, &mut Memory::default(), at(0));
+    let pp = &plan.policies[0];
+    assert_eq!(pp.backends[0].target, 82);
+    assert_eq!(pp.backends[0].per_pod, 36, "82 × 256/574, rounded down");
+    assert_eq!(pp.fds.within(), Some(false));
+    assert_eq!(
+        pp.fds.message(),
+        "needs 1342 fds, pods allow 1024 (pod gw-0); pool shares scaled down to need 1020"
+    );
+    assert_eq!(
+        plan.documents["gw-0"].backends[0]
+            .pool
+            .max_connections_per_endpoint,
+        36
+    );
+}
+
+#[test]
+fn fd_check_spans_every_policy_on_the_same_pods_and_respects_min() {
+    let extra = |min| {
+        format!(
+            "listener: {{maxConnections: 100}}\nfileDescriptors: {{reserve: 100}}\nautoscale: {{enabled: false, min: {min}, max: 100}}\n"
+        )
+    };
+    let a = policy("a", 0, &spec("model-a", 200, &extra(80)), 2);
+    let b = policy("b", 10, &spec("model-b", 200, &extra(1)), 2);
+    let pods = pods(1);
+    let samples = Samples {
+        pods: fds(&pods, 1000),
+        ..Samples::default()
+    };
+    let input = FleetInput {
+        policies: vec![a, b],
+        pods,
+        samples,
+        ..FleetInput::default()
+    };
+    let plan = plan(&input, &mut Memory::default(), at(0));
+    // Needs 2×100 + 2×100 + 100 + 100 = 600 > 500: 300 fds for the pools, 75 per endpoint each.
+    // model-a cannot go below its min of 80 (160 fds), so model-b gets the remaining 140 fds.
+    let shares: Vec<u32> = plan
+        .policies
+        .iter()
+        .map(|p| p.backends[0].per_pod)
+        .collect();
+    assert_eq!(shares, [80, 70]);
+    for p in &plan.policies {
+        assert_eq!(
+            p.fds.message(),
+            "needs 600 fds, pods allow 500 (pod gw-0); pool shares scaled down to need 500"
+        );
+    }
+    let doc = &plan.documents["gw-0"];
+    assert_eq!(
+        doc.backends
+            .iter()
+            .map(|b| b.name.as_str())
+            .collect::<Vec<_>>(),
+        ["model-a", "model-b"]
+    );
+}
+
+#[test]
+fn fd_check_reports_when_even_the_minimum_does_not_fit() {
+    let extra = "listener: {maxConnections: 400}\nfileDescriptors: {reserve: 100}\nautoscale: {enabled: false, min: 50, max: 100}\n";
+    let p = policy("a", 0, &spec("model-a", 200, extra), 2);
+    let pods = pods(1);
+    let samples = Samples {
+        pods: fds(&pods, 1000),
+        ..Samples::default()
+    };
+    let input = FleetInput {
+        policies: vec![p],
+        pods,
+        samples,
+        ..FleetInput::default()
+    };
+    let plan = plan(&input, &mut Memory::default(), at(0));
+    assert_eq!(plan.policies[0].backends[0].per_pod, 50, "never below min");
+    assert_eq!(
+        plan.policies[0].fds.message(),
+        "needs 700 fds, pods allow 500 (pod gw-0); even at autoscale.min the pools need 600"
+    );
+}
+
+#[test]
+fn fd_limit_is_remembered_while_its_sample_is_missing_and_rechecked_when_it_changes() {
+    let extra = "listener: {maxConnections: 512}\nfileDescriptors: {reserve: 256}\nautoscale: {enabled: false, max: 82}\n";
+    let p = policy("a", 0, &spec("model-a", 200, extra), 7);
+    let pods = pods(1);
+    let mut memory = Memory::default();
+    let mut input = FleetInput {
+        policies: vec![p],
+        pods: pods.clone(),
+        samples: Samples {
+            pods: fds(&pods, 2048),
+            ..Samples::default()
+        },
+        ..FleetInput::default()
+    };
+    assert_eq!(
+        plan(&input, &mut memory, at(0)).policies[0].backends[0].per_pod,
+        36
+    );
+    input.samples.pods.clear();
+    let again = plan(&input, &mut memory, at(15));
+    assert_eq!(
+        again.policies[0].backends[0].per_pod, 36,
+        "a missing fd sample holds the last known limit"
+    );
+    input.samples.pods = fds(&pods, 65536);
+    let raised = plan(&input, &mut memory, at(30));
+    assert_eq!(
+        raised.policies[0].backends[0].per_pod, 82,
+        "only the fd limit changed, and the clamp lifts"
+    );
+    assert_eq!(raised.policies[0].fds.within(), Some(true));
+}
+
+#[test]
+fn unknown_fd_limit_renders_unclamped_and_says_so() {
+    let p = policy("a", 0, &spec("model-a", 64, ""), 1);
+    let input = FleetInput {
+        policies: vec![p],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let plan = plan(&input, &mut Memory::default(), at(0));
+    assert_eq!(plan.policies[0].fds.within(), None);
+    assert_eq!(
+        plan.policies[0].fds.message(),
+        "process_max_fds of the selected pods is not known yet"
+    );
+}
+
+#[test]
+fn duplicate_backend_on_shared_pods_conflicts_and_the_oldest_wins() {
+    let older = policy("older", 0, &spec("model-a", 64, ""), 1);
+    let newer = policy("newer", 10, &spec("model-a", 64, ""), 1);
+    let input = FleetInput {
+        policies: vec![newer, older],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let plan = plan(&input, &mut Memory::default(), at(0));
+    assert!(plan.policy(&key("older")).unwrap().acceptance.is_accepted());
+    assert_eq!(
+        plan.policy(&key("newer")).unwrap().acceptance,
+        validate::Acceptance::Conflicted(
+            "backend \"model-a\" is already defined by the older policy ns/older on pod gw-0"
+                .into()
+        )
+    );
+    assert_eq!(plan.documents["gw-0"].backends.len(), 1);
+    assert_eq!(
+        plan.documents["gw-0"].backends[0].policy.as_deref(),
+        Some("ns/older")
+    );
+}
+
+#[test]
+fn conflicts_need_shared_pods_or_the_same_selector() {
+    let other = "gatewaySelector: {matchLabels: {app: other}}\nbackends:\n- name: model-a\n  endpoints: {service: {name: a, port: 80}}\n  capacity: {maxConnectionsPerEndpoint: 10}\n";
+    let a = policy("a", 0, &spec("model-a", 64, ""), 1);
+    let b = policy("b", 10, other, 1);
+    let input = FleetInput {
+        policies: vec![a.clone(), b],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let plan1 = plan(&input, &mut Memory::default(), at(0));
+    assert!(
+        plan1.policies.iter().all(|p| p.acceptance.is_accepted()),
+        "disjoint pods do not conflict"
+    );
+
+    // No pods at all: the same selector is enough.
+    let c = policy("c", 5, &spec("model-a", 64, ""), 1);
+    let input = FleetInput {
+        policies: vec![a, c],
+        pods: vec![],
+        ..FleetInput::default()
+    };
+    let plan2 = plan(&input, &mut Memory::default(), at(0));
+    assert!(matches!(&plan2.policy(&key("c")).unwrap().acceptance,
+        validate::Acceptance::Conflicted(m) if m.ends_with("on the same gateway selector")));
+}
+
+#[test]
+fn conflict_ties_are_broken_by_name() {
+    let b = policy("b", 0, &spec("model-a", 64, ""), 1);
+    let a = policy("a", 0, &spec("model-a", 64, ""), 1);
+    let input = FleetInput {
+        policies: vec![b, a],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let plan = plan(&input, &mut Memory::default(), at(0));
+    assert!(plan.policy(&key("a")).unwrap().acceptance.is_accepted());
+    assert!(!plan.policy(&key("b")).unwrap().acceptance.is_accepted());
+}
+
+#[test]
+fn invalid_specs_list_every_broken_rule() {
+    let bad = "gatewaySelector: {}\nbackends:\n- name: m\n  endpoints: {addresses: [{address: 'not-an-address'}]}\n  capacity: {maxConnectionsPerEndpoint: 10, headroom: 0.5}\n  timeouts: {firstByte: 30s, total: 10s}\n- name: m\n  endpoints: {service: {name: m, port: 80}}\n  capacity: {maxConnectionsPerEndpoint: 10}\nautoscale: {min: 6, max: 4}\n";
+    let p = policy("a", 0, bad, 1);
+    let errors = match validate::validate_spec(&p.spec) {
+        Err(e) => e,
+        Ok(()) => panic!("the spec is invalid"),
+    };
+    let expected = [
+        "spec.autoscale.min: 6 exceeds autoscale.max 4",
+        "spec.autoscale.min: 6 exceeds backend \"m\" capacity × (1 − headroom) = 5",
+        "spec.backends[0].endpoints.addresses[0].address: \"not-an-address\" is not ip:port",
+        "spec.backends[0].timeouts.firstByte: 30s exceeds timeouts.total 10s",
+        "spec.backends[1].name: duplicate backend name \"m\"",
+    ];
+    for e in expected {
+        assert!(
+            errors.iter().any(|got| got == e),
+            "missing {e:?} in {errors:#?}"
+        );
+    }
+}
+
+#[test]
+fn generations_only_increase() {
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 64, "autoscale: {enabled: false}\n"),
+        1,
+    );
+    let mut input = FleetInput {
+        policies: vec![p],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let first = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+    assert_eq!(first.generation, 1);
+    assert_eq!(first.revision, first.content_revision());
+
+    // The pod acknowledged it: same content, same generation.
+    input.pods[0].acked = Some(Acked {
+        revision: first.revision.clone(),
+        generation: 1,
+    });
+    let same = plan(&input, &mut Memory::default(), at(15)).documents["gw-0"].clone();
+    assert_eq!(
+        (same.revision.clone(), same.generation),
+        (first.revision.clone(), 1)
+    );
+
+    // New content: a generation above everything known (the ConfigMap says 7).
+    input.policies[0].spec.backends[0].pool.max_pending = 64;
+    input.published = vec![Acked {
+        revision: "0123456789ab".into(),
+        generation: 7,
+    }];
+    let next = plan(&input, &mut Memory::default(), at(30)).documents["gw-0"].clone();
+    assert_ne!(next.revision, first.revision);
+    assert_eq!(next.generation, 8);
+    next.validate().expect("rendered documents validate");
+
+    // A pod said it runs generation 20 (a 409): even known content goes above it.
+    input.generation_floor = 20;
+    let above = plan(&input, &mut Memory::default(), at(45)).documents["gw-0"].clone();
+    assert_eq!(above.generation, 21);
+}
+
+#[test]
+fn pods_without_an_accepted_policy_get_an_empty_document() {
+    let input = FleetInput {
+        policies: vec![],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let plan = plan(&input, &mut Memory::default(), at(0));
+    assert!(
+        plan.documents["gw-0"].backends.is_empty(),
+        "a deleted policy's backends are removed"
+    );
+}
+
+#[test]
+fn clients_become_a_named_client_policy() {
+    let extra = "clients:\n  identity: {header: x-api-key}\n  maxConcurrency: 8\n  maxQueue: 32\n  maxConnectionsPerClient: 64\n  overrides:\n  - {name: batch, match: {keySha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08}, maxConcurrency: 40}\n";
+    let p = policy("team-a", 0, &spec("model-a", 64, extra), 1);
+    let input = FleetInput {
+        policies: vec![p],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let doc = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+    assert_eq!(doc.client_policies[0].name, "team-a");
+    assert_eq!(doc.client_policies[0].overrides[0].max_concurrency, 40);
+    assert_eq!(doc.backends[0].client_policy.as_deref(), Some("team-a"));
+    assert_eq!(doc.listener.max_connections_per_client, Some(64));
+    doc.validate().expect("rendered documents validate");
+}
+
+#[test]
+fn autoscale_runs_once_per_interval_inside_the_plan() {
+    let p = policy("a", 0, &spec("model-a", 700, "autoscale: {min: 16}\n"), 1);
+    let k = (key("a"), "model-a".to_owned());
+    let mut memory = Memory::default();
+    let mut input = FleetInput {
+        policies: vec![p],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    input.policies[0].status = Some(ConnectionPolicyStatus {
+        backends: vec![poolpilot_api::policy::BackendStatus {
+            name: "model-a".into(),
+            target: 300,
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+    input.samples.backends.insert(
+        k.clone(),
+        BackendSample {
+            leased: Some(300.0),
+            pending: Some(150.0),
+            latency_p90: Some(0.1),
+            latency_baseline: Some(0.1),
+        },
+    );
+    let first = plan(&input, &mut memory, at(0));
+    assert_eq!(
+        first.policies[0].backends[0].target, 540,
+        "the recorded 300 grows to 540 in one decision"
+    );
+    let early = plan(&input, &mut memory, at(5));
+    assert_eq!(early.policies[0].backends[0].decision, None, "not due yet");
+    assert_eq!(early.policies[0].backends[0].target, 540);
+}
+
+#[test]
+fn only_the_focus_policy_decides() {
+    let a = policy("a", 0, &spec("model-a", 700, ""), 1);
+    let b = policy("b", 1, &spec("model-b", 700, ""), 1);
+    let busy = BackendSample {
+        leased: Some(10.0),
+        pending: Some(0.0),
+        latency_p90: Some(0.1),
+        latency_baseline: Some(0.1),
+    };
+    let mut input = FleetInput {
+        policies: vec![a, b],
+        pods: pods(1),
+        focus: Some(key("a")),
+        ..FleetInput::default()
+    };
+    for k in ["a", "b"] {
+        let backend = if k == "a" { "model-a" } else { "model-b" };
+        input
+            .samples
+            .backends
+            .insert((key(k), backend.to_owned()), busy);
+    }
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(400));
+    assert!(
+        fleet.policy(&key("a")).unwrap().backends[0]
+            .decision
+            .is_some()
+    );
+    assert_eq!(fleet.policy(&key("b")).unwrap().backends[0].decision, None);
+    assert_eq!(
+        fleet.policy(&key("b")).unwrap().backends[0].target,
+        560,
+        "b keeps its target"
+    );
+}
+
+#[test]
+fn status_reports_conditions_targets_and_pods() {
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 64, "autoscale: {enabled: false}\n"),
+        2,
+    );
+    let pods = pods(2);
+    let samples = Samples {
+        pods: fds(&pods, 4096),
+        ..Samples::default()
+    };
+    let mut input = FleetInput {
+        policies: vec![p],
+        pods,
+        samples,
+        ..FleetInput::default()
+    };
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let pp = &fleet.policies[0];
+    let rev = pp.document.as_ref().unwrap().revision.clone();
+    let pod_state = |name: &str, acked: Option<&str>| PodState {
+        name: name.into(),
+        desired: rev.clone(),
+        acked: acked.map(Into::into),
+        refused: None,
+    };
+    let halfway = RolloutReport {
+        pods: vec![pod_state("gw-0", Some(&rev)), pod_state("gw-1", None)],
+        waiting: Some("verifying 1 canary pod(s) for 20s more".into()),
+        ..RolloutReport::default()
+    };
+    let s1 = compute(&input.policies[0], pp, &memory, &halfway, at(0));
+    assert_eq!(s1.targets.as_deref(), Some("model-a=51"));
+    assert_eq!(s1.updated.as_deref(), Some("1/2"));
+    assert_eq!(s1.backends[0].per_pod, 25);
+    let cond = |s: &ConnectionPolicyStatus, k: Kind| {
+        let c = s.conditions.iter().find(|c| c.type_ == k.as_str()).unwrap();
+        (c.status.clone(), c.reason.clone(), c.last_transition_time.0)
+    };
+    assert_eq!(cond(&s1, Kind::Accepted).0, "True");
+    assert_eq!(cond(&s1, Kind::RolledOut).1, "Progressing");
+    assert_eq!(
+        cond(&s1, Kind::Ready),
+        ("False".into(), "Progressing".into(), at(0))
+    );
+    assert_eq!(cond(&s1, Kind::FdBudget).1, "WithinBudget");
+    assert_eq!(cond(&s1, Kind::MetricsAvailable).1, "AutoscaleDisabled");
+    assert_eq!(s1.pods.as_ref().unwrap().fd_limit, Some(4096));
+    assert_eq!(s1.pods.as_ref().unwrap().fd_needed, 2 * 25 + 1024 + 256);
+
+    input.policies[0].status = Some(s1);
+    let done = RolloutReport {
+        pods: vec![pod_state("gw-0", Some(&rev)), pod_state("gw-1", Some(&rev))],
+        ..RolloutReport::default()
+    };
+    let s2 = compute(&input.policies[0], pp, &memory, &done, at(30));
+    assert_eq!(
+        cond(&s2, Kind::Ready),
+        ("True".into(), "Ready".into(), at(30))
+    );
+    assert_eq!(
+        cond(&s2, Kind::Accepted).2,
+        at(0),
+        "unchanged conditions keep their transition time"
+    );
+    assert_eq!(s2.updated.as_deref(), Some("2/2"));
+}
+
+#[test]
+fn status_of_a_conflicted_policy_says_why() {
+    let older = policy("older", 0, &spec("model-a", 64, ""), 1);
+    let newer = policy("newer", 10, &spec("model-a", 64, ""), 1);
+    let input = FleetInput {
+        policies: vec![older, newer],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let memory = Memory::default();
+    let fleet = plan(&input, &mut memory.clone(), at(0));
+    let s = compute(
+        &input.policies[1],
+        &fleet.policies[1],
+        &memory,
+        &RolloutReport::default(),
+        at(0),
+    );
+    let accepted = s.conditions.iter().find(|c| c.type_ == "Accepted").unwrap();
+    assert_eq!(
+        (accepted.status.as_str(), accepted.reason.as_str()),
+        ("False", "Conflicted")
+    );
+    assert!(s.targets.is_none());
+    assert_eq!(s.revision, None);
+}
+
+// === properties ===
+
+prop_compose! {
+    fn arb_fleet()(
+        capacities in prop::collection::vec((1u32..2000, 0u32..9).prop_map(|(c, h)| (c, if f64::from(c) * (1.0 - f64::from(h) / 10.0) < 1.0 { 0 } else { h })), 1..4),
+        endpoints in 1u32..9,
+        n_pods in 1usize..12,
+        fd_limit in prop::option::of(256u64..100_000),
+        listener in 1u32..3000,
+        reserve in 0u32..1000,
+        min in 1u32..40,
+        demand in prop::collection::vec((0.0f64..5000.0, 0.0f64..500.0), 4),
+        enabled in any::<bool>(),
+    ) -> (FleetInput, u32) {
+        let backends: String = capacities.iter().enumerate().map(|(i, (cap, headroom))| format!(
+            "- name: b{i}\n  endpoints: {{service: {{name: b{i}, port: 80}}}}\n  capacity: {{maxConnectionsPerEndpoint: {cap}, headroom: 0.{headroom}}}\n"
+        )).collect();
+        let min_budget = capacities.iter().map(|(c, h)| ((f64::from(*c) * (1.0 - f64::from(*h) / 10.0)).floor() as u32).max(1)).min().unwrap();
+        let min = min.min(min_budget);
+        let spec = format!(
+            "gatewaySelector: {{matchLabels: {{app: gw}}}}\nbackends:\n{backends}listener: {{maxConnections: {listener}}}\nfileDescriptors: {{reserve: {reserve}}}\nautoscale: {{enabled: {enabled}, min: {min}}}\n"
+        );
+        let p = policy("p", 0, &spec, endpoints);
+        let pods = pods(n_pods);
+        let mut samples = Samples::default();
+        if let Some(l) = fd_limit {
+            samples.pods = fds(&pods, l);
+        }
+        for (i, (leased, pending)) in demand.iter().enumerate().take(capacities.len()) {
+            samples.backends.insert((key("p"), format!("b{i}")), BackendSample {
+                leased: Some(*leased), pending: Some(*pending), latency_p90: Some(0.1), latency_baseline: Some(0.1),
+            });
+        }
+        (FleetInput { policies: vec![p], pods, samples, ..FleetInput::default() }, min)
+    }
+}
+
+proptest! {
+    #[test]
+    fn two_policies_on_shared_pods_fit_the_fd_budget(
+        shares in prop::collection::vec((1u32..500, 1u32..6, 1u32..30), 2),
+        n_pods in 1usize..6,
+        fd_limit in 512u64..20_000,
+        listener in 1u32..500,
+    ) {
+        let policies: Vec<PolicyInput> = shares.iter().enumerate().map(|(i, (max, endpoints, min))| {
+            let extra = format!(
+                "listener: {{maxConnections: {listener}}}\nfileDescriptors: {{reserve: 64}}\nautoscale: {{enabled: false, min: {}, max: {max}}}\n",
+                (*min).min(*max)
+            );
+            policy(&format!("p{i}"), i as i64, &spec(&format!("b{i}"), 1000, &extra), *endpoints)
+        }).collect();
+        let pods = pods(n_pods);
+        let samples = Samples { pods: fds(&pods, fd_limit), ..Samples::default() };
+        let input = FleetInput { policies: policies.clone(), pods, samples, ..FleetInput::default() };
+        let fleet = plan(&input, &mut Memory::default(), at(0));
+        let allowed = fds::allowed(fd_limit);
+        let fixed = u64::from(listener) + 64;
+        let minima: u64 = policies.iter().zip(&fleet.policies).map(|(p, pp)| {
+            let min = u64::from(fds::share(p.spec.autoscale.min.min(p.spec.autoscale.max.unwrap_or(1)), n_pods as u32));
+            min * u64::from(pp.backends[0].endpoints)
+        }).sum();
+        for doc in fleet.documents.values() {
+            prop_assert_eq!(doc.backends.len(), 2, "both policies' backends are merged");
+            let need: u64 = doc.backends.iter()
+                .map(|b| u64::from(b.pool.max_connections_per_endpoint) * b.endpoints.len() as u64)
+                .sum::<u64>() + fixed;
+            if fixed + minima <= allowed {
+                prop_assert!(need <= allowed, "pod needs {} fds, allowed {}", need, allowed);
+            }
+        }
+    }
+
+    #[test]
+    fn rendered_shares_respect_capacity_and_the_fd_budget((input, min) in arb_fleet(), ticks in 1i64..6) {
+        let mut memory = Memory::default();
+        let mut fleet = FleetPlan::default();
+        for t in 0..ticks {
+            fleet = plan(&input, &mut memory, at(t * 15));
+        }
+        let p = &input.policies[0];
+        let ready = input.pods.len() as u64;
+        for (spec, b) in p.spec.backends.iter().zip(&fleet.policies[0].backends) {
+            let budget = u64::from(spec.capacity.budget());
+            if ready <= budget {
+                prop_assert!(u64::from(b.per_pod) * ready <= budget,
+                    "{}: {} per pod × {ready} pods > budget {budget}", spec.name, b.per_pod);
+            }
+            prop_assert!(b.per_pod >= 1);
+        }
+        let Some(limit) = input.samples.pods.values().next().and_then(|s| s.max_fds) else { return Ok(()) };
+        let allowed = fds::allowed(limit);
+        let endpoints = u64::from(fleet.policies[0].backends[0].endpoints);
+        let fixed = u64::from(p.spec.listener.max_connections) + u64::from(p.spec.file_descriptors.reserve);
+        let min_share = u64::from(fds::share(min, ready as u32));
+        let minima_fit = fixed + p.spec.backends.len() as u64 * min_share * endpoints <= allowed;
+        for doc in fleet.documents.values() {
+            let need: u64 = doc.backends.iter()
+                .map(|b| u64::from(b.pool.max_connections_per_endpoint) * b.endpoints.len() as u64)
+                .sum::<u64>() + fixed;
+            if minima_fit {
+                prop_assert!(need <= allowed, "pod needs {need} fds, allowed {allowed}");
+            }
+            doc.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
+    }
+}

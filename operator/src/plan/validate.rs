@@ -1,0 +1,287 @@
+//! The validate step: what the CRD schema cannot express (or what an apiserver without CEL would
+//! let through), and conflicts between policies that select the same pods. A duplicate backend
+//! name is resolved oldest-first, as Gateway API does: the newer policy is not accepted.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+
+use poolpilot_api::ConnectionPolicySpec;
+
+use super::PolicyInput;
+
+/// Whether a policy is accepted, and if not why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Acceptance {
+    /// Valid and free of conflicts.
+    Accepted,
+    /// The spec breaks a rule; every broken rule is listed.
+    Invalid(Vec<String>),
+    /// An older policy already defines a backend of the same name on a shared pod.
+    Conflicted(String),
+}
+
+impl Acceptance {
+    /// Whether the policy is in force.
+    pub fn is_accepted(&self) -> bool {
+        matches!(self, Self::Accepted)
+    }
+}
+
+/// Validates every policy, then resolves conflicts oldest-first. `selection[i]` is the sorted
+/// list of pods policy `i` selects.
+pub fn accept(policies: &[PolicyInput], selection: &[Vec<String>]) -> Vec<Acceptance> {
+    let mut out: Vec<Acceptance> = policies
+        .iter()
+        .map(|p| match validate_spec(&p.spec) {
+            Ok(()) => Acceptance::Accepted,
+            Err(errors) => Acceptance::Invalid(errors),
+        })
+        .collect();
+
+    // Oldest first; ties broken by name so that the outcome never depends on list order.
+    let mut order: Vec<usize> = (0..policies.len()).collect();
+    order.sort_by(|&a, &b| {
+        (policies[a].created, &policies[a].key).cmp(&(policies[b].created, &policies[b].key))
+    });
+
+    // Backend names claimed so far: per pod, and per selector for policies without pods yet.
+    let mut by_pod: BTreeMap<&str, BTreeMap<&str, usize>> = BTreeMap::new();
+    let mut winners: Vec<usize> = Vec::new();
+    for &i in &order {
+        if !out[i].is_accepted() {
+            continue;
+        }
+        let p = &policies[i];
+        let names: BTreeSet<&str> = p.spec.backends.iter().map(|b| b.name.as_str()).collect();
+        let mut clash = None;
+        'find: for pod in &selection[i] {
+            if let Some(claimed) = by_pod.get(pod.as_str()) {
+                for name in &names {
+                    if let Some(&owner) = claimed.get(name) {
+                        clash = Some((owner, *name, Some(pod.as_str())));
+                        break 'find;
+                    }
+                }
+            }
+        }
+        if clash.is_none() {
+            // Same selector: they will share pods as soon as any exist.
+            for &w in &winners {
+                if policies[w].spec.gateway_selector == p.spec.gateway_selector
+                    && let Some(name) = policies[w]
+                        .spec
+                        .backends
+                        .iter()
+                        .map(|b| b.name.as_str())
+                        .find(|n| names.contains(n))
+                {
+                    clash = Some((w, name, None));
+                    break;
+                }
+            }
+        }
+        match clash {
+            Some((owner, name, pod)) => {
+                let place = pod.map_or_else(
+                    || "the same gateway selector".to_owned(),
+                    |p| format!("pod {p}"),
+                );
+                out[i] = Acceptance::Conflicted(format!(
+                    "backend {name:?} is already defined by the older policy {} on {place}",
+                    policies[owner].key
+                ));
+            }
+            None => {
+                for pod in &selection[i] {
+                    let claimed = by_pod.entry(pod.as_str()).or_default();
+                    for name in &names {
+                        claimed.insert(name, i);
+                    }
+                }
+                winners.push(i);
+            }
+        }
+    }
+    out
+}
+
+/// Every rule of one spec that the schema may not have enforced. Mirrors the CEL rules (an
+/// apiserver older than 1.25, or a policy written before a rule existed, skips them) and adds
+/// what CEL cannot check, such as `ip:port` syntax.
+pub fn validate_spec(spec: &ConnectionPolicySpec) -> Result<(), Vec<String>> {
+    let mut errors = Vec::new();
+    let mut err = |field: String, msg: String| errors.push(format!("{field}: {msg}"));
+
+    if spec.backends.is_empty() {
+        err(
+            "spec.backends".into(),
+            "at least one backend is required".into(),
+        );
+    }
+    let a = &spec.autoscale;
+    if let Some(max) = a.max
+        && a.min > max
+    {
+        err(
+            "spec.autoscale.min".into(),
+            format!("{} exceeds autoscale.max {max}", a.min),
+        );
+    }
+    if !(0.0..=4.0).contains(&a.margin) {
+        err(
+            "spec.autoscale.margin".into(),
+            format!("{} is outside [0, 4]", a.margin),
+        );
+    }
+    positive(&mut err, "spec.autoscale.interval", a.interval);
+    positive(
+        &mut err,
+        "spec.autoscale.scaleDown.stabilizationWindow",
+        a.scale_down.stabilization_window,
+    );
+    if !(1..=100).contains(&a.scale_down.max_step_percent) {
+        err(
+            "spec.autoscale.scaleDown.maxStepPercent".into(),
+            "must be between 1 and 100".into(),
+        );
+    }
+
+    let mut names = BTreeSet::new();
+    for (i, b) in spec.backends.iter().enumerate() {
+        let at = |f: &str| format!("spec.backends[{i}].{f}");
+        if !names.insert(b.name.as_str()) {
+            err(at("name"), format!("duplicate backend name {:?}", b.name));
+        }
+        let c = &b.capacity;
+        if c.max_connections_per_endpoint == 0 {
+            err(
+                at("capacity.maxConnectionsPerEndpoint"),
+                "must be at least 1".into(),
+            );
+        }
+        if !(0.0..=0.9).contains(&c.headroom) {
+            err(
+                at("capacity.headroom"),
+                format!("{} is outside [0, 0.9]", c.headroom),
+            );
+        }
+        let budget = f64::from(c.max_connections_per_endpoint) * (1.0 - c.headroom);
+        if f64::from(a.min) > budget {
+            err(
+                "spec.autoscale.min".into(),
+                format!(
+                    "{} exceeds backend {:?} capacity × (1 − headroom) = {budget}",
+                    a.min, b.name
+                ),
+            );
+        }
+        if let Some(max) = a.max
+            && f64::from(max) > budget
+        {
+            err(
+                "spec.autoscale.max".into(),
+                format!(
+                    "{max} exceeds backend {:?} capacity × (1 − headroom) = {budget}",
+                    b.name
+                ),
+            );
+        }
+        match (&b.endpoints.service, &b.endpoints.addresses) {
+            (Some(_), None) => {}
+            (None, Some(addrs)) => {
+                let mut seen = BTreeSet::new();
+                for (j, e) in addrs.iter().enumerate() {
+                    if e.address.parse::<SocketAddr>().is_err() {
+                        err(
+                            at(&format!("endpoints.addresses[{j}].address")),
+                            format!("{:?} is not ip:port", e.address),
+                        );
+                    }
+                    let name = e.name.as_deref().unwrap_or(&e.address);
+                    if !seen.insert(name) {
+                        err(
+                            at(&format!("endpoints.addresses[{j}].name")),
+                            format!("duplicate endpoint {name:?}"),
+                        );
+                    }
+                }
+            }
+            _ => err(
+                at("endpoints"),
+                "set exactly one of service and addresses".into(),
+            ),
+        }
+        let p = &b.pool;
+        positive(&mut err, &at("pool.leaseTimeout"), p.lease_timeout);
+        positive(&mut err, &at("pool.idleTimeout"), p.idle_timeout);
+        positive(&mut err, &at("pool.maxLifetime"), p.max_lifetime);
+        positive(&mut err, &at("pool.connectTimeout"), p.connect_timeout);
+        positive(
+            &mut err,
+            &at("pool.validateAfterIdle"),
+            p.validate_after_idle,
+        );
+        let t = &b.timeouts;
+        positive(&mut err, &at("timeouts.firstByte"), t.first_byte);
+        positive(&mut err, &at("timeouts.total"), t.total);
+        positive(&mut err, &at("timeouts.streamIdle"), t.stream_idle);
+        if t.first_byte > t.total {
+            err(
+                at("timeouts.firstByte"),
+                format!("{} exceeds timeouts.total {}", t.first_byte, t.total),
+            );
+        }
+        if let Some(h) = &b.health_check {
+            positive(&mut err, &at("healthCheck.interval"), h.interval);
+            if h.timeout > h.interval {
+                err(
+                    at("healthCheck.timeout"),
+                    format!("{} exceeds healthCheck.interval {}", h.timeout, h.interval),
+                );
+            }
+        }
+    }
+
+    if let Some(c) = &spec.clients {
+        if c.identity.header.is_some() == c.identity.source_ip.is_some() {
+            err(
+                "spec.clients.identity".into(),
+                "set exactly one of header and sourceIP".into(),
+            );
+        }
+        let mut seen = BTreeSet::new();
+        for (j, o) in c.overrides.iter().enumerate() {
+            if o.name == "other" {
+                err(
+                    format!("spec.clients.overrides[{j}].name"),
+                    "\"other\" is reserved".into(),
+                );
+            }
+            if !seen.insert(o.name.as_str()) {
+                err(
+                    format!("spec.clients.overrides[{j}].name"),
+                    format!("duplicate override {:?}", o.name),
+                );
+            }
+        }
+        if let Some(s) = &c.slow_calls
+            && s.demoted_concurrency > c.max_concurrency
+        {
+            err(
+                "spec.clients.slowCalls.demotedConcurrency".into(),
+                "exceeds clients.maxConcurrency".into(),
+            );
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}
+
+fn positive(err: &mut impl FnMut(String, String), field: &str, d: poolpilot_api::Duration) {
+    if d.is_zero() {
+        err(field.to_owned(), "must be longer than 0s".into());
+    }
+}

@@ -1,0 +1,339 @@
+//! Rollout waves, decided purely: which pods get their new document now. `AllAtOnce` updates every
+//! stale pod; `Progressive` updates `canaryPods` pods first, waits until they ran the revision for
+//! the verify period, then updates the rest. A refusal (NACK) or a regression halts the rollout;
+//! pods that appear later simply count as stale and get the current document.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use poolpilot_api::policy::RolloutStrategy;
+
+use super::{Timestamp, elapsed};
+
+/// One ready selected pod, as the rollout sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodState {
+    /// The pod's name.
+    pub name: String,
+    /// The revision it should run.
+    pub desired: String,
+    /// The revision it acknowledged last.
+    pub acked: Option<String>,
+    /// Its refusal of `desired`, if it refused it.
+    pub refused: Option<String>,
+}
+
+impl PodState {
+    fn current(&self) -> bool {
+        self.acked.as_deref() == Some(self.desired.as_str())
+    }
+}
+
+/// What to do now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Wave {
+    /// Pods to send their document to now.
+    pub push: Vec<String>,
+    /// Why the rest waits (canary verification), if it does.
+    pub waiting: Option<String>,
+    /// Why the rollout stopped (a refusal or a regression), if it did.
+    pub halted: Option<String>,
+}
+
+/// The rollout's knobs.
+#[derive(Clone, Copy, Debug)]
+pub struct Strategy {
+    /// Progressive or all at once.
+    pub kind: RolloutStrategy,
+    /// Canary pods for Progressive.
+    pub canary_pods: u32,
+    /// How long canaries must run the revision before the rest follow.
+    pub verify: Duration,
+}
+
+/// How the canaries are doing compared with the pods still on the old revision.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Verdict {
+    /// No worse than the rest.
+    Healthy,
+    /// Worse than the rest: the rollout stops.
+    Regressed(String),
+    /// Their metrics are missing: the rollout pauses (it never promotes on missing data).
+    Unknown(String),
+}
+
+/// One pod's call and lease-timeout rates (per second); `None` when the pod is not scraped.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PodRates {
+    /// Upstream calls per second.
+    pub requests: f64,
+    /// Lease timeouts per second.
+    pub lease_timeouts: f64,
+}
+
+/// A canary's lease-timeout share may exceed the rest's by this much (half a percentage point).
+pub const REGRESSION_MARGIN: f64 = 0.005;
+
+/// Judges the canaries: their lease timeouts per call against the other pods'.
+pub fn judge(canaries: &[Option<PodRates>], others: &[Option<PodRates>]) -> Verdict {
+    if canaries.is_empty() || canaries.iter().any(Option::is_none) {
+        return Verdict::Unknown("no metrics for the canary pods yet".into());
+    }
+    let share = |pods: &[Option<PodRates>]| {
+        let (calls, timeouts) = pods.iter().flatten().fold((0.0, 0.0), |(c, t), r| {
+            (c + r.requests, t + r.lease_timeouts)
+        });
+        if calls > 0.0 { timeouts / calls } else { 0.0 }
+    };
+    let (canary, rest) = (share(canaries), share(others));
+    if canary > rest + REGRESSION_MARGIN {
+        Verdict::Regressed(format!(
+            "lease timeouts on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
+            canary * 100.0,
+            rest * 100.0
+        ))
+    } else {
+        Verdict::Healthy
+    }
+}
+
+/// The next wave. `canary_since` is when the first pod acknowledged the revision (the runtime
+/// remembers it); `canary` is how the pods already on it are doing.
+pub fn next_wave(
+    strategy: Strategy,
+    pods: &[PodState],
+    canary_since: Option<Timestamp>,
+    canary: &Verdict,
+    now: Timestamp,
+) -> Wave {
+    let mut sorted: Vec<&PodState> = pods.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    if let Some(p) = sorted.iter().find(|p| p.refused.is_some()) {
+        let why = p.refused.as_deref().unwrap_or_default();
+        return Wave {
+            halted: Some(format!(
+                "pod {} refused revision {}: {why}",
+                p.name, p.desired
+            )),
+            ..Wave::default()
+        };
+    }
+    let stale: Vec<String> = sorted
+        .iter()
+        .filter(|p| !p.current())
+        .map(|p| p.name.clone())
+        .collect();
+    if stale.is_empty() {
+        return Wave::default();
+    }
+    match strategy.kind {
+        RolloutStrategy::AllAtOnce => Wave {
+            push: stale,
+            ..Wave::default()
+        },
+        RolloutStrategy::Progressive => {
+            let updated = sorted.len() - stale.len();
+            let canaries = (strategy.canary_pods.max(1) as usize).min(sorted.len());
+            if updated < canaries {
+                let push = stale.into_iter().take(canaries - updated).collect();
+                return Wave {
+                    push,
+                    ..Wave::default()
+                };
+            }
+            if let Verdict::Regressed(why) = canary {
+                return Wave {
+                    halted: Some(format!("canary regression: {why}")),
+                    ..Wave::default()
+                };
+            }
+            let verified_for = canary_since.map_or(Duration::ZERO, |t| elapsed(t, now));
+            if verified_for >= strategy.verify {
+                return match canary {
+                    Verdict::Unknown(why) => Wave {
+                        waiting: Some(format!("canary verification paused: {why}")),
+                        ..Wave::default()
+                    },
+                    _ => Wave {
+                        push: stale,
+                        ..Wave::default()
+                    },
+                };
+            }
+            let left = poolpilot_api::Duration::from(strategy.verify - verified_for);
+            Wave {
+                waiting: Some(format!("verifying {updated} canary pod(s) for {left} more")),
+                ..Wave::default()
+            }
+        }
+    }
+}
+
+/// Counts per outcome, for status.
+pub fn updated_count(pods: &[PodState]) -> usize {
+    pods.iter().filter(|p| p.current()).count()
+}
+
+/// Refusals by pod, for status.
+pub fn refusals(pods: &[PodState]) -> BTreeMap<String, String> {
+    pods.iter()
+        .filter_map(|p| Some((p.name.clone(), p.refused.clone()?)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    fn pod(name: &str, acked: Option<&str>) -> PodState {
+        PodState {
+            name: name.into(),
+            desired: "new".into(),
+            acked: acked.map(Into::into),
+            refused: None,
+        }
+    }
+
+    const PROGRESSIVE: Strategy = Strategy {
+        kind: RolloutStrategy::Progressive,
+        canary_pods: 1,
+        verify: Duration::from_secs(30),
+    };
+
+    #[test]
+    fn progressive_sends_the_canary_first() {
+        let pods = [
+            pod("gw-b", Some("old")),
+            pod("gw-a", Some("old")),
+            pod("gw-c", None),
+        ];
+        let w = next_wave(PROGRESSIVE, &pods, None, &Verdict::Healthy, at(0));
+        assert_eq!(w.push, ["gw-a"], "the first pod by name is the canary");
+    }
+
+    #[test]
+    fn progressive_waits_for_the_verify_period_then_sends_the_rest() {
+        let pods = [
+            pod("gw-a", Some("new")),
+            pod("gw-b", Some("old")),
+            pod("gw-c", Some("old")),
+        ];
+        let w = next_wave(PROGRESSIVE, &pods, Some(at(0)), &Verdict::Healthy, at(10));
+        assert!(w.push.is_empty());
+        assert_eq!(
+            w.waiting.as_deref(),
+            Some("verifying 1 canary pod(s) for 20s more")
+        );
+        let w = next_wave(PROGRESSIVE, &pods, Some(at(0)), &Verdict::Healthy, at(30));
+        assert_eq!(w.push, ["gw-b", "gw-c"]);
+    }
+
+    #[test]
+    fn a_refusal_halts_the_rollout() {
+        let mut pods = [pod("gw-a", Some("old")), pod("gw-b", Some("old"))];
+        pods[0].refused = Some("backends[0].pool.leaseTimeout: must be longer than 0s".into());
+        let w = next_wave(PROGRESSIVE, &pods, None, &Verdict::Healthy, at(0));
+        assert!(w.push.is_empty());
+        assert!(
+            w.halted
+                .unwrap()
+                .starts_with("pod gw-a refused revision new")
+        );
+    }
+
+    #[test]
+    fn a_regression_halts_the_rollout() {
+        let pods = [pod("gw-a", Some("new")), pod("gw-b", Some("old"))];
+        let w = next_wave(
+            PROGRESSIVE,
+            &pods,
+            Some(at(0)),
+            &judge(&[Some(rates(100.0, 4.0))], &[Some(rates(100.0, 0.5))]),
+            at(60),
+        );
+        assert!(w.push.is_empty());
+        assert_eq!(
+            w.halted.as_deref(),
+            Some(
+                "canary regression: lease timeouts on 4.0% of the canaries' calls vs 0.5% on the other pods"
+            )
+        );
+    }
+
+    fn rates(requests: f64, lease_timeouts: f64) -> PodRates {
+        PodRates {
+            requests,
+            lease_timeouts,
+        }
+    }
+
+    #[test]
+    fn judging_compares_lease_timeouts_per_call() {
+        let healthy = judge(&[Some(rates(100.0, 0.9))], &[Some(rates(100.0, 0.5))]);
+        assert_eq!(healthy, Verdict::Healthy, "within half a percentage point");
+        assert_eq!(
+            judge(&[Some(rates(0.0, 0.0))], &[]),
+            Verdict::Healthy,
+            "no calls, no regression"
+        );
+        assert!(matches!(
+            judge(&[None], &[Some(rates(1.0, 0.0))]),
+            Verdict::Unknown(_)
+        ));
+        assert!(matches!(judge(&[], &[]), Verdict::Unknown(_)));
+    }
+
+    #[test]
+    fn missing_canary_metrics_pause_the_promotion() {
+        let pods = [pod("gw-a", Some("new")), pod("gw-b", Some("old"))];
+        let unknown = Verdict::Unknown("no metrics for the canary pods yet".into());
+        let w = next_wave(PROGRESSIVE, &pods, Some(at(0)), &unknown, at(60));
+        assert!(w.push.is_empty() && w.halted.is_none());
+        assert_eq!(
+            w.waiting.as_deref(),
+            Some("canary verification paused: no metrics for the canary pods yet")
+        );
+    }
+
+    #[test]
+    fn all_at_once_sends_every_stale_pod() {
+        let s = Strategy {
+            kind: RolloutStrategy::AllAtOnce,
+            ..PROGRESSIVE
+        };
+        let pods = [
+            pod("gw-a", Some("new")),
+            pod("gw-b", Some("old")),
+            pod("gw-c", None),
+        ];
+        assert_eq!(
+            next_wave(s, &pods, None, &Verdict::Healthy, at(0)).push,
+            ["gw-b", "gw-c"]
+        );
+    }
+
+    #[test]
+    fn a_pod_that_appears_later_gets_the_current_document() {
+        let pods = [
+            pod("gw-a", Some("new")),
+            pod("gw-b", Some("new")),
+            pod("gw-d", None),
+        ];
+        let w = next_wave(PROGRESSIVE, &pods, Some(at(0)), &Verdict::Healthy, at(600));
+        assert_eq!(w.push, ["gw-d"]);
+        assert_eq!(updated_count(&pods), 2);
+    }
+
+    #[test]
+    fn nothing_to_do_when_every_pod_is_current() {
+        let pods = [pod("gw-a", Some("new"))];
+        assert_eq!(
+            next_wave(PROGRESSIVE, &pods, Some(at(0)), &Verdict::Healthy, at(1)),
+            Wave::default()
+        );
+    }
+}

@@ -1,0 +1,252 @@
+//! The reconciler: one ConnectionPolicy at a time, as a named pipeline
+//!
+//! ```text
+//!  observe (caches) → validate (pure) → plan (pure) → roll out (API + gateways) → status (API)
+//! ```
+//!
+//! Each step is its own module with its own error type. A policy that fails validation skips the
+//! rollout and reports `Accepted=False`; deleting a policy runs the cleanup (its backends leave
+//! the gateways) behind a finalizer.
+
+pub mod observe;
+pub mod rollout;
+pub mod status;
+pub mod validate;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::api::Api;
+use kube::runtime::controller::Action;
+use kube::runtime::events::Recorder;
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::{Client, ResourceExt};
+use parking_lot::{Mutex, RwLock};
+use poolpilot_api::ConnectionPolicy;
+use tokio::time::Instant;
+use tracing::{info, instrument, warn};
+
+use crate::gateway::Gateways;
+use crate::metrics::{Metrics, StepLabel};
+use crate::plan::{self, Acked, Memory, Timestamp};
+use crate::prom::Snapshot;
+use crate::{Error, Result};
+
+pub use observe::Stores;
+
+/// The finalizer that removes a deleted policy's backends from its gateways.
+pub const FINALIZER: &str = "poolpilot.io/cleanup";
+/// The one field manager of every server-side apply.
+pub const FIELD_MANAGER: &str = "poolpilot-operator";
+
+/// Runtime settings of the reconciler.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The gateways' admin port (a pod annotation may override it).
+    pub admin_port: u16,
+    /// Name of the Secret (in the policy's namespace) holding the admin token.
+    pub token_secret: String,
+    /// Key of the token in that Secret.
+    pub token_key: String,
+    /// A Prometheus snapshot older than this is missing data.
+    pub snapshot_max_age: Duration,
+    /// Longest wait between two reconciles of a policy.
+    pub max_requeue: Duration,
+}
+
+/// What the rollout remembers between reconciles.
+#[derive(Clone, Debug, Default)]
+pub struct RolloutMemory {
+    /// The last acknowledgement per (namespace, pod, pod uid).
+    pub acked: BTreeMap<(String, String, String), Acked>,
+    /// Refusals per (namespace, pod, revision).
+    pub refused: BTreeMap<(String, String, String), String>,
+    /// When a revision was first acknowledged by a canary, per (namespace, revision).
+    pub canary_since: BTreeMap<(String, String), Timestamp>,
+    /// The highest generation a pod said it runs (409 answers), per namespace.
+    pub seen_generation: BTreeMap<String, u64>,
+}
+
+/// Everything the reconciler needs, shared by every reconcile.
+pub struct Context<G: Gateways> {
+    /// Kubernetes client.
+    pub client: Client,
+    /// Settings.
+    pub config: Config,
+    /// Caches of the watched objects.
+    pub stores: Stores,
+    /// The latest Prometheus snapshot (written by the poller).
+    pub snapshot: Arc<RwLock<Snapshot>>,
+    /// Autoscale memory per namespace.
+    pub memory: Mutex<BTreeMap<String, Memory>>,
+    /// Rollout memory.
+    pub rollouts: Mutex<RolloutMemory>,
+    /// The gateway admin client.
+    pub gateways: G,
+    /// Publishes Events.
+    pub recorder: Recorder,
+    /// The operator's metrics.
+    pub metrics: Metrics,
+    /// The wall clock (a fixed one in tests).
+    pub clock: fn() -> Timestamp,
+}
+
+impl<G: Gateways> std::fmt::Debug for Context<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Reconciles one policy (behind the finalizer).
+#[instrument(skip_all, fields(policy = %policy.name_any(), namespace = policy.namespace().unwrap_or_default()))]
+pub async fn reconcile<G: Gateways>(
+    policy: Arc<ConnectionPolicy>,
+    ctx: Arc<Context<G>>,
+) -> Result<Action> {
+    ctx.metrics.reconciles.inc();
+    let ns = policy.namespace().unwrap_or_default();
+    let api: Api<ConnectionPolicy> = Api::namespaced(ctx.client.clone(), &ns);
+    finalizer(&api, FINALIZER, policy, |event| async {
+        match event {
+            Finalizer::Apply(p) => apply(&p, &ctx).await,
+            Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+/// Times a step and counts its failure.
+async fn step<T, E, F>(metrics: &Metrics, name: &'static str, f: F) -> std::result::Result<T, E>
+where
+    F: Future<Output = std::result::Result<T, E>>,
+{
+    let start = Instant::now();
+    let out = f.await;
+    let label = StepLabel { step: name };
+    metrics
+        .step_duration
+        .get_or_create(&label)
+        .observe(start.elapsed().as_secs_f64());
+    if out.is_err() {
+        metrics.errors.get_or_create(&label).inc();
+    }
+    out
+}
+
+async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
+    let now = (ctx.clock)();
+    let m = &ctx.metrics;
+    // 1. observe (no API calls: caches and the latest Prometheus snapshot)
+    let observed = step(m, "observe", async {
+        observe::observe(ctx, policy, false, now)
+    })
+    .await?;
+    // 2. validate (no client required)
+    let verdict = step(m, "validate", async {
+        Ok::<_, Error>(validate::check(&observed))
+    })
+    .await?;
+    // 3. plan (no client required)
+    let fleet = step(m, "plan", async {
+        let mut memory = ctx.memory.lock();
+        let mem = memory.entry(observed.focus.namespace.clone()).or_default();
+        Ok::<_, Error>(plan::plan(&observed.input, mem, now))
+    })
+    .await?;
+    let Some(policy_plan) = fleet.policy(&observed.focus) else {
+        return Err(Error::Plan(format!("no plan for {}", observed.focus)));
+    };
+    for d in policy_plan
+        .backends
+        .iter()
+        .filter_map(|b| b.decision.as_ref())
+    {
+        m.decision(d);
+    }
+    // 4. roll out (client and gateways required), only for an accepted policy (rendering may
+    //    still reject one whose document does not validate)
+    let report = match &verdict {
+        Ok(()) if policy_plan.acceptance.is_accepted() => {
+            step(
+                m,
+                "rollout",
+                rollout::roll_out(ctx, policy, &observed, &fleet, now),
+            )
+            .await?
+        }
+        Ok(()) => {
+            info!(acceptance = ?policy_plan.acceptance, "rendered document refused; nothing rolled out");
+            rollout::not_rolled_out(&observed, &fleet)
+        }
+        Err(rejected) => {
+            info!(%rejected, "policy not accepted; nothing rolled out");
+            rollout::not_rolled_out(&observed, &fleet)
+        }
+    };
+    // 5. status (client required)
+    let memory = ctx
+        .memory
+        .lock()
+        .get(&observed.focus.namespace)
+        .cloned()
+        .unwrap_or_default();
+    let status = plan::status::compute(
+        observed
+            .input
+            .policies
+            .iter()
+            .find(|p| p.key == observed.focus)
+            .ok_or_else(|| Error::Plan("focus policy missing".into()))?,
+        policy_plan,
+        &memory,
+        &report,
+        now,
+    );
+    step(m, "status", status::apply(ctx, policy, policy_plan, status)).await?;
+
+    let interval = policy
+        .spec
+        .autoscale
+        .interval
+        .get()
+        .min(ctx.config.max_requeue);
+    Ok(Action::requeue(interval.max(Duration::from_secs(1))))
+}
+
+async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
+    let now = (ctx.clock)();
+    let observed = step(&ctx.metrics, "observe", async {
+        observe::observe(ctx, policy, true, now)
+    })
+    .await?;
+    let fleet = {
+        let mut memory = ctx.memory.lock();
+        let mem = memory.entry(observed.focus.namespace.clone()).or_default();
+        mem.backends.retain(|(k, _), _| k != &observed.focus);
+        plan::plan(&observed.input, mem, now)
+    };
+    step(
+        &ctx.metrics,
+        "cleanup",
+        rollout::remove(ctx, policy, &observed, &fleet),
+    )
+    .await?;
+    Ok(Action::await_change())
+}
+
+/// What to do after a failed reconcile: log, and retry soon.
+pub fn error_policy<G: Gateways>(
+    policy: Arc<ConnectionPolicy>,
+    error: &Error,
+    _ctx: Arc<Context<G>>,
+) -> Action {
+    warn!(policy = %policy.name_any(), step = error.step(), error = %crate::report(error), "reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}

@@ -1,0 +1,365 @@
+//! Step 1, observe (reads caches, no API calls): the policy's namespace as the planner sees it —
+//! every policy, the gateway pods they select, resolved backend endpoints (EndpointSlices or
+//! static addresses), documents already published (ConfigMaps), what each pod acknowledged, and
+//! the latest Prometheus samples.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+use poolpilot_api::limits::Endpoint;
+use poolpilot_api::policy::BackendSpec;
+use poolpilot_api::{ConnectionPolicy, GatewayLimits};
+
+use super::Context;
+use crate::gateway::Gateways;
+use crate::plan::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyKey, Timestamp, selector};
+
+/// The label EndpointSlices carry with their Service's name.
+const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// The ConfigMap key holding the limits document.
+pub const DOCUMENT_KEY: &str = "limits.json";
+/// The label on every ConfigMap the operator writes.
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "poolpilot-operator");
+/// Pod annotation overriding the admin port.
+pub const ADMIN_PORT_ANNOTATION: &str = "poolpilot.io/admin-port";
+
+/// Why observing failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ObserveError {
+    /// The policy has no namespace (it is namespaced, so the object is malformed).
+    #[error("policy {0} has no namespace")]
+    NoNamespace(String),
+}
+
+/// What observe saw.
+#[derive(Clone, Debug)]
+pub struct Observed {
+    /// The planner's input for the namespace.
+    pub input: FleetInput,
+    /// The policy being reconciled.
+    pub focus: PolicyKey,
+    /// Admin address per pod name (pods with an IP).
+    pub admin: BTreeMap<String, SocketAddr>,
+}
+
+/// The caches observe reads.
+#[derive(Clone, Debug)]
+pub struct Stores {
+    /// Every ConnectionPolicy.
+    pub policies: Store<ConnectionPolicy>,
+    /// Pods (possibly narrowed by a label selector).
+    pub pods: Store<Pod>,
+    /// EndpointSlices.
+    pub slices: Store<EndpointSlice>,
+    /// The ConfigMaps the operator wrote.
+    pub configmaps: Store<ConfigMap>,
+}
+
+/// Observes `policy`'s namespace. With `removing`, the policy is left out of the fleet (its
+/// backends disappear from the documents) but its pods stay in it.
+pub fn observe<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    removing: bool,
+    now: Timestamp,
+) -> Result<Observed, ObserveError> {
+    let ns = policy
+        .namespace()
+        .ok_or_else(|| ObserveError::NoNamespace(policy.name_any()))?;
+    let focus = PolicyKey {
+        namespace: ns.clone(),
+        name: policy.name_any(),
+    };
+
+    let mut objects: Vec<ConnectionPolicy> = ctx
+        .stores
+        .policies
+        .state()
+        .iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()) && p.name_any() != focus.name)
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .map(|p| (**p).clone())
+        .collect();
+    if !removing {
+        objects.push(policy.clone());
+    }
+    objects.sort_by_key(|p| p.name_any());
+
+    let slices: Vec<_> = ctx
+        .stores
+        .slices
+        .state()
+        .into_iter()
+        .filter(|s| s.namespace().as_deref() == Some(ns.as_str()))
+        .collect();
+    let policies: Vec<PolicyInput> = objects
+        .iter()
+        .map(|p| policy_input(&ns, p, &slices))
+        .collect();
+
+    // Pods any policy selects, plus the removed policy's own pods.
+    let pods: Vec<_> = ctx
+        .stores
+        .pods
+        .state()
+        .into_iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+        .collect();
+    let selected = |labels: &BTreeMap<String, String>| {
+        policies
+            .iter()
+            .any(|p| selector::matches(p.selector(), labels))
+            || (removing && selector::matches(&policy.spec.gateway_selector, labels))
+    };
+    let snapshot = ctx.snapshot.read().clone();
+    let acks = ctx.rollouts.lock().acked.clone();
+    let mut gateway_pods = Vec::new();
+    let mut admin = BTreeMap::new();
+    for pod in pods.iter().filter(|p| selected(p.labels())) {
+        let name = pod.name_any();
+        let ip: Option<IpAddr> = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|ip| ip.parse().ok());
+        let uid = pod.uid().unwrap_or_default();
+        let acked = acks
+            .get(&(ns.clone(), name.clone(), uid))
+            .cloned()
+            .or_else(|| {
+                snapshot
+                    .limits_info
+                    .get(&(ns.clone(), name.clone()))
+                    .cloned()
+            });
+        if let Some(ip) = ip {
+            let port = pod
+                .annotations()
+                .get(ADMIN_PORT_ANNOTATION)
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(ctx.config.admin_port);
+            admin.insert(name.clone(), SocketAddr::new(ip, port));
+        }
+        gateway_pods.push(GatewayPod {
+            name,
+            labels: pod.labels().clone(),
+            ip,
+            ready: is_ready(pod),
+            acked,
+        });
+    }
+
+    let seen = ctx.rollouts.lock().seen_generation.get(&ns).copied();
+    let published: Vec<Acked> = ctx
+        .stores
+        .configmaps
+        .state()
+        .iter()
+        .filter(|cm| cm.namespace().as_deref() == Some(ns.as_str()))
+        .filter_map(|cm| {
+            let doc: GatewayLimits =
+                serde_json::from_str(cm.data.as_ref()?.get(DOCUMENT_KEY)?).ok()?;
+            Some(Acked {
+                revision: doc.revision,
+                generation: doc.generation,
+            })
+        })
+        .collect();
+
+    let selection: Vec<(PolicyKey, Vec<String>, Vec<String>)> =
+        selector::select(&policies, &gateway_pods)
+            .into_iter()
+            .zip(&policies)
+            .map(|(pods, p)| {
+                (
+                    p.key.clone(),
+                    pods,
+                    p.spec.backends.iter().map(|b| b.name.clone()).collect(),
+                )
+            })
+            .collect();
+    let samples = snapshot.samples(&ns, &selection, now, ctx.config.snapshot_max_age);
+
+    Ok(Observed {
+        input: FleetInput {
+            policies,
+            pods: gateway_pods,
+            samples,
+            published,
+            // A generation a pod reported running (409): every document must go above it.
+            generation_floor: seen.unwrap_or_default(),
+            focus: Some(focus.clone()),
+        },
+        focus,
+        admin,
+    })
+}
+
+/// A pod counts as ready when its Ready condition is True and it is not terminating.
+pub fn is_ready(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_none()
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn policy_input(
+    ns: &str,
+    p: &ConnectionPolicy,
+    slices: &[std::sync::Arc<EndpointSlice>],
+) -> PolicyInput {
+    let endpoints = p
+        .spec
+        .backends
+        .iter()
+        .map(|b| (b.name.clone(), resolve(b, slices)))
+        .collect();
+    PolicyInput {
+        key: PolicyKey {
+            namespace: ns.to_owned(),
+            name: p.name_any(),
+        },
+        generation: p.metadata.generation.unwrap_or_default(),
+        created: p
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map_or(Timestamp::UNIX_EPOCH, |t| t.0),
+        spec: p.spec.clone(),
+        status: p.status.clone(),
+        endpoints,
+    }
+}
+
+/// The backend's endpoints: ready addresses of its Service's EndpointSlices on its port, or its
+/// static addresses (unparsable ones are left out; validation reports them).
+pub fn resolve(b: &BackendSpec, slices: &[std::sync::Arc<EndpointSlice>]) -> Vec<Endpoint> {
+    if let Some(addrs) = &b.endpoints.addresses {
+        return addrs
+            .iter()
+            .filter_map(|a| {
+                let address: SocketAddr = a.address.parse().ok()?;
+                Some(Endpoint {
+                    name: a.name.clone().unwrap_or_else(|| a.address.clone()),
+                    address,
+                })
+            })
+            .collect();
+    }
+    let Some(svc) = &b.endpoints.service else {
+        return Vec::new();
+    };
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    for slice in slices
+        .iter()
+        .filter(|s| s.labels().get(SERVICE_NAME_LABEL) == Some(&svc.name))
+    {
+        let has_port = slice
+            .ports
+            .iter()
+            .flatten()
+            .any(|p| p.port == Some(i32::from(svc.port)));
+        if !has_port {
+            continue;
+        }
+        for e in slice.endpoints.iter().flatten() {
+            if e.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
+                continue;
+            }
+            let Some(ip) = e.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
+                continue;
+            };
+            let address = SocketAddr::new(ip, svc.port);
+            let name = e
+                .target_ref
+                .as_ref()
+                .and_then(|r| r.name.clone())
+                .unwrap_or_else(|| address.to_string());
+            if seen.insert(address) {
+                out.push(Endpoint { name, address });
+            }
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use poolpilot_api::policy::BackendSpec;
+    use serde_json::json;
+
+    use super::*;
+
+    fn backend(endpoints: serde_json::Value) -> BackendSpec {
+        serde_json::from_value(json!({
+            "name": "model-a", "endpoints": endpoints, "capacity": {"maxConnectionsPerEndpoint": 10},
+        }))
+        .unwrap()
+    }
+
+    fn slice(service: &str, port: i32, endpoints: serde_json::Value) -> Arc<EndpointSlice> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": {"name": format!("{service}-x"), "labels": {SERVICE_NAME_LABEL: service}},
+                "addressType": "IPv4",
+                "ports": [{"port": port}],
+                "endpoints": endpoints,
+            }))
+            .unwrap(),
+        )
+    }
+
+    #[test]
+    fn service_endpoints_come_from_ready_endpoint_slice_addresses_on_the_port() {
+        let b = backend(json!({"service": {"name": "model-a", "port": 8000}}));
+        let slices = [
+            slice(
+                "model-a",
+                8000,
+                json!([
+                    {"addresses": ["10.0.0.2"], "conditions": {"ready": true}, "targetRef": {"kind": "Pod", "name": "model-a-1"}},
+                    {"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "model-a-0"}},
+                    {"addresses": ["10.0.0.3"], "conditions": {"ready": false}},
+                ]),
+            ),
+            slice("model-a", 9000, json!([{"addresses": ["10.0.0.9"]}])),
+            slice("model-b", 8000, json!([{"addresses": ["10.0.0.8"]}])),
+        ];
+        let got = resolve(&b, &slices);
+        let names: Vec<(&str, String)> = got
+            .iter()
+            .map(|e| (e.name.as_str(), e.address.to_string()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("model-a-0", "10.0.0.1:8000".into()),
+                ("model-a-1", "10.0.0.2:8000".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn static_addresses_are_taken_as_written() {
+        let b = backend(
+            json!({"addresses": [{"address": "10.0.0.5:80"}, {"name": "x", "address": "10.0.0.6:80"}, {"address": "bad"}]}),
+        );
+        let got = resolve(&b, &[]);
+        let names: Vec<&str> = got.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["10.0.0.5:80", "x"],
+            "unparsable addresses are left to validation"
+        );
+    }
+}

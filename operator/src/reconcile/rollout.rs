@@ -1,0 +1,381 @@
+//! Step 4, roll out (API and gateways): server-side apply of the policy's durable ConfigMap
+//! (owned by the policy, so it goes when the policy goes), then `PUT /v1/limits` to the pods of
+//! the current wave (canaries first under Progressive), recording acknowledgements and refusals.
+//! Also the cleanup of a deleted policy: its pods get documents without its backends.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::{Api, Patch, PatchParams};
+use kube::{Resource, ResourceExt};
+use poolpilot_api::{ConnectionPolicy, GatewayLimits};
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::observe::{DOCUMENT_KEY, MANAGED_BY, Observed};
+use super::{Context, FIELD_MANAGER};
+use crate::gateway::{Gateways, PutError};
+use crate::metrics::OutcomeLabel;
+use crate::plan::status::RolloutReport;
+use crate::plan::waves::{self, PodState, Strategy};
+use crate::plan::{FleetPlan, Timestamp};
+
+/// Why the rollout step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RolloutError {
+    /// The ConfigMap could not be applied.
+    #[error("failed to apply ConfigMap {name}")]
+    ConfigMap {
+        /// Its name.
+        name: String,
+        /// Why.
+        #[source]
+        source: kube::Error,
+    },
+    /// The admin-token Secret could not be read.
+    #[error("failed to read the admin token from Secret {name}")]
+    Token {
+        /// Its name.
+        name: String,
+        /// Why.
+        #[source]
+        source: kube::Error,
+    },
+    /// The Secret has no such key.
+    #[error("Secret {name} has no key {key:?}")]
+    TokenKey {
+        /// The Secret.
+        name: String,
+        /// The key looked for.
+        key: String,
+    },
+    /// The document could not be serialised (never expected).
+    #[error("failed to serialise the limits document")]
+    Serialize(#[source] serde_json::Error),
+}
+
+/// The name of a policy's ConfigMap.
+pub fn configmap_name(policy: &str) -> String {
+    format!("{policy}-limits")
+}
+
+/// Applies the ConfigMap and sends the current wave. Returns how the rollout stands.
+pub async fn roll_out<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    observed: &Observed,
+    fleet: &FleetPlan,
+    now: Timestamp,
+) -> Result<RolloutReport, RolloutError> {
+    let ns = &observed.focus.namespace;
+    let Some(plan) = fleet.policy(&observed.focus) else {
+        return Ok(RolloutReport::default());
+    };
+    if let Some(doc) = &plan.document {
+        apply_configmap(ctx, policy, doc).await?;
+    }
+
+    let states = pod_states(ctx, observed, fleet, &plan.ready);
+    let spec = &policy.spec.rollout;
+    let strategy = Strategy {
+        kind: spec.strategy,
+        canary_pods: spec.canary_pods,
+        verify: policy.spec.autoscale.interval.get() * spec.verify_intervals,
+    };
+    let desired = plan
+        .document
+        .as_ref()
+        .map(|d| d.revision.clone())
+        .unwrap_or_default();
+    let since = ctx
+        .rollouts
+        .lock()
+        .canary_since
+        .get(&(ns.clone(), desired.clone()))
+        .copied();
+    let verdict = {
+        let snapshot = ctx.snapshot.read();
+        let max_age = ctx.config.snapshot_max_age;
+        let rates = |current: bool| -> Vec<_> {
+            states
+                .iter()
+                .filter(|p| (p.acked.as_deref() == Some(p.desired.as_str())) == current)
+                .map(|p| snapshot.rates(ns, &p.name, now, max_age))
+                .collect()
+        };
+        waves::judge(&rates(true), &rates(false))
+    };
+    let wave = waves::next_wave(strategy, &states, since, &verdict, now);
+    let unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
+
+    let states = pod_states(ctx, observed, fleet, &plan.ready);
+    let halted = wave.halted.or_else(|| {
+        waves::refusals(&states)
+            .into_iter()
+            .next()
+            .map(|(pod, why)| format!("pod {pod} refused revision {desired}: {why}"))
+    });
+    Ok(RolloutReport {
+        pods: states,
+        unreachable,
+        waiting: wave.waiting,
+        halted,
+    })
+}
+
+/// The report of a policy that is not rolled out (not accepted).
+pub fn not_rolled_out(observed: &Observed, fleet: &FleetPlan) -> RolloutReport {
+    let ready = fleet
+        .policy(&observed.focus)
+        .map(|p| p.ready.clone())
+        .unwrap_or_default();
+    let pods = ready
+        .iter()
+        .map(|name| PodState {
+            name: name.clone(),
+            desired: String::new(),
+            acked: observed
+                .input
+                .pods
+                .iter()
+                .find(|p| &p.name == name)
+                .and_then(|p| p.acked.as_ref())
+                .map(|a| a.revision.clone()),
+            refused: None,
+        })
+        .collect();
+    RolloutReport {
+        pods,
+        ..RolloutReport::default()
+    }
+}
+
+/// Sends a deleted policy's pods their documents without its backends (best effort: a pod that
+/// cannot be reached loads the durable ConfigMaps of the remaining policies when it restarts).
+pub async fn remove<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    observed: &Observed,
+    fleet: &FleetPlan,
+) -> Result<(), RolloutError> {
+    let mine: Vec<String> = observed
+        .input
+        .pods
+        .iter()
+        .filter(|p| {
+            p.ready && crate::plan::selector::matches(&policy.spec.gateway_selector, &p.labels)
+        })
+        .map(|p| p.name.clone())
+        .collect();
+    let failed = push(ctx, observed, fleet, &mine, (ctx.clock)()).await?;
+    for (pod, why) in &failed {
+        warn!(%pod, %why, "could not remove the deleted policy's backends from a pod");
+    }
+    info!(
+        pods = mine.len() - failed.len(),
+        "removed the deleted policy's backends"
+    );
+    Ok(())
+}
+
+async fn apply_configmap<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    doc: &GatewayLimits,
+) -> Result<(), RolloutError> {
+    let name = configmap_name(&policy.name_any());
+    let ns = policy.namespace().unwrap_or_default();
+    let body = serde_json::to_string_pretty(doc).map_err(RolloutError::Serialize)?;
+    let unchanged = ctx.stores.configmaps.state().iter().any(|cm| {
+        cm.namespace().as_deref() == Some(ns.as_str())
+            && cm.name_any() == name
+            && cm.data.as_ref().and_then(|d| d.get(DOCUMENT_KEY)) == Some(&body)
+    });
+    if unchanged {
+        return Ok(());
+    }
+    let owner = policy
+        .controller_owner_ref(&())
+        .into_iter()
+        .collect::<Vec<_>>();
+    let cm = json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": {MANAGED_BY.0: MANAGED_BY.1, "poolpilot.io/policy": policy.name_any()},
+            "ownerReferences": owner,
+        },
+        "data": {DOCUMENT_KEY: body},
+    });
+    let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&cm),
+    )
+    .await
+    .map(drop)
+    .map_err(|source| RolloutError::ConfigMap { name, source })
+}
+
+/// The rollout state of the ready pods `ready`.
+fn pod_states<G: Gateways>(
+    ctx: &Context<G>,
+    observed: &Observed,
+    fleet: &FleetPlan,
+    ready: &[String],
+) -> Vec<PodState> {
+    let ns = &observed.focus.namespace;
+    let memory = ctx.rollouts.lock();
+    ready
+        .iter()
+        .filter_map(|name| {
+            let desired = fleet.documents.get(name)?.revision.clone();
+            let pod = observed.input.pods.iter().find(|p| &p.name == name)?;
+            let uid = ctx
+                .stores
+                .pods
+                .state()
+                .iter()
+                .find(|p| p.namespace().as_deref() == Some(ns.as_str()) && &p.name_any() == name)
+                .and_then(|p| p.uid())
+                .unwrap_or_default();
+            let acked = memory
+                .acked
+                .get(&(ns.clone(), name.clone(), uid))
+                .or(pod.acked.as_ref())
+                .map(|a| a.revision.clone());
+            let refused = memory
+                .refused
+                .get(&(ns.clone(), name.clone(), desired.clone()))
+                .cloned();
+            Some(PodState {
+                name: name.clone(),
+                desired,
+                acked,
+                refused,
+            })
+        })
+        .collect()
+}
+
+/// PUTs each pod in `pods` its document. Returns the pods that could not be reached (or did not
+/// answer sensibly), with why; acknowledgements and refusals go to the rollout memory.
+async fn push<G: Gateways>(
+    ctx: &Context<G>,
+    observed: &Observed,
+    fleet: &FleetPlan,
+    pods: &[String],
+    now: Timestamp,
+) -> Result<BTreeMap<String, String>, RolloutError> {
+    let mut failed = BTreeMap::new();
+    if pods.is_empty() {
+        return Ok(failed);
+    }
+    let ns = &observed.focus.namespace;
+    let token = token(ctx, ns).await?;
+    let sends = pods.iter().filter_map(|name| {
+        let doc = fleet.documents.get(name)?;
+        let Some(addr) = observed.admin.get(name) else {
+            failed.insert(name.clone(), "the pod has no IP yet".to_owned());
+            return None;
+        };
+        let token = token.as_str();
+        Some(async move {
+            (
+                name.clone(),
+                doc.revision.clone(),
+                ctx.gateways.put(*addr, token, doc).await,
+            )
+        })
+    });
+    let results = futures::future::join_all(sends.collect::<Vec<_>>()).await;
+
+    let uids: BTreeMap<String, String> = ctx
+        .stores
+        .pods
+        .state()
+        .iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+        .map(|p| (p.name_any(), p.uid().unwrap_or_default()))
+        .collect();
+    let mut memory = ctx.rollouts.lock();
+    for (name, revision, result) in results {
+        let outcome = match result {
+            Ok(ack) => {
+                memory
+                    .canary_since
+                    .entry((ns.clone(), ack.revision.clone()))
+                    .or_insert(now);
+                let uid = uids.get(&name).cloned().unwrap_or_default();
+                // A pod that took a document has nothing outstanding to refuse.
+                memory
+                    .refused
+                    .retain(|(n, p, _), _| !(n == ns && p == &name));
+                memory.acked.insert((ns.clone(), name, uid), ack);
+                "acked"
+            }
+            Err(PutError::Older {
+                generation: Some(g),
+                ..
+            }) => {
+                let seen = memory.seen_generation.entry(ns.clone()).or_default();
+                *seen = (*seen).max(g);
+                failed.insert(
+                    name,
+                    format!("runs generation {g}; the next document goes above it"),
+                );
+                "older"
+            }
+            Err(e) if e.is_nack() => {
+                memory
+                    .refused
+                    .insert((ns.clone(), name, revision), e.to_string());
+                "refused"
+            }
+            Err(e) => {
+                failed.insert(name, crate::report(&e));
+                if matches!(e, PutError::Unauthorized) {
+                    "unauthorized"
+                } else {
+                    "failed"
+                }
+            }
+        };
+        ctx.metrics
+            .puts
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
+    }
+    Ok(failed)
+}
+
+/// Reads the admin token from the Secret in `ns`.
+async fn token<G: Gateways>(ctx: &Context<G>, ns: &str) -> Result<String, RolloutError> {
+    let name = ctx.config.token_secret.clone();
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    let secret = api.get(&name).await.map_err(|source| RolloutError::Token {
+        name: name.clone(),
+        source,
+    })?;
+    let key = &ctx.config.token_key;
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .map(|b| b.0.clone())
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(key))
+                .map(|s| s.clone().into_bytes())
+        })
+        .ok_or_else(|| RolloutError::TokenKey {
+            name,
+            key: key.clone(),
+        })?;
+    Ok(String::from_utf8_lossy(&bytes).trim().to_owned())
+}

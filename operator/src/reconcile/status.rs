@@ -1,0 +1,285 @@
+//! Step 5, status (API): server-side apply of the computed status with the operator's one field
+//! manager, then Events for what changed: scale decisions, an fd budget breach, missing metrics,
+//! a finished or halted rollout, a rejected policy.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType};
+use kube::{Resource, ResourceExt};
+use poolpilot_api::{ConnectionPolicy, ConnectionPolicyStatus};
+use serde_json::json;
+use tracing::warn;
+
+use super::{Context, FIELD_MANAGER};
+use crate::gateway::Gateways;
+use crate::plan::PolicyPlan;
+use crate::plan::autoscale::Decision;
+
+/// Why the status step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    /// The status could not be applied.
+    #[error("failed to apply the status of {name}")]
+    Patch {
+        /// The policy.
+        name: String,
+        /// Why.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Applies `status` and publishes the Events its changes call for.
+pub async fn apply<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    plan: &PolicyPlan,
+    status: ConnectionPolicyStatus,
+) -> Result<(), StatusError> {
+    let name = policy.name_any();
+    let api: Api<ConnectionPolicy> =
+        Api::namespaced(ctx.client.clone(), &policy.namespace().unwrap_or_default());
+    let old = policy.status.clone().unwrap_or_default();
+    let events = events(&old, &status, plan);
+    if policy.status.as_ref() != Some(&status) {
+        let patch = json!({
+            "apiVersion": "poolpilot.io/v1alpha1",
+            "kind": "ConnectionPolicy",
+            "status": status,
+        });
+        api.patch_status(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(|source| StatusError::Patch {
+            name: name.clone(),
+            source,
+        })?;
+    }
+    let reference = policy.object_ref(&());
+    for e in events {
+        if let Err(err) = ctx.recorder.publish(&e, &reference).await {
+            warn!(reason = %e.reason, error = %crate::report(&err), "failed to publish an Event");
+        }
+    }
+    Ok(())
+}
+
+fn condition<'a>(s: &'a ConnectionPolicyStatus, kind: &str) -> Option<&'a Condition> {
+    s.conditions.iter().find(|c| c.type_ == kind)
+}
+
+/// The Events for the change from `old` to `new`: one per scale decision, and one per condition
+/// that flipped into a state worth telling.
+pub fn events(
+    old: &ConnectionPolicyStatus,
+    new: &ConnectionPolicyStatus,
+    plan: &PolicyPlan,
+) -> Vec<Event> {
+    let mut out = Vec::new();
+    let event = |type_, reason: &str, note: String, action: &str| Event {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(note.chars().take(1000).collect()),
+        action: action.to_owned(),
+        secondary: None,
+    };
+    for b in &plan.backends {
+        match &b.decision {
+            Some(Decision::ScaleUp(s)) => out.push(event(
+                EventType::Normal,
+                "ScaledUp",
+                format!("{}: target {} → {}: {}", b.name, s.from, s.to, s.reason),
+                "Scale",
+            )),
+            Some(Decision::ScaleDown(s)) => out.push(event(
+                EventType::Normal,
+                "ScaledDown",
+                format!("{}: target {} → {}: {}", b.name, s.from, s.to, s.reason),
+                "Scale",
+            )),
+            _ => {}
+        }
+    }
+    let flipped = |kind: &str, status: &str| {
+        let now = condition(new, kind).filter(|c| c.status == status)?;
+        let before = condition(old, kind);
+        let same = before.is_some_and(|b| b.status == now.status && b.reason == now.reason);
+        (!same).then_some(now)
+    };
+    if let Some(c) = flipped("Accepted", "False") {
+        out.push(event(
+            EventType::Warning,
+            &c.reason,
+            c.message.clone(),
+            "Validate",
+        ));
+    }
+    if let Some(c) = flipped("MetricsAvailable", "False") {
+        out.push(event(
+            EventType::Warning,
+            "MetricsMissing",
+            c.message.clone(),
+            "Observe",
+        ));
+    }
+    if let Some(c) = flipped("FdBudget", "False") {
+        out.push(event(
+            EventType::Warning,
+            "FdBudgetExceeded",
+            c.message.clone(),
+            "CheckFds",
+        ));
+    }
+    if let Some(c) = flipped("RolledOut", "False").filter(|c| c.reason == "Halted") {
+        out.push(event(
+            EventType::Warning,
+            "RolloutHalted",
+            c.message.clone(),
+            "RollOut",
+        ));
+    }
+    let rolled = condition(new, "RolledOut").filter(|c| c.status == "True");
+    if let Some(c) = rolled
+        && (flipped("RolledOut", "True").is_some() || old.revision != new.revision)
+    {
+        out.push(event(
+            EventType::Normal,
+            "RolledOut",
+            c.message.clone(),
+            "RollOut",
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    use super::*;
+    use crate::plan::autoscale::{Bounds, Scale};
+    use crate::plan::fds::FdReport;
+    use crate::plan::validate::Acceptance;
+    use crate::plan::{BackendPlan, BackendSample, PolicyKey, Timestamp};
+
+    fn at(s: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + s).unwrap()
+    }
+
+    fn cond(kind: &str, status: &str, reason: &str, message: &str) -> Condition {
+        Condition {
+            type_: kind.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: message.into(),
+            observed_generation: Some(1),
+            last_transition_time: Time(at(0)),
+        }
+    }
+
+    fn plan(decision: Option<Decision>) -> PolicyPlan {
+        PolicyPlan {
+            key: PolicyKey {
+                namespace: "ns".into(),
+                name: "p".into(),
+            },
+            acceptance: Acceptance::Accepted,
+            selected: vec![],
+            ready: vec![],
+            backends: vec![BackendPlan {
+                name: "model-a".into(),
+                endpoints: 1,
+                target: 540,
+                per_pod: 540,
+                bounds: Bounds {
+                    min: 1,
+                    upper: 560,
+                    margin: 0.2,
+                    window: std::time::Duration::from_secs(300),
+                    max_step_percent: 20,
+                },
+                decision,
+                sample: BackendSample::default(),
+            }],
+            fds: FdReport::default(),
+            metrics_available: None,
+            document: None,
+        }
+    }
+
+    fn status(conditions: Vec<Condition>) -> ConnectionPolicyStatus {
+        ConnectionPolicyStatus {
+            conditions,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn scale_decisions_and_flips_become_events_once() {
+        let scale = Scale {
+            at: at(15),
+            from: 300,
+            to: 540,
+            reason: "demand 450".into(),
+        };
+        let old = status(vec![cond("FdBudget", "True", "WithinBudget", "")]);
+        let new = status(vec![cond(
+            "FdBudget",
+            "False",
+            "OverBudget",
+            "needs 1342 fds, pods allow 1024",
+        )]);
+        let events = events(&old, &new, &plan(Some(Decision::ScaleUp(scale))));
+        let got: Vec<(&str, Option<&str>)> = events
+            .iter()
+            .map(|e| (e.reason.as_str(), e.note.as_deref()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("ScaledUp", Some("model-a: target 300 → 540: demand 450")),
+                ("FdBudgetExceeded", Some("needs 1342 fds, pods allow 1024")),
+            ]
+        );
+        // The same state again: no repeated warning.
+        assert!(events_again(&new).is_empty());
+    }
+
+    fn events_again(s: &ConnectionPolicyStatus) -> Vec<Event> {
+        events(
+            s,
+            s,
+            &plan(Some(Decision::Steady {
+                recommendation: 540,
+            })),
+        )
+    }
+
+    #[test]
+    fn rollout_completion_and_halts_are_told() {
+        let old = status(vec![cond("RolledOut", "False", "Progressing", "1/2")]);
+        let done = status(vec![cond(
+            "RolledOut",
+            "True",
+            "RolledOut",
+            "2/2 ready pods run revision abc",
+        )]);
+        let e = events(&old, &done, &plan(None));
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].reason, "RolledOut");
+        let halted = status(vec![cond(
+            "RolledOut",
+            "False",
+            "Halted",
+            "pod gw-0 refused revision abc: bad",
+        )]);
+        let e = events(&old, &halted, &plan(None));
+        assert_eq!(
+            (e[0].reason.as_str(), e[0].type_),
+            ("RolloutHalted", EventType::Warning)
+        );
+    }
+}

@@ -1,0 +1,435 @@
+//! One reconcile against a mocked API server (tower-test): the exact request sequence (ConfigMap
+//! apply, token Secret read, status apply, Event) and the PUT to the gateway pod, for an accepted
+//! policy and for a conflicted one.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::{Method, Request, Response};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::client::Body;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::watcher;
+use parking_lot::Mutex;
+use poolpilot_api::{ConnectionPolicy, GatewayLimits};
+use serde_json::{Value, json};
+use tower_test::mock::{self, Handle};
+
+use super::*;
+use crate::gateway::{Gateways, PutError};
+use crate::plan::Acked;
+
+type ApiHandle = Handle<Request<Body>, Response<Body>>;
+
+fn now() -> Timestamp {
+    Timestamp::from_second(1_800_000_000).unwrap()
+}
+
+/// Records every PUT and acknowledges it, or refuses it (422) when `refuse` is set.
+#[derive(Clone, Default)]
+struct FakeGateways {
+    puts: Arc<Mutex<Vec<(SocketAddr, String, GatewayLimits)>>>,
+    refuse: Option<&'static str>,
+}
+
+impl Gateways for FakeGateways {
+    async fn put(
+        &self,
+        addr: SocketAddr,
+        token: &str,
+        doc: &GatewayLimits,
+    ) -> Result<Acked, PutError> {
+        self.puts.lock().push((addr, token.to_owned(), doc.clone()));
+        match self.refuse {
+            Some(why) => Err(PutError::Refused(why.to_owned())),
+            None => Ok(Acked {
+                revision: doc.revision.clone(),
+                generation: doc.generation,
+            }),
+        }
+    }
+}
+
+fn policy(name: &str, created: i64) -> ConnectionPolicy {
+    serde_json::from_value(json!({
+        "apiVersion": "poolpilot.io/v1alpha1",
+        "kind": "ConnectionPolicy",
+        "metadata": {
+            "name": name, "namespace": "ns", "uid": format!("{name}-uid"), "generation": 1,
+            "creationTimestamp": Time(Timestamp::from_second(1_700_000_000 + created).unwrap()),
+            "finalizers": [FINALIZER],
+        },
+        "spec": {
+            "gatewaySelector": {"matchLabels": {"app": "gw"}},
+            "backends": [{
+                "name": "model-a",
+                "endpoints": {"addresses": [{"name": "model-a-0", "address": "10.0.0.10:8000"}]},
+                "capacity": {"maxConnectionsPerEndpoint": 64},
+            }],
+            "autoscale": {"enabled": false},
+            "rollout": {"strategy": "AllAtOnce"},
+        },
+    }))
+    .expect("test policy parses")
+}
+
+fn gateway_pod() -> Pod {
+    pod("gw-0", "127.0.0.7")
+}
+
+fn pod(name: &str, ip: &str) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ns", "uid": format!("{name}-uid"), "labels": {"app": "gw"}},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+    }))
+    .expect("test pod parses")
+}
+
+fn store<K>(objects: Vec<K>) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + 'static,
+{
+    let (reader, mut writer) = reflector::store();
+    for o in objects {
+        writer.apply_watcher_event(&watcher::Event::Apply(o));
+    }
+    reader
+}
+
+fn context(
+    policies: Vec<ConnectionPolicy>,
+) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
+    context_with(policies, vec![gateway_pod()], FakeGateways::default())
+}
+
+fn context_with(
+    policies: Vec<ConnectionPolicy>,
+    pods: Vec<Pod>,
+    gateways: FakeGateways,
+) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, "ns");
+    let ctx = Context {
+        client: client.clone(),
+        config: Config {
+            admin_port: 9901,
+            token_secret: "poolpilot-admin-token".into(),
+            token_key: "token".into(),
+            snapshot_max_age: Duration::from_secs(60),
+            max_requeue: Duration::from_secs(60),
+        },
+        stores: Stores {
+            policies: store(policies),
+            pods: store(pods),
+            slices: store::<EndpointSlice>(vec![]),
+            configmaps: store::<ConfigMap>(vec![]),
+        },
+        snapshot: Arc::default(),
+        memory: Mutex::default(),
+        rollouts: Mutex::default(),
+        gateways: gateways.clone(),
+        recorder: Recorder::new(
+            client,
+            Reporter {
+                controller: "poolpilot-operator".into(),
+                instance: None,
+            },
+        ),
+        metrics: Metrics::default(),
+        clock: now,
+    };
+    (Arc::new(ctx), handle, gateways)
+}
+
+/// Waits for the next request, checks its method and path, answers it with `answer` and returns
+/// the request body as JSON (`Null` when empty).
+async fn expect(handle: &mut ApiHandle, method: Method, path: &str, answer: Value) -> Value {
+    let (request, send) = handle
+        .next_request()
+        .await
+        .expect("the reconciler made another request");
+    assert_eq!(request.method(), method, "{}", request.uri());
+    assert_eq!(request.uri().path(), path);
+    let content_type = request
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    if content_type == Some("application/apply-patch+yaml") {
+        let query = request.uri().query().unwrap_or_default();
+        assert!(
+            query.contains("fieldManager=poolpilot-operator"),
+            "one field manager: {query}"
+        );
+        assert!(query.contains("force=true"), "{query}");
+    }
+    let body = request
+        .into_body()
+        .collect_bytes()
+        .await
+        .expect("request body");
+    send.send_response(
+        Response::builder()
+            .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+            .unwrap(),
+    );
+    if body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&body).expect("request body is JSON")
+    }
+}
+
+async fn with_timeout<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(5), f)
+        .await
+        .expect("the reconcile finished in time")
+}
+
+#[tokio::test]
+async fn accepted_policy_applies_configmap_puts_to_the_pod_then_writes_status_and_an_event() {
+    let p = policy("models", 0);
+    let (ctx, mut api, gateways) = context(vec![p.clone()]);
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+
+    let cm = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-limits",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(cm["metadata"]["ownerReferences"][0]["uid"], "models-uid");
+    assert_eq!(cm["metadata"]["ownerReferences"][0]["controller"], true);
+    assert_eq!(
+        cm["metadata"]["labels"]["app.kubernetes.io/managed-by"],
+        "poolpilot-operator"
+    );
+    let doc: GatewayLimits =
+        serde_json::from_str(cm["data"]["limits.json"].as_str().unwrap()).unwrap();
+    assert_eq!(doc.generation, 1);
+    assert_eq!(
+        doc.backends[0].pool.max_connections_per_endpoint, 51,
+        "64 × 0.8 for the one ready pod"
+    );
+    doc.validate().expect("the durable document validates");
+
+    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
+    with_timeout(expect(
+        &mut api,
+        Method::GET,
+        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
+        secret,
+    ))
+    .await;
+
+    let status = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status",
+        serde_json::to_value(&p).unwrap(),
+    ))
+    .await;
+    let s = &status["status"];
+    assert_eq!(s["observedGeneration"], 1);
+    assert_eq!(s["revision"], doc.revision);
+    assert_eq!(s["updated"], "1/1");
+    assert_eq!(s["targets"], "model-a=51");
+    let cond = |t: &str| {
+        s["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == t)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(cond("Accepted")["status"], "True");
+    assert_eq!(cond("RolledOut")["status"], "True");
+    assert_eq!(cond("Ready")["status"], "True");
+    assert_eq!(cond("Ready")["observedGeneration"], 1);
+
+    let event = with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(event["reason"], "RolledOut");
+    assert_eq!(event["regarding"]["name"], "models");
+
+    let action = with_timeout(reconciler)
+        .await
+        .expect("the reconcile task ran")
+        .expect("the reconcile succeeded");
+    assert_eq!(action, Action::requeue(Duration::from_secs(15)));
+    let puts = gateways.puts.lock().clone();
+    assert_eq!(puts.len(), 1);
+    assert_eq!(puts[0].0, "127.0.0.7:9901".parse().unwrap());
+    assert_eq!(puts[0].1, "s3cr3t", "the token from the Secret");
+    assert_eq!(puts[0].2, doc);
+}
+
+#[tokio::test]
+async fn conflicted_policy_writes_only_status_and_a_warning() {
+    let older = policy("older", 0);
+    let newer = policy("newer", 100);
+    let (ctx, mut api, gateways) = context(vec![older, newer.clone()]);
+    let reconciler = tokio::spawn(reconcile(Arc::new(newer.clone()), ctx.clone()));
+
+    let status = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/newer/status",
+        serde_json::to_value(&newer).unwrap(),
+    ))
+    .await;
+    let accepted = status["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Accepted")
+        .unwrap()
+        .clone();
+    assert_eq!(accepted["status"], "False");
+    assert_eq!(accepted["reason"], "Conflicted");
+    assert_eq!(
+        accepted["message"],
+        "backend \"model-a\" is already defined by the older policy ns/older on pod gw-0"
+    );
+
+    let event = with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(
+        (event["type"].as_str(), event["reason"].as_str()),
+        (Some("Warning"), Some("Conflicted"))
+    );
+
+    with_timeout(reconciler)
+        .await
+        .expect("the reconcile task ran")
+        .expect("the reconcile succeeded");
+    assert!(
+        gateways.puts.lock().is_empty(),
+        "nothing is rolled out for a conflicted policy"
+    );
+}
+
+#[tokio::test]
+async fn deleting_a_policy_removes_its_backends_from_its_pods_then_the_finalizer() {
+    let mut p = policy("models", 0);
+    p.metadata.deletion_timestamp = Some(Time(now()));
+    let (ctx, mut api, gateways) = context(vec![p.clone()]);
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+
+    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
+    with_timeout(expect(
+        &mut api,
+        Method::GET,
+        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
+        secret,
+    ))
+    .await;
+    let patch = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models",
+        serde_json::to_value(&p).unwrap(),
+    ))
+    .await;
+    assert!(
+        patch.to_string().contains("/metadata/finalizers"),
+        "the finalizer is removed: {patch}"
+    );
+
+    with_timeout(reconciler)
+        .await
+        .expect("the reconcile task ran")
+        .expect("the cleanup succeeded");
+    let puts = gateways.puts.lock().clone();
+    assert_eq!(puts.len(), 1);
+    assert!(
+        puts[0].2.backends.is_empty(),
+        "the pod gets a document without the deleted policy's backends"
+    );
+}
+
+#[tokio::test]
+async fn a_refused_canary_halts_a_progressive_rollout() {
+    let mut p = policy("models", 0);
+    p.spec.rollout.strategy = poolpilot_api::policy::RolloutStrategy::Progressive;
+    let gateways = FakeGateways {
+        refuse: Some("backends[0].pool: unsupported"),
+        ..FakeGateways::default()
+    };
+    let pods = vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, gateways);
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+
+    with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-limits",
+        json!({}),
+    ))
+    .await;
+    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
+    with_timeout(expect(
+        &mut api,
+        Method::GET,
+        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
+        secret,
+    ))
+    .await;
+    let status = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status",
+        serde_json::to_value(&p).unwrap(),
+    ))
+    .await;
+    let s = &status["status"];
+    let rolled = s["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "RolledOut")
+        .unwrap()
+        .clone();
+    assert_eq!(rolled["reason"], "Halted");
+    assert!(
+        rolled["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("pod gw-0 refused revision"),
+        "{rolled}"
+    );
+    assert_eq!(s["pods"]["failures"][0]["pod"], "gw-0");
+    assert_eq!(s["updated"], "0/2");
+
+    let event = with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(event["reason"], "RolloutHalted");
+
+    with_timeout(reconciler)
+        .await
+        .expect("the reconcile task ran")
+        .expect("the reconcile succeeded");
+    let puts = gateways.puts.lock().clone();
+    assert_eq!(puts.len(), 1, "only the canary was tried");
+    assert_eq!(puts[0].0, "127.0.0.7:9901".parse().unwrap());
+}

@@ -1,0 +1,36 @@
+//! Step 2, validate (pure): whether the reconciled policy is in force — its spec passes every rule
+//! the schema may not have enforced, and no older policy on the same pods defines one of its
+//! backends. A rejected policy is reported in status and not rolled out.
+
+use super::observe::Observed;
+use crate::plan::{selector, validate};
+
+/// Why a policy is not accepted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Rejected {
+    /// The spec breaks rules.
+    #[error("invalid: {}", .0.join("; "))]
+    Invalid(Vec<String>),
+    /// An older policy wins a conflict.
+    #[error("conflicted: {0}")]
+    Conflicted(String),
+    /// The policy is not part of what was observed (it is being deleted).
+    #[error("the policy is not in the observed fleet")]
+    Absent,
+}
+
+/// Checks the observed focus policy.
+pub fn check(observed: &Observed) -> Result<(), Rejected> {
+    let policies = &observed.input.policies;
+    let selection = selector::select(policies, &observed.input.pods);
+    let verdicts = validate::accept(policies, &selection);
+    let i = policies
+        .iter()
+        .position(|p| p.key == observed.focus)
+        .ok_or(Rejected::Absent)?;
+    match &verdicts[i] {
+        validate::Acceptance::Accepted => Ok(()),
+        validate::Acceptance::Invalid(e) => Err(Rejected::Invalid(e.clone())),
+        validate::Acceptance::Conflicted(why) => Err(Rejected::Conflicted(why.clone())),
+    }
+}
