@@ -20,9 +20,28 @@ pub struct Args {
     /// The gateway configuration file (YAML).
     #[arg(long, env = "POOLPILOT_GATEWAY_CONFIG")]
     pub config: PathBuf,
+    /// Where the proxy listens, overriding `listeners.proxy` of the config file
+    /// (e.g. `$(POD_IP):8080`; an IPv6 address in brackets: `[fd00::1]:8080`).
+    #[arg(long, env = "POOLPILOT_PROXY_LISTEN", value_name = "ADDR")]
+    pub proxy_listen: Option<SocketAddr>,
+    /// Where the admin API listens, overriding `listeners.admin` of the config file.
+    #[arg(long, env = "POOLPILOT_ADMIN_LISTEN", value_name = "ADDR")]
+    pub admin_listen: Option<SocketAddr>,
     /// Log format.
     #[arg(long, env = "POOLPILOT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+}
+
+impl Args {
+    /// Loads the config file named by `--config`, with the listeners given on the command line
+    /// (or in their environment variables) in place of the file's.
+    pub fn load_config(&self) -> Result<GatewayConfig, ConfigError> {
+        let mut config = GatewayConfig::load(&self.config)?;
+        config
+            .listeners
+            .override_with(self.proxy_listen, self.admin_listen);
+        Ok(config)
+    }
 }
 
 /// How logs are written.
@@ -62,6 +81,18 @@ pub struct Listeners {
     pub proxy: SocketAddr,
     /// The admin API address (health, metrics, limits).
     pub admin: SocketAddr,
+}
+
+impl Listeners {
+    /// Replaces the addresses that are given; the others stay.
+    pub fn override_with(&mut self, proxy: Option<SocketAddr>, admin: Option<SocketAddr>) {
+        if let Some(proxy) = proxy {
+            self.proxy = proxy;
+        }
+        if let Some(admin) = admin {
+            self.admin = admin;
+        }
+    }
 }
 
 /// Why the configuration could not be loaded.
@@ -153,6 +184,51 @@ mod tests {
             Some(path.parent().unwrap().join("limits.yaml").as_path())
         );
         assert_eq!(config.drain_grace, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn listen_flags_override_the_listeners_of_the_file() {
+        use clap::Parser;
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gateway.yaml");
+        let config = path.to_str().unwrap();
+
+        let args = Args::try_parse_from(["gw", "--config", config]).unwrap();
+        let file = GatewayConfig::load(&path).unwrap();
+        assert_eq!(
+            args.load_config().unwrap(),
+            file,
+            "no flag: the file's listeners"
+        );
+
+        let args = Args::try_parse_from([
+            "gw",
+            "--config",
+            config,
+            "--proxy-listen=10.1.2.3:8080",
+            "--admin-listen",
+            "[fd00::7]:9901",
+        ])
+        .unwrap();
+        let loaded = args.load_config().unwrap();
+        assert_eq!(loaded.listeners.proxy, "10.1.2.3:8080".parse().unwrap());
+        assert_eq!(loaded.listeners.admin, "[fd00::7]:9901".parse().unwrap());
+        assert_eq!(
+            loaded.limits_file, file.limits_file,
+            "the rest is the file's"
+        );
+
+        let args = Args::try_parse_from(["gw", "--config", config, "--admin-listen=10.1.2.3:9901"])
+            .unwrap();
+        let loaded = args.load_config().unwrap();
+        assert_eq!(
+            loaded.listeners.proxy, file.listeners.proxy,
+            "only one given"
+        );
+        assert_eq!(loaded.listeners.admin, "10.1.2.3:9901".parse().unwrap());
+
+        let err = Args::try_parse_from(["gw", "--config", config, "--proxy-listen=10.1.2.3"])
+            .unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
     }
 
     #[test]

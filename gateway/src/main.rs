@@ -13,7 +13,7 @@ async fn main() -> anyhow::Result<()> {
         LogFormat::Json => logs.json().init(),
         LogFormat::Text => logs.init(),
     }
-    let config = poolpilot_gateway::GatewayConfig::load(&args.config)?;
+    let config = args.load_config()?;
     poolpilot_gateway::run(config).await?;
     Ok(())
 }

@@ -79,8 +79,17 @@ async fn put_limits_needs_the_token_and_keeps_the_old_limits_on_error() {
     older["generation"] = 4.into();
     older["backends"][0]["pool"]["maxPending"] = 7.into();
     let (status, conflict) = put(&gw, Some(&gw.token), &older.to_string()).await;
-    assert_eq!(status, 409);
-    assert_eq!(conflict["generation"], 5);
+    assert_eq!(status, 409, "{conflict}");
+    // The body names what is in force, so the operator can render above it.
+    assert!(
+        conflict["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("generation 4 is older")),
+        "{conflict}"
+    );
+    assert_eq!(conflict["revision"], revision.as_str(), "{conflict}");
+    assert_eq!(conflict["generation"], 5, "{conflict}");
+    assert_eq!(conflict.as_object().map(|o| o.len()), Some(3), "{conflict}");
 
     let text = gw.metrics().await;
     assert_eq!(

@@ -1,7 +1,7 @@
 //! Loopback tests of the client-facing hardening: malformed input, oversized heads and
 //! bodies, slowloris, per-client connection caps, keep-alive idle timeout, graceful drain,
 //! and — against the real binary — 10,000 idle client connections (RSS measured), EMFILE
-//! survival and SIGTERM.
+//! survival, SIGTERM, and listen addresses from the command line.
 
 mod support;
 
@@ -273,6 +273,14 @@ async fn shutdown_drains_in_flight_requests_and_stops_accepting() {
 
 // === the real binary ===
 
+/// A port free on `ip` right now.
+fn free_addr(ip: &str) -> SocketAddr {
+    std::net::TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
 struct Process {
     child: Child,
     proxy: SocketAddr,
@@ -283,14 +291,21 @@ struct Process {
 impl Process {
     /// Runs the binary with `limits`, under `ulimit -n <fds>` when given.
     async fn start(limits: &poolpilot_api::GatewayLimits, fds: Option<u32>) -> Self {
+        let (proxy, admin) = (free_addr("127.0.0.1"), free_addr("127.0.0.1"));
+        Self::launch(limits, fds, (proxy, admin), (proxy, admin), |_| {}).await
+    }
+
+    /// Runs the binary with a config file naming the `configured` (proxy, admin) listeners and
+    /// `extra` arguments or environment; waits until it is ready on the `serving` admin address.
+    async fn launch(
+        limits: &poolpilot_api::GatewayLimits,
+        fds: Option<u32>,
+        configured: (SocketAddr, SocketAddr),
+        serving: (SocketAddr, SocketAddr),
+        extra: impl FnOnce(&mut Command),
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let port = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-        };
-        let (proxy, admin) = (port(), port());
+        let (proxy, admin) = serving;
         std::fs::write(
             dir.path().join("limits.yaml"),
             serde_norway::to_string(limits).unwrap(),
@@ -298,7 +313,8 @@ impl Process {
         .unwrap();
         std::fs::write(dir.path().join("token"), "t\n").unwrap();
         let config = format!(
-            "listeners: {{proxy: '{proxy}', admin: '{admin}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\n"
+            "listeners: {{proxy: '{}', admin: '{}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\n",
+            configured.0, configured.1
         );
         std::fs::write(dir.path().join("gateway.yaml"), config).unwrap();
         let bin = env!("CARGO_BIN_EXE_poolpilot-gateway");
@@ -307,17 +323,14 @@ impl Process {
             Some(n) => {
                 let mut c = Command::new("sh");
                 c.arg("-c")
-                    .arg(format!("ulimit -n {n} && exec \"$0\" --config \"$1\""))
-                    .arg(bin)
-                    .arg(&config_path);
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(bin);
                 c
             }
-            None => {
-                let mut c = Command::new(bin);
-                c.arg("--config").arg(&config_path);
-                c
-            }
+            None => Command::new(bin),
         };
+        cmd.arg("--config").arg(&config_path);
+        extra(&mut cmd);
         let child = cmd
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -441,4 +454,38 @@ async fn running_out_of_file_descriptors_is_survived() {
     assert_eq!(metric(&text, "process_max_fds"), Some(64.0));
     assert_eq!(post(process.proxy, "/v1/x", &[], "{}").await.0, 200);
     assert!(process.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listen_flags_and_their_environment_override_the_config_file() {
+    let backend = Backend::start().await;
+    // The addresses in the file are taken (as 0.0.0.0 would be by every other pod sharing a
+    // host's network): the process comes up only if it listens where it is told instead.
+    let taken_proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_admin = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let configured = (
+        taken_proxy.local_addr().unwrap(),
+        taken_admin.local_addr().unwrap(),
+    );
+    // Another loopback address, as a pod IP would be.
+    let serving = (free_addr("127.0.0.2"), free_addr("127.0.0.2"));
+    let process = Process::launch(
+        &limits("model-a", &[backend.addr], 4),
+        None,
+        configured,
+        serving,
+        |cmd| {
+            cmd.arg(format!("--proxy-listen={}", serving.0))
+                .env("POOLPILOT_ADMIN_LISTEN", serving.1.to_string());
+        },
+    )
+    .await;
+    assert_eq!(try_get(serving.1, "/healthz").await, Some(200));
+    assert_eq!(
+        post(serving.0, "/v1/x", &[], "{}").await.0,
+        200,
+        "the proxy answers on --proxy-listen"
+    );
+    assert!(process.terminate().await.success(), "SIGTERM exits cleanly");
+    drop((taken_proxy, taken_admin));
 }
