@@ -234,6 +234,7 @@ impl Cluster {
     }
 
     async fn admin_config(&self) -> anyhow::Result<kube::Config> {
+        crate::install_crypto_provider();
         let kubeconfig = Kubeconfig::read_from(self.kubeconfig())?;
         Ok(kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?)
     }

@@ -18,5 +18,13 @@ pub mod paths;
 pub mod wait;
 
 pub use cluster::Cluster;
+
+/// Makes ring the process's TLS crypto provider. Needed by every binary and test that builds a
+/// kube client: when the whole workspace is built together, cargo's feature unification links
+/// both ring (kube) and aws-lc-rs (reqwest under the operator's Prometheus client), and rustls
+/// then refuses to pick one by itself. Idempotent.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
 pub use namespace::{TestNamespace, with_namespace};
 pub use wait::{eventually, wait_for};

@@ -50,6 +50,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    poolpilot_e2e::install_crypto_provider();
     let kubeconfig = kube::config::Kubeconfig::read_from(&args.kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
     let host = config.cluster_url.host().unwrap_or("127.0.0.1").to_owned();

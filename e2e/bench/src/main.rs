@@ -1,0 +1,208 @@
+//! `poolpilot-bench`: the gateway side by side with HAProxy and nginx on one machine (issue 8,
+//! parts 1–4), writing `BENCHMARKS.md` and the gateway's profile.
+//!
+//! `poolpilot-bench run` drives everything; `poolpilot-bench upstream ADDR` is the upstream it
+//! starts (the same binary, so every proxy fronts the same server).
+
+mod clock;
+mod load;
+mod parts;
+mod peers;
+mod procs;
+mod report;
+mod stats;
+mod upstream;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use nix::sched::{CpuSet, sched_setaffinity};
+use nix::sys::resource::{Resource, getrlimit, setrlimit};
+use nix::unistd::Pid;
+
+use crate::parts::{Bench, Plan};
+use crate::peers::Env;
+use crate::procs::Proc;
+
+#[derive(Debug, Parser)]
+#[command(about = "poolpilot's proxy benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run parts 1–4 and the profile, and write the report.
+    Run(RunArgs),
+    /// Serve the benchmark upstream on ADDR (single thread).
+    Upstream {
+        /// Listen address.
+        addr: SocketAddr,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// Short runs that validate the harness (numbers not for conclusions).
+    #[arg(long, env = "BENCH_QUICK", value_parser = clap::builder::FalseyValueParser::new())]
+    quick: bool,
+    /// The report to write.
+    #[arg(long, default_value = "BENCHMARKS.md")]
+    out: PathBuf,
+    /// The release gateway binary.
+    #[arg(long)]
+    gateway_bin: PathBuf,
+    /// Scratch directory for configs, logs and perf data.
+    #[arg(long)]
+    run_dir: PathBuf,
+    /// The fixed request rate of part 1 (requests/s; keep it below every proxy's saturation).
+    #[arg(long, env = "BENCH_RATE", default_value_t = 3000)]
+    rate: u32,
+    /// Hand-written analysis included verbatim in the report, when the file exists.
+    #[arg(long)]
+    analysis: Option<PathBuf>,
+    /// Only these parts (comma-separated from 1,2,3,4,profile); all when empty.
+    #[arg(long, env = "BENCH_PARTS", default_value = "")]
+    parts: String,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Upstream { addr } => upstream::serve(addr),
+        Command::Run(args) => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()?;
+            rt.block_on(run(args))
+        }
+    }
+}
+
+/// Raises the soft fd limit to the hard one (children inherit it).
+fn raise_nofile() -> anyhow::Result<u64> {
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    Ok(hard)
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let started = tokio::time::Instant::now();
+    let machine = report::Machine::at_start();
+    let fds = raise_nofile()?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (proxy_cpu, load_cpu) = if cpus >= 2 { ("0", "1") } else { ("0", "0") };
+    let mut set = CpuSet::new();
+    set.set(load_cpu.parse()?)?;
+    sched_setaffinity(Pid::from_raw(0), &set)?;
+    std::fs::create_dir_all(&args.run_dir)?;
+    let wrk_script = args.run_dir.join("summary.lua");
+    std::fs::write(&wrk_script, load::WRK_SCRIPT)?;
+    eprintln!(
+        "poolpilot-bench: {} mode, fd limit {fds}, proxy on CPU {proxy_cpu}, load on CPU {load_cpu}",
+        if args.quick { "quick" } else { "full" }
+    );
+
+    let upstream_addr: SocketAddr = "127.0.0.1:18000".parse()?;
+    let exe = std::env::current_exe()?;
+    let mut upstream = Proc::spawn(
+        "upstream",
+        load_cpu,
+        &exe.display().to_string(),
+        &["upstream".to_string(), upstream_addr.to_string()],
+        &[],
+        &args.run_dir.join("upstream.log"),
+    )?;
+    peers::wait_ready(&mut upstream, upstream_addr).await?;
+
+    let bench = Bench {
+        plan: Plan::new(args.quick, args.rate),
+        env: Env {
+            run_dir: args.run_dir.clone(),
+            gateway_bin: args.gateway_bin.clone(),
+            proxy_cpu: proxy_cpu.into(),
+        },
+        load_cpu: load_cpu.into(),
+        ticks_per_sec: procs::clock_ticks_per_sec(),
+        wrk_script,
+        upstream: upstream_addr,
+        listen: "127.0.0.1:18080".parse()?,
+    };
+    let want = |part: &str| args.parts.is_empty() || args.parts.split(',').any(|p| p == part);
+
+    let samples = if want("1") {
+        bench.part1().await.context("part 1")?
+    } else {
+        Vec::new()
+    };
+    let contention = if want("2") {
+        bench.part2().await.context("part 2")?
+    } else {
+        Vec::new()
+    };
+    let sse = if want("3") {
+        bench.part3().await.context("part 3")?
+    } else {
+        Vec::new()
+    };
+    let idle = if want("4") {
+        // Let the previous parts' sockets leave TIME_WAIT accounting behind.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        bench.part4().await.context("part 4")?
+    } else {
+        Vec::new()
+    };
+    let profile = if want("profile") {
+        bench.profile(64).await.context("profile")?
+    } else {
+        parts::Profile::default()
+    };
+    upstream.stop().await;
+
+    let profile_file = format!(
+        "{}-profile.txt",
+        args.out
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("BENCHMARKS")
+    );
+    let out_dir = args
+        .out
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    if !profile.text.is_empty() {
+        std::fs::write(out_dir.join(&profile_file), &profile.text)?;
+    }
+    let analysis = match &args.analysis {
+        Some(path) if path.exists() => Some(std::fs::read_to_string(path)?),
+        _ => None,
+    };
+    let mut machine = machine;
+    machine.load_end = report::loadavg();
+    machine.wall_secs = started.elapsed().as_secs_f64();
+    let results = report::Results {
+        bench: &bench,
+        machine,
+        samples,
+        contention,
+        sse,
+        idle,
+        profile,
+        profile_file,
+        analysis,
+    };
+    std::fs::write(&args.out, report::render(&results))
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!(
+        "poolpilot-bench: wrote {} in {:.0} s",
+        args.out.display(),
+        results.machine.wall_secs
+    );
+    Ok(())
+}

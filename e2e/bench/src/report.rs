@@ -1,0 +1,600 @@
+//! Writes `BENCHMARKS.md`: machine, targets met or not, the four tables, the profile's hot spots,
+//! the exact peer configs and how to reproduce one row.
+
+use std::fmt::Write as _;
+
+use crate::parts::{Bench, ContentionRun, IdleRun, Profile, Row, Sample, SseRun};
+use crate::peers::{self, Target};
+use crate::procs::first_line;
+use crate::stats::{median, ms, ms_signed, num, ratio};
+
+/// What the run saw of the machine.
+#[derive(Clone, Debug, Default)]
+pub struct Machine {
+    /// `date -u` at the start.
+    pub started: String,
+    /// `/proc/loadavg` at the start and the end.
+    pub load_start: String,
+    /// At the end.
+    pub load_end: String,
+    /// Wall time of parts 1–4, seconds.
+    pub wall_secs: f64,
+}
+
+impl Machine {
+    /// Reads the start time and load.
+    pub fn at_start() -> Self {
+        Self {
+            started: first_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+            load_start: loadavg(),
+            ..Self::default()
+        }
+    }
+}
+
+/// The first three fields of `/proc/loadavg`.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn mem_total() -> String {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map(|kib| format!("{:.1} GiB", kib as f64 / 1024.0 / 1024.0))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Everything the report is made of.
+#[derive(Debug)]
+pub struct Results<'a> {
+    /// The run.
+    pub bench: &'a Bench,
+    /// Machine facts.
+    pub machine: Machine,
+    /// Part 1.
+    pub samples: Vec<Sample>,
+    /// Part 2.
+    pub contention: Vec<ContentionRun>,
+    /// Part 3.
+    pub sse: Vec<SseRun>,
+    /// Part 4.
+    pub idle: Vec<IdleRun>,
+    /// The profile.
+    pub profile: Profile,
+    /// The profile's file name, beside the report.
+    pub profile_file: String,
+    /// Hand-written analysis to include verbatim.
+    pub analysis: Option<String>,
+}
+
+const PROXIES: [Target; 3] = [Target::Poolpilot, Target::Haproxy, Target::Nginx];
+const ALL: [Target; 4] = [
+    Target::Direct,
+    Target::Poolpilot,
+    Target::Haproxy,
+    Target::Nginx,
+];
+
+/// Medians over rounds of one (row, target) of part 1.
+#[derive(Clone, Copy, Debug)]
+struct Cell {
+    rps: f64,
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    cpu: f64,
+    rss_kib: f64,
+    errors: u64,
+}
+
+fn cell(samples: &[Sample], row: Row, target: Target) -> Cell {
+    let runs: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.row == row && s.target == target)
+        .collect();
+    let m = |f: &dyn Fn(&Sample) -> f64| median(&runs.iter().map(|s| f(s)).collect::<Vec<_>>());
+    Cell {
+        rps: m(&|s| s.load.rps),
+        p50: m(&|s| s.load.p50_us),
+        p99: m(&|s| s.load.p99_us),
+        p999: m(&|s| s.load.p999_us),
+        cpu: m(&|s| s.cpu_per_10k),
+        rss_kib: m(&|s| s.peak_rss_kib),
+        errors: runs.iter().map(|s| s.load.errors).sum(),
+    }
+}
+
+fn rows(samples: &[Sample]) -> Vec<Row> {
+    let mut rows: Vec<Row> = Vec::new();
+    for s in samples {
+        if !rows.contains(&s.row) {
+            rows.push(s.row);
+        }
+    }
+    rows
+}
+
+fn mib(kib: f64) -> String {
+    num(kib / 1024.0, 1)
+}
+
+/// Renders the whole document.
+pub fn render(r: &Results<'_>) -> String {
+    let b = r.bench;
+    let plan = &b.plan;
+    let mut md = String::new();
+    let w = &mut md;
+    let _ = writeln!(
+        w,
+        "# Benchmarks: poolpilot-gateway beside HAProxy and nginx\n"
+    );
+    let _ = writeln!(
+        w,
+        "Written by `make bench` ({}) on {}: every number below comes from that run of the \
+         committed harness (`e2e/bench`, binary `poolpilot-bench`); do not edit by hand. Parts \
+         5–6 of issue 8 (control loop and operator scale, on the embedded cluster) are not \
+         measured yet.\n",
+        if plan.quick {
+            "**quick mode** (`BENCH_QUICK=1`: short runs to validate the harness, not for \
+             conclusions)"
+        } else {
+            "full mode"
+        },
+        r.machine.started
+    );
+
+    // Machine.
+    let _ = writeln!(w, "## Machine\n");
+    let _ = writeln!(w, "| what | value |\n|---|---|");
+    let _ = writeln!(w, "| CPU | {} × {} |", num_cpus(), cpu_model());
+    let _ = writeln!(w, "| memory | {} |", mem_total());
+    let _ = writeln!(
+        w,
+        "| OS | Debian {}, Linux {} |",
+        first_line("cat", &["/etc/debian_version"]),
+        first_line("uname", &["-r"])
+    );
+    let _ = writeln!(
+        w,
+        "| load average (1/5/15 min) | start {} · end {} (other builds shared the machine when it was high) |",
+        r.machine.load_start, r.machine.load_end
+    );
+    let _ = writeln!(
+        w,
+        "| wall time of parts 1–4 | {:.0} s |",
+        r.machine.wall_secs
+    );
+    let _ = writeln!(w, "| rustc | {} |", first_line("rustc", &["--version"]));
+    let _ = writeln!(w, "| HAProxy | {} |", first_line("haproxy", &["-v"]));
+    let _ = writeln!(w, "| nginx | {} |", first_line("nginx", &["-v"]));
+    let _ = writeln!(w, "| wrk | {} |", first_line("wrk", &["-v"]));
+    let _ = writeln!(
+        w,
+        "| pinning | proxy on CPU {}; upstream, load generator and driver on CPU {} (`taskset`) |",
+        b.env.proxy_cpu, b.load_cpu
+    );
+    let _ = writeln!(
+        w,
+        "| workers | 1 for every proxy: gateway `TOKIO_WORKER_THREADS=1`, HAProxy `nbthread 1`, nginx one process |\n"
+    );
+
+    render_targets(w, r);
+    render_part1(w, r);
+    render_part2(w, r);
+    render_part3(w, r);
+    render_part4(w, r);
+    render_profile(w, r);
+    if let Some(analysis) = &r.analysis {
+        let _ = writeln!(w, "{}\n", analysis.trim_end());
+    }
+    render_configs(w, r);
+    md
+}
+
+/// Processors of the machine (not of this process, which is pinned to one).
+fn num_cpus() -> usize {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count()
+}
+
+fn idle_median(r: &Results<'_>, t: Target) -> f64 {
+    median(
+        &r.idle
+            .iter()
+            .filter(|i| i.target == t)
+            .map(IdleRun::bytes_per_conn)
+            .collect::<Vec<_>>(),
+    )
+}
+
+fn render_targets(w: &mut String, r: &Results<'_>) {
+    let _ = writeln!(w, "## Targets of issue 8\n");
+    let _ = writeln!(w, "| target | met? | detail |\n|---|---|---|");
+    let mut thr_fail = Vec::new();
+    let mut p99_fail = Vec::new();
+    for row in rows(&r.samples) {
+        let d = cell(&r.samples, row, Target::Direct);
+        let p = cell(&r.samples, row, Target::Poolpilot);
+        let h = cell(&r.samples, row, Target::Haproxy);
+        let n = cell(&r.samples, row, Target::Nginx);
+        if matches!(row, Row::Concurrency(_)) && (p.rps < h.rps || p.rps < n.rps) {
+            thr_fail.push(format!(
+                "{}: {} × HAProxy, {} × nginx",
+                row.label(),
+                ratio(p.rps, h.rps),
+                ratio(p.rps, n.rps)
+            ));
+        }
+        if p.p99 - d.p99 > h.p99 - d.p99 {
+            p99_fail.push(format!(
+                "{}: {} ms vs {} ms",
+                row.label(),
+                ms_signed(p.p99 - d.p99),
+                ms_signed(h.p99 - d.p99)
+            ));
+        }
+    }
+    let verdict = |fails: &Vec<String>| {
+        if fails.is_empty() {
+            ("yes".to_string(), "every row".to_string())
+        } else {
+            ("**no**".to_string(), fails.join("; "))
+        }
+    };
+    let (m, d) = verdict(&thr_fail);
+    let _ = writeln!(
+        w,
+        "| throughput ≥ 1.0× HAProxy and ≥ 1.0× nginx at every concurrency | {m} | {d} |"
+    );
+    let (m, d) = verdict(&p99_fail);
+    let _ = writeln!(w, "| added p99 latency ≤ HAProxy's | {m} | {d} |");
+    let pp = idle_median(r, Target::Poolpilot);
+    let hp = idle_median(r, Target::Haproxy);
+    let _ = writeln!(
+        w,
+        "| RSS per idle connection ≤ HAProxy's | {} | poolpilot {} B, HAProxy {} B, nginx {} B |\n",
+        if pp <= hp { "yes" } else { "**no**" },
+        num(pp, 0),
+        num(hp, 0),
+        num(idle_median(r, Target::Nginx), 0)
+    );
+}
+
+fn render_part1(w: &mut String, r: &Results<'_>) {
+    let plan = &r.bench.plan;
+    let _ = writeln!(w, "## 1. Proxy overhead and throughput\n");
+    let _ = writeln!(
+        w,
+        "One upstream (`poolpilot-bench upstream`: hyper HTTP/1.1 on one thread, 64-byte JSON \
+         body, no service time), `GET /v1/fast`. Connection cap 256 for every proxy (no row \
+         queues). Closed loop rows: `wrk -t1 -cN`; the fixed-rate row: {rate} req/s open loop over {rc} \
+         keep-alive connections from the driver's own generator (`load::fixed_rate`: latency \
+         counted from a request's due time whenever its connection was still busy then, so \
+         stalls are not hidden by coordinated omission). Each run: a fresh \
+         proxy, {warm} s warm-up, {secs} s measured; {rounds} round(s), proxies in alternating \
+         order (reversed every round); medians over rounds. *Added* = the proxy's percentile \
+         minus direct-to-upstream's in the same row. CPU = the proxy's user + system time \
+         (`/proc/<pid>/stat`) over the measured run, per 10,000 completed requests. Peak RSS = \
+         `VmHWM` at the end of the run. Latencies in ms. Direct-to-upstream runs on one core \
+         (load generator and upstream share CPU 1), so at `c=1` it has no cross-core wake-up \
+         at all; every proxy adds two (to CPU 0 and back), which is most of their `c=1` cost.\n",
+        rate = plan.rate,
+        rc = plan.rate_conns,
+        warm = plan.warmup_secs,
+        secs = plan.secs,
+        rounds = plan.rounds,
+    );
+    let _ = writeln!(
+        w,
+        "| load | target | req/s | p50 | p99 | p99.9 | added p50 | added p99 | CPU s / 10k req | peak RSS MiB | errors |"
+    );
+    let _ = writeln!(w, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for row in rows(&r.samples) {
+        let d = cell(&r.samples, row, Target::Direct);
+        for t in ALL {
+            let c = cell(&r.samples, row, t);
+            let (a50, a99) = if t == Target::Direct {
+                ("–".to_string(), "–".to_string())
+            } else {
+                (ms_signed(c.p50 - d.p50), ms_signed(c.p99 - d.p99))
+            };
+            let _ = writeln!(
+                w,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                row.label(),
+                t.name(),
+                num(c.rps, 0),
+                ms(c.p50),
+                ms(c.p99),
+                ms(c.p999),
+                a50,
+                a99,
+                num(c.cpu, 3),
+                mib(c.rss_kib),
+                c.errors
+            );
+        }
+    }
+    let _ = writeln!(
+        w,
+        "\nRatios per row (poolpilot ÷ peer; req/s above 1 is better, latency and CPU below 1 \
+         are better):\n"
+    );
+    let _ = writeln!(
+        w,
+        "| load | req/s ÷ HAProxy | req/s ÷ nginx | p99 ÷ HAProxy | p99 ÷ nginx | CPU ÷ HAProxy | CPU ÷ nginx |"
+    );
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|");
+    for row in rows(&r.samples) {
+        let p = cell(&r.samples, row, Target::Poolpilot);
+        let h = cell(&r.samples, row, Target::Haproxy);
+        let n = cell(&r.samples, row, Target::Nginx);
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            row.label(),
+            ratio(p.rps, h.rps),
+            ratio(p.rps, n.rps),
+            ratio(p.p99, h.p99),
+            ratio(p.p99, n.p99),
+            ratio(p.cpu, h.cpu),
+            ratio(p.cpu, n.cpu)
+        );
+    }
+    let _ = writeln!(w);
+}
+
+fn render_part2(w: &mut String, r: &Results<'_>) {
+    let plan = &r.bench.plan;
+    let _ = writeln!(w, "## 2. Pool under contention\n");
+    let _ = writeln!(
+        w,
+        "Upstream service time 50 ms (`GET /v1/slow?ms=50`), connection cap 32 (poolpilot \
+         `maxConnectionsPerEndpoint: 32`, `leaseTimeout: 5s`; HAProxy `server ... maxconn 32`, \
+         `timeout queue 5s`), offered concurrency 128: 4 clients × 32 keep-alive connections, \
+         closed loop, {secs} s per run, {rounds} round(s), medians. The ceiling is 32 / 50 ms = \
+         640 completed/s. *Queue wait* = from the client sending a request to the upstream \
+         receiving it (both read `CLOCK_MONOTONIC`; the upstream returns its time in \
+         `x-recv-us`). *Share deviation* = the largest |client share − 1/4| ÷ 1/4. nginx is \
+         left out: open-source nginx has no upstream queue (a request over `max_conns` gets \
+         502 at once).\n",
+        secs = plan.contention_secs,
+        rounds = plan.contention_rounds,
+    );
+    let _ = writeln!(
+        w,
+        "| proxy | completed/s | queue wait p50 ms | queue wait p99 ms | latency p99 ms | error rate | share deviation | per-client completions (last round) |"
+    );
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---|");
+    for t in [Target::Poolpilot, Target::Haproxy] {
+        let runs: Vec<&ContentionRun> = r.contention.iter().filter(|c| c.target == t).collect();
+        let m = |f: &dyn Fn(&ContentionRun) -> f64| {
+            median(&runs.iter().map(|c| f(c)).collect::<Vec<_>>())
+        };
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | {}% | {}% | {:?} |",
+            t.name(),
+            num(m(&|c| c.completed_per_s), 1),
+            ms(m(&|c| c.queue_p50_us)),
+            ms(m(&|c| c.queue_p99_us)),
+            ms(m(&|c| c.latency_p99_us)),
+            num(m(&|c| c.error_rate * 100.0), 3),
+            num(m(&|c| c.share_deviation_pct), 1),
+            runs.last()
+                .map(|c| c.per_client.clone())
+                .unwrap_or_default()
+        );
+    }
+    let _ = writeln!(w);
+}
+
+fn render_part3(w: &mut String, r: &Results<'_>) {
+    let plan = &r.bench.plan;
+    let _ = writeln!(w, "## 3. Streaming (SSE)\n");
+    let _ = writeln!(
+        w,
+        "{streams} concurrent streams of {n} events, one every {every} ms \
+         (`GET /v1/sse?n={n}&ms={every}`), connection cap 64, {rounds} round(s), medians. \
+         *Transit* = when the client read an event minus when the upstream wrote it (the event \
+         carries its `CLOCK_MONOTONIC` write time), over every event of every stream; *added* = \
+         minus direct's. TTFB = from sending the request to the first complete event. As one \
+         configures them for SSE, nginx has `proxy_buffering off` for `/v1/sse` and HAProxy \
+         routes it to a backend with `option http-no-delay` (without it HAProxy sends with \
+         `MSG_MORE` and events wait in the kernel for tens of milliseconds). \
+         Latencies in ms.\n",
+        streams = plan.sse_streams,
+        n = plan.sse_events,
+        every = plan.sse_every_ms,
+        rounds = plan.sse_rounds,
+    );
+    let _ = writeln!(
+        w,
+        "| target | TTFB p50 | TTFB max | added TTFB p50 | transit p50 | transit p99 | transit p99.9 | added transit p50 | added transit p99 | complete streams |"
+    );
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let med = |t: Target, f: &dyn Fn(&SseRun) -> f64| {
+        median(
+            &r.sse
+                .iter()
+                .filter(|s| s.target == t)
+                .map(f)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let d_ttfb = med(Target::Direct, &|s| s.ttfb_p50_us);
+    let d50 = med(Target::Direct, &|s| s.transit_p50_us);
+    let d99 = med(Target::Direct, &|s| s.transit_p99_us);
+    for t in ALL {
+        let ttfb = med(t, &|s| s.ttfb_p50_us);
+        let t50 = med(t, &|s| s.transit_p50_us);
+        let t99 = med(t, &|s| s.transit_p99_us);
+        let (complete, started) = r
+            .sse
+            .iter()
+            .filter(|s| s.target == t)
+            .fold((0, 0), |(c, n), s| (c + s.complete, n + s.streams));
+        let added = |x: f64, base: f64| {
+            if t == Target::Direct {
+                "–".to_string()
+            } else {
+                ms_signed(x - base)
+            }
+        };
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {complete}/{started} |",
+            t.name(),
+            ms(ttfb),
+            ms(med(t, &|s| s.ttfb_max_us)),
+            added(ttfb, d_ttfb),
+            ms(t50),
+            ms(t99),
+            ms(med(t, &|s| s.transit_p999_us)),
+            added(t50, d50),
+            added(t99, d99),
+        );
+    }
+    let _ = writeln!(w);
+}
+
+fn render_part4(w: &mut String, r: &Results<'_>) {
+    let plan = &r.bench.plan;
+    let _ = writeln!(w, "## 4. Idle client connections\n");
+    let _ = writeln!(
+        w,
+        "A fresh proxy serves one request, then {n} client connections are opened (128 at a \
+         time, from their own loopback source address), each sends one keep-alive request, reads \
+         the response and stays open; 2 s later the proxy's `VmRSS` is read. Per connection = \
+         (RSS with them − RSS before) ÷ {n}. {rounds} round(s), medians. Soft fd limits are \
+         raised to the hard limit (20,000 here) for every process. Why {n} and not 10,000: HAProxy \
+         reserves two fds per connection under its global `maxconn` and refuses to start when \
+         they do not fit the hard limit, so 9,990 is the most it can hold here.\n",
+        n = plan.idle_conns,
+        rounds = plan.idle_rounds,
+    );
+    let _ = writeln!(
+        w,
+        "| proxy | RSS before MiB | RSS with {} idle MiB | bytes per idle connection | still open when read |",
+        plan.idle_conns
+    );
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|");
+    for t in PROXIES {
+        let runs: Vec<&IdleRun> = r.idle.iter().filter(|i| i.target == t).collect();
+        let m =
+            |f: &dyn Fn(&IdleRun) -> f64| median(&runs.iter().map(|i| f(i)).collect::<Vec<_>>());
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {} | {} |",
+            t.name(),
+            mib(m(&|i| i.base_kib as f64)),
+            mib(m(&|i| i.loaded_kib as f64)),
+            num(m(&IdleRun::bytes_per_conn), 0),
+            num(m(&|i| i.still_open as f64), 0),
+        );
+    }
+    let _ = writeln!(w);
+}
+
+fn render_profile(w: &mut String, r: &Results<'_>) {
+    let p = &r.profile;
+    let _ = writeln!(w, "## Profile of the gateway at peak throughput\n");
+    match &p.load {
+        Some(load) => {
+            let _ = writeln!(
+                w,
+                "`perf record -e cpu-clock -F 999 -g -p <gateway>` for {} s under `wrk -c{}` \
+                 ({} req/s during the profile; sampling costs some throughput). Flat profiles (self \
+                 time) by shared object, then by shared object and symbol, from [`{}`]({}) (`perf report --stdio \
+                 --no-children --sort dso,symbol`). The top entries:\n",
+                r.bench.plan.profile_secs,
+                p.conns,
+                num(load.rps, 0),
+                r.profile_file,
+                r.profile_file
+            );
+            let _ = writeln!(w, "```text");
+            for line in &p.top {
+                let _ = writeln!(w, "{line}");
+            }
+            let _ = writeln!(w, "```\n");
+        }
+        None => {
+            let _ = writeln!(w, "{}", p.text);
+        }
+    }
+}
+
+fn render_configs(w: &mut String, r: &Results<'_>) {
+    let b = r.bench;
+    let s = b.part1_settings();
+    let _ = writeln!(w, "## Peer configs (exactly as run in part 1)\n");
+    let _ = writeln!(
+        w,
+        "Part 2 uses the same files with the cap at 32 (`maxconn 32`, `max_conns=32` / \
+         `keepalive 32`, `maxConnectionsPerEndpoint: 32`); part 3 with the cap at 64, part 4 \
+         at 256. \
+         The proxy listens on {}, the upstream on {}.\n",
+        s.listen, s.upstream
+    );
+    let admin = std::net::SocketAddr::new(s.listen.ip(), s.listen.port() + 1000);
+    let (gateway, limits) = peers::poolpilot_configs(&s, admin);
+    let _ = writeln!(
+        w,
+        "poolpilot-gateway (`TOKIO_WORKER_THREADS=1 RUST_LOG=warn poolpilot-gateway --config bench-gateway.yaml`):\n"
+    );
+    let _ = writeln!(w, "```yaml\n# bench-gateway.yaml\n{gateway}```\n");
+    let _ = writeln!(w, "```yaml\n# bench-limits.yaml\n{limits}```\n");
+    let _ = writeln!(w, "HAProxy (`haproxy -db -f haproxy.cfg`):\n");
+    let _ = writeln!(w, "```text\n{}```\n", peers::haproxy_config(&s));
+    let _ = writeln!(w, "nginx (`nginx -p <dir> -c nginx.conf`):\n");
+    let _ = writeln!(
+        w,
+        "```nginx\n{}```\n",
+        peers::nginx_config(&s, std::path::Path::new("<dir>"))
+    );
+    let _ = writeln!(w, "## Reproduce one row\n");
+    let _ = writeln!(
+        w,
+        "Part 1, `c=64`, HAProxy (the other proxies: start them with the configs above instead):\n"
+    );
+    let _ = writeln!(
+        w,
+        "```sh\n\
+         export CARGO_TARGET_DIR=$HOME/.cache/poolpilot/target-bench\n\
+         cargo build --release -p poolpilot-gateway -p poolpilot-bench\n\
+         taskset -c {l} $CARGO_TARGET_DIR/release/poolpilot-bench upstream {up} &\n\
+         taskset -c {p} haproxy -db -f haproxy.cfg &      # the config above\n\
+         taskset -c {l} wrk -t1 -c64 -d{d}s --timeout 5s http://{listen}/v1/fast\n\
+         ```\n\n\
+         The harness does the same with a summary script (`-s`, printing p50/p99/p99.9 as JSON), \
+         a fresh proxy per run, and reads the proxy's `/proc/<pid>/stat` before and after. \
+         `make bench` runs everything (`BENCH_QUICK=1 make bench` for a short validation run); \
+         `poolpilot-bench run --help` lists the knobs.\n",
+        l = b.load_cpu,
+        p = b.env.proxy_cpu,
+        up = b.upstream,
+        listen = s.listen,
+        d = b.plan.secs,
+    );
+}
