@@ -1,0 +1,681 @@
+//! The operator on the embedded cluster, as a user runs it: deployed as a pod from the local
+//! overlay's manifests (its own ServiceAccount, bound to the ClusterRole of `manifests/operator`,
+//! not cluster-admin), driven with `kubectl` only. Covers issue 5's acceptance (the CRD and a
+//! sample policy applied → `Accepted`, CEL rules refuse an invalid policy, printer columns,
+//! `kubectl explain`) and issue 6's RBAC acceptance (no denial under the shipped role; without one
+//! verb the operator fails visibly).
+//!
+//! Each test runs its own operator in its own namespace (`--namespace`, so that operators of
+//! concurrent tests never reconcile each other's policies) and names its cluster-scoped objects
+//! after that namespace, deleting them at the end.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::ResourceExt as _;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use poolpilot_api::ConnectionPolicy;
+use poolpilot_e2e::cluster::{output, run};
+use poolpilot_e2e::{TestNamespace, eventually, with_namespace};
+use serde::Deserialize as _;
+use serde_json::{Value, json};
+
+/// Deadline of every wait: generous, for a loaded 2-core machine.
+const WAIT: Duration = Duration::from_secs(90);
+/// The label of the operator's pods (from `manifests/operator/deployment.yaml`).
+const OPERATOR_LABELS: &str = "app.kubernetes.io/name=poolpilot-operator";
+/// The sample policy's name.
+const SAMPLE: &str = "models";
+
+/// The workspace root (the parent of `e2e/`).
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ has a parent")
+        .to_path_buf()
+}
+
+/// `kubectl apply -k manifests/crds` and wait until the CRD serves (idempotent: shared).
+async fn install_crd(ns: &TestNamespace) -> anyhow::Result<()> {
+    let cluster = ns.cluster();
+    // Concurrent tests may both create it: the loser's apply fails with AlreadyExists, and its
+    // retry is an update.
+    eventually("the CRD is applied", WAIT, || async {
+        run(cluster
+            .kubectl()
+            .args(["apply", "-k"])
+            .arg(workspace().join("manifests/crds")))
+        .await
+    })
+    .await?;
+    run(cluster.kubectl().args([
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/connectionpolicies.poolpilot.io",
+    ]))
+    .await?;
+    Ok(())
+}
+
+/// The operator's objects as `kubectl kustomize manifests/overlays/local` renders them.
+async fn rendered_operator(ns: &TestNamespace) -> anyhow::Result<Vec<Value>> {
+    let yaml = run(ns
+        .cluster()
+        .kubectl()
+        .arg("kustomize")
+        .arg(workspace().join("manifests/overlays/local")))
+    .await?;
+    let mut objects = Vec::new();
+    for doc in serde_norway::Deserializer::from_str(&yaml) {
+        let object = Value::deserialize(doc)?;
+        let name = object["metadata"]["name"].as_str().unwrap_or_default();
+        if object["kind"] != "Namespace" && name.starts_with("poolpilot-operator") {
+            objects.push(object);
+        }
+    }
+    let mut kinds: Vec<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
+    kinds.sort_unstable();
+    anyhow::ensure!(
+        kinds
+            == [
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "Deployment",
+                "PodDisruptionBudget",
+                "Role",
+                "RoleBinding",
+                "Service",
+                "ServiceAccount"
+            ],
+        "unexpected operator objects in the local overlay: {kinds:?}"
+    );
+    Ok(objects)
+}
+
+/// How a test deploys the operator.
+struct Deploy<'a> {
+    /// Replicas of the Deployment (the manifests' value when `None`).
+    replicas: Option<u32>,
+    /// Drops `verb` on `resource` from the ClusterRole and binds the operator to that reduced
+    /// copy (named after the namespace) instead of the shipped role.
+    without: Option<(&'a str, &'a str)>,
+}
+
+/// The names of the cluster-scoped objects a test created (deleted by [`teardown`]).
+#[derive(Default)]
+struct ClusterScoped {
+    binding: String,
+    role: Option<String>,
+}
+
+/// Deploys the operator's objects into the test namespace: namespaced objects move there, the
+/// ClusterRoleBinding gets a unique name and binds the namespace's ServiceAccount, the operator
+/// watches only this namespace. The shipped ClusterRole is applied as it is (shared, idempotent).
+async fn deploy_operator(
+    ns: &TestNamespace,
+    how: Deploy<'_>,
+    created: &mut ClusterScoped,
+) -> anyhow::Result<()> {
+    let name = ns.name();
+    let mut objects = rendered_operator(ns).await?;
+    created.binding = format!("poolpilot-operator-{name}");
+    for object in &mut objects {
+        let kind = object["kind"].as_str().unwrap_or_default().to_owned();
+        match kind.as_str() {
+            "ClusterRole" => {
+                if let Some((resource, verb)) = how.without {
+                    let role = format!("poolpilot-operator-{name}-without-{verb}");
+                    remove_verb(object, resource, verb)?;
+                    object["metadata"]["name"] = json!(role);
+                    created.role = Some(role);
+                }
+            }
+            "ClusterRoleBinding" => {
+                object["metadata"]["name"] = json!(created.binding);
+                if let Some(role) = &created.role {
+                    object["roleRef"]["name"] = json!(role);
+                }
+            }
+            _ => object["metadata"]["namespace"] = json!(name),
+        }
+        if kind.ends_with("Binding") {
+            for subject in object["subjects"].as_array_mut().into_iter().flatten() {
+                subject["namespace"] = json!(name);
+            }
+        }
+        if kind == "Deployment" {
+            if let Some(replicas) = how.replicas {
+                object["spec"]["replicas"] = json!(replicas);
+            }
+            // The overlay's Prometheus is `make cluster-up`'s (port 9090); a cluster that the
+            // tests started has its own port.
+            let prometheus = ns.cluster().prometheus_url()?;
+            let container = &mut object["spec"]["template"]["spec"]["containers"][0];
+            let args = container["args"]
+                .as_array_mut()
+                .context("the operator container has args")?;
+            for arg in args.iter_mut() {
+                if arg
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("--prometheus-url="))
+                {
+                    *arg = json!(format!("--prometheus-url={prometheus}"));
+                }
+            }
+            args.push(json!("--namespace=$(POD_NAMESPACE)"));
+        }
+    }
+    // The reduced role is applied before the binding that refers to it (order of the list).
+    objects.sort_by_key(|o| o["kind"] != "ClusterRole");
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(
+        file.path(),
+        serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
+    )?;
+    run(ns
+        .cluster()
+        .kubectl()
+        .args(["apply", "-f"])
+        .arg(file.path()))
+    .await?;
+    Ok(())
+}
+
+/// Removes `verb` from the rule on `resource` (core group) of a ClusterRole; fails if the role
+/// does not grant it, so the test notices when the manifests change.
+fn remove_verb(role: &mut Value, resource: &str, verb: &str) -> anyhow::Result<()> {
+    let rule = role["rules"]
+        .as_array_mut()
+        .context("rules")?
+        .iter_mut()
+        .find(|r| {
+            r["apiGroups"] == json!([""])
+                && r["resources"]
+                    .as_array()
+                    .is_some_and(|rs| rs.iter().any(|x| x == resource))
+        })
+        .with_context(|| format!("no rule on {resource} in the ClusterRole"))?;
+    let verbs = rule["verbs"].as_array_mut().context("verbs")?;
+    let before = verbs.len();
+    verbs.retain(|v| v != verb);
+    anyhow::ensure!(
+        verbs.len() < before,
+        "the ClusterRole does not grant {verb} on {resource}"
+    );
+    Ok(())
+}
+
+/// The operator's Ready pods once `count` of them are Ready; their logs are dumped if the test
+/// fails.
+async fn operator_pods(ns: &TestNamespace, count: usize) -> anyhow::Result<Vec<Pod>> {
+    let pods: Api<Pod> = ns.api();
+    let ready = eventually("the operator pods are Ready", WAIT, || async {
+        let list = pods
+            .list(&ListParams::default().labels(OPERATOR_LABELS))
+            .await?;
+        let ready: Vec<Pod> = list.items.into_iter().filter(is_ready).collect();
+        anyhow::ensure!(ready.len() == count, "{} of {count} Ready", ready.len());
+        Ok(ready)
+    })
+    .await?;
+    for pod in &ready {
+        ns.dump_on_failure(
+            format!("operator log of {}", pod.name_any()),
+            log_path(ns, &pod.name_any()),
+        );
+    }
+    Ok(ready)
+}
+
+fn is_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn log_path(ns: &TestNamespace, pod: &str) -> PathBuf {
+    ns.cluster()
+        .kubelet_dir()
+        .join("pods")
+        .join(ns.name())
+        .join(pod)
+        .join("operator.log")
+}
+
+/// An operator pod's log without the terminal colours of its plain format.
+fn operator_log(ns: &TestNamespace, pod: &Pod) -> String {
+    let raw = std::fs::read_to_string(log_path(ns, &pod.name_any())).unwrap_or_default();
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI sequence: ESC [ parameters, ends with a letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The text of an operator pod's `/metrics`.
+async fn scrape(pod: &Pod) -> anyhow::Result<String> {
+    let ip = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.as_deref())
+        .context("the operator pod has no IP")?;
+    Ok(reqwest::get(format!("http://{ip}:8080/metrics"))
+        .await?
+        .error_for_status()?
+        .text()
+        .await?)
+}
+
+/// `kubectl apply` of the sample policy into the test namespace.
+async fn apply_sample(ns: &TestNamespace) -> anyhow::Result<()> {
+    run(ns
+        .cluster()
+        .kubectl()
+        .args(["apply", "-n", ns.name(), "-f"])
+        .arg(workspace().join("manifests/samples/connectionpolicy.yaml")))
+    .await?;
+    Ok(())
+}
+
+/// Deletes the test's cluster-scoped objects, and lets go of policies whose finalizer nobody
+/// will remove (the namespace could not be deleted otherwise).
+async fn teardown(ns: &TestNamespace, created: &ClusterScoped) {
+    let policies: Api<ConnectionPolicy> = ns.api();
+    if let Ok(list) = policies.list(&ListParams::default()).await {
+        for p in list {
+            let patch = Patch::Merge(json!({"metadata": {"finalizers": null}}));
+            let _ = policies
+                .patch(&p.name_any(), &PatchParams::default(), &patch)
+                .await;
+        }
+    }
+    let mut objects: Vec<String> = Vec::new();
+    if !created.binding.is_empty() {
+        objects.push(format!("clusterrolebinding/{}", created.binding));
+    }
+    if let Some(role) = &created.role {
+        objects.push(format!("clusterrole/{role}"));
+    }
+    if objects.is_empty() {
+        return;
+    }
+    let mut cmd = ns.cluster().kubectl();
+    cmd.args(["delete", "--ignore-not-found", "--wait=false"])
+        .args(&objects);
+    if let Err(e) = run(&mut cmd).await {
+        eprintln!("teardown: {e:#}");
+    }
+}
+
+/// Collapses every run of whitespace into one space (`kubectl explain` wraps long lines).
+fn words(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[tokio::test]
+async fn the_operator_accepts_a_policy_under_its_cluster_role_without_rbac_denials()
+-> anyhow::Result<()> {
+    with_namespace("op-accept", async |ns| {
+        let mut created = ClusterScoped::default();
+        let result = accept_scenario(ns, &mut created).await;
+        teardown(ns, &created).await;
+        result
+    })
+    .await
+}
+
+async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> anyhow::Result<()> {
+    let cluster = ns.cluster();
+    install_crd(ns).await?;
+    // Two replicas as shipped: one leads, the other stands by on the Lease.
+    deploy_operator(
+        ns,
+        Deploy {
+            replicas: None,
+            without: None,
+        },
+        created,
+    )
+    .await?;
+    let pods = operator_pods(ns, 2).await?;
+
+    // `kubectl apply` of the sample policy → the operator accepts it.
+    apply_sample(ns).await?;
+    let waited = run(cluster.kubectl().args([
+        "wait",
+        "-n",
+        ns.name(),
+        "--for=condition=Accepted",
+        "--timeout=90s",
+        &format!("cpol/{SAMPLE}"),
+    ]))
+    .await?;
+    assert_eq!(
+        waited.trim(),
+        format!("connectionpolicy.poolpilot.io/{SAMPLE} condition met")
+    );
+
+    // The accepted policy got its durable limits ConfigMap (server-side apply, which needs
+    // `create` on configmaps), owned by the policy.
+    let configmaps: Api<ConfigMap> = ns.api();
+    let cm = eventually("the limits ConfigMap exists", WAIT, || async {
+        configmaps
+            .get_opt(&format!("{SAMPLE}-limits"))
+            .await?
+            .context("not yet")
+    })
+    .await?;
+    let owner = cm.owner_references().first().cloned().context("an owner")?;
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str()),
+        ("ConnectionPolicy", SAMPLE)
+    );
+    let doc: Value = serde_json::from_str(
+        cm.data
+            .as_ref()
+            .and_then(|d| d.get("limits.json"))
+            .context("limits.json in the ConfigMap")?,
+    )?;
+    let backends: Vec<&str> = doc["backends"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b["name"].as_str())
+        .collect();
+    assert_eq!(backends, ["model-a", "model-b"], "{doc}");
+
+    // An invalid policy is refused by `kubectl apply` with the CEL messages.
+    let sample =
+        std::fs::read_to_string(workspace().join("manifests/samples/connectionpolicy.yaml"))?;
+    let invalid = sample
+        .replace("name: models", "name: too-big")
+        .replace("    max: 25\n", "    max: 40\n")
+        .replace(
+            "timeouts: {firstByte: 15s, total: 120s",
+            "timeouts: {firstByte: 150s, total: 120s",
+        );
+    anyhow::ensure!(
+        invalid.contains("max: 40") && invalid.contains("firstByte: 150s"),
+        "the sample changed; update this test's edits"
+    );
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), &invalid)?;
+    let refused = output(
+        cluster
+            .kubectl()
+            .args(["apply", "-n", ns.name(), "-f"])
+            .arg(file.path()),
+    )
+    .await?;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "an invalid policy was accepted: {stderr}"
+    );
+    for message in [
+        "autoscale.max must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom) of any backend",
+        "timeouts.firstByte must not exceed timeouts.total",
+    ] {
+        assert!(
+            stderr.contains(message),
+            "{message:?} missing from: {stderr}"
+        );
+    }
+    assert!(stderr.contains("\"too-big\" is invalid"), "{stderr}");
+    let policies: Api<ConnectionPolicy> = ns.api();
+    assert!(
+        policies.get_opt("too-big").await?.is_none(),
+        "a refused policy must not exist"
+    );
+
+    // `kubectl get cpol`: the printer columns, with the values of the status.
+    let status = eventually("the status has targets", WAIT, || async {
+        let p = policies.get(SAMPLE).await?;
+        let status = p.status.context("no status yet")?;
+        anyhow::ensure!(status.targets.is_some(), "no targets yet");
+        Ok(status)
+    })
+    .await?;
+    let table = run(cluster.kubectl().args(["get", "cpol", "-n", ns.name()])).await?;
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        header,
+        ["NAME", "TARGETS", "UPDATED", "READY", "SATURATED", "AGE"],
+        "{table}"
+    );
+    let row: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    let condition = |kind: &str| {
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == kind)
+            .map(|c| c.status.clone())
+            .unwrap_or_else(|| "<none>".to_owned())
+    };
+    let targets = status.targets.clone().unwrap_or_default();
+    assert!(
+        targets.starts_with("model-a=") && targets.contains(",model-b="),
+        "targets per backend: {targets}"
+    );
+    // No gateway pod selects the policy here: none ready, none updated.
+    assert_eq!(status.updated.as_deref(), Some("0/0"));
+    assert_eq!(row.len(), 6, "{table}");
+    let (ready, saturated) = (condition("Ready"), condition("Saturated"));
+    let expected = [
+        SAMPLE,
+        targets.as_str(),
+        "0/0",
+        ready.as_str(),
+        saturated.as_str(),
+    ];
+    assert_eq!(row[..5], expected, "{table}");
+    assert!(
+        row[5].ends_with('s') || row[5].ends_with('m'),
+        "age: {table}"
+    );
+
+    // `kubectl explain` shows the field docs of the pool.
+    let explained = run(cluster
+        .kubectl()
+        .args(["explain", "connectionpolicy.spec.backends.pool"]))
+    .await?;
+    let text = words(&explained);
+    for doc in [
+        "The connection pool each gateway pod keeps to each endpoint.",
+        "leaseTimeout <string>",
+        "Longest wait for a pooled connection before failing fast with 503",
+        "maxPending <integer>",
+    ] {
+        assert!(
+            text.contains(doc),
+            "{doc:?} missing from `kubectl explain`:\n{explained}"
+        );
+    }
+
+    // The operator counts its policies per condition status, and Prometheus has it, labelled
+    // as the PoolpilotMetricsUnavailable alert reads it (max over the replicas).
+    let promql = format!(
+        "max(poolpilot_operator_policies{{namespace=\"{}\", condition=\"Accepted\", status=\"True\"}})",
+        ns.name()
+    );
+    eventually("Prometheus sees one accepted policy", WAIT, || async {
+        let result = cluster.prometheus_query(&promql).await?;
+        let value = result
+            .first()
+            .and_then(|s| s["value"][1].as_str())
+            .unwrap_or("none");
+        anyhow::ensure!(value == "1", "{promql} = {value}");
+        Ok(())
+    })
+    .await?;
+
+    // Deleting the policy runs the operator's finalizer (a patch of the policy).
+    run(cluster.kubectl().args([
+        "delete",
+        "-n",
+        ns.name(),
+        "--timeout=90s",
+        &format!("cpol/{SAMPLE}"),
+    ]))
+    .await?;
+    eventually(
+        "the limits ConfigMap is gone with its policy",
+        WAIT,
+        || async {
+            anyhow::ensure!(
+                configmaps
+                    .get_opt(&format!("{SAMPLE}-limits"))
+                    .await?
+                    .is_none(),
+                "still there"
+            );
+            Ok(())
+        },
+    )
+    .await?;
+
+    // Under the shipped ClusterRole the operator never met an RBAC denial, on the leader nor
+    // on the standby.
+    let mut leaders = 0;
+    for pod in &pods {
+        let log = operator_log(ns, pod);
+        assert!(
+            log.contains("watching ConnectionPolicies"),
+            "the log of {} is empty or not the operator's:\n{log}",
+            pod.name_any()
+        );
+        if log.contains("became the leader") {
+            leaders += 1;
+        }
+        let denials: Vec<&str> = log
+            .lines()
+            .filter(|l| l.to_lowercase().contains("forbidden"))
+            .collect();
+        assert!(
+            denials.is_empty(),
+            "RBAC denials in the log of {}:\n{}",
+            pod.name_any(),
+            denials.join("\n")
+        );
+    }
+    assert!(leaders >= 1, "no replica became the leader");
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_create_on_configmaps_the_operator_fails_visibly() -> anyhow::Result<()> {
+    with_namespace("op-rbac", async |ns| {
+        let mut created = ClusterScoped::default();
+        let result = missing_verb_scenario(ns, &mut created).await;
+        teardown(ns, &created).await;
+        result
+    })
+    .await
+}
+
+async fn missing_verb_scenario(
+    ns: &TestNamespace,
+    created: &mut ClusterScoped,
+) -> anyhow::Result<()> {
+    install_crd(ns).await?;
+    // Server-side apply of the not-yet-existing limits ConfigMap is authorized as `create`.
+    deploy_operator(
+        ns,
+        Deploy {
+            replicas: Some(1),
+            without: Some(("configmaps", "create")),
+        },
+        created,
+    )
+    .await?;
+    let pod = operator_pods(ns, 1).await?.remove(0);
+    apply_sample(ns).await?;
+
+    // The log says which step failed, on which object, and the apiserver's denial.
+    let user = format!("system:serviceaccount:{}:poolpilot-operator", ns.name());
+    let line = eventually("the operator logs the denial", WAIT, || async {
+        let log = operator_log(ns, &pod);
+        log.lines()
+            .find(|l| l.contains("reconcile failed") && l.contains("forbidden"))
+            .map(str::to_owned)
+            .context("no failed reconcile in the log yet")
+    })
+    .await?;
+    for part in [
+        "WARN",
+        &format!("policy={SAMPLE}"),
+        "step=\"rollout\"",
+        &format!("failed to apply ConfigMap {SAMPLE}-limits"),
+        &format!("User \"{user}\" cannot create resource \"configmaps\""),
+    ] {
+        assert!(
+            line.contains(part),
+            "{part:?} missing from the log line:\n{line}"
+        );
+    }
+
+    // ... and the operator's metrics count the failed step, which the reconcile-errors alert
+    // reads.
+    eventually("the rollout errors are counted", WAIT, || async {
+        let metrics = scrape(&pod).await?;
+        let errors = metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("poolpilot_operator_reconcile_errors_total{step=\"rollout\"} ")
+            })
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        anyhow::ensure!(
+            errors >= 1.0,
+            "reconcile errors of the rollout step: {errors}"
+        );
+        Ok(())
+    })
+    .await?;
+
+    // Nothing was written behind the failure: no ConfigMap, and the policy is not reported as
+    // accepted by this operator.
+    let configmaps: Api<ConfigMap> = ns.api();
+    assert!(
+        configmaps
+            .get_opt(&format!("{SAMPLE}-limits"))
+            .await?
+            .is_none()
+    );
+    let policies: Api<ConnectionPolicy> = ns.api();
+    let policy = policies.get(SAMPLE).await?;
+    let accepted = policy
+        .status
+        .iter()
+        .flat_map(|s| &s.conditions)
+        .any(|c| c.type_ == "Accepted" && c.status == "True");
+    assert!(
+        !accepted,
+        "the policy must not look accepted: {:?}",
+        policy.status
+    );
+    Ok(())
+}
