@@ -56,6 +56,17 @@ struct Run {
     started_at: Timestamp,
     started: Instant,
     killed_for: Option<String>,
+    /// What this run's probes need, fixed at start: the container's named ports and its
+    /// environment (exec probes run with it, as they would inside the container).
+    probe_context: Arc<ProbeContext>,
+}
+
+/// The per-run inputs of a container's probes.
+#[derive(Debug)]
+struct ProbeContext {
+    ip: String,
+    ports: BTreeMap<String, u16>,
+    env: BTreeMap<String, String>,
 }
 
 /// Probe bookkeeping for one probe of one container.
@@ -264,12 +275,27 @@ impl PodWorker {
                     });
                     self.ctx.track_pid(pid, true);
                     let c = &mut self.containers[index];
+                    let ports = c
+                        .spec
+                        .ports
+                        .iter()
+                        .flatten()
+                        .filter_map(|p| {
+                            Some((p.name.clone()?, u16::try_from(p.container_port).ok()?))
+                        })
+                        .collect();
+                    let probe_context = Arc::new(ProbeContext {
+                        ip: self.ip.to_string(),
+                        ports,
+                        env: spec.env,
+                    });
                     c.run = Some(Run {
                         id: run,
                         pid,
                         started_at: Timestamp::now(),
                         started: Instant::now(),
                         killed_for: None,
+                        probe_context,
                     });
                     c.waiting = None;
                     c.ready = false;
@@ -445,29 +471,20 @@ impl PodWorker {
     }
 
     fn schedule_probes(&mut self, now: Instant) {
-        let ip = self.ip.to_string();
         for (index, c) in self.containers.iter_mut().enumerate() {
             let Some(run) = &c.run else { continue };
             if c.spec.readiness_probe.is_none() && !c.ready {
                 c.ready = true;
             }
-            let ports: BTreeMap<String, u16> = c
-                .spec
-                .ports
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .filter_map(|p| Some((p.name?, u16::try_from(p.container_port).ok()?)))
-                .collect();
             for (kind, probe, state) in [
                 (
                     ProbeKind::Readiness,
-                    c.spec.readiness_probe.clone(),
+                    c.spec.readiness_probe.as_ref(),
                     &mut c.readiness,
                 ),
                 (
                     ProbeKind::Liveness,
-                    c.spec.liveness_probe.clone(),
+                    c.spec.liveness_probe.as_ref(),
                     &mut c.liveness,
                 ),
             ] {
@@ -476,12 +493,16 @@ impl PodWorker {
                     continue;
                 }
                 state.in_flight = true;
-                state.next = Some(now + ProbeTiming::of(&probe).period);
-                let (tx, ip, ports, run) =
-                    (self.reports_tx.clone(), ip.clone(), ports.clone(), run.id);
-                let env = BTreeMap::new();
+                state.next = Some(now + ProbeTiming::of(probe).period);
+                let (tx, probe, context, run) = (
+                    self.reports_tx.clone(),
+                    probe.clone(),
+                    run.probe_context.clone(),
+                    run.id,
+                );
                 tokio::spawn(async move {
-                    let result = probe::run(&probe, &ip, &ports, &env).await;
+                    let result =
+                        probe::run(&probe, &context.ip, &context.ports, &context.env).await;
                     let _ = tx.send(Report::Probed {
                         container: index,
                         run,
