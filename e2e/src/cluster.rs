@@ -239,6 +239,25 @@ impl Cluster {
         Ok(kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?)
     }
 
+    /// Installs the ConnectionPolicy CRD as a user does (`kubectl apply -k manifests/crds`) and
+    /// waits until it serves. Idempotent; callers that race on its creation retry the apply
+    /// (the retry is an update).
+    pub async fn install_crd(&self) -> anyhow::Result<()> {
+        let crds = paths::workspace_root().join("manifests/crds");
+        crate::eventually("the CRD is applied", Duration::from_secs(90), || async {
+            run(self.kubectl().arg("apply").arg("-k").arg(&crds)).await
+        })
+        .await?;
+        run(self.kubectl().args([
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/connectionpolicies.poolpilot.io",
+        ]))
+        .await?;
+        Ok(())
+    }
+
     /// A `kubectl` command (the bundled, version-matched one) using the admin kubeconfig.
     pub fn kubectl(&self) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(&self.bin);

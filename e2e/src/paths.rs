@@ -1,7 +1,15 @@
 //! Where the e2e tooling finds its binaries and keeps its state: one cache folder outside the
 //! clone (`$POOLPILOT_CACHE`, default `~/.cache/poolpilot`), shared by make, tests and the demo.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+/// The root of this workspace's source tree (manifests, CRDs, examples).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ lies inside the workspace")
+        .to_path_buf()
+}
 
 /// The cache root: `$POOLPILOT_CACHE` or `$HOME/.cache/poolpilot`.
 pub fn cache_dir() -> PathBuf {

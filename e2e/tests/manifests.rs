@@ -3,23 +3,14 @@
 //! PromQL expression of the Grafana dashboard and of the alerting rules runs on the e2e
 //! Prometheus, and the copies kept next to their sources (the CRD, the PrometheusRule) match them.
 
-use std::path::{Path, PathBuf};
-
 use anyhow::Context as _;
 use poolpilot_e2e::cluster::run;
+use poolpilot_e2e::paths::workspace_root;
 use poolpilot_e2e::{Cluster, with_namespace};
 use serde_json::Value;
 
-/// The workspace root (the parent of `e2e/`).
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("e2e/ has a parent")
-        .to_path_buf()
-}
-
 fn read(relative: &str) -> anyhow::Result<String> {
-    let path = workspace().join(relative);
+    let path = workspace_root().join(relative);
     std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))
 }
 
@@ -66,20 +57,8 @@ fn the_prometheus_rule_carries_the_rules_file() -> anyhow::Result<()> {
 async fn the_local_overlay_passes_a_server_side_dry_run() -> anyhow::Result<()> {
     with_namespace("manifests", async |ns| {
         let cluster = ns.cluster();
-        let root = workspace();
-        run(cluster
-            .kubectl()
-            .arg("apply")
-            .arg("-k")
-            .arg(root.join("manifests/crds")))
-        .await?;
-        run(cluster.kubectl().args([
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/connectionpolicies.poolpilot.io",
-        ]))
-        .await?;
+        let root = workspace_root();
+        cluster.install_crd().await?;
 
         let wrapper = tempfile::tempdir()?;
         let overlay = root.join("manifests/overlays/local").canonicalize()?;

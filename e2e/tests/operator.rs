@@ -9,7 +9,7 @@
 //! concurrent tests never reconcile each other's policies) and names its cluster-scoped objects
 //! after that namespace, deleting them at the end.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -18,6 +18,7 @@ use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_e2e::cluster::{output, run};
+use poolpilot_e2e::paths::workspace_root;
 use poolpilot_e2e::{TestNamespace, eventually, with_namespace};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
@@ -29,44 +30,13 @@ const OPERATOR_LABELS: &str = "app.kubernetes.io/name=poolpilot-operator";
 /// The sample policy's name.
 const SAMPLE: &str = "models";
 
-/// The workspace root (the parent of `e2e/`).
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("e2e/ has a parent")
-        .to_path_buf()
-}
-
-/// `kubectl apply -k manifests/crds` and wait until the CRD serves (idempotent: shared).
-async fn install_crd(ns: &TestNamespace) -> anyhow::Result<()> {
-    let cluster = ns.cluster();
-    // Concurrent tests may both create it: the loser's apply fails with AlreadyExists, and its
-    // retry is an update.
-    eventually("the CRD is applied", WAIT, || async {
-        run(cluster
-            .kubectl()
-            .args(["apply", "-k"])
-            .arg(workspace().join("manifests/crds")))
-        .await
-    })
-    .await?;
-    run(cluster.kubectl().args([
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/connectionpolicies.poolpilot.io",
-    ]))
-    .await?;
-    Ok(())
-}
-
 /// The operator's objects as `kubectl kustomize manifests/overlays/local` renders them.
 async fn rendered_operator(ns: &TestNamespace) -> anyhow::Result<Vec<Value>> {
     let yaml = run(ns
         .cluster()
         .kubectl()
         .arg("kustomize")
-        .arg(workspace().join("manifests/overlays/local")))
+        .arg(workspace_root().join("manifests/overlays/local")))
     .await?;
     let mut objects = Vec::new();
     for doc in serde_norway::Deserializer::from_str(&yaml) {
@@ -286,7 +256,7 @@ async fn apply_sample(ns: &TestNamespace) -> anyhow::Result<()> {
         .cluster()
         .kubectl()
         .args(["apply", "-n", ns.name(), "-f"])
-        .arg(workspace().join("manifests/samples/connectionpolicy.yaml")))
+        .arg(workspace_root().join("manifests/samples/connectionpolicy.yaml")))
     .await?;
     Ok(())
 }
@@ -340,7 +310,7 @@ async fn the_operator_accepts_a_policy_under_its_cluster_role_without_rbac_denia
 
 async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> anyhow::Result<()> {
     let cluster = ns.cluster();
-    install_crd(ns).await?;
+    ns.cluster().install_crd().await?;
     // Two replicas as shipped: one leads, the other stands by on the Lease.
     deploy_operator(
         ns,
@@ -400,7 +370,7 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
 
     // An invalid policy is refused by `kubectl apply` with the CEL messages.
     let sample =
-        std::fs::read_to_string(workspace().join("manifests/samples/connectionpolicy.yaml"))?;
+        std::fs::read_to_string(workspace_root().join("manifests/samples/connectionpolicy.yaml"))?;
     let invalid = sample
         .replace("name: models", "name: too-big")
         .replace("    max: 25\n", "    max: 40\n")
@@ -600,7 +570,7 @@ async fn missing_verb_scenario(
     ns: &TestNamespace,
     created: &mut ClusterScoped,
 ) -> anyhow::Result<()> {
-    install_crd(ns).await?;
+    ns.cluster().install_crd().await?;
     // Server-side apply of the not-yet-existing limits ConfigMap is authorized as `create`.
     deploy_operator(
         ns,
