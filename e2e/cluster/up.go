@@ -225,9 +225,9 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 		logf("shutting down")
 		return nil
 	case <-apiserver.done:
-		return withLogTail(fmt.Errorf("kube-apiserver exited: %v", apiserver.err), apiserver.log)
+		return childExited(children, "kube-apiserver")
 	case <-kcm.done:
-		return withLogTail(fmt.Errorf("kube-controller-manager exited: %v", kcm.err), kcm.log)
+		return childExited(children, "kube-controller-manager")
 	case <-kubeletDone:
 		return childExited(children, "local-kubelet")
 	case <-promDone:
