@@ -44,6 +44,15 @@ help: ## Show this help
 		/^[a-zA-Z0-9_-]+:.*?##/ { printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2 } \
 		/^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) }' $(MAKEFILE_LIST)
 
+.PHONY: demo
+demo: cluster-up ## Build, start the embedded cluster, deploy poolpilot and play a flash crowd live (leaves it running)
+	@echo ">> building the demo driver"
+	cargo build -p poolpilot-e2e --bin poolpilot-demo
+	$(RUST_BIN)/poolpilot-demo
+
+.PHONY: demo-down
+demo-down: cluster-down ## Stop what `make demo` left running (the embedded cluster with everything on it)
+
 .PHONY: test
 test: lint unit e2e ## Everything CI runs: lint, unit + loopback tests, end-to-end tests on the embedded cluster
 
@@ -53,7 +62,7 @@ test: lint unit e2e ## Everything CI runs: lint, unit + loopback tests, end-to-e
 build: cluster bins ## Build every Rust binary and the embedded cluster
 
 .PHONY: bins
-bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim)
+bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim, demo driver)
 	cargo build --workspace --bins
 
 .PHONY: cluster
@@ -102,13 +111,15 @@ monitoring-test: $(PROMTOOL_BIN) ## promtool check + unit tests of the alerting 
 	$(PROMTOOL_BIN) test rules manifests/monitoring/tests/poolpilot.test.yaml
 
 .PHONY: crds
-crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml) and its copy in manifests/crds
+crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its copy in manifests/crds and its reference doc
 	cargo run -q -p poolpilot-api --bin crdgen > crds/connectionpolicy.yaml.tmp
 	mv crds/connectionpolicy.yaml.tmp crds/connectionpolicy.yaml
 	cp crds/connectionpolicy.yaml manifests/crds/connectionpolicy.yaml
+	cargo run -q -p poolpilot-api --bin crdgen -- --reference > docs/connectionpolicy-reference.md.tmp
+	mv docs/connectionpolicy-reference.md.tmp docs/connectionpolicy-reference.md
 
 .PHONY: e2e
-e2e: cluster bins ## End-to-end tests on the embedded cluster (reused if `make cluster-up` left one running)
+e2e: cluster bins host-tools ## End-to-end tests on the embedded cluster (reused if `make cluster-up` left one running)
 	@if $(CLUSTER_RUNNING); then \
 		cargo test -p poolpilot-e2e --tests -- --test-threads=4; \
 	else \
@@ -119,8 +130,14 @@ e2e: cluster bins ## End-to-end tests on the embedded cluster (reused if `make c
 
 ##@ Embedded cluster
 
+.PHONY: host-tools
+host-tools: ## Install what the local kubelet needs when missing: iproute2's `ip` (pod addresses on lo)
+	@command -v ip >/dev/null || { \
+		echo ">> installing iproute2"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; }
+
 .PHONY: cluster-up
-cluster-up: cluster bins ## Start the embedded cluster with the local kubelet in the background (reused by tests and the demo)
+cluster-up: cluster bins host-tools ## Start the embedded cluster with the local kubelet in the background (reused by tests and the demo)
 	@if $(CLUSTER_RUNNING); then \
 		echo "cluster already running"; \
 	else \

@@ -12,6 +12,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::Duration;
 
+pub mod conditions;
+pub mod reference;
+
+pub use reference::reference_markdown;
+
 /// The largest number of backends one policy may declare (keeps CEL cost estimates bounded).
 pub const MAX_BACKENDS: usize = 32;
 
@@ -35,9 +40,9 @@ pub const MAX_BACKENDS: usize = 32;
            enforced by the gateway pods it selects.",
     printcolumn = r#"{"name":"Targets","type":"string","jsonPath":".status.targets","description":"Fleet-wide connection target per endpoint of each backend"}"#,
     printcolumn = r#"{"name":"Updated","type":"string","jsonPath":".status.updated","description":"Pods running the current limits / ready selected pods"}"#,
-    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
-    printcolumn = r#"{"name":"Saturated","type":"string","jsonPath":".status.conditions[?(@.type==\"Saturated\")].status"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status","description":"Status of the Ready condition: accepted and rolled out to every ready selected pod"}"#,
+    printcolumn = r#"{"name":"Saturated","type":"string","jsonPath":".status.conditions[?(@.type==\"Saturated\")].status","description":"Status of the Saturated condition: some backend wants more connections than it can safely get"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp","description":"Time since the policy was created"}"#
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -66,19 +71,23 @@ pub struct ConnectionPolicySpec {
     /// same pods; on a clash the older policy wins.
     #[schemars(length(min = 1, max = 32))]
     pub backends: Vec<BackendSpec>,
-    /// Per-client concurrency limits for calls to these backends. None: clients are not limited.
+    /// Per-client concurrency limits for calls to these backends, enforced by each gateway pod:
+    /// a call over its client's limit waits in that client's queue, or is refused with 429 and
+    /// Retry-After. Omitted: clients are not limited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clients: Option<ClientsSpec>,
-    /// Downstream limits of each selected gateway pod.
+    /// Limits on the client (downstream) connections of each selected gateway pod.
     #[serde(default)]
     pub listener: ListenerSpec,
     /// Bounds and pace of the operator's tuning of the per-endpoint connection targets.
     #[serde(default)]
     pub autoscale: AutoscaleSpec,
-    /// File-descriptor budget of each selected gateway pod.
+    /// File-descriptor budget of each selected gateway pod: the operator keeps the pools, client
+    /// connections and this reserve within half the pod's fd limit, scaling the pool shares down
+    /// when they do not fit (condition `FdBudget`).
     #[serde(default)]
     pub file_descriptors: FileDescriptorsSpec,
-    /// How new limits reach the selected pods.
+    /// How new limits reach the selected pods: canary pods first, or every pod at once.
     #[serde(default)]
     pub rollout: RolloutSpec,
 }
@@ -87,7 +96,8 @@ pub struct ConnectionPolicySpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct BackendSpec {
-    /// Unique name; the `backend` label of every gateway metric about it.
+    /// The backend's name: unique within the policy and among the backends of every policy that
+    /// selects the same gateway pods; the `backend` label of every gateway metric about it.
     #[schemars(
         length(min = 1, max = 63),
         pattern(r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$")
@@ -98,19 +108,25 @@ pub struct BackendSpec {
     #[serde(default, rename = "match")]
     pub route: RouteMatchSpec,
     /// The instances: a Service whose EndpointSlices the operator resolves, or static addresses.
+    /// Set exactly one of `service` and `addresses`.
     pub endpoints: EndpointsSpec,
-    /// What one backend instance can take, for the whole gateway fleet.
+    /// What one backend instance can take, declared once for the whole gateway fleet: the
+    /// operator divides it across the ready selected gateway pods.
     pub capacity: CapacitySpec,
-    /// The connection pool each gateway pod keeps to each endpoint.
+    /// The connection pool each gateway pod keeps to each endpoint. Its size is not set here: it
+    /// is the operator's per-pod share of the fleet target (`status.backends[].perPod`);
+    /// everything else is taken as written.
     #[serde(default)]
     pub pool: PoolSpec,
-    /// Hard limits on one proxied call.
+    /// Hard limits on one proxied call; when one fires the gateway closes the upstream connection.
     #[serde(default)]
     pub timeouts: TimeoutsSpec,
-    /// Active health checking of each endpoint. None: endpoints are presumed healthy.
+    /// Active health checking of each endpoint: an unhealthy endpoint gets no new calls until
+    /// it passes again. Omitted: endpoints are presumed healthy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health_check: Option<HealthCheckSpec>,
-    /// Passive ejection of endpoints that fail calls in a row. None: never eject.
+    /// Passive ejection of endpoints that fail calls in a row: an ejected endpoint gets no calls
+    /// for a while. Omitted: endpoints are never ejected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outlier_detection: Option<OutlierDetectionSpec>,
 }
@@ -153,7 +169,7 @@ pub struct EndpointsSpec {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ServiceRef {
-    /// The Service's name.
+    /// Name of the Service, in the policy's namespace.
     #[schemars(length(min = 1, max = 63))]
     pub name: String,
     /// The port the backend instances listen on, as listed in the Service's EndpointSlices (the
@@ -204,11 +220,12 @@ pub struct PoolSpec {
     /// answers 503 with a Retry-After.
     #[schemars(range(max = 1_000_000))]
     pub max_pending: u32,
-    /// Longest wait for a pooled connection before failing fast with 503 (seed 1's
-    /// connectionRequestTimeout). Keep it well under the callers' own deadline.
+    /// Longest wait for a pooled connection before failing fast with 503 and Retry-After (what
+    /// HTTP client libraries call the connection request or lease timeout). Keep it well under
+    /// the callers' own deadline.
     #[schemars(schema_with = "positive_duration")]
     pub lease_timeout: Duration,
-    /// Close a pooled connection idle this long.
+    /// Close a pooled connection that sat idle this long.
     #[schemars(schema_with = "positive_duration")]
     pub idle_timeout: Duration,
     /// Close a connection this old when it is next returned to the pool.
@@ -217,7 +234,8 @@ pub struct PoolSpec {
     /// Give up connecting to an endpoint after this long.
     #[schemars(schema_with = "positive_duration")]
     pub connect_timeout: Duration,
-    /// Check a connection that sat idle longer than this before reusing it.
+    /// Check that a connection idle longer than this is still open before reusing it (a closed
+    /// one is dropped and another taken). At most `idleTimeout`.
     #[schemars(schema_with = "positive_duration")]
     pub validate_after_idle: Duration,
 }
@@ -230,13 +248,15 @@ pub struct PoolSpec {
     {"rule": "duration(self.streamIdle) <= duration(self.total)", "message": "timeouts.streamIdle must not exceed timeouts.total"}
 ]))]
 pub struct TimeoutsSpec {
-    /// From sending the request to receiving the response head.
+    /// Longest time from sending the request to receiving the response head; the client gets
+    /// 504 when it fires.
     #[schemars(schema_with = "positive_duration")]
     pub first_byte: Duration,
-    /// The whole call, streamed response body included.
+    /// Longest time for the whole call, streamed response body included. At least `firstByte`
+    /// and `streamIdle`.
     #[schemars(schema_with = "positive_duration")]
     pub total: Duration,
-    /// Longest silence between two chunks of a streaming (SSE) response.
+    /// Longest silence between two chunks of a streamed (SSE) response body.
     #[schemars(schema_with = "positive_duration")]
     pub stream_idle: Duration,
 }
@@ -254,7 +274,7 @@ pub struct HealthCheckSpec {
     /// Time between two probes of one endpoint.
     #[schemars(schema_with = "positive_duration")]
     pub interval: Duration,
-    /// Timeout of one probe.
+    /// Timeout of one probe; a probe that times out fails. At most `interval`.
     #[serde(default = "HealthCheckSpec::default_timeout")]
     #[schemars(schema_with = "positive_duration")]
     pub timeout: Duration,
@@ -292,16 +312,17 @@ pub struct OutlierDetectionSpec {
     {"rule": "!has(self.slowCalls) || self.slowCalls.demotedConcurrency <= self.maxConcurrency", "message": "clients.slowCalls.demotedConcurrency must not exceed clients.maxConcurrency"}
 ]))]
 pub struct ClientsSpec {
-    /// How a request's client is identified.
+    /// How a request's client is identified: by a header or by source IP, exactly one of them.
     pub identity: ClientIdentitySpec,
     /// Calls one client may have in flight, per gateway pod.
     #[schemars(range(min = 1, max = 100_000))]
     pub max_concurrency: u32,
-    /// Calls one client may have waiting beyond that; more are refused with 429 and Retry-After.
+    /// Calls one client may have waiting, per gateway pod, beyond `maxConcurrency`; more are
+    /// refused with 429 and Retry-After. 0: no queue, refuse at once.
     #[serde(default)]
     #[schemars(range(max = 100_000))]
     pub max_queue: u32,
-    /// Longest wait in that queue before 429.
+    /// Longest wait in that queue before 429 and Retry-After.
     #[serde(default = "ClientsSpec::default_queue_timeout")]
     #[schemars(schema_with = "positive_duration")]
     pub queue_timeout: Duration,
@@ -309,11 +330,12 @@ pub struct ClientsSpec {
     #[serde(default)]
     #[schemars(length(max = 64))]
     pub overrides: Vec<ClientOverrideSpec>,
-    /// Demotion of clients whose calls are often slow. None: no demotion.
+    /// Demotion of clients whose calls are often slow: such a client gets a lower concurrency
+    /// limit for a while. Omitted: no demotion.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slow_calls: Option<SlowCallsSpec>,
     /// Downstream connections one client (by source IP) may hold open on one gateway pod; stops a
-    /// client that never closes its connections from draining the pod (seed 2's leak). When
+    /// client that never closes its connections from draining the pod of sockets. When
     /// several policies select a pod, the largest value applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1_000_000))]
@@ -351,7 +373,7 @@ pub struct ClientOverrideSpec {
         pattern(r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$")
     )]
     pub name: String,
-    /// Which client this is.
+    /// Which client this is, by the hash of its identity value.
     #[serde(rename = "match")]
     pub client: ClientMatchSpec,
     /// This client's concurrency limit, per gateway pod.
@@ -424,10 +446,11 @@ pub struct AutoscaleSpec {
     /// Spare share kept above the observed demand: target = demand × (1 + margin).
     #[schemars(range(min = 0.0, max = 4.0))]
     pub margin: f64,
-    /// How often the targets are reconsidered.
+    /// How often the targets are reconsidered. Keep it at least the Prometheus scrape interval.
     #[schemars(schema_with = "positive_duration")]
     pub interval: Duration,
-    /// How fast targets may shrink.
+    /// How fast targets may shrink: slowly, and stabilized over a window. (Growth is one step to
+    /// the demand estimate.)
     pub scale_down: ScaleDownSpec,
 }
 
@@ -460,10 +483,12 @@ pub struct FileDescriptorsSpec {
 pub struct RolloutSpec {
     /// `Progressive`: canary pods first, verified before the rest; `AllAtOnce`: every pod at once.
     pub strategy: RolloutStrategy,
-    /// Pods that get new limits first under the Progressive strategy.
+    /// Pods that get new limits first under the Progressive strategy; the others follow once
+    /// they acknowledged and stayed healthy for `verifyIntervals`.
     #[schemars(range(min = 1, max = 1000))]
     pub canary_pods: u32,
-    /// Autoscale intervals the canary pods must stay healthy before the rest are updated.
+    /// Autoscale intervals the canary pods must stay healthy before the rest are updated (0:
+    /// update the rest as soon as the canaries acknowledged).
     #[schemars(range(max = 100))]
     pub verify_intervals: u32,
 }
@@ -485,7 +510,8 @@ pub struct ConnectionPolicyStatus {
     /// The `metadata.generation` this status was computed from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Content hash of the limits document rendered for the selected pods.
+    /// Content hash of the limits document rendered for the selected pods (the `revision` the
+    /// gateway pods report).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
     /// Generation of that limits document (increases with every new revision).
@@ -497,7 +523,9 @@ pub struct ConnectionPolicyStatus {
     /// Pods running the current revision / ready selected pods, as `updated/ready` (for `kubectl get`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated: Option<String>,
-    /// `Accepted`, `MetricsAvailable`, `FdBudget`, `RolledOut`, `Saturated` and `Ready`.
+    /// One condition of each type, in this order: `Accepted`, `MetricsAvailable`, `FdBudget`,
+    /// `RolledOut`, `Saturated` and `Ready`. Their reasons are listed in poolpilot's
+    /// ConnectionPolicy reference (docs/connectionpolicy-reference.md).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Per backend: target, per-pod share, observed saturation and the last scale decision.
@@ -514,9 +542,10 @@ pub struct ConnectionPolicyStatus {
 pub struct BackendStatus {
     /// The backend's name.
     pub name: String,
-    /// Endpoints resolved.
+    /// Endpoints resolved (ready addresses of the Service, or the static addresses).
     pub endpoints: u32,
-    /// Fleet-wide connection target per endpoint.
+    /// Fleet-wide connection target per endpoint: connections all selected gateway pods together
+    /// may hold to one endpoint.
     pub target: u32,
     /// Each pod's share of the target (the pool size per endpoint in each pod).
     pub per_pod: u32,
@@ -529,7 +558,7 @@ pub struct BackendStatus {
     /// Demand over the pooled capacity in force (leased + pending) / (target × endpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub utilization: Option<f64>,
-    /// The last change of the target.
+    /// The last change of the target, with its reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale: Option<ScaleRecord>,
 }
@@ -544,7 +573,7 @@ pub struct ScaleRecord {
     pub from: u32,
     /// Target after.
     pub to: u32,
-    /// Why, with the numbers.
+    /// Why, with the numbers (`demand 143 (leased 120 + pending 23) × 1.05`).
     pub reason: String,
 }
 

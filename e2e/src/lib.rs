@@ -12,9 +12,13 @@
 
 pub mod cluster;
 pub mod kubelet;
+pub mod load;
 pub mod modelsim;
 pub mod namespace;
 pub mod paths;
+pub mod relay;
+pub mod scenario;
+pub mod stack;
 pub mod wait;
 
 pub use cluster::Cluster;

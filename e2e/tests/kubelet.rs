@@ -1,4 +1,4 @@
-//! The local kubelet runs pods as real processes: each on its own loopback IP, restarted with
+//! The local kubelet runs pods as real processes: each on its own pod IP (10.244.x.y on the loopback interface), restarted with
 //! back-off when they crash, Ready only when their readiness probe passes, with ConfigMap
 //! volumes that follow the ConfigMap, the open-files limit from the pod annotation, and
 //! processes that stop when their pods are deleted.
@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use poolpilot_e2e::{TestNamespace, eventually, wait_for, with_namespace};
@@ -44,8 +45,8 @@ async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
 }
 
 #[tokio::test]
-async fn deployment_pods_run_on_their_own_loopback_ips_and_stop_when_deleted() -> anyhow::Result<()>
-{
+async fn deployment_pods_run_on_their_own_ips_behind_a_service_and_stop_when_deleted()
+-> anyhow::Result<()> {
     with_namespace("kl-deploy", async |ns| {
         let deployments: Api<Deployment> = ns.api();
         let pods: Api<Pod> = ns.api();
@@ -80,10 +81,36 @@ async fn deployment_pods_run_on_their_own_loopback_ips_and_stop_when_deleted() -
         let ips: Vec<String> = ready.iter().map(|p| p.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap_or_default()).collect();
         assert_ne!(ips[0], ips[1], "each pod has its own address");
         for (pod, ip) in ready.iter().zip(&ips) {
-            assert!(ip.starts_with("127."), "pod IPs are loopback addresses: {ip}");
+            assert!(ip.starts_with("10.244."), "pod IPs come from the pod range: {ip}");
             let body = http_get(&format!("{ip}:8000"), "/").await?;
             assert!(body.ends_with(&pod.name_any()), "{ip} answered {body:?}, expected {}", pod.name_any());
         }
+
+        // A Service selecting them gets both addresses as ready endpoints (the apiserver refuses
+        // loopback addresses there, which is why pods are not on 127.0.0.0/8).
+        let services: Api<Service> = ns.api();
+        services.create(&PostParams::default(), &serde_json::from_value(json!({
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 8000}]}
+        }))?).await?;
+        let slices: Api<EndpointSlice> = ns.api();
+        eventually("the Service's EndpointSlice lists both pods", WAIT, || async {
+            let mut addresses: Vec<String> = slices
+                .list(&ListParams::default().labels("kubernetes.io/service-name=web"))
+                .await?
+                .items
+                .iter()
+                .flat_map(|s| s.endpoints.iter().flatten())
+                .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+                .flat_map(|e| e.addresses.clone())
+                .collect();
+            addresses.sort();
+            let mut want = ips.clone();
+            want.sort();
+            anyhow::ensure!(addresses == want, "endpoints {addresses:?}, pods {want:?}");
+            Ok(())
+        })
+        .await?;
 
         // Scale to 3: a third process answers.
         deployments.patch("web", &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 3}}))).await?;
@@ -102,8 +129,12 @@ async fn deployment_pods_run_on_their_own_loopback_ips_and_stop_when_deleted() -
             Ok(())
         })
         .await?;
+        // The processes are gone with their addresses (a connect would now follow the default
+        // route, so the interface is what tells).
+        let host = std::process::Command::new("ip").args(["-4", "-o", "addr", "show", "dev", "lo"]).output()?;
+        let host = String::from_utf8_lossy(&host.stdout);
         for ip in &ips {
-            assert!(tokio::net::TcpStream::connect(format!("{ip}:8000")).await.is_err(), "the process on {ip} must be gone");
+            assert!(!host.contains(&format!(" {ip}/32")), "{ip} must be released from lo:\n{host}");
         }
         Ok(())
     })

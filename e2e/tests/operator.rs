@@ -3,7 +3,8 @@
 //! not cluster-admin), driven with `kubectl` only. Covers issue 5's acceptance (the CRD and a
 //! sample policy applied → `Accepted`, CEL rules refuse an invalid policy, printer columns,
 //! `kubectl explain`) and issue 6's RBAC acceptance (no denial under the shipped role; without one
-//! verb the operator fails visibly).
+//! verb the operator fails visibly: in its log, its metrics and a `ReconcileFailed` Event on the
+//! policy).
 //!
 //! Each test runs its own operator in its own namespace (`--namespace`, so that operators of
 //! concurrent tests never reconcile each other's policies) and names its cluster-scoped objects
@@ -13,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Event, Pod};
 use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
@@ -135,6 +136,9 @@ async fn deploy_operator(
                     *arg = json!(format!("--prometheus-url={prometheus}"));
                 }
             }
+            args.retain(|a| !a.as_str().is_some_and(|a| a.starts_with("--namespace=")));
+            // This namespace only, whatever the overlay's operator watches.
+            args.retain(|a| !a.as_str().is_some_and(|a| a.starts_with("--namespace=")));
             args.push(json!("--namespace=$(POD_NAMESPACE)"));
         }
     }
@@ -216,24 +220,9 @@ fn log_path(ns: &TestNamespace, pod: &str) -> PathBuf {
         .join("operator.log")
 }
 
-/// An operator pod's log without the terminal colours of its plain format.
+/// An operator pod's log (empty until the pod wrote one).
 fn operator_log(ns: &TestNamespace, pod: &Pod) -> String {
-    let raw = std::fs::read_to_string(log_path(ns, &pod.name_any())).unwrap_or_default();
-    let mut out = String::with_capacity(raw.len());
-    let mut chars = raw.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // CSI sequence: ESC [ parameters, ends with a letter.
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    std::fs::read_to_string(log_path(ns, &pod.name_any())).unwrap_or_default()
 }
 
 /// The text of an operator pod's `/metrics`.
@@ -594,6 +583,12 @@ async fn missing_verb_scenario(
             .context("no failed reconcile in the log yet")
     })
     .await?;
+    // The log is a file, not a terminal: the plain format writes no colour codes into it.
+    let log = operator_log(ns, &pod);
+    assert!(
+        !log.contains('\u{1b}'),
+        "ANSI escape codes in the operator's log file:\n{log}"
+    );
     for part in [
         "WARN",
         &format!("policy={SAMPLE}"),
@@ -625,6 +620,60 @@ async fn missing_verb_scenario(
         Ok(())
     })
     .await?;
+
+    // ... and a Warning Event on the policy says which step failed and why. The failure repeats
+    // every few seconds, as one Event series (its count grows), never as a new Event each time.
+    let events: Api<Event> = ns.api();
+    let by_policy = ListParams::default().fields(&format!("involvedObject.name={SAMPLE}"));
+    let event = eventually(
+        "one ReconcileFailed Event, repeated in its series",
+        WAIT,
+        || async {
+            let failed: Vec<Event> = events
+                .list(&by_policy)
+                .await?
+                .items
+                .into_iter()
+                .filter(|e| e.reason.as_deref() == Some("ReconcileFailed"))
+                .collect();
+            anyhow::ensure!(
+                failed.len() == 1,
+                "{} ReconcileFailed Events: {failed:?}",
+                failed.len()
+            );
+            let event = failed.into_iter().next().context("one Event")?;
+            let count = event.series.as_ref().and_then(|s| s.count).unwrap_or(1);
+            anyhow::ensure!(count >= 2, "the failure was published {count} time(s)");
+            Ok(event)
+        },
+    )
+    .await?;
+    assert_eq!(event.type_.as_deref(), Some("Warning"), "{event:?}");
+    assert_eq!(
+        (
+            event.involved_object.kind.as_deref(),
+            event.involved_object.name.as_deref()
+        ),
+        (Some("ConnectionPolicy"), Some(SAMPLE))
+    );
+    assert_eq!(event.action.as_deref(), Some("RollOut"), "{event:?}");
+    assert_eq!(
+        event.reporting_component.as_deref(),
+        Some("poolpilot-operator"),
+        "{event:?}"
+    );
+    let note = event.message.clone().unwrap_or_default();
+    for part in [
+        "rollout step failed: ",
+        &format!("failed to apply ConfigMap {SAMPLE}-limits"),
+        "is forbidden",
+        &format!("User \"{user}\" cannot create resource \"configmaps\""),
+    ] {
+        assert!(
+            note.contains(part),
+            "{part:?} missing from the Event's note:\n{note}"
+        );
+    }
 
     // Nothing was written behind the failure: no ConfigMap, and the policy is not reported as
     // accepted by this operator.

@@ -16,7 +16,7 @@ use poolpilot_gateway::pool::{Connect, Pool, Poolable};
 struct Conn;
 
 impl Poolable for Conn {
-    fn is_open(&self) -> bool {
+    fn is_open(&mut self) -> bool {
         true
     }
 }

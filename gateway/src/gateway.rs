@@ -90,6 +90,9 @@ struct Inner {
     snapshot: RwLock<Arc<Snapshot>>,
     registry: Mutex<Registry>,
     loaded: AtomicBool,
+    /// A document arrived by `PUT /v1/limits`: the operator manages this pod from now on, and
+    /// the limits file is no longer followed (see [`Gateway::managed_by_api`]).
+    managed_by_api: AtomicBool,
     draining: AtomicBool,
     /// Serialises scrapes: live gauges are cleared and set again before each one.
     scrape: Mutex<()>,
@@ -144,6 +147,7 @@ impl Gateway {
                 })),
                 registry: Mutex::default(),
                 loaded: AtomicBool::new(false),
+                managed_by_api: AtomicBool::new(false),
                 draining: AtomicBool::new(false),
                 scrape: Mutex::new(()),
             }),
@@ -168,6 +172,15 @@ impl Gateway {
     /// Whether shutdown began.
     pub fn is_draining(&self) -> bool {
         self.inner.draining.load(Ordering::Acquire)
+    }
+
+    /// Whether a document was applied through `PUT /v1/limits`. From then on the operator sends
+    /// this pod its own document (its share of each target, its canary wave), and changes of
+    /// the limits file, a ConfigMap shared by every pod, are not followed: they would hand every
+    /// pod the first pod's shares and skip the rollout's waves. The file still serves a
+    /// restart, and standalone gateways (never PUT to) follow it.
+    pub fn managed_by_api(&self) -> bool {
+        self.inner.managed_by_api.load(Ordering::Acquire)
     }
 
     /// Marks the gateway as draining (`/readyz` fails from now on).
@@ -299,6 +312,9 @@ impl Gateway {
             needs_model,
         });
         self.inner.loaded.store(true, Ordering::Release);
+        if matches!(source, LimitsSource::Api) {
+            self.inner.managed_by_api.store(true, Ordering::Release);
+        }
         tracing::info!(
             source = source.as_str(),
             revision = %applied.revision,

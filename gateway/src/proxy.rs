@@ -40,15 +40,32 @@ use crate::upstream::HttpConnector;
 /// keep-alive connections, bounded so a dying backend cannot loop a request.
 const MAX_RETRIES: usize = 3;
 
-/// The `Via` pseudonym.
-const VIA: &str = "poolpilot";
+/// The client side of a call: its address, and its IP as a header value (formatted once per
+/// connection, for `X-Forwarded-For` and source-IP client keys).
+#[derive(Clone, Debug)]
+pub struct Peer {
+    addr: SocketAddr,
+    ip: HeaderValue,
+}
+
+impl Peer {
+    /// The peer at `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        let ip = HeaderValue::from_str(&addr.ip().to_string()).expect("an IP is a header value");
+        Self { addr, ip }
+    }
+
+    /// Its address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+/// `X-Forwarded-For`.
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// Proxies one request; every failure becomes a response through [`ProxyError`].
-pub async fn handle(
-    gw: Gateway,
-    peer: SocketAddr,
-    req: Request<Incoming>,
-) -> Response<ResponseBody> {
+pub async fn handle(gw: Gateway, peer: &Peer, req: Request<Incoming>) -> Response<ResponseBody> {
     match proxy(&gw, peer, req).await {
         Ok(response) => response,
         Err(error) => {
@@ -60,7 +77,7 @@ pub async fn handle(
 
 async fn proxy(
     gw: &Gateway,
-    peer: SocketAddr,
+    peer: &Peer,
     req: Request<Incoming>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     if gw.is_draining() {
@@ -114,7 +131,7 @@ fn check_head<B>(req: &Request<B>, limits: &ListenerLimits) -> Result<(), ProxyE
     if req.headers().len() > limits.max_headers as usize {
         return Err(ProxyError::HeadersTooLarge("too many headers"));
     }
-    let head_bytes: usize = req.uri().to_string().len()
+    let head_bytes: usize = uri_len(req.uri())
         + req
             .headers()
             .iter()
@@ -134,6 +151,15 @@ fn check_head<B>(req: &Request<B>, limits: &ListenerLimits) -> Result<(), ProxyE
         });
     }
     Ok(())
+}
+
+/// The length of the URI as written (`Uri`'s `Display`), without formatting it in the common
+/// origin-form case.
+fn uri_len(uri: &Uri) -> usize {
+    match (uri.scheme(), uri.authority(), uri.path_and_query()) {
+        (None, None, Some(pq)) => pq.as_str().len(),
+        _ => uri.to_string().len(),
+    }
 }
 
 /// Reads up to `routeBodyBytes` of the body. A body that ends within it is parsed for
@@ -178,17 +204,34 @@ async fn buffer_for_model(
 
 /// The client's identity: the configured header's value, or (without it, or for a source-IP
 /// policy) the source IP, both hashed.
-fn client_key(identity: &ClientIdentity, headers: &HeaderMap, peer: SocketAddr) -> ClientKey {
+fn client_key(identity: &ClientIdentity, headers: &HeaderMap, peer: &Peer) -> ClientKey {
     if let ClientIdentity::Header(name) = identity
         && let Some(value) = headers.get(name.as_str())
     {
         return ClientKey::of(value.as_bytes());
     }
-    ClientKey::of(peer.ip().to_string().as_bytes())
+    ClientKey::of(peer.ip.as_bytes())
+}
+
+/// Whether `name` is a hop-by-hop header of RFC 9110 §7.6.1 (or a legacy one).
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    *name == header::CONNECTION
+        || *name == header::PROXY_AUTHENTICATE
+        || *name == header::PROXY_AUTHORIZATION
+        || *name == header::TE
+        || *name == header::TRAILER
+        || *name == header::TRANSFER_ENCODING
+        || *name == header::UPGRADE
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus those the `Connection` header names.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most heads carry none: one pass over the names instead of a lookup per name.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -215,20 +258,19 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 fn via_value(version: Version) -> HeaderValue {
-    let v = match version {
-        Version::HTTP_09 => "0.9",
-        Version::HTTP_10 => "1.0",
-        Version::HTTP_2 => "2",
-        Version::HTTP_3 => "3",
-        _ => "1.1",
-    };
-    HeaderValue::from_str(&format!("{v} {VIA}")).expect("a valid header value")
+    HeaderValue::from_static(match version {
+        Version::HTTP_09 => "0.9 poolpilot",
+        Version::HTTP_10 => "1.0 poolpilot",
+        Version::HTTP_2 => "2 poolpilot",
+        Version::HTTP_3 => "3 poolpilot",
+        _ => "1.1 poolpilot",
+    })
 }
 
 /// Turns the client's head into the upstream head: origin-form URI, HTTP/1.1, `Host` kept
 /// (or taken from an HTTP/2 `:authority`), hop-by-hop headers dropped, `X-Forwarded-For` and
 /// `Via` appended.
-fn prepare_upstream_head(parts: &mut http::request::Parts, peer: SocketAddr) {
+fn prepare_upstream_head(parts: &mut http::request::Parts, peer: &Peer) {
     strip_hop_by_hop(&mut parts.headers);
     if !parts.headers.contains_key(header::HOST)
         && let Some(authority) = parts.uri.authority()
@@ -238,18 +280,26 @@ fn prepare_upstream_head(parts: &mut http::request::Parts, peer: SocketAddr) {
     }
     let xff = match parts
         .headers
-        .get("x-forwarded-for")
+        .get(X_FORWARDED_FOR)
         .and_then(|v| v.to_str().ok())
     {
-        Some(prior) => format!("{prior}, {}", peer.ip()),
-        None => peer.ip().to_string(),
+        None => Some(peer.ip.clone()),
+        Some(prior) => {
+            let ip = peer.ip.to_str().unwrap_or_default();
+            HeaderValue::from_str(&format!("{prior}, {ip}")).ok()
+        }
     };
-    if let Ok(xff) = HeaderValue::from_str(&xff) {
-        parts.headers.insert("x-forwarded-for", xff);
+    if let Some(xff) = xff {
+        parts.headers.insert(X_FORWARDED_FOR, xff);
     }
     parts.headers.append(header::VIA, via_value(parts.version));
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    parts.uri = Uri::try_from(path).unwrap_or_else(|_| Uri::from_static("/"));
+    // Already origin-form (every HTTP/1.1 request but a proxy-style one): keep it as it is.
+    if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        parts.uri = Uri::try_from(path).unwrap_or_else(|_| Uri::from_static("/"));
+    } else if parts.uri.path_and_query().is_none() {
+        parts.uri = Uri::from_static("/");
+    }
     parts.version = Version::HTTP_11;
 }
 
@@ -283,11 +333,10 @@ async fn forward(
         let sent_at = Instant::now();
         let exchange = async {
             let conn = lease.conn();
-            if let Err(e) = conn.sender.ready().await {
+            if let Err(e) = conn.ready().await {
                 return Err(SendFailure::NotSent(Box::new(req), e));
             }
-            conn.sender
-                .try_send_request(req)
+            conn.send(req)
                 .await
                 .map_err(|mut e| match e.take_message() {
                     Some(req) => SendFailure::NotSent(Box::new(req), e.into_error()),
@@ -468,10 +517,16 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if this.call.is_none() {
+        let Some(call) = this.call.as_mut() else {
             return Poll::Ready(None);
+        };
+        // The upstream connection is driven here, in the client connection's task.
+        let mut frame = Pin::new(&mut this.inner).poll_frame(cx);
+        if frame.is_pending() {
+            call.lease.conn().drive(cx);
+            frame = Pin::new(&mut this.inner).poll_frame(cx);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
+        match frame {
             Poll::Ready(Some(Ok(frame))) => {
                 let deadline = Instant::now() + this.stream_idle;
                 this.idle.as_mut().reset(deadline);
@@ -536,7 +591,7 @@ mod tests {
             .body(())
             .unwrap();
         let (mut parts, ()) = req.into_parts();
-        prepare_upstream_head(&mut parts, ([192, 168, 1, 7], 5555).into());
+        prepare_upstream_head(&mut parts, &Peer::new(([192, 168, 1, 7], 5555).into()));
         let h = &parts.headers;
         for gone in [
             "connection",
@@ -589,7 +644,7 @@ mod tests {
 
     #[test]
     fn identity_is_the_header_or_else_the_source_ip() {
-        let peer: SocketAddr = ([10, 1, 2, 3], 4000).into();
+        let peer = &Peer::new(([10, 1, 2, 3], 4000).into());
         let mut headers = HeaderMap::new();
         let by_header = ClientIdentity::Header("x-api-key".into());
         assert_eq!(

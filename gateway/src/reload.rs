@@ -1,6 +1,8 @@
 //! The durable limits path: the limits file (a mounted ConfigMap, or a hand-written file) is
 //! loaded at start and polled for changes; a changed file is applied under the same rules as
-//! `PUT /v1/limits`. Polling the content (not inotify) also sees ConfigMap symlink swaps.
+//! `PUT /v1/limits`, until a document arrives by PUT: from then on the operator manages the
+//! pod and file changes are ignored (see [`Gateway::managed_by_api`]). Polling the content (not
+//! inotify) also sees ConfigMap symlink swaps.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -85,6 +87,13 @@ pub async fn watch_file(
             continue;
         }
         seen = Some(digest);
+        if gw.managed_by_api() {
+            tracing::info!(
+                path = %path.display(),
+                "limits file changed; not applied: this pod's limits come by PUT /v1/limits"
+            );
+            continue;
+        }
         tracing::info!(path = %path.display(), "limits file changed");
         match parse(&path, &text) {
             Ok(doc) => {

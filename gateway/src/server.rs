@@ -4,30 +4,33 @@
 //! the keep-alive idle timeout, and graceful drain on shutdown.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::{Future, poll_fn};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::Request;
+use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper::service::service_fn;
+use hyper::server::conn::http1;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use parking_lot::Mutex;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
 use crate::body::{BoxError, ResponseBody};
 use crate::gateway::Gateway;
+use crate::proxy::Peer;
 
 /// hyper's smallest HTTP/1 read buffer; smaller head limits are enforced per request.
 const MIN_BUF: usize = 8192;
@@ -171,8 +174,70 @@ fn admit(gw: &Gateway, conns: &Arc<Connections>, ip: IpAddr) -> Option<ConnGuard
     })
 }
 
+/// The limits a connection keeps from its accept on (later limits apply to new connections).
+#[derive(Clone, Copy, Debug)]
+struct ConnLimits {
+    idle_timeout: Duration,
+    header_read_timeout: Duration,
+    max_headers: usize,
+    max_buf_size: usize,
+    max_header_list_size: u32,
+}
+
+impl ConnLimits {
+    fn of(gw: &Gateway) -> Self {
+        let snapshot = gw.snapshot();
+        let limits = &snapshot.limits.listener;
+        Self {
+            idle_timeout: limits.idle_timeout.get(),
+            header_read_timeout: limits.header_read_timeout.get(),
+            max_headers: limits.max_headers as usize,
+            max_buf_size: (limits.max_header_bytes as usize).max(MIN_BUF),
+            max_header_list_size: limits.max_header_bytes,
+        }
+    }
+
+    /// How long a connection may stay without a request in flight: `idleTimeout`, and after
+    /// its first request also `headerReadTimeout` (hyper counts the wait for the next head
+    /// against it, so an idle keep-alive connection closes at the shorter of the two).
+    fn idle_limit(&self, served: bool) -> Duration {
+        if served {
+            self.idle_timeout.min(self.header_read_timeout)
+        } else {
+            self.idle_timeout
+        }
+    }
+}
+
+/// A keep-alive connection without a request in flight for this long leaves hyper: its
+/// buffers and connection state are dropped and it waits for its next request as a bare
+/// socket (see [`serve_connection`]).
+pub const PARK_AFTER: Duration = Duration::from_millis(500);
+
+/// Above this many open client connections, a keep-alive connection leaves hyper as soon as
+/// hyper waits for its next request (memory first); below it, after [`PARK_AFTER`] (so that
+/// busy connections do not rebuild hyper's state between requests).
+pub const PARK_EAGERLY_ABOVE: usize = 256;
+
+/// The first bytes of an HTTP/2 connection with prior knowledge.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
 /// Serves one client connection until it closes, its keep-alive idle timeout passes, or
 /// shutdown asks it to finish its in-flight requests and close.
+///
+/// An HTTP/1 connection alternates between two states:
+///
+/// ```text
+///  parked: a bare socket, an idle deadline,   readable   active: a hyper HTTP/1 connection
+///  no buffers (a few hundred bytes) ─────────────────────► (read/write buffers, state)
+///        ▲                                                    │
+///        └──── no request in flight for PARK_AFTER: ──────────┘
+///              hyper closes its (idle) side, hands back the socket and unparsed bytes
+/// ```
+///
+/// so that thousands of idle keep-alive clients cost little memory. A connection whose
+/// first bytes are the HTTP/2 preface is served by hyper-util's auto connection for its whole
+/// life.
 async fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
@@ -181,48 +246,296 @@ async fn serve_connection(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
-    let limits = gw.snapshot().limits.listener.clone();
-    let activity = Arc::new(Activity::new());
-    let io = TokioIo::new(ActivityIo {
-        inner: stream,
+    let limits = ConnLimits::of(&gw);
+    let mut conn = Parked {
+        stream,
+        prefix: Bytes::new(),
+        idle_since: Instant::now(),
+        head_since: Instant::now(),
+        served: false,
+    };
+    let timer = tokio::time::sleep(limits.idle_timeout);
+    tokio::pin!(timer);
+    let mut first = true;
+    loop {
+        if conn.prefix.is_empty() && !conn.wait(&limits, timer.as_mut(), &mut shutdown).await {
+            conn.close().await;
+            break;
+        }
+        if first {
+            match first_bytes(&conn.stream).await {
+                First::Pending => continue,
+                First::Closed => {
+                    conn.close().await;
+                    break;
+                }
+                First::H2 => {
+                    serve_auto(
+                        conn.stream,
+                        peer,
+                        gw,
+                        &limits,
+                        timer.as_mut(),
+                        &mut shutdown,
+                    )
+                    .await;
+                    break;
+                }
+                First::H1 => first = false,
+            }
+        }
+        let header_read_timeout = if conn.prefix.is_empty() {
+            limits.header_read_timeout
+        } else {
+            // A partial head was pending when the connection parked: its time counts.
+            match limits
+                .header_read_timeout
+                .checked_sub(conn.head_since.elapsed())
+            {
+                Some(left) if !left.is_zero() => left,
+                _ => {
+                    tracing::debug!("read header from client timeout");
+                    break;
+                }
+            }
+        };
+        match serve_h1(
+            conn,
+            peer,
+            &gw,
+            &guard.conns,
+            &limits,
+            header_read_timeout,
+            timer.as_mut(),
+            &mut shutdown,
+        )
+        .await
+        {
+            Some(parked) => conn = parked,
+            None => break,
+        }
+    }
+    drop(guard);
+}
+
+/// A connection between requests, outside hyper.
+#[derive(Debug)]
+struct Parked {
+    stream: TcpStream,
+    /// Bytes hyper had read but not parsed (a pipelined partial head), replayed first.
+    prefix: Bytes,
+    /// When the connection last moved bytes or finished a response.
+    idle_since: Instant,
+    /// When hyper began waiting for the head that `prefix` starts (its header-read timeout
+    /// runs from then).
+    head_since: Instant,
+    /// Whether it carried a request.
+    served: bool,
+}
+
+impl Parked {
+    /// Waits until the client sends something (true), or its idle deadline or shutdown comes
+    /// first (false).
+    async fn wait(
+        &self,
+        limits: &ConnLimits,
+        mut timer: Pin<&mut Sleep>,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> bool {
+        if *shutdown.borrow() {
+            return false;
+        }
+        let deadline = self.idle_since + limits.idle_limit(self.served);
+        timer.as_mut().reset(deadline);
+        tokio::select! {
+            readable = self.stream.readable() => readable.is_ok(),
+            _ = timer => {
+                tracing::debug!("closing an idle client connection");
+                false
+            }
+            _ = shutdown.wait_for(|s| *s) => false,
+        }
+    }
+
+    /// Closes it as hyper closes an idle connection: FIN, then drop.
+    async fn close(mut self) {
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.stream.shutdown()).await;
+    }
+}
+
+/// What a new connection's first bytes say.
+enum First {
+    /// Nothing to read yet (a spurious wake-up).
+    Pending,
+    /// The client closed (or the socket failed) before sending anything.
+    Closed,
+    /// (The start of) the HTTP/2 preface.
+    H2,
+    /// Anything else: HTTP/1.
+    H1,
+}
+
+/// Peeks at a new connection's first bytes.
+async fn first_bytes(stream: &TcpStream) -> First {
+    let mut bytes = [0u8; 24];
+    let mut buf = ReadBuf::new(&mut bytes);
+    match poll_fn(|cx| Poll::Ready(stream.poll_peek(cx, &mut buf))).await {
+        Poll::Pending => First::Pending,
+        Poll::Ready(Ok(0) | Err(_)) => First::Closed,
+        Poll::Ready(Ok(n)) if buf.filled()[..n] == H2_PREFACE[..n] => First::H2,
+        Poll::Ready(Ok(_)) => First::H1,
+    }
+}
+
+/// Serves HTTP/1 requests with hyper until the connection closes (None) or has had no request
+/// in flight for [`PARK_AFTER`] (the parked connection).
+#[allow(clippy::too_many_arguments)]
+async fn serve_h1(
+    parked: Parked,
+    peer: SocketAddr,
+    gw: &Gateway,
+    conns: &Connections,
+    limits: &ConnLimits,
+    header_read_timeout: Duration,
+    mut timer: Pin<&mut Sleep>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<Parked> {
+    let served = parked.served;
+    // A pending partial head keeps the time its wait began; otherwise the wait begins now.
+    let activity = Arc::new(if parked.prefix.is_empty() {
+        Activity::new()
+    } else {
+        Activity::waiting_since(parked.head_since)
+    });
+    let io = TokioIo::new(ConnIo {
+        inner: parked.stream,
+        prefix: parked.prefix,
         activity: activity.clone(),
     });
+    let service = Service {
+        gw: gw.clone(),
+        peer: Arc::new(Peer::new(peer)),
+        activity: activity.clone(),
+    };
+    let mut conn = Box::new(
+        http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_read_timeout)
+            .max_headers(limits.max_headers)
+            .max_buf_size(limits.max_buf_size)
+            .serve_connection(io, service),
+    );
+    // Flags shared by the branches below (atomics only because the future must be `Send`).
+    let draining = AtomicBool::new(false);
+    let parking = AtomicBool::new(false);
+    loop {
+        let idle_for = limits.idle_timeout.min(PARK_AFTER);
+        timer.as_mut().reset(activity.idle_check_at(idle_for));
+        tokio::select! {
+            result = poll_fn(|cx| {
+                let result = conn.poll_without_shutdown(cx);
+                // Many connections open: park as soon as hyper waits for a next request
+                // with everything written, instead of after PARK_AFTER.
+                if result.is_pending()
+                    && !parking.load(Ordering::Relaxed)
+                    && !draining.load(Ordering::Relaxed)
+                    && activity.waiting_for_request()
+                    && conns.open() > PARK_EAGERLY_ABOVE
+                {
+                    Pin::new(&mut *conn).graceful_shutdown();
+                    parking.store(true, Ordering::Relaxed);
+                    return conn.poll_without_shutdown(cx);
+                }
+                result
+            }) => {
+                if let Err(error) = result {
+                    tracing::debug!(%error, "client connection ended with an error");
+                    return None;
+                }
+                break;
+            }
+            _ = timer.as_mut(), if !draining.load(Ordering::Relaxed) && !parking.load(Ordering::Relaxed) => {
+                if activity.idle_for(limits.idle_timeout) {
+                    tracing::debug!("closing an idle client connection");
+                    Pin::new(&mut *conn).graceful_shutdown();
+                    draining.store(true, Ordering::Relaxed);
+                } else if activity.idle_for(PARK_AFTER) && !activity.write_blocked() {
+                    // hyper is between requests with everything written: it closes its side
+                    // at once and hands the socket back.
+                    Pin::new(&mut *conn).graceful_shutdown();
+                    parking.store(true, Ordering::Relaxed);
+                }
+            }
+            _ = shutdown.wait_for(|s| *s), if !draining.load(Ordering::Relaxed) => {
+                Pin::new(&mut *conn).graceful_shutdown();
+                draining.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+    let (draining, parking) = (draining.into_inner(), parking.into_inner());
+    let parts = conn.into_parts();
+    let ConnIo {
+        inner: mut stream,
+        prefix,
+        ..
+    } = parts.io.into_inner();
+    if draining || !parking {
+        // Closed by the client, the idle timeout or drain.
+        let _ = tokio::time::timeout(Duration::from_secs(1), stream.shutdown()).await;
+        return None;
+    }
+    let prefix = if prefix.is_empty() {
+        parts.read_buf
+    } else {
+        [parts.read_buf, prefix].concat().into()
+    };
+    Some(Parked {
+        stream,
+        prefix,
+        idle_since: activity.idle_since(),
+        head_since: activity.head_since(),
+        served: served || activity.served(),
+    })
+}
 
+/// Serves an HTTP/2 (or undecided) connection with hyper-util's auto connection, as one
+/// piece: no parking.
+async fn serve_auto(
+    stream: TcpStream,
+    peer: SocketAddr,
+    gw: Gateway,
+    limits: &ConnLimits,
+    mut timer: Pin<&mut Sleep>,
+    shutdown: &mut watch::Receiver<bool>,
+) {
+    let activity = Arc::new(Activity::new());
+    let io = TokioIo::new(ConnIo {
+        inner: stream,
+        prefix: Bytes::new(),
+        activity: activity.clone(),
+    });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout.get())
-        .max_headers(limits.max_headers as usize)
-        .max_buf_size((limits.max_header_bytes as usize).max(MIN_BUF));
+        .header_read_timeout(limits.header_read_timeout)
+        .max_headers(limits.max_headers)
+        .max_buf_size(limits.max_buf_size);
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(limits.max_header_bytes);
-
-    let service = {
-        let activity = activity.clone();
-        service_fn(move |req: Request<Incoming>| {
-            let gw = gw.clone();
-            let active = ActiveRequest::new(activity.clone());
-            async move {
-                let response = crate::proxy::handle(gw, peer, req).await;
-                Ok::<_, std::convert::Infallible>(response.map(|body| {
-                    Tracked {
-                        inner: body,
-                        _active: active,
-                    }
-                    .boxed_unsync()
-                }))
-            }
-        })
+        .max_header_list_size(limits.max_header_list_size);
+    let service = Service {
+        gw,
+        peer: Arc::new(Peer::new(peer)),
+        activity: activity.clone(),
     };
     let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
-    let idle_timeout = limits.idle_timeout.get();
+    let idle_timeout = limits.idle_timeout;
     let mut draining = false;
     loop {
-        let idle_check = tokio::time::sleep(activity.idle_check_in(idle_timeout));
+        timer.as_mut().reset(activity.idle_check_at(idle_timeout));
         tokio::select! {
             result = conn.as_mut() => {
                 if let Err(error) = result {
@@ -230,7 +543,7 @@ async fn serve_connection(
                 }
                 break;
             }
-            _ = idle_check, if !draining => {
+            _ = timer.as_mut(), if !draining => {
                 if activity.idle_for(idle_timeout) {
                     tracing::debug!("closing an idle client connection");
                     conn.as_mut().graceful_shutdown();
@@ -243,29 +556,89 @@ async fn serve_connection(
             }
         }
     }
-    drop(guard);
 }
 
-/// When a connection last moved bytes, and how many of its requests are in flight.
+/// The hyper service of one connection: each request is proxied in its own boxed future (so
+/// that the connection can be taken apart between requests).
+#[derive(Clone, Debug)]
+struct Service {
+    gw: Gateway,
+    peer: Arc<Peer>,
+    activity: Arc<Activity>,
+}
+
+type ServiceFuture =
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody>, Infallible>> + Send>>;
+
+impl hyper::service::Service<Request<Incoming>> for Service {
+    type Response = Response<ResponseBody>;
+    type Error = Infallible;
+    type Future = ServiceFuture;
+
+    fn call(&self, req: Request<Incoming>) -> ServiceFuture {
+        let gw = self.gw.clone();
+        let peer = self.peer.clone();
+        let active = ActiveRequest::new(self.activity.clone());
+        Box::pin(async move {
+            let response = crate::proxy::handle(gw, &peer, req).await;
+            Ok(response.map(|body| {
+                Tracked {
+                    inner: body,
+                    _active: active,
+                }
+                .boxed_unsync()
+            }))
+        })
+    }
+}
+
+/// When a connection last moved bytes, how many of its requests are in flight, whether it
+/// carried one, and whether its last write had to wait for the socket.
 #[derive(Debug)]
 struct Activity {
     base: Instant,
     last_ms: AtomicU64,
     in_flight: AtomicUsize,
+    served: AtomicBool,
+    write_blocked: AtomicBool,
+    /// The last read found nothing, with no request in flight.
+    read_blocked_idle: AtomicBool,
+    /// When the wait for the next head began (ms after `base`): the start, or the end of the
+    /// last response.
+    head_ms: AtomicU64,
 }
 
 impl Activity {
     fn new() -> Self {
+        Self::waiting_since(Instant::now())
+    }
+
+    /// A connection (just resumed) whose wait for a head began at `head_since`.
+    fn waiting_since(head_since: Instant) -> Self {
+        let now = Instant::now();
+        let base = head_since.min(now);
         Self {
-            base: Instant::now(),
-            last_ms: AtomicU64::new(0),
+            base,
+            last_ms: AtomicU64::new(now.duration_since(base).as_millis() as u64),
+            head_ms: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
+            served: AtomicBool::new(false),
+            write_blocked: AtomicBool::new(false),
+            read_blocked_idle: AtomicBool::new(false),
         }
     }
 
     fn touch(&self) {
         self.last_ms
             .store(self.base.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Notes bytes moved: only between requests does that move the idle clock (a request in
+    /// flight keeps the connection busy, and its end touches it).
+    fn moved(&self) {
+        if self.in_flight.load(Ordering::Relaxed) == 0 {
+            self.touch();
+        }
     }
 
     fn idle_since(&self) -> Instant {
@@ -277,45 +650,91 @@ impl Activity {
         self.in_flight.load(Ordering::Acquire) == 0 && self.idle_since().elapsed() >= timeout
     }
 
-    /// When to check next.
-    fn idle_check_in(&self, timeout: Duration) -> Duration {
-        let due = (self.idle_since() + timeout).saturating_duration_since(Instant::now());
-        due.max(Duration::from_millis(10))
+    /// When to check next for `timeout` of idleness: with a request in flight, not before
+    /// `timeout` from now (its end touches the connection).
+    fn idle_check_at(&self, timeout: Duration) -> Instant {
+        let now = Instant::now();
+        if self.in_flight.load(Ordering::Acquire) > 0 {
+            return now + timeout;
+        }
+        (self.idle_since() + timeout).max(now + Duration::from_millis(10))
+    }
+
+    /// Whether hyper is waiting for the next request with its response written: no request
+    /// in flight, the last read found nothing, the last write did not wait.
+    fn waiting_for_request(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) == 0
+            && self.read_blocked_idle.load(Ordering::Relaxed)
+            && !self.write_blocked()
+    }
+
+    fn head_since(&self) -> Instant {
+        self.base + Duration::from_millis(self.head_ms.load(Ordering::Relaxed))
+    }
+
+    fn served(&self) -> bool {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    fn write_blocked(&self) -> bool {
+        self.write_blocked.load(Ordering::Relaxed)
     }
 }
 
-/// The client socket, noting activity on every read and write.
+/// The client socket as hyper sees it: replays bytes read before (by an earlier hyper
+/// connection on this socket), and notes activity on every read and write.
 #[derive(Debug)]
-struct ActivityIo {
+struct ConnIo {
     inner: TcpStream,
+    prefix: Bytes,
     activity: Arc<Activity>,
 }
 
-impl AsyncRead for ActivityIo {
+impl ConnIo {
+    fn wrote(&self, result: &Poll<io::Result<usize>>) {
+        self.activity
+            .write_blocked
+            .store(result.is_pending(), Ordering::Relaxed);
+        if matches!(result, Poll::Ready(Ok(n)) if *n > 0) {
+            self.activity.moved();
+        }
+    }
+}
+
+impl AsyncRead for ConnIo {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            buf.put_slice(&self.prefix.split_to(n));
+            self.activity.moved();
+            return Poll::Ready(Ok(()));
+        }
         let before = buf.filled().len();
         let result = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let blocked = result.is_pending();
+        self.activity.read_blocked_idle.store(
+            blocked && self.activity.in_flight.load(Ordering::Acquire) == 0,
+            Ordering::Relaxed,
+        );
         if buf.filled().len() > before {
-            self.activity.touch();
+            self.activity.moved();
         }
         result
     }
 }
 
-impl AsyncWrite for ActivityIo {
+impl AsyncWrite for ConnIo {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let result = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
+        self.wrote(&result);
         result
     }
 
@@ -325,9 +744,7 @@ impl AsyncWrite for ActivityIo {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let result = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
+        self.wrote(&result);
         result
     }
 
@@ -351,6 +768,7 @@ struct ActiveRequest(Arc<Activity>);
 impl ActiveRequest {
     fn new(activity: Arc<Activity>) -> Self {
         activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        activity.served.store(true, Ordering::Relaxed);
         activity.touch();
         Self(activity)
     }
@@ -359,6 +777,9 @@ impl ActiveRequest {
 impl Drop for ActiveRequest {
     fn drop(&mut self) {
         self.0.touch();
+        self.0
+            .head_ms
+            .store(self.0.last_ms.load(Ordering::Relaxed), Ordering::Relaxed);
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -420,8 +841,8 @@ mod tests {
             "the response just ended"
         );
         assert_eq!(
-            a.idle_check_in(Duration::from_secs(5)),
-            Duration::from_secs(5)
+            a.idle_check_at(Duration::from_secs(5)),
+            Instant::now() + Duration::from_secs(5)
         );
         tokio::time::advance(Duration::from_secs(5)).await;
         assert!(a.idle_for(Duration::from_secs(5)));

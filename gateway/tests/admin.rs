@@ -203,6 +203,55 @@ async fn the_limits_file_is_loaded_at_start_and_reapplied_when_it_changes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_put_the_limits_file_is_only_for_restarts() {
+    // The operator writes one ConfigMap for every pod and PUTs each pod its own document (its
+    // share, its rollout wave): once a PUT arrived, file changes must not override it.
+    let backend = Backend::start().await;
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
+    doc["generation"] = 3.into();
+    let gw = Gw::start_with(
+        Some(&serde_norway::to_string(&doc).unwrap()),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(
+        limits_in_force(&gw).await["generation"],
+        3,
+        "started from the file"
+    );
+
+    doc["generation"] = 4.into();
+    doc["backends"][0]["pool"]["maxConnectionsPerEndpoint"] = 6.into();
+    let token = gw.token.clone();
+    assert_eq!(put(&gw, Some(&token), &doc.to_string()).await.0, 200);
+
+    let path = gw.dir.path().join("limits.yaml");
+    let mut shared = doc.clone();
+    shared["generation"] = 5.into();
+    shared["backends"][0]["pool"]["maxConnectionsPerEndpoint"] = 7.into();
+    std::fs::write(&path, serde_norway::to_string(&shared).unwrap()).unwrap();
+    // Three poll intervals: the change is seen and left alone.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let in_force = limits_in_force(&gw).await;
+    assert_eq!(
+        (
+            in_force["generation"].as_u64(),
+            in_force["backends"][0]["pool"]["maxConnectionsPerEndpoint"].as_u64()
+        ),
+        (Some(4), Some(6)),
+        "the PUT's document stays in force"
+    );
+    assert_eq!(
+        metric(
+            &gw.metrics().await,
+            "poolpilot_limits_rejected_total{source=\"file\"}"
+        ),
+        None,
+        "ignored, not refused"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_by_model_header_and_path() {
     let a = Backend::start().await;
     let b = Backend::start().await;

@@ -63,6 +63,36 @@ impl Error {
             },
         }
     }
+
+    /// What failed, for people (the note of a `ReconcileFailed` Event): the step and the causes
+    /// below it, without the finalizer's wrapping and with each Kubernetes API error given once,
+    /// as the apiserver's message and reason. For example `rollout step failed: failed to apply
+    /// ConfigMap models-limits: configmaps "models-limits" is forbidden: User "..." cannot create
+    /// resource "configmaps" ...: Forbidden`.
+    pub fn describe(&self) -> String {
+        use kube::runtime::finalizer::Error as F;
+        let step = self.step();
+        match self {
+            Self::Observe(e) => format!("{step} step failed: {}", brief_report(e)),
+            Self::Plan(why) => format!("{step} step failed: {why}"),
+            Self::Rollout(e) => format!("{step} step failed: {}", brief_report(e)),
+            Self::Status(e) => format!("{step} step failed: {}", brief_report(e)),
+            Self::Finalizer(e) => match &**e {
+                F::ApplyFailed(inner) | F::CleanupFailed(inner) => inner.describe(),
+                F::AddFinalizer(e) => {
+                    format!(
+                        "{step} step failed: failed to add the finalizer: {}",
+                        brief_report(e)
+                    )
+                }
+                F::RemoveFinalizer(e) => format!(
+                    "{step} step failed: failed to remove the finalizer: {}",
+                    brief_report(e)
+                ),
+                other => format!("{step} step failed: {other}"),
+            },
+        }
+    }
 }
 
 /// Result with the reconcile [`Error`].
@@ -78,4 +108,20 @@ pub fn report(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+/// Like [`report`], for people: a Kubernetes API error ends the chain with the apiserver's
+/// message and reason only (kube's own text repeats the message, then dumps the whole Status).
+pub fn brief_report(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = Vec::new();
+    let mut cur = Some(e);
+    while let Some(c) = cur {
+        if let Some(kube::Error::Api(status)) = c.downcast_ref::<kube::Error>() {
+            parts.push(status.to_string());
+            break;
+        }
+        parts.push(c.to_string());
+        cur = c.source();
+    }
+    parts.join(": ")
 }

@@ -1,4 +1,8 @@
-//! Logging: `tracing` to stderr, plain or JSON, filtered by `RUST_LOG` (default `info`).
+//! Logging: `tracing` to stderr, plain or JSON, filtered by `RUST_LOG` (default `info`). The plain
+//! format is coloured only when stderr is a terminal: a log file (the kubelet's, a redirect) gets
+//! no ANSI escape codes.
+
+use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
 
@@ -7,7 +11,8 @@ pub fn init(format: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     if format == "json" {
         builder.json().init();
     } else {

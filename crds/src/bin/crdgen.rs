@@ -1,6 +1,23 @@
-//! Prints the `ConnectionPolicy` CustomResourceDefinition as YAML
-//! (`cargo run -p poolpilot-api --bin crdgen > crds/connectionpolicy.yaml`).
+//! Prints the `ConnectionPolicy` CustomResourceDefinition as YAML, or with `--reference` its
+//! Markdown reference (`make crds` writes both: `crds/connectionpolicy.yaml` and
+//! `docs/connectionpolicy-reference.md`).
 
-fn main() {
-    print!("{}", poolpilot_api::crd_yaml());
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
+        [] => print!("{}", poolpilot_api::crd_yaml()),
+        ["--reference"] => print!("{}", poolpilot_api::reference_markdown()),
+        _ => {
+            eprintln!("usage: crdgen [--reference]");
+            return ExitCode::from(2);
+        }
+    }
+    ExitCode::SUCCESS
 }

@@ -1,5 +1,7 @@
-//! Tests of the `ConnectionPolicy` API: the committed CRD YAML, the sample policy, defaults and the
-//! shape of the generated schema (CEL rules, docs, printer columns).
+//! Tests of the `ConnectionPolicy` API: the committed CRD YAML and reference doc, the sample
+//! policy, defaults and the shape of the generated schema (CEL rules, docs, printer columns).
+
+use std::collections::BTreeSet;
 
 use serde_json::Value;
 
@@ -43,9 +45,196 @@ fn committed_crd_yaml_matches_the_types() {
     let committed = std::fs::read_to_string(path).unwrap_or_default();
     assert!(
         committed == crd_yaml(),
-        "crds/connectionpolicy.yaml is out of date: run \
-         `cargo run -p poolpilot-api --bin crdgen > crds/connectionpolicy.yaml`"
+        "crds/connectionpolicy.yaml is out of date: run `make crds`"
     );
+}
+
+fn committed_reference() -> String {
+    let path = format!(
+        "{}/../{}",
+        env!("CARGO_MANIFEST_DIR"),
+        reference::REFERENCE_PATH
+    );
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+#[test]
+fn committed_reference_doc_matches_the_crd() {
+    let committed = committed_reference();
+    let generated = reference_markdown();
+    if committed != generated {
+        let line = committed
+            .lines()
+            .zip(generated.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or_else(|| committed.lines().count().min(generated.lines().count()));
+        panic!(
+            "docs/connectionpolicy-reference.md is out of date (first difference at line {}): \
+             run `make crds`",
+            line + 1
+        );
+    }
+}
+
+/// The headings' anchors as GitHub makes them, in document order.
+fn heading_anchors(markdown: &str) -> BTreeSet<String> {
+    let mut anchors = BTreeSet::new();
+    let mut in_fence = false;
+    for line in markdown.lines() {
+        if line.starts_with("```") {
+            in_fence = !in_fence;
+        }
+        let Some(heading) = line.strip_prefix('#').filter(|_| !in_fence) else {
+            continue;
+        };
+        let slug: String = heading
+            .trim_start_matches('#')
+            .trim()
+            .chars()
+            .filter(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | ' '))
+            .map(|c| if c == ' ' { '-' } else { c })
+            .flat_map(char::to_lowercase)
+            .collect();
+        let mut anchor = slug.clone();
+        let mut n = 0;
+        while !anchors.insert(anchor.clone()) {
+            n += 1;
+            anchor = format!("{slug}-{n}");
+        }
+    }
+    anchors
+}
+
+#[test]
+fn the_reference_covers_every_field_and_its_links_resolve() {
+    let doc = reference_markdown();
+    let anchors = heading_anchors(&doc);
+    let mut links = 0;
+    for (i, _) in doc.match_indices("](#") {
+        let target: String = doc[i + 3..].chars().take_while(|c| *c != ')').collect();
+        assert!(
+            anchors.contains(&target),
+            "link to #{target} has no heading; headings: {anchors:?}"
+        );
+        links += 1;
+    }
+    assert!(links > 40, "only {links} internal links");
+    // Every field of the schema is a row of its object's table.
+    fn walk(path: &str, schema: &Value, doc: &str, rows: &mut usize) {
+        for (name, sub) in schema["properties"].as_object().into_iter().flatten() {
+            assert!(
+                doc.contains(&format!("| `{name}`<br>")),
+                "no row for {path}.{name}"
+            );
+            *rows += 1;
+            walk(&format!("{path}.{name}"), sub, doc, rows);
+        }
+        if schema["type"] == "array" {
+            walk(&format!("{path}[]"), &schema["items"], doc, rows);
+        }
+    }
+    let root = &crd_json()["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    let mut rows = 0;
+    for top in ["spec", "status"] {
+        walk(top, &root["properties"][top], &doc, &mut rows);
+    }
+    assert!(rows > 100, "walked only {rows} fields");
+    for heading in [
+        "## `spec`",
+        "### `spec.backends[].pool`",
+        "### `spec.clients.overrides[].match`",
+        "## `status`",
+        "### `status.conditions[]`",
+        "## Printer columns",
+        "## Conditions",
+        "## Events",
+    ] {
+        assert!(
+            doc.lines().any(|l| l == heading),
+            "{heading} missing from the reference"
+        );
+    }
+}
+
+#[test]
+fn the_reference_shows_types_defaults_bounds_and_rules_where_they_are_declared() {
+    let doc = reference_markdown();
+    let section = |heading: &str| -> String {
+        let start = doc
+            .find(&format!("\n{heading}\n"))
+            .unwrap_or_else(|| panic!("no section {heading}"));
+        let rest = &doc[start + heading.len() + 2..];
+        let end = rest
+            .find("\n## ")
+            .into_iter()
+            .chain(rest.find("\n### "))
+            .min();
+        rest[..end.unwrap_or(rest.len())].to_owned()
+    };
+    let row = |section: &str, field: &str| -> String {
+        section
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{field}`<br>")))
+            .unwrap_or_else(|| panic!("no row {field} in:\n{section}"))
+            .to_owned()
+    };
+
+    let pool = section("### `spec.backends[].pool`");
+    let lease = row(&pool, "leaseTimeout");
+    for part in [
+        "[duration](#conventions)",
+        "`300ms`",
+        "Longest wait for a pooled connection",
+        "must be longer than 0s (rule `duration(self) > duration('0s')`)",
+    ] {
+        assert!(lease.contains(part), "{part:?} missing from {lease}");
+    }
+    assert!(row(&pool, "maxPending").contains("0 to 1000000"));
+    // The object's own rule is listed under the object, not under a field.
+    assert!(pool.contains(
+        "- pool.validateAfterIdle must not exceed pool.idleTimeout (rule \
+         `duration(self.validateAfterIdle) <= duration(self.idleTimeout)`)"
+    ));
+
+    let capacity = section("### `spec.backends[].capacity`");
+    let max = row(&capacity, "maxConnectionsPerEndpoint");
+    assert!(max.contains("integer (int32)<br>**required**"), "{max}");
+    assert!(max.contains("1 to 1000000"), "{max}");
+
+    let spec = section("## `spec`");
+    assert!(
+        row(&spec, "backends").contains("array of [object](#specbackends)"),
+        "{spec}"
+    );
+    assert!(row(&spec, "autoscale").contains("*its fields' defaults*"));
+    assert!(spec.contains(
+        "backend names must be unique within a policy (rule \
+         `self.backends.all(b, self.backends.filter(c, c.name == b.name).size() == 1)`), \
+         reported at `.backends`"
+    ));
+
+    let rollout = section("### `spec.rollout`");
+    assert!(row(&rollout, "strategy").contains("one of `Progressive`, `AllAtOnce`"));
+    let identity = section("### `spec.clients.identity`");
+    assert!(
+        row(&identity, "header").contains("\\|"),
+        "a pipe in a pattern is escaped in the table"
+    );
+
+    for column in [
+        "| Targets | string | `.status.targets` |",
+        "| Ready | string | `.status.conditions[?(@.type==\"Ready\")].status` |",
+    ] {
+        assert!(doc.contains(column), "{column} missing");
+    }
+    for c in conditions::CONDITIONS {
+        assert!(
+            doc.contains(&format!("| **`{}`** |", c.type_)),
+            "{}",
+            c.type_
+        );
+    }
+    assert!(doc.contains("| Warning | `ReconcileFailed` |"));
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //!  watch Pods ──► unbound pod ──► POST pods/binding (we are the only node, so the scheduler too)
 //!      │
 //!      └──► pod bound here ──► one worker per pod (pod.rs):
-//!              loopback IP 127.0.x.y · volumes (volumes.rs) · processes (process.rs)
+//!              pod IP 10.244.x.y on lo · volumes (volumes.rs) · processes (process.rs)
 //!              · probes (probe.rs) · restarts with back-off · status patches · deletion
 //! ```
 //!
@@ -69,12 +69,15 @@ pub(crate) struct KubeletContext {
 }
 
 impl KubeletContext {
-    fn allocate_ip(&self, uid: &str, previous: Option<Ipv4Addr>) -> Ipv4Addr {
-        self.ips.lock().allocate(uid, previous)
+    /// The pod's address, put on the loopback interface (see [`IpPool`]).
+    fn allocate_ip(&self, uid: &str, previous: Option<Ipv4Addr>) -> Option<Ipv4Addr> {
+        self.ips.lock().allocate(uid, previous, add_host_address)
     }
 
     fn release_ip(&self, uid: &str) {
-        self.ips.lock().release(uid);
+        if let Some(ip) = self.ips.lock().release(uid) {
+            remove_host_address(ip);
+        }
     }
 
     fn track_pid(&self, pid: u32, running: bool) {
@@ -101,7 +104,10 @@ impl KubeletContext {
     }
 }
 
-/// Loopback addresses for pods: 127.0.1.1 upward, one per pod uid.
+/// Pod addresses: 10.244.0.1 upward (kind's pod range), one per pod uid, each added to the
+/// loopback interface while its pod lives, so that pods reach each other, Prometheus reaches
+/// them and nothing leaves the machine. Not 127.0.0.0/8 itself: the apiserver refuses loopback
+/// addresses in Endpoints and EndpointSlices, so Services would have no endpoints.
 #[derive(Debug, Default)]
 struct IpPool {
     by_uid: HashMap<String, Ipv4Addr>,
@@ -109,40 +115,77 @@ struct IpPool {
 }
 
 impl IpPool {
-    const FIRST: u32 = u32::from_be_bytes([127, 0, 1, 1]);
-    const LAST: u32 = u32::from_be_bytes([127, 0, 255, 254]);
+    const FIRST: u32 = u32::from_be_bytes([10, 244, 0, 1]);
+    const LAST: u32 = u32::from_be_bytes([10, 244, 255, 254]);
 
-    fn allocate(&mut self, uid: &str, previous: Option<Ipv4Addr>) -> Ipv4Addr {
+    /// The address of pod `uid`: the one it has, else its `previous` one (a restarted kubelet
+    /// keeps what the pod status reports) when free and claimable, else the next free one.
+    /// `claim` puts an address on the host and says false when it cannot be had (another
+    /// kubelet on this machine holds it).
+    fn allocate(
+        &mut self,
+        uid: &str,
+        previous: Option<Ipv4Addr>,
+        mut claim: impl FnMut(Ipv4Addr) -> bool,
+    ) -> Option<Ipv4Addr> {
         if let Some(ip) = self.by_uid.get(uid) {
-            return *ip;
+            return Some(*ip);
         }
         let used: HashSet<Ipv4Addr> = self.by_uid.values().copied().collect();
-        let ip = match previous
-            .filter(|ip| (Self::FIRST..=Self::LAST).contains(&u32::from(*ip)) && !used.contains(ip))
-        {
+        let in_range = |ip: &Ipv4Addr| (Self::FIRST..=Self::LAST).contains(&u32::from(*ip));
+        let ip = match previous.filter(|ip| in_range(ip) && !used.contains(ip) && claim(*ip)) {
             Some(ip) => ip,
             None => {
                 let span = Self::LAST - Self::FIRST + 1;
-                let mut candidate;
+                let mut tried = 0;
                 loop {
-                    candidate = Ipv4Addr::from(Self::FIRST + self.next % span);
+                    let candidate = Ipv4Addr::from(Self::FIRST + self.next % span);
                     self.next += 1;
+                    tried += 1;
+                    if tried > span {
+                        return None;
+                    }
                     // Skip .0 and .255 in each /24, which some programs refuse to bind.
                     let last = candidate.octets()[3];
-                    if last != 0 && last != 255 && !used.contains(&candidate) {
-                        break;
+                    if last != 0 && last != 255 && !used.contains(&candidate) && claim(candidate) {
+                        break candidate;
                     }
                 }
-                candidate
             }
         };
         self.by_uid.insert(uid.to_owned(), ip);
-        ip
+        Some(ip)
     }
 
-    fn release(&mut self, uid: &str) {
-        self.by_uid.remove(uid);
+    fn release(&mut self, uid: &str) -> Option<Ipv4Addr> {
+        self.by_uid.remove(uid)
     }
+}
+
+/// Adds `ip`/32 to the loopback interface; false when it is already there (another kubelet's)
+/// or cannot be added.
+fn add_host_address(ip: Ipv4Addr) -> bool {
+    let status = std::process::Command::new("ip")
+        .args(["-4", "addr", "add", &format!("{ip}/32"), "dev", "lo"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+    match status {
+        Ok(s) => s.success(),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot run `ip` (iproute2) to add pod addresses");
+            false
+        }
+    }
+}
+
+/// Removes `ip`/32 from the loopback interface.
+fn remove_host_address(ip: Ipv4Addr) {
+    let _ = std::process::Command::new("ip")
+        .args(["-4", "addr", "del", &format!("{ip}/32"), "dev", "lo"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
 }
 
 /// Runs the kubelet until `shutdown` resolves, then stops every pod process.
@@ -324,6 +367,10 @@ async fn stop_all(ctx: &KubeletContext) {
     for pid in &pids {
         process::signal_group(*pid, Signal::SIGKILL);
     }
+    let ips: Vec<Ipv4Addr> = ctx.ips.lock().by_uid.drain().map(|(_, ip)| ip).collect();
+    for ip in ips {
+        remove_host_address(ip);
+    }
 }
 
 #[cfg(test)]
@@ -331,25 +378,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ip_pool_gives_each_pod_its_own_loopback_address() {
+    fn ip_pool_gives_each_pod_its_own_address_in_the_pod_range() {
         let mut pool = IpPool::default();
-        let a = pool.allocate("a", None);
-        let b = pool.allocate("b", None);
-        assert_eq!(a, Ipv4Addr::new(127, 0, 1, 1));
-        assert_eq!(b, Ipv4Addr::new(127, 0, 1, 2));
-        assert_eq!(pool.allocate("a", None), a, "stable per pod");
+        let free = |_: Ipv4Addr| true;
+        let a = pool.allocate("a", None, free).unwrap();
+        let b = pool.allocate("b", None, free).unwrap();
+        assert_eq!(a, Ipv4Addr::new(10, 244, 0, 1));
+        assert_eq!(b, Ipv4Addr::new(10, 244, 0, 2));
+        assert!(!a.is_loopback(), "the apiserver refuses loopback endpoints");
+        assert_eq!(pool.allocate("a", None, free), Some(a), "stable per pod");
         // A restarted kubelet keeps a pod's reported address when it is free.
         assert_eq!(
-            pool.allocate("c", Some(Ipv4Addr::new(127, 0, 9, 9))),
-            Ipv4Addr::new(127, 0, 9, 9)
+            pool.allocate("c", Some(Ipv4Addr::new(10, 244, 9, 9)), free),
+            Some(Ipv4Addr::new(10, 244, 9, 9))
         );
         assert_ne!(
-            pool.allocate("d", Some(a)),
-            a,
+            pool.allocate("d", Some(a), free),
+            Some(a),
             "an address in use is not handed out twice"
         );
-        pool.release("a");
+        assert_eq!(pool.release("a"), Some(a));
         assert!(!pool.by_uid.contains_key("a"));
+    }
+
+    #[test]
+    fn ip_pool_skips_addresses_another_kubelet_holds() {
+        let mut pool = IpPool::default();
+        let taken = [Ipv4Addr::new(10, 244, 0, 1), Ipv4Addr::new(10, 244, 0, 2)];
+        let claim = |ip: Ipv4Addr| !taken.contains(&ip);
+        assert_eq!(
+            pool.allocate("a", Some(taken[0]), claim),
+            Some(Ipv4Addr::new(10, 244, 0, 3))
+        );
     }
 
     #[test]
@@ -359,15 +419,15 @@ mod tests {
             ..Default::default()
         };
         let ips: Vec<Ipv4Addr> = (0..4)
-            .map(|i| pool.allocate(&i.to_string(), None))
+            .map(|i| pool.allocate(&i.to_string(), None, |_| true).unwrap())
             .collect();
         assert_eq!(
             ips,
             [
-                Ipv4Addr::new(127, 0, 1, 254),
-                Ipv4Addr::new(127, 0, 2, 1),
-                Ipv4Addr::new(127, 0, 2, 2),
-                Ipv4Addr::new(127, 0, 2, 3)
+                Ipv4Addr::new(10, 244, 0, 254),
+                Ipv4Addr::new(10, 244, 1, 1),
+                Ipv4Addr::new(10, 244, 1, 2),
+                Ipv4Addr::new(10, 244, 1, 3)
             ]
         );
     }

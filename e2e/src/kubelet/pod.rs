@@ -1,4 +1,4 @@
-//! One pod on the local node, from binding to deletion: its loopback IP, volumes, container
+//! One pod on the local node, from binding to deletion: its pod IP (on the loopback interface), volumes, container
 //! processes (init containers first), restarts with back-off, readiness and liveness probes, the
 //! pod status it reports, and graceful termination.
 
@@ -164,7 +164,10 @@ impl PodWorker {
             .as_ref()
             .and_then(|s| s.pod_ip.as_deref())
             .and_then(|ip| ip.parse().ok());
-        let ip = ctx.allocate_ip(&uid, previous_ip);
+        // Unspecified until an address could be put on the host: `step` retries, the pod waits.
+        let ip = ctx
+            .allocate_ip(&uid, previous_ip)
+            .unwrap_or(Ipv4Addr::UNSPECIFIED);
         let spec = pod.spec.clone().unwrap_or_default();
         let now = Instant::now();
         let state = |spec: Container, init: bool| ContainerState {
@@ -218,6 +221,20 @@ impl PodWorker {
     /// Periodic work: keep volumes in sync, start what is due, schedule probes.
     async fn step(&mut self) {
         let now = Instant::now();
+        if self.ip.is_unspecified() {
+            let uid = self.pod.uid().unwrap_or_default();
+            match self.ctx.allocate_ip(&uid, None) {
+                Some(ip) => self.ip = ip,
+                None => {
+                    let why = "no pod address: adding one to the loopback interface failed \
+                               (the local kubelet needs root and iproute2's `ip`)";
+                    for c in self.containers.iter_mut().filter(|c| c.run.is_none()) {
+                        c.waiting = Some(("ContainerCreating".into(), why.into()));
+                    }
+                    return;
+                }
+            }
+        }
         if now >= self.next_volume_sync {
             self.next_volume_sync = now + Duration::from_secs(1);
             self.volume_error = self
@@ -745,11 +762,18 @@ impl PodWorker {
             .map(|(kind, (status, at))| json!({"type": kind, "status": if *status { "True" } else { "False" }, "lastTransitionTime": at.to_string()}))
             .collect();
         let host = &self.ctx.host_ip;
-        let ip = self.ip.to_string();
+        let (ip, ips) = if self.ip.is_unspecified() {
+            (Value::Null, json!([]))
+        } else {
+            (
+                json!(self.ip.to_string()),
+                json!([{"ip": self.ip.to_string()}]),
+            )
+        };
         let status = json!({
             "phase": phase,
             "hostIP": host, "hostIPs": [{"ip": host}],
-            "podIP": ip, "podIPs": [{"ip": ip}],
+            "podIP": ip, "podIPs": ips,
             "startTime": self.start_time.to_string(),
             "conditions": conditions,
             "initContainerStatuses": init_statuses,

@@ -55,8 +55,9 @@ use rate::{HoldTime, ReleaseRate};
 
 /// A connection the pool can keep between leases.
 pub trait Poolable: Send + std::fmt::Debug + 'static {
-    /// Cheap check that the peer has not closed the connection (no IO, no blocking).
-    fn is_open(&self) -> bool;
+    /// Cheap check that the peer has not closed the connection (no blocking; at most the IO
+    /// that is already possible without waiting).
+    fn is_open(&mut self) -> bool;
 
     /// The check run before reusing a connection that sat idle longer than
     /// `validateAfterIdle`: it must be open *and* ready to carry a request right now.
@@ -876,7 +877,7 @@ impl<C: Connect> Inner<C> {
         let retired = state.retired;
         if let Some(ep) = state.endpoint_mut(endpoint) {
             ep.leased -= 1;
-            if let Some(conn) = conn {
+            if let Some(mut conn) = conn {
                 let reason = match outcome {
                     Outcome::Close(reason) => Some(reason),
                     Outcome::Keep if ep.removed || retired => Some(CloseReason::Removed),
@@ -907,7 +908,7 @@ impl<C: Connect> Inner<C> {
         for ep in &mut state.endpoints {
             let mut i = 0;
             while i < ep.idle.len() {
-                let idle = &ep.idle[i];
+                let idle = &mut ep.idle[i];
                 let reason = if now.duration_since(idle.created_at) >= limits.max_lifetime.get() {
                     Some(CloseReason::Lifetime)
                 } else if now.duration_since(idle.idle_since) >= limits.idle_timeout.get() {

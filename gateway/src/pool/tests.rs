@@ -15,7 +15,7 @@ struct FakeConn {
 }
 
 impl Poolable for FakeConn {
-    fn is_open(&self) -> bool {
+    fn is_open(&mut self) -> bool {
         self.open.load(Ordering::SeqCst)
     }
 

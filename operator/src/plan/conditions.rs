@@ -197,4 +197,73 @@ mod tests {
         let types: Vec<&str> = got.iter().map(|c| c.type_.as_str()).collect();
         assert_eq!(types, ["Accepted", "FdBudget", "Ready"]);
     }
+
+    // === the API's condition catalog (poolpilot_api::policy::conditions) ===
+
+    use poolpilot_api::policy::conditions::{CONDITIONS, is_documented};
+
+    #[test]
+    fn the_kinds_are_the_documented_condition_types_in_their_order() {
+        let kinds: Vec<&str> = Kind::ALL.iter().map(|k| k.as_str()).collect();
+        let documented: Vec<&str> = CONDITIONS.iter().map(|c| c.type_).collect();
+        assert_eq!(kinds, documented);
+    }
+
+    /// Every `Computed::new(Kind::K, Status::S, "Reason", ..)` in `status.rs`, as (K, S, reason);
+    /// a reason that is not a literal counts as `None`.
+    fn reported() -> Vec<(String, String, Option<String>)> {
+        let source = include_str!("status.rs");
+        let code = source.split("#[cfg(test)]").next().unwrap_or_default();
+        let code = code.split_whitespace().collect::<Vec<_>>().join(" ");
+        code.split("Computed::new(")
+            .skip(1)
+            .map(|call| {
+                let args: Vec<&str> = call.splitn(4, ',').map(str::trim).collect();
+                let kind = args[0].strip_prefix("Kind::").expect("Kind:: first");
+                let status = args[1].strip_prefix("Status::").expect("Status:: second");
+                let reason = args[2]
+                    .strip_prefix('"')
+                    .and_then(|r| r.strip_suffix('"'))
+                    .map(str::to_owned);
+                (kind.to_owned(), status.to_owned(), reason)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_reported_condition_reason_is_documented_and_every_documented_one_is_reported() {
+        let reported = reported();
+        assert!(
+            reported.len() >= 20,
+            "status.rs changed shape; found only {reported:?}"
+        );
+        let mut literal = std::collections::BTreeSet::new();
+        for (kind, status, reason) in &reported {
+            match reason {
+                Some(reason) => {
+                    assert!(
+                        is_documented(kind, status, reason),
+                        "{kind}={status} reason {reason} is not documented in \
+                         crds/src/policy/conditions.rs (then run `make crds`)"
+                    );
+                    literal.insert((kind.as_str(), status.as_str(), reason.as_str()));
+                }
+                // `Ready=False` takes the reason of `RolledOut=False`.
+                None => assert_eq!((kind.as_str(), status.as_str()), ("Ready", "False")),
+            }
+        }
+        for c in CONDITIONS {
+            for r in c.reasons {
+                let derived = c.type_ == "Ready" && r.status == "False";
+                let source = if derived { "RolledOut" } else { c.type_ };
+                assert!(
+                    literal.contains(&(source, r.status, r.reason)),
+                    "{}={} reason {} is documented but the operator never reports it",
+                    c.type_,
+                    r.status,
+                    r.reason
+                );
+            }
+        }
+    }
 }

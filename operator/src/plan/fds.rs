@@ -118,7 +118,8 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
             .map(|(i, j, b, ready)| Pool {
                 plan: i,
                 backend: j,
-                share: b.per_pod,
+                // The largest share a pod of this policy gets (with the division's remainder).
+                share: b.share_of(Some(0), ready as usize),
                 endpoints: b.endpoints,
                 min_share: share(b.bounds.min, ready).min(b.per_pod),
             })
@@ -147,8 +148,12 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
     }
 
     for ((i, j), cap) in &caps {
+        let ready = plans[*i].ready.len();
         let b = &mut plans[*i].backends[*j];
-        b.per_pod = b.per_pod.min(*cap);
+        if b.share_of(Some(0), ready) > *cap {
+            b.per_pod = b.per_pod.min(*cap);
+            b.clamped = true;
+        }
     }
 
     // Needs after clamping, per pod.
@@ -156,8 +161,11 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
     for (pod, idxs) in &on_pod {
         let pools: u64 = idxs
             .iter()
-            .flat_map(|&i| plans[i].backends.iter())
-            .map(|b| u64::from(b.per_pod) * u64::from(b.endpoints))
+            .flat_map(|&i| {
+                let ready = plans[i].ready.len();
+                plans[i].backends.iter().map(move |b| (b, ready))
+            })
+            .map(|(b, ready)| u64::from(b.share_of(Some(0), ready)) * u64::from(b.endpoints))
             .sum();
         need_after.insert(
             pod,

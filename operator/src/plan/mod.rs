@@ -171,14 +171,44 @@ pub struct BackendPlan {
     pub endpoints: u32,
     /// The fleet-wide target per endpoint chosen by the autoscaler (or the upper bound).
     pub target: u32,
-    /// Each ready pod's share after the fd check.
+    /// Each ready pod's share after the fd check, rounded down; [`BackendPlan::share_of`] hands
+    /// the remainder of the division out, one connection per pod.
     pub per_pod: u32,
+    /// Whether the fd check lowered the shares (then no pod gets more than `per_pod`).
+    pub clamped: bool,
     /// The bounds the target lives in.
     pub bounds: Bounds,
     /// What the autoscaler decided this run (`None`: not due this run).
     pub decision: Option<Decision>,
     /// The sample the decision was made from.
     pub sample: BackendSample,
+}
+
+impl BackendPlan {
+    /// The share of a selected pod: `per_pod`, plus one for the first `target mod ready` ready
+    /// pods (by `rank`, their place among the ready pods in name order), so that the shares add
+    /// up to the fleet target exactly. Pods that are not ready (`rank` `None`) and shares the fd
+    /// check clamped get `per_pod`.
+    pub fn share_of(&self, rank: Option<usize>, ready: usize) -> u32 {
+        let Some(rank) = rank else {
+            return self.per_pod;
+        };
+        let ready = u32::try_from(ready).unwrap_or(u32::MAX);
+        if ready == 0 || self.clamped || self.per_pod != fds::share(self.target, ready) {
+            return self.per_pod;
+        }
+        let remainder = self
+            .target
+            .saturating_sub(self.per_pod.saturating_mul(ready));
+        self.per_pod + u32::from(u32::try_from(rank).unwrap_or(u32::MAX) < remainder)
+    }
+
+    /// Connections per endpoint pooled over the `ready` pods: the sum of their shares.
+    pub fn pooled(&self, ready: usize) -> u64 {
+        (0..ready)
+            .map(|rank| u64::from(self.share_of(Some(rank), ready)))
+            .sum()
+    }
 }
 
 /// The plan for one policy.
@@ -290,6 +320,7 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     endpoints,
                     target: mem.target,
                     per_pod: fds::share(mem.target, ready_count),
+                    clamped: false,
                     bounds,
                     decision,
                     sample,

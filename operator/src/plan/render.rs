@@ -29,7 +29,7 @@ pub fn render_all(
 ) -> BTreeMap<String, GatewayLimits> {
     for (i, plan) in plans.iter_mut().enumerate() {
         if plan.acceptance.is_accepted()
-            && let Err(e) = document(policies, &[(i, &*plan)]).validate()
+            && let Err(e) = document(policies, &[(i, &*plan)], None).validate()
         {
             plan.acceptance =
                 Acceptance::Invalid(e.violations.iter().map(ToString::to_string).collect());
@@ -46,7 +46,7 @@ pub fn render_all(
             .enumerate()
             .filter(|(_, p)| p.acceptance.is_accepted() && p.selected.contains(&pod.name))
             .collect();
-        let mut doc = document(policies, &on_pod).with_content_revision();
+        let mut doc = document(policies, &on_pod, Some(&pod.name)).with_content_revision();
         doc.generation = generations.of(&doc.revision);
         out.insert(pod.name.clone(), doc);
     }
@@ -68,7 +68,7 @@ pub fn render_all(
                             && &policies[*j].spec.gateway_selector == selector
                     })
                     .collect();
-                let mut doc = document(policies, &peers).with_content_revision();
+                let mut doc = document(policies, &peers, None).with_content_revision();
                 doc.generation = generations.of(&doc.revision);
                 Some(doc)
             }
@@ -120,8 +120,13 @@ impl Generations {
     }
 }
 
-/// The document of a set of accepted plans (by index into `policies`), oldest policy first.
-fn document(policies: &[PolicyInput], plans: &[(usize, &PolicyPlan)]) -> GatewayLimits {
+/// The document of a set of accepted plans (by index into `policies`), oldest policy first, for
+/// `pod` (its shares depend on its rank among each policy's ready pods; `None`: the base share).
+fn document(
+    policies: &[PolicyInput],
+    plans: &[(usize, &PolicyPlan)],
+    pod: Option<&str>,
+) -> GatewayLimits {
     let mut order: Vec<&(usize, &PolicyPlan)> = plans.iter().collect();
     order.sort_by(|a, b| {
         let (pa, pb) = (&policies[a.0], &policies[b.0]);
@@ -180,11 +185,12 @@ fn document(policies: &[PolicyInput], plans: &[(usize, &PolicyPlan)]) -> Gateway
             });
             name
         });
+        let rank = pod.and_then(|pod| plan.ready.iter().position(|r| r == pod));
         for (spec, planned) in policy.spec.backends.iter().zip(&plan.backends) {
             backends.push(backend(
                 policy,
                 spec,
-                planned.per_pod,
+                planned.share_of(rank, plan.ready.len()),
                 client_policy.clone(),
             ));
         }

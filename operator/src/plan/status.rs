@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use poolpilot_api::ConnectionPolicyStatus;
 use poolpilot_api::policy::{BackendStatus, PodFailure, PodsStatus, ScaleRecord};
+use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
 use super::conditions::{Computed, Kind, Status, merge};
 use super::validate::Acceptance;
@@ -45,7 +45,7 @@ pub fn compute(
         .map(|b| {
             let mem = memory.backends.get(&(plan.key.clone(), b.name.clone()));
             let demand = b.sample.leased.zip(b.sample.pending).map(|(l, p)| l + p);
-            let pooled = f64::from(b.per_pod) * f64::from(b.endpoints) * ready as f64;
+            let pooled = b.pooled(ready) as f64 * f64::from(b.endpoints);
             BackendStatus {
                 name: b.name.clone(),
                 endpoints: b.endpoints,
@@ -78,7 +78,7 @@ pub fn compute(
 
     let conditions = merge(
         &old.conditions,
-        conditions(plan, rollout, &backends, memory, updated),
+        conditions(&policy.spec, plan, rollout, &backends, memory, updated),
         policy.generation,
         now,
     );
@@ -127,6 +127,7 @@ impl WithLastScale for BackendStatus {
 }
 
 fn conditions(
+    spec: &ConnectionPolicySpec,
     plan: &PolicyPlan,
     rollout: &RolloutReport,
     backends: &[BackendStatus],
@@ -229,20 +230,25 @@ fn conditions(
             msg.push_str(&format!("; {w}"));
         }
         for (pod, e) in &rollout.unreachable {
-            msg.push_str(&format!("; pod {pod} unreachable: {e}"));
+            msg.push_str(&format!("; pod {pod} not updated: {e}"));
         }
         Computed::new(Kind::RolledOut, Status::False, "Progressing", msg)
     };
 
-    let saturated: Vec<String> = plan
+    // A backend without endpoints has no capacity at all: every request for it fails. Say so,
+    // naming the Service, instead of leaving only `endpoints: 0` in its status.
+    let unresolved = plan
         .backends
         .iter()
-        .filter_map(|b| {
+        .filter(|b| b.endpoints == 0)
+        .map(|b| no_endpoints(spec, &b.name));
+    let saturated: Vec<String> = unresolved
+        .chain(plan.backends.iter().filter_map(|b| {
             let m = memory.backends.get(&(plan.key.clone(), b.name.clone()))?;
             m.saturation
                 .as_ref()
                 .map(|why| format!("{}: {why}", b.name))
-        })
+        }))
         .collect();
     let saturated = if saturated.is_empty() {
         let util = backends
@@ -279,4 +285,22 @@ fn conditions(
         )
     };
     vec![accepted, metrics, fd, rolled, saturated, ready_cond]
+}
+
+/// Why backend `name` has no endpoints, for the `Saturated` message.
+fn no_endpoints(spec: &ConnectionPolicySpec, name: &str) -> String {
+    let service = spec
+        .backends
+        .iter()
+        .find(|b| b.name == name)
+        .and_then(|b| b.endpoints.service.as_ref());
+    match service {
+        Some(s) => format!(
+            "{name}: no endpoints: Service {} has no ready endpoint on port {}; requests for {name} fail with 503",
+            s.name, s.port
+        ),
+        None => format!(
+            "{name}: no endpoints: endpoints.addresses is empty; requests for {name} fail with 503"
+        ),
+    }
 }

@@ -119,6 +119,61 @@ fn fleet_budget_is_divided_across_ready_pods() {
 }
 
 #[test]
+fn the_remainder_of_the_division_goes_to_the_first_pods_so_shares_add_up_to_the_target() {
+    // 64 × 0.8 = 51 for the fleet: over 2 ready pods 26 + 25, over 3 17 each, over 4 13·3 + 12.
+    let p = policy("a", 0, &spec("m", 64, "autoscale: {enabled: false}\n"), 3);
+    for (n, want) in [
+        (1, vec![51]),
+        (2, vec![26, 25]),
+        (3, vec![17, 17, 17]),
+        (4, vec![13, 13, 13, 12]),
+        (5, vec![11, 10, 10, 10, 10]),
+    ] {
+        let input = FleetInput {
+            policies: vec![p.clone()],
+            pods: pods(n),
+            ..FleetInput::default()
+        };
+        let fleet = plan(&input, &mut Memory::default(), at(0));
+        let shares: Vec<u32> = fleet
+            .documents
+            .values()
+            .map(|d| d.backends[0].pool.max_connections_per_endpoint)
+            .collect();
+        assert_eq!(shares, want, "{n} pods");
+        assert_eq!(
+            shares.iter().sum::<u32>(),
+            51,
+            "{n} pods hold the fleet target"
+        );
+        let b = &fleet.policies[0].backends[0];
+        assert_eq!(b.pooled(n), 51);
+        // The durable document is the first pod's: a restarted pod holds at most one extra.
+        assert_eq!(
+            fleet.policies[0].document.as_ref().unwrap().backends[0]
+                .pool
+                .max_connections_per_endpoint,
+            want[0]
+        );
+    }
+    // A pod that is not ready gets the base share, and counts for no remainder.
+    let mut gateway_pods = pods(3);
+    gateway_pods[0].ready = false;
+    let input = FleetInput {
+        policies: vec![p],
+        pods: gateway_pods,
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let shares: Vec<u32> = fleet
+        .documents
+        .values()
+        .map(|d| d.backends[0].pool.max_connections_per_endpoint)
+        .collect();
+    assert_eq!(shares, [25, 26, 25], "gw-1 and gw-2 are ready: 26 + 25");
+}
+
+#[test]
 fn pods_three_to_six_grow_the_fleet_total_by_at_most_five_percent() {
     for capacity in [10, 32, 64, 100, 257, 700, 1000] {
         let p = policy(
@@ -134,10 +189,10 @@ fn pods_three_to_six_grow_the_fleet_total_by_at_most_five_percent() {
                 ..FleetInput::default()
             };
             let plan = plan(&input, &mut Memory::default(), at(0));
-            let per_pod = plan.documents["gw-0"].backends[0]
-                .pool
-                .max_connections_per_endpoint;
-            f64::from(per_pod) * n as f64
+            plan.documents
+                .values()
+                .map(|d| f64::from(d.backends[0].pool.max_connections_per_endpoint))
+                .sum::<f64>()
         };
         let (three, six) = (total(3), total(6));
         assert!(
@@ -595,7 +650,8 @@ fn status_reports_conditions_targets_and_pods() {
     assert_eq!(cond(&s1, Kind::FdBudget).1, "WithinBudget");
     assert_eq!(cond(&s1, Kind::MetricsAvailable).1, "AutoscaleDisabled");
     assert_eq!(s1.pods.as_ref().unwrap().fd_limit, Some(4096));
-    assert_eq!(s1.pods.as_ref().unwrap().fd_needed, 2 * 25 + 1024 + 256);
+    // The busiest pod: gw-0 holds 26 of the 51 (the remainder), on 2 endpoints.
+    assert_eq!(s1.pods.as_ref().unwrap().fd_needed, 2 * 26 + 1024 + 256);
 
     input.policies[0].status = Some(s1);
     let done = RolloutReport {
@@ -748,4 +804,71 @@ proptest! {
             doc.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
         }
     }
+}
+
+#[test]
+fn a_backend_without_endpoints_is_reported_saturated_naming_its_service() {
+    // No EndpointSlice address for the Service: zero endpoints resolved.
+    let p = policy(
+        "a",
+        0,
+        &spec("model-b", 32, "autoscale: {enabled: false}\n"),
+        0,
+    );
+    let input = FleetInput {
+        policies: vec![p],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let s = compute(
+        &input.policies[0],
+        &fleet.policies[0],
+        &memory,
+        &RolloutReport::default(),
+        at(0),
+    );
+    assert_eq!(s.backends[0].endpoints, 0);
+    let saturated = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Saturated")
+        .unwrap();
+    assert_eq!(
+        (saturated.status.as_str(), saturated.reason.as_str()),
+        ("True", "Saturated")
+    );
+    assert_eq!(
+        saturated.message,
+        "model-b: no endpoints: Service model-b has no ready endpoint on port 8000; requests for \
+         model-b fail with 503"
+    );
+
+    // With endpoints, nothing is said about them.
+    let p = policy(
+        "a",
+        0,
+        &spec("model-b", 32, "autoscale: {enabled: false}\n"),
+        1,
+    );
+    let input = FleetInput {
+        policies: vec![p],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut memory, at(0));
+    let s = compute(
+        &input.policies[0],
+        &fleet.policies[0],
+        &memory,
+        &RolloutReport::default(),
+        at(0),
+    );
+    let saturated = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Saturated")
+        .unwrap();
+    assert_eq!(saturated.status, "False", "{saturated:?}");
 }

@@ -141,20 +141,28 @@ pub fn next_wave(
                     ..Wave::default()
                 };
             }
-            if let Verdict::Regressed(why) = canary {
+            // The canaries are judged at the end of their verification, on rates of calls they
+            // served under the new revision; judged earlier, the rates are mostly the old
+            // revision's (a flash crowd's lease timeouts look like a regression). Without
+            // verification intervals the rest follow as soon as the canaries acknowledged.
+            let verified_for = canary_since.map_or(Duration::ZERO, |t| elapsed(t, now));
+            if strategy.verify.is_zero() {
                 return Wave {
-                    halted: Some(format!("canary regression: {why}")),
+                    push: stale,
                     ..Wave::default()
                 };
             }
-            let verified_for = canary_since.map_or(Duration::ZERO, |t| elapsed(t, now));
             if verified_for >= strategy.verify {
                 return match canary {
+                    Verdict::Regressed(why) => Wave {
+                        halted: Some(format!("canary regression: {why}")),
+                        ..Wave::default()
+                    },
                     Verdict::Unknown(why) => Wave {
                         waiting: Some(format!("canary verification paused: {why}")),
                         ..Wave::default()
                     },
-                    _ => Wave {
+                    Verdict::Healthy => Wave {
                         push: stale,
                         ..Wave::default()
                     },

@@ -22,9 +22,9 @@ use std::time::Duration;
 
 use kube::api::Api;
 use kube::runtime::controller::Action;
-use kube::runtime::events::Recorder;
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource as _, ResourceExt};
 use parking_lot::{Mutex, RwLock};
 use poolpilot_api::ConnectionPolicy;
 use tokio::time::Instant;
@@ -241,12 +241,60 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
     Ok(Action::await_change())
 }
 
-/// What to do after a failed reconcile: log, and retry soon.
+/// What to do after a failed reconcile: log, tell the user with a `ReconcileFailed` Warning
+/// Event on the policy (naming the step and the error), and retry soon. Repeats of the same
+/// failure become one Event series: the recorder patches the Event's count instead of creating
+/// another one.
 pub fn error_policy<G: Gateways>(
     policy: Arc<ConnectionPolicy>,
     error: &Error,
-    _ctx: Arc<Context<G>>,
+    ctx: Arc<Context<G>>,
 ) -> Action {
     warn!(policy = %policy.name_any(), step = error.step(), error = %crate::report(error), "reconcile failed");
+    let event = failure_event(error);
+    let reference = policy.object_ref(&());
+    let recorder = ctx.recorder.clone();
+    // The Controller calls this synchronously; the Event must not hold up the other policies.
+    tokio::spawn(async move {
+        if let Err(err) = recorder.publish(&event, &reference).await {
+            warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
+        }
+    });
     Action::requeue(Duration::from_secs(5))
+}
+
+/// The Warning Event of a failed reconcile. Its action names the step, so that the recorder
+/// (which keys a series by type, reason and action, not by note) keeps failures of different
+/// steps apart.
+pub fn failure_event(error: &Error) -> Event {
+    let action = match error.step() {
+        "observe" => "Observe",
+        "plan" => "Plan",
+        "rollout" => "RollOut",
+        "status" => "UpdateStatus",
+        "finalizer" => "Finalize",
+        _ => "Reconcile",
+    };
+    Event {
+        type_: EventType::Warning,
+        reason: "ReconcileFailed".into(),
+        note: Some(event_note(&error.describe())),
+        action: action.into(),
+        secondary: None,
+    }
+}
+
+/// The longest Event note in bytes (the apiserver refuses more than 1 kB).
+const MAX_NOTE_BYTES: usize = 1000;
+
+/// `text` cut to fit an Event note, on a character boundary, marked with `…` when cut.
+pub fn event_note(text: &str) -> String {
+    if text.len() <= MAX_NOTE_BYTES {
+        return text.to_owned();
+    }
+    let mut end = MAX_NOTE_BYTES - '…'.len_utf8();
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
 }

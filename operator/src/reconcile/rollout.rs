@@ -336,7 +336,16 @@ async fn push<G: Gateways>(
                 "refused"
             }
             Err(e) => {
-                failed.insert(name, crate::report(&e));
+                let why = if matches!(e, PutError::Unauthorized) {
+                    // Say which token: the pod's differs from the one the operator sends.
+                    format!(
+                        "HTTP 401: {e} (the pod's admin token differs from Secret {}, key {:?})",
+                        ctx.config.token_secret, ctx.config.token_key
+                    )
+                } else {
+                    crate::report(&e)
+                };
+                failed.insert(name, why);
                 if matches!(e, PutError::Unauthorized) {
                     "unauthorized"
                 } else {

@@ -82,7 +82,7 @@ pub fn events(
     let event = |type_, reason: &str, note: String, action: &str| Event {
         type_,
         reason: reason.to_owned(),
-        note: Some(note.chars().take(1000).collect()),
+        note: Some(super::event_note(&note)),
         action: action.to_owned(),
         secondary: None,
     };
@@ -194,6 +194,7 @@ mod tests {
                 endpoints: 1,
                 target: 540,
                 per_pod: 540,
+                clamped: false,
                 bounds: Bounds {
                     min: 1,
                     upper: 560,
@@ -280,6 +281,59 @@ mod tests {
         assert_eq!(
             (e[0].reason.as_str(), e[0].type_),
             ("RolloutHalted", EventType::Warning)
+        );
+    }
+
+    #[test]
+    fn every_event_reason_is_documented_in_the_api_and_every_documented_one_is_published() {
+        use std::collections::BTreeSet;
+
+        use poolpilot_api::policy::conditions::{CONDITIONS, EVENTS};
+
+        let type_name = |t: EventType| match t {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        };
+        let mut published = BTreeSet::new();
+        let mut add = |events: Vec<Event>| {
+            for e in events {
+                published.insert((type_name(e.type_), e.reason));
+            }
+        };
+        let scale = Scale {
+            at: at(15),
+            from: 300,
+            to: 540,
+            reason: "demand 450".into(),
+        };
+        let none = status(vec![]);
+        add(events(
+            &none,
+            &none,
+            &plan(Some(Decision::ScaleUp(scale.clone()))),
+        ));
+        add(events(
+            &none,
+            &none,
+            &plan(Some(Decision::ScaleDown(scale))),
+        ));
+        // Every documented condition state, reached from an empty status.
+        for c in CONDITIONS {
+            for r in c.reasons {
+                let new = status(vec![cond(c.type_, r.status, r.reason, "m")]);
+                add(events(&none, &new, &plan(None)));
+            }
+        }
+        add(vec![crate::reconcile::failure_event(&crate::Error::Plan(
+            "x".into(),
+        ))]);
+        let documented: BTreeSet<(&str, String)> = EVENTS
+            .iter()
+            .map(|e| (e.type_, e.reason.to_owned()))
+            .collect();
+        assert_eq!(
+            published, documented,
+            "Event reasons and crds/src/policy/conditions.rs EVENTS differ (then run `make crds`)"
         );
     }
 }

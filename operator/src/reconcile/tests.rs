@@ -1,6 +1,6 @@
 //! One reconcile against a mocked API server (tower-test): the exact request sequence (ConfigMap
 //! apply, token Secret read, status apply, Event) and the PUT to the gateway pod, for an accepted
-//! policy and for a conflicted one.
+//! policy and for a conflicted one; and the Warning Event of a failed reconcile.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,11 +28,13 @@ fn now() -> Timestamp {
     Timestamp::from_second(1_800_000_000).unwrap()
 }
 
-/// Records every PUT and acknowledges it, or refuses it (422) when `refuse` is set.
+/// Records every PUT and acknowledges it, or refuses it (422) when `refuse` is set, or answers
+/// 401 when `unauthorized` is.
 #[derive(Clone, Default)]
 struct FakeGateways {
     puts: Arc<Mutex<Vec<(SocketAddr, String, GatewayLimits)>>>,
     refuse: Option<&'static str>,
+    unauthorized: bool,
 }
 
 impl Gateways for FakeGateways {
@@ -43,6 +45,9 @@ impl Gateways for FakeGateways {
         doc: &GatewayLimits,
     ) -> Result<Acked, PutError> {
         self.puts.lock().push((addr, token.to_owned(), doc.clone()));
+        if self.unauthorized {
+            return Err(PutError::Unauthorized);
+        }
         match self.refuse {
             Some(why) => Err(PutError::Refused(why.to_owned())),
             None => Ok(Acked {
@@ -148,12 +153,27 @@ fn context_with(
 /// Waits for the next request, checks its method and path, answers it with `answer` and returns
 /// the request body as JSON (`Null` when empty).
 async fn expect(handle: &mut ApiHandle, method: Method, path: &str, answer: Value) -> Value {
+    expect_answer(handle, method, path, http::StatusCode::OK, answer).await
+}
+
+/// [`expect`] with the answer's HTTP status. A `path` ending in `/` matches any path it starts.
+async fn expect_answer(
+    handle: &mut ApiHandle,
+    method: Method,
+    path: &str,
+    code: http::StatusCode,
+    answer: Value,
+) -> Value {
     let (request, send) = handle
         .next_request()
         .await
         .expect("the reconciler made another request");
     assert_eq!(request.method(), method, "{}", request.uri());
-    assert_eq!(request.uri().path(), path);
+    if path.ends_with('/') {
+        assert!(request.uri().path().starts_with(path), "{}", request.uri());
+    } else {
+        assert_eq!(request.uri().path(), path);
+    }
     let content_type = request
         .headers()
         .get(http::header::CONTENT_TYPE)
@@ -173,6 +193,7 @@ async fn expect(handle: &mut ApiHandle, method: Method, path: &str, answer: Valu
         .expect("request body");
     send.send_response(
         Response::builder()
+            .status(code)
             .body(Body::from(serde_json::to_vec(&answer).unwrap()))
             .unwrap(),
     );
@@ -432,4 +453,151 @@ async fn a_refused_canary_halts_a_progressive_rollout() {
     let puts = gateways.puts.lock().clone();
     assert_eq!(puts.len(), 1, "only the canary was tried");
     assert_eq!(puts[0].0, "127.0.0.7:9901".parse().unwrap());
+}
+
+#[tokio::test]
+async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
+    let p = policy("models", 0);
+    let gateways = FakeGateways {
+        unauthorized: true,
+        ..FakeGateways::default()
+    };
+    let pods = vec![pod("gw-0", "127.0.0.7")];
+    let (ctx, mut api, _gateways) = context_with(vec![p.clone()], pods, gateways);
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+
+    with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-limits",
+        json!({}),
+    ))
+    .await;
+    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
+    with_timeout(expect(
+        &mut api,
+        Method::GET,
+        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
+        secret,
+    ))
+    .await;
+    let status = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status",
+        serde_json::to_value(&p).unwrap(),
+    ))
+    .await;
+    let s = &status["status"];
+    let rolled = s["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "RolledOut")
+        .unwrap()
+        .clone();
+    assert_eq!(rolled["status"], "False");
+    let message = rolled["message"].as_str().unwrap();
+    assert!(
+        message.contains("pod gw-0 not updated: HTTP 401: the admin token was not accepted"),
+        "{rolled}"
+    );
+    assert_eq!(s["pods"]["failures"][0]["pod"], "gw-0");
+    assert!(
+        s["pods"]["failures"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("differs from Secret poolpilot-admin-token"),
+        "{s}"
+    );
+    assert_eq!(s["updated"], "0/1");
+    reconciler.abort();
+}
+
+/// The apiserver's answer when the operator's role lacks `create` on configmaps.
+fn forbidden_configmap() -> Value {
+    json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": "configmaps \"models-limits\" is forbidden: User \"system:serviceaccount:ns:poolpilot-operator\" cannot create resource \"configmaps\" in API group \"\" in the namespace \"ns\"",
+        "reason": "Forbidden", "details": {"name": "models-limits", "kind": "configmaps"}, "code": 403,
+    })
+}
+
+#[tokio::test]
+async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_and_the_error() {
+    let p = policy("models", 0);
+    let (ctx, mut api, gateways) = context(vec![p.clone()]);
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    with_timeout(expect_answer(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-limits",
+        http::StatusCode::FORBIDDEN,
+        forbidden_configmap(),
+    ))
+    .await;
+    let error = with_timeout(reconciler)
+        .await
+        .expect("the reconcile task ran")
+        .expect_err("a forbidden ConfigMap apply fails the reconcile");
+    assert_eq!(error.step(), "rollout");
+    assert!(gateways.puts.lock().is_empty(), "nothing reached the pods");
+
+    // The Controller hands the error to error_policy: a Warning Event on the policy.
+    let action = error_policy(Arc::new(p.clone()), &error, ctx.clone());
+    assert_eq!(action, Action::requeue(Duration::from_secs(5)));
+    let event = with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["reason"], "ReconcileFailed");
+    assert_eq!(event["action"], "RollOut");
+    assert_eq!(event["regarding"]["kind"], "ConnectionPolicy");
+    assert_eq!(event["regarding"]["name"], "models");
+    assert_eq!(event["regarding"]["uid"], "models-uid");
+    assert_eq!(
+        event["note"],
+        "rollout step failed: failed to apply ConfigMap models-limits: configmaps \"models-limits\" \
+         is forbidden: User \"system:serviceaccount:ns:poolpilot-operator\" cannot create resource \
+         \"configmaps\" in API group \"\" in the namespace \"ns\": Forbidden",
+        "the step and the apiserver's denial, once, without kube's Status dump"
+    );
+    let name = event["metadata"]["name"]
+        .as_str()
+        .expect("the Event has a name")
+        .to_owned();
+
+    // The same failure again: the same Event, its series counted up, no new Event.
+    error_policy(Arc::new(p), &error, ctx);
+    let again = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        &format!("/apis/events.k8s.io/v1/namespaces/ns/events/{name}"),
+        json!({}),
+    ))
+    .await;
+    assert_eq!(again["series"]["count"], 2, "{again}");
+    assert_eq!(again["reason"], "ReconcileFailed");
+}
+
+#[test]
+fn failure_events_name_each_step_and_fit_the_note_limit() {
+    let plan = failure_event(&Error::Plan("no plan for ns/models".into()));
+    assert_eq!(
+        (plan.type_, plan.reason.as_str(), plan.action.as_str()),
+        (EventType::Warning, "ReconcileFailed", "Plan")
+    );
+    assert_eq!(
+        plan.note.as_deref(),
+        Some("plan step failed: no plan for ns/models")
+    );
+    let long = failure_event(&Error::Plan("é".repeat(800)));
+    let note = long.note.unwrap();
+    assert!(note.len() <= 1000, "{} bytes", note.len());
+    assert!(note.ends_with('…'));
+    assert_eq!(event_note("short"), "short");
 }

@@ -1,0 +1,250 @@
+//! The status conditions and Events of a `ConnectionPolicy`, as part of its API: every condition
+//! type, the reasons the operator reports with each status, and the Event reasons it publishes on
+//! a policy. Types and reasons are stable identifiers that tools may match on; messages and Event
+//! notes are for people and may change. The reference doc (`docs/connectionpolicy-reference.md`)
+//! renders these tables, and the operator's tests check that it reports nothing undocumented.
+
+/// One condition type of `status.conditions`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConditionDoc {
+    /// The condition `type`.
+    pub type_: &'static str,
+    /// What `True` says.
+    pub meaning: &'static str,
+    /// Every reason the operator reports with it.
+    pub reasons: &'static [ReasonDoc],
+}
+
+/// One `(status, reason)` pair of a condition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReasonDoc {
+    /// `True`, `False` or `Unknown`.
+    pub status: &'static str,
+    /// The CamelCase reason.
+    pub reason: &'static str,
+    /// What it means.
+    pub meaning: &'static str,
+}
+
+/// One Event reason the operator publishes on a policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EventDoc {
+    /// `Normal` or `Warning`.
+    pub type_: &'static str,
+    /// The CamelCase reason.
+    pub reason: &'static str,
+    /// When it is published, and what its note says.
+    pub meaning: &'static str,
+}
+
+const fn reason(status: &'static str, reason: &'static str, meaning: &'static str) -> ReasonDoc {
+    ReasonDoc {
+        status,
+        reason,
+        meaning,
+    }
+}
+
+const NOT_ACCEPTED: &str = "the policy is not accepted (see `Accepted`): nothing is observed or \
+                            rolled out for it";
+
+/// Every condition a policy reports, in the order `status.conditions` lists them.
+pub const CONDITIONS: &[ConditionDoc] = &[
+    ConditionDoc {
+        type_: "Accepted",
+        meaning: "The spec is valid and none of its backends clashes with an older policy; the \
+                  operator acts on it.",
+        reasons: &[
+            reason("True", "Accepted", "valid, no conflicts"),
+            reason(
+                "False",
+                "Invalid",
+                "a rule the schema cannot express failed (the message lists every broken rule); \
+                 nothing is rolled out",
+            ),
+            reason(
+                "False",
+                "Conflicted",
+                "a backend name is already defined by an older policy that selects the same \
+                 gateway pods (the oldest policy wins); nothing is rolled out",
+            ),
+        ],
+    },
+    ConditionDoc {
+        type_: "MetricsAvailable",
+        meaning: "Prometheus answers with fresh pool samples for every backend, so the targets \
+                  follow demand.",
+        reasons: &[
+            reason("True", "SamplesFresh", "usable samples for every backend"),
+            reason(
+                "False",
+                "SamplesMissing",
+                "three intervals in a row without usable samples (query error, empty result, \
+                 NaN, or older than two scrape intervals): the targets are held, never read as \
+                 zero, until two fresh samples in a row",
+            ),
+            reason(
+                "Unknown",
+                "AutoscaleDisabled",
+                "`autoscale.enabled` is false: no metrics are needed",
+            ),
+            reason("Unknown", "NotAccepted", NOT_ACCEPTED),
+        ],
+    },
+    ConditionDoc {
+        type_: "FdBudget",
+        meaning: "The pools, client connections and reserve fit in half the smallest \
+                  `process_max_fds` of the selected pods.",
+        reasons: &[
+            reason(
+                "True",
+                "WithinBudget",
+                "they fit, at the shares the targets call for",
+            ),
+            reason(
+                "False",
+                "OverBudget",
+                "they do not: the per-pod shares were scaled down proportionally (never below \
+                 `autoscale.min`); the message has the numbers",
+            ),
+            reason(
+                "Unknown",
+                "FdLimitUnknown",
+                "no `process_max_fds` sample for some selected pod yet",
+            ),
+            reason("Unknown", "NotAccepted", NOT_ACCEPTED),
+        ],
+    },
+    ConditionDoc {
+        type_: "RolledOut",
+        meaning: "Every ready selected gateway pod acknowledged the current revision of the \
+                  limits.",
+        reasons: &[
+            reason(
+                "True",
+                "RolledOut",
+                "every ready selected pod runs the current revision",
+            ),
+            reason(
+                "False",
+                "Progressing",
+                "a rollout is under way (canary pods, their verify period, then the rest), or a \
+                 pod could not be reached yet",
+            ),
+            reason(
+                "False",
+                "Halted",
+                "a pod refused the limits or a canary regressed: the rollout stopped and the \
+                 other pods keep their previous limits",
+            ),
+            reason(
+                "False",
+                "NoReadyPods",
+                "`gatewaySelector` selects no ready gateway pod",
+            ),
+            reason("False", "NotAccepted", NOT_ACCEPTED),
+        ],
+    },
+    ConditionDoc {
+        type_: "Saturated",
+        meaning: "Some backend wants more connections than it can safely get: requests queue, \
+                  then fail fast with 503 and Retry-After.",
+        reasons: &[
+            reason(
+                "False",
+                "WithinCapacity",
+                "demand fits; the message has each backend's utilization",
+            ),
+            reason(
+                "True",
+                "Saturated",
+                "a backend's demand exceeds its upper bound (capacity × (1 − headroom), or \
+                 `autoscale.max`), or growth is held because its latency rose above 1.25× its \
+                 baseline",
+            ),
+            reason("Unknown", "NotAccepted", NOT_ACCEPTED),
+        ],
+    },
+    ConditionDoc {
+        type_: "Ready",
+        meaning: "The policy is accepted and rolled out: what `kubectl wait --for=condition=Ready` \
+                  waits for.",
+        reasons: &[
+            reason("True", "Ready", "accepted and rolled out"),
+            reason(
+                "False",
+                "Progressing",
+                "not yet: the reason and message are those of `RolledOut`",
+            ),
+            reason("False", "Halted", "as `RolledOut`"),
+            reason("False", "NoReadyPods", "as `RolledOut`"),
+            reason("False", "NotAccepted", NOT_ACCEPTED),
+        ],
+    },
+];
+
+/// Every Event reason the operator publishes on a policy.
+pub const EVENTS: &[EventDoc] = &[
+    EventDoc {
+        type_: "Normal",
+        reason: "ScaledUp",
+        meaning: "a backend's target grew; the note has the numbers (`model-a: target 120 → \
+                  150: demand 143 …`)",
+    },
+    EventDoc {
+        type_: "Normal",
+        reason: "ScaledDown",
+        meaning: "a backend's target shrank, with the numbers",
+    },
+    EventDoc {
+        type_: "Normal",
+        reason: "RolledOut",
+        meaning: "every ready selected pod acknowledged a new revision",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "Invalid",
+        meaning: "the policy turned `Accepted=False` with reason `Invalid`; the note lists the \
+                  broken rules",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "Conflicted",
+        meaning: "the policy turned `Accepted=False` with reason `Conflicted`; the note names \
+                  the older policy",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "MetricsMissing",
+        meaning: "`MetricsAvailable` turned False: targets are held",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "FdBudgetExceeded",
+        meaning: "`FdBudget` turned False; the note has the numbers (`needs 1342 fds, pods allow \
+                  1024`)",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "RolloutHalted",
+        meaning: "a pod refused the limits or a canary regressed; the note names the pod",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "ReconcileFailed",
+        meaning: "a reconcile failed at some step (`observe`, `plan`, `rollout`, `status` or \
+                  `finalizer`; the Event's action names it); the note names the step and the \
+                  error, an RBAC denial included. The operator retries every few seconds; \
+                  repeats are counted in the same Event series",
+    },
+];
+
+/// Whether `(type_, status, reason)` is a documented condition state.
+pub fn is_documented(type_: &str, status: &str, reason: &str) -> bool {
+    CONDITIONS.iter().any(|c| {
+        c.type_ == type_
+            && c.reasons
+                .iter()
+                .any(|r| r.status == status && r.reason == reason)
+    })
+}

@@ -1,0 +1,390 @@
+//! `make demo`: poolpilot's main job on the embedded cluster, live. Deploys the product from
+//! `manifests/overlays/local` (CRD, operator, gateways, modelsim backends, the sample policy),
+//! lets the pool shrink while idle, plays a flash crowd (seed 1: demand 50% over the pool), and
+//! shows once a second what the gateways and the operator do until the error rate is back under
+//! 0.5%; then a before/after summary, leaving everything running.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal as _, Write as _};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use poolpilot_api::ConnectionPolicy;
+use poolpilot_e2e::cluster::run;
+use poolpilot_e2e::load::{Load, LoadSpec, Tally};
+use poolpilot_e2e::paths::workspace_root;
+use poolpilot_e2e::stack::{GATEWAY_LABELS, GatewayPod, is_ready, metric_sum, pod_ip};
+use poolpilot_e2e::{Cluster, eventually};
+use tokio::time::Instant;
+
+/// Plays poolpilot's flash-crowd demo on the embedded cluster (`make demo`).
+#[derive(Debug, Parser)]
+struct Args {
+    /// The sample's namespace (manifests/overlays/local).
+    #[arg(long, default_value = "poolpilot")]
+    namespace: String,
+    /// The sample policy.
+    #[arg(long, default_value = "models")]
+    policy: String,
+    /// The backend the flash crowd calls.
+    #[arg(long, default_value = "model-a")]
+    backend: String,
+    /// Demand of the flash crowd over the pool in force (1.5: 50% over).
+    #[arg(long, default_value_t = 1.5)]
+    overload: f64,
+    /// Longest time the flash crowd runs.
+    #[arg(long, default_value = "150s", value_parser = humantime_secs)]
+    max_crowd: Duration,
+}
+
+fn humantime_secs(s: &str) -> Result<Duration, String> {
+    s.parse::<poolpilot_api::Duration>()
+        .map(|d| d.get())
+        .map_err(|e| e.to_string())
+}
+
+/// The pace of the demo's control loop (the shipped sample decides every 15 s and shrinks over
+/// 5 min, which is right for production and slow for a demo).
+const DEMO_PACE: &str = r#"{"spec": {"autoscale": {"interval": "10s", "scaleDown": {"stabilizationWindow": "10s", "maxStepPercent": 100}}, "rollout": {"strategy": "Progressive", "canaryPods": 1, "verifyIntervals": 0}}}"#;
+/// Callers of the light load that keeps latency samples coming while the pool shrinks (an idle
+/// backend has no latency, which the operator counts as missing data).
+const TRICKLE: usize = 3;
+/// `max_tokens` of the demo's calls: modelsim takes 20 ms + 10 ms per token, so about 1 s, long
+/// enough against the 300 ms lease timeout for a 50% overload to show as lease timeouts.
+const TOKENS: u32 = 100;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    poolpilot_e2e::install_crypto_provider();
+    let args = Args::parse();
+    let cluster = Cluster::shared().await?;
+    let client = cluster.client().await?;
+    let policies: Api<ConnectionPolicy> = Api::namespaced(client.clone(), &args.namespace);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &args.namespace);
+    let root = workspace_root();
+
+    step("installing the ConnectionPolicy CRD (kubectl apply -k manifests/crds)");
+    cluster.install_crd().await?;
+    step("deploying poolpilot (kubectl apply -k manifests/overlays/local)");
+    let overlay = root.join("manifests/overlays/local");
+    eventually("the overlay applies", Duration::from_secs(60), || async {
+        run(cluster.kubectl().arg("apply").arg("-k").arg(&overlay)).await
+    })
+    .await?;
+
+    step("waiting for the operator, the gateways and the backends to be Ready");
+    let policy = eventually(
+        "the sample policy is Ready",
+        Duration::from_secs(240),
+        || async {
+            let p = policies.get(&args.policy).await?;
+            let ready = condition(&p, "Ready").is_some_and(|(s, _)| s == "True");
+            anyhow::ensure!(ready, "Ready: {:?}", condition(&p, "Ready"));
+            Ok(p)
+        },
+    )
+    .await?;
+    let gateways = ready_gateways(&pods).await?;
+    println!(
+        "   policy {} Ready, {} gateway pods: {}",
+        args.policy,
+        gateways.len(),
+        gateways
+            .iter()
+            .map(|g| g.proxy().to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+
+    step("pacing the control loop for a demo (decide every 10s, shrink after 10s)");
+    policies
+        .patch(
+            &args.policy,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::from_str::<serde_json::Value>(DEMO_PACE)?),
+        )
+        .await?;
+    let min = policy.spec.autoscale.min;
+    step(&format!(
+        "light load ({TRICKLE} callers): letting {}'s target shrink to autoscale.min = {min}",
+        args.backend
+    ));
+    let spec = |workers: usize| LoadSpec {
+        gateways: gateways.iter().map(GatewayPod::proxy).collect(),
+        model: args.backend.clone(),
+        max_tokens: TOKENS,
+        clients: workers,
+        max_workers: workers,
+        call_timeout: Duration::from_secs(30),
+    };
+    let trickle = Load::start_as(spec(TRICKLE), TRICKLE, "demo-light", None)?;
+    let endpoints = eventually(
+        "the target shrinks to min",
+        Duration::from_secs(180),
+        || async {
+            let p = policies.get(&args.policy).await?;
+            let b = backend_status(&p, &args.backend).context("no backend status yet")?;
+            print!("\r   target {:>3} → {min} ", b.target);
+            let _ = std::io::stdout().flush();
+            anyhow::ensure!(b.target == min && rolled_out(&p), "target {}", b.target);
+            Ok(b.endpoints)
+        },
+    )
+    .await?;
+    println!();
+    trickle.stop().await;
+
+    let pool = u32::try_from(min as usize * endpoints as usize).unwrap_or(u32::MAX);
+    let workers = (f64::from(pool) * args.overload).round() as usize;
+    step(&format!(
+        "flash crowd: {workers} callers at once against a pool of {pool} connections \
+         ({min} per endpoint × {endpoints} endpoints), lease timeout 300ms"
+    ));
+    let gateways = ready_gateways(&pods).await?;
+    let before_crowd = backend_status(&policies.get(&args.policy).await?, &args.backend)
+        .and_then(|b| b.last_scale);
+    let load = Load::start_as(spec(workers), workers, "demo", None)?;
+    let crowd = Instant::now();
+    let mut decision: Option<(u64, String)> = None;
+    let mut recovered: Option<u64> = None;
+    let live = std::io::stdout().is_terminal();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let p = policies.get(&args.policy).await?;
+        let now = load.now();
+        let b = backend_status(&p, &args.backend);
+        if decision.is_none()
+            && let Some(scale) = b.as_ref().and_then(|b| b.last_scale.clone())
+            && scale.to > scale.from
+            && before_crowd.as_ref() != Some(&scale)
+        {
+            decision = Some((
+                now,
+                format!("{} → {}: {}", scale.from, scale.to, scale.reason),
+            ));
+        }
+        let gateway_view = gateway_view(&gateways, &args.backend).await;
+        let last = load.last(3);
+        if let Some((at, _)) = &decision
+            && recovered.is_none()
+            && now >= at + 3
+            && last.calls > 0
+            && last.error_rate() < 0.005
+        {
+            recovered = Some(now);
+        }
+        render(
+            live,
+            &p,
+            &args.backend,
+            &gateway_view,
+            &load,
+            workers,
+            decision.as_ref(),
+        );
+        let done = recovered.is_some_and(|r| now >= r + 10);
+        if done || crowd.elapsed() >= args.max_crowd {
+            break;
+        }
+    }
+    let seconds = load.seconds();
+    let total = load.window(0, load.now());
+    load.stop().await;
+
+    println!();
+    step("summary");
+    let (before, after) = match (&decision, recovered) {
+        (Some((at, _)), Some(r)) => (window(&seconds, 0, *at), window(&seconds, r, u64::MAX)),
+        (Some((at, _)), None) => (
+            window(&seconds, 0, *at),
+            window(&seconds, *at + 10, u64::MAX),
+        ),
+        (None, _) => (total.clone(), Tally::default()),
+    };
+    println!(
+        "   before the operator acted: {:>5.1}% errors ({} of {} calls; {:?})",
+        before.error_rate() * 100.0,
+        before.failed(),
+        before.calls,
+        before.errors
+    );
+    match &decision {
+        Some((at, what)) => println!("   decision at t={at}s: {what}"),
+        None => println!(
+            "   the operator made no decision within {:?}",
+            args.max_crowd
+        ),
+    }
+    if let Some(r) = recovered {
+        println!("   back under 0.5% errors at t={r}s");
+    }
+    println!(
+        "   after:                      {:>5.1}% errors ({} of {} calls)",
+        after.error_rate() * 100.0,
+        after.failed(),
+        after.calls
+    );
+    println!();
+    println!("poolpilot keeps running on the embedded cluster:");
+    println!(
+        "   export KUBECONFIG={} PATH={}:$PATH",
+        cluster.kubeconfig().display(),
+        poolpilot_e2e::paths::cache_dir().join("bin").display()
+    );
+    println!(
+        "   kubectl get cpol -n {}                # targets, rollout, conditions",
+        args.namespace
+    );
+    println!(
+        "   kubectl describe cpol {} -n {}    # decisions and events",
+        args.policy, args.namespace
+    );
+    println!(
+        "   Prometheus:  {}",
+        cluster.prometheus_url().unwrap_or("(none)")
+    );
+    if let Some(g) = gateways.first() {
+        println!(
+            "   send a call: curl -s http://{}/v1/chat/completions -H 'x-api-key: me' -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
+            g.proxy(),
+            args.backend
+        );
+        println!("   limits in force: curl -s http://{}/v1/limits", g.admin());
+    }
+    println!("   stop it all: make demo-down");
+    anyhow::ensure!(
+        decision.is_some() && recovered.is_some(),
+        "the demo did not show a recovery: decision {decision:?}, recovered {recovered:?}"
+    );
+    Ok(())
+}
+
+fn step(what: &str) {
+    println!(">> {what}");
+}
+
+fn condition(p: &ConnectionPolicy, kind: &str) -> Option<(String, String)> {
+    p.status.as_ref().and_then(|s| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == kind)
+            .map(|c| (c.status.clone(), c.reason.clone()))
+    })
+}
+
+fn rolled_out(p: &ConnectionPolicy) -> bool {
+    condition(p, "RolledOut").is_some_and(|(s, _)| s == "True")
+}
+
+fn backend_status(
+    p: &ConnectionPolicy,
+    name: &str,
+) -> Option<poolpilot_api::policy::BackendStatus> {
+    p.status
+        .as_ref()
+        .and_then(|s| s.backends.iter().find(|b| b.name == name).cloned())
+}
+
+async fn ready_gateways(pods: &Api<Pod>) -> anyhow::Result<Vec<GatewayPod>> {
+    let list = pods
+        .list(&ListParams::default().labels(GATEWAY_LABELS))
+        .await?;
+    let mut out = Vec::new();
+    for pod in list.items.iter().filter(|p| is_ready(p)) {
+        let ip = pod_ip(pod)?;
+        out.push(GatewayPod {
+            name: kube::ResourceExt::name_any(pod),
+            ip,
+        });
+    }
+    anyhow::ensure!(!out.is_empty(), "no Ready gateway pod");
+    Ok(out)
+}
+
+/// The backend as the gateways see it right now: (leased, pending, pooled) summed over pods.
+async fn gateway_view(gateways: &[GatewayPod], backend: &str) -> Option<(f64, f64, f64)> {
+    let label = format!("backend=\"{backend}\"");
+    let mut sums = (0.0, 0.0, 0.0);
+    for g in gateways {
+        let text = g.metrics().await.ok()?;
+        sums.0 += metric_sum(
+            &text,
+            "poolpilot_pool_connections",
+            &[&label, "state=\"leased\""],
+        );
+        sums.1 += metric_sum(&text, "poolpilot_pool_pending", &[&label]);
+        sums.2 += metric_sum(&text, "poolpilot_pool_max_connections", &[&label]);
+    }
+    Some(sums)
+}
+
+fn window(seconds: &[(u64, Tally)], from: u64, to: u64) -> Tally {
+    let mut total = Tally::default();
+    for (_, t) in seconds.iter().filter(|(s, _)| *s >= from && *s < to) {
+        total.calls += t.calls;
+        total.ok += t.ok;
+        for (k, v) in &t.errors {
+            *total.errors.entry(k.clone()).or_default() += v;
+        }
+    }
+    total
+}
+
+#[allow(clippy::too_many_arguments)]
+fn render(
+    live: bool,
+    p: &ConnectionPolicy,
+    backend: &str,
+    gateways: &Option<(f64, f64, f64)>,
+    load: &Load,
+    workers: usize,
+    decision: Option<&(u64, String)>,
+) {
+    let now = load.now();
+    let last = load.last(1);
+    let status = p.status.clone().unwrap_or_default();
+    let b = status.backends.iter().find(|b| b.name == backend);
+    let (leased, pending, pooled) = gateways.unwrap_or_default();
+    let conditions: BTreeMap<&str, &str> = status
+        .conditions
+        .iter()
+        .map(|c| (c.type_.as_str(), c.status.as_str()))
+        .collect();
+    let line = format!(
+        "t={now:>3}s  {backend}: target {:>3}/endpoint  pooled {pooled:>3.0}  leased {leased:>3.0}  pending {pending:>3.0}  util {:>4}  callers {workers}  errors {:>5.1}% ({} calls/s)",
+        b.map_or(0, |b| b.target),
+        b.and_then(|b| b.utilization)
+            .map_or("-".to_owned(), |u| format!("{:.0}%", u * 100.0)),
+        last.error_rate() * 100.0,
+        last.calls
+    );
+    if live {
+        print!("\x1b[H\x1b[2J");
+        println!("poolpilot demo: flash crowd on {backend}   (updated every second)\n");
+        println!("{line}");
+        println!(
+            "rollout {}   conditions {}",
+            status.updated.as_deref().unwrap_or("-"),
+            conditions
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        match decision {
+            Some((at, what)) => println!("decision at t={at}s: {what}"),
+            None => println!("decision: none yet (the operator decides every 10s)"),
+        }
+        let _ = std::io::stdout().flush();
+    } else {
+        let marker = decision
+            .filter(|(at, _)| *at == now)
+            .map(|(_, what)| format!("   ◀ decision: {what}"))
+            .unwrap_or_default();
+        println!("{line}{marker}");
+    }
+}

@@ -1,0 +1,362 @@
+//! A closed-loop load generator for the scenarios and the demo: N workers, each a client that
+//! calls a gateway's OpenAI-style API and calls again as soon as it has an answer, with every
+//! outcome counted in one-second buckets (status, the gateway's machine-readable reason,
+//! `Retry-After`), so that a test reads the error rate before and after the operator acts.
+//!
+//! Closed loop is how seed 1's callers behaved (a fixed number of worker threads each waiting
+//! for its call): the in-flight demand at the gateways equals the number of active workers, so
+//! "demand 50% above the pool" is a worker count. The count changes at run time
+//! ([`Load::set_workers`]); workers beyond it idle.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde_json::json;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+/// What the load looks like.
+#[derive(Clone, Debug)]
+pub struct LoadSpec {
+    /// The gateways' proxy addresses; worker `i` calls `gateways[i % len]`, as a client of a
+    /// Service would spread its connections.
+    pub gateways: Vec<SocketAddr>,
+    /// The `model` of every request body.
+    pub model: String,
+    /// `max_tokens` of every request (modelsim's service time grows with it).
+    pub max_tokens: u32,
+    /// Distinct client identities (`x-api-key: load-<i % clients>`, see [`Load::start_as`]), so that the per-client
+    /// limit does not dominate unless a test wants it to.
+    pub clients: usize,
+    /// Workers spawned (the most that [`Load::set_workers`] can activate).
+    pub max_workers: usize,
+    /// Timeout of one call, from sending to the end of the body.
+    pub call_timeout: Duration,
+}
+
+/// The outcomes of one second, or of a window of seconds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Calls that ended in this period.
+    pub calls: u64,
+    /// Of them, 2xx with the whole body read.
+    pub ok: u64,
+    /// Failures by reason: the gateway's JSON `error` (e.g. `lease_timeout`), `http_<status>`
+    /// for errors without one, or `transport` / `timeout` for calls that got no response.
+    pub errors: BTreeMap<String, u64>,
+    /// Error responses that carried `Retry-After`.
+    pub retry_after: u64,
+    /// Statuses of the error responses.
+    pub statuses: BTreeMap<u16, u64>,
+}
+
+impl Tally {
+    /// Failed calls.
+    pub fn failed(&self) -> u64 {
+        self.errors.values().sum()
+    }
+
+    /// Failed calls over all calls (0 when there were none).
+    pub fn error_rate(&self) -> f64 {
+        if self.calls == 0 {
+            0.0
+        } else {
+            self.failed() as f64 / self.calls as f64
+        }
+    }
+
+    /// Calls that failed for `reason`.
+    pub fn errors_of(&self, reason: &str) -> u64 {
+        self.errors.get(reason).copied().unwrap_or(0)
+    }
+
+    fn add(&mut self, other: &Tally) {
+        self.calls += other.calls;
+        self.ok += other.ok;
+        self.retry_after += other.retry_after;
+        for (k, v) in &other.errors {
+            *self.errors.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &other.statuses {
+            *self.statuses.entry(*k).or_default() += v;
+        }
+    }
+}
+
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} calls, {} ok, {:.2}% errors",
+            self.calls,
+            self.ok,
+            self.error_rate() * 100.0
+        )?;
+        if !self.errors.is_empty() {
+            write!(f, " {:?}", self.errors)?;
+        }
+        Ok(())
+    }
+}
+
+/// Outcome of one call.
+enum Outcome {
+    Ok,
+    Failed {
+        reason: String,
+        status: Option<u16>,
+        retry_after: bool,
+    },
+}
+
+#[derive(Debug, Default)]
+struct Record {
+    /// Whole seconds since the start → outcomes of calls that ended in that second.
+    seconds: BTreeMap<u64, Tally>,
+}
+
+/// A running load. Dropping it stops the workers.
+#[derive(Debug)]
+pub struct Load {
+    started: Instant,
+    workers: watch::Sender<usize>,
+    record: Arc<Mutex<Record>>,
+    tasks: JoinSet<()>,
+}
+
+impl Load {
+    /// Spawns `spec.max_workers` workers, `active` of which call at once, as clients
+    /// `load-<i>`.
+    pub fn start(spec: LoadSpec, active: usize) -> anyhow::Result<Self> {
+        Self::start_as(spec, active, "load", None)
+    }
+
+    /// [`Load::start`] with the client identities `<key_prefix>-<i>` and, if given, connections
+    /// from the `source` address (any 127/8 address reaches the pods), to tell several loads'
+    /// clients apart at the gateways: by key for call limits, by address for connection caps.
+    pub fn start_as(
+        spec: LoadSpec,
+        active: usize,
+        key_prefix: &str,
+        source: Option<std::net::IpAddr>,
+    ) -> anyhow::Result<Self> {
+        anyhow::ensure!(!spec.gateways.is_empty(), "no gateway to send load to");
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(spec.max_workers)
+            .timeout(spec.call_timeout)
+            .local_address(source)
+            .build()?;
+        let (workers, watch) = watch::channel(active);
+        let record = Arc::new(Mutex::new(Record::default()));
+        let started = Instant::now();
+        let mut tasks = JoinSet::new();
+        for i in 0..spec.max_workers {
+            let url = format!(
+                "http://{}/v1/chat/completions",
+                spec.gateways[i % spec.gateways.len()]
+            );
+            let key = format!("{key_prefix}-{}", i % spec.clients.max(1));
+            let body = json!({
+                "model": spec.model,
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": spec.max_tokens,
+            })
+            .to_string();
+            tasks.spawn(worker(
+                i,
+                client.clone(),
+                url,
+                key,
+                body,
+                watch.clone(),
+                Arc::clone(&record),
+                started,
+            ));
+        }
+        Ok(Self {
+            started,
+            workers,
+            record,
+            tasks,
+        })
+    }
+
+    /// Activates the first `n` workers (the others finish their call and idle).
+    pub fn set_workers(&self, n: usize) {
+        self.workers.send_replace(n);
+    }
+
+    /// Workers active now.
+    pub fn workers(&self) -> usize {
+        *self.workers.borrow()
+    }
+
+    /// Seconds since the load started (the bucket the present falls in).
+    pub fn now(&self) -> u64 {
+        self.started.elapsed().as_secs()
+    }
+
+    /// The outcomes of calls that ended in seconds `[from, to)` since the start.
+    pub fn window(&self, from: u64, to: u64) -> Tally {
+        let record = self.record.lock();
+        let mut total = Tally::default();
+        for (_, t) in record.seconds.range(from..to) {
+            total.add(t);
+        }
+        total
+    }
+
+    /// The outcomes of calls that ended in the last `seconds` complete seconds.
+    pub fn last(&self, seconds: u64) -> Tally {
+        let now = self.now();
+        self.window(now.saturating_sub(seconds), now)
+    }
+
+    /// Every second so far, `(second, outcomes)`, seconds without a call included.
+    pub fn seconds(&self) -> Vec<(u64, Tally)> {
+        let record = self.record.lock();
+        (0..self.now())
+            .map(|s| (s, record.seconds.get(&s).cloned().unwrap_or_default()))
+            .collect()
+    }
+
+    /// Stops the workers, waiting for none of their calls.
+    pub async fn stop(mut self) {
+        self.tasks.shutdown().await;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn worker(
+    index: usize,
+    client: reqwest::Client,
+    url: String,
+    key: String,
+    body: String,
+    mut active: watch::Receiver<usize>,
+    record: Arc<Mutex<Record>>,
+    started: Instant,
+) {
+    loop {
+        if *active.borrow_and_update() <= index {
+            if active.changed().await.is_err() {
+                return;
+            }
+            continue;
+        }
+        let outcome = call(&client, &url, &key, &body).await;
+        let failed_fast = matches!(&outcome, Outcome::Failed { status: None, .. });
+        let second = started.elapsed().as_secs();
+        {
+            let mut r = record.lock();
+            let tally = r.seconds.entry(second).or_default();
+            tally.calls += 1;
+            match outcome {
+                Outcome::Ok => tally.ok += 1,
+                Outcome::Failed {
+                    reason,
+                    status,
+                    retry_after,
+                } => {
+                    *tally.errors.entry(reason).or_default() += 1;
+                    if let Some(status) = status {
+                        *tally.statuses.entry(status).or_default() += 1;
+                    }
+                    tally.retry_after += u64::from(retry_after);
+                }
+            }
+        }
+        if failed_fast {
+            // No answer at all (connection refused while a pod restarts): do not spin.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+async fn call(client: &reqwest::Client, url: &str, key: &str, body: &str) -> Outcome {
+    let response = client
+        .post(url)
+        .header("content-type", "application/json")
+        .header("x-api-key", key)
+        .body(body.to_owned())
+        .send()
+        .await;
+    let response = match response {
+        Ok(r) => r,
+        Err(e) => {
+            return Outcome::Failed {
+                reason: if e.is_timeout() {
+                    "timeout"
+                } else {
+                    "transport"
+                }
+                .to_owned(),
+                status: None,
+                retry_after: false,
+            };
+        }
+    };
+    let status = response.status();
+    let retry_after = response.headers().contains_key("retry-after");
+    let bytes = response.bytes().await;
+    match bytes {
+        Ok(_) if status.is_success() => Outcome::Ok,
+        Ok(bytes) => {
+            let reason = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| v["error"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| format!("http_{}", status.as_u16()));
+            Outcome::Failed {
+                reason,
+                status: Some(status.as_u16()),
+                retry_after,
+            }
+        }
+        Err(e) => Outcome::Failed {
+            reason: if e.is_timeout() {
+                "timeout"
+            } else {
+                "transport"
+            }
+            .to_owned(),
+            status: Some(status.as_u16()),
+            retry_after: false,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tallies_add_up_and_rate_their_errors() {
+        let mut a = Tally {
+            calls: 10,
+            ok: 9,
+            ..Tally::default()
+        };
+        a.errors.insert("lease_timeout".into(), 1);
+        a.statuses.insert(503, 1);
+        let mut b = Tally {
+            calls: 10,
+            ok: 7,
+            retry_after: 3,
+            ..Tally::default()
+        };
+        b.errors.insert("lease_timeout".into(), 2);
+        b.errors.insert("transport".into(), 1);
+        b.statuses.insert(503, 2);
+        a.add(&b);
+        assert_eq!((a.calls, a.ok, a.failed()), (20, 16, 4));
+        assert_eq!(a.errors_of("lease_timeout"), 3);
+        assert_eq!(a.statuses[&503], 3);
+        assert!((a.error_rate() - 0.2).abs() < 1e-9);
+        assert_eq!(Tally::default().error_rate(), 0.0);
+        assert!(a.to_string().starts_with("20 calls, 16 ok, 20.00% errors"));
+    }
+}

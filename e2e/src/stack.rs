@@ -1,0 +1,680 @@
+//! The whole product deployed into one test namespace from `manifests/overlays/local`, as a user
+//! deploys it: the operator (its own ServiceAccount, bound to the shipped ClusterRole, never
+//! cluster-admin), the gateway Deployment, the sample modelsim backends, and then the policies a
+//! scenario applies with `kubectl apply`. The local kubelet runs every pod; the cluster's
+//! Prometheus discovers and scrapes them. The scenarios (`e2e/tests/scenarios_*.rs`) and the demo
+//! drive it through processes, kubectl and the Kubernetes API only.
+//!
+//! ```text
+//!  kubectl kustomize manifests/overlays/local
+//!      │ moved into the test namespace, sized by a StackSpec
+//!      ▼
+//!  operator pod(s) ──PromQL──► Prometheus ◄──scrape── gateway pods, modelsim pods
+//!      │ PUT /v1/limits + ConfigMap <policy>-limits          ▲
+//!      └─────────────────────────────────────────────────────┘
+//!  Load (load.rs) ──► gateway pods ──► modelsim pods (model-a, model-b)
+//! ```
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::{Event, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::ResourceExt as _;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use poolpilot_api::ConnectionPolicy;
+use poolpilot_api::limits::GatewayLimits;
+use serde::Deserialize as _;
+use serde_json::{Value, json};
+
+use crate::cluster::run;
+use crate::modelsim::Remote;
+use crate::namespace::TestNamespace;
+use crate::paths::workspace_root;
+use crate::wait::eventually;
+
+/// Deadline of the waits for pods and conditions: generous, for a loaded 2-core machine.
+pub const WAIT: Duration = Duration::from_secs(120);
+/// Label of the gateway pods (`manifests/gateway/deployment.yaml`).
+pub const GATEWAY_LABELS: &str = "app.kubernetes.io/name=poolpilot-gateway";
+/// Label of the operator pods (`manifests/operator/deployment.yaml`).
+pub const OPERATOR_LABELS: &str = "app.kubernetes.io/name=poolpilot-operator";
+/// Name of the gateway Deployment.
+pub const GATEWAY_DEPLOYMENT: &str = "poolpilot-gateway";
+/// Name of the operator Deployment.
+pub const OPERATOR_DEPLOYMENT: &str = "poolpilot-operator";
+/// Name of the sample policy, whose ConfigMap `models-limits` the gateway Deployment mounts.
+pub const POLICY: &str = "models";
+/// The gateway's proxy and admin ports (the overlay's listen flags).
+pub const PROXY_PORT: u16 = 8080;
+/// See [`PROXY_PORT`].
+pub const ADMIN_PORT: u16 = 9901;
+/// modelsim's uncounted admin port (`manifests/samples/modelsim.yaml`).
+pub const MODELSIM_ADMIN_PORT: u16 = 8001;
+
+/// One sample backend (`model-a` or `model-b` of `manifests/samples/modelsim.yaml`) as a scenario
+/// wants it.
+#[derive(Clone, Debug)]
+pub struct BackendSpec {
+    /// `model-a` or `model-b`.
+    pub name: &'static str,
+    /// modelsim instances.
+    pub replicas: u32,
+    /// modelsim's `--max-concurrency` (batch slots per instance).
+    pub slots: u32,
+    /// More modelsim flags (service time, faults), appended to the sample's.
+    pub args: Vec<String>,
+}
+
+impl BackendSpec {
+    /// `replicas` instances of `name` with `slots` batch slots and the given service time.
+    pub fn new(name: &'static str, replicas: u32, slots: u32) -> Self {
+        Self {
+            name,
+            replicas,
+            slots,
+            args: Vec::new(),
+        }
+    }
+
+    /// A fixed service time of about `ms` milliseconds per call (base latency, no per-token time,
+    /// little jitter), so that the in-flight demand of a closed-loop load is predictable.
+    pub fn service_ms(mut self, ms: u32) -> Self {
+        self.args.extend([
+            format!("--base-latency-ms={ms}"),
+            "--per-token-ms=0".to_owned(),
+            "--jitter-sigma=0.05".to_owned(),
+            "--saturation-slowdown=0".to_owned(),
+        ]);
+        self
+    }
+
+    /// Appends a modelsim flag.
+    pub fn arg(mut self, arg: impl Into<String>) -> Self {
+        self.args.push(arg.into());
+        self
+    }
+}
+
+/// How big the deployed stack is.
+#[derive(Clone, Debug)]
+pub struct StackSpec {
+    /// Gateway replicas.
+    pub gateways: u32,
+    /// Operator replicas (leader election among them).
+    pub operators: u32,
+    /// The backends to run; the sample's other backend gets 0 replicas.
+    pub backends: Vec<BackendSpec>,
+    /// The gateway pods' RLIMIT_NOFILE (the local kubelet's `poolpilot.io/nofile-limit`
+    /// annotation); the overlay's when `None`.
+    pub nofile_limit: Option<u64>,
+    /// More operator flags, appended to the overlay's; a `--prometheus-url=` among them
+    /// replaces the overlay's (clap refuses a repeated flag).
+    pub operator_args: Vec<String>,
+}
+
+impl Default for StackSpec {
+    fn default() -> Self {
+        Self {
+            gateways: 3,
+            operators: 1,
+            backends: vec![
+                BackendSpec::new("model-a", 3, 64),
+                BackendSpec::new("model-b", 3, 32),
+            ],
+            nofile_limit: None,
+            operator_args: Vec::new(),
+        }
+    }
+}
+
+/// The product running in a test namespace.
+#[derive(Debug)]
+pub struct Stack<'a> {
+    ns: &'a TestNamespace,
+    binding: String,
+}
+
+/// Deploys the stack into a fresh namespace, runs `test`, then removes the stack's cluster-scoped
+/// objects and the policies' finalizers (the namespace is deleted by [`with_namespace`]).
+///
+/// [`with_namespace`]: crate::with_namespace
+pub async fn with_stack<F>(prefix: &str, spec: StackSpec, test: F) -> anyhow::Result<()>
+where
+    F: AsyncFnOnce(&Stack<'_>) -> anyhow::Result<()>,
+{
+    crate::with_namespace(prefix, async |ns| {
+        let stack = Stack {
+            ns,
+            binding: format!("poolpilot-operator-{}", ns.name()),
+        };
+        let result = match stack.deploy(&spec).await {
+            Ok(()) => test(&stack).await,
+            Err(e) => Err(e.context("deploying the stack")),
+        };
+        stack.teardown().await;
+        result
+    })
+    .await
+}
+
+impl<'a> Stack<'a> {
+    /// The test namespace.
+    pub fn ns(&self) -> &'a TestNamespace {
+        self.ns
+    }
+
+    /// The namespace's name.
+    pub fn name(&self) -> &str {
+        self.ns.name()
+    }
+
+    /// A `kubectl` command against the cluster (add `-n` yourself).
+    pub fn kubectl(&self) -> tokio::process::Command {
+        self.ns.cluster().kubectl()
+    }
+
+    /// The overlay's objects, moved into this namespace and sized by `spec`, then applied.
+    async fn deploy(&self, spec: &StackSpec) -> anyhow::Result<()> {
+        let cluster = self.ns.cluster();
+        cluster.install_crd().await?;
+        let yaml = run(cluster
+            .kubectl()
+            .arg("kustomize")
+            .arg(workspace_root().join("manifests/overlays/local")))
+        .await?;
+        let mut objects = Vec::new();
+        for doc in serde_norway::Deserializer::from_str(&yaml) {
+            let mut object = Value::deserialize(doc)?;
+            let kind = object["kind"].as_str().unwrap_or_default().to_owned();
+            if matches!(
+                kind.as_str(),
+                "Namespace" | "CustomResourceDefinition" | "ConnectionPolicy"
+            ) {
+                continue;
+            }
+            self.adapt(&mut object, &kind, spec)?;
+            objects.push(object);
+        }
+        let file = tempfile::NamedTempFile::new()?;
+        std::fs::write(
+            file.path(),
+            serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
+        )?;
+        run(self.kubectl().args(["apply", "-f"]).arg(file.path())).await?;
+        Ok(())
+    }
+
+    /// Moves one rendered object into the namespace and applies the spec's sizes to it.
+    fn adapt(&self, object: &mut Value, kind: &str, spec: &StackSpec) -> anyhow::Result<()> {
+        let ns = self.name();
+        match kind {
+            // Shared and identical for every test: applied as it is.
+            "ClusterRole" => {}
+            "ClusterRoleBinding" => object["metadata"]["name"] = json!(self.binding),
+            _ => object["metadata"]["namespace"] = json!(ns),
+        }
+        if kind.ends_with("Binding") {
+            for subject in object["subjects"].as_array_mut().into_iter().flatten() {
+                subject["namespace"] = json!(ns);
+            }
+        }
+        if kind == "NetworkPolicy" {
+            // Let this namespace's operator reach the admin port (not enforced by the local
+            // kubelet, kept right for the record).
+            let text = serde_json::to_string(object)?.replace("poolpilot-system", ns);
+            *object = serde_json::from_str(&text)?;
+        }
+        if kind != "Deployment" {
+            return Ok(());
+        }
+        let name = object["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let container = &mut object["spec"]["template"]["spec"]["containers"][0];
+        match name.as_str() {
+            OPERATOR_DEPLOYMENT => {
+                // clap refuses a repeated flag: a `--prometheus-url=` among the spec's operator
+                // args (a test's relay in front of Prometheus) replaces the overlay's.
+                let wanted = spec
+                    .operator_args
+                    .iter()
+                    .find_map(|a| a.strip_prefix("--prometheus-url="));
+                let prometheus = match wanted {
+                    Some(url) => url.to_owned(),
+                    None => self.ns.cluster().prometheus_url()?.to_owned(),
+                };
+                let args = container["args"].as_array_mut().context("operator args")?;
+                for arg in args.iter_mut() {
+                    if arg
+                        .as_str()
+                        .is_some_and(|a| a.starts_with("--prometheus-url="))
+                    {
+                        *arg = json!(format!("--prometheus-url={prometheus}"));
+                    }
+                }
+                // Each test's operator reconciles its own namespace only, so that concurrent
+                // tests never touch each other's policies.
+                args.retain(|a| !a.as_str().is_some_and(|a| a.starts_with("--namespace=")));
+                args.push(json!("--namespace=$(POD_NAMESPACE)"));
+                args.extend(
+                    spec.operator_args
+                        .iter()
+                        .filter(|a| !a.starts_with("--prometheus-url="))
+                        .map(|a| json!(a)),
+                );
+                object["spec"]["replicas"] = json!(spec.operators);
+            }
+            GATEWAY_DEPLOYMENT => {
+                object["spec"]["replicas"] = json!(spec.gateways);
+                if let Some(limit) = spec.nofile_limit {
+                    object["spec"]["template"]["metadata"]["annotations"]["poolpilot.io/nofile-limit"] =
+                        json!(limit.to_string());
+                }
+            }
+            backend => {
+                let wanted = spec.backends.iter().find(|b| b.name == backend);
+                if let Some(b) = wanted {
+                    let args = container["args"].as_array_mut().context("modelsim args")?;
+                    args.retain(|a| {
+                        !a.as_str()
+                            .is_some_and(|a| a.starts_with("--max-concurrency="))
+                    });
+                    args.push(json!(format!("--max-concurrency={}", b.slots)));
+                    args.extend(b.args.iter().map(|a| json!(a)));
+                }
+                object["spec"]["replicas"] = json!(wanted.map_or(0, |b| b.replicas));
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes what outlives the namespace: the operator's ClusterRoleBinding, and the policies'
+    /// finalizers (whose operator may be gone).
+    async fn teardown(&self) {
+        let policies: Api<ConnectionPolicy> = self.ns.api();
+        if let Ok(list) = policies.list(&ListParams::default()).await {
+            for p in list {
+                let patch = Patch::Merge(json!({"metadata": {"finalizers": null}}));
+                let _ = policies
+                    .patch(&p.name_any(), &PatchParams::default(), &patch)
+                    .await;
+            }
+        }
+        let mut cmd = self.kubectl();
+        cmd.args(["delete", "--ignore-not-found", "--wait=false"])
+            .arg(format!("clusterrolebinding/{}", self.binding));
+        if let Err(e) = run(&mut cmd).await {
+            eprintln!("teardown: {e:#}");
+        }
+    }
+
+    /// The sample policy (`manifests/samples/connectionpolicy.yaml`) as JSON, to edit and apply.
+    pub fn sample_policy() -> anyhow::Result<Value> {
+        let path = workspace_root().join("manifests/samples/connectionpolicy.yaml");
+        Ok(serde_norway::from_str(&std::fs::read_to_string(path)?)?)
+    }
+
+    /// The sample policy paced for tests: decisions every 5 s, scale-down stabilized over 30 s,
+    /// canary pods acknowledged then the rest at once (no verification intervals).
+    pub fn quick_policy() -> anyhow::Result<Value> {
+        let mut policy = Self::sample_policy()?;
+        set(&mut policy, "/spec/autoscale/interval", json!("5s"))?;
+        set(
+            &mut policy,
+            "/spec/autoscale/scaleDown",
+            json!({"stabilizationWindow": "30s", "maxStepPercent": 20}),
+        )?;
+        set(
+            &mut policy,
+            "/spec/rollout",
+            json!({"strategy": "Progressive", "canaryPods": 1, "verifyIntervals": 0}),
+        )?;
+        Ok(policy)
+    }
+
+    /// `kubectl apply` of a policy (or any object) into this namespace; the output on success.
+    pub async fn apply(&self, object: &Value) -> anyhow::Result<String> {
+        let file = tempfile::NamedTempFile::new()?;
+        std::fs::write(file.path(), serde_json::to_vec(object)?)?;
+        run(self
+            .kubectl()
+            .args(["apply", "-n", self.name(), "-f"])
+            .arg(file.path()))
+        .await
+    }
+
+    /// The policy `name`.
+    pub async fn policy(&self, name: &str) -> anyhow::Result<ConnectionPolicy> {
+        let api: Api<ConnectionPolicy> = self.ns.api();
+        Ok(api.get(name).await?)
+    }
+
+    /// The condition `kind` of policy `name`, if set.
+    pub async fn condition(&self, name: &str, kind: &str) -> anyhow::Result<Option<Condition>> {
+        Ok(self
+            .policy(name)
+            .await?
+            .status
+            .and_then(|s| s.conditions.into_iter().find(|c| c.type_ == kind)))
+    }
+
+    /// Waits until policy `name` has condition `kind` with `status` for its current generation,
+    /// and returns it.
+    pub async fn wait_condition(
+        &self,
+        name: &str,
+        kind: &str,
+        status: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<Condition> {
+        eventually(&format!("{name} has {kind}={status}"), timeout, || async {
+            let policy = self.policy(name).await?;
+            let generation = policy.metadata.generation;
+            let status_of = policy.status.unwrap_or_default();
+            let c = status_of
+                .conditions
+                .iter()
+                .find(|c| c.type_ == kind)
+                .cloned()
+                .with_context(|| format!("no {kind} yet: {:?}", status_of.conditions))?;
+            anyhow::ensure!(
+                c.status == status && c.observed_generation == generation,
+                "{kind}={} ({}: {}) at generation {:?} of {generation:?}",
+                c.status,
+                c.reason,
+                c.message,
+                c.observed_generation
+            );
+            Ok(c)
+        })
+        .await
+    }
+
+    /// Ready pods with these labels.
+    pub async fn ready_pods(&self, labels: &str) -> anyhow::Result<Vec<Pod>> {
+        let pods: Api<Pod> = self.ns.api();
+        let list = pods.list(&ListParams::default().labels(labels)).await?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter(|p| is_ready(p) && p.metadata.deletion_timestamp.is_none())
+            .collect())
+    }
+
+    /// Waits until exactly `count` pods with these labels are Ready (and no other is left
+    /// terminating), and returns them.
+    pub async fn wait_ready(&self, labels: &str, count: usize) -> anyhow::Result<Vec<Pod>> {
+        let pods: Api<Pod> = self.ns.api();
+        eventually(&format!("{count} pods {labels} Ready"), WAIT, || async {
+            let all = pods.list(&ListParams::default().labels(labels)).await?;
+            let ready: Vec<Pod> = all
+                .items
+                .iter()
+                .filter(|p| is_ready(p) && p.metadata.deletion_timestamp.is_none())
+                .cloned()
+                .collect();
+            anyhow::ensure!(
+                ready.len() == count && all.items.len() == count,
+                "{} Ready of {} pods, want {count}",
+                ready.len(),
+                all.items.len()
+            );
+            Ok(ready)
+        })
+        .await
+    }
+
+    /// The Ready gateway pods.
+    pub async fn gateways(&self) -> anyhow::Result<Vec<GatewayPod>> {
+        self.ready_pods(GATEWAY_LABELS)
+            .await?
+            .iter()
+            .map(GatewayPod::of)
+            .collect()
+    }
+
+    /// Waits for `count` Ready gateway pods.
+    pub async fn wait_gateways(&self, count: usize) -> anyhow::Result<Vec<GatewayPod>> {
+        self.wait_ready(GATEWAY_LABELS, count)
+            .await?
+            .iter()
+            .map(GatewayPod::of)
+            .collect()
+    }
+
+    /// modelsim's admin clients of backend `name`'s Ready pods.
+    pub async fn backends(&self, name: &str) -> anyhow::Result<Vec<Remote>> {
+        self.ready_pods(&format!("app.kubernetes.io/name={name}"))
+            .await?
+            .iter()
+            .map(|p| {
+                Ok(Remote::new(SocketAddr::new(
+                    pod_ip(p)?,
+                    MODELSIM_ADMIN_PORT,
+                )))
+            })
+            .collect()
+    }
+
+    /// `kubectl scale` of a Deployment of this namespace.
+    pub async fn scale(&self, deployment: &str, replicas: u32) -> anyhow::Result<()> {
+        run(self.kubectl().args([
+            "scale",
+            "-n",
+            self.name(),
+            &format!("deployment/{deployment}"),
+            &format!("--replicas={replicas}"),
+        ]))
+        .await?;
+        Ok(())
+    }
+
+    /// Events of this namespace about `object` (a name) with `reason`, oldest first.
+    pub async fn events(&self, object: &str, reason: &str) -> anyhow::Result<Vec<Event>> {
+        let api: Api<Event> = self.ns.api();
+        let mut events: Vec<Event> = api
+            .list(&ListParams::default().fields(&format!("involvedObject.name={object}")))
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .collect();
+        events.sort_by_key(|e| e.metadata.creation_timestamp.clone());
+        Ok(events)
+    }
+
+    /// Waits for an Event `reason` about `object` whose message contains `needle`.
+    pub async fn wait_event(
+        &self,
+        object: &str,
+        reason: &str,
+        needle: &str,
+    ) -> anyhow::Result<Event> {
+        eventually(
+            &format!("an Event {reason} on {object} saying {needle:?}"),
+            WAIT,
+            || async {
+                let events = self.events(object, reason).await?;
+                events
+                    .iter()
+                    .rev()
+                    .find(|e| e.message.as_deref().unwrap_or_default().contains(needle))
+                    .cloned()
+                    .with_context(|| {
+                        format!(
+                            "events so far: {:?}",
+                            events.iter().map(|e| &e.message).collect::<Vec<_>>()
+                        )
+                    })
+            },
+        )
+        .await
+    }
+
+    /// Waits until every Ready gateway pod (exactly `pods` of them) serves a limits document in
+    /// which `check` holds, and returns the documents.
+    pub async fn wait_limits<F>(
+        &self,
+        what: &str,
+        pods: usize,
+        timeout: Duration,
+        check: F,
+    ) -> anyhow::Result<Vec<(GatewayPod, GatewayLimits)>>
+    where
+        F: Fn(&GatewayLimits) -> anyhow::Result<()>,
+    {
+        eventually(what, timeout, || async {
+            let gateways = self.gateways().await?;
+            anyhow::ensure!(
+                gateways.len() == pods,
+                "{} of {pods} gateways Ready",
+                gateways.len()
+            );
+            let mut docs = Vec::new();
+            for g in gateways {
+                let limits = g.limits().await?;
+                check(&limits).with_context(|| format!("gateway {}", g.name))?;
+                docs.push((g, limits));
+            }
+            Ok(docs)
+        })
+        .await
+    }
+}
+
+/// One Ready gateway pod.
+#[derive(Clone, Debug)]
+pub struct GatewayPod {
+    /// Pod name.
+    pub name: String,
+    /// Pod IP (its proxy and admin ports listen there).
+    pub ip: IpAddr,
+}
+
+impl GatewayPod {
+    fn of(pod: &Pod) -> anyhow::Result<Self> {
+        Ok(Self {
+            name: pod.name_any(),
+            ip: pod_ip(pod)?,
+        })
+    }
+
+    /// Where clients send requests.
+    pub fn proxy(&self) -> SocketAddr {
+        SocketAddr::new(self.ip, PROXY_PORT)
+    }
+
+    /// The admin API.
+    pub fn admin(&self) -> SocketAddr {
+        SocketAddr::new(self.ip, ADMIN_PORT)
+    }
+
+    /// `GET /v1/limits`: the document in force.
+    pub async fn limits(&self) -> anyhow::Result<GatewayLimits> {
+        let url = format!("http://{}/v1/limits", self.admin());
+        Ok(http_client()?
+            .get(url)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
+    }
+
+    /// `GET /metrics`.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        let url = format!("http://{}/metrics", self.admin());
+        Ok(http_client()?
+            .get(url)
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?)
+    }
+}
+
+fn http_client() -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?)
+}
+
+/// Sets the field at a JSON pointer (`/spec/autoscale/min`) of a policy; its parent must exist.
+pub fn set(object: &mut Value, pointer: &str, value: Value) -> anyhow::Result<()> {
+    let (parent, key) = pointer.rsplit_once('/').context("a JSON pointer")?;
+    let parent = object
+        .pointer_mut(parent)
+        .with_context(|| format!("no {parent} in the object"))?;
+    match parent {
+        Value::Object(map) => {
+            map.insert(key.to_owned(), value);
+        }
+        Value::Array(items) => {
+            let i: usize = key.parse().context("an array index")?;
+            *items.get_mut(i).with_context(|| format!("no {pointer}"))? = value;
+        }
+        _ => anyhow::bail!("{parent} is neither an object nor an array"),
+    }
+    Ok(())
+}
+
+/// Whether the pod's Ready condition is True.
+pub fn is_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The pod's IP.
+pub fn pod_ip(pod: &Pod) -> anyhow::Result<IpAddr> {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.pod_ip.as_deref())
+        .with_context(|| format!("pod {} has no IP", pod.name_any()))?
+        .parse()
+        .context("pod IP")
+}
+
+/// The value of a sample's series in a Prometheus text exposition: the sum over every line of
+/// `metric` whose labels contain all of `labels` (`name="value"` pairs).
+pub fn metric_sum(text: &str, metric: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (name, rest) = series.split_once('{').unwrap_or((series, ""));
+            (name == metric && labels.iter().all(|want| rest.contains(want)))
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_sum_adds_the_matching_series_only() {
+        let text = "# HELP x\n\
+                    poolpilot_pool_connections{backend=\"a\",endpoint=\"e1\",state=\"leased\"} 3\n\
+                    poolpilot_pool_connections{backend=\"a\",endpoint=\"e2\",state=\"leased\"} 4\n\
+                    poolpilot_pool_connections{backend=\"a\",endpoint=\"e2\",state=\"idle\"} 9\n\
+                    poolpilot_pool_connections_total 100\n";
+        assert_eq!(
+            metric_sum(text, "poolpilot_pool_connections", &["state=\"leased\""]),
+            7.0
+        );
+        assert_eq!(metric_sum(text, "poolpilot_pool_connections", &[]), 16.0);
+        assert_eq!(
+            metric_sum(text, "poolpilot_pool_connections_total", &[]),
+            100.0
+        );
+        assert_eq!(metric_sum(text, "missing", &[]), 0.0);
+    }
+}

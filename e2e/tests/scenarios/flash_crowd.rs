@@ -1,0 +1,353 @@
+//! Scenario 2, the flash crowd (seed 1, scaled to this machine): a closed-loop load raises the
+//! in-flight demand ~50% above the pooled capacity while the backends have room to spare → the
+//! operator raises model-a's target in ONE decision, rolls it out to the 3 gateways, and the
+//! lease-timeout error rate the load generator measures falls below 0.5% within two autoscale
+//! intervals of the rollout; the status records the decision and its reason, and a `ScaledUp`
+//! Event tells it.
+//!
+//! ```text
+//!  light load (3 workers) ──► target shrinks from max 51 to min 9 (per pod 3, fleet pool 27)
+//!  wait for a decision tick, then 42 workers (1 s calls, 300 ms lease timeout)
+//!      └─► ~15 requests queue for a lease, most time out: 503 lease_timeout
+//!  next decision: demand (leased + pending) ≈ 40 × 1.2 / 3 endpoints → ~16 per endpoint,
+//!      shares 6 + 5 + 5: every gateway's pool ≥ 15 for its 14 workers
+//!      └─► rolled out → no more lease timeouts
+//! ```
+//!
+//! A closed-loop worker holds one call in flight, so the demand at the gateways is the number of
+//! active workers. With a 1 s service time and a 300 ms lease timeout, a request that finds the
+//! pool busy waits for one of the pool's releases (every 1 s / 9 per gateway) and times out when
+//! more than two are queued ahead of it: 14 workers per gateway against a pool of 9 fail often.
+//! The crowd starts right after a decision, so that the next one, an interval later, averages
+//! demand over the crowd only (the operator averages gauges over 4 s, read up to 2 s late).
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use poolpilot_api::policy::BackendStatus;
+use poolpilot_e2e::eventually;
+use poolpilot_e2e::load::{Load, LoadSpec};
+use poolpilot_e2e::scenario::{figure, serial};
+use poolpilot_e2e::stack::{
+    BackendSpec, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, metric_sum, pod_ip, set,
+    with_stack,
+};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+const SCENARIO: &str = "flash-crowd";
+/// The autoscale interval: long enough that a decision an interval after the crowd starts sees
+/// only the crowd (4 s averages, up to 2 s old).
+const INTERVAL: Duration = Duration::from_secs(10);
+/// Lower bound of the target, where the crowd finds it: 3 per pod per endpoint.
+const MIN: u32 = 9;
+/// Upper bound: model-a's capacity 64 × (1 − 0.2).
+const MAX: u32 = 51;
+/// Workers before the crowd: one per gateway, enough for a latency baseline.
+const LIGHT: usize = 3;
+/// Workers of the crowd: 42 in flight against a fleet pool of 9 × 3 endpoints = 27 (+56%).
+const CROWD: usize = 42;
+/// Service time of one call.
+const SERVICE_MS: u32 = 1000;
+/// The acceptance bound of the error rate after the rollout.
+const RECOVERED: f64 = 0.005;
+/// How long the error rate is measured once it must have recovered.
+const MEASURE: u64 = 15;
+
+#[tokio::test]
+async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
+-> anyhow::Result<()> {
+    let _serial = serial().await?;
+    let spec = StackSpec {
+        gateways: 3,
+        backends: vec![BackendSpec::new("model-a", 3, 64).service_ms(SERVICE_MS)],
+        ..StackSpec::default()
+    };
+    with_stack("flash", spec, async |stack| {
+        stack.apply(&model_a_policy()?).await?;
+        let gateways = stack.wait_gateways(3).await?;
+        let load = Load::start(
+            LoadSpec {
+                gateways: gateways.iter().map(|g| g.proxy()).collect(),
+                model: "model-a".to_owned(),
+                max_tokens: 4,
+                // One identity per worker: the per-client limit (8) never interferes.
+                clients: CROWD,
+                max_workers: CROWD,
+                call_timeout: Duration::from_secs(30),
+            },
+            LIGHT,
+        )?;
+
+        // A new policy starts at its upper bound; under the light load it shrinks to `min` in
+        // one step (maxStepPercent 100) once the 10 s stabilization window has passed.
+        let shrunk = Instant::now();
+        let start_share = MIN / 3;
+        eventually("the target shrinks to min under light load", WAIT, || async {
+            let b = model_a(stack).await?;
+            anyhow::ensure!(b.target == MIN, "target {} (want {MIN})", b.target);
+            Ok(())
+        })
+        .await?;
+        stack
+            .wait_limits("every gateway runs the min shares", 3, WAIT, |l| {
+                let share = share(l)?;
+                anyhow::ensure!(share == start_share, "share {share} (want {start_share})");
+                Ok(())
+            })
+            .await?;
+        figure(
+            SCENARIO,
+            "shrink to min seconds",
+            format!("{:.1}", shrunk.elapsed().as_secs_f64()),
+        );
+        let before = model_a(stack).await?;
+        let light = load.last(5);
+        figure(SCENARIO, "light load", &light);
+
+        // Start the crowd right after a decision, so that the next decision sees the crowd only.
+        let operator = operator_metrics(stack).await?;
+        let ticks = decisions(&operator).await?;
+        eventually("an autoscale decision", INTERVAL * 3, || async {
+            let now = decisions(&operator).await?;
+            anyhow::ensure!(now > ticks, "{now} decisions");
+            Ok(())
+        })
+        .await?;
+        load.set_workers(CROWD);
+        let crowd = Instant::now();
+        let crowd_second = load.now();
+
+        // ONE decision raises the target above the crowd's demand.
+        let raised = eventually("the operator raises the target", INTERVAL * 4, || async {
+            let b = model_a(stack).await?;
+            let last = b.last_scale.clone().context("no lastScale yet")?;
+            anyhow::ensure!(
+                last.from == MIN && last.to > MIN,
+                "target {}, lastScale {last:?}",
+                b.target
+            );
+            Ok(b)
+        })
+        .await?;
+        let decided = crowd.elapsed();
+        let decided_second = load.now();
+        let scale = raised.last_scale.clone().context("lastScale")?;
+        // The per-pod shares of a target split it among the 3 gateways (remainder to some).
+        let new_share = scale.to / 3;
+        figure(
+            SCENARIO,
+            "decision",
+            format!("{} → {}: {}", scale.from, scale.to, scale.reason),
+        );
+        assert!(
+            scale.reason.starts_with("demand ") && scale.reason.contains("pending"),
+            "the reason gives the demand it saw: {}",
+            scale.reason
+        );
+        // Rolled out to every gateway.
+        let docs = stack
+            .wait_limits("every gateway runs the raised shares", 3, WAIT, |l| {
+                let share = share(l)?;
+                anyhow::ensure!(
+                    share == new_share || share == new_share + 1,
+                    "share {share} (want {new_share} or {})",
+                    new_share + 1
+                );
+                Ok(())
+            })
+            .await?;
+        let shares: Vec<u32> = docs
+            .iter()
+            .map(|(_, l)| share(l))
+            .collect::<anyhow::Result<_>>()?;
+        assert_eq!(shares.iter().sum::<u32>(), scale.to, "shares {shares:?}");
+        // Worker i calls gateway i % 3: the busiest gateway takes ⌈42 / 3⌉ = 14 workers, which
+        // its smallest share (per endpoint, × 3 endpoints) must hold.
+        let busiest = CROWD.div_ceil(3);
+        let smallest = shares.iter().min().copied().unwrap_or_default() as usize * 3;
+        assert!(
+            smallest >= busiest,
+            "one step covers the crowd: target {} → shares {shares:?}, a pool of {smallest} for {busiest} workers per gateway",
+            scale.to
+        );
+        let fleet_pool = scale.to * 3;
+        let rolled = crowd.elapsed();
+        let rolled_second = load.now();
+        figure(SCENARIO, "raised shares", format!("{shares:?}"));
+        stack
+            .wait_condition(POLICY, "RolledOut", "True", WAIT)
+            .await?;
+
+        // Errors during the crowd, before the decision reached the gateways: the crowd hurts.
+        let during = load.window(crowd_second + 1, rolled_second.max(crowd_second + 2));
+        figure(SCENARIO, "crowd before the rollout", &during);
+        assert!(
+            during.errors_of("lease_timeout") > 0 && during.error_rate() > 0.05,
+            "the crowd overflows the min pool with lease timeouts: {during}"
+        );
+
+        // Within two intervals of the rollout the error rate falls below 0.5%, and stays there.
+        let deadline = rolled_second + 2 * INTERVAL.as_secs();
+        let end = deadline + MEASURE;
+        while load.now() <= end {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let after = load.window(deadline, end);
+        figure(SCENARIO, "after 2 intervals", &after);
+        assert!(
+            after.calls >= MEASURE * 20 && after.error_rate() < RECOVERED,
+            "{MEASURE} s from two intervals after the rollout: {after}"
+        );
+        // Recovery: the first second from which every later 5 s window stays below 0.5%.
+        let seconds = load.seconds();
+        let recovered_second = (crowd_second..end)
+            .find(|&s| {
+                (s..end.saturating_sub(4)).all(|w| load.window(w, w + 5).error_rate() < RECOVERED)
+            })
+            .context("no recovery")?;
+        let recovery = Duration::from_secs(recovered_second.saturating_sub(crowd_second));
+        assert!(
+            recovered_second <= deadline,
+            "errors fall below 0.5% within two intervals of the rollout (second {rolled_second}): from second {recovered_second}"
+        );
+        for (s, t) in &seconds[crowd_second.saturating_sub(2) as usize..] {
+            println!("second {s:>3}: {t}");
+        }
+
+        // One decision only: the target held, one ScaledUp Event, which names the numbers.
+        let end_status = model_a(stack).await?;
+        assert_eq!(
+            end_status.target, scale.to,
+            "the target held after the one decision: {end_status:?}"
+        );
+        let events = stack.events(POLICY, "ScaledUp").await?;
+        let messages: Vec<&str> = events
+            .iter()
+            .filter_map(|e| e.message.as_deref())
+            .collect();
+        assert_eq!(
+            messages,
+            [format!("model-a: target {} → {}: {}", scale.from, scale.to, scale.reason).as_str()],
+            "one ScaledUp Event for the one decision"
+        );
+        let down = stack.events(POLICY, "ScaledDown").await?;
+        assert_eq!(
+            down.len(),
+            1,
+            "only the shrink to min before the crowd: {:?}",
+            down.iter().map(|e| &e.message).collect::<Vec<_>>()
+        );
+
+        figure(
+            SCENARIO,
+            "target",
+            format!(
+                "{} → {} (fleet pool {} → {fleet_pool} for {CROWD} workers)",
+                before.target,
+                scale.to,
+                before.target * 3
+            ),
+        );
+        figure(
+            SCENARIO,
+            "crowd to decision seconds",
+            format!("{:.1}", decided.as_secs_f64()),
+        );
+        figure(
+            SCENARIO,
+            "crowd to rollout seconds",
+            format!("{:.1}", rolled.as_secs_f64()),
+        );
+        figure(
+            SCENARIO,
+            "decision to rollout seconds",
+            format!("{:.1}", (rolled - decided).as_secs_f64()),
+        );
+        figure(
+            SCENARIO,
+            "crowd to recovery seconds",
+            format!(
+                "{} (rollout at +{}, decision seen at +{}, bound +{})",
+                recovery.as_secs(),
+                rolled_second - crowd_second,
+                decided_second - crowd_second,
+                deadline - crowd_second
+            ),
+        );
+        load.stop().await;
+        Ok(())
+    })
+    .await
+}
+
+/// The quick sample policy with model-a only: decisions every 10 s, bounds [9, 51], shrinking in
+/// one step after a 10 s stabilization window.
+fn model_a_policy() -> anyhow::Result<Value> {
+    let mut policy = Stack::quick_policy()?;
+    let backends: Vec<Value> = policy["spec"]["backends"]
+        .as_array()
+        .context("backends")?
+        .iter()
+        .filter(|b| b["name"] == "model-a")
+        .cloned()
+        .collect();
+    set(&mut policy, "/spec/backends", json!(backends))?;
+    set(
+        &mut policy,
+        "/spec/autoscale/interval",
+        json!(format!("{}s", INTERVAL.as_secs())),
+    )?;
+    set(&mut policy, "/spec/autoscale/min", json!(MIN))?;
+    set(&mut policy, "/spec/autoscale/max", json!(MAX))?;
+    set(
+        &mut policy,
+        "/spec/autoscale/scaleDown",
+        json!({"stabilizationWindow": "10s", "maxStepPercent": 100}),
+    )?;
+    Ok(policy)
+}
+
+/// model-a's status.
+async fn model_a(stack: &Stack<'_>) -> anyhow::Result<BackendStatus> {
+    stack
+        .policy(POLICY)
+        .await?
+        .status
+        .context("no status yet")?
+        .backends
+        .into_iter()
+        .find(|b| b.name == "model-a")
+        .context("no model-a in the status yet")
+}
+
+/// model-a's per-pod share in a gateway's limits.
+fn share(limits: &poolpilot_api::limits::GatewayLimits) -> anyhow::Result<u32> {
+    Ok(limits
+        .backends
+        .iter()
+        .find(|b| b.name == "model-a")
+        .context("no model-a")?
+        .pool
+        .max_connections_per_endpoint)
+}
+
+/// The operator pod's `/metrics` URL.
+async fn operator_metrics(stack: &Stack<'_>) -> anyhow::Result<String> {
+    let pods = stack.ready_pods(OPERATOR_LABELS).await?;
+    let pod = pods.first().context("no ready operator")?;
+    Ok(format!("http://{}:8080/metrics", pod_ip(pod)?))
+}
+
+/// Autoscale decisions the operator made so far (`poolpilot_operator_decisions_total`).
+async fn decisions(url: &str) -> anyhow::Result<f64> {
+    let text = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    Ok(metric_sum(&text, "poolpilot_operator_decisions_total", &[]))
+}

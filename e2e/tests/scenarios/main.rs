@@ -1,0 +1,19 @@
+//! The end-to-end scenarios of issue 7: the whole product (operator, gateways, modelsim
+//! backends, Prometheus) deployed from `manifests/overlays/local` into a test namespace
+//! ([`poolpilot_e2e::stack`]), driven through kubectl, the Kubernetes API and real HTTP load
+//! only. One file per scenario; they run one at a time ([`poolpilot_e2e::scenario::serial`]).
+//!
+//! Each scenario prints its measured figures as `figure <scenario> <name> = <value>` lines
+//! (`cargo test -p poolpilot-e2e --test scenarios -- --nocapture | grep ^figure`), which
+//! `e2e/README.md` records.
+
+mod bad_input;
+mod client_protection;
+mod fd_budget;
+mod flash_crowd;
+mod happy_path;
+mod operator_down;
+mod policy_edit;
+mod prometheus_down;
+mod saturated;
+mod scale_gateways;

@@ -1,0 +1,380 @@
+//! Scenario 3, the saturated backend: the model-a instances run at their own concurrency limit
+//! (modelsim with 4 batch slots and a queue behind them), so that their latency rises with the
+//! connections the gateways hold → the operator does NOT raise the target although the queued
+//! demand asks for more (the latency guard of DESIGN §5: p90 above 1.25× its baseline blocks
+//! growth, because a bigger pool would only make a saturated backend slower), reports
+//! `Saturated=True` with the numbers, and the clients get 503s with `Retry-After` from the
+//! gateways instead of waiting without end.
+//!
+//! ```text
+//!  light load (3 workers, 400 ms calls, no queueing) ─► latency baseline; target max 51 → min 9
+//!  40 workers ─► 27 pooled connections, 9 per instance: 4 served, 5 queued in modelsim
+//!      │          latency p90 ~1.2 s (> 1.25 × baseline ~0.6 s); 13 requests wait for a lease
+//!      └─► demand wants ~16 per endpoint, the guard holds 9; lease timeouts: 503 + Retry-After
+//! ```
+//!
+//! The baseline is the lowest p90 over the operator's `--baseline-window` (6 h by default): in a
+//! fresh namespace, that is the light-load period before the saturation.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use poolpilot_api::policy::BackendStatus;
+use poolpilot_e2e::eventually;
+use poolpilot_e2e::load::{Load, LoadSpec};
+use poolpilot_e2e::scenario::{figure, serial};
+use poolpilot_e2e::stack::{
+    BackendSpec, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, metric_sum, pod_ip, set,
+    with_stack,
+};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+const SCENARIO: &str = "saturated";
+/// The autoscale interval.
+const INTERVAL: Duration = Duration::from_secs(5);
+/// Lower bound of the target, where the saturation finds it: 9 connections per instance.
+const MIN: u32 = 9;
+/// Upper bound: model-a's declared capacity 64 × (1 − 0.2), far above what the instances take.
+const MAX: u32 = 51;
+/// modelsim's batch slots per instance: fewer than the 9 connections each instance gets.
+const SLOTS: u32 = 4;
+/// Service time of one call in a slot.
+const SERVICE_MS: u32 = 400;
+/// Workers before the saturation: one per gateway, no queueing anywhere.
+const LIGHT: usize = 3;
+/// Workers of the saturating load: 40 in flight against a fleet pool of 27.
+const HEAVY: usize = 40;
+/// Decisions the guard must hold the target through.
+const HELD_DECISIONS: f64 = 4.0;
+
+#[tokio::test]
+async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow::Result<()> {
+    let _serial = serial().await?;
+    let spec = StackSpec {
+        gateways: 3,
+        backends: vec![BackendSpec::new("model-a", 3, SLOTS).service_ms(SERVICE_MS)],
+        ..StackSpec::default()
+    };
+    with_stack("saturated", spec, async |stack| {
+        stack.apply(&model_a_policy()?).await?;
+        let gateways = stack.wait_gateways(3).await?;
+        let load = Load::start(
+            LoadSpec {
+                gateways: gateways.iter().map(|g| g.proxy()).collect(),
+                model: "model-a".to_owned(),
+                max_tokens: 4,
+                clients: HEAVY,
+                max_workers: HEAVY,
+                call_timeout: Duration::from_secs(30),
+            },
+            LIGHT,
+        )?;
+
+        // Light load: a latency baseline, and the target shrinks from max to min.
+        eventually(
+            "the target shrinks to min under light load",
+            WAIT,
+            || async {
+                let b = model_a(stack).await?;
+                anyhow::ensure!(b.target == MIN, "target {} (want {MIN})", b.target);
+                Ok(())
+            },
+        )
+        .await?;
+        stack
+            .wait_limits("every gateway runs the min shares", 3, WAIT, |l| {
+                let share = share(l)?;
+                anyhow::ensure!(share == MIN / 3, "share {share} (want {})", MIN / 3);
+                Ok(())
+            })
+            .await?;
+        stack
+            .wait_condition(POLICY, "Saturated", "False", WAIT)
+            .await?;
+        let light_p90 = p90(stack, 10).await?;
+        let light = load.last(5);
+        figure(SCENARIO, "light load", &light);
+        assert_eq!(light.failed(), 0, "no errors under light load: {light}");
+
+        // Saturate the instances.
+        let backends = stack.backends("model-a").await?;
+        anyhow::ensure!(backends.len() == 3, "{} model-a instances", backends.len());
+        for b in &backends {
+            b.reset_peaks().await?;
+        }
+        let operator = operator_metrics(stack).await?;
+        let kinds_before = decisions(&operator).await?;
+        load.set_workers(HEAVY);
+        let heavy = Instant::now();
+        let heavy_second = load.now();
+
+        let saturated = stack
+            .wait_condition(POLICY, "Saturated", "True", WAIT)
+            .await?;
+        let to_saturated = heavy.elapsed();
+        figure(
+            SCENARIO,
+            "Saturated message",
+            format!("{}: {}", saturated.reason, saturated.message),
+        );
+        assert!(
+            saturated.message.contains("model-a: latency p90")
+                && saturated.message.contains("baseline")
+                && saturated.message.contains("growth to"),
+            "Saturated names the latency guard: {}",
+            saturated.message
+        );
+
+        // The guard holds the target through several decisions while the demand asks for more.
+        let hold_from = decisions(&operator).await?;
+        let deadline = Instant::now() + WAIT;
+        let mut targets = Vec::new();
+        loop {
+            let b = model_a(stack).await?;
+            targets.push(b.target);
+            anyhow::ensure!(b.target == MIN, "the target grew under saturation: {b:?}");
+            let now = decisions(&operator).await?;
+            let guarded = kind(&now, "latency_guard") - kind(&hold_from, "latency_guard");
+            if guarded >= HELD_DECISIONS {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "only {guarded} guarded decisions in {WAIT:?}: {now:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let held_for = heavy.elapsed();
+        let end_second = load.now();
+        let kinds_after = decisions(&operator).await?;
+        let status = model_a(stack).await?;
+        assert_eq!(status.target, MIN, "the target stays at {MIN}");
+        figure(
+            SCENARIO,
+            "target samples under saturation",
+            format!("{} polls, all {MIN}", targets.len()),
+        );
+        assert_eq!(
+            kind(&kinds_after, "scale_up"),
+            kind(&kinds_before, "scale_up"),
+            "no scale-up decision under saturation: {kinds_before:?} → {kinds_after:?}"
+        );
+        assert!(
+            stack.events(POLICY, "ScaledUp").await?.is_empty(),
+            "no ScaledUp Event"
+        );
+        let demand = status.leased.unwrap_or_default() + status.pending.unwrap_or_default();
+        assert!(
+            status.pending.unwrap_or_default() > 0.0 && demand * 1.2 / 3.0 > f64::from(MIN) * 1.1,
+            "the demand asks for more than the target: {status:?}"
+        );
+
+        // The instances ran at their own limit, with a queue.
+        let mut peaks = Vec::new();
+        for b in &backends {
+            let s = b.stats().await?;
+            peaks.push((s.in_flight_peak, s.queued_peak));
+            assert_eq!(
+                s.in_flight_peak,
+                u64::from(SLOTS),
+                "{} ran at its concurrency limit",
+                s.instance
+            );
+            assert!(s.queued_peak > 0, "{} queued requests", s.instance);
+        }
+
+        // The clients got 503/429 with Retry-After, not silence.
+        let during = load.window(heavy_second + 2, end_second);
+        let heavy_p90 = p90(stack, 10).await?;
+        figure(SCENARIO, "saturated load", &during);
+        let rejected: u64 = during.statuses.values().sum();
+        assert!(
+            during.failed() > 0 && rejected == during.failed(),
+            "every failure is an HTTP answer: {during:?}"
+        );
+        assert!(
+            during.statuses.keys().all(|s| *s == 503 || *s == 429),
+            "503/429 only: {:?}",
+            during.statuses
+        );
+        assert_eq!(
+            during.retry_after, rejected,
+            "every 503/429 carries Retry-After: {during:?}"
+        );
+        assert!(
+            heavy_p90 > 1.25 * light_p90,
+            "Prometheus sees the latency rise: p90 {heavy_p90:.3}s vs {light_p90:.3}s"
+        );
+
+        figure(
+            SCENARIO,
+            "target before/after",
+            format!("{MIN} / {}", status.target),
+        );
+        figure(
+            SCENARIO,
+            "demand under saturation",
+            format!(
+                "leased {:.1} + pending {:.1} (wants {:.0} per endpoint)",
+                status.leased.unwrap_or_default(),
+                status.pending.unwrap_or_default(),
+                (demand * 1.2 / 3.0).ceil()
+            ),
+        );
+        figure(
+            SCENARIO,
+            "latency p90 light / saturated seconds",
+            format!("{light_p90:.3} / {heavy_p90:.3}"),
+        );
+        figure(
+            SCENARIO,
+            "error mix",
+            format!(
+                "statuses {:?}, reasons {:?}, with Retry-After {}",
+                during.statuses, during.errors, during.retry_after
+            ),
+        );
+        figure(
+            SCENARIO,
+            "modelsim peaks (in flight, queued)",
+            format!("{peaks:?}"),
+        );
+        figure(
+            SCENARIO,
+            "decisions during saturation",
+            format!(
+                "{:?}",
+                kinds_after
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v - kind(&kinds_before, k)))
+                    .filter(|(_, v)| *v > 0.0)
+                    .collect::<BTreeMap<_, _>>()
+            ),
+        );
+        figure(
+            SCENARIO,
+            "load to Saturated seconds",
+            format!("{:.1}", to_saturated.as_secs_f64()),
+        );
+        figure(
+            SCENARIO,
+            "target held for seconds",
+            format!("{:.1}", held_for.as_secs_f64()),
+        );
+        load.stop().await;
+        Ok(())
+    })
+    .await
+}
+
+/// The quick sample policy with model-a only: decisions every 5 s, bounds [9, 51], shrinking in
+/// one step after a 10 s stabilization window.
+fn model_a_policy() -> anyhow::Result<Value> {
+    let mut policy = Stack::quick_policy()?;
+    let backends: Vec<Value> = policy["spec"]["backends"]
+        .as_array()
+        .context("backends")?
+        .iter()
+        .filter(|b| b["name"] == "model-a")
+        .cloned()
+        .collect();
+    set(&mut policy, "/spec/backends", json!(backends))?;
+    set(
+        &mut policy,
+        "/spec/autoscale/interval",
+        json!(format!("{}s", INTERVAL.as_secs())),
+    )?;
+    set(&mut policy, "/spec/autoscale/min", json!(MIN))?;
+    set(&mut policy, "/spec/autoscale/max", json!(MAX))?;
+    set(
+        &mut policy,
+        "/spec/autoscale/scaleDown",
+        json!({"stabilizationWindow": "10s", "maxStepPercent": 100}),
+    )?;
+    Ok(policy)
+}
+
+/// model-a's status.
+async fn model_a(stack: &Stack<'_>) -> anyhow::Result<BackendStatus> {
+    stack
+        .policy(POLICY)
+        .await?
+        .status
+        .context("no status yet")?
+        .backends
+        .into_iter()
+        .find(|b| b.name == "model-a")
+        .context("no model-a in the status yet")
+}
+
+/// model-a's per-pod share in a gateway's limits.
+fn share(limits: &poolpilot_api::limits::GatewayLimits) -> anyhow::Result<u32> {
+    Ok(limits
+        .backends
+        .iter()
+        .find(|b| b.name == "model-a")
+        .context("no model-a")?
+        .pool
+        .max_connections_per_endpoint)
+}
+
+/// model-a's upstream p90 latency over the last `seconds` in this namespace, from Prometheus.
+async fn p90(stack: &Stack<'_>, seconds: u32) -> anyhow::Result<f64> {
+    let promql = format!(
+        "histogram_quantile(0.9, sum by (le) (rate(poolpilot_upstream_request_duration_seconds_bucket{{namespace=\"{}\", backend=\"model-a\"}}[{seconds}s])))",
+        stack.name()
+    );
+    let rows = stack.ns().cluster().prometheus_query(&promql).await?;
+    let value = rows
+        .first()
+        .and_then(|r| r["value"][1].as_str())
+        .with_context(|| format!("no p90 from {promql}: {rows:?}"))?;
+    let p90: f64 = value.parse()?;
+    anyhow::ensure!(p90.is_finite(), "p90 {value}");
+    Ok(p90)
+}
+
+/// The operator pod's `/metrics` URL.
+async fn operator_metrics(stack: &Stack<'_>) -> anyhow::Result<String> {
+    let pods = stack.ready_pods(OPERATOR_LABELS).await?;
+    let pod = pods.first().context("no ready operator")?;
+    Ok(format!("http://{}:8080/metrics", pod_ip(pod)?))
+}
+
+/// The operator's autoscale decisions so far by kind (`poolpilot_operator_decisions_total`).
+async fn decisions(url: &str) -> anyhow::Result<BTreeMap<String, f64>> {
+    let text = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    Ok([
+        "scale_up",
+        "scale_down",
+        "steady",
+        "latency_guard",
+        "at_upper_bound",
+        "stabilizing",
+        "missing_data",
+        "recovering",
+    ]
+    .into_iter()
+    .map(|k| {
+        let label = format!("kind=\"{k}\"");
+        (
+            k.to_owned(),
+            metric_sum(&text, "poolpilot_operator_decisions_total", &[&label]),
+        )
+    })
+    .collect())
+}
+
+/// Decisions of one kind.
+fn kind(counts: &BTreeMap<String, f64>, k: &str) -> f64 {
+    counts.get(k).copied().unwrap_or(0.0)
+}
