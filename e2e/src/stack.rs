@@ -15,6 +15,7 @@
 //!  Load (load.rs) ──► gateway pods ──► modelsim pods (model-a, model-b)
 //! ```
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_api::limits::GatewayLimits;
+use poolpilot_api::policy::BackendStatus;
 use serde::Deserialize as _;
 use serde_json::{Value, json};
 
@@ -459,6 +461,25 @@ impl<'a> Stack<'a> {
             .collect()
     }
 
+    /// Backend `backend`'s status in the policy [`POLICY`].
+    pub async fn backend_status(&self, backend: &str) -> anyhow::Result<BackendStatus> {
+        self.policy(POLICY)
+            .await?
+            .status
+            .context("no status yet")?
+            .backends
+            .into_iter()
+            .find(|b| b.name == backend)
+            .with_context(|| format!("no {backend} in the status yet"))
+    }
+
+    /// The `/metrics` URL of a Ready operator pod (the first; with one replica, the leader).
+    pub async fn operator_metrics_url(&self) -> anyhow::Result<String> {
+        let pods = self.ready_pods(OPERATOR_LABELS).await?;
+        let pod = pods.first().context("no Ready operator pod")?;
+        Ok(format!("http://{}:8080/metrics", pod_ip(pod)?))
+    }
+
     /// `kubectl scale` of a Deployment of this namespace.
     pub async fn scale(&self, deployment: &str, replicas: u32) -> anyhow::Result<()> {
         run(self.kubectl().args([
@@ -601,6 +622,57 @@ fn http_client() -> anyhow::Result<reqwest::Client> {
     Ok(reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()?)
+}
+
+/// Backend `backend`'s per-pod share in a gateway's limits.
+pub fn share(limits: &GatewayLimits, backend: &str) -> anyhow::Result<u32> {
+    Ok(limits
+        .backends
+        .iter()
+        .find(|b| b.name == backend)
+        .with_context(|| format!("no {backend} in the limits"))?
+        .pool
+        .max_connections_per_endpoint)
+}
+
+/// Keeps only backend `name` in a policy's `spec.backends`.
+pub fn only_backend(policy: &mut Value, name: &str) -> anyhow::Result<()> {
+    let backends = policy
+        .pointer_mut("/spec/backends")
+        .and_then(Value::as_array_mut)
+        .context("spec.backends")?;
+    backends.retain(|b| b["name"] == name);
+    anyhow::ensure!(!backends.is_empty(), "no backend {name} in the policy");
+    Ok(())
+}
+
+/// The operator's autoscale decisions so far by kind (`poolpilot_operator_decisions_total`),
+/// from an operator pod's `/metrics` URL ([`Stack::operator_metrics_url`]).
+pub async fn operator_decisions(url: &str) -> anyhow::Result<BTreeMap<String, f64>> {
+    let text = http_client()?
+        .get(url)
+        .send()
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    let mut kinds = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("poolpilot_operator_decisions_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let kind = labels
+            .split(',')
+            .find_map(|l| l.strip_prefix("kind=\""))
+            .map(|k| k.trim_end_matches('"'));
+        if let (Some(kind), Ok(value)) = (kind, value.trim().parse::<f64>()) {
+            *kinds.entry(kind.to_owned()).or_default() += value;
+        }
+    }
+    Ok(kinds)
 }
 
 /// Sets the field at a JSON pointer (`/spec/autoscale/min`) of a policy; its parent must exist.

@@ -131,10 +131,9 @@ async fn deployment_pods_run_on_their_own_ips_behind_a_service_and_stop_when_del
         .await?;
         // The processes are gone with their addresses (a connect would now follow the default
         // route, so the interface is what tells).
-        let host = std::process::Command::new("ip").args(["-4", "-o", "addr", "show", "dev", "lo"]).output()?;
-        let host = String::from_utf8_lossy(&host.stdout);
         for ip in &ips {
-            assert!(!host.contains(&format!(" {ip}/32")), "{ip} must be released from lo:\n{host}");
+            let addr: std::net::IpAddr = ip.parse()?;
+            assert!(!poolpilot_e2e::kubelet::host_has_address(addr), "{ip} must be released from lo");
         }
         Ok(())
     })

@@ -21,7 +21,7 @@ mod process;
 mod volumes;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -177,6 +177,19 @@ fn add_host_address(ip: Ipv4Addr) -> bool {
             false
         }
     }
+}
+
+/// Whether `ip`/32 is on the loopback interface, i.e. a pod of a local kubelet holds it (a
+/// released address is gone; a connection to it would follow the default route).
+pub fn host_has_address(ip: IpAddr) -> bool {
+    std::process::Command::new("ip")
+        .args(["-o", "addr", "show", "dev", "lo"])
+        .output()
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .any(|word| word.split('/').next() == Some(ip.to_string().as_str()))
+        })
 }
 
 /// Removes `ip`/32 from the loopback interface.

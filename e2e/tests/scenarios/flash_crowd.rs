@@ -24,12 +24,11 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use poolpilot_api::policy::BackendStatus;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, metric_sum, pod_ip, set,
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, only_backend, operator_decisions, set, share,
     with_stack,
 };
 use serde_json::{Value, json};
@@ -84,14 +83,14 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
         let shrunk = Instant::now();
         let start_share = MIN / 3;
         eventually("the target shrinks to min under light load", WAIT, || async {
-            let b = model_a(stack).await?;
+            let b = stack.backend_status("model-a").await?;
             anyhow::ensure!(b.target == MIN, "target {} (want {MIN})", b.target);
             Ok(())
         })
         .await?;
         stack
             .wait_limits("every gateway runs the min shares", 3, WAIT, |l| {
-                let share = share(l)?;
+                let share = share(l, "model-a")?;
                 anyhow::ensure!(share == start_share, "share {share} (want {start_share})");
                 Ok(())
             })
@@ -101,15 +100,15 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
             "shrink to min seconds",
             format!("{:.1}", shrunk.elapsed().as_secs_f64()),
         );
-        let before = model_a(stack).await?;
+        let before = stack.backend_status("model-a").await?;
         let light = load.last(5);
         figure(SCENARIO, "light load", &light);
 
         // Start the crowd right after a decision, so that the next decision sees the crowd only.
-        let operator = operator_metrics(stack).await?;
-        let ticks = decisions(&operator).await?;
+        let operator = stack.operator_metrics_url().await?;
+        let ticks = operator_decisions(&operator).await?.values().sum::<f64>();
         eventually("an autoscale decision", INTERVAL * 3, || async {
-            let now = decisions(&operator).await?;
+            let now = operator_decisions(&operator).await?.values().sum::<f64>();
             anyhow::ensure!(now > ticks, "{now} decisions");
             Ok(())
         })
@@ -120,7 +119,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
 
         // ONE decision raises the target above the crowd's demand.
         let raised = eventually("the operator raises the target", INTERVAL * 4, || async {
-            let b = model_a(stack).await?;
+            let b = stack.backend_status("model-a").await?;
             let last = b.last_scale.clone().context("no lastScale yet")?;
             anyhow::ensure!(
                 last.from == MIN && last.to > MIN,
@@ -148,7 +147,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
         // Rolled out to every gateway.
         let docs = stack
             .wait_limits("every gateway runs the raised shares", 3, WAIT, |l| {
-                let share = share(l)?;
+                let share = share(l, "model-a")?;
                 anyhow::ensure!(
                     share == new_share || share == new_share + 1,
                     "share {share} (want {new_share} or {})",
@@ -159,7 +158,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
             .await?;
         let shares: Vec<u32> = docs
             .iter()
-            .map(|(_, l)| share(l))
+            .map(|(_, l)| share(l, "model-a"))
             .collect::<anyhow::Result<_>>()?;
         assert_eq!(shares.iter().sum::<u32>(), scale.to, "shares {shares:?}");
         // Worker i calls gateway i % 3: the busiest gateway takes ⌈42 / 3⌉ = 14 workers, which
@@ -216,7 +215,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
         }
 
         // One decision only: the target held, one ScaledUp Event, which names the numbers.
-        let end_status = model_a(stack).await?;
+        let end_status = stack.backend_status("model-a").await?;
         assert_eq!(
             end_status.target, scale.to,
             "the target held after the one decision: {end_status:?}"
@@ -285,14 +284,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
 /// one step after a 10 s stabilization window.
 fn model_a_policy() -> anyhow::Result<Value> {
     let mut policy = Stack::quick_policy()?;
-    let backends: Vec<Value> = policy["spec"]["backends"]
-        .as_array()
-        .context("backends")?
-        .iter()
-        .filter(|b| b["name"] == "model-a")
-        .cloned()
-        .collect();
-    set(&mut policy, "/spec/backends", json!(backends))?;
+    only_backend(&mut policy, "model-a")?;
     set(
         &mut policy,
         "/spec/autoscale/interval",
@@ -306,48 +298,4 @@ fn model_a_policy() -> anyhow::Result<Value> {
         json!({"stabilizationWindow": "10s", "maxStepPercent": 100}),
     )?;
     Ok(policy)
-}
-
-/// model-a's status.
-async fn model_a(stack: &Stack<'_>) -> anyhow::Result<BackendStatus> {
-    stack
-        .policy(POLICY)
-        .await?
-        .status
-        .context("no status yet")?
-        .backends
-        .into_iter()
-        .find(|b| b.name == "model-a")
-        .context("no model-a in the status yet")
-}
-
-/// model-a's per-pod share in a gateway's limits.
-fn share(limits: &poolpilot_api::limits::GatewayLimits) -> anyhow::Result<u32> {
-    Ok(limits
-        .backends
-        .iter()
-        .find(|b| b.name == "model-a")
-        .context("no model-a")?
-        .pool
-        .max_connections_per_endpoint)
-}
-
-/// The operator pod's `/metrics` URL.
-async fn operator_metrics(stack: &Stack<'_>) -> anyhow::Result<String> {
-    let pods = stack.ready_pods(OPERATOR_LABELS).await?;
-    let pod = pods.first().context("no ready operator")?;
-    Ok(format!("http://{}:8080/metrics", pod_ip(pod)?))
-}
-
-/// Autoscale decisions the operator made so far (`poolpilot_operator_decisions_total`).
-async fn decisions(url: &str) -> anyhow::Result<f64> {
-    let text = reqwest::Client::new()
-        .get(url)
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await?
-        .error_for_status()?
-        .text()
-        .await?;
-    Ok(metric_sum(&text, "poolpilot_operator_decisions_total", &[]))
 }

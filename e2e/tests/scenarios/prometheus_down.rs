@@ -16,7 +16,8 @@ use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::relay::Relay;
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, pod_ip, set, with_stack,
+    BackendSpec, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, operator_decisions, pod_ip, set,
+    with_stack,
 };
 use poolpilot_e2e::{Cluster, eventually};
 use serde_json::json;
@@ -110,7 +111,7 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
             .map(pod_ip)
             .context("the operator pod")??;
         let operator_metrics = format!("http://{operator}:8080/metrics");
-        let at_cut = decisions(&operator_metrics).await?;
+        let at_cut = operator_decisions(&operator_metrics).await?;
 
         // === Prometheus goes away; demand doubles meanwhile ===
         relay.cut();
@@ -139,7 +140,7 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
             if metrics.status == "False" && unavailable_after.is_none() {
                 unavailable_after = Some(cut.elapsed());
                 // Read after the status: at least the misses that led to it.
-                let now = decisions(&operator_metrics).await?;
+                let now = operator_decisions(&operator_metrics).await?;
                 misses_when_unavailable = since(&now, &at_cut, "missing_data");
                 assert!(
                     misses_when_unavailable >= 3.0,
@@ -171,7 +172,7 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
             unavailable_after >= INTERVAL * 8 / 5,
             "MetricsAvailable=False {unavailable_after:?} after the cut: before three misses"
         );
-        let after_outage = decisions(&operator_metrics).await?;
+        let after_outage = operator_decisions(&operator_metrics).await?;
         let event = stack.wait_event(POLICY, "MetricsMissing", "").await?;
         figure(
             SCENARIO,
@@ -219,7 +220,7 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
         );
 
         // === Prometheus is back ===
-        let at_restore = decisions(&operator_metrics).await?;
+        let at_restore = operator_decisions(&operator_metrics).await?;
         relay.restore();
         let restored = Instant::now();
         let available = eventually("MetricsAvailable=True again", WAIT, || async {
@@ -234,7 +235,7 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
         })
         .await?;
         let available_after = restored.elapsed();
-        let when_available = decisions(&operator_metrics).await?;
+        let when_available = operator_decisions(&operator_metrics).await?;
         let fresh = since(&when_available, &at_restore, "")
             - since(&when_available, &at_restore, "missing_data");
         let recovering = since(&when_available, &at_restore, "recovering");
@@ -359,26 +360,6 @@ async fn wait_fresh(stack: &Stack<'_>) -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-}
-
-/// The operator's `poolpilot_operator_decisions_total` by kind.
-async fn decisions(url: &str) -> anyhow::Result<BTreeMap<String, f64>> {
-    let text = reqwest::Client::new()
-        .get(url)
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await?
-        .error_for_status()?
-        .text()
-        .await?;
-    Ok(text
-        .lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix("poolpilot_operator_decisions_total{kind=\"")?;
-            let (kind, value) = rest.split_once("\"} ")?;
-            Some((kind.to_owned(), value.trim().parse().ok()?))
-        })
-        .collect())
 }
 
 /// Decisions of `kind` (every kind when empty) between two readings.

@@ -20,12 +20,11 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use poolpilot_api::policy::BackendStatus;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, metric_sum, pod_ip, set,
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, only_backend, operator_decisions, set, share,
     with_stack,
 };
 use serde_json::{Value, json};
@@ -77,7 +76,7 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
             "the target shrinks to min under light load",
             WAIT,
             || async {
-                let b = model_a(stack).await?;
+                let b = stack.backend_status("model-a").await?;
                 anyhow::ensure!(b.target == MIN, "target {} (want {MIN})", b.target);
                 Ok(())
             },
@@ -85,7 +84,7 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         .await?;
         stack
             .wait_limits("every gateway runs the min shares", 3, WAIT, |l| {
-                let share = share(l)?;
+                let share = share(l, "model-a")?;
                 anyhow::ensure!(share == MIN / 3, "share {share} (want {})", MIN / 3);
                 Ok(())
             })
@@ -104,8 +103,8 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         for b in &backends {
             b.reset_peaks().await?;
         }
-        let operator = operator_metrics(stack).await?;
-        let kinds_before = decisions(&operator).await?;
+        let operator = stack.operator_metrics_url().await?;
+        let kinds_before = operator_decisions(&operator).await?;
         load.set_workers(HEAVY);
         let heavy = Instant::now();
         let heavy_second = load.now();
@@ -128,14 +127,14 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         );
 
         // The guard holds the target through several decisions while the demand asks for more.
-        let hold_from = decisions(&operator).await?;
+        let hold_from = operator_decisions(&operator).await?;
         let deadline = Instant::now() + WAIT;
         let mut targets = Vec::new();
         loop {
-            let b = model_a(stack).await?;
+            let b = stack.backend_status("model-a").await?;
             targets.push(b.target);
             anyhow::ensure!(b.target == MIN, "the target grew under saturation: {b:?}");
-            let now = decisions(&operator).await?;
+            let now = operator_decisions(&operator).await?;
             let guarded = kind(&now, "latency_guard") - kind(&hold_from, "latency_guard");
             if guarded >= HELD_DECISIONS {
                 break;
@@ -148,8 +147,8 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         }
         let held_for = heavy.elapsed();
         let end_second = load.now();
-        let kinds_after = decisions(&operator).await?;
-        let status = model_a(stack).await?;
+        let kinds_after = operator_decisions(&operator).await?;
+        let status = stack.backend_status("model-a").await?;
         assert_eq!(status.target, MIN, "the target stays at {MIN}");
         figure(
             SCENARIO,
@@ -273,14 +272,7 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
 /// one step after a 10 s stabilization window.
 fn model_a_policy() -> anyhow::Result<Value> {
     let mut policy = Stack::quick_policy()?;
-    let backends: Vec<Value> = policy["spec"]["backends"]
-        .as_array()
-        .context("backends")?
-        .iter()
-        .filter(|b| b["name"] == "model-a")
-        .cloned()
-        .collect();
-    set(&mut policy, "/spec/backends", json!(backends))?;
+    only_backend(&mut policy, "model-a")?;
     set(
         &mut policy,
         "/spec/autoscale/interval",
@@ -294,30 +286,6 @@ fn model_a_policy() -> anyhow::Result<Value> {
         json!({"stabilizationWindow": "10s", "maxStepPercent": 100}),
     )?;
     Ok(policy)
-}
-
-/// model-a's status.
-async fn model_a(stack: &Stack<'_>) -> anyhow::Result<BackendStatus> {
-    stack
-        .policy(POLICY)
-        .await?
-        .status
-        .context("no status yet")?
-        .backends
-        .into_iter()
-        .find(|b| b.name == "model-a")
-        .context("no model-a in the status yet")
-}
-
-/// model-a's per-pod share in a gateway's limits.
-fn share(limits: &poolpilot_api::limits::GatewayLimits) -> anyhow::Result<u32> {
-    Ok(limits
-        .backends
-        .iter()
-        .find(|b| b.name == "model-a")
-        .context("no model-a")?
-        .pool
-        .max_connections_per_endpoint)
 }
 
 /// model-a's upstream p90 latency over the last `seconds` in this namespace, from Prometheus.
@@ -334,44 +302,6 @@ async fn p90(stack: &Stack<'_>, seconds: u32) -> anyhow::Result<f64> {
     let p90: f64 = value.parse()?;
     anyhow::ensure!(p90.is_finite(), "p90 {value}");
     Ok(p90)
-}
-
-/// The operator pod's `/metrics` URL.
-async fn operator_metrics(stack: &Stack<'_>) -> anyhow::Result<String> {
-    let pods = stack.ready_pods(OPERATOR_LABELS).await?;
-    let pod = pods.first().context("no ready operator")?;
-    Ok(format!("http://{}:8080/metrics", pod_ip(pod)?))
-}
-
-/// The operator's autoscale decisions so far by kind (`poolpilot_operator_decisions_total`).
-async fn decisions(url: &str) -> anyhow::Result<BTreeMap<String, f64>> {
-    let text = reqwest::Client::new()
-        .get(url)
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await?
-        .error_for_status()?
-        .text()
-        .await?;
-    Ok([
-        "scale_up",
-        "scale_down",
-        "steady",
-        "latency_guard",
-        "at_upper_bound",
-        "stabilizing",
-        "missing_data",
-        "recovering",
-    ]
-    .into_iter()
-    .map(|k| {
-        let label = format!("kind=\"{k}\"");
-        (
-            k.to_owned(),
-            metric_sum(&text, "poolpilot_operator_decisions_total", &[&label]),
-        )
-    })
-    .collect())
 }
 
 /// Decisions of one kind.
