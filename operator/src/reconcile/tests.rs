@@ -204,6 +204,40 @@ async fn expect_answer(
     }
 }
 
+/// Answers the GET of the gateways' admin token Secret.
+async fn expect_token_secret(api: &mut ApiHandle) {
+    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
+    with_timeout(expect(
+        api,
+        Method::GET,
+        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
+        secret,
+    ))
+    .await;
+}
+
+/// Answers the status PATCH of policy `models` with `p`, and returns the patch sent.
+async fn expect_status_patch(api: &mut ApiHandle, p: &ConnectionPolicy) -> Value {
+    with_timeout(expect(
+        api,
+        Method::PATCH,
+        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status",
+        serde_json::to_value(p).unwrap(),
+    ))
+    .await
+}
+
+/// The condition `kind` of a status patch's `status`.
+fn condition(status: &Value, kind: &str) -> Value {
+    status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == kind)
+        .unwrap()
+        .clone()
+}
+
 async fn with_timeout<T>(f: impl Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(5), f)
         .await
@@ -238,36 +272,15 @@ async fn accepted_policy_applies_configmap_puts_to_the_pod_then_writes_status_an
     );
     doc.validate().expect("the durable document validates");
 
-    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
-    with_timeout(expect(
-        &mut api,
-        Method::GET,
-        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
-        secret,
-    ))
-    .await;
+    expect_token_secret(&mut api).await;
 
-    let status = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status",
-        serde_json::to_value(&p).unwrap(),
-    ))
-    .await;
+    let status = expect_status_patch(&mut api, &p).await;
     let s = &status["status"];
     assert_eq!(s["observedGeneration"], 1);
     assert_eq!(s["revision"], doc.revision);
     assert_eq!(s["updated"], "1/1");
     assert_eq!(s["targets"], "model-a=51");
-    let cond = |t: &str| {
-        s["conditions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["type"] == t)
-            .unwrap()
-            .clone()
-    };
+    let cond = |t: &str| condition(s, t);
     assert_eq!(cond("Accepted")["status"], "True");
     assert_eq!(cond("RolledOut")["status"], "True");
     assert_eq!(cond("Ready")["status"], "True");
@@ -352,14 +365,7 @@ async fn deleting_a_policy_removes_its_backends_from_its_pods_then_the_finalizer
     let (ctx, mut api, gateways) = context(vec![p.clone()]);
     let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
 
-    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
-    with_timeout(expect(
-        &mut api,
-        Method::GET,
-        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
-        secret,
-    ))
-    .await;
+    expect_token_secret(&mut api).await;
     let patch = with_timeout(expect(
         &mut api,
         Method::PATCH,
@@ -403,29 +409,10 @@ async fn a_refused_canary_halts_a_progressive_rollout() {
         json!({}),
     ))
     .await;
-    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
-    with_timeout(expect(
-        &mut api,
-        Method::GET,
-        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
-        secret,
-    ))
-    .await;
-    let status = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status",
-        serde_json::to_value(&p).unwrap(),
-    ))
-    .await;
+    expect_token_secret(&mut api).await;
+    let status = expect_status_patch(&mut api, &p).await;
     let s = &status["status"];
-    let rolled = s["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "RolledOut")
-        .unwrap()
-        .clone();
+    let rolled = condition(s, "RolledOut");
     assert_eq!(rolled["reason"], "Halted");
     assert!(
         rolled["message"]
@@ -473,29 +460,10 @@ async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
         json!({}),
     ))
     .await;
-    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
-    with_timeout(expect(
-        &mut api,
-        Method::GET,
-        "/api/v1/namespaces/ns/secrets/poolpilot-admin-token",
-        secret,
-    ))
-    .await;
-    let status = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status",
-        serde_json::to_value(&p).unwrap(),
-    ))
-    .await;
+    expect_token_secret(&mut api).await;
+    let status = expect_status_patch(&mut api, &p).await;
     let s = &status["status"];
-    let rolled = s["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "RolledOut")
-        .unwrap()
-        .clone();
+    let rolled = condition(s, "RolledOut");
     assert_eq!(rolled["status"], "False");
     let message = rolled["message"].as_str().unwrap();
     assert!(
