@@ -39,8 +39,8 @@ pub const MAX_BACKENDS: usize = 32;
     doc = "Connection-pool, throttling and autoscaling policy for a group of model backends, \
            enforced by the gateway pods it selects.",
     printcolumn = r#"{"name":"Targets","type":"string","jsonPath":".status.targets","description":"Fleet-wide connection target per endpoint of each backend"}"#,
-    printcolumn = r#"{"name":"Updated","type":"string","jsonPath":".status.updated","description":"Pods running the current limits / ready selected pods"}"#,
-    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status","description":"Status of the Ready condition: accepted and rolled out to every ready selected pod"}"#,
+    printcolumn = r#"{"name":"Updated","type":"string","jsonPath":".status.updated","description":"Pods running their current limits / selected pods not terminating"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status","description":"Status of the Ready condition: accepted and rolled out to every selected pod"}"#,
     printcolumn = r#"{"name":"Saturated","type":"string","jsonPath":".status.conditions[?(@.type==\"Saturated\")].status","description":"Status of the Saturated condition: some backend wants more connections than it can safely get"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp","description":"Time since the policy was created"}"#
 )]
@@ -111,7 +111,8 @@ pub struct BackendSpec {
     /// Set exactly one of `service` and `addresses`.
     pub endpoints: EndpointsSpec,
     /// What one backend instance can take, declared once for the whole gateway fleet: the
-    /// operator divides it across the ready selected gateway pods.
+    /// operator divides it across the selected gateway pods that exist (Pending, not Ready and
+    /// terminating ones included, so that a fleet being resized never holds more).
     pub capacity: CapacitySpec,
     /// The connection pool each gateway pod keeps to each endpoint. Its size is not set here: it
     /// is the operator's per-pod share of the fleet target (`status.backends[].perPod`);
@@ -199,7 +200,7 @@ pub struct StaticEndpoint {
 ]))]
 pub struct CapacitySpec {
     /// Concurrent connections ONE backend instance can take, summed over ALL gateway pods. The
-    /// operator divides it across the ready selected pods; it never multiplies with replicas.
+    /// operator divides it across the selected pods; it never multiplies with replicas.
     #[schemars(range(min = 1, max = 1_000_000))]
     pub max_connections_per_endpoint: u32,
     /// Share of that capacity kept in reserve, never pooled (0.2 keeps 20% free).
@@ -510,8 +511,9 @@ pub struct ConnectionPolicyStatus {
     /// The `metadata.generation` this status was computed from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Content hash of the limits document rendered for the selected pods (the `revision` the
-    /// gateway pods report).
+    /// Content hash of the policy's durable limits document (its ConfigMap, every backend at the
+    /// smallest share; a pod that starts from it reports this `revision` until the operator
+    /// sends it its own document).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
     /// Generation of that limits document (increases with every new revision).
@@ -520,7 +522,8 @@ pub struct ConnectionPolicyStatus {
     /// One-line summary of the targets, `backend=target` (for `kubectl get`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub targets: Option<String>,
-    /// Pods running the current revision / ready selected pods, as `updated/ready` (for `kubectl get`).
+    /// Pods running their current documents / selected pods not terminating, as `updated/pods`
+    /// (for `kubectl get`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated: Option<String>,
     /// One condition of each type, in this order: `Accepted`, `MetricsAvailable`, `FdBudget`,
@@ -547,7 +550,9 @@ pub struct BackendStatus {
     /// Fleet-wide connection target per endpoint: connections all selected gateway pods together
     /// may hold to one endpoint.
     pub target: u32,
-    /// Each pod's share of the target (the pool size per endpoint in each pod).
+    /// Each pod's share of the target (the pool size per endpoint in each pod), rounded down:
+    /// the first `target mod pods` pods in name order pool one more, so that the shares add up
+    /// to the target.
     pub per_pod: u32,
     /// Leased connections, fleet sum, averaged over the last interval (absent: no data).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -583,9 +588,9 @@ pub struct ScaleRecord {
 pub struct PodsStatus {
     /// Pods the gateway selector selects.
     pub selected: u32,
-    /// Of those, pods that are ready (they get a share of the budget).
+    /// Of those, pods that are ready.
     pub ready: u32,
-    /// Ready pods that acknowledged the current revision.
+    /// Selected pods not terminating that acknowledged their current document.
     pub updated: u32,
     /// The smallest `process_max_fds` of the selected pods (absent: not known yet).
     #[serde(default, skip_serializing_if = "Option::is_none")]

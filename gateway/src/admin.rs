@@ -112,6 +112,10 @@ pub async fn route(
         (&Method::GET, "/readyz") if gw.is_draining() => {
             text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
         }
+        (&Method::GET, "/readyz") if gw.is_awaiting_operator() => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "waiting for the operator to send this pod its limits\n",
+        ),
         (&Method::GET, "/readyz") => text(StatusCode::SERVICE_UNAVAILABLE, "no limits loaded\n"),
         (&Method::GET, "/metrics") => {
             let mut response = text(StatusCode::OK, gw.scrape());

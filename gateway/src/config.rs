@@ -71,6 +71,11 @@ pub struct GatewayConfig {
     /// How long in-flight requests may take to finish after SIGTERM.
     #[serde(default = "GatewayConfig::default_grace")]
     pub drain_grace: Duration,
+    /// How long a pod started from the limits file stays unready waiting for the operator to
+    /// send it its own document (its share for the fleet that now includes it); zero, the
+    /// default, serves the file at once (a gateway without operator).
+    #[serde(default)]
+    pub await_operator: Duration,
 }
 
 /// Listener addresses.

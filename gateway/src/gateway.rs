@@ -8,11 +8,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{HealthCheck, InvalidLimits, RouteMatch, Timeouts};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::health;
 use crate::limiter::{ClientLimiter, ClientStats};
@@ -93,6 +95,9 @@ struct Inner {
     /// A document arrived by `PUT /v1/limits`: the operator manages this pod from now on, and
     /// the limits file is no longer followed (see [`Gateway::managed_by_api`]).
     managed_by_api: AtomicBool,
+    /// Until when the gateway stays unready waiting for its first PUT (see
+    /// [`Gateway::await_operator`]); `None`: it does not wait.
+    await_operator_until: Mutex<Option<Instant>>,
     draining: AtomicBool,
     /// Serialises scrapes: live gauges are cleared and set again before each one.
     scrape: Mutex<()>,
@@ -148,6 +153,7 @@ impl Gateway {
                 registry: Mutex::default(),
                 loaded: AtomicBool::new(false),
                 managed_by_api: AtomicBool::new(false),
+                await_operator_until: Mutex::new(None),
                 draining: AtomicBool::new(false),
                 scrape: Mutex::new(()),
             }),
@@ -164,9 +170,31 @@ impl Gateway {
         &self.inner.metrics
     }
 
-    /// Ready: limits were loaded and the gateway is not draining.
+    /// Ready: limits were loaded, the gateway is not draining and not waiting for the operator.
     pub fn is_ready(&self) -> bool {
-        self.inner.loaded.load(Ordering::Acquire) && !self.is_draining()
+        self.inner.loaded.load(Ordering::Acquire)
+            && !self.is_draining()
+            && !self.is_awaiting_operator()
+    }
+
+    /// From now on, stay unready until the operator PUTs this pod its own document, for at most
+    /// `grace` (zero: do not wait). The limits file's shares were divided over the fleet as it
+    /// was before this pod started: serving from them could push a backend past its budget
+    /// until the operator divides again. After `grace` the file's limits serve alone (the
+    /// operator is away: a restarted pod must not stay out of service).
+    pub fn await_operator(&self, grace: Duration) {
+        *self.inner.await_operator_until.lock() =
+            (!grace.is_zero()).then(|| Instant::now() + grace);
+    }
+
+    /// Whether the gateway is still waiting for the operator's first PUT.
+    pub fn is_awaiting_operator(&self) -> bool {
+        !self.managed_by_api()
+            && self
+                .inner
+                .await_operator_until
+                .lock()
+                .is_some_and(|until| Instant::now() < until)
     }
 
     /// Whether shutdown began.
@@ -225,6 +253,11 @@ impl Gateway {
                 });
             }
             if doc.generation == cur_gen && doc.revision == cur_rev {
+                if matches!(source, LimitsSource::Api) {
+                    // The operator confirmed the document in force (a pod that started from the
+                    // file with its current share): it manages this pod from now on.
+                    self.inner.managed_by_api.store(true, Ordering::Release);
+                }
                 return Ok(Applied {
                     revision: cur_rev,
                     generation: cur_gen,

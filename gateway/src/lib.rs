@@ -105,6 +105,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     let conns = Arc::new(server::Connections::default());
     let mut tasks = vec![gw.spawn_maintenance()];
     if let Some(path) = &config.limits_file {
+        gw.await_operator(config.await_operator.get());
         let seen = match reload::load_once(&gw, path) {
             Ok(digest) => Some(digest),
             Err(error) => {

@@ -252,6 +252,45 @@ async fn after_a_put_the_limits_file_is_only_for_restarts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_started_from_the_file_stays_unready_until_the_operator_sends_its_share() {
+    // The ConfigMap's share was divided before this pod existed: serving from it could push a
+    // backend past its budget. The operator confirming the very same document is enough.
+    let backend = Backend::start().await;
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
+    doc["generation"] = 3.into();
+    let file = serde_norway::to_string(&doc).unwrap();
+    let gw =
+        Gw::start_configured(Some(&file), Duration::from_secs(1), Duration::from_secs(60)).await;
+    assert_eq!(
+        limits_in_force(&gw).await["generation"],
+        3,
+        "the file is loaded"
+    );
+    let (status, _, text) = get(gw.admin, "/readyz", &[]).await;
+    assert_eq!(
+        (status.as_u16(), text.as_str()),
+        (
+            503,
+            "waiting for the operator to send this pod its limits\n"
+        )
+    );
+    let token = gw.token.clone();
+    assert_eq!(put(&gw, Some(&token), &doc.to_string()).await.0, 200);
+    assert_eq!(get(gw.admin, "/readyz", &[]).await.0, 200);
+
+    // Without an operator the file's limits serve alone once the wait is over.
+    let alone = Gw::start_configured(
+        Some(&file),
+        Duration::from_secs(1),
+        Duration::from_millis(300),
+    )
+    .await;
+    assert_eq!(get(alone.admin, "/readyz", &[]).await.0, 503);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(get(alone.admin, "/readyz", &[]).await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_by_model_header_and_path() {
     let a = Backend::start().await;
     let b = Backend::start().await;

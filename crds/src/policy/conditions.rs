@@ -117,19 +117,20 @@ pub const CONDITIONS: &[ConditionDoc] = &[
     },
     ConditionDoc {
         type_: "RolledOut",
-        meaning: "Every ready selected gateway pod acknowledged the current revision of the \
-                  limits.",
+        meaning: "Every selected gateway pod that is not terminating acknowledged its current \
+                  limits document.",
         reasons: &[
             reason(
                 "True",
                 "RolledOut",
-                "every ready selected pod runs the current revision",
+                "every selected pod not terminating runs its current document",
             ),
             reason(
                 "False",
                 "Progressing",
                 "a rollout is under way (canary pods, their verify period, then the rest), or a \
-                 pod could not be reached yet",
+                 pod could not be reached yet (a starting pod stays unready until it has its \
+                 share)",
             ),
             reason(
                 "False",
@@ -199,7 +200,7 @@ pub const EVENTS: &[EventDoc] = &[
     EventDoc {
         type_: "Normal",
         reason: "RolledOut",
-        meaning: "every ready selected pod acknowledged a new revision",
+        meaning: "every selected pod not terminating acknowledged its new document",
     },
     EventDoc {
         type_: "Warning",

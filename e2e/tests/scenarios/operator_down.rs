@@ -3,7 +3,7 @@
 //! `autoscale.min`). (a) With the operator scaled to 0 the gateways keep their limits and serve;
 //! (b) a gateway pod deleted meanwhile is replaced by one that starts from the durable ConfigMap
 //! `models-limits` (its revision, generation and tuned shares, not defaults) and turns Ready
-//! without the operator; (c) back at 2 replicas, deleting the leader hands the Lease to the
+//! without the operator (once its `awaitOperator` wait, 15 s, is over); (c) back at 2 replicas, deleting the leader hands the Lease to the
 //! standby, which resumes without resetting the targets.
 
 use std::time::Duration;

@@ -29,13 +29,15 @@ const SCENARIO: &str = "scale-gateways";
 const ENDPOINTS: u32 = 2;
 /// Their batch slots: more than the budget, so that only the gateways bound the connections.
 const SLOTS: u32 = 40;
-/// capacity.maxConnectionsPerEndpoint and headroom: a budget of 20 × 0.8 = 16 per endpoint.
-const CAPACITY: u32 = 20;
+/// capacity.maxConnectionsPerEndpoint and headroom: a budget of 25 × 0.8 = 20 per endpoint, so
+/// that the acceptance's 5% is one connection (a socket the gateway closed is counted open by
+/// modelsim until it reads the EOF; the requests in flight are held to the budget itself).
+const CAPACITY: u32 = 25;
 const HEADROOM: f64 = 0.2;
 /// The fleet target (autoscale off: at `max`, the budget).
-const TARGET: u32 = 16;
-/// Load workers per Ready gateway pod: with 2 pods, 36 > 16 × 2 fleet connections.
-const WORKERS_PER_POD: usize = 18;
+const TARGET: u32 = 20;
+/// Load workers per Ready gateway pod: with 2 pods, 48 > 20 × 2 fleet connections.
+const WORKERS_PER_POD: usize = 24;
 /// modelsim service time.
 const SERVICE_MS: u32 = 300;
 /// How long the load runs on a settled fleet in each phase.
@@ -340,10 +342,6 @@ async fn bounded(phase: impl Future<Output = anyhow::Result<Peaks>>) -> anyhow::
 }
 
 #[tokio::test]
-#[ignore = "product defect found by this scenario (issue 7 note): while the fleet resizes the \
-            backends see up to 1.4× their budget: a new pod serves the ConfigMap's share for the \
-            old pod count before its PUT, and on scale-down the remaining pods grow while the \
-            terminating ones still hold connections"]
 async fn scale_gateways_redivides_shares_within_the_backend_budget() -> anyhow::Result<()> {
     let _serial = serial().await?;
     let spec = StackSpec {

@@ -22,6 +22,32 @@ async fn the_example_applies_and_computes_its_revision() {
     assert_eq!(gw.snapshot().routes.len(), 1);
 }
 
+#[tokio::test(start_paused = true)]
+async fn waiting_for_the_operator_ends_with_its_first_put_or_the_grace() {
+    let gw = Gateway::new(Metrics::new());
+    gw.await_operator(Duration::from_secs(15));
+    gw.apply(example(), LimitsSource::File).unwrap();
+    assert!(
+        gw.is_awaiting_operator() && !gw.is_ready(),
+        "file limits alone"
+    );
+    tokio::time::advance(Duration::from_secs(14)).await;
+    assert!(!gw.is_ready());
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert!(gw.is_ready(), "the operator is away: the file serves");
+
+    let gw = Gateway::new(Metrics::new());
+    gw.await_operator(Duration::from_secs(15));
+    gw.apply(example(), LimitsSource::File).unwrap();
+    gw.apply(example(), LimitsSource::Api).unwrap();
+    assert!(gw.is_ready(), "the same document, confirmed by PUT");
+
+    let gw = Gateway::new(Metrics::new());
+    gw.await_operator(Duration::ZERO);
+    gw.apply(example(), LimitsSource::File).unwrap();
+    assert!(gw.is_ready(), "no wait configured");
+}
+
 #[tokio::test]
 async fn an_invalid_document_keeps_the_old_limits() {
     let gw = Gateway::new(Metrics::new());

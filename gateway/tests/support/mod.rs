@@ -249,6 +249,15 @@ impl Gw {
 
     /// Starts a gateway with an optional limits file (polled every 50ms) and drain grace.
     pub async fn start_with(limits_file: Option<&str>, drain_grace: Duration) -> Self {
+        Self::start_configured(limits_file, drain_grace, Duration::ZERO).await
+    }
+
+    /// [`Gw::start_with`], waiting up to `await_operator` for a PUT before turning ready.
+    pub async fn start_configured(
+        limits_file: Option<&str>,
+        drain_grace: Duration,
+        await_operator: Duration,
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let token = "test-admin-token".to_owned();
         std::fs::write(dir.path().join("token"), format!("{token}\n")).unwrap();
@@ -265,6 +274,7 @@ impl Gw {
             limits_file: limits_file.map(|_| limits_path),
             limits_poll_interval: poolpilot_api::Duration::from_millis(50),
             drain_grace: drain_grace.into(),
+            await_operator: await_operator.into(),
         };
         let running = start(config).await.expect("the gateway starts");
         Self {

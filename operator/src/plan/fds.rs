@@ -1,5 +1,6 @@
 //! The fleet budget and the file-descriptor check. A backend's fleet target is divided across the
-//! ready pods its policy selects (rounded down: the fleet never holds more than the target). Then,
+//! pods its policy selects that may hold connections, its holders (rounded down, the remainder
+//! one each to the first: the fleet never holds more than the target). Then,
 //! per pod, over every accepted policy that selects it, the pools (Σ share × endpoints), the
 //! client connections and the reserve must fit in half the pod's `process_max_fds` (Envoy's
 //! advice). If not, the shares are scaled down proportionally, never below the share of
@@ -12,10 +13,10 @@ use super::{PolicyInput, PolicyPlan};
 /// Part of `process_max_fds` the pools, clients and reserve may use.
 pub const FD_FRACTION: f64 = 0.5;
 
-/// One pod's share of a fleet-wide target: `target / ready` rounded down, at least 1. With no
-/// ready pod the first one to become ready may take the whole target.
-pub fn share(target: u32, ready: u32) -> u32 {
-    target.checked_div(ready).unwrap_or(target).max(1)
+/// One pod's share of a fleet-wide target: `target / holders` rounded down, at least 1. With no
+/// holder the first pod to appear may take the whole target.
+pub fn share(target: u32, holders: u32) -> u32 {
+    target.checked_div(holders).unwrap_or(target).max(1)
 }
 
 /// The fd check as one policy sees it.
@@ -108,20 +109,20 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
         let pools: Vec<Pool> = idxs
             .iter()
             .flat_map(|&i| {
-                let ready = plans[i].ready.len() as u32;
+                let holders = plans[i].holders.len() as u32;
                 plans[i]
                     .backends
                     .iter()
                     .enumerate()
-                    .map(move |(j, b)| (i, j, b, ready))
+                    .map(move |(j, b)| (i, j, b, holders))
             })
-            .map(|(i, j, b, ready)| Pool {
+            .map(|(i, j, b, holders)| Pool {
                 plan: i,
                 backend: j,
                 // The largest share a pod of this policy gets (with the division's remainder).
-                share: b.share_of(Some(0), ready as usize),
+                share: b.share_of(Some(0), holders as usize),
                 endpoints: b.endpoints,
-                min_share: share(b.bounds.min, ready).min(b.per_pod),
+                min_share: share(b.bounds.min, holders).min(b.per_pod),
             })
             .collect();
         let before: u64 = pools
@@ -148,9 +149,9 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
     }
 
     for ((i, j), cap) in &caps {
-        let ready = plans[*i].ready.len();
+        let holders = plans[*i].holders.len();
         let b = &mut plans[*i].backends[*j];
-        if b.share_of(Some(0), ready) > *cap {
+        if b.share_of(Some(0), holders) > *cap {
             b.per_pod = b.per_pod.min(*cap);
             b.clamped = true;
         }
@@ -162,10 +163,10 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
         let pools: u64 = idxs
             .iter()
             .flat_map(|&i| {
-                let ready = plans[i].ready.len();
-                plans[i].backends.iter().map(move |b| (b, ready))
+                let holders = plans[i].holders.len();
+                plans[i].backends.iter().map(move |b| (b, holders))
             })
-            .map(|(b, ready)| u64::from(b.share_of(Some(0), ready)) * u64::from(b.endpoints))
+            .map(|(b, holders)| u64::from(b.share_of(Some(0), holders)) * u64::from(b.endpoints))
             .sum();
         need_after.insert(
             pod,

@@ -10,7 +10,7 @@
 //!        │
 //!   autoscale (per backend, when its interval is due) ──► fleet targets
 //!        │
-//!   budget: target ÷ ready pods ──► per-pod shares ──► fd check (clamp) ──► render per pod
+//!   budget: target ÷ holders ──► per-pod shares ──► fd check (clamp) ──► render per pod
 //!        │
 //!   status (conditions with stable transition times)
 //! ```
@@ -87,8 +87,13 @@ pub struct GatewayPod {
     pub labels: BTreeMap<String, String>,
     /// Its IP, once it has one.
     pub ip: Option<IpAddr>,
-    /// Whether it is ready; only ready pods get a share of a backend's budget.
+    /// Whether it is ready (Ready condition True, not terminating): it counts in `RolledOut`.
     pub ready: bool,
+    /// Whether it is terminating (deletion requested): it drains and gets no new document, but
+    /// holds its share until it is gone.
+    pub terminating: bool,
+    /// Whether its containers stopped for good (phase Succeeded or Failed): it holds nothing.
+    pub stopped: bool,
     /// The limits the pod acknowledged last (from a PUT answer), if known.
     pub acked: Option<Acked>,
 }
@@ -171,7 +176,7 @@ pub struct BackendPlan {
     pub endpoints: u32,
     /// The fleet-wide target per endpoint chosen by the autoscaler (or the upper bound).
     pub target: u32,
-    /// Each ready pod's share after the fd check, rounded down; [`BackendPlan::share_of`] hands
+    /// Each holder's share after the fd check, rounded down; [`BackendPlan::share_of`] hands
     /// the remainder of the division out, one connection per pod.
     pub per_pod: u32,
     /// Whether the fd check lowered the shares (then no pod gets more than `per_pod`).
@@ -185,29 +190,26 @@ pub struct BackendPlan {
 }
 
 impl BackendPlan {
-    /// The share of a selected pod: `per_pod`, plus one for the first `target mod ready` ready
-    /// pods (by `rank`, their place among the ready pods in name order), so that the shares add
-    /// up to the fleet target exactly. Pods that are not ready (`rank` `None`) and shares the fd
-    /// check clamped get `per_pod`.
-    pub fn share_of(&self, rank: Option<usize>, ready: usize) -> u32 {
+    /// The share of a holder: `per_pod`, plus one for the first `target mod holders` holders
+    /// (by `rank`, their place among the holders in name order), so that the shares add up to
+    /// the fleet target exactly. `rank` `None` (the durable ConfigMap's document, for pods that
+    /// start later) and shares the fd check clamped get `per_pod`.
+    ///
+    /// Ranking in name order keeps resizes within the budget: a pod joining never raises another
+    /// pod's share, and a pod leaving never lowers one, so the shares only shrink when pods are
+    /// created and only grow once pods are gone.
+    pub fn share_of(&self, rank: Option<usize>, holders: usize) -> u32 {
         let Some(rank) = rank else {
             return self.per_pod;
         };
-        let ready = u32::try_from(ready).unwrap_or(u32::MAX);
-        if ready == 0 || self.clamped || self.per_pod != fds::share(self.target, ready) {
+        let holders = u32::try_from(holders).unwrap_or(u32::MAX);
+        if holders == 0 || self.clamped || self.per_pod != fds::share(self.target, holders) {
             return self.per_pod;
         }
         let remainder = self
             .target
-            .saturating_sub(self.per_pod.saturating_mul(ready));
+            .saturating_sub(self.per_pod.saturating_mul(holders));
         self.per_pod + u32::from(u32::try_from(rank).unwrap_or(u32::MAX) < remainder)
-    }
-
-    /// Connections per endpoint pooled over the `ready` pods: the sum of their shares.
-    pub fn pooled(&self, ready: usize) -> u64 {
-        (0..ready)
-            .map(|rank| u64::from(self.share_of(Some(rank), ready)))
-            .sum()
     }
 }
 
@@ -220,6 +222,12 @@ pub struct PolicyPlan {
     pub acceptance: Acceptance,
     /// Names of the pods it selects, sorted.
     pub selected: Vec<String>,
+    /// Of those, the pods that may hold backend connections and divide the targets among them:
+    /// every one not stopped, including pods still Pending or not Ready (they may start serving
+    /// any moment) and terminating ones (they hold connections until they are gone).
+    pub holders: Vec<String>,
+    /// Of the holders, those to send documents to: every one not terminating.
+    pub live: Vec<String>,
     /// Of those, the ready ones.
     pub ready: Vec<String>,
     /// Per backend, in spec order (empty when not accepted).
@@ -228,8 +236,26 @@ pub struct PolicyPlan {
     pub fds: FdReport,
     /// Whether its metrics are available (`None` when autoscale is off).
     pub metrics_available: Option<MetricsState>,
-    /// The document its ConfigMap holds: the one rendered for its first selected pod.
+    /// The document its ConfigMap holds, for pods that start later: the policies on its first
+    /// selected pod, each backend at the base share (the smallest).
     pub document: Option<GatewayLimits>,
+}
+
+impl PolicyPlan {
+    /// `pod`'s place among the holders, which decides who gets the division's remainder.
+    pub fn rank(&self, pod: &str) -> Option<usize> {
+        self.holders.iter().position(|h| h == pod)
+    }
+
+    /// `pod`'s share of backend `b` (a holder's rank share; the base share for anyone else).
+    pub fn share(&self, b: &BackendPlan, pod: &str) -> u32 {
+        b.share_of(self.rank(pod), self.holders.len())
+    }
+
+    /// Connections per endpoint of backend `b` pooled by the ready pods: the sum of their shares.
+    pub fn pooled(&self, b: &BackendPlan) -> u64 {
+        self.ready.iter().map(|p| u64::from(self.share(b, p))).sum()
+    }
 }
 
 /// Availability of a policy's metrics.
@@ -273,11 +299,16 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
     let mut plans = Vec::with_capacity(input.policies.len());
     for (i, policy) in input.policies.iter().enumerate() {
         let selected = selection[i].clone();
-        let ready: Vec<String> = selected
-            .iter()
-            .filter(|p| input.pods.iter().any(|pod| &pod.name == *p && pod.ready))
-            .cloned()
-            .collect();
+        let pods_where = |keep: fn(&GatewayPod) -> bool| -> Vec<String> {
+            selected
+                .iter()
+                .filter(|p| input.pods.iter().any(|pod| &pod.name == *p && keep(pod)))
+                .cloned()
+                .collect()
+        };
+        let holders = pods_where(|p| !p.stopped);
+        let live = pods_where(|p| !p.stopped && !p.terminating);
+        let ready = pods_where(|p| p.ready && !p.stopped && !p.terminating);
         let accepted = acceptance[i].is_accepted();
         let mut backends = Vec::new();
         let mut metrics = None;
@@ -314,12 +345,11 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     missing.push(format!("{} ({what})", b.name));
                 }
                 any_unavailable |= !mem.metrics_available;
-                let ready_count = ready.len() as u32;
                 backends.push(BackendPlan {
                     name: b.name.clone(),
                     endpoints,
                     target: mem.target,
-                    per_pod: fds::share(mem.target, ready_count),
+                    per_pod: fds::share(mem.target, holders.len() as u32),
                     clamped: false,
                     bounds,
                     decision,
@@ -348,6 +378,8 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
             key: policy.key.clone(),
             acceptance: acceptance[i].clone(),
             selected,
+            holders,
+            live,
             ready,
             backends,
             fds: FdReport::default(),

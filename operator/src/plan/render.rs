@@ -16,10 +16,11 @@ use super::validate::Acceptance;
 use super::{Acked, GatewayPod, PolicyInput, PolicyPlan};
 
 /// Renders every pod's document (pods no accepted policy selects get an empty one, which removes
-/// backends of deleted policies), and stores in each accepted plan the document of its first
-/// selected pod (or, without pods, of the policies sharing its selector). A policy whose own
-/// document does not validate is marked invalid first. `published` lists documents already
-/// written (ConfigMaps), so that generations keep increasing across operator restarts.
+/// backends of deleted policies), and stores in each accepted plan its ConfigMap's document: the
+/// policies on its first selected pod (or, without pods, the policies sharing its selector) at
+/// the base shares. A policy whose own document does not validate is marked invalid first.
+/// `published` lists documents already written (ConfigMaps), so that generations keep
+/// increasing across operator restarts.
 pub fn render_all(
     policies: &[PolicyInput],
     pods: &[GatewayPod],
@@ -36,7 +37,40 @@ pub fn render_all(
         }
     }
 
+    // The ConfigMaps' documents first, so that a pod starting from one is never ahead of the
+    // generation of the document the operator sends it next.
     let mut generations = Generations::new(policies, pods, published, floor);
+    for i in 0..plans.len() {
+        if !plans[i].acceptance.is_accepted() {
+            plans[i].document = None;
+            continue;
+        }
+        // The policies on its first selected pod, or without pods those sharing its selector.
+        let peers: Vec<(usize, &PolicyPlan)> = match plans[i].selected.first() {
+            Some(pod) => plans
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.acceptance.is_accepted() && p.selected.contains(pod))
+                .collect(),
+            None => {
+                let selector = &policies[i].spec.gateway_selector;
+                plans
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, p)| {
+                        p.acceptance.is_accepted()
+                            && &policies[*j].spec.gateway_selector == selector
+                    })
+                    .collect()
+            }
+        };
+        // At the base shares: a pod that starts from this document later (a new pod, or one
+        // restarted while the operator is away) never takes more than any pod's share.
+        let mut doc = document(policies, &peers, None).with_content_revision();
+        doc.generation = generations.of(&doc.revision);
+        plans[i].document = Some(doc);
+    }
+
     let mut out = BTreeMap::new();
     let mut pod_names: Vec<&GatewayPod> = pods.iter().collect();
     pod_names.sort_by(|a, b| a.name.cmp(&b.name));
@@ -49,30 +83,6 @@ pub fn render_all(
         let mut doc = document(policies, &on_pod, Some(&pod.name)).with_content_revision();
         doc.generation = generations.of(&doc.revision);
         out.insert(pod.name.clone(), doc);
-    }
-
-    for i in 0..plans.len() {
-        if !plans[i].acceptance.is_accepted() {
-            plans[i].document = None;
-            continue;
-        }
-        plans[i].document = match plans[i].selected.first() {
-            Some(pod) => out.get(pod).cloned(),
-            None => {
-                let selector = &policies[i].spec.gateway_selector;
-                let peers: Vec<(usize, &PolicyPlan)> = plans
-                    .iter()
-                    .enumerate()
-                    .filter(|(j, p)| {
-                        p.acceptance.is_accepted()
-                            && &policies[*j].spec.gateway_selector == selector
-                    })
-                    .collect();
-                let mut doc = document(policies, &peers, None).with_content_revision();
-                doc.generation = generations.of(&doc.revision);
-                Some(doc)
-            }
-        };
     }
     out
 }
@@ -121,7 +131,7 @@ impl Generations {
 }
 
 /// The document of a set of accepted plans (by index into `policies`), oldest policy first, for
-/// `pod` (its shares depend on its rank among each policy's ready pods; `None`: the base share).
+/// `pod` (its shares depend on its rank among each policy's holders; `None`: the base share).
 fn document(
     policies: &[PolicyInput],
     plans: &[(usize, &PolicyPlan)],
@@ -185,12 +195,12 @@ fn document(
             });
             name
         });
-        let rank = pod.and_then(|pod| plan.ready.iter().position(|r| r == pod));
+        let rank = pod.and_then(|pod| plan.rank(pod));
         for (spec, planned) in policy.spec.backends.iter().zip(&plan.backends) {
             backends.push(backend(
                 policy,
                 spec,
-                planned.share_of(rank, plan.ready.len()),
+                planned.share_of(rank, plan.holders.len()),
                 client_policy.clone(),
             ));
         }

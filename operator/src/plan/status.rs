@@ -36,6 +36,7 @@ pub fn compute(
 ) -> ConnectionPolicyStatus {
     let old = policy.status.clone().unwrap_or_default();
     let ready = plan.ready.len();
+    let live = plan.live.len();
     let updated = updated_count(&rollout.pods);
     let doc = plan.document.as_ref();
 
@@ -45,7 +46,7 @@ pub fn compute(
         .map(|b| {
             let mem = memory.backends.get(&(plan.key.clone(), b.name.clone()));
             let demand = b.sample.leased.zip(b.sample.pending).map(|(l, p)| l + p);
-            let pooled = b.pooled(ready) as f64 * f64::from(b.endpoints);
+            let pooled = plan.pooled(b) as f64 * f64::from(b.endpoints);
             BackendStatus {
                 name: b.name.clone(),
                 endpoints: b.endpoints,
@@ -94,7 +95,7 @@ pub fn compute(
                 .collect::<Vec<_>>()
                 .join(",")
         }),
-        updated: Some(format!("{updated}/{ready}")),
+        updated: Some(format!("{updated}/{live}")),
         conditions,
         backends,
         pods: Some(PodsStatus {
@@ -203,10 +204,13 @@ fn conditions(
     };
 
     let ready = plan.ready.len();
-    let revision = plan
-        .document
-        .as_ref()
-        .map(|d| format!("revision {} (generation {})", d.revision, d.generation));
+    let live = plan.live.len();
+    let revision = plan.document.as_ref().map(|d| {
+        format!(
+            "ConfigMap revision {} (generation {})",
+            d.revision, d.generation
+        )
+    });
     let revision = revision.unwrap_or_default();
     let rolled = if ready == 0 {
         Computed::new(
@@ -217,15 +221,15 @@ fn conditions(
         )
     } else if let Some(halted) = &rollout.halted {
         Computed::new(Kind::RolledOut, Status::False, "Halted", halted.clone())
-    } else if updated == ready {
+    } else if updated == live {
         Computed::new(
             Kind::RolledOut,
             Status::True,
             "RolledOut",
-            format!("{updated}/{ready} ready pods run {revision}"),
+            format!("{updated}/{live} pods run their documents; {revision}"),
         )
     } else {
-        let mut msg = format!("{updated}/{ready} ready pods run {revision}");
+        let mut msg = format!("{updated}/{live} pods run their documents; {revision}");
         if let Some(w) = &rollout.waiting {
             msg.push_str(&format!("; {w}"));
         }

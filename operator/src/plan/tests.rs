@@ -57,6 +57,8 @@ pub(crate) fn pods(n: usize) -> Vec<GatewayPod> {
             labels: [("app".to_owned(), "gw".to_owned())].into(),
             ip: Some(IpAddr::V4(Ipv4Addr::new(127, 0, 1, i as u8))),
             ready: true,
+            terminating: false,
+            stopped: false,
             acked: None,
         })
         .collect()
@@ -90,7 +92,7 @@ fn fds(pods: &[GatewayPod], max: u64) -> BTreeMap<String, PodSample> {
 }
 
 #[test]
-fn fleet_budget_is_divided_across_ready_pods() {
+fn fleet_budget_is_divided_across_every_pod_that_may_hold_connections() {
     // 64 × 0.8 = 51 per endpoint for the fleet; autoscale off runs at that bound.
     let p = policy(
         "a",
@@ -98,24 +100,140 @@ fn fleet_budget_is_divided_across_ready_pods() {
         &spec("model-a", 64, "autoscale: {enabled: false}\n"),
         2,
     );
-    let mut pods = pods(4);
+    let mut pods = pods(5);
+    pods[2].ready = false; // starting: it may serve from the ConfigMap any moment
     pods[3].ready = false;
+    pods[3].terminating = true; // draining: it holds its connections until it is gone
+    pods[4].ready = false;
+    pods[4].stopped = true; // its containers exited for good: it holds nothing
     let input = FleetInput {
         policies: vec![p],
         pods,
         ..FleetInput::default()
     };
-    let plan = plan(&input, &mut Memory::default(), at(0));
-    let b = &plan.policies[0].backends[0];
-    assert_eq!((b.target, b.per_pod), (51, 17), "51 over 3 ready pods");
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let pp = &fleet.policies[0];
+    let b = &pp.backends[0];
+    assert_eq!((b.target, b.per_pod), (51, 12), "51 over 4 holders");
+    assert_eq!(pp.holders, ["gw-0", "gw-1", "gw-2", "gw-3"]);
     assert_eq!(
-        plan.documents["gw-0"].backends[0]
-            .pool
-            .max_connections_per_endpoint,
-        17
+        pp.live,
+        ["gw-0", "gw-1", "gw-2"],
+        "documents go to pods not terminating"
     );
-    assert_eq!(plan.documents["gw-0"].backends[0].endpoints.len(), 2);
-    assert_eq!(plan.policies[0].ready, ["gw-0", "gw-1", "gw-2"]);
+    assert_eq!(pp.ready, ["gw-0", "gw-1"]);
+    let share = |pod: &str| {
+        fleet.documents[pod].backends[0]
+            .pool
+            .max_connections_per_endpoint
+    };
+    assert_eq!(
+        [share("gw-0"), share("gw-1"), share("gw-2")],
+        [13, 13, 13],
+        "the remainder 3 goes to the first holders"
+    );
+    assert_eq!(
+        pp.share(b, "gw-3"),
+        12,
+        "the terminating pod keeps its rank's share"
+    );
+    assert_eq!(pp.pooled(b), 26, "the ready pods pool 13 + 13");
+    assert_eq!(fleet.documents["gw-0"].backends[0].endpoints.len(), 2);
+}
+
+#[test]
+fn the_configmap_document_holds_the_smallest_share_and_no_later_generation() {
+    // 51 over 4 pods: 13, 13, 13, 12. A pod that starts from the ConfigMap takes 12, and the
+    // document the operator then sends it is never "older" than the file it started from.
+    let p = policy("a", 0, &spec("m", 64, "autoscale: {enabled: false}\n"), 1);
+    let input = FleetInput {
+        policies: vec![p],
+        pods: pods(4),
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let doc = fleet.policies[0]
+        .document
+        .as_ref()
+        .expect("a ConfigMap document");
+    assert_eq!(doc.backends[0].pool.max_connections_per_endpoint, 12);
+    for (pod, d) in &fleet.documents {
+        assert!(
+            doc.generation <= d.generation,
+            "{pod}: generation {} below the ConfigMap's {}",
+            d.generation,
+            doc.generation
+        );
+    }
+    assert_eq!(
+        fleet.documents["gw-3"].revision, doc.revision,
+        "the last pod runs the base share: the same document"
+    );
+}
+
+/// The shares of `names` (holders, every one ready) for a fleet target of `target`.
+fn shares_over(target: u32, names: &[String]) -> BTreeMap<String, u32> {
+    let extra = format!("autoscale: {{enabled: false, min: 1, max: {target}}}\n");
+    let p = policy("a", 0, &spec("m", 10_000, &extra), 1);
+    let mut pods = pods(names.len());
+    for (pod, name) in pods.iter_mut().zip(names) {
+        pod.name.clone_from(name);
+    }
+    let input = FleetInput {
+        policies: vec![p],
+        pods,
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    fleet
+        .documents
+        .iter()
+        .map(|(pod, d)| (pod.clone(), d.backends[0].pool.max_connections_per_endpoint))
+        .collect()
+}
+
+#[test]
+fn resizing_the_fleet_never_lets_it_hold_more_than_the_target() {
+    // Shares shrink when a pod is created and grow when one is gone. For the fleet to stay
+    // within its target while pods come and go, joining must never raise another pod's share
+    // (the newcomer starts serving while the others still hold theirs) and leaving must never
+    // lower one (the others would shrink only as their calls end, while the grown ones fill).
+    for target in 1..=40u32 {
+        for n in 1..=8usize {
+            let names: Vec<String> = (0..n).map(|i| format!("gw-{}", 2 * i)).collect();
+            let before = shares_over(target, &names);
+            if target as usize >= n {
+                assert_eq!(before.values().sum::<u32>(), target, "{target} over {n}");
+            }
+            for slot in 0..=n {
+                // A newcomer at every place of the name order.
+                let mut joined = names.clone();
+                joined.insert(slot, format!("gw-{}", 2 * slot as i64 - 1));
+                let after = shares_over(target, &joined);
+                for (pod, share) in &before {
+                    assert!(
+                        after[pod] <= *share,
+                        "target {target}, {n} → {} pods: {pod} grew {share} → {}",
+                        n + 1,
+                        after[pod]
+                    );
+                }
+            }
+            for gone in 0..n {
+                let mut left = names.clone();
+                left.remove(gone);
+                let after = shares_over(target, &left);
+                for (pod, share) in &after {
+                    assert!(
+                        *share >= before[pod],
+                        "target {target}, {n} → {} pods: {pod} shrank {} → {share}",
+                        n - 1,
+                        before[pod]
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -146,31 +264,17 @@ fn the_remainder_of_the_division_goes_to_the_first_pods_so_shares_add_up_to_the_
             51,
             "{n} pods hold the fleet target"
         );
-        let b = &fleet.policies[0].backends[0];
-        assert_eq!(b.pooled(n), 51);
-        // The durable document is the first pod's: a restarted pod holds at most one extra.
+        let pp = &fleet.policies[0];
+        assert_eq!(pp.pooled(&pp.backends[0]), 51);
+        // The durable document holds the base share: a pod starting from it takes no more
+        // than the smallest share.
         assert_eq!(
-            fleet.policies[0].document.as_ref().unwrap().backends[0]
+            pp.document.as_ref().unwrap().backends[0]
                 .pool
                 .max_connections_per_endpoint,
-            want[0]
+            *want.last().unwrap()
         );
     }
-    // A pod that is not ready gets the base share, and counts for no remainder.
-    let mut gateway_pods = pods(3);
-    gateway_pods[0].ready = false;
-    let input = FleetInput {
-        policies: vec![p],
-        pods: gateway_pods,
-        ..FleetInput::default()
-    };
-    let fleet = plan(&input, &mut Memory::default(), at(0));
-    let shares: Vec<u32> = fleet
-        .documents
-        .values()
-        .map(|d| d.backends[0].pool.max_connections_per_endpoint)
-        .collect();
-    assert_eq!(shares, [25, 26, 25], "gw-1 and gw-2 are ready: 26 + 25");
 }
 
 #[test]

@@ -42,6 +42,8 @@ pub use observe::Stores;
 pub const FINALIZER: &str = "poolpilot.io/cleanup";
 /// The one field manager of every server-side apply.
 pub const FIELD_MANAGER: &str = "poolpilot-operator";
+/// How soon to try again when a starting pod (it has an IP) could not take its document yet.
+const RETRY_STARTING_PODS: Duration = Duration::from_secs(1);
 
 /// Runtime settings of the reconciler.
 #[derive(Clone, Debug)]
@@ -211,12 +213,19 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     );
     step(m, "status", status::apply(ctx, policy, policy_plan, status)).await?;
 
-    let interval = policy
-        .spec
-        .autoscale
-        .interval
-        .get()
-        .min(ctx.config.max_requeue);
+    // A pod that has an IP but did not take its document is most likely still starting (its
+    // admin port not yet listening) and stays unready until it does: try again soon. Pods
+    // without an IP bring their own reconcile when they get one.
+    let starting = report
+        .unreachable
+        .keys()
+        .any(|pod| observed.admin.contains_key(pod));
+    let interval = if starting {
+        RETRY_STARTING_PODS
+    } else {
+        policy.spec.autoscale.interval.get()
+    };
+    let interval = interval.min(ctx.config.max_requeue);
     Ok(Action::requeue(interval.max(Duration::from_secs(1))))
 }
 

@@ -149,6 +149,8 @@ pub fn observe<G: Gateways>(
             labels: pod.labels().clone(),
             ip,
             ready: is_ready(pod),
+            terminating: pod.metadata.deletion_timestamp.is_some(),
+            stopped: is_stopped(pod),
             acked,
         });
     }
@@ -207,6 +209,14 @@ pub fn is_ready(pod: &Pod) -> bool {
             .as_ref()
             .and_then(|s| s.conditions.as_ref())
             .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// A pod whose containers stopped for good (phase Succeeded or Failed) holds no connections.
+pub fn is_stopped(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|phase| matches!(phase, "Succeeded" | "Failed"))
 }
 
 fn policy_input(

@@ -75,7 +75,7 @@ pub async fn roll_out<G: Gateways>(
         apply_configmap(ctx, policy, doc).await?;
     }
 
-    let states = pod_states(ctx, observed, fleet, &plan.ready);
+    let states = pod_states(ctx, observed, fleet, &plan.live);
     let spec = &policy.spec.rollout;
     let strategy = Strategy {
         kind: spec.strategy,
@@ -108,7 +108,7 @@ pub async fn roll_out<G: Gateways>(
     let wave = waves::next_wave(strategy, &states, since, &verdict, now);
     let unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
 
-    let states = pod_states(ctx, observed, fleet, &plan.ready);
+    let states = pod_states(ctx, observed, fleet, &plan.live);
     let halted = wave.halted.or_else(|| {
         waves::refusals(&states)
             .into_iter()
@@ -125,11 +125,11 @@ pub async fn roll_out<G: Gateways>(
 
 /// The report of a policy that is not rolled out (not accepted).
 pub fn not_rolled_out(observed: &Observed, fleet: &FleetPlan) -> RolloutReport {
-    let ready = fleet
+    let live = fleet
         .policy(&observed.focus)
-        .map(|p| p.ready.clone())
+        .map(|p| p.live.clone())
         .unwrap_or_default();
-    let pods = ready
+    let pods = live
         .iter()
         .map(|name| PodState {
             name: name.clone(),
@@ -163,7 +163,9 @@ pub async fn remove<G: Gateways>(
         .pods
         .iter()
         .filter(|p| {
-            p.ready && crate::plan::selector::matches(&policy.spec.gateway_selector, &p.labels)
+            !p.stopped
+                && !p.terminating
+                && crate::plan::selector::matches(&policy.spec.gateway_selector, &p.labels)
         })
         .map(|p| p.name.clone())
         .collect();
@@ -220,17 +222,16 @@ async fn apply_configmap<G: Gateways>(
     .map_err(|source| RolloutError::ConfigMap { name, source })
 }
 
-/// The rollout state of the ready pods `ready`.
+/// The rollout state of the pods `live` (selected, neither terminating nor stopped).
 fn pod_states<G: Gateways>(
     ctx: &Context<G>,
     observed: &Observed,
     fleet: &FleetPlan,
-    ready: &[String],
+    live: &[String],
 ) -> Vec<PodState> {
     let ns = &observed.focus.namespace;
     let memory = ctx.rollouts.lock();
-    ready
-        .iter()
+    live.iter()
         .filter_map(|name| {
             let desired = fleet.documents.get(name)?.revision.clone();
             let pod = observed.input.pods.iter().find(|p| &p.name == name)?;

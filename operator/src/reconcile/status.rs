@@ -188,6 +188,8 @@ mod tests {
             },
             acceptance: Acceptance::Accepted,
             selected: vec![],
+            holders: vec![],
+            live: vec![],
             ready: vec![],
             backends: vec![BackendPlan {
                 name: "model-a".into(),
@@ -266,7 +268,7 @@ mod tests {
             "RolledOut",
             "True",
             "RolledOut",
-            "2/2 ready pods run revision abc",
+            "2/2 pods run their documents; ConfigMap revision abc (generation 3)",
         )]);
         let e = events(&old, &done, &plan(None));
         assert_eq!(e.len(), 1);

@@ -29,12 +29,13 @@ fn now() -> Timestamp {
 }
 
 /// Records every PUT and acknowledges it, or refuses it (422) when `refuse` is set, or answers
-/// 401 when `unauthorized` is.
+/// 401 when `unauthorized` is, or 503 from the addresses in `starting`.
 #[derive(Clone, Default)]
 struct FakeGateways {
     puts: Arc<Mutex<Vec<(SocketAddr, String, GatewayLimits)>>>,
     refuse: Option<&'static str>,
     unauthorized: bool,
+    starting: Vec<SocketAddr>,
 }
 
 impl Gateways for FakeGateways {
@@ -47,6 +48,12 @@ impl Gateways for FakeGateways {
         self.puts.lock().push((addr, token.to_owned(), doc.clone()));
         if self.unauthorized {
             return Err(PutError::Unauthorized);
+        }
+        if self.starting.contains(&addr) {
+            return Err(PutError::Unexpected {
+                status: 503,
+                body: "starting".into(),
+            });
         }
         match self.refuse {
             Some(why) => Err(PutError::Refused(why.to_owned())),
@@ -480,6 +487,90 @@ async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
     );
     assert_eq!(s["updated"], "0/1");
     reconciler.abort();
+}
+
+#[tokio::test]
+async fn starting_pods_get_their_share_and_terminating_pods_keep_theirs_until_gone() {
+    // gw-0 serves, gw-1 is starting (an IP, not Ready, its admin port not answering yet), gw-2
+    // is terminating: all three hold a share of 51, but only gw-0 and gw-1 are sent documents,
+    // and the starting one is tried again in a second.
+    let p = policy("models", 0);
+    let starting: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "gw-1", "namespace": "ns", "uid": "gw-1-uid", "labels": {"app": "gw"}},
+        "status": {"phase": "Running", "podIP": "127.0.0.8", "conditions": [{"type": "Ready", "status": "False"}]},
+    }))
+    .unwrap();
+    let terminating: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "gw-2", "namespace": "ns", "uid": "gw-2-uid", "labels": {"app": "gw"},
+                     "deletionTimestamp": "2027-01-15T08:00:00Z"},
+        "status": {"phase": "Running", "podIP": "127.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]},
+    }))
+    .unwrap();
+    let gateways = FakeGateways {
+        starting: vec!["127.0.0.8:9901".parse().unwrap()],
+        ..FakeGateways::default()
+    };
+    let pods = vec![pod("gw-0", "127.0.0.7"), starting, terminating];
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, gateways);
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+
+    let cm = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-limits",
+        json!({}),
+    ))
+    .await;
+    let doc: GatewayLimits =
+        serde_json::from_str(cm["data"]["limits.json"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        doc.backends[0].pool.max_connections_per_endpoint, 17,
+        "51 over the three pods that may hold connections"
+    );
+    expect_token_secret(&mut api).await;
+    let status = expect_status_patch(&mut api, &p).await;
+    let s = &status["status"];
+    assert_eq!(s["updated"], "1/2", "gw-0 of gw-0 and gw-1");
+    let rolled = condition(s, "RolledOut");
+    assert_eq!(rolled["status"], "False");
+    assert!(
+        rolled["message"]
+            .as_str()
+            .unwrap()
+            .contains("pod gw-1 not updated: unexpected answer 503"),
+        "{rolled}"
+    );
+    let action = with_timeout(reconciler)
+        .await
+        .expect("the reconcile task ran")
+        .expect("the reconcile succeeded");
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(1)),
+        "the starting pod is tried again soon"
+    );
+    let mut sent: Vec<(String, u32)> = gateways
+        .puts
+        .lock()
+        .iter()
+        .map(|(addr, _, d)| {
+            (
+                addr.to_string(),
+                d.backends[0].pool.max_connections_per_endpoint,
+            )
+        })
+        .collect();
+    sent.sort();
+    assert_eq!(
+        sent,
+        [
+            ("127.0.0.7:9901".to_owned(), 17),
+            ("127.0.0.8:9901".to_owned(), 17)
+        ],
+        "no document for the terminating pod"
+    );
 }
 
 /// The apiserver's answer when the operator's role lacks `create` on configmaps.
