@@ -29,6 +29,7 @@ mod tests;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 pub use k8s_openapi::jiff::Timestamp;
@@ -237,8 +238,9 @@ pub struct PolicyPlan {
     /// Whether its metrics are available (`None` when autoscale is off).
     pub metrics_available: Option<MetricsState>,
     /// The document its ConfigMap holds, for pods that start later: the policies on its first
-    /// selected pod, each backend at the base share (the smallest).
-    pub document: Option<GatewayLimits>,
+    /// selected pod, each backend at the base share (the smallest). Shared by every policy on
+    /// the same pods.
+    pub document: Option<Arc<GatewayLimits>>,
 }
 
 impl PolicyPlan {

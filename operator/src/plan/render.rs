@@ -3,6 +3,7 @@
 //! the fleet targets, a content revision and a generation that only ever increases.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
@@ -40,34 +41,48 @@ pub fn render_all(
     // The ConfigMaps' documents first, so that a pod starting from one is never ahead of the
     // generation of the document the operator sends it next.
     let mut generations = Generations::new(policies, pods, published, floor);
+    // Policies on the same first pod (or, without pods, with the same selector) share one
+    // document: render it once, not once per policy (many policies select the same pods).
+    let mut shared: BTreeMap<PeerSet, Arc<GatewayLimits>> = BTreeMap::new();
     for i in 0..plans.len() {
         if !plans[i].acceptance.is_accepted() {
             plans[i].document = None;
             continue;
         }
-        // The policies on its first selected pod, or without pods those sharing its selector.
-        let peers: Vec<(usize, &PolicyPlan)> = match plans[i].selected.first() {
-            Some(pod) => plans
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| p.acceptance.is_accepted() && p.selected.contains(pod))
-                .collect(),
-            None => {
-                let selector = &policies[i].spec.gateway_selector;
-                plans
-                    .iter()
-                    .enumerate()
-                    .filter(|(j, p)| {
-                        p.acceptance.is_accepted()
-                            && &policies[*j].spec.gateway_selector == selector
+        let selector = &policies[i].spec.gateway_selector;
+        let set = match plans[i].selected.first() {
+            Some(pod) => PeerSet::OnPod(pod.clone()),
+            // The first policy without pods and with an equal selector stands for them all.
+            None => PeerSet::Selector(
+                (0..i)
+                    .find(|&j| {
+                        plans[j].selected.is_empty()
+                            && &policies[j].spec.gateway_selector == selector
                     })
-                    .collect()
-            }
+                    .unwrap_or(i),
+            ),
         };
+        if let Some(doc) = shared.get(&set) {
+            plans[i].document = Some(doc.clone());
+            continue;
+        }
+        let peers: Vec<(usize, &PolicyPlan)> = plans
+            .iter()
+            .enumerate()
+            .filter(|(j, p)| {
+                p.acceptance.is_accepted()
+                    && match &set {
+                        PeerSet::OnPod(pod) => p.selected.contains(pod),
+                        PeerSet::Selector(_) => &policies[*j].spec.gateway_selector == selector,
+                    }
+            })
+            .collect();
         // At the base shares: a pod that starts from this document later (a new pod, or one
         // restarted while the operator is away) never takes more than any pod's share.
         let mut doc = document(policies, &peers, None).with_content_revision();
         doc.generation = generations.of(&doc.revision);
+        let doc = Arc::new(doc);
+        shared.insert(set, doc.clone());
         plans[i].document = Some(doc);
     }
 
@@ -85,6 +100,14 @@ pub fn render_all(
         out.insert(pod.name.clone(), doc);
     }
     out
+}
+
+/// Which policies a ConfigMap document holds: those on one pod, or (a policy selecting no pod)
+/// those with the same selector as the policy at this index.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum PeerSet {
+    OnPod(String),
+    Selector(usize),
 }
 
 /// Hands out generations: an existing one for a revision already known (if above the floor),

@@ -171,6 +171,39 @@ fn the_configmap_document_holds_the_smallest_share_and_no_later_generation() {
     );
 }
 
+#[test]
+fn policies_on_the_same_pods_share_one_configmap_document() {
+    // Rendered once for all of them: with hundreds of policies on the same pods, a document per
+    // policy made every planning run quadratic in the number of policies.
+    let policies: Vec<PolicyInput> = (0..20)
+        .map(|i| {
+            let extra = "autoscale: {enabled: false}\n";
+            policy(
+                &format!("p{i:02}"),
+                i,
+                &spec(&format!("b{i:02}"), 64, extra),
+                1,
+            )
+        })
+        .collect();
+    let input = FleetInput {
+        policies,
+        pods: pods(3),
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let first = fleet.policies[0].document.clone().expect("a document");
+    assert_eq!(
+        first.backends.len(),
+        20,
+        "every policy's backend, at the base share"
+    );
+    for p in &fleet.policies {
+        let doc = p.document.as_ref().expect("a document");
+        assert!(Arc::ptr_eq(doc, &first), "{} has its own copy", p.key);
+    }
+}
+
 /// The shares of `names` (holders, every one ready) for a fleet target of `target`.
 fn shares_over(target: u32, names: &[String]) -> BTreeMap<String, u32> {
     let extra = format!("autoscale: {{enabled: false, min: 1, max: {target}}}\n");

@@ -142,6 +142,16 @@ where
     out
 }
 
+/// Runs CPU-bound work (planning a namespace with many policies takes a while) without holding
+/// up the runtime's other tasks, `/healthz` among them: on the multi-threaded runtime the worker
+/// hands its other tasks over first. (The current-thread runtime of unit tests just runs it.)
+fn cpu_bound<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
 async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
     let now = (ctx.clock)();
     let m = &ctx.metrics;
@@ -155,11 +165,13 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
         Ok::<_, Error>(validate::check(&observed))
     })
     .await?;
-    // 3. plan (no client required)
+    // 3. plan (no client required; CPU only, off the async workers)
     let fleet = step(m, "plan", async {
-        let mut memory = ctx.memory.lock();
-        let mem = memory.entry(observed.focus.namespace.clone()).or_default();
-        Ok::<_, Error>(plan::plan(&observed.input, mem, now))
+        Ok::<_, Error>(cpu_bound(|| {
+            let mut memory = ctx.memory.lock();
+            let mem = memory.entry(observed.focus.namespace.clone()).or_default();
+            plan::plan(&observed.input, mem, now)
+        }))
     })
     .await?;
     let Some(policy_plan) = fleet.policy(&observed.focus) else {
@@ -239,7 +251,7 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
         let mut memory = ctx.memory.lock();
         let mem = memory.entry(observed.focus.namespace.clone()).or_default();
         mem.backends.retain(|(k, _), _| k != &observed.focus);
-        plan::plan(&observed.input, mem, now)
+        cpu_bound(|| plan::plan(&observed.input, mem, now))
     };
     step(
         &ctx.metrics,
