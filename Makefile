@@ -171,11 +171,15 @@ cluster-down: ## Stop the embedded cluster
 BENCH_TARGET_DIR ?= $(CACHE)/target-bench
 BENCH_BIN        := $(BENCH_TARGET_DIR)/release
 
+LOOP_BENCH_OUT   ?= e2e/bench/control-loop.md
+
 .PHONY: bench
-bench: bench-peers ## Proxy benchmarks beside HAProxy and nginx, rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
+bench: bench-peers cluster-up ## Proxy benchmarks beside HAProxy and nginx, control loop and operator scale on the embedded cluster, rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
+	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT)
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-bench
 	$(BENCH_BIN)/poolpilot-bench run --gateway-bin $(BENCH_BIN)/poolpilot-gateway \
-		--run-dir $(CACHE)/bench-run --out BENCHMARKS.md --analysis e2e/bench/analysis.md
+		--run-dir $(CACHE)/bench-run --out BENCHMARKS.md --analysis e2e/bench/analysis.md \
+		--include $(LOOP_BENCH_OUT)
 
 .PHONY: bench-peers
 bench-peers: ## Install the benchmark peers when missing: haproxy, nginx, wrk, perf (Debian packages)

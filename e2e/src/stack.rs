@@ -480,6 +480,20 @@ impl<'a> Stack<'a> {
         Ok(format!("http://{}:8080/metrics", pod_ip(pod)?))
     }
 
+    /// Waits until the operator makes its next autoscale decision (its
+    /// `poolpilot_operator_decisions_total` grows), so that a load change right after it is
+    /// seen alone by the decision one interval later.
+    pub async fn wait_next_decision(&self, timeout: Duration) -> anyhow::Result<()> {
+        let operator = self.operator_metrics_url().await?;
+        let ticks = operator_decisions(&operator).await?.values().sum::<f64>();
+        eventually("an autoscale decision", timeout, || async {
+            let now = operator_decisions(&operator).await?.values().sum::<f64>();
+            anyhow::ensure!(now > ticks, "{now} decisions");
+            Ok(())
+        })
+        .await
+    }
+
     /// `kubectl scale` of a Deployment of this namespace.
     pub async fn scale(&self, deployment: &str, replicas: u32) -> anyhow::Result<()> {
         run(self.kubectl().args([
@@ -605,6 +619,36 @@ impl GatewayPod {
             .await?)
     }
 
+    /// Polls `GET /v1/limits` every `every` until `done` holds of the document in force, and
+    /// returns the time since `from`; fails once `timeout` has passed since `from`.
+    pub async fn wait_applied<F>(
+        &self,
+        from: tokio::time::Instant,
+        every: Duration,
+        timeout: Duration,
+        done: F,
+    ) -> anyhow::Result<Duration>
+    where
+        F: Fn(&GatewayLimits) -> bool,
+    {
+        let deadline = from + timeout;
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Ok(limits) = self.limits().await
+                && done(&limits)
+            {
+                return Ok(from.elapsed());
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "{} did not apply the change within {timeout:?}",
+                self.name
+            );
+        }
+    }
+
     /// `GET /metrics`.
     pub async fn metrics(&self) -> anyhow::Result<String> {
         let url = format!("http://{}/metrics", self.admin());
@@ -635,6 +679,18 @@ pub fn share(limits: &GatewayLimits, backend: &str) -> anyhow::Result<u32> {
         .max_connections_per_endpoint)
 }
 
+/// The `clients.maxConcurrency` in force for `backend` in a gateway's limits, if it runs the
+/// backend.
+pub fn client_max_concurrency(limits: &GatewayLimits, backend: &str) -> Option<u32> {
+    let b = limits.backends.iter().find(|b| b.name == backend)?;
+    let name = b.client_policy.as_deref()?;
+    limits
+        .client_policies
+        .iter()
+        .find(|c| c.name == name)
+        .map(|c| c.max_concurrency)
+}
+
 /// Keeps only backend `name` in a policy's `spec.backends`.
 pub fn only_backend(policy: &mut Value, name: &str) -> anyhow::Result<()> {
     let backends = policy
@@ -646,16 +702,21 @@ pub fn only_backend(policy: &mut Value, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The operator's autoscale decisions so far by kind (`poolpilot_operator_decisions_total`),
-/// from an operator pod's `/metrics` URL ([`Stack::operator_metrics_url`]).
-pub async fn operator_decisions(url: &str) -> anyhow::Result<BTreeMap<String, f64>> {
-    let text = http_client()?
+/// An operator pod's `/metrics` text, from its URL ([`Stack::operator_metrics_url`]).
+pub async fn operator_metrics(url: &str) -> anyhow::Result<String> {
+    Ok(http_client()?
         .get(url)
         .send()
         .await?
         .error_for_status()?
         .text()
-        .await?;
+        .await?)
+}
+
+/// The operator's autoscale decisions so far by kind (`poolpilot_operator_decisions_total`),
+/// from an operator pod's `/metrics` URL ([`Stack::operator_metrics_url`]).
+pub async fn operator_decisions(url: &str) -> anyhow::Result<BTreeMap<String, f64>> {
+    let text = operator_metrics(url).await?;
     let mut kinds = BTreeMap::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("poolpilot_operator_decisions_total{") else {

@@ -1,7 +1,8 @@
-//! Wiring: the Kubernetes client, caches of pods, EndpointSlices and the operator's ConfigMaps,
-//! the Prometheus poller, the `/metrics` server, leader election, and the Controller over
-//! ConnectionPolicy that also reacts to the selected pods, the backends' EndpointSlices and its
-//! own ConfigMaps. Runs until SIGTERM or Ctrl-C.
+//! Wiring: the Kubernetes client (every request counted by verb), caches of pods, EndpointSlices
+//! and the operator's ConfigMaps, the Prometheus poller, the `/metrics` server, leader election,
+//! and the Controller over ConnectionPolicy (each reconcile timed) that also reacts to the
+//! selected pods, the backends' EndpointSlices and its own ConfigMaps. Runs until SIGTERM or
+//! Ctrl-C.
 
 use std::sync::Arc;
 
@@ -9,7 +10,7 @@ use futures::{StreamExt, future};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ListParams};
-use kube::runtime::controller::Controller;
+use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -18,7 +19,9 @@ use kube_lease_manager::LeaseManagerBuilder;
 use parking_lot::{Mutex, RwLock};
 use poolpilot_api::ConnectionPolicy;
 use prometheus_client::registry::Registry;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tower::util::MapRequestLayer;
 use tracing::{error, info, warn};
 
 use crate::args::Args;
@@ -33,6 +36,9 @@ use crate::reconcile::{self, Config, Context, Stores};
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// No usable kubeconfig or in-cluster config.
+    #[error("no usable kubeconfig or in-cluster config")]
+    Config(#[source] kube::config::InferConfigError),
+    /// The Kubernetes client could not be built from its config.
     #[error("failed to create a Kubernetes client")]
     Client(#[source] kube::Error),
     /// The CRD is not installed (or not readable).
@@ -62,7 +68,13 @@ pub enum RunError {
 
 /// Runs the operator until a shutdown signal.
 pub async fn run(args: Args) -> Result<(), RunError> {
-    let client = Client::try_default().await.map_err(RunError::Client)?;
+    let mut registry = Registry::with_prefix("poolpilot_operator");
+    let metrics = Metrics::default().register(&mut registry);
+    let config = kube::Config::infer().await.map_err(RunError::Config)?;
+    let client = kube::client::ClientBuilder::try_from(config)
+        .map_err(RunError::Client)?
+        .with_layer(&MapRequestLayer::new(metrics.kube_request_counter()))
+        .build();
     let scope = Scope::new(&args.namespace);
     info!(
         namespace = scope.0.as_deref().unwrap_or("(all)"),
@@ -77,8 +89,6 @@ pub async fn run(args: Args) -> Result<(), RunError> {
     let shutdown = CancellationToken::new();
     tokio::spawn(signals(shutdown.clone()));
 
-    let mut registry = Registry::with_prefix("poolpilot_operator");
-    let metrics = Metrics::default().register(&mut registry);
     let listener = crate::admin::bind(args.listen)
         .await
         .map_err(|source| RunError::Listen {
@@ -257,7 +267,7 @@ impl Term {
                 move |slice| policies_using(&by_slice, &slice),
             )
             .graceful_shutdown_on(stop.cancelled_owned())
-            .run(reconcile::reconcile, reconcile::error_policy, ctx)
+            .run(timed_reconcile, reconcile::error_policy, ctx)
             .for_each(|res| {
                 if let Err(e) = res {
                     warn!(error = %crate::report(&e), "reconcile error");
@@ -266,6 +276,18 @@ impl Term {
             })
             .await;
     }
+}
+
+/// [`reconcile::reconcile`], timed into `poolpilot_operator_reconcile_duration_seconds`.
+async fn timed_reconcile(
+    policy: Arc<ConnectionPolicy>,
+    ctx: Arc<reconcile::Context<HttpGateways>>,
+) -> crate::Result<Action> {
+    let start = Instant::now();
+    let histogram = ctx.metrics.reconcile_duration.clone();
+    let out = reconcile::reconcile(policy, ctx).await;
+    histogram.observe(start.elapsed().as_secs_f64());
+    out
 }
 
 /// The policies whose gateway selector selects `pod`.
@@ -386,6 +408,13 @@ async fn poll_prometheus(
         tokio::select! {
             () = shutdown.cancelled() => return,
             _ = tick.tick() => {}
+        }
+        metrics.query_rounds.inc();
+        for q in &all {
+            metrics
+                .queries
+                .get_or_create(&QueryLabel { query: q.name })
+                .inc();
         }
         let (rows, errors) = prom::query_round(&client, &all).await;
         for e in &errors {

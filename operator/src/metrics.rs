@@ -1,7 +1,8 @@
-//! The operator's own Prometheus metrics: reconciles (count, duration and errors by pipeline
-//! step), autoscale decisions by kind, Prometheus query errors, gateway PUT outcomes and the
-//! number of policies per condition status. Labels are bounded (step, kind, query, outcome and
-//! condition names from code, never object names).
+//! The operator's own Prometheus metrics: reconciles (count, whole-reconcile duration, duration
+//! and errors by pipeline step), autoscale decisions by kind, Prometheus queries sent and failed,
+//! Kubernetes API requests by verb, gateway PUT outcomes, the number of policies per condition
+//! status and the process's resident memory. Labels are bounded (step, kind, query, verb, outcome
+//! and condition names from code, never object names).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -42,6 +43,13 @@ pub struct QueryLabel {
     pub query: &'static str,
 }
 
+/// A Kubernetes API request's verb.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerbLabel {
+    /// See [`kube_verb`].
+    pub verb: &'static str,
+}
+
 /// A condition type and status.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct ConditionLabel {
@@ -62,6 +70,11 @@ fn step_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 14))
 }
 
+/// Whole reconciles: 0.5 ms to ~60 s in steps of 1.5×, fine enough for p50/p99 estimates.
+fn reconcile_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 1.5, 30))
+}
+
 /// Every metric of the operator.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -71,10 +84,18 @@ pub struct Metrics {
     pub errors: Family<StepLabel, Counter>,
     /// Time spent per step.
     pub step_duration: Family<StepLabel, Histogram, fn() -> Histogram>,
+    /// Time spent per whole reconcile (every step, finalizer included).
+    pub reconcile_duration: Histogram,
     /// Autoscale decisions by kind.
     pub decisions: Family<KindLabel, Counter>,
     /// Failed Prometheus queries by query.
     pub query_errors: Family<QueryLabel, Counter>,
+    /// Prometheus queries sent, by query.
+    pub queries: Family<QueryLabel, Counter>,
+    /// Rounds of Prometheus queries (one per metrics interval, for every policy).
+    pub query_rounds: Counter,
+    /// Requests sent to the Kubernetes API, by verb (watches counted when opened).
+    pub kube_requests: Family<VerbLabel, Counter>,
     /// Gateway PUTs by outcome.
     pub puts: Family<OutcomeLabel, Counter>,
     /// Policies per condition status (counted at scrape time).
@@ -87,8 +108,12 @@ impl Default for Metrics {
             reconciles: Counter::default(),
             errors: Family::default(),
             step_duration: Family::new_with_constructor(step_histogram),
+            reconcile_duration: reconcile_histogram(),
             decisions: Family::default(),
             query_errors: Family::default(),
+            queries: Family::default(),
+            query_rounds: Counter::default(),
+            kube_requests: Family::default(),
             puts: Family::default(),
             policies: PolicyConditions::default(),
         }
@@ -110,6 +135,11 @@ impl Metrics {
             self.step_duration.clone(),
         );
         registry.register(
+            "reconcile_duration_seconds",
+            "Time spent per whole reconcile",
+            self.reconcile_duration.clone(),
+        );
+        registry.register(
             "decisions",
             "Autoscale decisions by kind",
             self.decisions.clone(),
@@ -120,12 +150,41 @@ impl Metrics {
             self.query_errors.clone(),
         );
         registry.register(
+            "prometheus_queries",
+            "PromQL queries sent to Prometheus, by query",
+            self.queries.clone(),
+        );
+        registry.register(
+            "prometheus_rounds",
+            "Rounds of batched PromQL queries (one per metrics interval for every policy)",
+            self.query_rounds.clone(),
+        );
+        registry.register(
+            "kube_requests",
+            "Requests sent to the Kubernetes API, by verb (a watch counts once, when opened)",
+            self.kube_requests.clone(),
+        );
+        registry.register(
             "gateway_puts",
             "Limits documents sent to gateway pods, by outcome",
             self.puts.clone(),
         );
         registry.register_collector(Box::new(self.policies.clone()));
+        registry.register_collector(Box::new(ResidentMemory));
         self
+    }
+
+    /// A request mapper for the Kubernetes client's service stack
+    /// (`tower::util::MapRequestLayer`) that counts every request by verb.
+    pub fn kube_request_counter<B>(
+        &self,
+    ) -> impl Fn(http::Request<B>) -> http::Request<B> + Clone + use<B> {
+        let requests = self.kube_requests.clone();
+        move |req| {
+            let verb = kube_verb(req.method(), req.uri().query());
+            requests.get_or_create(&VerbLabel { verb }).inc();
+            req
+        }
     }
 
     /// Counts one decision.
@@ -215,6 +274,60 @@ pub fn condition_counts<'a>(
             .or_default() += 1;
     }
     counts
+}
+
+/// The verb of a Kubernetes API request: `watch` (a GET with `watch=true` or `watch=1`), `get`
+/// (reads and lists), `create`, `update`, `patch`, `delete` or `other`.
+pub fn kube_verb(method: &http::Method, query: Option<&str>) -> &'static str {
+    let watch = query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .any(|kv| kv == "watch=true" || kv == "watch=1");
+    match *method {
+        http::Method::GET if watch => "watch",
+        http::Method::GET => "get",
+        http::Method::POST => "create",
+        http::Method::PUT => "update",
+        http::Method::PATCH => "patch",
+        http::Method::DELETE => "delete",
+        _ => "other",
+    }
+}
+
+/// `poolpilot_operator_resident_memory_bytes`: the process's resident set size (`VmRSS` of
+/// `/proc/self/status`), read at every scrape; absent where that file is not.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ResidentMemory;
+
+impl Collector for ResidentMemory {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let Some(bytes) = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .as_deref()
+            .and_then(vm_rss_bytes)
+        else {
+            return Ok(());
+        };
+        let gauge = ConstGauge::new(bytes);
+        let metric = encoder.encode_descriptor(
+            "resident_memory_bytes",
+            "Resident set size of the operator process",
+            None,
+            gauge.metric_type(),
+        )?;
+        gauge.encode(metric)
+    }
+}
+
+/// `VmRSS` of a `/proc/<pid>/status` text, in bytes.
+pub fn vm_rss_bytes(status: &str) -> Option<i64> {
+    let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
+    let mut parts = line.split_whitespace();
+    let value: i64 = parts.next()?.parse().ok()?;
+    match parts.next() {
+        Some("kB") => Some(value * 1024),
+        _ => None,
+    }
 }
 
 /// A decision's metric label.
@@ -355,5 +468,92 @@ mod tests {
             out.contains("poolpilot_operator_step_duration_seconds_count{step=\"plan\"} 1"),
             "{out}"
         );
+    }
+
+    #[test]
+    fn kube_requests_are_counted_by_verb() {
+        let mut registry = Registry::with_prefix("poolpilot_operator");
+        let m = Metrics::default().register(&mut registry);
+        let count = m.kube_request_counter::<()>();
+        let request = |method: http::Method, uri: &str| {
+            http::Request::builder()
+                .method(method)
+                .uri(uri)
+                .body(())
+                .unwrap()
+        };
+        for (method, uri) in [
+            (
+                http::Method::GET,
+                "/api/v1/namespaces/ns/pods?labelSelector=a%3Db",
+            ),
+            (http::Method::GET, "/api/v1/namespaces/ns/secrets/token"),
+            (
+                http::Method::GET,
+                "/api/v1/pods?watch=true&resourceVersion=1",
+            ),
+            (
+                http::Method::PATCH,
+                "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/p/status",
+            ),
+            (
+                http::Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/ns/events",
+            ),
+        ] {
+            let req = count(request(method.clone(), uri));
+            assert_eq!(req.method(), method, "the request passes unchanged");
+        }
+        let out = encode(&registry);
+        for line in [
+            "poolpilot_operator_kube_requests_total{verb=\"get\"} 2",
+            "poolpilot_operator_kube_requests_total{verb=\"watch\"} 1",
+            "poolpilot_operator_kube_requests_total{verb=\"patch\"} 1",
+            "poolpilot_operator_kube_requests_total{verb=\"create\"} 1",
+        ] {
+            assert!(
+                out.contains(&format!("{line}\n")),
+                "{line:?} missing:\n{out}"
+            );
+        }
+        assert_eq!(kube_verb(&http::Method::GET, Some("watch=false")), "get");
+        assert_eq!(kube_verb(&http::Method::GET, Some("a=1&watch=1")), "watch");
+        assert_eq!(kube_verb(&http::Method::PUT, None), "update");
+        assert_eq!(kube_verb(&http::Method::DELETE, None), "delete");
+        assert_eq!(kube_verb(&http::Method::HEAD, None), "other");
+    }
+
+    #[test]
+    fn queries_rounds_reconciles_and_memory_are_exported() {
+        let mut registry = Registry::with_prefix("poolpilot_operator");
+        let m = Metrics::default().register(&mut registry);
+        m.query_rounds.inc();
+        m.queries
+            .get_or_create(&QueryLabel { query: "leased" })
+            .inc_by(2);
+        m.reconcile_duration.observe(0.003);
+        let out = encode(&registry);
+        for line in [
+            "poolpilot_operator_prometheus_rounds_total 1",
+            "poolpilot_operator_prometheus_queries_total{query=\"leased\"} 2",
+            "poolpilot_operator_reconcile_duration_seconds_count 1",
+            "poolpilot_operator_reconcile_duration_seconds_bucket{le=\"0.0005\"} 0",
+        ] {
+            assert!(
+                out.contains(&format!("{line}\n")),
+                "{line:?} missing:\n{out}"
+            );
+        }
+        if std::path::Path::new("/proc/self/status").exists() {
+            assert!(
+                out.contains("# TYPE poolpilot_operator_resident_memory_bytes gauge"),
+                "{out}"
+            );
+        }
+        assert_eq!(
+            vm_rss_bytes("Name:\tx\nVmRSS:\t   12345 kB\nThreads: 3\n"),
+            Some(12345 * 1024)
+        );
+        assert_eq!(vm_rss_bytes("Name:\tx\n"), None);
     }
 }

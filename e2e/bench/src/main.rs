@@ -1,5 +1,6 @@
 //! `poolpilot-bench`: the gateway side by side with HAProxy and nginx on one machine (issue 8,
-//! parts 1–4), writing `BENCHMARKS.md` and the gateway's profile.
+//! parts 1–4), writing `BENCHMARKS.md` and the gateway's profile, with the fragments of other
+//! harnesses (parts 5–6, `--include`).
 //!
 //! `poolpilot-bench run` drives everything; `poolpilot-bench upstream ADDR` is the upstream it
 //! starts (the same binary, so every proxy fronts the same server).
@@ -65,6 +66,10 @@ struct RunArgs {
     /// Hand-written analysis included verbatim in the report, when the file exists.
     #[arg(long)]
     analysis: Option<PathBuf>,
+    /// Markdown fragments written by other harnesses (e.g. `poolpilot-loop-bench`'s parts 5–6),
+    /// included verbatim after part 4; a missing file is an error.
+    #[arg(long)]
+    include: Vec<PathBuf>,
     /// Only these parts (comma-separated from 1,2,3,4,profile); all when empty.
     #[arg(long, env = "BENCH_PARTS", default_value = "")]
     parts: String,
@@ -93,6 +98,12 @@ fn raise_nofile() -> anyhow::Result<u64> {
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let started = tokio::time::Instant::now();
+    // Read first: a missing fragment must not cost a whole run.
+    let includes = args
+        .include
+        .iter()
+        .map(|p| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display())))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let machine = report::Machine::at_start();
     let fds = raise_nofile()?;
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -196,6 +207,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         profile,
         profile_file,
         analysis,
+        includes,
     };
     std::fs::write(&args.out, report::render(&results))
         .with_context(|| format!("writing {}", args.out.display()))?;

@@ -1,5 +1,5 @@
-//! Writes `BENCHMARKS.md`: machine, targets met or not, the four tables, the profile's hot spots,
-//! the exact peer configs and how to reproduce one row.
+//! Writes `BENCHMARKS.md`: machine, targets met or not, the four tables, the included fragments
+//! of parts 5–6, the profile's hot spots, the exact peer configs and how to reproduce one row.
 
 use std::fmt::Write as _;
 
@@ -82,6 +82,8 @@ pub struct Results<'a> {
     pub profile_file: String,
     /// Hand-written analysis to include verbatim.
     pub analysis: Option<String>,
+    /// Fragments of other harnesses (parts 5–6), included verbatim after part 4.
+    pub includes: Vec<String>,
 }
 
 const PROXIES: [Target; 3] = [Target::Poolpilot, Target::Haproxy, Target::Nginx];
@@ -148,16 +150,21 @@ pub fn render(r: &Results<'_>) -> String {
     let _ = writeln!(
         w,
         "Written by `make bench` ({}) on {}: every number below comes from that run of the \
-         committed harness (`e2e/bench`, binary `poolpilot-bench`); do not edit by hand. Parts \
-         5–6 of issue 8 (control loop and operator scale, on the embedded cluster) are not \
-         measured yet.\n",
+         committed harness (`e2e/bench`, binary `poolpilot-bench`); do not edit by hand. {}\n",
         if plan.quick {
             "**quick mode** (`BENCH_QUICK=1`: short runs to validate the harness, not for \
              conclusions)"
         } else {
             "full mode"
         },
-        r.machine.started
+        r.machine.started,
+        if r.includes.is_empty() {
+            "Parts 5–6 of issue 8 (control loop and operator scale, on the embedded cluster) are \
+             not measured in this run."
+        } else {
+            "Parts 5–6 of issue 8 (control loop and operator scale, on the embedded cluster) come \
+             from `poolpilot-loop-bench` in the same `make bench`, included below as it wrote them."
+        }
     );
 
     // Machine.
@@ -200,6 +207,9 @@ pub fn render(r: &Results<'_>) -> String {
     render_part2(w, r);
     render_part3(w, r);
     render_part4(w, r);
+    for fragment in &r.includes {
+        let _ = writeln!(w, "{}\n", fragment.trim_end());
+    }
     render_profile(w, r);
     if let Some(analysis) = &r.analysis {
         let _ = writeln!(w, "{}\n", analysis.trim_end());

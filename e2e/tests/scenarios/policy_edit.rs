@@ -9,12 +9,12 @@ use std::time::Duration;
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
-use poolpilot_api::limits::GatewayLimits;
 use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, GatewayPod, POLICY, Stack, StackSpec, WAIT, set, with_stack,
+    BackendSpec, GatewayPod, POLICY, Stack, StackSpec, WAIT, client_max_concurrency, set,
+    with_stack,
 };
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -24,17 +24,6 @@ const SCENARIO: &str = "policy-edit";
 const OTHER: &str = "others";
 /// How long every pod has to apply an edit: "a few seconds", wide for a loaded 2-core machine.
 const APPLY_BUDGET: Duration = Duration::from_secs(10);
-
-/// The `clients.maxConcurrency` in force for `backend` on one gateway, if it runs the backend.
-fn max_concurrency(limits: &GatewayLimits, backend: &str) -> Option<u32> {
-    let b = limits.backends.iter().find(|b| b.name == backend)?;
-    let name = b.client_policy.as_deref()?;
-    limits
-        .client_policies
-        .iter()
-        .find(|c| c.name == name)
-        .map(|c| c.max_concurrency)
-}
 
 /// A policy of the quick sample with one backend of the sample, autoscale off (targets at their
 /// upper bound, so that only the edit changes the documents).
@@ -73,33 +62,6 @@ async fn call(gateway: &GatewayPod, model: &str) -> anyhow::Result<(u16, Option<
     Ok((status, body["error"].as_str().map(str::to_owned)))
 }
 
-/// Polls one gateway's limits every 50 ms until `done` holds; the time since `from`.
-async fn watch_pod<F>(
-    gateway: &GatewayPod,
-    from: Instant,
-    timeout: Duration,
-    done: F,
-) -> anyhow::Result<Duration>
-where
-    F: Fn(&GatewayLimits) -> bool,
-{
-    let deadline = from + timeout;
-    let mut tick = tokio::time::interval(Duration::from_millis(50));
-    loop {
-        tick.tick().await;
-        if let Ok(limits) = gateway.limits().await
-            && done(&limits)
-        {
-            return Ok(from.elapsed());
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{} did not apply the change within {timeout:?}",
-            gateway.name
-        );
-    }
-}
-
 #[tokio::test]
 async fn policy_edit_reaches_every_gateway_and_delete_removes_its_backends() -> anyhow::Result<()> {
     let _serial = serial().await?;
@@ -130,8 +92,8 @@ async fn policy_edit_reaches_every_gateway_and_delete_removes_its_backends() -> 
                 WAIT,
                 |l| {
                     anyhow::ensure!(
-                        max_concurrency(l, "model-a") == Some(8)
-                            && max_concurrency(l, "model-b") == Some(8),
+                        client_max_concurrency(l, "model-a") == Some(8)
+                            && client_max_concurrency(l, "model-b") == Some(8),
                         "backends {:?}, client policies {:?}",
                         l.backends.iter().map(|b| &b.name).collect::<Vec<_>>(),
                         l.client_policies
@@ -157,9 +119,12 @@ async fn policy_edit_reaches_every_gateway_and_delete_removes_its_backends() -> 
         let applied = Instant::now();
         let kubectl_time = applied - edited;
         let times = futures::future::try_join_all(gateways.iter().map(|g| {
-            watch_pod(g, edited, APPLY_BUDGET + kubectl_time, |l| {
-                max_concurrency(l, "model-a") == Some(5)
-            })
+            g.wait_applied(
+                edited,
+                Duration::from_millis(50),
+                APPLY_BUDGET + kubectl_time,
+                |l| client_max_concurrency(l, "model-a") == Some(5),
+            )
         }))
         .await?;
         for (g, t) in gateways.iter().zip(&times) {
@@ -194,7 +159,7 @@ async fn policy_edit_reaches_every_gateway_and_delete_removes_its_backends() -> 
         for g in &gateways {
             let l = g.limits().await?;
             assert_eq!(
-                max_concurrency(&l, "model-b"),
+                client_max_concurrency(&l, "model-b"),
                 Some(8),
                 "{} model-b",
                 g.name
@@ -217,7 +182,7 @@ async fn policy_edit_reaches_every_gateway_and_delete_removes_its_backends() -> 
         .await?;
         let deleted = deleting.elapsed();
         let removal = futures::future::try_join_all(gateways.iter().map(|g| {
-            watch_pod(g, deleting, WAIT, |l| {
+            g.wait_applied(deleting, Duration::from_millis(50), WAIT, |l| {
                 l.backends.iter().all(|b| b.name != "model-a")
             })
         }))
