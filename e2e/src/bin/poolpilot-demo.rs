@@ -121,14 +121,20 @@ async fn main() -> anyhow::Result<()> {
         call_timeout: Duration::from_secs(30),
     };
     let trickle = Load::start_as(spec(TRICKLE), TRICKLE, "demo-light", None)?;
+    // On a terminal one line counts down; in a log, a line per change of the target.
+    let shown = parking_lot::Mutex::new(None::<u32>);
     let endpoints = eventually(
         "the target shrinks to min",
         Duration::from_secs(180),
         || async {
             let p = policies.get(&args.policy).await?;
             let b = backend_status(&p, &args.backend).context("no backend status yet")?;
-            print!("\r   target {:>3} → {min} ", b.target);
-            let _ = std::io::stdout().flush();
+            if std::io::stdout().is_terminal() {
+                print!("\r   target {:>3} → {min} ", b.target);
+                let _ = std::io::stdout().flush();
+            } else if shown.lock().replace(b.target) != Some(b.target) {
+                println!("   target {:>3} → {min}", b.target);
+            }
             anyhow::ensure!(b.target == min && rolled_out(&p), "target {}", b.target);
             Ok(b.endpoints)
         },
