@@ -142,9 +142,10 @@ where
     out
 }
 
-/// Runs CPU-bound work (planning a namespace with many policies takes a while) without holding
-/// up the runtime's other tasks, `/healthz` among them: on the multi-threaded runtime the worker
-/// hands its other tasks over first. (The current-thread runtime of unit tests just runs it.)
+/// Runs CPU-bound work (planning a namespace with many policies takes a while), or a wait for
+/// the memory lock such work holds, without holding up the runtime's other tasks, `/healthz`
+/// among them: on the multi-threaded runtime the worker hands its other tasks over first. (The
+/// current-thread runtime of unit tests just runs it.)
 fn cpu_bound<T>(work: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
@@ -205,12 +206,14 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
         }
     };
     // 5. status (client required)
-    let memory = ctx
-        .memory
-        .lock()
-        .get(&observed.focus.namespace)
-        .cloned()
-        .unwrap_or_default();
+    // The lock may be held by another reconcile's plan: wait for it off the async workers too.
+    let memory = cpu_bound(|| {
+        ctx.memory
+            .lock()
+            .get(&observed.focus.namespace)
+            .cloned()
+            .unwrap_or_default()
+    });
     let status = plan::status::compute(
         observed
             .input
@@ -247,12 +250,12 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
         observe::observe(ctx, policy, true, now)
     })
     .await?;
-    let fleet = {
+    let fleet = cpu_bound(|| {
         let mut memory = ctx.memory.lock();
         let mem = memory.entry(observed.focus.namespace.clone()).or_default();
         mem.backends.retain(|(k, _), _| k != &observed.focus);
-        cpu_bound(|| plan::plan(&observed.input, mem, now))
-    };
+        plan::plan(&observed.input, mem, now)
+    });
     step(
         &ctx.metrics,
         "cleanup",
