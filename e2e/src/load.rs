@@ -38,6 +38,27 @@ pub struct LoadSpec {
     pub call_timeout: Duration,
 }
 
+impl LoadSpec {
+    /// `workers` workers, each its own client identity, so that the per-client limit never
+    /// interferes: the load is what the gateways' pools see.
+    pub fn one_client_per_worker(
+        gateways: Vec<SocketAddr>,
+        model: impl Into<String>,
+        max_tokens: u32,
+        workers: usize,
+        call_timeout: Duration,
+    ) -> Self {
+        Self {
+            gateways,
+            model: model.into(),
+            max_tokens,
+            clients: workers,
+            max_workers: workers,
+            call_timeout,
+        }
+    }
+}
+
 /// The outcomes of one second, or of a window of seconds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Tally {

@@ -651,14 +651,7 @@ impl GatewayPod {
 
     /// `GET /metrics`.
     pub async fn metrics(&self) -> anyhow::Result<String> {
-        let url = format!("http://{}/metrics", self.admin());
-        Ok(http_client()?
-            .get(url)
-            .send()
-            .await?
-            .error_for_status()?
-            .text()
-            .await?)
+        get_text(&format!("http://{}/metrics", self.admin())).await
     }
 }
 
@@ -704,6 +697,11 @@ pub fn only_backend(policy: &mut Value, name: &str) -> anyhow::Result<()> {
 
 /// An operator pod's `/metrics` text, from its URL ([`Stack::operator_metrics_url`]).
 pub async fn operator_metrics(url: &str) -> anyhow::Result<String> {
+    get_text(url).await
+}
+
+/// The body of a successful `GET url`.
+async fn get_text(url: &str) -> anyhow::Result<String> {
     Ok(http_client()?
         .get(url)
         .send()

@@ -112,13 +112,14 @@ async fn main() -> anyhow::Result<()> {
         "light load ({TRICKLE} callers): letting {}'s target shrink to autoscale.min = {min}",
         args.backend
     ));
-    let spec = |workers: usize| LoadSpec {
-        gateways: gateways.iter().map(GatewayPod::proxy).collect(),
-        model: args.backend.clone(),
-        max_tokens: TOKENS,
-        clients: workers,
-        max_workers: workers,
-        call_timeout: Duration::from_secs(30),
+    let spec = |workers: usize| {
+        LoadSpec::one_client_per_worker(
+            gateways.iter().map(GatewayPod::proxy).collect(),
+            args.backend.clone(),
+            TOKENS,
+            workers,
+            Duration::from_secs(30),
+        )
     };
     let trickle = Load::start_as(spec(TRICKLE), TRICKLE, "demo-light", None)?;
     // On a terminal one line counts down; in a log, a line per change of the target.

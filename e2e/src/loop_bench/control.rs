@@ -152,15 +152,13 @@ pub async fn run(stack: &Stack<'_>, plan: &Plan) -> anyhow::Result<ControlResult
     stack.apply(&policy(Mode::Autoscale)?).await?;
     let gateways = stack.wait_gateways(GATEWAYS).await?;
     let load = Load::start(
-        LoadSpec {
-            gateways: gateways.iter().map(|g| g.proxy()).collect(),
-            model: "model-a".to_owned(),
-            max_tokens: 4,
-            // One identity per worker: the per-client limit (8) never interferes.
-            clients: CROWD,
-            max_workers: CROWD,
-            call_timeout: Duration::from_secs(30),
-        },
+        LoadSpec::one_client_per_worker(
+            gateways.iter().map(|g| g.proxy()).collect(),
+            "model-a",
+            4,
+            CROWD,
+            Duration::from_secs(30),
+        ),
         LIGHT,
     )?;
     let mut runs = Vec::new();

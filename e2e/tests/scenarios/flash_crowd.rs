@@ -66,15 +66,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
         stack.apply(&model_a_policy()?).await?;
         let gateways = stack.wait_gateways(3).await?;
         let load = Load::start(
-            LoadSpec {
-                gateways: gateways.iter().map(|g| g.proxy()).collect(),
-                model: "model-a".to_owned(),
-                max_tokens: 4,
-                // One identity per worker: the per-client limit (8) never interferes.
-                clients: CROWD,
-                max_workers: CROWD,
-                call_timeout: Duration::from_secs(30),
-            },
+            LoadSpec::one_client_per_worker(gateways.iter().map(|g| g.proxy()).collect(), "model-a", 4, CROWD, Duration::from_secs(30)),
             LIGHT,
         )?;
 

@@ -424,14 +424,13 @@ impl Held {
 /// Three closed-loop clients: enough for fresh latency samples, far below the minimum target.
 fn light_load(gateways: &[std::net::SocketAddr]) -> anyhow::Result<Load> {
     Load::start(
-        LoadSpec {
-            gateways: gateways.to_vec(),
-            model: "model-a".into(),
-            max_tokens: 8,
-            clients: GATEWAYS,
-            max_workers: GATEWAYS,
-            call_timeout: Duration::from_secs(10),
-        },
+        LoadSpec::one_client_per_worker(
+            gateways.to_vec(),
+            "model-a",
+            8,
+            GATEWAYS,
+            Duration::from_secs(10),
+        ),
         GATEWAYS,
     )
 }

@@ -71,14 +71,7 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
 
         let gateways = stack.wait_gateways(2).await?;
         let load = Load::start(
-            LoadSpec {
-                gateways: gateways.iter().map(|g| g.proxy()).collect(),
-                model: "model-a".into(),
-                max_tokens: 8,
-                clients: HEAVY,
-                max_workers: HEAVY,
-                call_timeout: Duration::from_secs(10),
-            },
+            LoadSpec::one_client_per_worker(gateways.iter().map(|g| g.proxy()).collect(), "model-a", 8, HEAVY, Duration::from_secs(10)),
             LIGHT,
         )?;
         stack.wait_condition(POLICY, "Ready", "True", WAIT).await?;

@@ -60,14 +60,13 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         stack.apply(&model_a_policy()?).await?;
         let gateways = stack.wait_gateways(3).await?;
         let load = Load::start(
-            LoadSpec {
-                gateways: gateways.iter().map(|g| g.proxy()).collect(),
-                model: "model-a".to_owned(),
-                max_tokens: 4,
-                clients: HEAVY,
-                max_workers: HEAVY,
-                call_timeout: Duration::from_secs(30),
-            },
+            LoadSpec::one_client_per_worker(
+                gateways.iter().map(|g| g.proxy()).collect(),
+                "model-a",
+                4,
+                HEAVY,
+                Duration::from_secs(30),
+            ),
             LIGHT,
         )?;
 

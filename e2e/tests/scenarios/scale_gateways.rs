@@ -132,14 +132,13 @@ impl Loads {
         }
         for pod in pods {
             if !self.live.contains_key(&pod.name) {
-                let spec = LoadSpec {
-                    gateways: vec![pod.proxy()],
-                    model: "model-a".to_owned(),
-                    max_tokens: 4,
-                    clients: WORKERS_PER_POD,
-                    max_workers: WORKERS_PER_POD,
-                    call_timeout: Duration::from_secs(10),
-                };
+                let spec = LoadSpec::one_client_per_worker(
+                    vec![pod.proxy()],
+                    "model-a",
+                    4,
+                    WORKERS_PER_POD,
+                    Duration::from_secs(10),
+                );
                 self.live
                     .insert(pod.name.clone(), Load::start(spec, WORKERS_PER_POD)?);
             }
