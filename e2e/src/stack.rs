@@ -319,6 +319,32 @@ impl<'a> Stack<'a> {
         Ok(serde_norway::from_str(&std::fs::read_to_string(path)?)?)
     }
 
+    /// The quick policy reduced to `backend`, deciding every `interval` within [`min`, `max`],
+    /// and shrinking in one step after a 10 s stabilization window: where a load test finds the
+    /// target at `min` soon after a light load starts.
+    pub fn one_backend_policy(
+        backend: &str,
+        interval: Duration,
+        min: u32,
+        max: u32,
+    ) -> anyhow::Result<Value> {
+        let mut policy = Self::quick_policy()?;
+        only_backend(&mut policy, backend)?;
+        set(
+            &mut policy,
+            "/spec/autoscale/interval",
+            json!(format!("{}s", interval.as_secs())),
+        )?;
+        set(&mut policy, "/spec/autoscale/min", json!(min))?;
+        set(&mut policy, "/spec/autoscale/max", json!(max))?;
+        set(
+            &mut policy,
+            "/spec/autoscale/scaleDown",
+            json!({"stabilizationWindow": "10s", "maxStepPercent": 100}),
+        )?;
+        Ok(policy)
+    }
+
     /// The sample policy paced for tests: decisions every 5 s, scale-down stabilized over 30 s,
     /// canary pods acknowledged then the rest at once (no verification intervals).
     pub fn quick_policy() -> anyhow::Result<Value> {

@@ -15,7 +15,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
-use poolpilot_e2e::stack::{Stack, WAIT, only_backend, set, share};
+use poolpilot_e2e::stack::{Stack, WAIT, set, share};
 use serde_json::{Value, json};
 
 use super::Plan;
@@ -124,26 +124,13 @@ pub struct ControlResult {
 /// The policy of one mode: the quick sample with model-a only, decisions every 10 s, shrinking
 /// in one step after 10 s (the flash-crowd scenario's), or autoscale off at a fixed target.
 pub fn policy(mode: Mode) -> anyhow::Result<Value> {
-    let mut p = Stack::quick_policy()?;
-    only_backend(&mut p, "model-a")?;
-    set(
-        &mut p,
-        "/spec/autoscale/interval",
-        json!(format!("{}s", INTERVAL.as_secs())),
-    )?;
-    set(
-        &mut p,
-        "/spec/autoscale/scaleDown",
-        json!({"stabilizationWindow": "10s", "maxStepPercent": 100}),
-    )?;
     let (enabled, min, max) = match mode {
         Mode::Autoscale => (true, MIN, MAX),
         Mode::StaticStart => (false, MIN, MIN),
         Mode::StaticMax => (false, MIN, MAX),
     };
+    let mut p = Stack::one_backend_policy("model-a", INTERVAL, min, max)?;
     set(&mut p, "/spec/autoscale/enabled", json!(enabled))?;
-    set(&mut p, "/spec/autoscale/min", json!(min))?;
-    set(&mut p, "/spec/autoscale/max", json!(max))?;
     Ok(p)
 }
 

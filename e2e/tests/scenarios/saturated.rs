@@ -24,10 +24,8 @@ use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, POLICY, Stack, StackSpec, WAIT, only_backend, operator_decisions, set, share,
-    with_stack,
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, operator_decisions, share, with_stack,
 };
-use serde_json::{Value, json};
 use tokio::time::Instant;
 
 const SCENARIO: &str = "saturated";
@@ -57,7 +55,9 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         ..StackSpec::default()
     };
     with_stack("saturated", spec, async |stack| {
-        stack.apply(&model_a_policy()?).await?;
+        stack
+            .apply(&Stack::one_backend_policy("model-a", INTERVAL, MIN, MAX)?)
+            .await?;
         let gateways = stack.wait_gateways(3).await?;
         let load = Load::start(
             LoadSpec::one_client_per_worker(
@@ -265,26 +265,6 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         Ok(())
     })
     .await
-}
-
-/// The quick sample policy with model-a only: decisions every 5 s, bounds [9, 51], shrinking in
-/// one step after a 10 s stabilization window.
-fn model_a_policy() -> anyhow::Result<Value> {
-    let mut policy = Stack::quick_policy()?;
-    only_backend(&mut policy, "model-a")?;
-    set(
-        &mut policy,
-        "/spec/autoscale/interval",
-        json!(format!("{}s", INTERVAL.as_secs())),
-    )?;
-    set(&mut policy, "/spec/autoscale/min", json!(MIN))?;
-    set(&mut policy, "/spec/autoscale/max", json!(MAX))?;
-    set(
-        &mut policy,
-        "/spec/autoscale/scaleDown",
-        json!({"stabilizationWindow": "10s", "maxStepPercent": 100}),
-    )?;
-    Ok(policy)
 }
 
 /// model-a's upstream p90 latency over the last `seconds` in this namespace, from Prometheus.
