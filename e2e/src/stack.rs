@@ -23,7 +23,7 @@ use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::ResourceExt as _;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_api::limits::GatewayLimits;
 use poolpilot_api::policy::BackendStatus;
@@ -38,6 +38,8 @@ use crate::wait::eventually;
 
 /// Deadline of the waits for pods and conditions: generous, for a loaded 2-core machine.
 pub const WAIT: Duration = Duration::from_secs(120);
+/// How long a test's teardown lets the operator clean its deleted policies up.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
 /// Label of the gateway pods (`manifests/gateway/deployment.yaml`).
 pub const GATEWAY_LABELS: &str = "app.kubernetes.io/name=poolpilot-gateway";
 /// Label of the operator pods (`manifests/operator/deployment.yaml`).
@@ -293,17 +295,35 @@ impl<'a> Stack<'a> {
         Ok(())
     }
 
-    /// Removes what outlives the namespace: the operator's ClusterRoleBinding, and the policies'
-    /// finalizers (whose operator may be gone).
+    /// Removes what outlives the namespace: the policies, whose finalizer would otherwise hold
+    /// the namespace in Terminating once the operator is deleted with it (the operator cleans
+    /// them up while it runs; what is left after [`TEARDOWN_WAIT`] loses its finalizer), and the
+    /// operator's ClusterRoleBinding.
     async fn teardown(&self) {
         let policies: Api<ConnectionPolicy> = self.ns.api();
-        if let Ok(list) = policies.list(&ListParams::default()).await {
-            for p in list {
-                let patch = Patch::Merge(json!({"metadata": {"finalizers": null}}));
-                let _ = policies
-                    .patch(&p.name_any(), &PatchParams::default(), &patch)
-                    .await;
+        let _ = policies
+            .delete_collection(&DeleteParams::default(), &ListParams::default())
+            .await;
+        let deadline = tokio::time::Instant::now() + TEARDOWN_WAIT;
+        loop {
+            let left = match policies.list(&ListParams::default()).await {
+                Ok(list) => list.items,
+                Err(_) => break,
+            };
+            if left.is_empty() {
+                break;
             }
+            if tokio::time::Instant::now() >= deadline {
+                // A deleted object gets no finalizer back: the operator cannot re-add it.
+                for p in left {
+                    let patch = Patch::Merge(json!({"metadata": {"finalizers": null}}));
+                    let _ = policies
+                        .patch(&p.name_any(), &PatchParams::default(), &patch)
+                        .await;
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
         let mut cmd = self.kubectl();
         cmd.args(["delete", "--ignore-not-found", "--wait=false"])

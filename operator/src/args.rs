@@ -41,6 +41,10 @@ pub struct Args {
     /// Timeout of one PUT to a gateway.
     #[arg(long, env = "POOLPILOT_PUT_TIMEOUT", default_value = "5s")]
     pub put_timeout: Duration,
+    /// How many policies are reconciled at once (at least 1). Each reconcile holds a copy of its
+    /// namespace while it runs, so this bounds the operator's memory with many policies.
+    #[arg(long, env = "POOLPILOT_CONCURRENT_RECONCILES", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub concurrent_reconciles: u16,
     /// Longest time between two reconciles of a policy.
     #[arg(long, env = "POOLPILOT_MAX_REQUEUE", default_value = "60s")]
     pub max_requeue: Duration,
@@ -95,6 +99,11 @@ mod tests {
         assert_eq!(a.admin_port, 9901);
         assert!(!a.leader_election);
         assert_eq!(a.namespace, "", "every namespace by default");
+        assert_eq!(a.concurrent_reconciles, 8);
+        assert!(
+            Args::try_parse_from(["poolpilot-operator", "--concurrent-reconciles", "0"]).is_err(),
+            "0 would mean unbounded to the Controller"
+        );
         assert!(Args::try_parse_from(["poolpilot-operator", "--put-timeout", "soon"]).is_err());
     }
 }

@@ -10,7 +10,7 @@ use futures::{StreamExt, future};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ListParams};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -215,7 +215,8 @@ impl Term {
         let controller = Controller::new(
             self.scope.api::<ConnectionPolicy>(c),
             watcher::Config::default(),
-        );
+        )
+        .with_config(controller::Config::default().concurrency(self.args.concurrent_reconciles));
         let policies = controller.store();
         // `poolpilot_operator_policies` counts from this cache while this replica leads.
         let _tracking = self.metrics.policies.track(policies.clone());
@@ -416,9 +417,10 @@ async fn poll_prometheus(
                 .get_or_create(&QueryLabel { query: q.name })
                 .inc();
         }
-        let (rows, errors) = prom::query_round(&client, &all).await;
+        // A round never outlasts the interval: the next one starts on time.
+        let (rows, errors) = prom::query_round(&client, &all, interval).await;
         for e in &errors {
-            if let prom::PromError::Query { name, .. } = e {
+            if let prom::PromError::Query { name, .. } | prom::PromError::Timeout { name, .. } = e {
                 metrics
                     .query_errors
                     .get_or_create(&QueryLabel { query: name })

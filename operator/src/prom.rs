@@ -32,6 +32,16 @@ pub enum PromError {
         #[source]
         source: prometheus_http_query::Error,
     },
+    /// A query got no answer in time (a Prometheus that accepts connections but does not
+    /// answer, or a network that drops packets). Without this bound one hung request would
+    /// stall every later round.
+    #[error("Prometheus query {name} got no answer within {after:?}")]
+    Timeout {
+        /// Which query.
+        name: &'static str,
+        /// The bound.
+        after: Duration,
+    },
 }
 
 /// The queries, with the windows they use.
@@ -308,17 +318,27 @@ pub fn rows(data: &Data) -> Vec<(HashMap<String, String>, f64)> {
     }
 }
 
-/// Runs one round of queries. A failed query leaves its rows `None`; the errors come back too,
-/// for logs and the query-error metric.
+/// Runs one round of queries, concurrently, each bounded by `timeout` (a query that runs out of
+/// time is cancelled). A failed query leaves its rows `None`; the errors come back too, for logs
+/// and the query-error metric.
 pub async fn query_round(
     client: &prometheus_http_query::Client,
     queries: &[Query],
+    timeout: Duration,
 ) -> (BTreeMap<&'static str, Rows>, Vec<PromError>) {
-    let answers = futures::future::join_all(
-        queries
-            .iter()
-            .map(|q| async move { (q.name, client.query(&q.promql).get().await) }),
-    )
+    let answers = futures::future::join_all(queries.iter().map(|q| async move {
+        let answer = match tokio::time::timeout(timeout, client.query(&q.promql).get()).await {
+            Ok(answer) => answer.map_err(|source| PromError::Query {
+                name: q.name,
+                source,
+            }),
+            Err(_) => Err(PromError::Timeout {
+                name: q.name,
+                after: timeout,
+            }),
+        };
+        (q.name, answer)
+    }))
     .await;
     let mut rows_by_name = BTreeMap::new();
     let mut errors = Vec::new();
@@ -327,9 +347,9 @@ pub async fn query_round(
             Ok(r) => {
                 rows_by_name.insert(name, Some(rows(r.data())));
             }
-            Err(source) => {
+            Err(e) => {
                 rows_by_name.insert(name, None);
-                errors.push(PromError::Query { name, source });
+                errors.push(e);
             }
         }
     }
@@ -539,6 +559,51 @@ mod tests {
                 .samples("ns", &selection(), at(0), Duration::from_secs(30))
                 .backends
                 .is_empty()
+        );
+    }
+
+    /// A Prometheus that accepts connections and never answers (a hung server, or packets
+    /// dropped after the handshake): every query of the round fails by its deadline instead of
+    /// stalling the poller for good.
+    #[tokio::test]
+    async fn a_round_against_a_silent_server_ends_at_its_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                open.push(socket);
+            }
+        });
+        let client = prometheus_http_query::Client::try_from(url.as_str()).unwrap();
+        let queries = Queries {
+            window: Duration::from_secs(30),
+            baseline_window: Duration::from_secs(3600),
+            freshness: Duration::from_secs(30),
+        }
+        .all();
+        let timeout = Duration::from_millis(300);
+        let start = tokio::time::Instant::now();
+        let (rows, errors) = query_round(&client, &queries, timeout).await;
+        let took = start.elapsed();
+        held.abort();
+        assert!(
+            took >= timeout && took < timeout * 10,
+            "the round ended after {took:?}"
+        );
+        assert_eq!(rows.len(), queries.len());
+        assert!(rows.values().all(Option::is_none), "{rows:?}");
+        assert_eq!(errors.len(), queries.len());
+        for e in &errors {
+            assert!(
+                matches!(e, PromError::Timeout { after, .. } if *after == timeout),
+                "{e:?}"
+            );
+        }
+        assert!(
+            errors[0].to_string().contains("no answer within 300ms"),
+            "{}",
+            errors[0]
         );
     }
 }

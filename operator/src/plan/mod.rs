@@ -18,6 +18,7 @@
 pub mod autoscale;
 pub mod conditions;
 pub mod fds;
+pub mod memo;
 pub mod render;
 pub mod selector;
 pub mod status;
@@ -56,7 +57,7 @@ impl std::fmt::Display for PolicyKey {
 }
 
 /// One policy as the planner needs it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PolicyInput {
     /// Which policy.
     pub key: PolicyKey,
@@ -148,6 +149,8 @@ pub struct Memory {
     pub backends: BTreeMap<(PolicyKey, String), BackendMemory>,
     /// The last known `process_max_fds` per pod (used while a sample is missing).
     pub fd_limits: BTreeMap<String, u64>,
+    /// The last rendering, reused while its inputs are unchanged.
+    pub rendered: Option<Arc<memo::Rendered>>,
 }
 
 /// The whole input of one planning run for one namespace.
@@ -215,7 +218,7 @@ impl BackendPlan {
 }
 
 /// The plan for one policy.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PolicyPlan {
     /// Which policy.
     pub key: PolicyKey,
@@ -275,7 +278,7 @@ pub struct FleetPlan {
     /// Per policy, in input order.
     pub policies: Vec<PolicyPlan>,
     /// The document each selected pod should run, by pod name.
-    pub documents: BTreeMap<String, GatewayLimits>,
+    pub documents: BTreeMap<String, Arc<GatewayLimits>>,
 }
 
 impl FleetPlan {
@@ -286,7 +289,8 @@ impl FleetPlan {
 }
 
 /// Plans the namespace: validation and conflicts, autoscaling (only for backends whose interval is
-/// due at `now`), budgets, the fd check and the rendered documents. `memory` is updated in place.
+/// due at `now`), budgets, the fd check and the rendered documents (the last rendering when its
+/// inputs are unchanged). `memory` is updated in place.
 pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPlan {
     let selection = selector::select(&input.policies, &input.pods);
     let acceptance = validate::accept(&input.policies, &selection);
@@ -395,15 +399,28 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
         .iter()
         .filter_map(|p| memory.fd_limits.get(&p.name).map(|l| (p.name.clone(), *l)))
         .collect();
-    fds::check(&input.policies, &mut plans, &fd_limits);
-
-    let documents = render::render_all(
+    let generations = render::Generations::new(
         &input.policies,
         &input.pods,
-        &mut plans,
         &input.published,
         input.generation_floor,
     );
+    let render_input = memo::RenderInput::of(input, &plans, &fd_limits, &generations);
+    if let Some(last) = memory.rendered.as_deref()
+        && last.input == render_input
+    {
+        return FleetPlan {
+            policies: last.reuse(plans),
+            documents: last.documents.clone(),
+        };
+    }
+    fds::check(&input.policies, &mut plans, &fd_limits);
+    let documents = render::render_all(&input.policies, &input.pods, &mut plans, generations);
+    memory.rendered = Some(Arc::new(memo::Rendered::new(
+        render_input,
+        &plans,
+        documents.clone(),
+    )));
     FleetPlan {
         policies: plans,
         documents,

@@ -20,15 +20,14 @@ use super::{Acked, GatewayPod, PolicyInput, PolicyPlan};
 /// backends of deleted policies), and stores in each accepted plan its ConfigMap's document: the
 /// policies on its first selected pod (or, without pods, the policies sharing its selector) at
 /// the base shares. A policy whose own document does not validate is marked invalid first.
-/// `published` lists documents already written (ConfigMaps), so that generations keep
-/// increasing across operator restarts.
+/// `generations` knows the documents already written, acknowledged or recorded in a status, so
+/// that generations keep increasing across operator restarts.
 pub fn render_all(
     policies: &[PolicyInput],
     pods: &[GatewayPod],
     plans: &mut [PolicyPlan],
-    published: &[Acked],
-    floor: u64,
-) -> BTreeMap<String, GatewayLimits> {
+    mut generations: Generations,
+) -> BTreeMap<String, Arc<GatewayLimits>> {
     for (i, plan) in plans.iter_mut().enumerate() {
         if plan.acceptance.is_accepted()
             && let Err(e) = document(policies, &[(i, &*plan)], None).validate()
@@ -40,7 +39,6 @@ pub fn render_all(
 
     // The ConfigMaps' documents first, so that a pod starting from one is never ahead of the
     // generation of the document the operator sends it next.
-    let mut generations = Generations::new(policies, pods, published, floor);
     // Policies on the same first pod (or, without pods, with the same selector) share one
     // document: render it once, not once per policy (many policies select the same pods).
     let mut shared: BTreeMap<PeerSet, Arc<GatewayLimits>> = BTreeMap::new();
@@ -97,7 +95,7 @@ pub fn render_all(
             .collect();
         let mut doc = document(policies, &on_pod, Some(&pod.name)).with_content_revision();
         doc.generation = generations.of(&doc.revision);
-        out.insert(pod.name.clone(), doc);
+        out.insert(pod.name.clone(), Arc::new(doc));
     }
     out
 }
@@ -112,14 +110,22 @@ enum PeerSet {
 
 /// Hands out generations: an existing one for a revision already known (if above the floor),
 /// otherwise one above everything known.
-struct Generations {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generations {
     known: BTreeMap<String, u64>,
     floor: u64,
     next: u64,
 }
 
 impl Generations {
-    fn new(policies: &[PolicyInput], pods: &[GatewayPod], published: &[Acked], floor: u64) -> Self {
+    /// What is known: `published` documents (ConfigMaps), what the pods acknowledged, what the
+    /// policies' statuses recorded, and the floor every new generation must go above.
+    pub fn new(
+        policies: &[PolicyInput],
+        pods: &[GatewayPod],
+        published: &[Acked],
+        floor: u64,
+    ) -> Self {
         let mut known = BTreeMap::new();
         let mut max = floor;
         let acked = pods.iter().filter_map(|p| p.acked.clone());

@@ -737,6 +737,75 @@ fn only_the_focus_policy_decides() {
 }
 
 #[test]
+fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
+    let a = policy("a", 0, &spec("model-a", 700, ""), 2);
+    let b = policy("b", 1, &spec("model-b", 700, ""), 2);
+    let mut input = FleetInput {
+        policies: vec![a, b],
+        pods: pods(3),
+        focus: Some(key("a")),
+        ..FleetInput::default()
+    };
+    let steady = BackendSample {
+        leased: Some(10.0),
+        pending: Some(0.0),
+        latency_p90: Some(0.1),
+        latency_baseline: Some(0.1),
+    };
+    input
+        .samples
+        .backends
+        .insert((key("a"), "model-a".into()), steady);
+    let mut memory = Memory::default();
+    let first = plan(&input, &mut memory, at(0));
+    let target = first.policies[0].backends[0].target;
+
+    // Fresh samples, another policy in focus, a status written meanwhile: nothing the
+    // documents are made from.
+    input.samples.backends.insert(
+        (key("a"), "model-a".into()),
+        BackendSample {
+            leased: Some(11.0),
+            ..steady
+        },
+    );
+    input.focus = Some(key("b"));
+    input.policies[1].status = Some(ConnectionPolicyStatus {
+        observed_generation: Some(1),
+        ..ConnectionPolicyStatus::default()
+    });
+    let again = plan(&input, &mut memory, at(5));
+    assert!(
+        again
+            .documents
+            .iter()
+            .all(|(pod, d)| Arc::ptr_eq(d, &first.documents[pod])),
+        "the documents are the last rendering's"
+    );
+    assert!(
+        again.policies[1].backends[0].decision.is_some(),
+        "this run's decision is still reported"
+    );
+    assert_eq!(
+        again.policies[0].backends[0].sample.leased,
+        Some(11.0),
+        "and this run's samples"
+    );
+
+    // A spec change is rendered anew, exactly as without the memo.
+    input.policies[0].spec.backends[0].pool.max_pending = 7;
+    let mut without = memory.clone();
+    without.rendered = None;
+    let changed = plan(&input, &mut memory, at(10));
+    assert_eq!(changed.documents["gw-0"].backends[0].pool.max_pending, 7);
+    assert_eq!(
+        changed.documents,
+        plan(&input, &mut without, at(10)).documents
+    );
+    assert_eq!(changed.policies[0].backends[0].target, target);
+}
+
+#[test]
 fn status_reports_conditions_targets_and_pods() {
     let p = policy(
         "a",
@@ -905,6 +974,39 @@ proptest! {
             if fixed + minima <= allowed {
                 prop_assert!(need <= allowed, "pod needs {} fds, allowed {}", need, allowed);
             }
+        }
+    }
+
+    /// Reusing the last rendering gives exactly what rendering again would, over runs whose
+    /// decisions change the targets (and so the documents) or not, and pods that come and go.
+    #[test]
+    fn the_reused_rendering_is_what_rendering_again_gives((mut input, _) in arb_fleet(), changes in prop::collection::vec(0u8..6, 1..8)) {
+        let mut memory = Memory::default();
+        for (t, change) in changes.iter().enumerate() {
+            match change {
+                0 => {}
+                1 => input.pods[0].ready = !input.pods[0].ready,
+                2 => input.pods.last_mut().unwrap().terminating = true,
+                3 => input.pods.push(GatewayPod {
+                    name: format!("other-{t}"),
+                    labels: [("app".to_owned(), "other".to_owned())].into(),
+                    ..GatewayPod::default()
+                }),
+                // A pod said it runs a later generation (a 409).
+                4 => input.generation_floor += 3,
+                _ => {
+                    for s in input.samples.backends.values_mut() {
+                        s.pending = s.pending.map(|p| p + 50.0);
+                    }
+                }
+            }
+            let mut without = memory.clone();
+            without.rendered = None;
+            let now = at(t as i64 * 15);
+            let reused = plan(&input, &mut memory, now);
+            let rendered = plan(&input, &mut without, now);
+            prop_assert_eq!(&reused.policies, &rendered.policies);
+            prop_assert_eq!(&reused.documents, &rendered.documents);
         }
     }
 

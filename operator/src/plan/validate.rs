@@ -44,9 +44,15 @@ pub fn accept(policies: &[PolicyInput], selection: &[Vec<String>]) -> Vec<Accept
         (policies[a].created, &policies[a].key).cmp(&(policies[b].created, &policies[b].key))
     });
 
-    // Backend names claimed so far: per pod, and per selector for policies without pods yet.
+    // Backend names claimed so far: per pod, and per selector (by its canonical JSON) for
+    // policies without pods yet. A name has one owner per pod and per selector: a later policy
+    // claiming it again is Conflicted and claims nothing.
     let mut by_pod: BTreeMap<&str, BTreeMap<&str, usize>> = BTreeMap::new();
-    let mut winners: Vec<usize> = Vec::new();
+    let mut by_selector: BTreeMap<String, BTreeMap<&str, usize>> = BTreeMap::new();
+    let mut place = vec![0; policies.len()];
+    for (n, &i) in order.iter().enumerate() {
+        place[i] = n;
+    }
     for &i in &order {
         if !out[i].is_accepted() {
             continue;
@@ -64,21 +70,24 @@ pub fn accept(policies: &[PolicyInput], selection: &[Vec<String>]) -> Vec<Accept
                 }
             }
         }
-        if clash.is_none() {
-            // Same selector: they will share pods as soon as any exist.
-            for &w in &winners {
-                if policies[w].spec.gateway_selector == p.spec.gateway_selector
-                    && let Some(name) = policies[w]
+        let selector = serde_json::to_string(&p.spec.gateway_selector).unwrap_or_default();
+        if clash.is_none()
+            && let Some(claimed) = by_selector.get(&selector)
+        {
+            // Same selector: they will share pods as soon as any exist. The oldest owner is
+            // named, with its first backend (in its spec's order) that this policy repeats.
+            clash = names
+                .iter()
+                .filter_map(|name| claimed.get(name).map(|&owner| (owner, *name)))
+                .min_by_key(|&(owner, name)| {
+                    let position = policies[owner]
                         .spec
                         .backends
                         .iter()
-                        .map(|b| b.name.as_str())
-                        .find(|n| names.contains(n))
-                {
-                    clash = Some((w, name, None));
-                    break;
-                }
-            }
+                        .position(|b| b.name == name);
+                    (place[owner], position)
+                })
+                .map(|(owner, name)| (owner, name, None));
         }
         match clash {
             Some((owner, name, pod)) => {
@@ -98,7 +107,10 @@ pub fn accept(policies: &[PolicyInput], selection: &[Vec<String>]) -> Vec<Accept
                         claimed.insert(name, i);
                     }
                 }
-                winners.push(i);
+                let claimed = by_selector.entry(selector).or_default();
+                for name in &names {
+                    claimed.insert(name, i);
+                }
             }
         }
     }

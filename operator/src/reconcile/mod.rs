@@ -156,14 +156,15 @@ fn cpu_bound<T>(work: impl FnOnce() -> T) -> T {
 async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
     let now = (ctx.clock)();
     let m = &ctx.metrics;
-    // 1. observe (no API calls: caches and the latest Prometheus snapshot)
+    // 1. observe (no API calls: caches and the latest Prometheus snapshot; CPU only, its cost
+    //    grows with the namespace, so off the async workers)
     let observed = step(m, "observe", async {
-        observe::observe(ctx, policy, false, now)
+        cpu_bound(|| observe::observe(ctx, policy, false, now))
     })
     .await?;
     // 2. validate (no client required)
     let verdict = step(m, "validate", async {
-        Ok::<_, Error>(validate::check(&observed))
+        Ok::<_, Error>(cpu_bound(|| validate::check(&observed)))
     })
     .await?;
     // 3. plan (no client required; CPU only, off the async workers)
@@ -205,14 +206,23 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
             rollout::not_rolled_out(&observed, &fleet)
         }
     };
-    // 5. status (client required)
+    // 5. status (client required), from this policy's autoscale memory.
     // The lock may be held by another reconcile's plan: wait for it off the async workers too.
     let memory = cpu_bound(|| {
-        ctx.memory
-            .lock()
-            .get(&observed.focus.namespace)
-            .cloned()
-            .unwrap_or_default()
+        let all = ctx.memory.lock();
+        let namespace = all.get(&observed.focus.namespace);
+        plan::Memory {
+            backends: policy_plan
+                .backends
+                .iter()
+                .filter_map(|b| {
+                    let key = (observed.focus.clone(), b.name.clone());
+                    let mem = namespace?.backends.get(&key)?.clone();
+                    Some((key, mem))
+                })
+                .collect(),
+            ..plan::Memory::default()
+        }
     });
     let status = plan::status::compute(
         observed
@@ -247,7 +257,7 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
 async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
     let now = (ctx.clock)();
     let observed = step(&ctx.metrics, "observe", async {
-        observe::observe(ctx, policy, true, now)
+        cpu_bound(|| observe::observe(ctx, policy, true, now))
     })
     .await?;
     let fleet = cpu_bound(|| {

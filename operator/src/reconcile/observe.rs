@@ -22,6 +22,12 @@ use crate::plan::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyKey, Timesta
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// The ConfigMap key holding the limits document.
 pub const DOCUMENT_KEY: &str = "limits.json";
+/// ConfigMap annotations repeating the document's revision and generation, so that observing a
+/// namespace reads them without parsing every document (with many policies on the same pods
+/// each ConfigMap holds a document of every backend).
+pub const REVISION_ANNOTATION: &str = "poolpilot.io/revision";
+/// See [`REVISION_ANNOTATION`].
+pub const GENERATION_ANNOTATION: &str = "poolpilot.io/generation";
 /// The label on every ConfigMap the operator writes.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "poolpilot-operator");
 /// Pod annotation overriding the admin port.
@@ -75,19 +81,19 @@ pub fn observe<G: Gateways>(
         name: policy.name_any(),
     };
 
-    let mut objects: Vec<ConnectionPolicy> = ctx
-        .stores
-        .policies
-        .state()
+    // The cached objects, not copies of them (with their managed fields and last-applied
+    // annotations they are far larger than what planning takes from them).
+    let others = ctx.stores.policies.state();
+    let mut objects: Vec<&ConnectionPolicy> = others
         .iter()
+        .map(|p| &**p)
         .filter(|p| p.namespace().as_deref() == Some(ns.as_str()) && p.name_any() != focus.name)
         .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .map(|p| (**p).clone())
         .collect();
     if !removing {
-        objects.push(policy.clone());
+        objects.push(policy);
     }
-    objects.sort_by_key(|p| p.name_any());
+    objects.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
 
     let slices: Vec<_> = ctx
         .stores
@@ -162,14 +168,7 @@ pub fn observe<G: Gateways>(
         .state()
         .iter()
         .filter(|cm| cm.namespace().as_deref() == Some(ns.as_str()))
-        .filter_map(|cm| {
-            let doc: GatewayLimits =
-                serde_json::from_str(cm.data.as_ref()?.get(DOCUMENT_KEY)?).ok()?;
-            Some(Acked {
-                revision: doc.revision,
-                generation: doc.generation,
-            })
-        })
+        .filter_map(|cm| published_document(cm))
         .collect();
 
     let selection: Vec<(PolicyKey, Vec<String>, Vec<String>)> =
@@ -198,6 +197,28 @@ pub fn observe<G: Gateways>(
         },
         focus,
         admin,
+    })
+}
+
+/// The revision and generation of the document a ConfigMap holds: from its annotations, or
+/// from the document itself when they are missing (a ConfigMap written before they existed).
+pub fn published_document(cm: &ConfigMap) -> Option<Acked> {
+    let annotations = cm.annotations();
+    let annotated = annotations.get(REVISION_ANNOTATION).zip(
+        annotations
+            .get(GENERATION_ANNOTATION)
+            .and_then(|g| g.parse().ok()),
+    );
+    if let Some((revision, generation)) = annotated {
+        return Some(Acked {
+            revision: revision.clone(),
+            generation,
+        });
+    }
+    let doc: GatewayLimits = serde_json::from_str(cm.data.as_ref()?.get(DOCUMENT_KEY)?).ok()?;
+    Some(Acked {
+        revision: doc.revision,
+        generation: doc.generation,
     })
 }
 
@@ -371,5 +392,48 @@ mod tests {
             ["10.0.0.5:80", "x"],
             "unparsable addresses are left to validation"
         );
+    }
+
+    fn configmap(annotations: serde_json::Value, doc: &str) -> ConfigMap {
+        serde_json::from_value(json!({
+            "metadata": {"name": "models-limits", "annotations": annotations},
+            "data": {DOCUMENT_KEY: doc},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_published_document_is_read_from_the_annotations_or_else_from_the_document() {
+        let doc = r#"{"revision": "from-doc", "generation": 3, "backends": []}"#;
+        let annotated = configmap(
+            json!({REVISION_ANNOTATION: "r7", GENERATION_ANNOTATION: "7"}),
+            "not even JSON: the annotations are enough",
+        );
+        assert_eq!(
+            published_document(&annotated),
+            Some(Acked {
+                revision: "r7".into(),
+                generation: 7
+            })
+        );
+        let older = configmap(json!({}), doc);
+        assert_eq!(
+            published_document(&older),
+            Some(Acked {
+                revision: "from-doc".into(),
+                generation: 3
+            }),
+            "a ConfigMap written before the annotations existed"
+        );
+        let bad = configmap(
+            json!({REVISION_ANNOTATION: "r7", GENERATION_ANNOTATION: "x"}),
+            doc,
+        );
+        assert_eq!(
+            published_document(&bad).map(|a| a.generation),
+            Some(3),
+            "an unparsable generation annotation falls back to the document"
+        );
+        assert_eq!(published_document(&configmap(json!({}), "{")), None);
     }
 }

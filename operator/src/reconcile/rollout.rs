@@ -12,7 +12,9 @@ use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::observe::{DOCUMENT_KEY, MANAGED_BY, Observed};
+use super::observe::{
+    DOCUMENT_KEY, GENERATION_ANNOTATION, MANAGED_BY, Observed, REVISION_ANNOTATION,
+};
 use super::{Context, FIELD_MANAGER};
 use crate::gateway::{Gateways, PutError};
 use crate::metrics::OutcomeLabel;
@@ -188,9 +190,12 @@ async fn apply_configmap<G: Gateways>(
     let name = configmap_name(&policy.name_any());
     let ns = policy.namespace().unwrap_or_default();
     let body = serde_json::to_string_pretty(doc).map_err(RolloutError::Serialize)?;
+    let generation = doc.generation.to_string();
     let unchanged = ctx.stores.configmaps.state().iter().any(|cm| {
         cm.namespace().as_deref() == Some(ns.as_str())
             && cm.name_any() == name
+            && cm.annotations().get(REVISION_ANNOTATION) == Some(&doc.revision)
+            && cm.annotations().get(GENERATION_ANNOTATION) == Some(&generation)
             && cm.data.as_ref().and_then(|d| d.get(DOCUMENT_KEY)) == Some(&body)
     });
     if unchanged {
@@ -207,6 +212,7 @@ async fn apply_configmap<G: Gateways>(
             "name": name,
             "namespace": ns,
             "labels": {MANAGED_BY.0: MANAGED_BY.1, "poolpilot.io/policy": policy.name_any()},
+            "annotations": {REVISION_ANNOTATION: doc.revision, GENERATION_ANNOTATION: generation},
             "ownerReferences": owner,
         },
         "data": {DOCUMENT_KEY: body},

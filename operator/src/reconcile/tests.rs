@@ -277,6 +277,14 @@ async fn accepted_policy_applies_configmap_puts_to_the_pod_then_writes_status_an
         doc.backends[0].pool.max_connections_per_endpoint, 51,
         "64 × 0.8 for the one ready pod"
     );
+    assert_eq!(
+        (
+            &cm["metadata"]["annotations"]["poolpilot.io/revision"],
+            &cm["metadata"]["annotations"]["poolpilot.io/generation"]
+        ),
+        (&json!(doc.revision), &json!("1")),
+        "the annotations repeat the document's revision and generation"
+    );
     doc.validate().expect("the durable document validates");
 
     expect_token_secret(&mut api).await;

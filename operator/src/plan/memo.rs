@@ -1,0 +1,116 @@
+//! The namespace's last rendering, reused while everything it was made from is unchanged. Every
+//! reconcile plans the whole namespace, so with many policies on the same pods it would render
+//! (and hash) every pod's document of every backend again each time: quadratic in the number of
+//! policies. Most reconciles change nothing the documents depend on; comparing those inputs is
+//! far cheaper than rendering them.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use poolpilot_api::GatewayLimits;
+
+use super::render::Generations;
+use super::{FleetInput, PolicyInput, PolicyPlan};
+
+/// Everything the fd check and the rendering read. Per-run facts that they do not read (the
+/// decisions, the samples, metrics availability, the policies' statuses beyond the documents
+/// they record) are left out, so that a reconcile that only looked at fresh samples finds the
+/// rendering still valid.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RenderInput {
+    policies: Vec<PolicyInput>,
+    plans: Vec<PolicyPlan>,
+    pods: Vec<String>,
+    fd_limits: BTreeMap<String, u64>,
+    generations: Generations,
+}
+
+impl RenderInput {
+    /// The inputs of rendering `plans` (targets decided, not yet checked against the fd budget).
+    pub fn of(
+        input: &FleetInput,
+        plans: &[PolicyPlan],
+        fd_limits: &BTreeMap<String, u64>,
+        generations: &Generations,
+    ) -> Self {
+        Self {
+            policies: input
+                .policies
+                .iter()
+                .map(|p| PolicyInput {
+                    status: None,
+                    ..p.clone()
+                })
+                .collect(),
+            plans: plans.iter().map(without_run_facts).collect(),
+            pods: input.pods.iter().map(|p| p.name.clone()).collect(),
+            fd_limits: fd_limits.clone(),
+            generations: generations.clone(),
+        }
+    }
+}
+
+/// A rendering and what it was made from.
+#[derive(Clone, PartialEq)]
+pub struct Rendered {
+    /// What it was made from.
+    pub input: RenderInput,
+    /// The plans after the fd check and rendering, without this run's facts.
+    pub plans: Vec<PolicyPlan>,
+    /// The documents per pod.
+    pub documents: BTreeMap<String, Arc<GatewayLimits>>,
+}
+
+impl std::fmt::Debug for Rendered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rendered")
+            .field("policies", &self.plans.len())
+            .field("documents", &self.documents.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Rendered {
+    /// Records a rendering.
+    pub fn new(
+        input: RenderInput,
+        plans: &[PolicyPlan],
+        documents: BTreeMap<String, Arc<GatewayLimits>>,
+    ) -> Self {
+        Self {
+            input,
+            plans: plans.iter().map(without_run_facts).collect(),
+            documents,
+        }
+    }
+
+    /// The rendered plans with this run's facts (decisions, samples, metrics availability) taken
+    /// from `fresh`, the plans of this run before rendering; they match the recorded ones one to
+    /// one since the inputs are equal.
+    pub fn reuse(&self, fresh: Vec<PolicyPlan>) -> Vec<PolicyPlan> {
+        self.plans
+            .iter()
+            .zip(fresh)
+            .map(|(rendered, fresh)| {
+                let mut plan = rendered.clone();
+                plan.metrics_available = fresh.metrics_available;
+                for (b, f) in plan.backends.iter_mut().zip(fresh.backends) {
+                    b.decision = f.decision;
+                    b.sample = f.sample;
+                }
+                plan
+            })
+            .collect()
+    }
+}
+
+/// `plan` without what only this run decided or saw.
+fn without_run_facts(plan: &PolicyPlan) -> PolicyPlan {
+    let mut plan = plan.clone();
+    plan.metrics_available = None;
+    for b in &mut plan.backends {
+        b.decision = None;
+        b.sample = Default::default();
+    }
+    plan
+}
