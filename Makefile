@@ -175,8 +175,8 @@ LOOP_BENCH_OUT   ?= e2e/bench/control-loop.md
 
 .PHONY: bench
 bench: bench-peers cluster-up ## Proxy benchmarks beside HAProxy and nginx, control loop and operator scale on the embedded cluster, rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
-	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT)
-	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-bench
+	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-bench
+	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT) --bin-dir $(BENCH_BIN)
 	$(BENCH_BIN)/poolpilot-bench run --gateway-bin $(BENCH_BIN)/poolpilot-gateway \
 		--run-dir $(CACHE)/bench-run --out BENCHMARKS.md --analysis e2e/bench/analysis.md \
 		--include $(LOOP_BENCH_OUT)

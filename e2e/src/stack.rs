@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -116,6 +117,10 @@ pub struct StackSpec {
     /// More operator flags, appended to the overlay's; a `--prometheus-url=` among them
     /// replaces the overlay's (clap refuses a repeated flag).
     pub operator_args: Vec<String>,
+    /// A folder whose `poolpilot-operator` and `poolpilot-gateway` the pods run (as their
+    /// images: the local kubelet runs an image that is an absolute path as is) instead of the
+    /// workspace's debug build: the loop benchmark runs the release one.
+    pub binaries: Option<PathBuf>,
 }
 
 impl Default for StackSpec {
@@ -129,6 +134,7 @@ impl Default for StackSpec {
             ],
             nofile_limit: None,
             operator_args: Vec::new(),
+            binaries: None,
         }
     }
 }
@@ -238,6 +244,13 @@ impl<'a> Stack<'a> {
             .unwrap_or_default()
             .to_owned();
         let container = &mut object["spec"]["template"]["spec"]["containers"][0];
+        if let Some(dir) = &spec.binaries
+            && matches!(name.as_str(), OPERATOR_DEPLOYMENT | GATEWAY_DEPLOYMENT)
+        {
+            let bin = dir.join(&name);
+            anyhow::ensure!(bin.is_file(), "no {} to run", bin.display());
+            container["image"] = json!(bin);
+        }
         match name.as_str() {
             OPERATOR_DEPLOYMENT => {
                 // clap refuses a repeated flag: a `--prometheus-url=` among the spec's operator

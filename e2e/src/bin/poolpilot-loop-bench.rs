@@ -6,7 +6,7 @@
 //! ```sh
 //! make cluster-up
 //! cargo build -p poolpilot-operator -p poolpilot-gateway -p poolpilot-e2e --bins
-//! $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --out e2e/bench/control-loop.md [--quick] [--parts control,rollout,scale]
+//! $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --out e2e/bench/control-loop.md [--quick] [--parts control,rollout,scale] [--bin-dir DIR]
 //! ```
 
 #[path = "../loop_bench/mod.rs"]
@@ -32,6 +32,10 @@ struct Args {
     /// Only these parts (comma-separated from control, rollout, scale); all when empty.
     #[arg(long, env = "LOOP_BENCH_PARTS", default_value = "")]
     parts: String,
+    /// A folder with the `poolpilot-operator` and `poolpilot-gateway` the pods run (`make bench`
+    /// passes the release build); the workspace's debug build when not given.
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -39,7 +43,7 @@ async fn main() -> anyhow::Result<()> {
     poolpilot_e2e::install_crypto_provider();
     let args = Args::parse();
     let parts = Part::parse_list(&args.parts)?;
-    let plan = Plan::new(args.quick);
+    let plan = Plan::new(args.quick, args.bin_dir.clone());
     eprintln!("poolpilot-loop-bench: waiting for the scenario lock");
     let _serial = serial().await?;
     eprintln!(

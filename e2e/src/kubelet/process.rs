@@ -59,11 +59,16 @@ pub struct ImageResolver {
 }
 
 impl ImageResolver {
-    /// The binary that stands for `image`.
+    /// The binary that stands for `image`: an explicit mapping, an image that is an absolute
+    /// path to a file (a test or benchmark running another build), or `<name>` /
+    /// `poolpilot-<name>` in the bin dirs.
     pub fn resolve(&self, image: &str) -> Result<PathBuf, StartError> {
         let untagged = strip_tag(image);
         if let Some(path) = self.images.get(untagged) {
             return Ok(path.clone());
+        }
+        if untagged.starts_with('/') && Path::new(untagged).is_file() {
+            return Ok(PathBuf::from(untagged));
         }
         let name = untagged.rsplit('/').next().unwrap_or(untagged);
         let candidates: Vec<PathBuf> = self
@@ -347,6 +352,14 @@ mod tests {
                 .resolve_command("poolpilot/gateway", "/poolpilot-gateway")
                 .unwrap(),
             dir.path().join("poolpilot-gateway")
+        );
+        let other = tempfile::tempdir().unwrap();
+        let release = other.path().join("poolpilot-gateway");
+        std::fs::write(&release, "").unwrap();
+        assert_eq!(
+            resolver.resolve(&release.display().to_string()).unwrap(),
+            release,
+            "an image that is a path names its binary"
         );
         let err = resolver.resolve("poolpilot/nothing").unwrap_err();
         assert_eq!(err.reason(), "ErrImagePull");

@@ -23,13 +23,18 @@ pub fn render(plan: &Plan, r: &Results) -> String {
         "## Control loop and operator scale (issue 8, parts 5–6)\n\n\
          Written by `poolpilot-loop-bench` ({}) on {}, on the embedded cluster \
          (`make cluster-up`: real etcd, kube-apiserver and controller-manager, the local kubelet \
-         running every pod as a process of the **debug** build, Prometheus scraping every 2 s, the \
-         operator querying it every 2 s). Load average {} at the start, {} at the end; {:.0} s in \
-         all. Every number comes from that run; do not edit by hand.\n",
+         running every pod as a process: operator and gateways of the {}, modelsim of the debug \
+         build; Prometheus scraping every 2 s, the operator querying it every 2 s). Load average \
+         {} at the start, {} at the end; {:.0} s in all. Every number comes from that run; do not \
+         edit by hand.\n",
         if plan.quick {
             "**quick mode**: short runs to validate the harness, not for conclusions"
         } else {
             "full mode"
+        },
+        match &plan.binaries {
+            Some(dir) => format!("build in `{}`", dir.display()),
+            None => "**debug** build".to_owned(),
         },
         r.started,
         r.load.0,
@@ -419,8 +424,10 @@ fn render_reproduce(w: &mut String) {
          make cluster-up\n\
          export CARGO_TARGET_DIR=$HOME/.cache/poolpilot/target\n\
          cargo build -p poolpilot-operator -p poolpilot-gateway -p poolpilot-e2e --bins\n\
+         CARGO_TARGET_DIR=$HOME/.cache/poolpilot/target-bench cargo build --release -p poolpilot-operator -p poolpilot-gateway\n\
          # part 5 flash crowd (three rows), or rollout, or scale (part 6); --quick for short runs\n\
-         $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --parts control --out /tmp/control-loop.md\n\
+         $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --parts control --out /tmp/control-loop.md \\\n\
+         \x20 --bin-dir $HOME/.cache/poolpilot/target-bench/release\n\
          ```\n\n\
          The binary takes the scenario lock (`$POOLPILOT_CLUSTER_DIR/scenario.lock`), so it never \
          overlaps a scenario run; the harness is `e2e/src/bin/poolpilot-loop-bench.rs` and \

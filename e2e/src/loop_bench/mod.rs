@@ -12,6 +12,7 @@ pub mod fragment;
 pub mod rollout;
 pub mod scale;
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use poolpilot_e2e::stack::{BackendSpec, StackSpec, with_stack};
@@ -62,11 +63,14 @@ pub struct Plan {
     pub policy_levels: Vec<usize>,
     /// How long the operator is measured at each policy count.
     pub scale_window: Duration,
+    /// Where the operator and gateway binaries the pods run come from (`None`: the images',
+    /// the workspace's debug build).
+    pub binaries: Option<PathBuf>,
 }
 
 impl Plan {
-    /// The quick or the full plan.
-    pub fn new(quick: bool) -> Self {
+    /// The quick or the full plan, its pods running the binaries in `binaries`.
+    pub fn new(quick: bool, binaries: Option<PathBuf>) -> Self {
         if quick {
             Self {
                 quick,
@@ -75,6 +79,7 @@ impl Plan {
                 rollout_reps: 2,
                 policy_levels: vec![1, 20],
                 scale_window: Duration::from_secs(15),
+                binaries,
             }
         } else {
             Self {
@@ -84,6 +89,7 @@ impl Plan {
                 rollout_reps: 5,
                 policy_levels: vec![1, 20, 50, 200],
                 scale_window: Duration::from_secs(30),
+                binaries,
             }
         }
     }
@@ -126,10 +132,11 @@ impl Results {
 
 /// The stack of the control and rollout parts: the flash-crowd scenario's (3 gateways, three
 /// model-a instances with 64 slots and a 1 s service time).
-fn crowd_stack() -> StackSpec {
+fn crowd_stack(plan: &Plan) -> StackSpec {
     StackSpec {
         gateways: 3,
         backends: vec![BackendSpec::new("model-a", 3, 64).service_ms(control::SERVICE_MS)],
+        binaries: plan.binaries.clone(),
         ..StackSpec::default()
     }
 }
@@ -146,7 +153,7 @@ pub async fn run(plan: &Plan, parts: &[Part]) -> Results {
     if want(Part::Control) || want(Part::Rollout) {
         let mut control = None;
         let mut rollout = None;
-        let outcome = with_stack("loopb", crowd_stack(), async |stack| {
+        let outcome = with_stack("loopb", crowd_stack(plan), async |stack| {
             if want(Part::Control) {
                 eprintln!("poolpilot-loop-bench: part 5, flash crowd three ways");
                 control = Some(control::run(stack, plan).await);
@@ -176,7 +183,7 @@ pub async fn run(plan: &Plan, parts: &[Part]) -> Results {
     if want(Part::Scale) {
         eprintln!("poolpilot-loop-bench: part 6, operator scale");
         let mut scale = None;
-        let outcome = with_stack("scaleb", scale::stack(), async |stack| {
+        let outcome = with_stack("scaleb", scale::stack(plan), async |stack| {
             let rows = scale::run(stack, plan).await?;
             scale = Some(Ok(rows));
             Ok(())

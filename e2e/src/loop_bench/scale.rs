@@ -36,8 +36,9 @@ const ADDRESS: &str = "192.0.2.1:8000";
 const PREFIX: &str = "poolpilot_operator_";
 
 /// The stack of this part: 5 gateways with room for 200 backends' pools, no model backends.
-pub fn stack() -> StackSpec {
+pub fn stack(plan: &Plan) -> StackSpec {
     StackSpec {
+        binaries: plan.binaries.clone(),
         gateways: PODS,
         backends: Vec::new(),
         nofile_limit: Some(8192),
