@@ -317,26 +317,26 @@ impl<'a> Stack<'a> {
         let _ = policies
             .delete_collection(&DeleteParams::default(), &ListParams::default())
             .await;
-        let deadline = tokio::time::Instant::now() + TEARDOWN_WAIT;
-        loop {
-            let left = match policies.list(&ListParams::default()).await {
-                Ok(list) => list.items,
-                Err(_) => break,
-            };
-            if left.is_empty() {
-                break;
+        let cleaned = eventually(
+            "the operator cleans the deleted policies up",
+            TEARDOWN_WAIT,
+            || async {
+                let left = policies.list(&ListParams::default()).await?.items.len();
+                anyhow::ensure!(left == 0, "{left} policies left");
+                Ok(())
+            },
+        )
+        .await;
+        if cleaned.is_err()
+            && let Ok(left) = policies.list(&ListParams::default()).await
+        {
+            // A deleted object gets no finalizer back: the operator cannot re-add it.
+            for p in left {
+                let patch = Patch::Merge(json!({"metadata": {"finalizers": null}}));
+                let _ = policies
+                    .patch(&p.name_any(), &PatchParams::default(), &patch)
+                    .await;
             }
-            if tokio::time::Instant::now() >= deadline {
-                // A deleted object gets no finalizer back: the operator cannot re-add it.
-                for p in left {
-                    let patch = Patch::Merge(json!({"metadata": {"finalizers": null}}));
-                    let _ = policies
-                        .patch(&p.name_any(), &PatchParams::default(), &patch)
-                        .await;
-                }
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
         let mut cmd = self.kubectl();
         cmd.args(["delete", "--ignore-not-found", "--wait=false"])
