@@ -3,12 +3,32 @@
 
 use std::path::{Path, PathBuf};
 
-/// The root of this workspace's source tree (manifests, CRDs, examples).
+/// The root of this workspace's source tree (manifests, CRDs, examples): `$POOLPILOT_WORKSPACE`,
+/// else the nearest ancestor of the working directory that is a poolpilot workspace (make runs
+/// from the root, `cargo test` from the crate), else where this crate was compiled. The
+/// compile-time path alone is not enough: two clones sharing one `CARGO_TARGET_DIR` (a CI
+/// checkout and a working copy) reuse each other's build, path included.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    if let Some(dir) = std::env::var_os("POOLPILOT_WORKSPACE") {
+        return PathBuf::from(dir);
+    }
+    let compiled_in = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("e2e/ lies inside the workspace")
-        .to_path_buf()
+        .to_path_buf();
+    std::env::current_dir()
+        .ok()
+        .and_then(|cwd| {
+            cwd.ancestors()
+                .find(|dir| is_workspace(dir))
+                .map(Path::to_path_buf)
+        })
+        .unwrap_or(compiled_in)
+}
+
+/// Whether `dir` holds a poolpilot workspace: the e2e crate and the CRD manifests.
+fn is_workspace(dir: &Path) -> bool {
+    dir.join("e2e/Cargo.toml").is_file() && dir.join("manifests/crds").is_dir()
 }
 
 /// The cache root: `$POOLPILOT_CACHE` or `$HOME/.cache/poolpilot`.
@@ -61,4 +81,21 @@ pub fn kubelet_bin() -> PathBuf {
     std::env::var_os("POOLPILOT_KUBELET_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_bin_dir().join("local-kubelet"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_workspace_is_found_above_the_working_directory() {
+        // `cargo test` runs this in e2e/: the nearest workspace above it is this clone.
+        let cwd = std::env::current_dir().unwrap();
+        let root = workspace_root();
+        assert!(is_workspace(&root), "{}", root.display());
+        if std::env::var_os("POOLPILOT_WORKSPACE").is_none() {
+            assert_eq!(root, cwd.parent().unwrap());
+        }
+        assert!(!is_workspace(&root.join("e2e")));
+    }
 }
