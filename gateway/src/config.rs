@@ -4,6 +4,7 @@
 
 use std::fs;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 
 use poolpilot_api::Duration;
@@ -30,6 +31,11 @@ pub struct Args {
     /// Log format.
     #[arg(long, env = "POOLPILOT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Threads serving connections; default: the CPUs this process may use (its cgroup's CPU
+    /// limit included). With 1 the gateway runs tokio's single-threaded scheduler, which
+    /// spends nothing on cross-thread wake-ups and work stealing.
+    #[arg(long, env = "POOLPILOT_WORKER_THREADS", value_name = "N")]
+    pub worker_threads: Option<NonZeroUsize>,
 }
 
 impl Args {
@@ -41,6 +47,22 @@ impl Args {
             .listeners
             .override_with(self.proxy_listen, self.admin_listen);
         Ok(config)
+    }
+
+    /// The tokio runtime for `--worker-threads`.
+    pub fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        let threads = self
+            .worker_threads
+            .or_else(|| std::thread::available_parallelism().ok())
+            .map_or(1, NonZeroUsize::get);
+        let mut builder = if threads == 1 {
+            tokio::runtime::Builder::new_current_thread()
+        } else {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(threads);
+            builder
+        };
+        builder.enable_all().build()
     }
 }
 
@@ -234,6 +256,24 @@ mod tests {
         let err = Args::try_parse_from(["gw", "--config", config, "--proxy-listen=10.1.2.3"])
             .unwrap_err();
         assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+    }
+
+    #[test]
+    fn one_worker_thread_runs_the_single_threaded_scheduler() {
+        use clap::Parser as _;
+        use tokio::runtime::RuntimeFlavor;
+        let flavor = |threads: &str| {
+            let args =
+                Args::try_parse_from(["gw", "--config", "x", "--worker-threads", threads]).unwrap();
+            args.runtime().unwrap().handle().runtime_flavor()
+        };
+        assert_eq!(flavor("1"), RuntimeFlavor::CurrentThread);
+        assert_eq!(flavor("2"), RuntimeFlavor::MultiThread);
+        let zero = Args::try_parse_from(["gw", "--config", "x", "--worker-threads", "0"]);
+        assert_eq!(
+            zero.unwrap_err().kind(),
+            clap::error::ErrorKind::ValueValidation
+        );
     }
 
     #[test]

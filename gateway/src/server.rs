@@ -270,14 +270,16 @@ async fn serve_connection(
                     break;
                 }
                 First::H2 => {
-                    serve_auto(
+                    // Boxed: inline, its state (2 KiB) would be part of every connection's
+                    // task, idle HTTP/1 ones included.
+                    Box::pin(serve_auto(
                         conn.stream,
                         peer,
                         gw,
                         &limits,
                         timer.as_mut(),
                         &mut shutdown,
-                    )
+                    ))
                     .await;
                     break;
                 }
@@ -299,7 +301,9 @@ async fn serve_connection(
                 }
             }
         };
-        match serve_h1(
+        // Boxed, like `serve_auto`: a parked connection's task then holds only what parking
+        // needs, not the serving state (one allocation per return from parking).
+        match Box::pin(serve_h1(
             conn,
             peer,
             &gw,
@@ -308,7 +312,7 @@ async fn serve_connection(
             header_read_timeout,
             timer.as_mut(),
             &mut shutdown,
-        )
+        ))
         .await
         {
             Some(parked) => conn = parked,
@@ -484,18 +488,23 @@ async fn serve_h1(
         let _ = tokio::time::timeout(Duration::from_secs(1), stream.shutdown()).await;
         return None;
     }
-    let prefix = if prefix.is_empty() {
-        parts.read_buf
-    } else {
-        [parts.read_buf, prefix].concat().into()
-    };
     Some(Parked {
         stream,
-        prefix,
+        prefix: unparsed(&parts.read_buf, &prefix),
         idle_since: activity.idle_since(),
         head_since: activity.head_since(),
         served: served || activity.served(),
     })
+}
+
+/// The bytes a parking connection read but did not parse: hyper's leftover, then what was
+/// never handed to hyper. Copied: a slice of hyper's read buffer, even an empty one, would
+/// keep the whole buffer (8 KiB) allocated for as long as the connection stays parked.
+fn unparsed(read_buf: &Bytes, prefix: &Bytes) -> Bytes {
+    if read_buf.is_empty() && prefix.is_empty() {
+        return Bytes::new();
+    }
+    Bytes::from([&read_buf[..], &prefix[..]].concat())
 }
 
 /// Serves an HTTP/2 (or undecided) connection with hyper-util's auto connection, as one
@@ -823,6 +832,28 @@ pub async fn drain(conns: &Connections, grace: Duration) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parked_connection_keeps_only_its_unparsed_bytes() {
+        // hyper's read buffer after it parsed one head: 8 KiB allocated, 2 bytes left over.
+        let mut hyper_buf = bytes::BytesMut::with_capacity(8192);
+        hyper_buf.extend_from_slice(b"GET /a HTTP/1.1\r\n\r\nGE");
+        let leftover = hyper_buf.split_off(19).freeze();
+        let kept = unparsed(&leftover, &Bytes::from_static(b"T /b"));
+        assert_eq!(kept, "GET /b");
+        let kept = kept.try_into_mut().expect("a copy of its own");
+        assert!(kept.capacity() < 64, "capacity {}", kept.capacity());
+
+        // Everything parsed: an empty buffer that still owns the rest of the allocation.
+        drop(hyper_buf.split_to(hyper_buf.len()));
+        let nothing_left = hyper_buf.freeze();
+        let kept = unparsed(&nothing_left, &Bytes::new());
+        assert!(kept.is_empty());
+        assert!(
+            kept.try_into_mut().is_err(),
+            "the static empty Bytes, no buffer"
+        );
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_connection_is_idle_only_without_requests_and_bytes() {

@@ -188,7 +188,7 @@ pub async fn start(target: Target, s: &PeerSettings, env: &Env) -> anyhow::Resul
                 &env.proxy_cpu,
                 &env.gateway_bin.display().to_string(),
                 &["--config".to_string(), config],
-                &[("TOKIO_WORKER_THREADS", "1"), ("RUST_LOG", "warn")],
+                &[("POOLPILOT_WORKER_THREADS", "1"), ("RUST_LOG", "warn")],
                 &log,
             )?
         }

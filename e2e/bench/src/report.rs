@@ -199,7 +199,7 @@ pub fn render(r: &Results<'_>) -> String {
     );
     let _ = writeln!(
         w,
-        "| workers | 1 for every proxy: gateway `TOKIO_WORKER_THREADS=1`, HAProxy `nbthread 1`, nginx one process |\n"
+        "| workers | 1 for every proxy: gateway `POOLPILOT_WORKER_THREADS=1` (tokio's single-threaded scheduler), HAProxy `nbthread 1`, nginx one process |\n"
     );
 
     render_targets(w, r);
@@ -571,7 +571,7 @@ fn render_configs(w: &mut String, r: &Results<'_>) {
     let (gateway, limits) = peers::poolpilot_configs(&s, admin);
     let _ = writeln!(
         w,
-        "poolpilot-gateway (`TOKIO_WORKER_THREADS=1 RUST_LOG=warn poolpilot-gateway --config bench-gateway.yaml`):\n"
+        "poolpilot-gateway (`POOLPILOT_WORKER_THREADS=1 RUST_LOG=warn poolpilot-gateway --config bench-gateway.yaml`):\n"
     );
     let _ = writeln!(w, "```yaml\n# bench-gateway.yaml\n{gateway}```\n");
     let _ = writeln!(w, "```yaml\n# bench-limits.yaml\n{limits}```\n");
