@@ -1,6 +1,7 @@
-//! The gateway's own configuration: command line (clap) and the YAML file it names
-//! (listeners, admin token file, limits file, drain grace). The limits themselves are the
-//! separate, hot-reloadable [`poolpilot_api::GatewayLimits`] document.
+//! The gateway's own configuration: command line (clap, and the tokio runtime its
+//! `--worker-threads` asks for) and the YAML file it names (listeners, admin token file,
+//! limits file, drain grace). The limits themselves are the separate, hot-reloadable
+//! [`poolpilot_api::GatewayLimits`] document.
 
 use std::fs;
 use std::net::SocketAddr;

@@ -6,8 +6,8 @@ use clap::Parser;
 use poolpilot_gateway::config::{Args, LogFormat};
 
 /// mimalloc instead of glibc's malloc: a proxied call allocates and frees many small buffers,
-/// and with hundreds of connections glibc's malloc cost about a third of the gateway's user
-/// time per request (`make bench`, part 1 at 256 connections).
+/// and at 256 connections glibc's malloc cost about a third of the gateway's user time per
+/// request (15.2–16.9 µs against 10.0–10.7 µs; `e2e/bench/analysis.md`).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
