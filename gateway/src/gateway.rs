@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::health;
 use crate::limiter::{ClientLimiter, ClientStats};
 use crate::metrics::Metrics;
-use crate::pool::{Pool, PoolStats};
+use crate::pool::{EndpointStats, Pool, PoolStats};
 use crate::upstream::HttpConnector;
 
 /// Where a limits document came from (metric label, logs).
@@ -214,6 +214,40 @@ impl Gateway {
     /// Marks the gateway as draining (`/readyz` fails from now on).
     pub fn set_draining(&self) {
         self.inner.draining.store(true, Ordering::Release);
+    }
+
+    /// Closes every backend's upstream connections at once and waits until the backends have
+    /// closed their sides (see [`Pool::close_all`]): the last step of a shutdown, so that no
+    /// backend still counts this gateway's connections once it is gone. Returns how many
+    /// backends still held some when the grace ran out.
+    pub async fn close_upstreams(&self) -> usize {
+        let pools: Vec<_> = self
+            .inner
+            .registry
+            .lock()
+            .backends
+            .values()
+            .map(|b| b.pool.clone())
+            .collect();
+        let mut closing = tokio::task::JoinSet::new();
+        for pool in pools {
+            closing.spawn(async move { (pool.close_all().await, pool) });
+        }
+        let mut left = 0;
+        while let Some(closed) = closing.join_next().await {
+            let Ok((false, pool)) = closed else { continue };
+            left += 1;
+            let stats = pool.stats();
+            let sum = |f: fn(&EndpointStats) -> u32| stats.endpoints.iter().map(f).sum::<u32>();
+            tracing::warn!(
+                backend = %pool.backend(),
+                leased = sum(|e| e.leased),
+                connecting = sum(|e| e.connecting),
+                closing = sum(|e| e.closing),
+                "upstream connections still open after the close grace"
+            );
+        }
+        left
     }
 
     /// Validates `doc` and swaps it in. A document older than the one in force is refused; the

@@ -152,8 +152,9 @@ impl Running {
     }
 
     /// Graceful shutdown: readiness fails, the listeners stop accepting, in-flight requests
-    /// finish (up to the drain grace), then everything stops. Returns the number of client
-    /// connections still open when the grace ran out (0 for a clean drain).
+    /// finish (up to the drain grace), the upstream connections close on both sides (up to the
+    /// pools' close grace), then everything stops. Returns the number of client connections
+    /// still open when the drain grace ran out (0 for a clean drain).
     pub async fn shutdown(self) -> usize {
         self.gateway.set_draining();
         let _ = self.shutdown.send(true);
@@ -165,6 +166,13 @@ impl Running {
             tracing::warn!(left, "drain grace over; closing the remaining connections");
         } else {
             tracing::info!("drained");
+        }
+        let holding = self.gateway.close_upstreams().await;
+        if holding > 0 {
+            tracing::warn!(
+                backends = holding,
+                "some backends did not close their side of this gateway's connections in time"
+            );
         }
         left
     }

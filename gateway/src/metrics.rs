@@ -230,7 +230,7 @@ impl Metrics {
         };
         r.register(
             "poolpilot_pool_connections",
-            "Open upstream connections by state (leased, idle)",
+            "Open upstream connections by state (leased, idle, closing: closed by the pool, not yet by the backend)",
             m.pool_connections.clone(),
         );
         r.register(
@@ -415,7 +415,11 @@ impl Metrics {
             self.endpoint_healthy
                 .get_or_create(&labels)
                 .set(ep.healthy.into());
-            for (state, value) in [("leased", ep.leased), ("idle", ep.idle)] {
+            for (state, value) in [
+                ("leased", ep.leased),
+                ("idle", ep.idle),
+                ("closing", ep.closing),
+            ] {
                 let labels = ConnectionLabels {
                     backend: backend.into(),
                     endpoint: ep.name.clone(),

@@ -7,6 +7,10 @@
 //! response); the pool drives it (with a no-op waker, no syscall unless the socket became
 //! readable) when it checks whether an idle connection is still open, which is how a backend
 //! closing an idle connection is noticed.
+//!
+//! Closing is a handshake: the gateway's FIN, then whatever the backend still sends is read
+//! and dropped until the backend closes its side, so the pool knows when the backend has let
+//! go of the connection.
 
 use std::future::{Future, poll_fn};
 use std::io;
@@ -18,6 +22,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::{TrySendError, http1};
 use hyper_util::rt::TokioIo;
+use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 
 use crate::body::RequestBody;
@@ -102,6 +107,20 @@ impl Poolable for UpstreamConn {
 
     fn validate(&mut self) -> bool {
         self.is_open() && self.sender.is_ready()
+    }
+
+    fn close(self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let Self { sender, driver, .. } = self;
+        drop(sender);
+        // No driver: the connection ended, its socket is closed on both sides already.
+        let mut stream = Pin::into_inner(driver?).into_parts().io.into_inner();
+        Some(async move {
+            if stream.shutdown().await.is_ok() {
+                // Until the peer's FIN (0) or an error (a reset): the rest of a response the
+                // client gave up on is dropped.
+                let _ = tokio::io::copy(&mut stream, &mut tokio::io::sink()).await;
+            }
+        })
     }
 }
 

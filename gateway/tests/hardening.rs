@@ -243,7 +243,7 @@ async fn idle_client_keep_alive_connections_are_closed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_drains_in_flight_requests_and_stops_accepting() {
+async fn shutdown_drains_in_flight_requests_closes_upstreams_and_stops_accepting() {
     let backend = Backend::start().await;
     backend.script.delay_ms.store(500, Ordering::SeqCst);
     let mut gw = Gw::start_with(None, Duration::from_secs(5)).await;
@@ -265,6 +265,11 @@ async fn shutdown_drains_in_flight_requests_and_stops_accepting() {
         "the in-flight request completed"
     );
     assert!(start.elapsed() < Duration::from_secs(2));
+    assert_eq!(
+        backend.seen.connections.load(Ordering::SeqCst),
+        0,
+        "the backend closed its side of the pooled connection before shutdown returned"
+    );
     assert!(
         TcpStream::connect(proxy).await.is_err(),
         "no longer accepting"

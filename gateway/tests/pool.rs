@@ -1,12 +1,17 @@
 //! Loopback tests of the connection pool through the real gateway: the per-endpoint cap,
-//! queueing and rejection, reuse, idle reclamation, and resizing under load.
+//! queueing and rejection, reuse, idle reclamation, resizing under load, and the slot of a
+//! closed connection held until the backend lets go of it.
 
 mod support;
 
-use std::sync::atomic::Ordering;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use support::*;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::time::Instant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_clients_never_exceed_the_per_pod_cap_of_eight() {
@@ -303,4 +308,90 @@ async fn shrinking_a_cap_fails_no_in_flight_request() {
         ),
         Some(2.0)
     );
+}
+
+/// A backend that, like a model server mid-generation, finishes a request whatever its client
+/// does: it reads the request, works `work`, answers, and closes once it reads the client's
+/// close. Counts the connections it holds, and the most at once.
+#[derive(Clone, Default)]
+struct StubbornBackend {
+    open: Arc<AtomicUsize>,
+    max_open: Arc<AtomicUsize>,
+    accepted: Arc<AtomicUsize>,
+}
+
+impl StubbornBackend {
+    async fn start(work: Duration) -> (SocketAddr, Self) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let this = Self::default();
+        let b = this.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let b = b.clone();
+                b.accepted.fetch_add(1, Ordering::SeqCst);
+                let now = b.open.fetch_add(1, Ordering::SeqCst) + 1;
+                b.max_open.fetch_max(now, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let mut got = Vec::new();
+                    loop {
+                        let n = stream.read(&mut buf).await.unwrap_or(0);
+                        if n == 0 {
+                            break;
+                        }
+                        got.extend_from_slice(&buf[..n]);
+                        if got.windows(4).any(|w| w == b"\r\n\r\n") {
+                            got.clear();
+                            tokio::time::sleep(work).await;
+                            let _ = stream
+                                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                                .await;
+                        }
+                    }
+                    drop(stream);
+                    b.open.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        (addr, this)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_abandoned_by_its_client_keeps_its_slot_until_the_backend_lets_go() {
+    let (addr, backend) = StubbornBackend::start(Duration::from_millis(400)).await;
+    let gw = Gw::start(limits("model-a", &[addr], 1)).await;
+
+    // The first client gives up mid-request: the gateway closes its upstream connection, but
+    // the backend is still working on it.
+    let mut first = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    first
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-length: 2\r\n\r\n{}")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let text = gw.metrics().await;
+    let closing =
+        "poolpilot_pool_connections{backend=\"model-a\",endpoint=\"model-a-0\",state=\"closing\"}";
+    assert_eq!(metric(&text, closing), Some(1.0), "{text}");
+
+    // The next request waits for that slot instead of opening a second connection.
+    let start = Instant::now();
+    let (status, _, _) = post(gw.proxy, "/v1/chat/completions", &[], "{}").await;
+    assert_eq!(status, 200);
+    assert!(
+        start.elapsed() >= Duration::from_millis(200),
+        "served only after the backend finished the abandoned request: {:?}",
+        start.elapsed()
+    );
+    assert_eq!(backend.accepted.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        backend.max_open.load(Ordering::SeqCst),
+        1,
+        "the backend never held more connections than the cap"
+    );
+    assert_eq!(metric(&gw.metrics().await, closing), Some(0.0));
 }

@@ -3,6 +3,11 @@
 //! validate-after-idle, runtime resizing, endpoint choice by spare capacity, and the health
 //! state (active probes, passive ejection) that decides which endpoints may be chosen.
 //!
+//! The cap is kept as the backend counts: a connection the pool closes keeps its slot
+//! (`closing`) until the backend has closed its side too, up to [`CLOSE_GRACE`]. A backend still
+//! working on a request whose client went away, or that has not yet read the close, holds that
+//! connection; a new one opened in its place at once would take it over its share.
+//!
 //! ```text
 //!             lease()                                   Lease dropped
 //!                │                                            │
@@ -64,7 +69,23 @@ pub trait Poolable: Send + std::fmt::Debug + 'static {
     fn validate(&mut self) -> bool {
         self.is_open()
     }
+
+    /// Closes the connection. When the peer may still hold its side, returns a future that
+    /// resolves once the peer has let go of it too (closed or failed), and the pool keeps the
+    /// slot until then (at most [`CLOSE_GRACE`]); `None` when nothing is left to wait for. The
+    /// default closes at once.
+    fn close(self) -> Option<impl Future<Output = ()> + Send + 'static>
+    where
+        Self: Sized,
+    {
+        drop(self);
+        None::<std::future::Ready<()>>
+    }
 }
+
+/// The longest a connection the pool closed keeps its slot waiting for the peer to close its
+/// side. A backend that ignores the close (or is wedged) cannot keep a slot for longer.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 /// Opens connections to endpoints.
 pub trait Connect: Send + Sync + std::fmt::Debug + 'static {
@@ -161,6 +182,8 @@ pub struct EndpointStats {
     pub idle: u32,
     /// Connections being opened.
     pub connecting: u32,
+    /// Connections closed by the pool that the peer has not closed yet (they keep their slot).
+    pub closing: u32,
     /// The cap in force.
     pub max: u32,
     /// Whether requests may be sent to it (probes pass, not ejected).
@@ -202,6 +225,10 @@ struct Inner<C: Connect> {
     lease_wait: Histogram,
     lease_timeouts: Counter,
     state: Mutex<State<C::Conn>>,
+    /// Notified whenever a slot frees other than by a lease returning to a live pool: a closing
+    /// connection's peer let go, an abandoned connect or grant came back, or a lease returned
+    /// to a retired pool. [`Pool::close_all`] waits on it.
+    slot_freed: tokio::sync::Notify,
 }
 
 #[derive(Debug)]
@@ -227,6 +254,8 @@ struct EndpointState<T> {
     idle: Vec<IdleConn<T>>,
     leased: u32,
     connecting: u32,
+    /// Closed by the pool, waiting for the peer to close its side.
+    closing: u32,
     /// Dropped from the limits: no new leases; closes as its connections come back.
     removed: bool,
     health: Health,
@@ -275,6 +304,64 @@ enum Grant<T> {
 enum Step<T> {
     Ready(Grant<T>),
     Wait(oneshot::Receiver<Grant<T>>, u64),
+}
+
+/// A place in the waiter queue, while `lease()` waits. If the lease is dropped meanwhile (its
+/// client went away), the place leaves the queue, or a grant already sent to it is given back:
+/// a grant lost with its channel would keep a slot (or a connection) taken for good.
+struct Waiting<C: Connect> {
+    pool: Arc<Inner<C>>,
+    rx: oneshot::Receiver<Grant<C::Conn>>,
+    id: u64,
+    /// The wait ended and `lease()` took over.
+    settled: bool,
+}
+
+impl<C: Connect> Drop for Waiting<C> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let now = Instant::now();
+        let mut state = self.pool.state.lock();
+        if let Some(at) = state.waiters.iter().position(|w| w.id == self.id) {
+            state.waiters.remove(at);
+            return;
+        }
+        if let Ok(grant) = self.rx.try_recv() {
+            self.pool.undo(&mut state, grant);
+            state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
+            self.pool.dispatch(&mut state, now);
+            drop(state);
+            self.pool.slot_freed.notify_waiters();
+        }
+    }
+}
+
+/// A slot reserved for a connect: given back if the lease is dropped (its client went away)
+/// before the connect finished, so that an abandoned connect cannot shrink the pool for good.
+struct Reservation<C: Connect> {
+    pool: Arc<Inner<C>>,
+    endpoint: u64,
+    /// The connect finished and `complete()` took over.
+    settled: bool,
+}
+
+impl<C: Connect> Drop for Reservation<C> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let now = Instant::now();
+        let mut state = self.pool.state.lock();
+        if let Some(ep) = state.endpoint_mut(self.endpoint) {
+            ep.connecting -= 1;
+        }
+        state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
+        self.pool.dispatch(&mut state, now);
+        drop(state);
+        self.pool.slot_freed.notify_waiters();
+    }
 }
 
 /// A connection on loan. Dropping it returns the connection to the pool when [`Lease::keep`]
@@ -331,6 +418,7 @@ impl<C: Connect> Pool<C> {
                 hold: HoldTime::default(),
                 retired: false,
             }),
+            slot_freed: tokio::sync::Notify::new(),
             metrics,
         });
         let pool = Self { inner };
@@ -355,8 +443,18 @@ impl<C: Connect> Pool<C> {
         };
         let grant = match step {
             Step::Ready(grant) => grant,
-            Step::Wait(mut rx, id) => {
-                match tokio::time::timeout_at(start + lease_timeout, &mut rx).await {
+            Step::Wait(rx, id) => {
+                let mut waiting = Waiting {
+                    pool: Arc::clone(&self.inner),
+                    rx,
+                    id,
+                    settled: false,
+                };
+                let waited = tokio::time::timeout_at(start + lease_timeout, &mut waiting.rx).await;
+                // From here on this function settles its place in the queue itself.
+                waiting.settled = true;
+                let rx = &mut waiting.rx;
+                match waited {
                     Ok(Ok(grant)) => grant,
                     // The sender is only dropped when the pool is retired.
                     Ok(Err(_)) => {
@@ -403,7 +501,7 @@ impl<C: Connect> Pool<C> {
         let now = Instant::now();
         let max = state.limits.max_connections_per_endpoint;
         for ep in &mut state.endpoints {
-            while ep.open() > max && !ep.idle.is_empty() {
+            while ep.usable() > max && !ep.idle.is_empty() {
                 let idle = ep.idle.remove(0);
                 self.inner.closed(ep, CloseReason::Shrink, idle.conn);
             }
@@ -447,6 +545,7 @@ impl<C: Connect> Pool<C> {
                     idle: Vec::new(),
                     leased: 0,
                     connecting: 0,
+                    closing: 0,
                     removed: false,
                     health: Health::default(),
                     created,
@@ -478,6 +577,33 @@ impl<C: Connect> Pool<C> {
         state.outlier = outlier;
         let now = Instant::now();
         self.inner.dispatch(&mut state, now);
+    }
+
+    /// Takes the backend out of service (see [`Self::retire`]) and waits until its
+    /// connections are closed on both sides, at most [`CLOSE_GRACE`]: for a gateway about to
+    /// exit, so that the backends have let go of its connections before it is gone. Returns
+    /// whether they all were.
+    pub async fn close_all(&self) -> bool {
+        self.retire();
+        let all_closed = async {
+            loop {
+                let notified = self.inner.slot_freed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if self
+                    .inner
+                    .state
+                    .lock()
+                    .endpoints
+                    .iter()
+                    .all(|ep| ep.open() == 0)
+                {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        tokio::time::timeout(CLOSE_GRACE, all_closed).await.is_ok()
     }
 
     /// Takes the backend out of service: waiters fail, idle connections close, leased ones
@@ -605,6 +731,7 @@ impl<C: Connect> Pool<C> {
                     leased: ep.leased,
                     idle: ep.idle.len() as u32,
                     connecting: ep.connecting,
+                    closing: ep.closing,
                     max,
                     healthy: state.eligible(ep, now),
                     ejected: ep.health.is_ejected(now),
@@ -642,7 +769,11 @@ async fn reap_loop<C: Connect>(pool: Weak<Inner<C>>) {
 
 impl<C: Connect> Inner<C> {
     /// Decides under the lock: take an idle connection, reserve a slot, queue, or refuse.
-    fn begin(&self, state: &mut State<C::Conn>, now: Instant) -> Result<Step<C::Conn>, PoolError> {
+    fn begin(
+        self: &Arc<Self>,
+        state: &mut State<C::Conn>,
+        now: Instant,
+    ) -> Result<Step<C::Conn>, PoolError> {
         if state.retired {
             return Err(PoolError::Retired {
                 backend: self.backend.clone(),
@@ -677,7 +808,11 @@ impl<C: Connect> Inner<C> {
 
     /// Finds a connection or a free slot on an eligible endpoint, choosing between two random
     /// candidates the one with more spare capacity. Marks the result leased/connecting.
-    fn find_grant(&self, state: &mut State<C::Conn>, now: Instant) -> Option<Grant<C::Conn>> {
+    fn find_grant(
+        self: &Arc<Self>,
+        state: &mut State<C::Conn>,
+        now: Instant,
+    ) -> Option<Grant<C::Conn>> {
         let max = state.limits.max_connections_per_endpoint;
         loop {
             // Candidates: eligible endpoints with an idle connection or room for a new one.
@@ -746,7 +881,7 @@ impl<C: Connect> Inner<C> {
     }
 
     /// Hands idle connections and free slots to waiters, oldest first.
-    fn dispatch(&self, state: &mut State<C::Conn>, now: Instant) {
+    fn dispatch(self: &Arc<Self>, state: &mut State<C::Conn>, now: Instant) {
         while let Some(front) = state.waiters.front() {
             if front.tx.is_closed() {
                 state.waiters.pop_front();
@@ -817,7 +952,14 @@ impl<C: Connect> Inner<C> {
                         state.limits.connect_timeout.get(),
                     )
                 };
+                let mut reservation = Reservation {
+                    pool: Arc::clone(&self),
+                    endpoint,
+                    settled: false,
+                };
                 let result = tokio::time::timeout(timeout, self.connector.connect(address)).await;
+                reservation.settled = true;
+                drop(reservation);
                 let mut state = self.state.lock();
                 let ep = state
                     .endpoint_mut(endpoint)
@@ -854,6 +996,11 @@ impl<C: Connect> Inner<C> {
                 };
                 let now = Instant::now();
                 self.dispatch(&mut state, now);
+                let retired = state.retired;
+                drop(state);
+                if retired {
+                    self.slot_freed.notify_waiters();
+                }
                 Err(error)
             }
         }
@@ -861,7 +1008,7 @@ impl<C: Connect> Inner<C> {
 
     /// Takes a leased connection back.
     fn release(
-        &self,
+        self: &Arc<Self>,
         endpoint: u64,
         conn: Option<C::Conn>,
         outcome: Outcome,
@@ -881,7 +1028,7 @@ impl<C: Connect> Inner<C> {
                 let reason = match outcome {
                     Outcome::Close(reason) => Some(reason),
                     Outcome::Keep if ep.removed || retired => Some(CloseReason::Removed),
-                    Outcome::Keep if ep.open() >= max => Some(CloseReason::Shrink),
+                    Outcome::Keep if ep.usable() >= max => Some(CloseReason::Shrink),
                     Outcome::Keep if now.duration_since(created_at) >= lifetime => {
                         Some(CloseReason::Lifetime)
                     }
@@ -900,9 +1047,13 @@ impl<C: Connect> Inner<C> {
         }
         state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
         self.dispatch(&mut state, now);
+        drop(state);
+        if retired {
+            self.slot_freed.notify_waiters();
+        }
     }
 
-    fn reap(&self, now: Instant) {
+    fn reap(self: &Arc<Self>, now: Instant) {
         let mut state = self.state.lock();
         let limits = state.limits.clone();
         for ep in &mut state.endpoints {
@@ -930,11 +1081,44 @@ impl<C: Connect> Inner<C> {
         self.dispatch(&mut state, now);
     }
 
-    /// Closes a connection (by dropping it) and counts why.
-    fn closed(&self, ep: &EndpointState<C::Conn>, reason: CloseReason, conn: C::Conn) {
-        drop(conn);
+    /// Closes a connection and counts why. Its slot stays taken (`closing`) until the peer has
+    /// closed its side, at most [`CLOSE_GRACE`].
+    fn closed(
+        self: &Arc<Self>,
+        ep: &mut EndpointState<C::Conn>,
+        reason: CloseReason,
+        conn: C::Conn,
+    ) {
         self.metrics
             .connection_closed(&self.backend, &ep.name, reason);
+        let Some(peer_closed) = conn.close() else {
+            return;
+        };
+        // Outside a runtime (a pool dropped at exit) nothing can wait: the socket just closes.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        ep.closing += 1;
+        let (pool, endpoint) = (Arc::downgrade(self), ep.id);
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(CLOSE_GRACE, peer_closed).await;
+            if let Some(pool) = pool.upgrade() {
+                pool.close_done(endpoint);
+            }
+        });
+    }
+
+    /// Frees the slot of a closed connection whose peer let go of it (or whose grace ran out).
+    fn close_done(self: &Arc<Self>, endpoint: u64) {
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        if let Some(ep) = state.endpoint_mut(endpoint) {
+            ep.closing -= 1;
+        }
+        state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
+        self.dispatch(&mut state, now);
+        drop(state);
+        self.slot_freed.notify_waiters();
     }
 
     fn endpoint_name(&self, endpoint: u64) -> Arc<str> {
@@ -1022,8 +1206,15 @@ impl<T: Poolable> State<T> {
 // === impl EndpointState ===
 
 impl<T> EndpointState<T> {
-    /// Open connections: the number the cap bounds.
+    /// Open connections: the number the cap bounds, counting those the peer still holds. No
+    /// new connection is opened while this is at the cap.
     fn open(&self) -> u32 {
+        self.usable() + self.closing
+    }
+
+    /// The connections this pool can still use (idle, leased, being opened): the ones a
+    /// shrink closes down to the cap. Closing ones are on their way out already.
+    fn usable(&self) -> u32 {
         self.idle.len() as u32 + self.leased + self.connecting
     }
 

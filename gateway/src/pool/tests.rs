@@ -12,6 +12,8 @@ struct FakeConn {
     open: Arc<AtomicBool>,
     valid: Arc<AtomicBool>,
     live: Arc<AtomicUsize>,
+    /// Set when the peer holds its side after our close until the value turns true.
+    peer_closes: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Poolable for FakeConn {
@@ -21,6 +23,14 @@ impl Poolable for FakeConn {
 
     fn validate(&mut self) -> bool {
         self.is_open() && self.valid.load(Ordering::SeqCst)
+    }
+
+    fn close(mut self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let mut peer = self.peer_closes.take()?;
+        Some(async move {
+            let _ = peer.wait_for(|closed| *closed).await;
+            drop(self);
+        })
     }
 }
 
@@ -38,6 +48,8 @@ struct FakeConnector {
     handles: Mutex<Vec<(Arc<AtomicBool>, Arc<AtomicBool>)>>,
     connect_delay: Mutex<Duration>,
     refuse: AtomicBool,
+    /// When set, the peer keeps each connection after the pool closed it, until this says so.
+    peer_closes: Mutex<Option<tokio::sync::watch::Receiver<bool>>>,
 }
 
 impl Connect for Arc<FakeConnector> {
@@ -61,6 +73,7 @@ impl Connect for Arc<FakeConnector> {
                 open,
                 valid,
                 live: this.live.clone(),
+                peer_closes: this.peer_closes.lock().clone(),
             })
         }
     }
@@ -103,7 +116,7 @@ fn open_total(pool: &Pool<Arc<FakeConnector>>) -> u32 {
     pool.stats()
         .endpoints
         .iter()
-        .map(|e| e.leased + e.idle + e.connecting)
+        .map(|e| e.leased + e.idle + e.connecting + e.closing)
         .sum()
 }
 
@@ -422,6 +435,57 @@ async fn a_cancelled_waiter_does_not_swallow_a_connection() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_lease_abandoned_while_connecting_gives_its_slot_back() {
+    let (pool, connector) = pool(1, 1);
+    *connector.connect_delay.lock() = Duration::from_millis(100);
+    let abandoned = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(|_| ()) })
+    };
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(pool.stats().endpoints[0].connecting, 1);
+    abandoned.abort();
+    let _ = abandoned.await;
+    assert_eq!(open_total(&pool), 0, "the reserved slot is free again");
+    let lease = pool.lease().await.expect("the slot can be leased again");
+    assert!(!lease.reused());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grant_sent_to_a_waiter_that_then_went_away_is_given_back() {
+    for keep in [true, false] {
+        let (pool, connector) = pool(1, 1);
+        let mut held = pool.lease().await.unwrap();
+        let waiter = {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.lease().await.map(|_| ()) })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(pool.stats().pending, 1);
+        // Returned (kept: the connection; discarded: its slot) and handed to the waiter, whose
+        // client goes away before the waiter runs again.
+        if keep {
+            held.keep();
+        }
+        drop(held);
+        waiter.abort();
+        let _ = waiter.await;
+        let ep = &pool.stats().endpoints[0];
+        assert_eq!(
+            (ep.leased, ep.connecting, ep.idle),
+            (0, 0, u32::from(keep)),
+            "keep = {keep}: the grant came back"
+        );
+        let lease = pool.lease().await.expect("the capacity is there");
+        assert_eq!(lease.reused(), keep);
+        assert_eq!(
+            connector.created.load(Ordering::SeqCst),
+            2 - usize::from(keep)
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn picks_the_endpoint_with_more_spare_capacity() {
     let (pool, _) = pool(4, 2);
     let mut leases = Vec::new();
@@ -571,4 +635,147 @@ async fn every_lease_records_its_wait() {
         text.contains("poolpilot_pool_lease_wait_seconds_sum{backend=\"model-a\"} 0.1"),
         "{text}"
     );
+}
+
+/// A pool of `max` over one endpoint whose peer holds each closed connection until the returned
+/// sender says it closed.
+fn pool_with_lingering_peer(
+    max: u32,
+) -> (
+    Pool<Arc<FakeConnector>>,
+    Arc<FakeConnector>,
+    tokio::sync::watch::Sender<bool>,
+) {
+    let (pool, connector) = pool(max, 1);
+    let (closes, peer) = tokio::sync::watch::channel(false);
+    *connector.peer_closes.lock() = Some(peer);
+    (pool, connector, closes)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_closed_connection_keeps_its_slot_until_the_peer_closes_its_side() {
+    let (pool, connector, peer_closes) = pool_with_lingering_peer(1);
+    let mut lease = pool.lease().await.unwrap();
+    // The client went away mid-request: the connection is closed, not pooled.
+    lease.discard(CloseReason::Error);
+    drop(lease);
+    let ep = &pool.stats().endpoints[0];
+    assert_eq!((ep.leased, ep.idle, ep.closing), (0, 0, 1));
+    assert_eq!(
+        connector.live.load(Ordering::SeqCst),
+        1,
+        "the peer holds it"
+    );
+
+    // The backend still counts it: a new lease waits instead of opening a second connection.
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(|mut l| l.conn().id) })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(pool.stats().pending, 1);
+    assert_eq!(connector.created.load(Ordering::SeqCst), 1);
+
+    peer_closes.send_replace(true);
+    assert_eq!(
+        waiter.await.unwrap().unwrap(),
+        1,
+        "a new connection once the peer let go"
+    );
+    // That lease was dropped without keep: closed too, and this time the peer lets go at once.
+    tokio::task::yield_now().await;
+    assert_eq!(connector.live.load(Ordering::SeqCst), 0);
+    assert_eq!(open_total(&pool), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_peer_that_never_closes_frees_the_slot_after_the_close_grace() {
+    let (pool, _connector, _peer_closes) = pool_with_lingering_peer(2);
+    let mut lease = pool.lease().await.unwrap();
+    lease.discard(CloseReason::Error);
+    drop(lease);
+    tokio::time::sleep(CLOSE_GRACE - Duration::from_millis(1)).await;
+    assert_eq!(pool.stats().endpoints[0].closing, 1);
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert_eq!(pool.stats().endpoints[0].closing, 0);
+    assert_eq!(open_total(&pool), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shrinking_keeps_the_slots_of_closing_connections() {
+    let (pool, connector, peer_closes) = pool_with_lingering_peer(3);
+    let mut leases = Vec::new();
+    for _ in 0..3 {
+        leases.push(pool.lease().await.unwrap());
+    }
+    for mut lease in leases {
+        lease.keep();
+    }
+    pool.set_limits(limits(1));
+    let ep = &pool.stats().endpoints[0];
+    assert_eq!(
+        (ep.idle, ep.closing),
+        (1, 2),
+        "two closed, held by the peer"
+    );
+    pool.set_limits(limits(3));
+    assert_eq!(
+        open_total(&pool),
+        3,
+        "growing back does not count them free"
+    );
+    let a = pool.lease().await.unwrap();
+    let b = tokio::time::timeout(Duration::from_millis(100), pool.lease()).await;
+    assert!(b.is_err(), "the second lease waits for a closing slot");
+    drop(a);
+    peer_closes.send_replace(true);
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().endpoints[0].closing, 0);
+    assert_eq!(connector.created.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn close_all_returns_once_the_peers_have_let_go() {
+    let (pool, connector, peer_closes) = pool_with_lingering_peer(2);
+    let mut lease = pool.lease().await.unwrap();
+    lease.keep();
+    drop(lease);
+    let closing = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.close_all().await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !closing.is_finished(),
+        "the peer still holds the connection"
+    );
+    peer_closes.send_replace(true);
+    assert!(closing.await.unwrap(), "closed on both sides");
+    assert_eq!(connector.live.load(Ordering::SeqCst), 0);
+
+    // A peer that never lets go: close_all gives up after the grace.
+    let (pool, _connector, _peer_closes) = pool_with_lingering_peer(2);
+    let mut lease = pool.lease().await.unwrap();
+    lease.keep();
+    drop(lease);
+    let start = Instant::now();
+    assert!(!pool.close_all().await);
+    assert_eq!(start.elapsed(), CLOSE_GRACE);
+}
+
+#[tokio::test(start_paused = true)]
+async fn close_all_returns_when_the_last_lease_comes_back() {
+    let (pool, connector) = pool(2, 1);
+    let lease = pool.lease().await.unwrap();
+    let start = Instant::now();
+    let closing = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.close_all().await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!closing.is_finished(), "a lease is still out");
+    drop(lease);
+    assert!(closing.await.unwrap());
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    assert_eq!(connector.live.load(Ordering::SeqCst), 0);
 }
