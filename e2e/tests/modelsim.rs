@@ -2,6 +2,7 @@
 //! saturation (queueing, slowdown, refusals) and its metrics, SSE streaming chunk by chunk,
 //! every fault, exact connection accounting, graceful shutdown, and the binary with SIGTERM.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -997,6 +998,96 @@ async fn connection_count_is_exact() {
         .json();
     assert_eq!(reset["connections_peak"], 0);
     assert_eq!(sim.stats().connections_peak, 0);
+}
+
+/// A connection to `addr` from the loopback address `from`.
+async fn connect_from(from: [u8; 4], addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((from, 0))).unwrap();
+    socket.connect(addr).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connection_peak_names_who_held_it() {
+    let sim = start(Config {
+        service: fast(),
+        ..Config::default()
+    })
+    .await;
+    let addr = sim.addr();
+    let peers = |s: &Stats| -> BTreeMap<String, usize> {
+        let mut by_ip = BTreeMap::new();
+        for c in &s.connections_at_peak {
+            let ip = c
+                .peer
+                .rsplit_once(':')
+                .map_or(c.peer.as_str(), |(ip, _)| ip);
+            *by_ip.entry(ip.to_owned()).or_default() += 1;
+        }
+        by_ip
+    };
+    let mut first = Vec::new();
+    for _ in 0..3 {
+        first.push(connect_from([127, 0, 0, 1], addr).await);
+    }
+    // One connection carries a request from behind a proxy.
+    let mut proxied = connect_from([127, 0, 0, 2], addr).await;
+    proxied
+        .write_all(b"GET /v1/models HTTP/1.1\r\nhost: sim\r\nx-forwarded-for: 10.1.2.3\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = [0u8; 12];
+    proxied.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    let mut second = vec![proxied, connect_from([127, 0, 0, 2], addr).await];
+    sim.wait_for("5 connections", WAIT, |s| s.connections_open == 5)
+        .await
+        .unwrap();
+
+    // Fewer connections than the peak: the detail stays the peak's.
+    first.truncate(1);
+    sim.wait_for("3 connections", WAIT, |s| s.connections_open == 3)
+        .await
+        .unwrap();
+    second.push(connect_from([127, 0, 0, 2], addr).await);
+    let stats = sim
+        .wait_for("4 connections", WAIT, |s| s.connections_open == 4)
+        .await
+        .unwrap();
+    assert_eq!(stats.connections_peak, 5);
+    assert_eq!(
+        peers(&stats),
+        BTreeMap::from([("127.0.0.1".to_owned(), 3), ("127.0.0.2".to_owned(), 2)])
+    );
+    let forwarded: Vec<_> = stats
+        .connections_at_peak
+        .iter()
+        .filter_map(|c| c.forwarded_for.as_deref())
+        .collect();
+    assert_eq!(forwarded, ["10.1.2.3"]);
+    assert!(stats.connections_at_peak.iter().all(|c| !c.in_request));
+
+    // A reset takes the connections open now; a new peak replaces them.
+    sim.reset_peaks();
+    assert_eq!(
+        peers(&sim.stats()),
+        BTreeMap::from([("127.0.0.1".to_owned(), 1), ("127.0.0.2".to_owned(), 3)])
+    );
+    second.push(connect_from([127, 0, 0, 3], addr).await);
+    let stats = sim
+        .wait_for("5 connections", WAIT, |s| s.connections_open == 5)
+        .await
+        .unwrap();
+    assert_eq!(stats.connections_peak, 5);
+    assert_eq!(
+        peers(&stats),
+        BTreeMap::from([
+            ("127.0.0.1".to_owned(), 1),
+            ("127.0.0.2".to_owned(), 3),
+            ("127.0.0.3".to_owned(), 1),
+        ])
+    );
+    drop((first, second));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,8 +1,11 @@
 //! modelsim's counters and gauges: the Prometheus registry served at `/metrics` and the
 //! [`Stats`] snapshot served at `/admin/stats`, both read from the same atomics.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -10,6 +13,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
+
+use super::server::ConnCtl;
 
 /// A snapshot of a modelsim's state, from [`Modelsim::stats`](super::Modelsim::stats) or
 /// `GET /admin/stats` (same JSON field names).
@@ -22,6 +27,11 @@ pub struct Stats {
     pub connections_open: u64,
     /// Highest `connections_open` since start or the last peak reset.
     pub connections_peak: u64,
+    /// The serving connections open when `connections_open` last reached `connections_peak`
+    /// (or when the peaks were reset), oldest first; empty when the peak was above
+    /// [`PEAK_DETAIL_LIMIT`].
+    #[serde(default)]
+    pub connections_at_peak: Vec<ConnectionAtPeak>,
     /// Connections accepted on the serving listener since start.
     pub connections_accepted: u64,
     /// Connections closed by the idle-close fault.
@@ -68,6 +78,47 @@ pub struct Stats {
     pub draining: bool,
 }
 
+/// Peaks above this many connections are counted without the per-connection detail (taking it
+/// at every new peak costs O(open connections)).
+pub const PEAK_DETAIL_LIMIT: usize = 1024;
+
+/// One serving connection as it was at the connection peak.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectionAtPeak {
+    /// The peer's address.
+    pub peer: String,
+    /// Milliseconds since it was accepted.
+    pub age_ms: u64,
+    /// Milliseconds since a byte last moved or a request finished on it (0 while a request is
+    /// in progress).
+    pub idle_ms: u64,
+    /// Whether a request was in progress on it.
+    pub in_request: bool,
+    /// The `X-Forwarded-For` header of the last request it carried, if any: which client a
+    /// proxy in front was serving on it.
+    pub forwarded_for: Option<String>,
+}
+
+/// Open serving connections and the detail of the peak.
+#[derive(Debug, Default)]
+struct Open {
+    /// By connection id.
+    conns: BTreeMap<u64, Arc<ConnCtl>>,
+    next_id: u64,
+    /// `conns` when `connections_peak` was last raised or reset.
+    at_peak: Vec<ConnectionAtPeak>,
+}
+
+impl Open {
+    fn snapshot(&mut self) {
+        self.at_peak = if self.conns.len() <= PEAK_DETAIL_LIMIT {
+            self.conns.values().map(|c| c.at_peak()).collect()
+        } else {
+            Vec::new()
+        };
+    }
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct ResponseLabels {
     pub endpoint: &'static str,
@@ -111,6 +162,9 @@ pub(crate) struct Metrics {
     pub time_to_first_token: Histogram,
     pub connections_open: Gauge,
     pub connections_peak: Gauge,
+    /// The open serving connections and those at the peak; changed together with the two gauges
+    /// above, under this lock, so that the detail matches the peak.
+    open: Mutex<Open>,
     pub connections_accepted: Counter,
     pub connections_closed_idle: Counter,
     pub connections_reset: Counter,
@@ -150,6 +204,7 @@ impl Metrics {
             time_to_first_token: latency_buckets(),
             connections_open: Gauge::default(),
             connections_peak: Gauge::default(),
+            open: Mutex::default(),
             connections_accepted: Counter::default(),
             connections_closed_idle: Counter::default(),
             connections_reset: Counter::default(),
@@ -315,7 +370,32 @@ impl Metrics {
     pub fn reset_peaks(&self) {
         self.in_flight_peak.set(self.in_flight.get());
         self.queued_peak.set(self.queued.get());
+        let mut open = self.open.lock();
         self.connections_peak.set(self.connections_open.get());
+        open.snapshot();
+    }
+
+    /// Counts a connection accepted on the serving listener; returns its id for
+    /// [`Self::connection_closed`].
+    pub fn connection_opened(&self, ctl: &Arc<ConnCtl>) -> u64 {
+        self.connections_accepted.inc();
+        let mut open = self.open.lock();
+        let id = open.next_id;
+        open.next_id += 1;
+        open.conns.insert(id, Arc::clone(ctl));
+        let now = self.connections_open.inc() + 1;
+        if now > self.connections_peak.get() {
+            self.connections_peak.set(now);
+            open.snapshot();
+        }
+        id
+    }
+
+    /// Counts the end of serving connection `id`.
+    pub fn connection_closed(&self, id: u64) {
+        let mut open = self.open.lock();
+        open.conns.remove(&id);
+        self.connections_open.dec();
     }
 
     fn fault_count(&self, labels: &FaultLabels) -> u64 {
@@ -328,6 +408,7 @@ impl Metrics {
             instance: instance.to_owned(),
             connections_open: g(&self.connections_open),
             connections_peak: g(&self.connections_peak),
+            connections_at_peak: self.open.lock().at_peak.clone(),
             connections_accepted: self.connections_accepted.get(),
             connections_closed_idle: self.connections_closed_idle.get(),
             connections_reset: self.connections_reset.get(),

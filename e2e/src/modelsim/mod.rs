@@ -62,7 +62,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 
 pub use config::{Config, Faults, Jitter, ServiceTime};
-pub use metrics::{Stats, max_fds, open_fds};
+pub use metrics::{ConnectionAtPeak, PEAK_DETAIL_LIMIT, Stats, max_fds, open_fds};
 pub use remote::Remote;
 
 use server::Shared;

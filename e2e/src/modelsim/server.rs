@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -26,7 +27,7 @@ use tracing::{debug, warn};
 use super::config::{Config, Faults};
 use super::engine::Admission;
 use super::handler;
-use super::metrics::{Metrics, Stats};
+use super::metrics::{ConnectionAtPeak, Metrics, Stats};
 
 /// State shared by every connection and request of one modelsim.
 #[derive(Debug)]
@@ -153,6 +154,10 @@ pub(crate) fn unix_now() -> u64 {
 #[derive(Debug)]
 pub(crate) struct ConnCtl {
     epoch: Instant,
+    peer: SocketAddr,
+    accepted: Instant,
+    /// The `X-Forwarded-For` of the last request.
+    forwarded_for: Mutex<Option<HeaderValue>>,
     /// Nanoseconds since `epoch` of the last byte moved or request finished.
     last_activity_ns: AtomicU64,
     active_requests: AtomicU32,
@@ -161,9 +166,12 @@ pub(crate) struct ConnCtl {
 }
 
 impl ConnCtl {
-    fn new(epoch: Instant) -> Self {
+    fn new(epoch: Instant, peer: SocketAddr) -> Self {
         let ctl = Self {
             epoch,
+            peer,
+            accepted: Instant::now(),
+            forwarded_for: Mutex::new(None),
             last_activity_ns: AtomicU64::new(0),
             active_requests: AtomicU32::new(0),
             reset: AtomicBool::new(false),
@@ -191,6 +199,38 @@ impl ConnCtl {
             Instant::now() + idle
         } else {
             self.epoch + Duration::from_nanos(self.last_activity_ns.load(Ordering::Relaxed)) + idle
+        }
+    }
+
+    /// Remembers the `X-Forwarded-For` of a request.
+    fn forwarded_for(&self, value: Option<&HeaderValue>) {
+        let mut last = self.forwarded_for.lock();
+        if last.as_ref() != value {
+            *last = value.cloned();
+        }
+    }
+
+    /// What [`Stats::connections_at_peak`] reports of this connection now.
+    pub fn at_peak(&self) -> ConnectionAtPeak {
+        let now = Instant::now();
+        let in_request = self.active_requests.load(Ordering::Relaxed) > 0;
+        let last = self.epoch + Duration::from_nanos(self.last_activity_ns.load(Ordering::Relaxed));
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        ConnectionAtPeak {
+            peer: self.peer.to_string(),
+            age_ms: ms(now.saturating_duration_since(self.accepted)),
+            idle_ms: if in_request {
+                0
+            } else {
+                ms(now.saturating_duration_since(last))
+            },
+            in_request,
+            forwarded_for: self
+                .forwarded_for
+                .lock()
+                .as_ref()
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
         }
     }
 
@@ -297,22 +337,22 @@ impl AsyncWrite for TrackedIo {
 #[derive(Debug)]
 struct ConnGuard {
     shared: Arc<Shared>,
-    admin: bool,
+    /// Its id among the serving connections, `None` on the admin listener.
+    serving: Option<u64>,
 }
 
 impl ConnGuard {
-    fn open(shared: &Arc<Shared>, admin: bool) -> Self {
+    fn open(shared: &Arc<Shared>, ctl: &Arc<ConnCtl>, admin: bool) -> Self {
         let m = &shared.metrics;
-        if admin {
+        let serving = if admin {
             m.admin_connections_open.inc();
+            None
         } else {
-            m.connections_accepted.inc();
-            let open = m.connections_open.inc() + 1;
-            Metrics::raise_peak(&m.connections_peak, open);
-        }
+            Some(m.connection_opened(ctl))
+        };
         Self {
             shared: Arc::clone(shared),
-            admin,
+            serving,
         }
     }
 }
@@ -320,10 +360,11 @@ impl ConnGuard {
 impl Drop for ConnGuard {
     fn drop(&mut self) {
         let m = &self.shared.metrics;
-        if self.admin {
-            m.admin_connections_open.dec();
-        } else {
-            m.connections_open.dec();
+        match self.serving {
+            Some(id) => m.connection_closed(id),
+            None => {
+                m.admin_connections_open.dec();
+            }
         }
         self.shared.connections_changed.notify_waiters();
     }
@@ -338,12 +379,13 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, admi
             accepted = listener.accept() => accepted,
         };
         match accepted {
-            Ok((stream, _peer)) => {
+            Ok((stream, peer)) => {
                 if let Err(e) = stream.set_nodelay(true) {
                     debug!(error = %e, "cannot set TCP_NODELAY");
                 }
-                let guard = ConnGuard::open(&shared, admin);
-                tokio::spawn(serve_connection(Arc::clone(&shared), stream, guard));
+                let ctl = Arc::new(ConnCtl::new(shared.epoch, peer));
+                let guard = ConnGuard::open(&shared, &ctl, admin);
+                tokio::spawn(serve_connection(Arc::clone(&shared), stream, ctl, guard));
             }
             Err(e) => {
                 // Typically EMFILE under a low fd limit: back off instead of spinning (the
@@ -369,9 +411,13 @@ async fn sleep_until_some(deadline: Option<Instant>) {
     }
 }
 
-async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, guard: ConnGuard) {
+async fn serve_connection(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    ctl: Arc<ConnCtl>,
+    guard: ConnGuard,
+) {
     let _guard = guard;
-    let ctl = Arc::new(ConnCtl::new(shared.epoch));
     let io = TokioIo::new(TrackedIo {
         stream,
         ctl: Arc::clone(&ctl),
@@ -382,6 +428,7 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, guard: ConnGua
         service_fn(move |req| {
             let shared = Arc::clone(&shared);
             let ctl = Arc::clone(&ctl);
+            ctl.forwarded_for(req.headers().get("x-forwarded-for"));
             let guard = RequestGuard::new(Arc::clone(&ctl));
             async move {
                 let mut resp = handler::route(shared, ctl, req).await;
