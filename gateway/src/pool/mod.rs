@@ -46,7 +46,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use poolpilot_api::limits::{Endpoint, HealthCheck, OutlierDetection, PoolLimits};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
@@ -330,10 +330,7 @@ impl<C: Connect> Drop for Waiting<C> {
         }
         if let Ok(grant) = self.rx.try_recv() {
             self.pool.undo(&mut state, grant);
-            state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
-            self.pool.dispatch(&mut state, now);
-            drop(state);
-            self.pool.slot_freed.notify_waiters();
+            self.pool.freed(state, now);
         }
     }
 }
@@ -357,10 +354,7 @@ impl<C: Connect> Drop for Reservation<C> {
         if let Some(ep) = state.endpoint_mut(self.endpoint) {
             ep.connecting -= 1;
         }
-        state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
-        self.pool.dispatch(&mut state, now);
-        drop(state);
-        self.pool.slot_freed.notify_waiters();
+        self.pool.freed(state, now);
     }
 }
 
@@ -1115,6 +1109,12 @@ impl<C: Connect> Inner<C> {
         if let Some(ep) = state.endpoint_mut(endpoint) {
             ep.closing -= 1;
         }
+        self.freed(state, now);
+    }
+
+    /// After a slot freed other than by a lease returning: forgets removed endpoints left with
+    /// nothing open, hands the capacity to waiters, and wakes [`Pool::close_all`].
+    fn freed(self: &Arc<Self>, mut state: MutexGuard<'_, State<C::Conn>>, now: Instant) {
         state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
         self.dispatch(&mut state, now);
         drop(state);
