@@ -165,9 +165,9 @@ impl Loads {
 struct Peaks {
     /// Per instance: modelsim's own peak of open connections / requests in flight.
     connections: BTreeMap<String, u64>,
-    /// Per instance: who held the connections at that peak (see [`holders`]).
-    holders: BTreeMap<String, String>,
     in_flight: BTreeMap<String, u64>,
+    /// Per instance: who held the connections at the connection peak (see [`holders`]).
+    holders: BTreeMap<String, String>,
     /// Per instance: the highest of the 250 ms samples of the same gauges.
     sampled_connections: BTreeMap<String, u64>,
     sampled_in_flight: BTreeMap<String, u64>,
