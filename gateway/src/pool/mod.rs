@@ -988,13 +988,8 @@ impl<C: Connect> Inner<C> {
                         timeout,
                     },
                 };
-                let now = Instant::now();
-                self.dispatch(&mut state, now);
-                let retired = state.retired;
-                drop(state);
-                if retired {
-                    self.slot_freed.notify_waiters();
-                }
+                // The reserved slot is free again.
+                self.freed(state, Instant::now());
                 Err(error)
             }
         }
