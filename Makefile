@@ -32,9 +32,12 @@ PROMETHEUS_BIN   := $(BIN)/prometheus
 PROMETHEUS_VERSION := 3.16.0
 export POOLPILOT_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
 PROMTOOL_BIN     := $(BIN)/promtool
+# The port of the `make cluster-up` cluster's Prometheus: manifests/overlays/local (and so `make
+# demo`) point the operator at 127.0.0.1:9090.
+PROMETHEUS_PORT  ?= 9090
 # True when a cluster started by `cluster up` is serving from $(CLUSTER_DIR).
 CLUSTER_RUNNING  = { [ -f $(CLUSTER_DIR)/ready ] && kill -0 $$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' $(CLUSTER_DIR)/ready) 2>/dev/null; }
-CLUSTER_SOURCES  := $(wildcard e2e/cluster/*.go) e2e/cluster/go.mod e2e/cluster/go.sum
+CLUSTER_SOURCES  := $(wildcard e2e/cluster/*.go e2e/cluster/*/*.go) e2e/cluster/go.mod e2e/cluster/go.sum
 
 ##@ Main
 
@@ -104,6 +107,7 @@ lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
 unit: monitoring-test ## Unit and loopback integration tests, doc tests, alert rule tests (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
 	cargo test -p poolpilot-e2e --lib --bins
+	cd e2e/cluster && go test ./hostnet/
 
 .PHONY: monitoring-test
 monitoring-test: $(PROMTOOL_BIN) ## promtool check + unit tests of the alerting rules (manifests/monitoring)
@@ -118,23 +122,28 @@ crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its c
 	cargo run -q -p poolpilot-api --bin crdgen -- --reference > docs/connectionpolicy-reference.md.tmp
 	mv docs/connectionpolicy-reference.md.tmp docs/connectionpolicy-reference.md
 
+# Before any test runs, `cluster net check` proves that the cluster's ranges are routed to
+# nowhere (see "What runs where" in the README): without that, no e2e test starts.
 .PHONY: e2e
 e2e: cluster bins host-tools ## End-to-end tests on the embedded cluster (reused if `make cluster-up` left one running)
 	@if $(CLUSTER_RUNNING); then \
+		$(CLUSTER_BIN) net check; \
 		cargo test -p poolpilot-e2e --tests -- --test-threads=4; \
 	else \
 		trap '$(MAKE) --no-print-directory cluster-down' EXIT; \
 		$(MAKE) --no-print-directory cluster-up; \
+		$(CLUSTER_BIN) net check; \
 		cargo test -p poolpilot-e2e --tests -- --test-threads=4; \
 	fi
 
 ##@ Embedded cluster
 
 .PHONY: host-tools
-host-tools: ## Install what the local kubelet needs when missing: iproute2's `ip` (pod addresses on lo)
+host-tools: $(CLUSTER_BIN) ## Install iproute2 when missing (pod addresses on lo), route the cluster's ranges to nowhere (refuses on a conflict)
 	@command -v ip >/dev/null || { \
 		echo ">> installing iproute2"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; }
+	@$(CLUSTER_BIN) net up
 
 .PHONY: cluster-up
 cluster-up: cluster bins host-tools ## Start the embedded cluster with the local kubelet in the background (reused by tests and the demo)
@@ -144,7 +153,7 @@ cluster-up: cluster bins host-tools ## Start the embedded cluster with the local
 		mkdir -p $(CLUSTER_DIR); \
 		echo ">> starting the embedded cluster in $(CLUSTER_DIR)"; \
 		nohup $(CLUSTER_BIN) up --dir $(CLUSTER_DIR) --kubelet $(RUST_BIN)/local-kubelet \
-			--kubelet-arg=--bin-dir=$(RUST_BIN) --prometheus $(PROMETHEUS_BIN) --prometheus-port 9090 \
+			--kubelet-arg=--bin-dir=$(RUST_BIN) --prometheus $(PROMETHEUS_BIN) --prometheus-port $(PROMETHEUS_PORT) \
 			> $(CLUSTER_DIR)/up.log 2>&1 & \
 		for i in $$(seq 1 240); do \
 			[ -f $(CLUSTER_DIR)/ready ] && break; \
@@ -154,11 +163,11 @@ cluster-up: cluster bins host-tools ## Start the embedded cluster with the local
 		[ -f $(CLUSTER_DIR)/ready ] || { echo "cluster not ready after 240s"; cat $(CLUSTER_DIR)/up.log; exit 1; }; \
 	fi
 	@echo "kubeconfig: $(CLUSTER_DIR)/admin.kubeconfig"
-	@echo "prometheus: http://127.0.0.1:9090"
+	@echo "prometheus: http://127.0.0.1:$(PROMETHEUS_PORT)"
 	@echo "use it:     export KUBECONFIG=$(CLUSTER_DIR)/admin.kubeconfig PATH=$(BIN):\$$PATH; kubectl get ns"
 
 .PHONY: cluster-down
-cluster-down: ## Stop the embedded cluster
+cluster-down: ## Stop the embedded cluster (the last one on this machine to stop removes the host routes)
 	@if [ -f $(CLUSTER_DIR)/ready ]; then \
 		pid=$$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' $(CLUSTER_DIR)/ready); \
 		kill $$pid 2>/dev/null || true; \

@@ -5,6 +5,7 @@
 // Subcommands:
 //
 //	cluster up --dir D              start etcd + kube-apiserver + kube-controller-manager, write D/admin.kubeconfig
+//	cluster net up|check|down       the host routes that keep the cluster's traffic on this machine
 //	cluster kubectl ...             a real kubectl (also when the binary is invoked through a link named "kubectl")
 //	cluster kube-apiserver ...      the real kube-apiserver (started by "up" as a child process)
 //	cluster kube-controller-manager ...
@@ -23,6 +24,7 @@ const usage = `usage: cluster <command> [flags]
 
 commands:
   up --dir DIR [flags]            run an embedded control plane until SIGTERM/SIGINT (see "cluster up --help")
+  net up|check|down               install, check or remove the routes that keep its traffic on this machine
   kubectl ARGS...                 run the bundled kubectl
   kube-apiserver FLAGS...         run kube-apiserver (normally started by "up")
   kube-controller-manager FLAGS...run kube-controller-manager (normally started by "up")
@@ -42,6 +44,8 @@ func main() {
 	switch cmd {
 	case "up":
 		os.Exit(runUp(args))
+	case "net":
+		os.Exit(runNet(args))
 	case "kubectl":
 		os.Exit(runKubectl(args))
 	case "kube-apiserver":

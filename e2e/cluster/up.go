@@ -1,6 +1,7 @@
-// Up: starts etcd, kube-apiserver and kube-controller-manager on 127.0.0.1, waits until the
-// cluster really serves, publishes the admin kubeconfig and a ready marker, and tears it all
-// down on SIGTERM/SIGINT (or when a watched parent process goes away).
+// Up: installs the host routes that keep the cluster's traffic on this machine, starts etcd,
+// kube-apiserver and kube-controller-manager on 127.0.0.1, waits until the cluster really
+// serves, publishes the admin kubeconfig and a ready marker, and tears it all down on
+// SIGTERM/SIGINT (or when a watched parent process goes away).
 package main
 
 import (
@@ -25,6 +26,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/component-base/version"
+
+	"github.com/poolpilot/poolpilot/e2e/cluster/hostnet"
 )
 
 // defaultControllers are the kube-controller-manager loops that a test cluster without a real
@@ -119,6 +122,20 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 	if err := writeFileAtomic(filepath.Join(dir, "up.pid"), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
 		return err
 	}
+	// Before any pod gets an address or any Service a ClusterIP: a connect to one that nothing
+	// holds must fail here, not leave the machine by the default route.
+	if err := hostnet.Install(hostnet.IP); err != nil {
+		return fmt.Errorf("host routes: %w", err)
+	}
+	logf("routing %s (pods) and %s (Services) to nowhere unless an address is on lo", hostnet.PodRange, hostnet.ServiceRange)
+	// Runs last, after every child (the kubelet with its pod addresses) has stopped.
+	defer func() {
+		done, err := releaseRoutes()
+		if err != nil {
+			done = fmt.Sprintf("removing them failed: %v", err)
+		}
+		logf("host routes: %s", done)
+	}()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	if watchClients {

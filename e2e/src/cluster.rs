@@ -53,10 +53,17 @@ impl Cluster {
     }
 
     /// Reuses the cluster in `dir` if it answers, otherwise starts one there with `bin` and the
-    /// local kubelet (running this workspace's binaries as pod images).
+    /// local kubelet (running this workspace's binaries as pod images). Either way, fails unless
+    /// the host routes that keep the cluster's traffic on this machine are in force.
     pub async fn start_or_reuse(dir: PathBuf, bin: PathBuf) -> anyhow::Result<Cluster> {
+        let cluster = Self::find_or_start(dir, &bin).await?;
+        crate::hermetic::check_routes(&bin).await?;
+        Ok(cluster)
+    }
+
+    async fn find_or_start(dir: PathBuf, bin: &Path) -> anyhow::Result<Cluster> {
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-        if let Some(cluster) = Self::reuse(&dir, &bin).await {
+        if let Some(cluster) = Self::reuse(&dir, bin).await {
             return Ok(cluster);
         }
         // Several test binaries may start at once: one of them starts the cluster, the others
@@ -65,11 +72,11 @@ impl Cluster {
         let lock =
             File::create(&lock_path).with_context(|| format!("create {}", lock_path.display()))?;
         let lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock)).await??;
-        if let Some(cluster) = Self::reuse(&dir, &bin).await {
+        if let Some(cluster) = Self::reuse(&dir, bin).await {
             drop(lock);
             return Ok(cluster);
         }
-        let cluster = Self::start(&dir, &bin).await;
+        let cluster = Self::start(&dir, bin).await;
         drop(lock);
         cluster
     }

@@ -150,8 +150,8 @@ async fn prometheus_discovers_modelsim_pods_through_the_apiserver() -> anyhow::R
             Ok(())
         })
         .await?;
-        // The pods' addresses are released with their processes (a connect would now follow
-        // the default route, so the interface is what tells).
+        // The pods' addresses are released with their processes (a connect would now fail
+        // with "No route to host", as e2e/tests/hermetic.rs shows; the interface tells which).
         for ip in &all_ips {
             let addr: std::net::IpAddr = ip.parse()?;
             assert!(

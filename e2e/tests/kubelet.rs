@@ -129,8 +129,8 @@ async fn deployment_pods_run_on_their_own_ips_behind_a_service_and_stop_when_del
             Ok(())
         })
         .await?;
-        // The processes are gone with their addresses (a connect would now follow the default
-        // route, so the interface is what tells).
+        // The processes are gone with their addresses (a connect now fails with "No route to
+        // host", as e2e/tests/hermetic.rs shows; the interface tells which).
         for ip in &ips {
             let addr: std::net::IpAddr = ip.parse()?;
             assert!(!poolpilot_e2e::kubelet::host_has_address(addr), "{ip} must be released from lo");

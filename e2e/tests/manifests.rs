@@ -120,6 +120,29 @@ async fn the_local_overlay_passes_a_server_side_dry_run() -> anyhow::Result<()> 
     .await
 }
 
+/// What `make demo` deploys, rendered as kustomize renders it (bases included): every
+/// destination it names is on this machine (the base points the operator at an in-cluster
+/// Prometheus Service name that would be resolved off this machine; the overlay replaces it).
+#[tokio::test]
+async fn the_rendered_local_overlay_names_no_destination_off_this_machine() -> anyhow::Result<()> {
+    let cluster = Cluster::shared().await?;
+    let overlay = workspace_root().join("manifests/overlays/local");
+    let rendered = run(cluster.kubectl().arg("kustomize").arg(&overlay)).await?;
+    anyhow::ensure!(
+        rendered.contains("--prometheus-url=http://127.0.0.1:9090"),
+        "the overlay no longer sets the Prometheus URL:\n{rendered}"
+    );
+    let offenders: Vec<_> = poolpilot_e2e::hermetic::connection_targets(&rendered)
+        .into_iter()
+        .filter(|t| !t.is_allowed())
+        .collect();
+    anyhow::ensure!(
+        offenders.is_empty(),
+        "destinations off this machine in manifests/overlays/local: {offenders:#?}"
+    );
+    Ok(())
+}
+
 /// Every `expr` in the dashboard (panels, annotations) and the variables' `label_values` queries.
 fn dashboard_queries(dashboard: &Value) -> Vec<String> {
     fn walk(v: &Value, out: &mut Vec<String>) {

@@ -1033,7 +1033,7 @@ async fn the_connection_peak_names_who_held_it() {
     // One connection carries a request from behind a proxy.
     let mut proxied = connect_from([127, 0, 0, 2], addr).await;
     proxied
-        .write_all(b"GET /v1/models HTTP/1.1\r\nhost: sim\r\nx-forwarded-for: 10.1.2.3\r\n\r\n")
+        .write_all(b"GET /v1/models HTTP/1.1\r\nhost: sim\r\nx-forwarded-for: 10.244.0.9\r\n\r\n")
         .await
         .unwrap();
     let mut head = [0u8; 12];
@@ -1064,7 +1064,7 @@ async fn the_connection_peak_names_who_held_it() {
         .iter()
         .filter_map(|c| c.forwarded_for.as_deref())
         .collect();
-    assert_eq!(forwarded, ["10.1.2.3"]);
+    assert_eq!(forwarded, ["10.244.0.9"]);
     assert!(stats.connections_at_peak.iter().all(|c| !c.in_request));
 
     // A reset takes the connections open now; a new peak replaces them.

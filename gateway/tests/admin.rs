@@ -351,7 +351,7 @@ async fn routes_by_model_header_and_path() {
         gw.proxy,
         "/v1/chat",
         &[
-            ("x-forwarded-for", "10.9.8.7"),
+            ("x-forwarded-for", "10.244.0.7"),
             ("x-hop", "1"),
             ("connection", "x-hop"),
         ],
@@ -359,7 +359,7 @@ async fn routes_by_model_header_and_path() {
     )
     .await;
     assert!(
-        body.contains(r#"\"x-forwarded-for\": \"10.9.8.7, 127.0.0.1\""#),
+        body.contains(r#"\"x-forwarded-for\": \"10.244.0.7, 127.0.0.1\""#),
         "{body}"
     );
     assert!(body.contains(r#"\"via\": \"1.1 poolpilot\""#), "{body}");

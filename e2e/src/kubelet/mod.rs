@@ -104,10 +104,13 @@ impl KubeletContext {
     }
 }
 
-/// Pod addresses: 10.244.0.1 upward (kind's pod range), one per pod uid, each added to the
-/// loopback interface while its pod lives, so that pods reach each other, Prometheus reaches
-/// them and nothing leaves the machine. Not 127.0.0.0/8 itself: the apiserver refuses loopback
-/// addresses in Endpoints and EndpointSlices, so Services would have no endpoints.
+/// Pod addresses: 10.244.0.1 to 10.244.254.254 (kind's pod range), one per pod uid, each added
+/// to the loopback interface while its pod lives, so that pods reach each other and Prometheus
+/// reaches them. `cluster up` routes the rest of the range to nowhere, so a connect to a pod
+/// that is gone fails on this machine ([`crate::hermetic`]); 10.244.255.0/24 is never handed
+/// out, for fixtures that need an address nothing holds. Not 127.0.0.0/8 itself: the apiserver
+/// refuses loopback addresses in Endpoints and EndpointSlices, so Services would have no
+/// endpoints.
 #[derive(Debug, Default)]
 struct IpPool {
     by_uid: HashMap<String, Ipv4Addr>,
@@ -116,7 +119,7 @@ struct IpPool {
 
 impl IpPool {
     const FIRST: u32 = u32::from_be_bytes([10, 244, 0, 1]);
-    const LAST: u32 = u32::from_be_bytes([10, 244, 255, 254]);
+    const LAST: u32 = u32::from_be_bytes([10, 244, 254, 254]);
 
     /// The address of pod `uid`: the one it has, else its `previous` one (a restarted kubelet
     /// keeps what the pod status reports) when free and claimable, else the next free one.
@@ -180,7 +183,7 @@ fn add_host_address(ip: Ipv4Addr) -> bool {
 }
 
 /// Whether `ip`/32 is on the loopback interface, i.e. a pod of a local kubelet holds it (a
-/// released address is gone; a connection to it would follow the default route).
+/// released address is gone; a connection to it fails with "No route to host").
 pub fn host_has_address(ip: IpAddr) -> bool {
     std::process::Command::new("ip")
         .args(["-o", "addr", "show", "dev", "lo"])
@@ -412,6 +415,26 @@ mod tests {
         );
         assert_eq!(pool.release("a"), Some(a));
         assert!(!pool.by_uid.contains_key("a"));
+    }
+
+    #[test]
+    fn ip_pool_never_hands_out_the_unheld_addresses() {
+        let unheld = crate::hermetic::UNHELD_POD_ADDRESS;
+        let mut pool = IpPool {
+            // The last address of 10.244.254.0/24 comes next; then the range wraps around.
+            next: IpPool::LAST - IpPool::FIRST,
+            ..Default::default()
+        };
+        assert_eq!(
+            pool.allocate("reported", Some(unheld), |_| true),
+            Some(Ipv4Addr::new(10, 244, 254, 254)),
+            "a pod reporting an unheld address gets another"
+        );
+        assert_eq!(
+            pool.allocate("next", None, |_| true),
+            Some(Ipv4Addr::new(10, 244, 0, 1))
+        );
+        assert_eq!(unheld.octets()[..3], [10, 244, 255]);
     }
 
     #[test]

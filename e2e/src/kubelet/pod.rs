@@ -123,7 +123,8 @@ pub async fn run_pod(ctx: Arc<KubeletContext>, mut updates: watch::Receiver<Opti
     let (reports_tx, mut reports) = mpsc::unbounded_channel();
     let mut worker = PodWorker::new(ctx, pod, reports_tx);
     let mut tick = tokio::time::interval(Duration::from_millis(200));
-    loop {
+    // Whether the pod is still in the API, terminating, and waits for our last word.
+    let terminating = loop {
         tokio::select! {
             changed = updates.changed() => {
                 let latest = if changed.is_ok() { updates.borrow_and_update().clone() } else { None };
@@ -132,12 +133,11 @@ pub async fn run_pod(ctx: Arc<KubeletContext>, mut updates: watch::Receiver<Opti
                     Some(pod) => {
                         worker.pod = pod;
                         worker.terminate(&mut reports).await;
-                        worker.finalize_deletion().await;
-                        break;
+                        break true;
                     }
                     None => {
                         worker.terminate(&mut reports).await;
-                        break;
+                        break false;
                     }
                 }
             }
@@ -145,10 +145,15 @@ pub async fn run_pod(ctx: Arc<KubeletContext>, mut updates: watch::Receiver<Opti
             _ = tick.tick() => worker.step().await,
         }
         worker.publish_status().await;
-    }
+    };
+    // As a kubelet tears down the pod sandbox: the address is gone before the pod leaves the
+    // API, so whoever sees the pod gone finds its address unreachable.
     worker
         .ctx
         .release_ip(worker.pod.uid().as_deref().unwrap_or_default());
+    if terminating {
+        worker.finalize_deletion().await;
+    }
     let _ = std::fs::remove_dir_all(worker.dir.join("volumes"));
 }
 

@@ -11,6 +11,7 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -30,9 +31,10 @@ pub const PODS: u32 = 5;
 pub const INTERVAL: Duration = Duration::from_secs(15);
 /// How long a policy count may take to be accepted and rolled out everywhere.
 pub const SETTLE: Duration = Duration::from_secs(120);
-/// A static address that nothing listens on (TEST-NET-1): the gateways pool lazily, and no call
-/// is made in this part.
-const ADDRESS: &str = "192.0.2.1:8000";
+/// A static address in the pod range that no pod holds: the gateways pool lazily and no call
+/// is made in this part, and whatever is tried fails on this machine.
+static ADDRESS: LazyLock<String> =
+    LazyLock::new(|| format!("{}:8000", poolpilot_e2e::hermetic::UNHELD_POD_ADDRESS));
 const PREFIX: &str = "poolpilot_operator_";
 
 /// The stack of this part: 5 gateways with room for 200 backends' pools, no model backends.
@@ -109,7 +111,7 @@ pub fn policy(i: usize) -> anyhow::Result<Value> {
         json!([{
             "name": name,
             "match": {"pathPrefix": "/v1/", "model": name},
-            "endpoints": {"addresses": [{"name": format!("{name}-0"), "address": ADDRESS}]},
+            "endpoints": {"addresses": [{"name": format!("{name}-0"), "address": ADDRESS.as_str()}]},
             "capacity": {"maxConnectionsPerEndpoint": 8, "headroom": 0.2},
             "pool": {"maxPending": 16, "leaseTimeout": "300ms"},
         }]),
