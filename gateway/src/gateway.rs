@@ -16,6 +16,7 @@ use poolpilot_api::limits::{HealthCheck, InvalidLimits, RouteMatch, Timeouts};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::budget::ByteBudget;
 use crate::health;
 use crate::limiter::{ClientLimiter, ClientStats};
 use crate::metrics::Metrics;
@@ -99,6 +100,8 @@ struct Inner {
     /// [`Gateway::await_operator`]); `None`: it does not wait.
     await_operator_until: Mutex<Option<Instant>>,
     draining: AtomicBool,
+    /// Bytes of request bodies buffered for routing, pod-wide.
+    route_budget: ByteBudget,
     /// Serialises scrapes: live gauges are cleared and set again before each one.
     scrape: Mutex<()>,
 }
@@ -155,6 +158,7 @@ impl Gateway {
                 managed_by_api: AtomicBool::new(false),
                 await_operator_until: Mutex::new(None),
                 draining: AtomicBool::new(false),
+                route_budget: ByteBudget::default(),
                 scrape: Mutex::new(()),
             }),
         }
@@ -195,6 +199,11 @@ impl Gateway {
                 .await_operator_until
                 .lock()
                 .is_some_and(|until| Instant::now() < until)
+    }
+
+    /// The pod-wide budget of routing buffers.
+    pub fn route_budget(&self) -> &ByteBudget {
+        &self.inner.route_budget
     }
 
     /// Whether shutdown began.
@@ -455,6 +464,7 @@ impl Gateway {
         for (label, n) in by_label {
             m.set_client_inflight(&label, n);
         }
+        m.set_route_buffer_bytes(self.inner.route_budget.held());
         let (open, max) = crate::procfs::fds();
         m.set_process_fds(open, max);
     }

@@ -20,7 +20,9 @@
 
 pub mod admin;
 pub mod body;
+pub mod budget;
 pub mod config;
+pub mod deadline;
 pub mod error;
 pub mod gateway;
 pub mod health;

@@ -221,6 +221,7 @@ fn document(
                     cooldown: s.cooldown,
                     min_calls: s.min_calls,
                 }),
+                max_clients: ClientPolicy::DEFAULT_MAX_CLIENTS,
             });
             name
         });
