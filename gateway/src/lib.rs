@@ -34,6 +34,7 @@ pub mod proxy;
 pub mod reload;
 pub mod route;
 pub mod server;
+pub mod source;
 pub mod upstream;
 
 use std::net::SocketAddr;

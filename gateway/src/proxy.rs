@@ -12,7 +12,7 @@
 //! counts against its concurrency for as long as it streams.
 
 use std::future::{Future, poll_fn};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::pin::pin;
 use std::sync::Arc;
@@ -25,7 +25,7 @@ use http::{Request, Response, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use poolpilot_api::limits::{ClientIdentity, ListenerLimits};
+use poolpilot_api::limits::{ClientIdentity, ListenerLimits, ProxyProtocol, TrustedProxies};
 use tokio::time::Instant;
 
 use crate::body::{
@@ -44,22 +44,29 @@ use crate::upstream::HttpConnector;
 /// keep-alive connections, bounded so a dying backend cannot loop a request.
 const MAX_RETRIES: usize = 3;
 
-/// The client side of a call: its address, and its IP as a header value (formatted once per
-/// connection, for `X-Forwarded-For` and source-IP client keys).
+/// The client side of a call: the connection's peer and the client's address (the peer, or
+/// the source a trusted proxy's PROXY protocol header gave), the latter also as a header value
+/// (formatted once per connection, for `X-Forwarded-For`).
 #[derive(Clone, Debug)]
 pub struct Peer {
     addr: SocketAddr,
+    source: IpAddr,
     ip: HeaderValue,
 }
 
 impl Peer {
-    /// The peer at `addr`.
+    /// A client connected directly from `addr`.
     pub fn new(addr: SocketAddr) -> Self {
-        let ip = HeaderValue::from_str(&addr.ip().to_string()).expect("an IP is a header value");
-        Self { addr, ip }
+        Self::proxied(addr, addr.ip())
     }
 
-    /// Its address.
+    /// A connection from `addr` on behalf of the client at `source`.
+    pub fn proxied(addr: SocketAddr, source: IpAddr) -> Self {
+        let ip = HeaderValue::from_str(&source.to_string()).expect("an IP is a header value");
+        Self { addr, source, ip }
+    }
+
+    /// The connection's peer.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -118,7 +125,12 @@ async fn proxy(
     let permit = match &route.limiter {
         Some(limiter) => Some(
             limiter
-                .acquire(client_key(&limiter.identity(), &parts.headers, peer))
+                .acquire(client_key(
+                    &limiter.identity(),
+                    &parts.headers,
+                    peer,
+                    listener.trusted_proxies.as_ref(),
+                ))
                 .await?,
         ),
         None => None,
@@ -242,15 +254,45 @@ async fn buffer_for_model(
     }
 }
 
-/// The client's identity: the configured header's value, or (without it, or for a source-IP
-/// policy) the source IP, both hashed.
-fn client_key(identity: &ClientIdentity, headers: &HeaderMap, peer: &Peer) -> ClientKey {
+/// The client's identity, hashed: the configured header's value (for `authorization`, the
+/// bearer token without its scheme), or, without it or for a source-IP policy, the client's
+/// address ([`crate::source::key_text`]: an IPv6 client counts by its /64), taken from
+/// `X-Forwarded-For` when the peer is a trusted proxy that passes it so.
+fn client_key(
+    identity: &ClientIdentity,
+    headers: &HeaderMap,
+    peer: &Peer,
+    trusted: Option<&TrustedProxies>,
+) -> ClientKey {
     if let ClientIdentity::Header(name) = identity
         && let Some(value) = headers.get(name.as_str())
     {
+        if name.eq_ignore_ascii_case("authorization")
+            && let Some(token) = bearer_token(value)
+        {
+            return ClientKey::of(token);
+        }
         return ClientKey::of(value.as_bytes());
     }
-    ClientKey::of(peer.ip.as_bytes())
+    let ip = match trusted {
+        Some(t) if t.protocol == ProxyProtocol::XForwardedFor => {
+            crate::source::forwarded_client(headers, peer.source, t)
+        }
+        _ => peer.source,
+    };
+    ClientKey::of(crate::source::key_text(ip).as_bytes())
+}
+
+/// The token of an `Authorization: Bearer <token>` value (the scheme in any case).
+fn bearer_token(value: &HeaderValue) -> Option<&[u8]> {
+    let value = value.as_bytes();
+    let space = value.iter().position(|b| *b == b' ')?;
+    let (scheme, token) = value.split_at(space);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return None;
+    }
+    let token = token.trim_ascii();
+    (!token.is_empty()).then_some(token)
 }
 
 /// Whether `name` is a hop-by-hop header of RFC 9110 §7.6.1 (or a legacy one).
@@ -787,17 +829,37 @@ mod tests {
         let mut headers = HeaderMap::new();
         let by_header = ClientIdentity::Header("x-api-key".into());
         assert_eq!(
-            client_key(&by_header, &headers, peer),
+            client_key(&by_header, &headers, peer, None),
             ClientKey::of(b"10.1.2.3")
         );
         headers.insert("x-api-key", HeaderValue::from_static("sk-1"));
         assert_eq!(
-            client_key(&by_header, &headers, peer),
+            client_key(&by_header, &headers, peer, None),
             ClientKey::of(b"sk-1")
         );
         assert_eq!(
-            client_key(&ClientIdentity::SourceIp, &headers, peer),
+            client_key(&ClientIdentity::SourceIp, &headers, peer, None),
             ClientKey::of(b"10.1.2.3")
+        );
+        let by_token = ClientIdentity::Header("authorization".into());
+        for value in ["Bearer sk-2", "bearer  sk-2 ", "BEARER sk-2"] {
+            headers.insert("authorization", HeaderValue::from_str(value).unwrap());
+            assert_eq!(
+                client_key(&by_token, &headers, peer, None),
+                ClientKey::of(b"sk-2"),
+                "{value:?}"
+            );
+        }
+        headers.insert("authorization", HeaderValue::from_static("Basic dTpw"));
+        assert_eq!(
+            client_key(&by_token, &headers, peer, None),
+            ClientKey::of(b"Basic dTpw"),
+            "another scheme: the whole value"
+        );
+        let v6 = &Peer::new("[2001:db8:7:7::42]:4000".parse().unwrap());
+        assert_eq!(
+            client_key(&ClientIdentity::SourceIp, &headers, v6, None),
+            ClientKey::of(b"2001:db8:7:7::/64")
         );
     }
 }

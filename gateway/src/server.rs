@@ -34,6 +34,7 @@ use crate::error::ProxyError;
 use crate::gateway::Gateway;
 use crate::metrics::{DownstreamTimeout, Refusal};
 use crate::proxy::Peer;
+use poolpilot_api::limits::ProxyProtocol;
 
 /// hyper's smallest HTTP/1 read buffer; smaller head limits are enforced per request.
 const MIN_BUF: usize = 8192;
@@ -168,25 +169,92 @@ pub async fn serve(
                 continue;
             }
         };
-        let Some(guard) = admit(&gw, &conns, peer.ip()) else {
-            tracing::debug!("client connection refused: its source holds too many");
-            if conns.may_answer() {
-                gw.metrics().downstream_rejected(Refusal::Answered);
-                tokio::spawn(answer_refused(stream));
-            } else {
-                gw.metrics().downstream_rejected(Refusal::Dropped);
-                drop(stream);
+        let from_proxy = gw
+            .snapshot()
+            .limits
+            .listener
+            .trusted_proxies
+            .as_ref()
+            .filter(|t| t.trusts(peer.ip()))
+            .map(|t| t.protocol);
+        match from_proxy {
+            Some(ProxyProtocol::ProxyV2) => {
+                // The client's address comes first, in the PROXY header: read it in the
+                // connection's own task, then admit the client it names.
+                tokio::spawn(serve_proxied(
+                    stream,
+                    peer,
+                    gw.clone(),
+                    conns.clone(),
+                    shutdown.clone(),
+                ));
             }
-            continue;
-        };
-        tokio::spawn(serve_connection(
-            stream,
-            peer,
-            gw.clone(),
-            guard,
-            shutdown.clone(),
-        ));
+            Some(ProxyProtocol::XForwardedFor) => {
+                // X-Forwarded-For: the proxy carries many clients' connections; the
+                // per-source cap does not apply to it.
+                admit_and_serve(stream, peer, peer.ip(), false, &gw, &conns, &shutdown);
+            }
+            None => admit_and_serve(stream, peer, peer.ip(), true, &gw, &conns, &shutdown),
+        }
     }
+}
+
+/// Counts a connection from `source` (against its cap when `capped`) and serves it, or
+/// refuses it: an answer (429) while the answer rate allows, else a close.
+fn admit_and_serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    source: IpAddr,
+    capped: bool,
+    gw: &Gateway,
+    conns: &Arc<Connections>,
+    shutdown: &watch::Receiver<bool>,
+) {
+    let Some(guard) = admit(gw, conns, source, capped) else {
+        tracing::debug!("client connection refused: its source holds too many");
+        if conns.may_answer() {
+            gw.metrics().downstream_rejected(Refusal::Answered);
+            tokio::spawn(answer_refused(stream));
+        } else {
+            gw.metrics().downstream_rejected(Refusal::Dropped);
+            drop(stream);
+        }
+        return;
+    };
+    tokio::spawn(serve_connection(
+        stream,
+        peer,
+        source,
+        gw.clone(),
+        guard,
+        shutdown.clone(),
+    ));
+}
+
+/// A connection from a proxy trusted to open it with a PROXY protocol v2 header: the header
+/// must arrive within the header-read timeout, and names the client; a connection without one
+/// is closed unanswered (HAProxy's `accept-proxy`).
+async fn serve_proxied(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    gw: Gateway,
+    conns: Arc<Connections>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let wait = gw.snapshot().limits.listener.header_read_timeout.get();
+    let source =
+        match tokio::time::timeout(wait, crate::source::read_proxy_header(&mut stream)).await {
+            Ok(Ok(client)) => client.map_or(peer.ip(), |c| c.ip()),
+            Ok(Err(error)) => {
+                tracing::debug!(%error, %peer, "closing a connection from a trusted proxy");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "no PROXY protocol header in time; closing");
+                return;
+            }
+        };
+    admit_and_serve(stream, peer, source, true, &gw, &conns, &shutdown);
 }
 
 /// Answers every request of a connection over its source's cap with `429`, `Retry-After` and
@@ -230,8 +298,21 @@ fn is_connection_error(e: &io::Error) -> bool {
     )
 }
 
-fn admit(gw: &Gateway, conns: &Arc<Connections>, ip: IpAddr) -> Option<ConnGuard> {
-    let per_client = gw.snapshot().limits.listener.max_connections_per_client;
+/// Counts a connection from `source` (by its [`crate::source::group`]), unless it would take
+/// the source over `maxConnectionsPerClient` (when `capped`).
+fn admit(
+    gw: &Gateway,
+    conns: &Arc<Connections>,
+    source: IpAddr,
+    capped: bool,
+) -> Option<ConnGuard> {
+    let ip = crate::source::group(source);
+    let per_client = gw
+        .snapshot()
+        .limits
+        .listener
+        .max_connections_per_client
+        .filter(|_| capped);
     {
         let mut by_ip = conns.by_ip.lock();
         let n = by_ip.entry(ip).or_default();
@@ -327,6 +408,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 async fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
+    source: IpAddr,
     gw: Gateway,
     guard: ConnGuard,
     mut shutdown: watch::Receiver<bool>,
@@ -360,7 +442,7 @@ async fn serve_connection(
                     // task, idle HTTP/1 ones included.
                     Box::pin(serve_auto(
                         conn.stream,
-                        peer,
+                        (peer, source),
                         gw,
                         &limits,
                         timer.as_mut(),
@@ -391,7 +473,7 @@ async fn serve_connection(
         // needs, not the serving state (one allocation per return from parking).
         match Box::pin(serve_h1(
             conn,
-            peer,
+            (peer, source),
             &gw,
             &guard.conns,
             &limits,
@@ -482,7 +564,7 @@ async fn first_bytes(stream: &TcpStream) -> First {
 #[allow(clippy::too_many_arguments)]
 async fn serve_h1(
     parked: Parked,
-    peer: SocketAddr,
+    peer: (SocketAddr, IpAddr),
     gw: &Gateway,
     conns: &Connections,
     limits: &ConnLimits,
@@ -602,7 +684,7 @@ fn unparsed(read_buf: &Bytes, prefix: &Bytes) -> Bytes {
 /// piece: no parking.
 async fn serve_auto(
     stream: TcpStream,
-    peer: SocketAddr,
+    peer: (SocketAddr, IpAddr),
     gw: Gateway,
     limits: &ConnLimits,
     mut timer: Pin<&mut Sleep>,
@@ -681,10 +763,10 @@ struct Service {
 }
 
 impl Service {
-    fn new(gw: Gateway, peer: SocketAddr, activity: Arc<Activity>) -> Self {
+    fn new(gw: Gateway, (peer, source): (SocketAddr, IpAddr), activity: Arc<Activity>) -> Self {
         Self {
             gw,
-            peer: Arc::new(Peer::new(peer)),
+            peer: Arc::new(Peer::proxied(peer, source)),
             activity,
             next_stream: Arc::default(),
         }

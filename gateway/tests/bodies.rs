@@ -29,8 +29,7 @@ fn body_limits(
         doc["backends"][0]["match"] = serde_json::json!({"model": "model-a"});
     }
     doc["backends"][0]["timeouts"] = timeouts;
-    doc["backends"][0]["outlierDetection"] =
-        serde_json::json!({"consecutiveFailures": 1, "baseEjection": "60s", "maxEjectedPercent": 100});
+    doc["backends"][0]["outlierDetection"] = serde_json::json!({"consecutiveFailures": 1, "baseEjection": "60s", "maxEjectedPercent": 100});
     for (k, v) in listener.as_object().unwrap() {
         doc["listener"][k] = v.clone();
     }
@@ -45,8 +44,7 @@ fn default_timeouts() -> serde_json::Value {
 /// sends `sent` of them.
 async fn partial_post(gw: SocketAddr, declared: usize, sent: usize) -> TcpStream {
     let mut s = TcpStream::connect(gw).await.unwrap();
-    let head =
-        format!("POST /v1/chat HTTP/1.1\r\nHost: gw\r\nContent-Length: {declared}\r\n\r\n");
+    let head = format!("POST /v1/chat HTTP/1.1\r\nHost: gw\r\nContent-Length: {declared}\r\n\r\n");
     s.write_all(head.as_bytes()).await.unwrap();
     let mut body = br#"{"model":"model-a","pad":""#.to_vec();
     body.resize(sent, b'x');
@@ -98,7 +96,10 @@ async fn a_body_that_never_finishes_on_a_model_route_gets_408() {
     assert_eq!(backend.seen.requests.load(Ordering::SeqCst), 0);
     let text = gw.metrics().await;
     assert_eq!(
-        metric(&text, "poolpilot_downstream_timeouts_total{kind=\"body_read\"}"),
+        metric(
+            &text,
+            "poolpilot_downstream_timeouts_total{kind=\"body_read\"}"
+        ),
         Some(1.0)
     );
     assert_eq!(metric(&text, "poolpilot_route_buffer_bytes"), Some(0.0));
@@ -173,10 +174,17 @@ async fn routing_buffers_stay_within_the_pods_budget() {
     let (status, _, _) = post(gw.proxy, "/v1/chat", &[], r#"{"model":"model-a"}"#).await;
     assert_eq!(status, 200);
     for mut s in held {
-        assert!(status_line(&mut s, Duration::from_secs(5)).await.starts_with("HTTP/1.1 408"));
+        assert!(
+            status_line(&mut s, Duration::from_secs(5))
+                .await
+                .starts_with("HTTP/1.1 408")
+        );
     }
     let text = gw.metrics().await;
-    assert_eq!(metric(&text, "poolpilot_route_buffer_rejected_total"), Some(1.0));
+    assert_eq!(
+        metric(&text, "poolpilot_route_buffer_rejected_total"),
+        Some(1.0)
+    );
     assert_eq!(
         metric(&text, "poolpilot_route_buffer_bytes"),
         Some(0.0),
