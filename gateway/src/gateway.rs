@@ -100,6 +100,8 @@ struct Inner {
     /// [`Gateway::await_operator`]); `None`: it does not wait.
     await_operator_until: Mutex<Option<Instant>>,
     draining: AtomicBool,
+    /// Shutdown began: `/readyz` fails (the gateway may still serve for `shutdownDelay`).
+    leaving: AtomicBool,
     /// Bytes of request bodies buffered for routing, pod-wide.
     route_budget: ByteBudget,
     /// Serialises scrapes: live gauges are cleared and set again before each one.
@@ -158,6 +160,7 @@ impl Gateway {
                 managed_by_api: AtomicBool::new(false),
                 await_operator_until: Mutex::new(None),
                 draining: AtomicBool::new(false),
+                leaving: AtomicBool::new(false),
                 route_budget: ByteBudget::default(),
                 scrape: Mutex::new(()),
             }),
@@ -174,11 +177,19 @@ impl Gateway {
         &self.inner.metrics
     }
 
-    /// Ready: limits were loaded, the gateway is not draining and not waiting for the operator.
+    /// Ready: limits were loaded, shutdown has not begun and the gateway is not waiting for the
+    /// operator.
     pub fn is_ready(&self) -> bool {
         self.inner.loaded.load(Ordering::Acquire)
+            && !self.inner.leaving.load(Ordering::Acquire)
             && !self.is_draining()
             && !self.is_awaiting_operator()
+    }
+
+    /// Marks the gateway as leaving: `/readyz` fails from now on, while it still serves (the
+    /// shutdown delay before the drain).
+    pub fn set_leaving(&self) {
+        self.inner.leaving.store(true, Ordering::Release);
     }
 
     /// From now on, stay unready until the operator PUTs this pod its own document, for at most

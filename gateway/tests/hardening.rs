@@ -316,6 +316,40 @@ async fn shutdown_drains_in_flight_requests_closes_upstreams_and_stops_accepting
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_shutdown_readiness_fails_first_and_traffic_is_served_for_the_shutdown_delay() {
+    let backend = Backend::start().await;
+    let mut gw = Gw::start_configured_with(None, Duration::from_secs(5), Duration::ZERO, |c| {
+        c.shutdown_delay = Duration::from_millis(800).into();
+    })
+    .await;
+    gw.apply(limits("model-a", &[backend.addr], 4));
+    let (proxy, admin) = (gw.proxy, gw.admin);
+    let mut kept = connect(proxy).await;
+    assert_eq!(kept.call(request("GET", "/v1/x", &[], "")).await.0, 200);
+    let running = gw.running.take().unwrap();
+    let start = Instant::now();
+    let shutdown = tokio::spawn(running.shutdown());
+    assert_eventually!(
+        try_get(admin, "/readyz").await == Some(503),
+        Duration::from_millis(300),
+        "readiness fails at once"
+    );
+    // Load balancers still route here for a while: new connections and requests are served.
+    assert_eq!(post(proxy, "/v1/x", &[], "{}").await.0, 200);
+    assert_eq!(kept.call(request("GET", "/v1/x", &[], "")).await.0, 200);
+    assert!(start.elapsed() < Duration::from_millis(800));
+    assert_eq!(shutdown.await.unwrap(), 0);
+    assert!(
+        start.elapsed() >= Duration::from_millis(800),
+        "the drain began after the delay"
+    );
+    assert!(
+        TcpStream::connect(proxy).await.is_err(),
+        "no longer accepting"
+    );
+}
+
 // === the real binary ===
 
 /// A port free on `ip` right now.
@@ -358,7 +392,7 @@ impl Process {
         .unwrap();
         std::fs::write(dir.path().join("token"), "t\n").unwrap();
         let config = format!(
-            "listeners: {{proxy: '{}', admin: '{}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\n",
+            "listeners: {{proxy: '{}', admin: '{}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\nshutdownDelay: 200ms\n",
             configured.0, configured.1
         );
         std::fs::write(dir.path().join("gateway.yaml"), config).unwrap();

@@ -266,6 +266,16 @@ impl Gw {
         drain_grace: Duration,
         await_operator: Duration,
     ) -> Self {
+        Self::start_configured_with(limits_file, drain_grace, await_operator, |_| {}).await
+    }
+
+    /// [`Gw::start_configured`] with the config edited by `edit`.
+    pub async fn start_configured_with(
+        limits_file: Option<&str>,
+        drain_grace: Duration,
+        await_operator: Duration,
+        edit: impl FnOnce(&mut GatewayConfig),
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let token = "test-admin-token".to_owned();
         std::fs::write(dir.path().join("token"), format!("{token}\n")).unwrap();
@@ -273,7 +283,7 @@ impl Gw {
         if let Some(text) = limits_file {
             std::fs::write(&limits_path, text).unwrap();
         }
-        let config = GatewayConfig {
+        let mut config = GatewayConfig {
             listeners: Listeners {
                 proxy: "127.0.0.1:0".parse().unwrap(),
                 admin: "127.0.0.1:0".parse().unwrap(),
@@ -283,7 +293,10 @@ impl Gw {
             limits_poll_interval: poolpilot_api::Duration::from_millis(50),
             drain_grace: drain_grace.into(),
             await_operator: await_operator.into(),
+            // Tests shut down at once unless they test the delay.
+            shutdown_delay: poolpilot_api::Duration::ZERO,
         };
+        edit(&mut config);
         let running = start(config).await.expect("the gateway starts");
         Self {
             proxy: running.proxy_addr,
