@@ -74,6 +74,15 @@ pub enum ProxyError {
     /// The gateway is draining (503).
     #[error("the gateway is shutting down")]
     ShuttingDown,
+    /// The request head breaks a MUST of RFC 9110/9112 (400).
+    #[error("bad request: {0}")]
+    BadRequest(&'static str),
+    /// The request target's path holds `.`/`..` or empty segments, or encoded slashes (400).
+    #[error("the request path has dot segments, empty segments or encoded slashes")]
+    BadTarget,
+    /// `CONNECT` or `TRACE` (501).
+    #[error("this method is not supported by the gateway")]
+    MethodNotImplemented,
     /// The connection's source holds `maxConnectionsPerClient` connections already (429, and
     /// the connection is closed).
     #[error("this client holds too many connections to the gateway: reuse or close some")]
@@ -101,7 +110,8 @@ impl ProxyError {
             Self::RouteBufferFull => StatusCode::SERVICE_UNAVAILABLE,
             Self::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
-            Self::ClientBody(_) => StatusCode::BAD_REQUEST,
+            Self::ClientBody(_) | Self::BadRequest(_) | Self::BadTarget => StatusCode::BAD_REQUEST,
+            Self::MethodNotImplemented => StatusCode::NOT_IMPLEMENTED,
             Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -131,6 +141,9 @@ impl ProxyError {
             Self::Upstream { .. } => "upstream_error",
             Self::ClientBody(_) => "bad_request_body",
             Self::ShuttingDown => "shutting_down",
+            Self::BadRequest(_) => "bad_request",
+            Self::BadTarget => "bad_request_target",
+            Self::MethodNotImplemented => "method_not_supported",
             Self::TooManyConnections => "too_many_connections",
         }
     }
@@ -163,7 +176,10 @@ impl ProxyError {
             | Self::HeadersTooLarge(_)
             | Self::BodyTooLarge { .. }
             | Self::BodyTimeout
-            | Self::ClientBody(_) => None,
+            | Self::ClientBody(_)
+            | Self::BadRequest(_)
+            | Self::BadTarget
+            | Self::MethodNotImplemented => None,
         }
     }
 

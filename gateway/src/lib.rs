@@ -25,6 +25,7 @@ pub mod config;
 pub mod deadline;
 pub mod error;
 pub mod gateway;
+pub mod head;
 pub mod health;
 pub mod limiter;
 pub mod metrics;

@@ -37,8 +37,8 @@ use crate::gateway::{Backend, Gateway, Route};
 use crate::limiter::{ClientKey, ClientPermit};
 use crate::metrics::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
 use crate::pool::Lease;
-use crate::route;
 use crate::upstream::HttpConnector;
+use crate::{head, route};
 
 /// Re-sends after a reused connection failed before sending: enough to get past a few stale
 /// keep-alive connections, bounded so a dying backend cannot loop a request.
@@ -95,7 +95,7 @@ pub async fn handle(
 async fn proxy(
     gw: &Gateway,
     peer: &Peer,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     slot: &DeadlineSlot,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     if gw.is_draining() {
@@ -104,6 +104,9 @@ async fn proxy(
     let snapshot = gw.snapshot();
     let listener = &snapshot.limits.listener;
     check_head(&req, listener)?;
+    if let head::Verdict::Answer(response) = head::check(&mut req)? {
+        return Ok(response);
+    }
     let pace = BodyPace::new(Instant::now(), listener);
     let (mut parts, incoming) = req.into_parts();
 
@@ -349,16 +352,20 @@ fn via_value(version: Version) -> HeaderValue {
     })
 }
 
-/// Turns the client's head into the upstream head: origin-form URI, HTTP/1.1, `Host` kept
-/// (or taken from an HTTP/2 `:authority`), hop-by-hop headers dropped, `X-Forwarded-For` and
-/// `Via` appended.
+/// Turns the client's head into the upstream head: origin-form URI, HTTP/1.1, `Host` kept,
+/// or replaced by the target's authority (an absolute-form target, RFC 9112 §3.2.2, or an
+/// HTTP/2 `:authority`), hop-by-hop headers dropped, `X-Forwarded-For` and `Via` appended.
 fn prepare_upstream_head(parts: &mut http::request::Parts, peer: &Peer) {
     strip_hop_by_hop(&mut parts.headers);
-    if !parts.headers.contains_key(header::HOST)
-        && let Some(authority) = parts.uri.authority()
-        && let Ok(host) = HeaderValue::from_str(authority.as_str())
-    {
-        parts.headers.insert(header::HOST, host);
+    if let Some(authority) = parts.uri.authority() {
+        // Without userinfo (RFC 9110 §4.2.4: never forwarded).
+        let host = match authority.as_str().rsplit_once('@') {
+            Some((_, host)) => HeaderValue::from_str(host),
+            None => HeaderValue::from_str(authority.as_str()),
+        };
+        if let Ok(host) = host {
+            parts.headers.insert(header::HOST, host);
+        }
     }
     let xff = match parts
         .headers
