@@ -73,7 +73,7 @@ async fn rfc9112_3_2_2_an_absolute_form_target_gives_the_host_forwarded() {
     let (_backend, gw) = gateway().await;
     let (response, _) = exchange(
         gw.proxy,
-        b"GET http://api.test:8080/v1/x?q=1 HTTP/1.1\r\nHost: ignored.test\r\nConnection: close\r\n\r\n",
+        b"GET http://api.test:8080/v1/x?q=1 HTTP/1.1\r\nHost: ignored.test\r\nConnection: close\r\n\r\n", // hermetic: not a destination (a request target sent to the gateway)
         WAIT,
     )
     .await;

@@ -121,7 +121,7 @@ async fn x_forwarded_for_names_the_client_only_behind_a_trusted_proxy() {
     let (_backend, gw) = one_call_each(
         serde_json::json!({"sourceIp": {}}),
         serde_json::json!({
-            "trustedProxies": {"cidrs": ["10.99.0.0/16"], "protocol": "xForwardedFor"}
+            "trustedProxies": {"cidrs": ["10.99.0.0/16"], "protocol": "xForwardedFor"} // hermetic: not a destination (a proxy range no peer is in)
         }),
     )
     .await;
@@ -185,7 +185,7 @@ async fn a_proxy_protocol_header_names_the_client_for_caps_and_identity() {
     assert!(call_on(&mut b1).await.starts_with("HTTP/1.1 200"));
     // The backend hears of the real client.
     let echoed = call_on(&mut b1).await;
-    assert!(echoed.contains("192.0.2.8"), "{echoed}");
+    assert!(echoed.contains("192.0.2.8"), "{echoed}"); // hermetic: not a destination (the client a PROXY header named)
 
     // From a trusted proxy, a connection without the header is closed unanswered.
     let mut bare = TcpStream::connect(gw.proxy).await.unwrap();
