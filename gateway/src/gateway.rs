@@ -478,6 +478,7 @@ impl Gateway {
         m.set_route_buffer_bytes(self.inner.route_budget.held());
         let (open, max) = crate::procfs::fds();
         m.set_process_fds(open, max);
+        m.set_resident_memory(crate::procfs::resident_bytes());
     }
 
     /// Forgets idle clients periodically, for as long as the gateway lives.

@@ -237,6 +237,7 @@ pub struct Metrics {
     route_buffer_rejected: Counter,
     open_fds: Gauge,
     max_fds: Gauge,
+    resident_memory: Gauge,
 }
 
 impl fmt::Debug for Metrics {
@@ -293,6 +294,7 @@ impl Metrics {
             route_buffer_rejected: Counter::default(),
             open_fds: Gauge::default(),
             max_fds: Gauge::default(),
+            resident_memory: Gauge::default(),
         };
         r.register(
             "poolpilot_pool_connections",
@@ -427,6 +429,12 @@ impl Metrics {
             "process_max_fds",
             "Maximum number of open file descriptors",
             m.max_fds.clone(),
+        );
+        r.register_with_unit(
+            "process_resident_memory",
+            "Resident memory size",
+            Unit::Bytes,
+            m.resident_memory.clone(),
         );
         *m.registry.lock() = r;
         m
@@ -628,6 +636,12 @@ impl Metrics {
 
     pub(crate) fn set_route_buffer_bytes(&self, bytes: u64) {
         self.route_buffer_bytes.set(bytes as i64);
+    }
+
+    pub(crate) fn set_resident_memory(&self, bytes: Option<u64>) {
+        if let Some(bytes) = bytes {
+            self.resident_memory.set(bytes as i64);
+        }
     }
 
     pub(crate) fn set_process_fds(&self, open: Option<u64>, max: Option<u64>) {

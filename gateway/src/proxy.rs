@@ -697,7 +697,6 @@ impl UpstreamBody {
 
     fn end(&mut self, end: End) {
         if let Some(call) = self.call.take() {
-            self.deadline.finished();
             call.finish(end);
         }
     }

@@ -29,7 +29,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, Sleep};
 
 use crate::body::{BoxError, ResponseBody};
-use crate::deadline::{Cut, Cuttable, DeadlineSlot, Watcher};
+use crate::deadline::{Cut, Cuttable, DeadlineSlot, ResponseDeadline, Watcher};
 use crate::error::ProxyError;
 use crate::gateway::Gateway;
 use crate::metrics::{DownstreamTimeout, Refusal};
@@ -690,7 +690,7 @@ async fn serve_auto(
     mut timer: Pin<&mut Sleep>,
     shutdown: &mut watch::Receiver<bool>,
 ) {
-    let activity = Arc::new(Activity::new());
+    let activity = Arc::new(Activity::streams_only());
     let io = TokioIo::new(ConnIo {
         inner: stream,
         prefix: Bytes::new(),
@@ -793,10 +793,19 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         }
         let active = ActiveRequest::new(self.activity.clone());
         Box::pin(async move {
-            let response = crate::proxy::handle(gw, &peer, req, &slot).await;
+            let response = crate::proxy::handle(gw.clone(), &peer, req, &slot).await;
+            // An answer of the gateway's own (no backend body reports to the slot): the send
+            // timeout alone applies to it.
+            let own = (!slot.is_armed()).then(|| {
+                let send_timeout = gw.snapshot().limits.listener.send_timeout.get();
+                let deadline = ResponseDeadline::client_only(send_timeout);
+                slot.arm(deadline.clone());
+                deadline
+            });
             Ok(response.map(|body| {
                 Tracked {
                     inner: body,
+                    own,
                     _active: active,
                 }
                 .boxed_unsync()
@@ -903,6 +912,9 @@ struct Activity {
     stalled_ms: AtomicU64,
     /// The deadline slot of the HTTP/1 request in flight.
     current: Mutex<Option<Arc<DeadlineSlot>>>,
+    /// Whether bytes moved between requests count as activity: not on HTTP/2, whose pings
+    /// and their answers would keep a connection without streams open for ever.
+    bytes_count: bool,
 }
 
 impl Activity {
@@ -924,6 +936,16 @@ impl Activity {
             read_blocked_idle: AtomicBool::new(false),
             stalled_ms: AtomicU64::new(0),
             current: Mutex::new(None),
+            bytes_count: true,
+        }
+    }
+
+    /// The activity of a connection served by hyper-util's auto connection (HTTP/2): idle
+    /// from the end of its last stream, whatever frames it exchanges.
+    fn streams_only() -> Self {
+        Self {
+            bytes_count: false,
+            ..Self::new()
         }
     }
 
@@ -935,7 +957,7 @@ impl Activity {
     /// Notes bytes moved: only between requests does that move the idle clock (a request in
     /// flight keeps the connection busy, and its end touches it).
     fn moved(&self) {
-        if self.in_flight.load(Ordering::Relaxed) == 0 {
+        if self.bytes_count && self.in_flight.load(Ordering::Relaxed) == 0 {
             self.touch();
         }
     }
@@ -1101,9 +1123,11 @@ impl Drop for ActiveRequest {
     }
 }
 
-/// A response body that keeps its request counted as in flight until it is done.
+/// A response body that keeps its request counted as in flight until it is done, and reports
+/// the progress of an answer of the gateway's own to its deadline.
 struct Tracked {
     inner: ResponseBody,
+    own: Option<Arc<ResponseDeadline>>,
     _active: ActiveRequest,
 }
 
@@ -1115,7 +1139,15 @@ impl Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Some(deadline) = &self.own {
+            match &frame {
+                Poll::Ready(Some(_)) => deadline.handed_frame(),
+                Poll::Pending => deadline.waiting_for_upstream(),
+                Poll::Ready(None) => {}
+            }
+        }
+        frame
     }
 
     fn is_end_stream(&self) -> bool {

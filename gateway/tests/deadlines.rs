@@ -253,6 +253,44 @@ async fn h2_streams_with_a_zero_window_are_reset_at_the_deadline_and_free_their_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_without_window_is_reset_and_its_connection_then_closes_idle_despite_pings() {
+    let backend = Backend::start().await;
+    let mut doc = limits_with(
+        backend.addr,
+        4,
+        serde_json::json!({"firstByte": "5s", "total": "10s", "streamIdle": "5s"}),
+        serde_json::json!({
+            "idleTimeout": "1s",
+            "sendTimeout": "1s",
+            "http2": {"keepAliveInterval": "200ms", "keepAliveTimeout": "5s"}
+        }),
+        4,
+    );
+    doc.backends[0].route.path_prefix = Some("/v1/".into());
+    let gw = Gw::start(doc).await;
+    // A client that gives no window: the gateway's own answer (404, no route) cannot be sent.
+    // The client answers the pings.
+    let mut sender = h2_client(gw.proxy, 0).await;
+    let req = http::Request::post("http://gateway.test/elsewhere")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let start = Instant::now();
+    let response = sender.send_request(req).await.unwrap();
+    assert_eq!(response.status(), 404);
+    let end = tokio::time::timeout(Duration::from_secs(5), response.into_body().collect())
+        .await
+        .expect("the stuck answer ends");
+    assert!(end.is_err(), "it is reset at the send timeout");
+    assert!(start.elapsed() >= Duration::from_millis(900));
+    assert_eventually!(
+        gw.running.as_ref().unwrap().open_connections() == 0,
+        Duration::from_secs(5),
+        "then the connection closes at its idle timeout; pings are no activity"
+    );
+    assert!(start.elapsed() >= Duration::from_millis(1800));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_h2_connection_carries_at_most_max_concurrent_streams() {
     let backend = Backend::start().await;
     backend.script.delay_ms.store(300, Ordering::SeqCst);
