@@ -464,9 +464,7 @@ pub struct ListenerSpec {
 #[serde(rename_all = "camelCase")]
 pub struct TrustedProxiesSpec {
     /// Their addresses, as CIDRs (`10.0.0.0/8`, `fd00::/8`).
-    #[schemars(length(min = 1, max = 64), extend("x-kubernetes-validations" = [
-        {"rule": "self.all(c, isCIDR(c))", "message": "every entry must be a CIDR such as 10.0.0.0/8"}
-    ]))]
+    #[schemars(schema_with = "cidr_list")]
     pub cidrs: Vec<String>,
     /// How they pass the client's address: `ProxyV2`, a PROXY protocol version 2 header opening
     /// each of their connections (required from them: a connection without one is closed), or
@@ -853,6 +851,22 @@ fn positive_duration(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         "x-kubernetes-validations": [
             {"rule": "duration(self) > duration('0s')", "message": "must be longer than 0s"}
         ]
+    })
+}
+
+fn cidr_list(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 64,
+        "items": {
+            "type": "string",
+            // The longest IPv6 CIDR: 39 characters of address, `/128`.
+            "maxLength": 43,
+            "x-kubernetes-validations": [
+                {"rule": "isCIDR(self)", "message": "every entry must be a CIDR such as 10.0.0.0/8"}
+            ]
+        }
     })
 }
 
