@@ -1,15 +1,19 @@
 //! The request path of one proxied call:
 //!
 //! ```text
-//! head limits (431/413) → route (path, headers, buffered JSON `model`) → client limiter (429)
+//! head limits (431/413) → RFC 9110/9112 checks (400/501, `head`) → route (path, headers,
+//!   buffered JSON `model`: body pace 408, pod budget 503) → client limiter (429)
 //!   → pool lease (503) → send on the leased connection, retried only when a *reused*
-//!     connection failed before any byte was sent → first-byte timeout (504)
-//!   → stream the response back frame by frame under the stream-idle and total timeouts
+//!     connection failed before any byte was sent → first-byte timeout once the body is
+//!     sent (504)
+//!   → stream the response back frame by frame, reporting to its deadlines (`deadline`)
 //! ```
 //!
 //! The lease and the client permit live in the response body (`UpstreamBody`) until the last
 //! frame: a connection returns to the pool only after a complete exchange, and a client's call
-//! counts against its concurrency for as long as it streams.
+//! counts against its concurrency for as long as it streams. When a deadline cuts the response,
+//! the task serving it drops the body, which releases both at once. What the client causes is
+//! never held against the backend.
 
 use std::future::{Future, poll_fn};
 use std::net::{IpAddr, SocketAddr};
