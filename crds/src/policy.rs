@@ -463,7 +463,8 @@ pub struct ListenerSpec {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TrustedProxiesSpec {
-    /// Their addresses, as CIDRs (`10.0.0.0/8`, `fd00::/8`).
+    /// Their addresses, as CIDRs (an IPv4 or IPv6 network and its prefix length: the load
+    /// balancers' subnet, say).
     #[schemars(schema_with = "cidr_list")]
     pub cidrs: Vec<String>,
     /// How they pass the client's address: `ProxyV2`, a PROXY protocol version 2 header opening
@@ -864,7 +865,7 @@ fn cidr_list(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
             // The longest IPv6 CIDR: 39 characters of address, `/128`.
             "maxLength": 43,
             "x-kubernetes-validations": [
-                {"rule": "isCIDR(self)", "message": "every entry must be a CIDR such as 10.0.0.0/8"}
+                {"rule": "isCIDR(self)", "message": "every entry must be a CIDR: an address and a prefix length"}
             ]
         }
     })
