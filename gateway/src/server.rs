@@ -35,7 +35,6 @@ use crate::error::ProxyError;
 use crate::gateway::Gateway;
 use crate::metrics::{DownstreamTimeout, Refusal};
 use crate::proxy::Peer;
-use poolpilot_api::limits::ProxyProtocol;
 
 /// hyper's smallest HTTP/1 read buffer; smaller head limits are enforced per request.
 const MIN_BUF: usize = 8192;
