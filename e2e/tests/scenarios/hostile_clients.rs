@@ -566,7 +566,7 @@ async fn h2_zero_window(gw: SocketAddr, until: Instant) -> anyhow::Result<Report
                         let body = json!({"model": "model-a", "stream": true, "max_tokens": 200000,
                             "messages": [{"role": "user", "content": "go on"}]})
                         .to_string();
-                        let req = http::Request::post("http://gateway/v1/chat/completions")
+                        let req = http::Request::post("http://gateway/v1/chat/completions") // hermetic: not a destination (the :authority on a connection to the pod)
                             .header("authorization", format!("Bearer h2-{c}"))
                             .body(Full::new(Bytes::from(body)))
                             .expect("a request");
@@ -686,7 +686,7 @@ async fn rotator(gw: SocketAddr, until: Instant) -> anyhow::Result<Report> {
             let body = json!({"model": "model-b", "max_tokens": 1,
                 "messages": [{"role": "user", "content": "hi"}]})
             .to_string();
-            let req = http::Request::post("http://gateway/v1/chat/completions")
+            let req = http::Request::post("http://gateway/v1/chat/completions") // hermetic: not a destination (the :authority on a connection to the pod)
                 .header("authorization", format!("Bearer rotating-{sent}"))
                 .header("content-type", "application/json")
                 .body(Full::new(Bytes::from(body)))?;
