@@ -104,10 +104,27 @@ lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
 	@test -z "$$(gofmt -l e2e/cluster)" || { echo "gofmt needed:"; gofmt -l e2e/cluster; exit 1; }
 
 .PHONY: unit
-unit: monitoring-test ## Unit and loopback integration tests, doc tests, alert rule tests (no cluster needed)
+unit: monitoring-test sdk ## Unit and loopback integration tests, doc tests, alert rule tests (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
+	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test -p poolpilot-gateway --test openai_sdk -- --ignored
 	cargo test -p poolpilot-e2e --lib --bins
 	cd e2e/cluster && go test ./hostnet/
+
+# The official OpenAI Python SDK, for the gateway's loopback test of what a real client does with
+# its answers (gateway/tests/openai_sdk.rs), in a virtualenv of the cache.
+OPENAI_SDK_VERSION := 3.57.0
+SDK_VENV         := $(CACHE)/venv-openai-$(OPENAI_SDK_VERSION)
+SDK_PYTHON       := $(SDK_VENV)/bin/python
+
+.PHONY: sdk
+sdk: $(SDK_PYTHON) ## Install the OpenAI Python SDK into a virtualenv of the cache (for the gateway's SDK test)
+
+$(SDK_PYTHON):
+	@command -v python3 >/dev/null || { \
+		echo ">> installing python3"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv; }
+	python3 -m venv $(SDK_VENV)
+	$(SDK_VENV)/bin/pip install -q openai==$(OPENAI_SDK_VERSION)
 
 .PHONY: monitoring-test
 monitoring-test: $(PROMTOOL_BIN) ## promtool check + unit tests of the alerting rules (manifests/monitoring)

@@ -42,13 +42,26 @@ pub struct ListenerLimits {
     /// Open client connections the pod accepts in total; beyond it, new connections wait in the
     /// kernel backlog.
     pub max_connections: u32,
-    /// Open connections one client (by source IP) may hold; beyond it new ones are closed at once.
-    /// Stops a client that opens connections and never closes them from draining the pod.
+    /// Open connections one client source may hold (an IPv4 address, or an IPv6 /64); beyond
+    /// it a new connection is answered `429` with `Retry-After` and `Connection: close` (at a
+    /// bounded rate; beyond that rate it is closed at once). Stops a client that opens
+    /// connections and never closes them from draining the pod.
     pub max_connections_per_client: Option<u32>,
     /// Close a client keep-alive connection idle this long.
     pub idle_timeout: Duration,
     /// A client must send its complete request head within this time (slowloris protection).
     pub header_read_timeout: Duration,
+    /// Longest wait for a client to accept more of a response (nginx's `send_timeout`): a
+    /// response the client stops reading is cut after this, its upstream connection and client
+    /// permit released, the HTTP/1 connection closed or the HTTP/2 stream reset.
+    pub send_timeout: Duration,
+    /// Longest wait for the next bytes of a request body, while it is buffered for routing and
+    /// while it streams to the backend; then `408` (nginx's `client_body_timeout`).
+    pub body_read_timeout: Duration,
+    /// Slowest average rate a request body may arrive at, in bytes per second, once it has
+    /// taken longer than [`BODY_RATE_GRACE`]; slower: `408` (Kestrel's minimum request body
+    /// data rate). 0: no minimum.
+    pub min_body_rate: u32,
     /// Largest request head accepted, in bytes; larger ones get 431.
     pub max_header_bytes: u32,
     /// Most request headers accepted; more get 431.
@@ -57,7 +70,20 @@ pub struct ListenerLimits {
     pub max_body_bytes: u64,
     /// How much of a request body the router may buffer to read its JSON `model` field.
     pub route_body_bytes: u32,
+    /// Bytes of request bodies the whole pod may hold buffered for routing at once; a request
+    /// that would go over it gets `503` with `Retry-After`.
+    pub route_buffer_budget: u64,
+    /// HTTP/2 client connections.
+    pub http2: Http2Limits,
+    /// Where a client's address comes from when it connects through a proxy or load balancer;
+    /// none: the TCP peer is the client.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trusted_proxies: Option<TrustedProxies>,
 }
+
+/// How long a request body may take, at least, before [`ListenerLimits::min_body_rate`] is
+/// checked (Kestrel's grace period).
+pub const BODY_RATE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Default for ListenerLimits {
     fn default() -> Self {
@@ -66,11 +92,77 @@ impl Default for ListenerLimits {
             max_connections_per_client: None,
             idle_timeout: Duration::from_secs(60),
             header_read_timeout: Duration::from_secs(10),
+            send_timeout: Duration::from_secs(60),
+            body_read_timeout: Duration::from_secs(60),
+            min_body_rate: 240,
             max_header_bytes: 16 * 1024,
             max_headers: 100,
             max_body_bytes: 16 * 1024 * 1024,
             route_body_bytes: 64 * 1024,
+            route_buffer_budget: 32 * 1024 * 1024,
+            http2: Http2Limits::default(),
+            trusted_proxies: None,
         }
+    }
+}
+
+/// Limits of HTTP/2 client connections.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Http2Limits {
+    /// Streams one connection may have open at once (`SETTINGS_MAX_CONCURRENT_STREAMS`).
+    pub max_concurrent_streams: u32,
+    /// How often the gateway pings a client connection.
+    pub keep_alive_interval: Duration,
+    /// How long a ping may go unanswered before the connection is closed.
+    pub keep_alive_timeout: Duration,
+}
+
+impl Default for Http2Limits {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 100,
+            keep_alive_interval: Duration::from_secs(30),
+            keep_alive_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// The proxies or load balancers in front of the gateway whose word on the client's address
+/// is taken.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TrustedProxies {
+    /// Addresses of the trusted proxies (CIDRs such as `10.0.0.0/8` or `fd00::/8`).
+    pub cidrs: Vec<ipnet::IpNet>,
+    /// How they say who the client is.
+    pub protocol: ProxyProtocol,
+}
+
+/// How a trusted proxy passes the client's address on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ProxyProtocol {
+    /// A PROXY protocol version 2 header opens every connection from a trusted proxy.
+    ProxyV2,
+    /// The `X-Forwarded-For` header: the client is its rightmost address that is not a trusted
+    /// proxy (nginx's `real_ip_recursive`).
+    XForwardedFor,
+}
+
+impl TrustedProxies {
+    /// Whether `ip` is a trusted proxy.
+    pub fn trusts(&self, ip: std::net::IpAddr) -> bool {
+        let ip = canonical_ip(ip);
+        self.cidrs.iter().any(|net| net.contains(&ip))
+    }
+}
+
+/// `ip` with an IPv4-mapped IPv6 address (`::ffff:10.0.0.1`) turned into IPv4.
+pub fn canonical_ip(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+        v4 => v4,
     }
 }
 
@@ -227,9 +319,26 @@ pub struct ClientPolicy {
     /// Demotion of clients whose calls are often slow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slow_calls: Option<SlowCalls>,
+    /// Clients this policy keeps state for at once in one pod. A client has state only while it
+    /// has calls in flight or queued, or something to remember (a demotion, slow calls); when
+    /// the table is full the longest-idle client with nothing in flight is forgotten, and when
+    /// every entry is busy a new client gets `503` with `Retry-After`.
+    #[serde(default = "ClientPolicy::default_max_clients")]
+    pub max_clients: u32,
+}
+
+impl ClientPolicy {
+    /// The default of [`ClientPolicy::max_clients`].
+    pub const DEFAULT_MAX_CLIENTS: u32 = 16_384;
+
+    fn default_max_clients() -> u32 {
+        Self::DEFAULT_MAX_CLIENTS
+    }
 }
 
 /// How a request's client is identified. On the wire: `{header: x-api-key}` or `{sourceIp: {}}`.
+/// With `{header: authorization}` the client is the bearer token (`Authorization: Bearer
+/// <token>`, what OpenAI SDKs send), without its scheme.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "ClientIdentityWire", into = "ClientIdentityWire")]
 pub enum ClientIdentity {
@@ -385,6 +494,34 @@ impl GatewayLimits {
         }
         v.positive("listener.idleTimeout", l.idle_timeout);
         v.positive("listener.headerReadTimeout", l.header_read_timeout);
+        v.positive("listener.sendTimeout", l.send_timeout);
+        v.positive("listener.bodyReadTimeout", l.body_read_timeout);
+        if l.route_buffer_budget < u64::from(l.route_body_bytes) {
+            v.push(
+                "listener.routeBufferBudget",
+                "must hold at least one routing buffer (routeBodyBytes)",
+            );
+        }
+        v.positive_u64(
+            "listener.http2.maxConcurrentStreams",
+            l.http2.max_concurrent_streams.into(),
+        );
+        v.positive(
+            "listener.http2.keepAliveInterval",
+            l.http2.keep_alive_interval,
+        );
+        v.positive(
+            "listener.http2.keepAliveTimeout",
+            l.http2.keep_alive_timeout,
+        );
+        if let Some(p) = &l.trusted_proxies
+            && p.cidrs.is_empty()
+        {
+            v.push(
+                "listener.trustedProxies.cidrs",
+                "name at least one proxy address range",
+            );
+        }
         if l.max_header_bytes < 1024 {
             v.push("listener.maxHeaderBytes", "must be at least 1024");
         }
@@ -407,6 +544,7 @@ impl GatewayLimits {
             }
             v.positive_u64(&at("maxConcurrency"), p.max_concurrency.into());
             v.positive(&at("queueTimeout"), p.queue_timeout);
+            v.positive_u64(&at("maxClients"), p.max_clients.into());
             let mut override_names = BTreeSet::new();
             for (j, o) in p.overrides.iter().enumerate() {
                 let at = |f: &str| format!("clientPolicies[{i}].overrides[{j}].{f}");

@@ -335,15 +335,25 @@ pub struct ClientsSpec {
     /// limit for a while. Omitted: no demotion.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slow_calls: Option<SlowCallsSpec>,
-    /// Downstream connections one client (by source IP) may hold open on one gateway pod; stops a
-    /// client that never closes its connections from draining the pod of sockets. When
+    /// Downstream connections one client source (an IPv4 address, an IPv6 /64) may hold open on
+    /// one gateway pod; stops a client that never closes its connections from draining the pod
+    /// of sockets. A connection over it is answered 429 with Retry-After and closed. When
     /// several policies select a pod, the largest value applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1_000_000))]
     pub max_connections_per_client: Option<u32>,
+    /// Clients each gateway pod keeps state for at once (calls in flight or queued, a
+    /// demotion, slow calls). When the table is full the longest-idle client is forgotten;
+    /// when every entry has calls in flight, a new client gets 503 with Retry-After. Bounds the
+    /// memory a client rotating its keys can take.
+    #[serde(default = "ClientsSpec::default_max_clients")]
+    #[schemars(range(min = 1, max = 10_000_000))]
+    pub max_clients: u32,
 }
 
-/// How a client is identified: exactly one of `header` and `sourceIP`.
+/// How a client is identified: exactly one of `header` and `sourceIP`. With `header:
+/// authorization` the client is the bearer token of `Authorization: Bearer <token>` (what
+/// OpenAI SDKs send), without its scheme.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -416,14 +426,61 @@ pub struct SlowCallsSpec {
     pub min_calls: u32,
 }
 
-/// Downstream limits of each gateway pod.
+/// Downstream limits of each gateway pod. When several policies select a pod, the most
+/// permissive value of each field applies (the largest limit or timeout, the lowest rate), and
+/// the oldest policy's `trustedProxies`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", default)]
 pub struct ListenerSpec {
     /// Client connections one gateway pod accepts in total. Counted in the pod's file-descriptor
-    /// budget. When several policies select a pod, the largest value applies.
+    /// budget.
     #[schemars(range(min = 1, max = 1_000_000))]
     pub max_connections: u32,
+    /// Longest wait for a client to accept more of a response (nginx's `send_timeout`): a
+    /// response its client stops reading is cut after this, its backend connection and client
+    /// slot freed, the HTTP/1 connection closed or the HTTP/2 stream reset.
+    #[schemars(schema_with = "positive_duration")]
+    pub send_timeout: Duration,
+    /// Longest wait for the next bytes of a request body; then 408 (nginx's
+    /// `client_body_timeout`).
+    #[schemars(schema_with = "positive_duration")]
+    pub body_read_timeout: Duration,
+    /// Slowest average rate, in bytes per second, at which a request body may arrive once it
+    /// has taken longer than 5 s; slower: 408. 0: no minimum.
+    #[schemars(range(max = 1_000_000_000))]
+    pub min_body_rate: u32,
+    /// HTTP/2 streams one client connection may have open at once.
+    #[schemars(range(min = 1, max = 10_000))]
+    pub max_concurrent_streams: u32,
+    /// The proxies or load balancers in front of the gateway pods whose word on a client's
+    /// address is taken (for per-client connection caps and source-IP client identities).
+    /// Omitted: a connection's peer is the client.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trusted_proxies: Option<TrustedProxiesSpec>,
+}
+
+/// Proxies trusted to name the client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TrustedProxiesSpec {
+    /// Their addresses, as CIDRs (an IPv4 or IPv6 network and its prefix length: the load
+    /// balancers' subnet, say).
+    #[schemars(schema_with = "cidr_list")]
+    pub cidrs: Vec<String>,
+    /// How they pass the client's address: `ProxyV2`, a PROXY protocol version 2 header opening
+    /// each of their connections (required from them: a connection without one is closed), or
+    /// `XForwardedFor`, the header's rightmost address that is not a trusted proxy (the
+    /// per-client connection cap then does not apply to the proxies' own connections).
+    pub protocol: TrustedProxyProtocol,
+}
+
+/// How a trusted proxy passes the client's address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum TrustedProxyProtocol {
+    /// A PROXY protocol v2 header on every connection.
+    ProxyV2,
+    /// The `X-Forwarded-For` header.
+    XForwardedFor,
 }
 
 /// Bounds and pace of the operator's tuning.
@@ -665,6 +722,10 @@ impl ClientsSpec {
     fn default_queue_timeout() -> Duration {
         Duration::from_secs(2)
     }
+
+    fn default_max_clients() -> u32 {
+        crate::limits::ClientPolicy::DEFAULT_MAX_CLIENTS
+    }
 }
 
 impl SlowCallsSpec {
@@ -675,8 +736,15 @@ impl SlowCallsSpec {
 
 impl Default for ListenerSpec {
     fn default() -> Self {
+        // The gateway's own defaults, but for the connection count (a pod's fd budget).
+        let gateway = crate::limits::ListenerLimits::default();
         Self {
             max_connections: 1024,
+            send_timeout: gateway.send_timeout,
+            body_read_timeout: gateway.body_read_timeout,
+            min_body_rate: gateway.min_body_rate,
+            max_concurrent_streams: gateway.http2.max_concurrent_streams,
+            trusted_proxies: None,
         }
     }
 }
@@ -784,6 +852,22 @@ fn positive_duration(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         "x-kubernetes-validations": [
             {"rule": "duration(self) > duration('0s')", "message": "must be longer than 0s"}
         ]
+    })
+}
+
+fn cidr_list(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 64,
+        "items": {
+            "type": "string",
+            // The longest IPv6 CIDR: 39 characters of address, `/128`.
+            "maxLength": 43,
+            "x-kubernetes-validations": [
+                {"rule": "isCIDR(self)", "message": "every entry must be a CIDR: an address and a prefix length"}
+            ]
+        }
     })
 }
 

@@ -29,7 +29,7 @@ pub struct LoadSpec {
     pub model: String,
     /// `max_tokens` of every request (modelsim's service time grows with it).
     pub max_tokens: u32,
-    /// Distinct client identities (`x-api-key: load-<i % clients>`, see [`Load::start_as`]), so that the per-client
+    /// Distinct client identities (`Authorization: Bearer load-<i % clients>`, see [`Load::start_as`]), so that the per-client
     /// limit does not dominate unless a test wants it to.
     pub clients: usize,
     /// Workers spawned (the most that [`Load::set_workers`] can activate).
@@ -66,7 +66,7 @@ pub struct Tally {
     pub calls: u64,
     /// Of them, 2xx with the whole body read.
     pub ok: u64,
-    /// Failures by reason: the gateway's JSON `error` (e.g. `lease_timeout`), `http_<status>`
+    /// Failures by reason: the gateway's JSON `error.code` (e.g. `lease_timeout`), `http_<status>`
     /// for errors without one, or `transport` / `timeout` for calls that got no response.
     pub errors: BTreeMap<String, u64>,
     /// Error responses that carried `Retry-After`.
@@ -302,7 +302,7 @@ async fn call(client: &reqwest::Client, url: &str, key: &str, body: &str) -> Out
     let response = client
         .post(url)
         .header("content-type", "application/json")
-        .header("x-api-key", key)
+        .bearer_auth(key)
         .body(body.to_owned())
         .send()
         .await;
@@ -327,9 +327,10 @@ async fn call(client: &reqwest::Client, url: &str, key: &str, body: &str) -> Out
     match bytes {
         Ok(_) if status.is_success() => Outcome::Ok,
         Ok(bytes) => {
+            // The gateway's errors have the OpenAI shape, its reason in `error.code`.
             let reason = serde_json::from_slice::<serde_json::Value>(&bytes)
                 .ok()
-                .and_then(|v| v["error"].as_str().map(str::to_owned))
+                .and_then(|v| v["error"]["code"].as_str().map(str::to_owned))
                 .unwrap_or_else(|| format!("http_{}", status.as_u16()));
             Outcome::Failed {
                 reason,

@@ -94,6 +94,10 @@ pub struct GatewayConfig {
     /// How long in-flight requests may take to finish after SIGTERM.
     #[serde(default = "GatewayConfig::default_grace")]
     pub drain_grace: Duration,
+    /// After SIGTERM, how long the gateway keeps accepting and serving as usual with `/readyz`
+    /// failing, so that Services and load balancers stop routing to it before it drains.
+    #[serde(default = "GatewayConfig::default_shutdown_delay")]
+    pub shutdown_delay: Duration,
     /// How long a pod started from the limits file stays unready waiting for the operator to
     /// send it its own document (its share for the fleet that now includes it); zero, the
     /// default, serves the file at once (a gateway without operator).
@@ -158,6 +162,10 @@ impl GatewayConfig {
         Duration::from_secs(30)
     }
 
+    fn default_shutdown_delay() -> Duration {
+        Duration::from_secs(5)
+    }
+
     /// Loads `path`; relative file paths in it are taken relative to its directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -212,6 +220,25 @@ mod tests {
             Some(path.parent().unwrap().join("limits.yaml").as_path())
         );
         assert_eq!(config.drain_grace, Duration::from_secs(30));
+        assert_eq!(config.shutdown_delay, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn the_shipped_deployment_gives_a_shutdown_all_the_time_it_may_take() {
+        let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/gateway");
+        let config = GatewayConfig::load(&manifests.join("gateway.yaml")).unwrap();
+        let deployment: serde_norway::Value =
+            serde_norway::from_str(&fs::read_to_string(manifests.join("deployment.yaml")).unwrap())
+                .unwrap();
+        let grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            .as_u64()
+            .expect("the Deployment sets its grace period");
+        let needed =
+            config.shutdown_delay.get() + config.drain_grace.get() + crate::pool::CLOSE_GRACE;
+        assert!(
+            std::time::Duration::from_secs(grace) > needed,
+            "terminationGracePeriodSeconds {grace} must cover shutdownDelay + drainGrace + the close grace ({needed:?})"
+        );
     }
 
     #[test]

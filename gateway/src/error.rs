@@ -1,6 +1,11 @@
 //! The one place where typed failures of a proxied request become HTTP responses (the
-//! "rescue" of linkerd2-proxy's server stack): status, `Retry-After` and a small JSON body
-//! `{"error": <reason>, "message": ..., "retryAfterSeconds": ...}`.
+//! "rescue" of linkerd2-proxy's server stack): status, `Retry-After`, and a body in the
+//! OpenAI error shape that SDKs parse, `{"error": {"message", "type", "param", "code"}}`, with
+//! the gateway's machine-readable reason as `code`.
+//!
+//! Every 503, and every 502/504 a retry can cure (another endpoint, a connection that was not
+//! stale), carries `Retry-After`. The message a client sees names no internal address or
+//! endpoint: those stay in the gateway's logs (the error's `Display`).
 
 use std::time::Duration;
 
@@ -10,12 +15,17 @@ use http_body_util::{BodyExt, Full};
 
 use crate::body::ResponseBody;
 use crate::limiter::ClientRejection;
+use crate::metrics::TimeoutKind;
 use crate::pool::PoolError;
+
+/// `Retry-After` of failures whose cause passes quickly (a stale connection, an endpoint about
+/// to be ejected, a pod going away behind its Service): come back in a second.
+const RETRY_SOON: Duration = Duration::from_secs(1);
 
 /// Why a request was not proxied, or not completely.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    /// The client limiter refused it (429).
+    /// The client limiter refused it (429, or 503 when the client table is full).
     #[error(transparent)]
     Client(#[from] ClientRejection),
     /// The pool could not lease a connection (503, or 502/504 for connect failures).
@@ -33,13 +43,21 @@ pub enum ProxyError {
         /// `maxBodyBytes`.
         limit: u64,
     },
-    /// The backend sent no response head within `timeouts.firstByte` (504).
-    #[error("backend {backend} sent no response within {timeout:?}")]
-    FirstByteTimeout {
+    /// The request body stalled past `bodyReadTimeout` or arrived slower than `minBodyRate`
+    /// (408).
+    #[error("the request body was not received in time")]
+    BodyTimeout,
+    /// Buffering the body for routing would take the pod over `routeBufferBudget` (503).
+    #[error("the gateway holds too many request bodies for routing")]
+    RouteBufferFull,
+    /// The backend sent no response head in time (504): `firstByte` after the request body was
+    /// sent, or `total`.
+    #[error("backend {backend} sent no response in time ({})", kind.as_str())]
+    UpstreamTimeout {
         /// The backend.
         backend: String,
-        /// The timeout in force.
-        timeout: Duration,
+        /// Which timeout.
+        kind: TimeoutKind,
     },
     /// The backend failed the exchange (502).
     #[error("backend {backend} failed the request")]
@@ -56,13 +74,27 @@ pub enum ProxyError {
     /// The gateway is draining (503).
     #[error("the gateway is shutting down")]
     ShuttingDown,
+    /// The request head breaks a MUST of RFC 9110/9112 (400).
+    #[error("bad request: {0}")]
+    BadRequest(&'static str),
+    /// The request target's path holds `.`/`..` or empty segments, or encoded slashes (400).
+    #[error("the request path has dot segments, empty segments or encoded slashes")]
+    BadTarget,
+    /// `CONNECT` or `TRACE` (501).
+    #[error("this method is not supported by the gateway")]
+    MethodNotImplemented,
+    /// The connection's source holds `maxConnectionsPerClient` connections already (429, and
+    /// the connection is closed).
+    #[error("this client holds too many connections to the gateway: reuse or close some")]
+    TooManyConnections,
 }
 
 impl ProxyError {
     /// The HTTP status the client gets.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::Client(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::Client(ClientRejection::TableFull { .. }) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Client(_) | Self::TooManyConnections => StatusCode::TOO_MANY_REQUESTS,
             Self::Pool(e) => match e {
                 PoolError::QueueFull { .. }
                 | PoolError::LeaseTimeout { .. }
@@ -74,14 +106,17 @@ impl ProxyError {
             Self::NoRoute => StatusCode::NOT_FOUND,
             Self::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::FirstByteTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            Self::RouteBufferFull => StatusCode::SERVICE_UNAVAILABLE,
+            Self::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
-            Self::ClientBody(_) => StatusCode::BAD_REQUEST,
+            Self::ClientBody(_) | Self::BadRequest(_) | Self::BadTarget => StatusCode::BAD_REQUEST,
+            Self::MethodNotImplemented => StatusCode::NOT_IMPLEMENTED,
             Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
-    /// The machine-readable reason in the JSON body.
+    /// The machine-readable reason (the body's `error.code`).
     pub fn reason(&self) -> &'static str {
         match self {
             Self::Client(e) => e.reason(),
@@ -96,40 +131,77 @@ impl ProxyError {
             Self::NoRoute => "no_route",
             Self::HeadersTooLarge(_) => "headers_too_large",
             Self::BodyTooLarge { .. } => "body_too_large",
-            Self::FirstByteTimeout { .. } => "first_byte_timeout",
+            Self::BodyTimeout => "body_timeout",
+            Self::RouteBufferFull => "route_buffer_full",
+            Self::UpstreamTimeout {
+                kind: TimeoutKind::Total,
+                ..
+            } => "total_timeout",
+            Self::UpstreamTimeout { .. } => "first_byte_timeout",
             Self::Upstream { .. } => "upstream_error",
             Self::ClientBody(_) => "bad_request_body",
             Self::ShuttingDown => "shutting_down",
+            Self::BadRequest(_) => "bad_request",
+            Self::BadTarget => "bad_request_target",
+            Self::MethodNotImplemented => "method_not_supported",
+            Self::TooManyConnections => "too_many_connections",
         }
     }
 
-    /// When the client should retry, if it should.
+    /// When the client should retry, if it should: every 503, and the 502/504s a retry can
+    /// cure.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Self::Client(
                 ClientRejection::Concurrency { retry_after, .. }
                 | ClientRejection::QueueTimeout { retry_after, .. },
             ) => Some(*retry_after),
+            Self::Client(ClientRejection::TableFull { .. }) => Some(RETRY_SOON),
             Self::Pool(
                 PoolError::QueueFull { retry_after, .. }
                 | PoolError::LeaseTimeout { retry_after, .. }
                 | PoolError::NoHealthyEndpoint { retry_after, .. },
             ) => Some(*retry_after),
-            _ => None,
+            Self::Pool(
+                PoolError::Retired { .. }
+                | PoolError::ConnectTimeout { .. }
+                | PoolError::Connect { .. },
+            )
+            | Self::RouteBufferFull
+            | Self::UpstreamTimeout { .. }
+            | Self::Upstream { .. }
+            | Self::ShuttingDown
+            | Self::TooManyConnections => Some(RETRY_SOON),
+            Self::NoRoute
+            | Self::HeadersTooLarge(_)
+            | Self::BodyTooLarge { .. }
+            | Self::BodyTimeout
+            | Self::ClientBody(_)
+            | Self::BadRequest(_)
+            | Self::BadTarget
+            | Self::MethodNotImplemented => None,
+        }
+    }
+
+    /// What the client is told: the `Display` text, except for failures whose text names an
+    /// endpoint or its address.
+    fn public_message(&self) -> String {
+        match self {
+            Self::Pool(PoolError::ConnectTimeout { .. }) => {
+                "connecting to a backend instance timed out".to_owned()
+            }
+            Self::Pool(PoolError::Connect { .. }) => {
+                "connecting to a backend instance failed".to_owned()
+            }
+            other => other.to_string(),
         }
     }
 
     /// The response the client gets.
     pub fn to_response(&self) -> Response<ResponseBody> {
+        let status = self.status();
         let retry_after = self.retry_after().map(|d| d.as_secs().max(1));
-        let mut body = serde_json::json!({
-            "error": self.reason(),
-            "message": self.to_string(),
-        });
-        if let Some(secs) = retry_after {
-            body["retryAfterSeconds"] = secs.into();
-        }
-        let mut response = json_response(self.status(), &body);
+        let mut response = error_response(status, self.reason(), &self.public_message());
         if let Some(secs) = retry_after {
             response
                 .headers_mut()
@@ -137,6 +209,30 @@ impl ProxyError {
         }
         response
     }
+}
+
+/// The OpenAI `error.type` of a status.
+fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        _ => "server_error",
+    }
+}
+
+/// A response in the OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`.
+pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ResponseBody> {
+    json_response(
+        status,
+        &serde_json::json!({
+            "error": {
+                "message": message,
+                "type": error_type(status),
+                "param": null,
+                "code": code,
+            }
+        }),
+    )
 }
 
 /// A JSON response with `status`.
@@ -236,7 +332,7 @@ mod tests {
                 .into(),
                 504,
                 "connect_timeout",
-                None,
+                Some(1),
             ),
             (ProxyError::NoRoute, 404, "no_route", None),
             (
@@ -252,13 +348,33 @@ mod tests {
                 None,
             ),
             (
-                ProxyError::FirstByteTimeout {
+                ProxyError::UpstreamTimeout {
                     backend: "model-a".into(),
-                    timeout: Duration::from_secs(15),
+                    kind: TimeoutKind::FirstByte,
                 },
                 504,
                 "first_byte_timeout",
-                None,
+                Some(1),
+            ),
+            (ProxyError::BodyTimeout, 408, "body_timeout", None),
+            (
+                ProxyError::RouteBufferFull,
+                503,
+                "route_buffer_full",
+                Some(1),
+            ),
+            (ProxyError::ShuttingDown, 503, "shutting_down", Some(1)),
+            (
+                ProxyError::TooManyConnections,
+                429,
+                "too_many_connections",
+                Some(1),
+            ),
+            (
+                PoolError::Retired { backend: backend() }.into(),
+                503,
+                "backend_removed",
+                Some(1),
             ),
         ];
         for (err, status, reason, retry) in cases {
@@ -270,8 +386,40 @@ mod tests {
                 .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
             assert_eq!(header, retry, "{reason}");
             let body = body_json(response).await;
-            assert_eq!(body["error"], reason);
-            assert_eq!(body["retryAfterSeconds"].as_u64(), retry);
+            assert_eq!(body["error"]["code"], reason);
+            let kind = match status {
+                429 => "rate_limit_error",
+                400..=499 => "invalid_request_error",
+                _ => "server_error",
+            };
+            assert_eq!(body["error"]["type"], kind, "{reason}");
+            assert!(body["error"]["message"].is_string(), "{reason}");
+            assert!(body["error"]["param"].is_null(), "{reason}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_client_is_never_told_an_endpoint_or_its_address() {
+        let address: std::net::SocketAddr = ([10, 244, 3, 7], 8000).into(); // hermetic: not a destination (an error's text)
+        let errors: Vec<ProxyError> = vec![
+            PoolError::ConnectTimeout {
+                endpoint: "model-a-7f9c".into(),
+                address,
+                timeout: Duration::from_secs(1),
+            }
+            .into(),
+            PoolError::Connect {
+                endpoint: "model-a-7f9c".into(),
+                address,
+                source: std::io::ErrorKind::ConnectionRefused.into(),
+            }
+            .into(),
+        ];
+        for error in errors {
+            assert!(error.to_string().contains("10.244.3.7"), "the log keeps it");
+            let body = body_json(error.to_response()).await.to_string();
+            assert!(!body.contains("10.244.3.7"), "{body}");
+            assert!(!body.contains("model-a-7f9c"), "{body}");
         }
     }
 }

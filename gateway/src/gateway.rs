@@ -16,6 +16,7 @@ use poolpilot_api::limits::{HealthCheck, InvalidLimits, RouteMatch, Timeouts};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::budget::ByteBudget;
 use crate::health;
 use crate::limiter::{ClientLimiter, ClientStats};
 use crate::metrics::Metrics;
@@ -99,6 +100,10 @@ struct Inner {
     /// [`Gateway::await_operator`]); `None`: it does not wait.
     await_operator_until: Mutex<Option<Instant>>,
     draining: AtomicBool,
+    /// Shutdown began: `/readyz` fails (the gateway may still serve for `shutdownDelay`).
+    leaving: AtomicBool,
+    /// Bytes of request bodies buffered for routing, pod-wide.
+    route_budget: ByteBudget,
     /// Serialises scrapes: live gauges are cleared and set again before each one.
     scrape: Mutex<()>,
 }
@@ -155,6 +160,8 @@ impl Gateway {
                 managed_by_api: AtomicBool::new(false),
                 await_operator_until: Mutex::new(None),
                 draining: AtomicBool::new(false),
+                leaving: AtomicBool::new(false),
+                route_budget: ByteBudget::default(),
                 scrape: Mutex::new(()),
             }),
         }
@@ -170,11 +177,19 @@ impl Gateway {
         &self.inner.metrics
     }
 
-    /// Ready: limits were loaded, the gateway is not draining and not waiting for the operator.
+    /// Ready: limits were loaded, shutdown has not begun and the gateway is not waiting for the
+    /// operator.
     pub fn is_ready(&self) -> bool {
         self.inner.loaded.load(Ordering::Acquire)
+            && !self.inner.leaving.load(Ordering::Acquire)
             && !self.is_draining()
             && !self.is_awaiting_operator()
+    }
+
+    /// Marks the gateway as leaving: `/readyz` fails from now on, while it still serves (the
+    /// shutdown delay before the drain).
+    pub fn set_leaving(&self) {
+        self.inner.leaving.store(true, Ordering::Release);
     }
 
     /// From now on, stay unready until the operator PUTs this pod its own document, for at most
@@ -195,6 +210,11 @@ impl Gateway {
                 .await_operator_until
                 .lock()
                 .is_some_and(|until| Instant::now() < until)
+    }
+
+    /// The pod-wide budget of routing buffers.
+    pub fn route_budget(&self) -> &ByteBudget {
+        &self.inner.route_budget
     }
 
     /// Whether shutdown began.
@@ -455,8 +475,10 @@ impl Gateway {
         for (label, n) in by_label {
             m.set_client_inflight(&label, n);
         }
+        m.set_route_buffer_bytes(self.inner.route_budget.held());
         let (open, max) = crate::procfs::fds();
         m.set_process_fds(open, max);
+        m.set_resident_memory(crate::procfs::resident_bytes());
     }
 
     /// Forgets idle clients periodically, for as long as the gateway lives.

@@ -20,9 +20,12 @@
 
 pub mod admin;
 pub mod body;
+pub mod budget;
 pub mod config;
+pub mod deadline;
 pub mod error;
 pub mod gateway;
+pub mod head;
 pub mod health;
 pub mod limiter;
 pub mod metrics;
@@ -32,6 +35,7 @@ pub mod proxy;
 pub mod reload;
 pub mod route;
 pub mod server;
+pub mod source;
 pub mod upstream;
 
 use std::net::SocketAddr;
@@ -76,6 +80,7 @@ pub struct Running {
     conns: Arc<server::Connections>,
     tasks: Vec<JoinHandle<()>>,
     drain_grace: Duration,
+    shutdown_delay: Duration,
 }
 
 /// Binds the listeners, loads the limits file if there is one, and starts serving.
@@ -142,6 +147,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         conns,
         tasks,
         drain_grace: config.drain_grace.get(),
+        shutdown_delay: config.shutdown_delay.get(),
     })
 }
 
@@ -151,11 +157,18 @@ impl Running {
         self.conns.open()
     }
 
-    /// Graceful shutdown: readiness fails, the listeners stop accepting, in-flight requests
-    /// finish (up to the drain grace), the upstream connections close on both sides (up to the
-    /// pools' close grace), then everything stops. Returns the number of client connections
-    /// still open when the drain grace ran out (0 for a clean drain).
+    /// Graceful shutdown: readiness fails, the gateway keeps accepting and serving for the
+    /// shutdown delay (Services and load balancers take a while to stop routing here), then
+    /// the listeners stop accepting, in-flight requests finish (up to the drain grace), the
+    /// upstream connections close on both sides (up to the pools' close grace), and everything
+    /// stops. Returns the number of client connections still open when the drain grace ran out
+    /// (0 for a clean drain).
     pub async fn shutdown(self) -> usize {
+        self.gateway.set_leaving();
+        if !self.shutdown_delay.is_zero() {
+            tracing::info!(delay = ?self.shutdown_delay, "unready; serving until the delay is over");
+            tokio::time::sleep(self.shutdown_delay).await;
+        }
         self.gateway.set_draining();
         let _ = self.shutdown.send(true);
         let left = server::drain(&self.conns, self.drain_grace).await;

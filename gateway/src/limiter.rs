@@ -3,8 +3,11 @@
 //! timeout, and slow-call demotion for a cooldown. Clients are known only by the SHA-256 of
 //! their identity (API key or source IP): raw keys are never stored, logged or exported.
 //!
-//! Memory is bounded: a client has an entry only while it has calls in flight or queued, is
-//! demoted, or has recent slow-call history; idle entries are purged after a while.
+//! Memory is bounded: a client has an entry only while it has calls in flight or queued, or
+//! something to remember (a demotion, slow calls in its recent window); a client with nothing
+//! in flight and nothing to remember is forgotten at once, one with history after a while. The
+//! table holds at most `maxClients` entries: a new client evicts the longest-idle one (counted),
+//! and finds no room (503) only while every entry has calls in flight or queued.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -68,6 +71,12 @@ pub enum ClientRejection {
         /// Computed from the client's drain rate or its demotion cooldown.
         retry_after: Duration,
     },
+    /// A new client, and every entry of the client table has calls in flight or queued.
+    #[error("the gateway tracks {max} clients with calls in flight; no room for another")]
+    TableFull {
+        /// `maxClients`.
+        max: u32,
+    },
 }
 
 impl ClientRejection {
@@ -76,6 +85,7 @@ impl ClientRejection {
         match self {
             Self::Concurrency { .. } => "client_concurrency",
             Self::QueueTimeout { .. } => "client_queue_timeout",
+            Self::TableFull { .. } => "client_table_full",
         }
     }
 }
@@ -112,6 +122,9 @@ struct State {
     policy: ClientPolicy,
     overrides: HashMap<ClientKey, (Arc<str>, u32)>,
     clients: HashMap<ClientKey, Client>,
+    /// Clients kept while idle (they have history), in the order they went idle, with the
+    /// `last_seen` they had then: a record whose client was busy since is stale and skipped.
+    idle: VecDeque<(ClientKey, Instant)>,
     next_waiter: u64,
 }
 
@@ -152,6 +165,7 @@ impl ClientLimiter {
                     policy,
                     overrides,
                     clients: HashMap::new(),
+                    idle: VecDeque::new(),
                     next_waiter: 0,
                 }),
             }),
@@ -192,6 +206,13 @@ impl ClientLimiter {
             let max_queue = state.policy.max_queue as usize;
             let queue_timeout = state.policy.queue_timeout.get();
             let label = state.label(&key);
+            if !state.clients.contains_key(&key) && !state.make_room(&self.inner.metrics) {
+                let err = ClientRejection::TableFull {
+                    max: state.policy.max_clients,
+                };
+                self.inner.metrics.client_rejected(&label, err.reason());
+                return Err(err);
+            }
             let client = state.client(key, label.clone(), start);
             if client.inflight < limit && client.queue.is_empty() {
                 client.inflight += 1;
@@ -233,6 +254,7 @@ impl ClientLimiter {
                             retry_after: c.retry_after(limit, now, queue_timeout),
                         };
                         self.inner.metrics.client_rejected(&label, err.reason());
+                        state.settle(&key, now);
                         return Err(err);
                     }
                     // Admitted while the timer fired: the slot is ours.
@@ -315,6 +337,7 @@ impl ClientLimiter {
                 || c.demoted_until.is_some_and(|u| now < u)
                 || now.duration_since(c.last_seen) < keep_for
         });
+        state.compact_idle();
     }
 
     /// Entries held (for tests of the memory bound).
@@ -342,6 +365,55 @@ impl State {
         self.overrides
             .get(key)
             .map_or_else(|| OTHER.into(), |(name, _)| name.clone())
+    }
+
+    /// Makes room for one more client: true when the table has room, or had once the
+    /// longest-idle client was forgotten (counted); false when every entry is busy.
+    fn make_room(&mut self, metrics: &Metrics) -> bool {
+        if self.clients.len() < self.policy.max_clients as usize {
+            return true;
+        }
+        while let Some((key, went_idle)) = self.idle.pop_front() {
+            let evictable = self
+                .clients
+                .get(&key)
+                .is_some_and(|c| c.is_idle() && c.last_seen == went_idle);
+            if evictable {
+                self.clients.remove(&key);
+                metrics.client_evicted();
+                return true;
+            }
+        }
+        false
+    }
+
+    /// After a client's call ended or left its queue: a client left idle is forgotten at once
+    /// unless it has something to remember, and then queued for eviction.
+    fn settle(&mut self, key: &ClientKey, now: Instant) {
+        let Some(client) = self.clients.get(key) else {
+            return;
+        };
+        if !client.is_idle() {
+            return;
+        }
+        if client.remembers(now) {
+            self.idle.push_back((*key, client.last_seen));
+            if self.idle.len() > 2 * self.clients.len() + 64 {
+                self.compact_idle();
+            }
+        } else {
+            self.clients.remove(key);
+        }
+    }
+
+    /// Drops the stale records of the idle queue.
+    fn compact_idle(&mut self) {
+        let clients = &self.clients;
+        self.idle.retain(|(key, went_idle)| {
+            clients
+                .get(key)
+                .is_some_and(|c| c.is_idle() && c.last_seen == *went_idle)
+        });
     }
 
     fn client(&mut self, key: ClientKey, label: Arc<str>, now: Instant) -> &mut Client {
@@ -431,6 +503,17 @@ impl State {
 // === impl Client ===
 
 impl Client {
+    /// No call in flight or queued.
+    fn is_idle(&self) -> bool {
+        self.inflight == 0 && self.queue.is_empty()
+    }
+
+    /// Whether forgetting it would lose something: a demotion in force, or slow calls in its
+    /// recent window.
+    fn remembers(&self, now: Instant) -> bool {
+        self.demoted_until.is_some_and(|u| now < u) || self.recent.iter().any(|slow| *slow)
+    }
+
     /// Retry-After: the rest of a demotion, else the time for this client's queue (and one
     /// more call) to drain at its observed pace: `limit` calls per mean call duration. Before
     /// any call of the client finished, the queue timeout (how long a queued call may wait).
@@ -467,6 +550,7 @@ impl Drop for ClientPermit {
         let mut state = self.limiter.state.lock();
         state.finish(&self.key, now.duration_since(self.started), now);
         state.admit_queued(&self.key, now);
+        state.settle(&self.key, now);
     }
 }
 

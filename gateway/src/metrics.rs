@@ -87,6 +87,64 @@ impl EncodeLabelValue for TimeoutKind {
     }
 }
 
+/// Client-caused deadlines (`kind` label of `poolpilot_downstream_timeouts_total`): never
+/// counted as upstream timeouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DownstreamTimeout {
+    /// The client accepted nothing of a response for `sendTimeout`.
+    Send,
+    /// A response reached `timeouts.total` while its client was not reading.
+    Total,
+    /// A request body stalled past `bodyReadTimeout` or arrived slower than `minBodyRate`.
+    BodyRead,
+}
+
+impl DownstreamTimeout {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Send => "send",
+            Self::Total => "total",
+            Self::BodyRead => "body_read",
+        }
+    }
+}
+
+impl EncodeLabelValue for DownstreamTimeout {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        self.as_str().encode(encoder)
+    }
+}
+
+/// What happened to a connection over its source's cap (`outcome` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// Answered `429` with `Retry-After` and `Connection: close`.
+    Answered,
+    /// Closed at once: more refusals than the answer rate allows.
+    Dropped,
+}
+
+impl EncodeLabelValue for Refusal {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        match self {
+            Self::Answered => "answered",
+            Self::Dropped => "dropped",
+        }
+        .encode(encoder)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DownstreamTimeoutLabel {
+    kind: DownstreamTimeout,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RefusalLabel {
+    outcome: Refusal,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct BackendLabel {
     backend: String,
@@ -172,9 +230,14 @@ pub struct Metrics {
     limits_rejected: Family<SourceLabel, Counter>,
     accept_errors: Counter,
     downstream_connections: Gauge,
-    downstream_rejected: Counter,
+    downstream_rejected: Family<RefusalLabel, Counter>,
+    downstream_timeouts: Family<DownstreamTimeoutLabel, Counter>,
+    client_evictions: Counter,
+    route_buffer_bytes: Gauge,
+    route_buffer_rejected: Counter,
     open_fds: Gauge,
     max_fds: Gauge,
+    resident_memory: Gauge,
 }
 
 impl fmt::Debug for Metrics {
@@ -224,9 +287,14 @@ impl Metrics {
             limits_rejected: Family::default(),
             accept_errors: Counter::default(),
             downstream_connections: Gauge::default(),
-            downstream_rejected: Counter::default(),
+            downstream_rejected: Family::default(),
+            downstream_timeouts: Family::default(),
+            client_evictions: Counter::default(),
+            route_buffer_bytes: Gauge::default(),
+            route_buffer_rejected: Counter::default(),
             open_fds: Gauge::default(),
             max_fds: Gauge::default(),
+            resident_memory: Gauge::default(),
         };
         r.register(
             "poolpilot_pool_connections",
@@ -328,8 +396,29 @@ impl Metrics {
         );
         r.register(
             "poolpilot_downstream_connections_rejected",
-            "Client connections closed at once because their source held too many",
+            "Client connections over their source's cap: answered 429, or dropped beyond the answer rate",
             m.downstream_rejected.clone(),
+        );
+        r.register(
+            "poolpilot_downstream_timeouts",
+            "Calls cut because of the client: a response it stopped reading, a request body too slow",
+            m.downstream_timeouts.clone(),
+        );
+        r.register(
+            "poolpilot_client_evictions",
+            "Idle clients forgotten to make room in a full client table",
+            m.client_evictions.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_route_buffer",
+            "Request body bytes held for routing by model, pod-wide",
+            Unit::Bytes,
+            m.route_buffer_bytes.clone(),
+        );
+        r.register(
+            "poolpilot_route_buffer_rejected",
+            "Requests refused because their routing buffer would exceed routeBufferBudget",
+            m.route_buffer_rejected.clone(),
         );
         r.register(
             "process_open_fds",
@@ -340,6 +429,12 @@ impl Metrics {
             "process_max_fds",
             "Maximum number of open file descriptors",
             m.max_fds.clone(),
+        );
+        r.register_with_unit(
+            "process_resident_memory",
+            "Resident memory size",
+            Unit::Bytes,
+            m.resident_memory.clone(),
         );
         *m.registry.lock() = r;
         m
@@ -519,8 +614,34 @@ impl Metrics {
         &self.downstream_connections
     }
 
-    pub(crate) fn downstream_rejected(&self) {
-        self.downstream_rejected.inc();
+    pub(crate) fn downstream_rejected(&self, outcome: Refusal) {
+        self.downstream_rejected
+            .get_or_create(&RefusalLabel { outcome })
+            .inc();
+    }
+
+    pub(crate) fn downstream_timeout(&self, kind: DownstreamTimeout) {
+        self.downstream_timeouts
+            .get_or_create(&DownstreamTimeoutLabel { kind })
+            .inc();
+    }
+
+    pub(crate) fn client_evicted(&self) {
+        self.client_evictions.inc();
+    }
+
+    pub(crate) fn route_buffer_rejected(&self) {
+        self.route_buffer_rejected.inc();
+    }
+
+    pub(crate) fn set_route_buffer_bytes(&self, bytes: u64) {
+        self.route_buffer_bytes.set(bytes as i64);
+    }
+
+    pub(crate) fn set_resident_memory(&self, bytes: Option<u64>) {
+        if let Some(bytes) = bytes {
+            self.resident_memory.set(bytes as i64);
+        }
     }
 
     pub(crate) fn set_process_fds(&self, open: Option<u64>, max: Option<u64>) {

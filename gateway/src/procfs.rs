@@ -1,5 +1,6 @@
-//! The process fd gauges (`process_open_fds`, `process_max_fds`) read from `/proc/self`, the
-//! way the standard Prometheus process collector does. `None` where `/proc` is unavailable.
+//! The process gauges (`process_open_fds`, `process_max_fds`, `process_resident_memory_bytes`)
+//! read from `/proc/self`, the way the standard Prometheus process collector does. `None` where
+//! `/proc` is unavailable.
 
 use std::fs;
 
@@ -12,6 +13,18 @@ pub fn fds() -> (Option<u64>, Option<u64>) {
         .ok()
         .and_then(|s| max_open_files(&s));
     (open, max)
+}
+
+/// Resident memory in bytes (`VmRSS` of `/proc/self/status`).
+pub fn resident_bytes() -> Option<u64> {
+    let status = fs::read_to_string("/proc/self/status").ok()?;
+    vm_rss_bytes(&status)
+}
+
+fn vm_rss_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// The soft limit from the "Max open files" line of `/proc/<pid>/limits`.
@@ -38,6 +51,15 @@ mod tests {
             max_open_files("Max open files unlimited unlimited files"),
             None
         );
+    }
+
+    #[test]
+    fn parses_the_resident_set_size() {
+        assert_eq!(
+            vm_rss_bytes("Name:\tgw\nVmRSS:\t   12345 kB\nThreads:\t2\n"),
+            Some(12345 * 1024)
+        );
+        assert!(resident_bytes().is_some_and(|b| b > 0));
     }
 
     #[test]

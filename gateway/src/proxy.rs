@@ -1,20 +1,25 @@
 //! The request path of one proxied call:
 //!
 //! ```text
-//! head limits (431/413) → route (path, headers, buffered JSON `model`) → client limiter (429)
+//! head limits (431/413) → RFC 9110/9112 checks (400/501, `head`) → route (path, headers,
+//!   buffered JSON `model`: body pace 408, pod budget 503) → client limiter (429)
 //!   → pool lease (503) → send on the leased connection, retried only when a *reused*
-//!     connection failed before any byte was sent → first-byte timeout (504)
-//!   → stream the response back frame by frame under the stream-idle and total timeouts
+//!     connection failed before any byte was sent → first-byte timeout once the body is
+//!     sent (504)
+//!   → stream the response back frame by frame, reporting to its deadlines (`deadline`)
 //! ```
 //!
 //! The lease and the client permit live in the response body (`UpstreamBody`) until the last
 //! frame: a connection returns to the pool only after a complete exchange, and a client's call
-//! counts against its concurrency for as long as it streams.
+//! counts against its concurrency for as long as it streams. When a deadline cuts the response,
+//! the task serving it drops the body, which releases both at once. What the client causes is
+//! never held against the backend.
 
-use std::net::SocketAddr;
+use std::future::{Future, poll_fn};
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -24,38 +29,48 @@ use http::{Request, Response, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use poolpilot_api::limits::{ClientIdentity, ListenerLimits};
-use tokio::time::{Instant, Sleep};
+use poolpilot_api::limits::{ClientIdentity, ListenerLimits, ProxyProtocol, TrustedProxies};
+use tokio::time::Instant;
 
-use crate::body::{BoxError, ClientBody, RequestBody, ResponseBody};
+use crate::body::{
+    BodyFailure, BodyPace, BodyProgress, BoxError, ClientBody, RequestBody, ResponseBody,
+};
+use crate::deadline::{Cut, DeadlineSlot, ResponseDeadline};
 use crate::error::ProxyError;
 use crate::gateway::{Backend, Gateway, Route};
 use crate::limiter::{ClientKey, ClientPermit};
-use crate::metrics::{CloseReason, Metrics, TimeoutKind};
+use crate::metrics::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
 use crate::pool::Lease;
-use crate::route;
 use crate::upstream::HttpConnector;
+use crate::{head, route};
 
 /// Re-sends after a reused connection failed before sending: enough to get past a few stale
 /// keep-alive connections, bounded so a dying backend cannot loop a request.
 const MAX_RETRIES: usize = 3;
 
-/// The client side of a call: its address, and its IP as a header value (formatted once per
-/// connection, for `X-Forwarded-For` and source-IP client keys).
+/// The client side of a call: the connection's peer and the client's address (the peer, or
+/// the source a trusted proxy's PROXY protocol header gave), the latter also as a header value
+/// (formatted once per connection, for `X-Forwarded-For`).
 #[derive(Clone, Debug)]
 pub struct Peer {
     addr: SocketAddr,
+    source: IpAddr,
     ip: HeaderValue,
 }
 
 impl Peer {
-    /// The peer at `addr`.
+    /// A client connected directly from `addr`.
     pub fn new(addr: SocketAddr) -> Self {
-        let ip = HeaderValue::from_str(&addr.ip().to_string()).expect("an IP is a header value");
-        Self { addr, ip }
+        Self::proxied(addr, addr.ip())
     }
 
-    /// Its address.
+    /// A connection from `addr` on behalf of the client at `source`.
+    pub fn proxied(addr: SocketAddr, source: IpAddr) -> Self {
+        let ip = HeaderValue::from_str(&source.to_string()).expect("an IP is a header value");
+        Self { addr, source, ip }
+    }
+
+    /// The connection's peer.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -64,9 +79,15 @@ impl Peer {
 /// `X-Forwarded-For`.
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
-/// Proxies one request; every failure becomes a response through [`ProxyError`].
-pub async fn handle(gw: Gateway, peer: &Peer, req: Request<Incoming>) -> Response<ResponseBody> {
-    match proxy(&gw, peer, req).await {
+/// Proxies one request; every failure becomes a response through [`ProxyError`]. The
+/// response's deadlines go into `slot` once its head has arrived (see [`crate::deadline`]).
+pub async fn handle(
+    gw: Gateway,
+    peer: &Peer,
+    req: Request<Incoming>,
+    slot: &DeadlineSlot,
+) -> Response<ResponseBody> {
+    match proxy(&gw, peer, req, slot).await {
         Ok(response) => response,
         Err(error) => {
             tracing::debug!(%error, reason = error.reason(), "request not proxied");
@@ -78,7 +99,8 @@ pub async fn handle(gw: Gateway, peer: &Peer, req: Request<Incoming>) -> Respons
 async fn proxy(
     gw: &Gateway,
     peer: &Peer,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
+    slot: &DeadlineSlot,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     if gw.is_draining() {
         return Err(ProxyError::ShuttingDown);
@@ -86,15 +108,19 @@ async fn proxy(
     let snapshot = gw.snapshot();
     let listener = &snapshot.limits.listener;
     check_head(&req, listener)?;
+    if let head::Verdict::Answer(response) = head::check(&mut req)? {
+        return Ok(response);
+    }
+    let pace = BodyPace::new(Instant::now(), listener);
     let (mut parts, incoming) = req.into_parts();
 
     // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`.
     let (model, body) = if snapshot.needs_model && !incoming.is_end_stream() {
-        buffer_for_model(incoming, listener).await?
+        buffer_for_model(gw, incoming, listener, pace).await?
     } else {
         (
             None,
-            ClientBody::new(None, Some(incoming), listener.max_body_bytes),
+            ClientBody::new(None, None, Some(incoming), listener.max_body_bytes, pace),
         )
     };
     let route = snapshot
@@ -106,22 +132,28 @@ async fn proxy(
     let permit = match &route.limiter {
         Some(limiter) => Some(
             limiter
-                .acquire(client_key(&limiter.identity(), &parts.headers, peer))
+                .acquire(client_key(
+                    &limiter.identity(),
+                    &parts.headers,
+                    peer,
+                    listener.trusted_proxies.as_ref(),
+                ))
                 .await?,
         ),
         None => None,
     };
 
     prepare_upstream_head(&mut parts, peer);
-    let too_large = body.too_large_flag();
+    let progress = body.progress();
     let req = Request::from_parts(parts, body.boxed_unsync());
-    let result = forward(gw.metrics(), route, req, permit).await;
-    if too_large.load(Ordering::Relaxed) {
-        return Err(ProxyError::BodyTooLarge {
-            limit: listener.max_body_bytes,
-        });
-    }
-    result
+    let call = CallContext {
+        metrics: gw.metrics(),
+        route,
+        body: &progress,
+        send_timeout: listener.send_timeout.get(),
+        slot,
+    };
+    forward(call, req, permit).await
 }
 
 /// 431 for too many or too large headers, 413 for a declared body over the limit. hyper
@@ -162,31 +194,52 @@ fn uri_len(uri: &Uri) -> usize {
     }
 }
 
-/// Reads up to `routeBodyBytes` of the body. A body that ends within it is parsed for
-/// `model`; a longer one routes without a model. Either way nothing read is lost.
+/// Reads up to `routeBodyBytes` of the body, at the listener's body pace and within the
+/// pod's routing budget. A body that ends within it is parsed for `model`; a longer one routes
+/// without a model. Either way nothing read is lost.
 async fn buffer_for_model(
+    gw: &Gateway,
     mut incoming: Incoming,
     limits: &ListenerLimits,
+    pace: BodyPace,
 ) -> Result<(Option<String>, ClientBody), ProxyError> {
     let cap = limits.route_body_bytes as usize;
     let mut buf = BytesMut::new();
+    let mut reserved = gw.route_budget().reservation();
+    let mut last = Instant::now();
     loop {
         if buf.len() > cap {
             let prefix = buf.freeze();
             return Ok((
                 None,
-                ClientBody::new(Some(prefix), Some(incoming), limits.max_body_bytes),
+                ClientBody::new(
+                    Some(prefix),
+                    Some(reserved),
+                    Some(incoming),
+                    limits.max_body_bytes,
+                    pace,
+                ),
             ));
         }
-        match incoming.frame().await {
+        let deadline = pace.deadline(buf.len() as u64, last);
+        let Ok(frame) = tokio::time::timeout_at(deadline, incoming.frame()).await else {
+            gw.metrics().downstream_timeout(DownstreamTimeout::BodyRead);
+            return Err(ProxyError::BodyTimeout);
+        };
+        match frame {
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
-                    buf.extend_from_slice(&data);
-                    if buf.len() as u64 > limits.max_body_bytes {
+                    if (buf.len() + data.len()) as u64 > limits.max_body_bytes {
                         return Err(ProxyError::BodyTooLarge {
                             limit: limits.max_body_bytes,
                         });
                     }
+                    if !reserved.grow(data.len() as u64, limits.route_buffer_budget) {
+                        gw.metrics().route_buffer_rejected();
+                        return Err(ProxyError::RouteBufferFull);
+                    }
+                    buf.extend_from_slice(&data);
+                    last = Instant::now();
                 }
             }
             Some(Err(e)) => return Err(ProxyError::ClientBody(e.into())),
@@ -195,22 +248,58 @@ async fn buffer_for_model(
                 let model = route::model_of(&body);
                 return Ok((
                     model,
-                    ClientBody::new(Some(body), None, limits.max_body_bytes),
+                    ClientBody::new(
+                        Some(body),
+                        Some(reserved),
+                        None,
+                        limits.max_body_bytes,
+                        pace,
+                    ),
                 ));
             }
         }
     }
 }
 
-/// The client's identity: the configured header's value, or (without it, or for a source-IP
-/// policy) the source IP, both hashed.
-fn client_key(identity: &ClientIdentity, headers: &HeaderMap, peer: &Peer) -> ClientKey {
+/// The client's identity, hashed: the configured header's value (for `authorization`, the
+/// bearer token without its scheme), or, without it or for a source-IP policy, the client's
+/// address ([`crate::source::key_text`]: an IPv6 client counts by its /64), taken from
+/// `X-Forwarded-For` when the peer is a trusted proxy that passes it so.
+fn client_key(
+    identity: &ClientIdentity,
+    headers: &HeaderMap,
+    peer: &Peer,
+    trusted: Option<&TrustedProxies>,
+) -> ClientKey {
     if let ClientIdentity::Header(name) = identity
         && let Some(value) = headers.get(name.as_str())
     {
+        if name.eq_ignore_ascii_case("authorization")
+            && let Some(token) = bearer_token(value)
+        {
+            return ClientKey::of(token);
+        }
         return ClientKey::of(value.as_bytes());
     }
-    ClientKey::of(peer.ip.as_bytes())
+    let ip = match trusted {
+        Some(t) if t.protocol == ProxyProtocol::XForwardedFor => {
+            crate::source::forwarded_client(headers, peer.source, t)
+        }
+        _ => peer.source,
+    };
+    ClientKey::of(crate::source::key_text(ip).as_bytes())
+}
+
+/// The token of an `Authorization: Bearer <token>` value (the scheme in any case).
+fn bearer_token(value: &HeaderValue) -> Option<&[u8]> {
+    let value = value.as_bytes();
+    let space = value.iter().position(|b| *b == b' ')?;
+    let (scheme, token) = value.split_at(space);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return None;
+    }
+    let token = token.trim_ascii();
+    (!token.is_empty()).then_some(token)
 }
 
 /// Whether `name` is a hop-by-hop header of RFC 9110 §7.6.1 (or a legacy one).
@@ -267,16 +356,20 @@ fn via_value(version: Version) -> HeaderValue {
     })
 }
 
-/// Turns the client's head into the upstream head: origin-form URI, HTTP/1.1, `Host` kept
-/// (or taken from an HTTP/2 `:authority`), hop-by-hop headers dropped, `X-Forwarded-For` and
-/// `Via` appended.
+/// Turns the client's head into the upstream head: origin-form URI, HTTP/1.1, `Host` kept,
+/// or replaced by the target's authority (an absolute-form target, RFC 9112 §3.2.2, or an
+/// HTTP/2 `:authority`), hop-by-hop headers dropped, `X-Forwarded-For` and `Via` appended.
 fn prepare_upstream_head(parts: &mut http::request::Parts, peer: &Peer) {
     strip_hop_by_hop(&mut parts.headers);
-    if !parts.headers.contains_key(header::HOST)
-        && let Some(authority) = parts.uri.authority()
-        && let Ok(host) = HeaderValue::from_str(authority.as_str())
-    {
-        parts.headers.insert(header::HOST, host);
+    if let Some(authority) = parts.uri.authority() {
+        // Without userinfo (RFC 9110 §4.2.4: never forwarded).
+        let host = match authority.as_str().rsplit_once('@') {
+            Some((_, host)) => HeaderValue::from_str(host),
+            None => HeaderValue::from_str(authority.as_str()),
+        };
+        if let Ok(host) = host {
+            parts.headers.insert(header::HOST, host);
+        }
     }
     let xff = match parts
         .headers
@@ -311,13 +404,33 @@ enum SendFailure {
     Failed(hyper::Error),
 }
 
+/// What a call needs besides its request and permit.
+struct CallContext<'a> {
+    metrics: &'a Metrics,
+    route: &'a Route,
+    /// The request body's progress: when it was sent in full, how the client failed it.
+    body: &'a BodyProgress,
+    send_timeout: Duration,
+    slot: &'a DeadlineSlot,
+}
+
 /// Leases a connection, sends, waits for the head, and wraps the response body.
+///
+/// The first-byte timer starts once the request body has been sent in full (a slow upload is
+/// the body pace's business, not the backend's); `total` runs from the send. A failure the
+/// client caused (its body too slow, too large or broken) closes the upstream connection but is
+/// never counted against the backend: no outlier report, no upstream duration or timeout.
 async fn forward(
-    metrics: &Metrics,
-    route: &Route,
+    call: CallContext<'_>,
     mut req: Request<RequestBody>,
     permit: Option<ClientPermit>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
+    let CallContext {
+        metrics,
+        route,
+        body,
+        ..
+    } = call;
     let backend = &route.backend;
     let timeouts = &route.timeouts;
     let mut retries = 0;
@@ -331,6 +444,8 @@ async fn forward(
             }
         })?;
         let sent_at = Instant::now();
+        let total_at = sent_at + timeouts.total.get();
+        let first_byte = timeouts.first_byte.get();
         let exchange = async {
             let conn = lease.conn();
             if let Err(e) = conn.ready().await {
@@ -343,20 +458,24 @@ async fn forward(
                     None => SendFailure::Failed(e.into_error()),
                 })
         };
-        let first_byte = timeouts.first_byte.get();
-        let result = tokio::time::timeout(first_byte, exchange).await;
+        let result = until_first_byte(exchange, body, total_at, first_byte).await;
         let endpoint = lease.endpoint().clone();
         match result {
             Ok(Ok(response)) => {
                 return Ok(respond(
-                    metrics,
+                    &call,
                     backend.clone(),
                     lease,
                     permit,
                     response,
                     sent_at,
-                    timeouts,
                 ));
+            }
+            Ok(Err(_)) if body.failed().is_some() => {
+                // The client's doing: the backend got part of a request, so the connection
+                // goes, but the backend is not blamed.
+                lease.discard(CloseReason::Error);
+                return Err(client_failed(metrics, body.failed()));
             }
             Ok(Err(SendFailure::NotSent(unsent, error)))
                 if lease.reused() && retries < MAX_RETRIES =>
@@ -376,47 +495,118 @@ async fn forward(
                     source: error,
                 });
             }
-            Err(_elapsed) => {
+            Err(()) => {
                 // Dropping the send future closed the connection; count it and move on.
                 lease.discard(CloseReason::Timeout);
-                backend.pool.report_call(&endpoint, false);
-                metrics.upstream_timeout(&backend.name, TimeoutKind::FirstByte);
-                metrics.upstream_duration(&backend.name, 504, sent_at.elapsed().as_secs_f64());
-                return Err(ProxyError::FirstByteTimeout {
-                    backend: backend.name.to_string(),
-                    timeout: first_byte,
-                });
+                let Some(body_sent) = body.sent_at() else {
+                    if body.waiting_for_client() {
+                        // `total` passed while the client was still sending its body.
+                        metrics.downstream_timeout(DownstreamTimeout::BodyRead);
+                        return Err(ProxyError::BodyTimeout);
+                    }
+                    // The backend stopped taking the body.
+                    return Err(upstream_timeout(
+                        metrics,
+                        &call,
+                        &endpoint,
+                        TimeoutKind::Total,
+                        sent_at,
+                    ));
+                };
+                let kind = if body_sent + first_byte < total_at {
+                    TimeoutKind::FirstByte
+                } else {
+                    TimeoutKind::Total
+                };
+                return Err(upstream_timeout(metrics, &call, &endpoint, kind, sent_at));
             }
         }
     }
 }
 
-fn respond(
+/// Drives `exchange` until the response head, or gives up (`Err`) at `total_at` or
+/// `first_byte` after the request body was sent in full, whichever comes first.
+async fn until_first_byte<T>(
+    exchange: impl Future<Output = T>,
+    body: &BodyProgress,
+    total_at: Instant,
+    first_byte: Duration,
+) -> Result<T, ()> {
+    let mut exchange = pin!(exchange);
+    let mut timer = pin!(tokio::time::sleep_until(total_at));
+    poll_fn(|cx| {
+        // The exchange moves the body first: the deadline below sees a body sent just now.
+        if let Poll::Ready(out) = exchange.as_mut().poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        let deadline = body
+            .sent_at()
+            .map_or(total_at, |sent| total_at.min(sent + first_byte));
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        timer.as_mut().poll(cx).map(|()| Err(()))
+    })
+    .await
+}
+
+/// A timeout of the backend before the response head: counted, reported, 504.
+fn upstream_timeout(
     metrics: &Metrics,
+    call: &CallContext<'_>,
+    endpoint: &str,
+    kind: TimeoutKind,
+    sent_at: Instant,
+) -> ProxyError {
+    let backend = &call.route.backend;
+    backend.pool.report_call(endpoint, false);
+    metrics.upstream_timeout(&backend.name, kind);
+    metrics.upstream_duration(&backend.name, 504, sent_at.elapsed().as_secs_f64());
+    ProxyError::UpstreamTimeout {
+        backend: backend.name.to_string(),
+        kind,
+    }
+}
+
+/// The error of a request body the client failed.
+fn client_failed(metrics: &Metrics, failure: Option<BodyFailure>) -> ProxyError {
+    match failure {
+        Some(BodyFailure::TooLarge(limit)) => ProxyError::BodyTooLarge { limit },
+        Some(BodyFailure::Timeout) => {
+            metrics.downstream_timeout(DownstreamTimeout::BodyRead);
+            ProxyError::BodyTimeout
+        }
+        Some(BodyFailure::Broken) | None => ProxyError::ClientBody(BodyFailure::Broken.into()),
+    }
+}
+
+fn respond(
+    call: &CallContext<'_>,
     backend: Arc<Backend>,
     lease: Lease<HttpConnector>,
     permit: Option<ClientPermit>,
     response: Response<Incoming>,
     sent_at: Instant,
-    timeouts: &poolpilot_api::limits::Timeouts,
 ) -> Response<ResponseBody> {
+    let timeouts = &call.route.timeouts;
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     parts.headers.append(header::VIA, via_value(parts.version));
-    let call = Call {
-        metrics: metrics.clone(),
+    let deadline = ResponseDeadline::new(
+        sent_at + timeouts.total.get(),
+        timeouts.stream_idle.get(),
+        call.send_timeout,
+    );
+    call.slot.arm(deadline.clone());
+    let done = Call {
+        metrics: call.metrics.clone(),
         backend,
         lease,
         _permit: permit,
         status: parts.status.as_u16(),
         sent_at,
     };
-    let body = UpstreamBody::new(
-        body,
-        call,
-        timeouts.stream_idle.get(),
-        sent_at + timeouts.total.get(),
-    );
+    let body = UpstreamBody::new(body, done, deadline);
     Response::from_parts(parts, body.boxed_unsync())
 }
 
@@ -437,8 +627,8 @@ enum End {
     Complete,
     /// Reading it failed.
     Failed,
-    /// A timeout cut it.
-    Timeout(TimeoutKind),
+    /// A deadline cut it.
+    Cut(Cut),
     /// The client went away first.
     Abandoned,
 }
@@ -447,28 +637,39 @@ impl Call {
     fn finish(mut self, end: End) {
         let name = &self.backend.name;
         let endpoint = self.lease.endpoint().clone();
-        let status = match end {
-            End::Timeout(_) => 504,
-            End::Failed => 502,
-            _ => self.status,
-        };
-        self.metrics
-            .upstream_duration(name, status, self.sent_at.elapsed().as_secs_f64());
+        let took = self.sent_at.elapsed().as_secs_f64();
         match end {
             End::Complete => {
+                self.metrics.upstream_duration(name, self.status, took);
                 self.lease.keep();
                 self.backend.pool.report_call(&endpoint, self.status < 500);
             }
             End::Failed => {
+                self.metrics.upstream_duration(name, 502, took);
                 self.lease.discard(CloseReason::Error);
                 self.backend.pool.report_call(&endpoint, false);
             }
-            End::Timeout(kind) => {
-                tracing::debug!(backend = %name, %endpoint, kind = kind.as_str(), "response cut by a timeout");
+            End::Cut(cut) => {
+                tracing::debug!(backend = %name, %endpoint, ?cut, "response cut by a deadline");
                 self.lease.discard(CloseReason::Timeout);
-                self.metrics.upstream_timeout(name, kind);
-                self.backend.pool.report_call(&endpoint, false);
+                match cut {
+                    Cut::Total | Cut::StreamIdle => {
+                        let kind = if cut == Cut::Total {
+                            TimeoutKind::Total
+                        } else {
+                            TimeoutKind::StreamIdle
+                        };
+                        self.metrics.upstream_duration(name, 504, took);
+                        self.metrics.upstream_timeout(name, kind);
+                        self.backend.pool.report_call(&endpoint, false);
+                    }
+                    Cut::Send => self.metrics.downstream_timeout(DownstreamTimeout::Send),
+                    Cut::TotalClientStalled => {
+                        self.metrics.downstream_timeout(DownstreamTimeout::Total);
+                    }
+                }
             }
+            // The client's doing: nothing is held against the backend.
             End::Abandoned => self.lease.discard(CloseReason::Error),
         }
         // The lease goes back to the pool and the client permit is released here.
@@ -476,24 +677,21 @@ impl Call {
 }
 
 /// The backend's response body on its way to the client: streamed frame by frame (SSE
-/// chunks are never buffered), cut cleanly at `streamIdle` silence or the `total` deadline.
-/// An HTTP/1 chunked or HTTP/2 response then simply ends; the connection is discarded.
+/// chunks are never buffered), reporting to its [`ResponseDeadline`] whether it waits for the
+/// backend or for the client. The deadlines themselves are fired by the task serving the
+/// response, which drops this body; its drop releases the lease and the client permit.
 pub(crate) struct UpstreamBody {
     inner: Incoming,
     call: Option<Call>,
-    stream_idle: Duration,
-    idle: Pin<Box<Sleep>>,
-    deadline: Pin<Box<Sleep>>,
+    deadline: Arc<ResponseDeadline>,
 }
 
 impl UpstreamBody {
-    fn new(inner: Incoming, call: Call, stream_idle: Duration, deadline: Instant) -> Self {
+    fn new(inner: Incoming, call: Call, deadline: Arc<ResponseDeadline>) -> Self {
         let mut body = Self {
             inner,
             call: Some(call),
-            stream_idle,
-            idle: Box::pin(tokio::time::sleep(stream_idle)),
-            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            deadline,
         };
         if body.inner.is_end_stream() {
             body.end(End::Complete);
@@ -528,8 +726,7 @@ impl Body for UpstreamBody {
         }
         match frame {
             Poll::Ready(Some(Ok(frame))) => {
-                let deadline = Instant::now() + this.stream_idle;
-                this.idle.as_mut().reset(deadline);
+                this.deadline.handed_frame();
                 if this.inner.is_end_stream() {
                     this.end(End::Complete);
                 }
@@ -544,14 +741,7 @@ impl Body for UpstreamBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.deadline.as_mut().poll(cx).is_ready() {
-                    this.end(End::Timeout(TimeoutKind::Total));
-                    return Poll::Ready(None);
-                }
-                if this.idle.as_mut().poll(cx).is_ready() {
-                    this.end(End::Timeout(TimeoutKind::StreamIdle));
-                    return Poll::Ready(None);
-                }
+                this.deadline.waiting_for_upstream();
                 Poll::Pending
             }
         }
@@ -568,7 +758,8 @@ impl Body for UpstreamBody {
 
 impl Drop for UpstreamBody {
     fn drop(&mut self) {
-        self.end(End::Abandoned);
+        let end = self.deadline.cut().map_or(End::Abandoned, End::Cut);
+        self.end(end);
     }
 }
 
@@ -648,17 +839,37 @@ mod tests {
         let mut headers = HeaderMap::new();
         let by_header = ClientIdentity::Header("x-api-key".into());
         assert_eq!(
-            client_key(&by_header, &headers, peer),
+            client_key(&by_header, &headers, peer, None),
             ClientKey::of(b"10.1.2.3")
         );
         headers.insert("x-api-key", HeaderValue::from_static("sk-1"));
         assert_eq!(
-            client_key(&by_header, &headers, peer),
+            client_key(&by_header, &headers, peer, None),
             ClientKey::of(b"sk-1")
         );
         assert_eq!(
-            client_key(&ClientIdentity::SourceIp, &headers, peer),
+            client_key(&ClientIdentity::SourceIp, &headers, peer, None),
             ClientKey::of(b"10.1.2.3")
+        );
+        let by_token = ClientIdentity::Header("authorization".into());
+        for value in ["Bearer sk-2", "bearer  sk-2 ", "BEARER sk-2"] {
+            headers.insert("authorization", HeaderValue::from_str(value).unwrap());
+            assert_eq!(
+                client_key(&by_token, &headers, peer, None),
+                ClientKey::of(b"sk-2"),
+                "{value:?}"
+            );
+        }
+        headers.insert("authorization", HeaderValue::from_static("Basic dTpw"));
+        assert_eq!(
+            client_key(&by_token, &headers, peer, None),
+            ClientKey::of(b"Basic dTpw"),
+            "another scheme: the whole value"
+        );
+        let v6 = &Peer::new("[2001:db8:7:7::42]:4000".parse().unwrap());
+        assert_eq!(
+            client_key(&ClientIdentity::SourceIp, &headers, v6, None),
+            ClientKey::of(b"2001:db8:7:7::/64")
         );
     }
 }

@@ -20,27 +20,70 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use parking_lot::Mutex;
+use poolpilot_api::limits::ProxyProtocol;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, Sleep};
 
 use crate::body::{BoxError, ResponseBody};
+use crate::deadline::{Cut, Cuttable, DeadlineSlot, ResponseDeadline, Watcher};
+use crate::error::ProxyError;
 use crate::gateway::Gateway;
+use crate::metrics::{DownstreamTimeout, Refusal};
 use crate::proxy::Peer;
 
 /// hyper's smallest HTTP/1 read buffer; smaller head limits are enforced per request.
 const MIN_BUF: usize = 8192;
 
-/// Open client connections, in total and per source IP.
+/// Answers to connections over their source's cap, at most this many a second (and a burst of
+/// as many): each costs a connection for up to [`REFUSAL_GRACE`], so a source opening
+/// connections in a loop cannot make refusing them expensive. Beyond it they are closed
+/// unanswered (HAProxy and nginx close them all unanswered; clients such as the OpenAI SDKs
+/// then report a connection error instead of backing off).
+pub const REFUSAL_ANSWERS_PER_SEC: f64 = 100.0;
+
+/// The longest a refused connection is kept to read its request and take its answer.
+pub const REFUSAL_GRACE: Duration = Duration::from_secs(2);
+
+/// Open client connections, in total and per source (an IPv4 address or an IPv6 /64).
 #[derive(Debug, Default)]
 pub struct Connections {
     total: AtomicUsize,
     by_ip: Mutex<HashMap<IpAddr, u32>>,
     closed: Notify,
+    refusals: Mutex<Option<AnswerBudget>>,
+}
+
+/// A token bucket of refusal answers.
+#[derive(Debug)]
+struct AnswerBudget {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Connections {
+    /// Whether a refused connection may get an answer now.
+    fn may_answer(&self) -> bool {
+        let now = Instant::now();
+        let mut refusals = self.refusals.lock();
+        let budget = refusals.get_or_insert(AnswerBudget {
+            tokens: REFUSAL_ANSWERS_PER_SEC,
+            at: now,
+        });
+        let refill = now.duration_since(budget.at).as_secs_f64() * REFUSAL_ANSWERS_PER_SEC;
+        budget.tokens = (budget.tokens + refill).min(REFUSAL_ANSWERS_PER_SEC);
+        budget.at = now;
+        if budget.tokens >= 1.0 {
+            budget.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// One counted client connection; uncounts itself when dropped.
@@ -126,20 +169,123 @@ pub async fn serve(
                 continue;
             }
         };
-        let Some(guard) = admit(&gw, &conns, peer.ip()) else {
-            gw.metrics().downstream_rejected();
-            tracing::debug!("client connection refused: its source holds too many");
-            drop(stream);
-            continue;
-        };
-        tokio::spawn(serve_connection(
-            stream,
-            peer,
-            gw.clone(),
-            guard,
-            shutdown.clone(),
-        ));
+        let from_proxy = gw
+            .snapshot()
+            .limits
+            .listener
+            .trusted_proxies
+            .as_ref()
+            .filter(|t| t.trusts(peer.ip()))
+            .map(|t| t.protocol);
+        match from_proxy {
+            Some(ProxyProtocol::ProxyV2) => {
+                // The client's address comes first, in the PROXY header: read it in the
+                // connection's own task, then admit the client it names.
+                tokio::spawn(serve_proxied(
+                    stream,
+                    peer,
+                    gw.clone(),
+                    conns.clone(),
+                    shutdown.clone(),
+                ));
+            }
+            Some(ProxyProtocol::XForwardedFor) => {
+                // X-Forwarded-For: the proxy carries many clients' connections; the
+                // per-source cap does not apply to it.
+                admit_and_serve(stream, peer, peer.ip(), false, &gw, &conns, &shutdown);
+            }
+            None => admit_and_serve(stream, peer, peer.ip(), true, &gw, &conns, &shutdown),
+        }
     }
+}
+
+/// Counts a connection from `source` (against its cap when `capped`) and serves it, or
+/// refuses it: an answer (429) while the answer rate allows, else a close.
+fn admit_and_serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    source: IpAddr,
+    capped: bool,
+    gw: &Gateway,
+    conns: &Arc<Connections>,
+    shutdown: &watch::Receiver<bool>,
+) {
+    let Some(guard) = admit(gw, conns, source, capped) else {
+        tracing::debug!("client connection refused: its source holds too many");
+        if conns.may_answer() {
+            gw.metrics().downstream_rejected(Refusal::Answered);
+            tokio::spawn(answer_refused(stream));
+        } else {
+            gw.metrics().downstream_rejected(Refusal::Dropped);
+            drop(stream);
+        }
+        return;
+    };
+    tokio::spawn(serve_connection(
+        stream,
+        peer,
+        source,
+        gw.clone(),
+        guard,
+        shutdown.clone(),
+    ));
+}
+
+/// A connection from a proxy trusted to open it with a PROXY protocol v2 header: the header
+/// must arrive within the header-read timeout, and names the client; a connection without one
+/// is closed unanswered (HAProxy's `accept-proxy`).
+async fn serve_proxied(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    gw: Gateway,
+    conns: Arc<Connections>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let wait = gw.snapshot().limits.listener.header_read_timeout.get();
+    let source =
+        match tokio::time::timeout(wait, crate::source::read_proxy_header(&mut stream)).await {
+            Ok(Ok(client)) => client.map_or(peer.ip(), |c| c.ip()),
+            Ok(Err(error)) => {
+                tracing::debug!(%error, %peer, "closing a connection from a trusted proxy");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "no PROXY protocol header in time; closing");
+                return;
+            }
+        };
+    admit_and_serve(stream, peer, source, true, &gw, &conns, &shutdown);
+}
+
+/// Answers every request of a connection over its source's cap with `429`, `Retry-After` and
+/// `Connection: close`, for at most [`REFUSAL_GRACE`]. HTTP/2 clients get the same answer on
+/// their streams.
+async fn answer_refused(stream: TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+        // Read (a bounded part of) the body first: closing with unread bytes would reset the
+        // connection and could destroy the answer before the client reads it.
+        let version = req.version();
+        let body = http_body_util::Limited::new(req.into_body(), 64 * 1024);
+        let _ = tokio::time::timeout(REFUSAL_GRACE / 2, body.collect()).await;
+        let mut response = ProxyError::TooManyConnections.to_response();
+        if version != http::Version::HTTP_2 {
+            response.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+        }
+        Ok::<_, Infallible>(response)
+    });
+    let mut builder = auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(REFUSAL_GRACE)
+        .keep_alive(false);
+    builder.http2().max_concurrent_streams(1);
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    let _ = tokio::time::timeout(REFUSAL_GRACE, conn).await;
 }
 
 /// Errors about one connection, not the listener: retry at once.
@@ -152,8 +298,21 @@ fn is_connection_error(e: &io::Error) -> bool {
     )
 }
 
-fn admit(gw: &Gateway, conns: &Arc<Connections>, ip: IpAddr) -> Option<ConnGuard> {
-    let per_client = gw.snapshot().limits.listener.max_connections_per_client;
+/// Counts a connection from `source` (by its [`crate::source::group`]), unless it would take
+/// the source over `maxConnectionsPerClient` (when `capped`).
+fn admit(
+    gw: &Gateway,
+    conns: &Arc<Connections>,
+    source: IpAddr,
+    capped: bool,
+) -> Option<ConnGuard> {
+    let ip = crate::source::group(source);
+    let per_client = gw
+        .snapshot()
+        .limits
+        .listener
+        .max_connections_per_client
+        .filter(|_| capped);
     {
         let mut by_ip = conns.by_ip.lock();
         let n = by_ip.entry(ip).or_default();
@@ -179,9 +338,13 @@ fn admit(gw: &Gateway, conns: &Arc<Connections>, ip: IpAddr) -> Option<ConnGuard
 struct ConnLimits {
     idle_timeout: Duration,
     header_read_timeout: Duration,
+    send_timeout: Duration,
     max_headers: usize,
     max_buf_size: usize,
     max_header_list_size: u32,
+    h2_max_streams: u32,
+    h2_ping_interval: Duration,
+    h2_ping_timeout: Duration,
 }
 
 impl ConnLimits {
@@ -191,9 +354,13 @@ impl ConnLimits {
         Self {
             idle_timeout: limits.idle_timeout.get(),
             header_read_timeout: limits.header_read_timeout.get(),
+            send_timeout: limits.send_timeout.get(),
             max_headers: limits.max_headers as usize,
             max_buf_size: (limits.max_header_bytes as usize).max(MIN_BUF),
             max_header_list_size: limits.max_header_bytes,
+            h2_max_streams: limits.http2.max_concurrent_streams,
+            h2_ping_interval: limits.http2.keep_alive_interval.get(),
+            h2_ping_timeout: limits.http2.keep_alive_timeout.get(),
         }
     }
 
@@ -241,6 +408,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 async fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
+    source: IpAddr,
     gw: Gateway,
     guard: ConnGuard,
     mut shutdown: watch::Receiver<bool>,
@@ -274,7 +442,7 @@ async fn serve_connection(
                     // task, idle HTTP/1 ones included.
                     Box::pin(serve_auto(
                         conn.stream,
-                        peer,
+                        (peer, source),
                         gw,
                         &limits,
                         timer.as_mut(),
@@ -305,7 +473,7 @@ async fn serve_connection(
         // needs, not the serving state (one allocation per return from parking).
         match Box::pin(serve_h1(
             conn,
-            peer,
+            (peer, source),
             &gw,
             &guard.conns,
             &limits,
@@ -396,7 +564,7 @@ async fn first_bytes(stream: &TcpStream) -> First {
 #[allow(clippy::too_many_arguments)]
 async fn serve_h1(
     parked: Parked,
-    peer: SocketAddr,
+    peer: (SocketAddr, IpAddr),
     gw: &Gateway,
     conns: &Connections,
     limits: &ConnLimits,
@@ -416,11 +584,8 @@ async fn serve_h1(
         prefix: parked.prefix,
         activity: activity.clone(),
     });
-    let service = Service {
-        gw: gw.clone(),
-        peer: Arc::new(Peer::new(peer)),
-        activity: activity.clone(),
-    };
+    let service = Service::new(gw.clone(), peer, activity.clone());
+    let mut watch = H1Watch::default();
     let mut conn = Box::new(
         http1::Builder::new()
             .timer(TokioTimer::new())
@@ -436,6 +601,8 @@ async fn serve_h1(
         let idle_for = limits.idle_timeout.min(PARK_AFTER);
         timer.as_mut().reset(activity.idle_check_at(idle_for));
         tokio::select! {
+            // The connection first: the watch then sees what its response body just reported.
+            biased;
             result = poll_fn(|cx| {
                 let result = conn.poll_without_shutdown(cx);
                 // Many connections open: park as soon as hyper waits for a next request
@@ -457,6 +624,12 @@ async fn serve_h1(
                     return None;
                 }
                 break;
+            }
+            cut = poll_fn(|cx| watch.poll_cut(cx, &activity, limits.send_timeout)) => {
+                // Dropping the connection drops the response body: its lease and permit go
+                // back now, and the client sees the connection close mid-response.
+                cut.count(gw);
+                return None;
             }
             _ = timer.as_mut(), if !draining.load(Ordering::Relaxed) && !parking.load(Ordering::Relaxed) => {
                 if activity.idle_for(limits.idle_timeout) {
@@ -511,19 +684,22 @@ fn unparsed(read_buf: &Bytes, prefix: &Bytes) -> Bytes {
 /// piece: no parking.
 async fn serve_auto(
     stream: TcpStream,
-    peer: SocketAddr,
+    peer: (SocketAddr, IpAddr),
     gw: Gateway,
     limits: &ConnLimits,
     mut timer: Pin<&mut Sleep>,
     shutdown: &mut watch::Receiver<bool>,
 ) {
-    let activity = Arc::new(Activity::new());
+    let activity = Arc::new(Activity::streams_only());
     let io = TokioIo::new(ConnIo {
         inner: stream,
         prefix: Bytes::new(),
         activity: activity.clone(),
     });
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+    let service = Service::new(gw.clone(), peer, activity.clone());
+    let mut builder = auto::Builder::new(StreamExecutor {
+        next: service.next_stream.clone(),
+    });
     builder
         .http1()
         .timer(TokioTimer::new())
@@ -533,23 +709,29 @@ async fn serve_auto(
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(limits.max_header_list_size);
-    let service = Service {
-        gw,
-        peer: Arc::new(Peer::new(peer)),
-        activity: activity.clone(),
-    };
+        .max_header_list_size(limits.max_header_list_size)
+        .max_concurrent_streams(limits.h2_max_streams)
+        .keep_alive_interval(limits.h2_ping_interval)
+        .keep_alive_timeout(limits.h2_ping_timeout);
     let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
     let idle_timeout = limits.idle_timeout;
     let mut draining = false;
+    // HTTP/2 streams are cut in their own tasks (`StreamExecutor`); this watches the
+    // connection only when it turned out to be HTTP/1.
+    let mut watch = H1Watch::default();
     loop {
         timer.as_mut().reset(activity.idle_check_at(idle_timeout));
         tokio::select! {
+            biased;
             result = conn.as_mut() => {
                 if let Err(error) = result {
                     tracing::debug!(%error, "client connection ended with an error");
                 }
+                break;
+            }
+            cut = poll_fn(|cx| watch.poll_cut(cx, &activity, limits.send_timeout)) => {
+                cut.count(&gw);
                 break;
             }
             _ = timer.as_mut(), if !draining => {
@@ -568,12 +750,27 @@ async fn serve_auto(
 }
 
 /// The hyper service of one connection: each request is proxied in its own boxed future (so
-/// that the connection can be taken apart between requests).
+/// that the connection can be taken apart between requests), with a [`DeadlineSlot`] for its
+/// response: an HTTP/1 request's is watched by the connection's task (through its
+/// [`Activity`]), an HTTP/2 request's by the task [`StreamExecutor`] spawns for its stream.
 #[derive(Clone, Debug)]
 struct Service {
     gw: Gateway,
     peer: Arc<Peer>,
     activity: Arc<Activity>,
+    /// The slot of the HTTP/2 stream hyper is about to spawn.
+    next_stream: Arc<Mutex<Option<Arc<DeadlineSlot>>>>,
+}
+
+impl Service {
+    fn new(gw: Gateway, (peer, source): (SocketAddr, IpAddr), activity: Arc<Activity>) -> Self {
+        Self {
+            gw,
+            peer: Arc::new(Peer::proxied(peer, source)),
+            activity,
+            next_stream: Arc::default(),
+        }
+    }
 }
 
 type ServiceFuture =
@@ -587,17 +784,112 @@ impl hyper::service::Service<Request<Incoming>> for Service {
     fn call(&self, req: Request<Incoming>) -> ServiceFuture {
         let gw = self.gw.clone();
         let peer = self.peer.clone();
+        let slot = Arc::new(DeadlineSlot::default());
+        if req.version() == http::Version::HTTP_2 {
+            // hyper spawns this stream's task right after this call returns.
+            *self.next_stream.lock() = Some(slot.clone());
+        } else {
+            *self.activity.current.lock() = Some(slot.clone());
+        }
         let active = ActiveRequest::new(self.activity.clone());
         Box::pin(async move {
-            let response = crate::proxy::handle(gw, &peer, req).await;
+            let response = crate::proxy::handle(gw.clone(), &peer, req, &slot).await;
+            // An answer of the gateway's own (no backend body reports to the slot): the send
+            // timeout alone applies to it.
+            let own = (!slot.is_armed()).then(|| {
+                let send_timeout = gw.snapshot().limits.listener.send_timeout.get();
+                let deadline = ResponseDeadline::client_only(send_timeout);
+                slot.arm(deadline.clone());
+                deadline
+            });
             Ok(response.map(|body| {
                 Tracked {
                     inner: body,
+                    own,
                     _active: active,
                 }
                 .boxed_unsync()
             }))
         })
+    }
+}
+
+/// Spawns hyper's HTTP/2 stream tasks, each cut (its stream reset) when its response passes a
+/// deadline, whether or not the client gives it flow-control window.
+#[derive(Clone, Debug)]
+struct StreamExecutor {
+    next: Arc<Mutex<Option<Arc<DeadlineSlot>>>>,
+}
+
+impl<F> hyper::rt::Executor<F> for StreamExecutor
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    fn execute(&self, fut: F) {
+        let slot = self.next.lock().take();
+        tokio::spawn(Cuttable::new(fut, slot));
+    }
+}
+
+/// Why an HTTP/1 connection is being cut.
+#[derive(Clone, Copy, Debug)]
+enum H1Cut {
+    /// Its response passed a deadline (counted where the response ends).
+    Response(Cut),
+    /// Its client accepted no bytes for `sendTimeout` (after its response left the gateway's
+    /// hands, or of an answer the gateway wrote itself).
+    Stalled,
+}
+
+impl H1Cut {
+    fn count(self, gw: &Gateway) {
+        match self {
+            Self::Response(cut) => tracing::debug!(?cut, "cutting a client connection"),
+            Self::Stalled => {
+                tracing::debug!("cutting a client connection that accepts no bytes");
+                gw.metrics().downstream_timeout(DownstreamTimeout::Send);
+            }
+        }
+    }
+}
+
+/// Watches an HTTP/1 connection's request in flight and its writes.
+#[derive(Debug)]
+struct H1Watch {
+    response: Watcher,
+    stall: Pin<Box<Sleep>>,
+}
+
+impl Default for H1Watch {
+    fn default() -> Self {
+        Self {
+            response: Watcher::default(),
+            stall: Box::pin(tokio::time::sleep(Duration::ZERO)),
+        }
+    }
+}
+
+impl H1Watch {
+    fn poll_cut(
+        &mut self,
+        cx: &mut Context<'_>,
+        activity: &Activity,
+        send_timeout: Duration,
+    ) -> Poll<H1Cut> {
+        let current = activity.current.lock().clone();
+        if let Some(slot) = current
+            && let Poll::Ready(cut) = self.response.poll_cut(cx, &slot)
+        {
+            return Poll::Ready(H1Cut::Response(cut));
+        }
+        let Some(since) = activity.stalled_since() else {
+            return Poll::Pending;
+        };
+        let at = since + send_timeout;
+        if self.stall.deadline() != at {
+            self.stall.as_mut().reset(at);
+        }
+        self.stall.as_mut().poll(cx).map(|()| H1Cut::Stalled)
     }
 }
 
@@ -615,6 +907,14 @@ struct Activity {
     /// When the wait for the next head began (ms after `base`): the start, or the end of the
     /// last response.
     head_ms: AtomicU64,
+    /// Since when (ms after `base`, plus one; 0: not stalled) writes to the client have been
+    /// waiting without progress.
+    stalled_ms: AtomicU64,
+    /// The deadline slot of the HTTP/1 request in flight.
+    current: Mutex<Option<Arc<DeadlineSlot>>>,
+    /// Whether bytes moved between requests count as activity: not on HTTP/2, whose pings
+    /// and their answers would keep a connection without streams open for ever.
+    bytes_count: bool,
 }
 
 impl Activity {
@@ -634,6 +934,18 @@ impl Activity {
             served: AtomicBool::new(false),
             write_blocked: AtomicBool::new(false),
             read_blocked_idle: AtomicBool::new(false),
+            stalled_ms: AtomicU64::new(0),
+            current: Mutex::new(None),
+            bytes_count: true,
+        }
+    }
+
+    /// The activity of a connection served by hyper-util's auto connection (HTTP/2): idle
+    /// from the end of its last stream, whatever frames it exchanges.
+    fn streams_only() -> Self {
+        Self {
+            bytes_count: false,
+            ..Self::new()
         }
     }
 
@@ -645,7 +957,7 @@ impl Activity {
     /// Notes bytes moved: only between requests does that move the idle clock (a request in
     /// flight keeps the connection busy, and its end touches it).
     fn moved(&self) {
-        if self.in_flight.load(Ordering::Relaxed) == 0 {
+        if self.bytes_count && self.in_flight.load(Ordering::Relaxed) == 0 {
             self.touch();
         }
     }
@@ -688,6 +1000,14 @@ impl Activity {
     fn write_blocked(&self) -> bool {
         self.write_blocked.load(Ordering::Relaxed)
     }
+
+    /// Since when writes to the client have waited without progress, if they have.
+    fn stalled_since(&self) -> Option<Instant> {
+        match self.stalled_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(self.base + Duration::from_millis(ms - 1)),
+        }
+    }
 }
 
 /// The client socket as hyper sees it: replays bytes read before (by an earlier hyper
@@ -701,11 +1021,20 @@ struct ConnIo {
 
 impl ConnIo {
     fn wrote(&self, result: &Poll<io::Result<usize>>) {
-        self.activity
+        let activity = &self.activity;
+        activity
             .write_blocked
             .store(result.is_pending(), Ordering::Relaxed);
+        if result.is_pending() {
+            if activity.stalled_ms.load(Ordering::Relaxed) == 0 {
+                let now = activity.base.elapsed().as_millis() as u64;
+                activity.stalled_ms.store(now + 1, Ordering::Relaxed);
+            }
+        } else {
+            activity.stalled_ms.store(0, Ordering::Relaxed);
+        }
         if matches!(result, Poll::Ready(Ok(n)) if *n > 0) {
-            self.activity.moved();
+            activity.moved();
         }
     }
 }
@@ -785,6 +1114,7 @@ impl ActiveRequest {
 
 impl Drop for ActiveRequest {
     fn drop(&mut self) {
+        *self.0.current.lock() = None;
         self.0.touch();
         self.0
             .head_ms
@@ -793,9 +1123,11 @@ impl Drop for ActiveRequest {
     }
 }
 
-/// A response body that keeps its request counted as in flight until it is done.
+/// A response body that keeps its request counted as in flight until it is done, and reports
+/// the progress of an answer of the gateway's own to its deadline.
 struct Tracked {
     inner: ResponseBody,
+    own: Option<Arc<ResponseDeadline>>,
     _active: ActiveRequest,
 }
 
@@ -807,7 +1139,15 @@ impl Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Some(deadline) = &self.own {
+            match &frame {
+                Poll::Ready(Some(_)) => deadline.handed_frame(),
+                Poll::Pending => deadline.waiting_for_upstream(),
+                Poll::Ready(None) => {}
+            }
+        }
+        frame
     }
 
     fn is_end_stream(&self) -> bool {

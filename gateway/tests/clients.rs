@@ -51,7 +51,8 @@ async fn a_client_over_its_limit_gets_429_while_another_is_unaffected() {
         let (status, headers, body) = a.await.unwrap();
         if status == 429 {
             let json: serde_json::Value = serde_json::from_str(&body).unwrap();
-            let reason = json["error"].as_str().unwrap().to_owned();
+            let reason = json["error"]["code"].as_str().unwrap().to_owned();
+            assert_eq!(json["error"]["type"], "rate_limit_error");
             assert!(
                 headers["retry-after"]
                     .to_str()

@@ -147,7 +147,7 @@ async fn a_slowloris_client_is_cut_at_the_header_read_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_holding_too_many_connections_gets_no_more() {
+async fn a_connection_over_its_sources_cap_is_answered_429_and_closed() {
     let backend = Backend::start().await;
     let gw = Gw::start(with_listener(
         backend.addr,
@@ -160,20 +160,60 @@ async fn a_client_holding_too_many_connections_gets_no_more() {
         assert_eq!(c.call(request("GET", "/v1/x", &[], "")).await.0, 200);
         held.push(c);
     }
-    let mut fourth = TcpStream::connect(gw.proxy).await.unwrap();
-    let _ = fourth
-        .write_all(b"GET /v1/x HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await;
-    let mut buf = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(2), fourth.read_to_end(&mut buf)).await;
+    // The fourth is answered, whether or not it sent its request yet, and closed.
+    let response = raw(
+        gw.proxy,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+        Duration::from_secs(5),
+    )
+    .await;
+    let (head, body) = response.split_once("\r\n\r\n").expect("a whole response");
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 429"), "{response}");
+    assert!(head.contains("\r\nretry-after: "), "{response}");
+    assert!(head.contains("\r\nconnection: close"), "{response}");
+    let json: serde_json::Value = serde_json::from_str(body).expect("a JSON body");
+    assert_eq!(json["error"]["code"], "too_many_connections");
+    assert_eq!(json["error"]["type"], "rate_limit_error");
+
+    // Past the answer rate, connections are closed without an answer, and counted.
+    let mut over = Vec::new();
+    for _ in 0..300 {
+        let mut s = TcpStream::connect(gw.proxy).await.unwrap();
+        let _ = s
+            .write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await;
+        over.push(s);
+    }
+    let (mut answered, mut dropped) = (1, 0);
+    for mut s in over {
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+        if buf.starts_with(b"HTTP/1.1 429") {
+            answered += 1;
+        } else {
+            assert!(buf.is_empty(), "{}", String::from_utf8_lossy(&buf));
+            dropped += 1;
+        }
+    }
     assert!(
-        read.is_ok() && buf.is_empty(),
-        "the fourth connection is closed without a response"
+        dropped > 0 && answered > 100,
+        "{answered} answered, {dropped} dropped"
     );
     let text = gw.metrics().await;
     assert_eq!(
-        metric(&text, "poolpilot_downstream_connections_rejected_total"),
-        Some(1.0)
+        metric(
+            &text,
+            "poolpilot_downstream_connections_rejected_total{outcome=\"answered\"}"
+        ),
+        Some(answered as f64)
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_downstream_connections_rejected_total{outcome=\"dropped\"}"
+        ),
+        Some(dropped as f64)
     );
     drop(held);
     assert_eventually!(
@@ -276,6 +316,40 @@ async fn shutdown_drains_in_flight_requests_closes_upstreams_and_stops_accepting
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_shutdown_readiness_fails_first_and_traffic_is_served_for_the_shutdown_delay() {
+    let backend = Backend::start().await;
+    let mut gw = Gw::start_configured_with(None, Duration::from_secs(5), Duration::ZERO, |c| {
+        c.shutdown_delay = Duration::from_millis(800).into();
+    })
+    .await;
+    gw.apply(limits("model-a", &[backend.addr], 4));
+    let (proxy, admin) = (gw.proxy, gw.admin);
+    let mut kept = connect(proxy).await;
+    assert_eq!(kept.call(request("GET", "/v1/x", &[], "")).await.0, 200);
+    let running = gw.running.take().unwrap();
+    let start = Instant::now();
+    let shutdown = tokio::spawn(running.shutdown());
+    assert_eventually!(
+        try_get(admin, "/readyz").await == Some(503),
+        Duration::from_millis(300),
+        "readiness fails at once"
+    );
+    // Load balancers still route here for a while: new connections and requests are served.
+    assert_eq!(post(proxy, "/v1/x", &[], "{}").await.0, 200);
+    assert_eq!(kept.call(request("GET", "/v1/x", &[], "")).await.0, 200);
+    assert!(start.elapsed() < Duration::from_millis(800));
+    assert_eq!(shutdown.await.unwrap(), 0);
+    assert!(
+        start.elapsed() >= Duration::from_millis(800),
+        "the drain began after the delay"
+    );
+    assert!(
+        TcpStream::connect(proxy).await.is_err(),
+        "no longer accepting"
+    );
+}
+
 // === the real binary ===
 
 /// A port free on `ip` right now.
@@ -318,7 +392,7 @@ impl Process {
         .unwrap();
         std::fs::write(dir.path().join("token"), "t\n").unwrap();
         let config = format!(
-            "listeners: {{proxy: '{}', admin: '{}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\n",
+            "listeners: {{proxy: '{}', admin: '{}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\nshutdownDelay: 200ms\n",
             configured.0, configured.1
         );
         std::fs::write(dir.path().join("gateway.yaml"), config).unwrap();

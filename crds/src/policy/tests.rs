@@ -256,7 +256,7 @@ fn sample_policy_parses_with_its_values() {
         "an omitted pool takes the defaults"
     );
     let clients = p.spec.clients.as_ref().expect("clients are set");
-    assert_eq!(clients.identity.header.as_deref(), Some("x-api-key"));
+    assert_eq!(clients.identity.header.as_deref(), Some("authorization"));
     assert_eq!(clients.overrides[0].max_concurrency, 40);
     assert_eq!(p.spec.autoscale.max, Some(25));
     assert_eq!(p.spec.rollout.strategy, RolloutStrategy::Progressive);
@@ -502,6 +502,18 @@ fn cel_refuses_client_rule_breaks() {
         &p,
         "clients.slowCalls.demotedConcurrency must not exceed clients.maxConcurrency",
     );
+}
+
+#[test]
+fn cel_refuses_trusted_proxies_that_are_not_cidrs() {
+    let mut p = sample();
+    p.spec.listener.trusted_proxies = Some(TrustedProxiesSpec {
+        cidrs: vec!["10.0.0.0/8".into(), "fd00::/8".into()],
+        protocol: TrustedProxyProtocol::ProxyV2,
+    });
+    assert_eq!(cel_errors(&p), Vec::<String>::new());
+    p.spec.listener.trusted_proxies.as_mut().unwrap().cidrs = vec!["10.0.0.300/8".into()];
+    assert_refused(&p, "every entry must be a CIDR");
 }
 
 #[test]

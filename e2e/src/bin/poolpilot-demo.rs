@@ -256,7 +256,7 @@ async fn main() -> anyhow::Result<()> {
     );
     if let Some(g) = gateways.first() {
         println!(
-            "   send a call: curl -s http://{}/v1/chat/completions -H 'x-api-key: me' -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
+            "   send a call: curl -s http://{}/v1/chat/completions -H 'authorization: Bearer me' -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
             g.proxy(),
             args.backend
         );

@@ -103,7 +103,7 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
         let gateway = stack.gateways().await?.into_iter().next().context("a gateway")?;
         let answer = reqwest::Client::new()
             .post(format!("http://{}/v1/chat/completions", gateway.proxy()))
-            .header("x-api-key", "bad-input")
+            .bearer_auth("bad-input")
             .json(&json!({"model": "model-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
             .timeout(Duration::from_secs(10))
             .send()

@@ -109,7 +109,7 @@ async fn happy_path_policy_ready_and_rolled_out_to_every_gateway() -> anyhow::Re
             for model in ["model-a", "model-b"] {
                 let response = client
                     .post(format!("http://{}/v1/chat/completions", gateway.proxy()))
-                    .header("x-api-key", "happy-path")
+                    .bearer_auth("happy-path")
                     .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
                     .timeout(Duration::from_secs(30))
                     .send()

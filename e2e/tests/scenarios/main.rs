@@ -12,6 +12,7 @@ mod client_protection;
 mod fd_budget;
 mod flash_crowd;
 mod happy_path;
+mod hostile_clients;
 mod operator_down;
 mod policy_edit;
 mod prometheus_down;

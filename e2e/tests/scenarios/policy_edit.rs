@@ -48,18 +48,18 @@ fn policy(name: &str, backend: &str) -> anyhow::Result<Value> {
     Ok(p)
 }
 
-/// One chat call for `model` through a gateway: (status, the gateway's `error` if any).
+/// One chat call for `model` through a gateway: (status, the gateway's `error.code` if any).
 async fn call(gateway: &GatewayPod, model: &str) -> anyhow::Result<(u16, Option<String>)> {
     let response = reqwest::Client::new()
         .post(format!("http://{}/v1/chat/completions", gateway.proxy()))
-        .header("x-api-key", "policy-edit")
+        .bearer_auth("policy-edit")
         .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
         .timeout(Duration::from_secs(30))
         .send()
         .await?;
     let status = response.status().as_u16();
     let body: Value = response.json().await.unwrap_or(Value::Null);
-    Ok((status, body["error"].as_str().map(str::to_owned)))
+    Ok((status, body["error"]["code"].as_str().map(str::to_owned)))
 }
 
 #[tokio::test]

@@ -18,6 +18,7 @@ fn policy(max: u32, queue: u32) -> ClientPolicy {
             max_concurrency: 5,
         }],
         slow_calls: None,
+        max_clients: ClientPolicy::DEFAULT_MAX_CLIENTS,
     }
 }
 
@@ -114,13 +115,13 @@ async fn an_allowlisted_client_gets_its_own_limit() {
 async fn retry_after_follows_the_clients_pace() {
     let l = limiter(2, 1);
     let key = ClientKey::of(b"alice");
-    // Calls of 3s each.
+    // Calls of 3s each, while a long call keeps the client active (and remembered).
+    let _p1 = l.acquire(key).await.unwrap();
     for _ in 0..3 {
         let p = l.acquire(key).await.unwrap();
         tokio::time::sleep(Duration::from_secs(3)).await;
         drop(p);
     }
-    let _p1 = l.acquire(key).await.unwrap();
     let _p2 = l.acquire(key).await.unwrap();
     let _queued = {
         let l = l.clone();
@@ -201,16 +202,83 @@ async fn raising_the_limit_admits_queued_calls() {
         .expect("admitted by the raise, before the queue timeout");
 }
 
+fn slow_policy(max_clients: u32) -> ClientPolicy {
+    let mut p = policy(1, 1);
+    p.max_clients = max_clients;
+    p.slow_calls = Some(SlowCalls {
+        threshold: ApiDuration::from_secs(1),
+        max_ratio: 0.5,
+        demoted_concurrency: 1,
+        cooldown: ApiDuration::from_secs(30),
+        min_calls: 4,
+    });
+    p
+}
+
 #[tokio::test(start_paused = true)]
-async fn idle_clients_are_forgotten() {
+async fn a_client_with_nothing_to_remember_is_forgotten_when_its_call_ends() {
     let l = limiter(1, 1);
     for i in 0..1000u32 {
         drop(l.acquire(ClientKey::of(&i.to_be_bytes())).await.unwrap());
     }
-    assert_eq!(l.tracked_clients(), 1000);
+    assert_eq!(
+        l.tracked_clients(),
+        0,
+        "1000 rotated keys leave nothing behind"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_with_slow_calls_is_remembered_until_purged() {
+    let l = ClientLimiter::new(slow_policy(100), Metrics::new());
+    let slow = ClientKey::of(b"slow");
+    let permit = l.acquire(slow).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    drop(permit);
+    drop(l.acquire(ClientKey::of(b"quick")).await.unwrap());
+    assert_eq!(
+        l.tracked_clients(),
+        1,
+        "the slow call is history; the quick one is not"
+    );
     tokio::time::sleep(Duration::from_secs(61)).await;
     l.purge();
     assert_eq!(l.tracked_clients(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_table_evicts_the_longest_idle_client_and_refuses_only_when_all_are_busy() {
+    let metrics = Metrics::new();
+    let l = ClientLimiter::new(slow_policy(3), metrics.clone());
+    // Three clients with history, idle one after the other.
+    for name in [b"a", b"b", b"c"] {
+        let p = l.acquire(ClientKey::of(name)).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        drop(p);
+    }
+    assert_eq!(l.tracked_clients(), 3);
+    // A fourth evicts `a`, the longest idle.
+    let d = l.acquire(ClientKey::of(b"d")).await.unwrap();
+    assert_eq!(l.tracked_clients(), 3);
+    assert!(
+        metrics
+            .encode()
+            .contains("poolpilot_client_evictions_total 1")
+    );
+    // `b` busy again: its old idle record is stale; `c` goes next.
+    let b = l.acquire(ClientKey::of(b"b")).await.unwrap();
+    let e = l.acquire(ClientKey::of(b"e")).await.unwrap();
+    assert_eq!(l.tracked_clients(), 3);
+    // Now b, d and e all have calls in flight: no room for a new client.
+    match l.acquire(ClientKey::of(b"f")).await {
+        Err(ClientRejection::TableFull { max: 3 }) => {}
+        other => panic!("expected a full table, got {other:?}"),
+    }
+    // A known client is still served within its own limit.
+    drop(b);
+    let _b = l.acquire(ClientKey::of(b"b")).await.unwrap();
+    drop((d, e));
+    assert!(l.acquire(ClientKey::of(b"f")).await.is_ok());
 }
 
 #[test]

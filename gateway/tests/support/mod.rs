@@ -58,6 +58,8 @@ pub struct Script {
     pub sse_interval_ms: AtomicU64,
     /// SSE: stall forever after this many chunks (0 = never).
     pub sse_stall_after: AtomicUsize,
+    /// SSE: pad each chunk to at least this many bytes (a fast producer of large chunks).
+    pub sse_chunk_bytes: AtomicUsize,
     /// Close a keep-alive connection idle this long, ms (0 = never).
     pub idle_close_ms: AtomicU64,
 }
@@ -170,6 +172,7 @@ impl Backend {
             let interval =
                 Duration::from_millis(self.script.sse_interval_ms.load(Ordering::SeqCst));
             let stall_after = self.script.sse_stall_after.load(Ordering::SeqCst);
+            let pad = self.script.sse_chunk_bytes.load(Ordering::SeqCst);
             let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
             tokio::spawn(async move {
                 for i in 0..chunks {
@@ -177,7 +180,12 @@ impl Backend {
                         // Stall: hold the stream open without sending.
                         tokio::time::sleep(Duration::from_secs(3600)).await;
                     }
-                    let chunk = Bytes::from(format!("data: {{\"token\":{i}}}\n\n"));
+                    let mut chunk = format!("data: {{\"token\":{i}}}");
+                    if chunk.len() < pad {
+                        chunk.push_str(&" ".repeat(pad - chunk.len()));
+                    }
+                    chunk.push_str("\n\n");
+                    let chunk = Bytes::from(chunk);
                     if tx.send(chunk).await.is_err() {
                         return;
                     }
@@ -258,6 +266,16 @@ impl Gw {
         drain_grace: Duration,
         await_operator: Duration,
     ) -> Self {
+        Self::start_configured_with(limits_file, drain_grace, await_operator, |_| {}).await
+    }
+
+    /// [`Gw::start_configured`] with the config edited by `edit`.
+    pub async fn start_configured_with(
+        limits_file: Option<&str>,
+        drain_grace: Duration,
+        await_operator: Duration,
+        edit: impl FnOnce(&mut GatewayConfig),
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let token = "test-admin-token".to_owned();
         std::fs::write(dir.path().join("token"), format!("{token}\n")).unwrap();
@@ -265,7 +283,7 @@ impl Gw {
         if let Some(text) = limits_file {
             std::fs::write(&limits_path, text).unwrap();
         }
-        let config = GatewayConfig {
+        let mut config = GatewayConfig {
             listeners: Listeners {
                 proxy: "127.0.0.1:0".parse().unwrap(),
                 admin: "127.0.0.1:0".parse().unwrap(),
@@ -275,7 +293,10 @@ impl Gw {
             limits_poll_interval: poolpilot_api::Duration::from_millis(50),
             drain_grace: drain_grace.into(),
             await_operator: await_operator.into(),
+            // Tests shut down at once unless they test the delay.
+            shutdown_delay: poolpilot_api::Duration::ZERO,
         };
+        edit(&mut config);
         let running = start(config).await.expect("the gateway starts");
         Self {
             proxy: running.proxy_addr,

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
     BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, HealthCheck, ListenerLimits,
-    OutlierDetection, PoolLimits, RouteMatch, SlowCalls, Timeouts,
+    OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch, SlowCalls, Timeouts, TrustedProxies,
 };
-use poolpilot_api::policy::BackendSpec;
+use poolpilot_api::policy::{BackendSpec, TrustedProxyProtocol};
 use sha2::{Digest, Sha256};
 
 use super::validate::Acceptance;
@@ -188,6 +188,31 @@ fn document(
                 .max_connections_per_client
         })
         .max();
+    // The most permissive of the policies' listener settings; the oldest policy's proxies.
+    let specs = || order.iter().map(|(i, _)| &policies[*i].spec.listener);
+    if let Some(t) = specs().map(|l| l.send_timeout).max() {
+        listener.send_timeout = t;
+    }
+    if let Some(t) = specs().map(|l| l.body_read_timeout).max() {
+        listener.body_read_timeout = t;
+    }
+    if let Some(rate) = specs().map(|l| l.min_body_rate).min() {
+        listener.min_body_rate = rate;
+    }
+    if let Some(streams) = specs().map(|l| l.max_concurrent_streams).max() {
+        listener.http2.max_concurrent_streams = streams;
+    }
+    listener.trusted_proxies =
+        specs()
+            .find_map(|l| l.trusted_proxies.as_ref())
+            .map(|t| TrustedProxies {
+                // The CRD admits CIDRs only (CEL `isCIDR`).
+                cidrs: t.cidrs.iter().filter_map(|c| c.parse().ok()).collect(),
+                protocol: match t.protocol {
+                    TrustedProxyProtocol::ProxyV2 => ProxyProtocol::ProxyV2,
+                    TrustedProxyProtocol::XForwardedFor => ProxyProtocol::XForwardedFor,
+                },
+            });
 
     let mut client_policies = Vec::new();
     let mut backends = Vec::new();
@@ -221,6 +246,7 @@ fn document(
                     cooldown: s.cooldown,
                     min_calls: s.min_calls,
                 }),
+                max_clients: c.max_clients,
             });
             name
         });

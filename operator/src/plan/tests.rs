@@ -662,6 +662,49 @@ fn clients_become_a_named_client_policy() {
 }
 
 #[test]
+fn listener_settings_take_the_most_permissive_and_the_oldest_policys_proxies() {
+    let a = policy(
+        "a",
+        0,
+        &spec(
+            "model-a",
+            64,
+            "listener: {sendTimeout: 10s, bodyReadTimeout: 90s, minBodyRate: 500, maxConcurrentStreams: 50, trustedProxies: {cidrs: [10.0.0.0/8], protocol: XForwardedFor}}\nclients:\n  identity: {header: authorization}\n  maxConcurrency: 4\n  maxClients: 1000\n",
+        ),
+        1,
+    );
+    let b = policy(
+        "b",
+        1,
+        &spec(
+            "model-b",
+            64,
+            "listener: {sendTimeout: 30s, minBodyRate: 100, trustedProxies: {cidrs: [192.168.0.0/16], protocol: ProxyV2}}\n",
+        ),
+        1,
+    );
+    let input = FleetInput {
+        policies: vec![a, b],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let doc = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+    let l = &doc.listener;
+    assert_eq!(l.send_timeout, poolpilot_api::Duration::from_secs(30));
+    assert_eq!(l.body_read_timeout, poolpilot_api::Duration::from_secs(90));
+    assert_eq!(l.min_body_rate, 100);
+    assert_eq!(l.http2.max_concurrent_streams, 100, "b's default");
+    let proxies = l.trusted_proxies.as_ref().expect("a's proxies");
+    assert_eq!(proxies.cidrs, vec!["10.0.0.0/8".parse().unwrap()]);
+    assert_eq!(
+        proxies.protocol,
+        poolpilot_api::limits::ProxyProtocol::XForwardedFor
+    );
+    assert_eq!(doc.client_policies[0].max_clients, 1000);
+    doc.validate().expect("rendered documents validate");
+}
+
+#[test]
 fn autoscale_runs_once_per_interval_inside_the_plan() {
     let p = policy("a", 0, &spec("model-a", 700, "autoscale: {min: 16}\n"), 1);
     let k = (key("a"), "model-a".to_owned());
