@@ -316,7 +316,7 @@ impl Process {
             serde_norway::to_string(limits).unwrap(),
         )
         .unwrap();
-        std::fs::write(dir.path().join("token"), "t\n").unwrap();
+        std::fs::write(dir.path().join("token"), TEST_TOKEN).unwrap();
         let config = format!(
             "listeners: {{proxy: '{}', admin: '{}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\n",
             configured.0, configured.1
