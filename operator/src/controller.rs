@@ -61,6 +61,9 @@ pub enum RunError {
     /// The gateway HTTP client could not be built.
     #[error("failed to build the gateway HTTP client")]
     Gateways(#[source] reqwest::Error),
+    /// The gateways' CA bundle or server name cannot be used.
+    #[error(transparent)]
+    GatewayTrust(#[from] crate::gateway::TrustError),
     /// Leader election failed.
     #[error("leader election failed")]
     Lease(#[source] kube_lease_manager::LeaseManagerError),
@@ -130,7 +133,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
     ));
 
     let identity = args.identity.clone().unwrap_or_else(hostname);
-    let gateways = HttpGateways::new(args.put_timeout.get()).map_err(RunError::Gateways)?;
+    let gateways = gateway_client(&args)?;
     let term = Term {
         client: client.clone(),
         scope,
@@ -192,6 +195,29 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         Err(e) => warn!(error = %e, "the lease task panicked"),
     }
     Ok(())
+}
+
+/// The client that PUTs limits to the gateways: HTTPS verified against `--gateway-ca-file`, or
+/// plain HTTP without one (said in the log, once).
+fn gateway_client(args: &Args) -> Result<HttpGateways, RunError> {
+    let timeout = args.put_timeout.get();
+    if args.gateway_ca_file.is_empty() {
+        warn!(
+            "no --gateway-ca-file: limits and the admin token go to the gateways over plain HTTP"
+        );
+        return HttpGateways::new(timeout).map_err(RunError::Gateways);
+    }
+    let trust = crate::gateway::GatewayTrust::load(
+        args.gateway_ca_file.clone().into(),
+        args.gateway_server_name.clone(),
+        timeout,
+    )?;
+    info!(
+        ca = %args.gateway_ca_file,
+        name = %args.gateway_server_name,
+        "limits go to the gateways over HTTPS"
+    );
+    HttpGateways::with_trust(timeout, trust).map_err(RunError::Gateways)
 }
 
 /// Everything one leadership term needs.

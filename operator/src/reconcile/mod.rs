@@ -71,6 +71,10 @@ pub struct RolloutMemory {
     pub canary_since: BTreeMap<(String, String), Timestamp>,
     /// The highest generation a pod said it runs (409 answers), per namespace.
     pub seen_generation: BTreeMap<String, u64>,
+    /// The admin token Secret's value as last read, and the one before it, per namespace: after
+    /// a rotation, pods whose mounted copy still holds the previous token get it (on a 401 to
+    /// the new one) until the kubelet refreshes their copy.
+    pub tokens: BTreeMap<String, (String, Option<String>)>,
 }
 
 /// Everything the reconciler needs, shared by every reconcile.

@@ -29,24 +29,29 @@ fn now() -> Timestamp {
 }
 
 /// Records every PUT and acknowledges it, or refuses it (422) when `refuse` is set, or answers
-/// 401 when `unauthorized` is, or 503 from the addresses in `starting`.
+/// 401 when `unauthorized` is or the token is not among `tokens` (when given), or 503 from the
+/// addresses in `starting`.
 #[derive(Clone, Default)]
 struct FakeGateways {
     puts: Arc<Mutex<Vec<(SocketAddr, String, GatewayLimits)>>>,
     refuse: Option<&'static str>,
     unauthorized: bool,
+    tokens: Option<Vec<&'static str>>,
     starting: Vec<SocketAddr>,
 }
 
 impl Gateways for FakeGateways {
     async fn put(
         &self,
+        namespace: &str,
         addr: SocketAddr,
         token: &str,
         doc: &GatewayLimits,
     ) -> Result<Acked, PutError> {
+        assert_eq!(namespace, "ns", "the pod's namespace");
         self.puts.lock().push((addr, token.to_owned(), doc.clone()));
-        if self.unauthorized {
+        let known = self.tokens.as_ref().is_none_or(|t| t.contains(&token));
+        if self.unauthorized || !known {
             return Err(PutError::Unauthorized);
         }
         if self.starting.contains(&addr) {
@@ -495,6 +500,95 @@ async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
     );
     assert_eq!(s["updated"], "0/1");
     reconciler.abort();
+}
+
+/// Answers every API request of a reconcile until it ends: the token Secret with `token`, the
+/// status apply with `p`, anything else with `{}`. Returns the reconcile's outcome.
+async fn answer_all(
+    api: &mut ApiHandle,
+    p: &ConnectionPolicy,
+    token: &str,
+    mut reconciler: tokio::task::JoinHandle<Result<Action>>,
+) -> Result<Action> {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+    loop {
+        tokio::select! {
+            done = &mut reconciler => return done.expect("the reconcile task ran"),
+            next = api.next_request() => {
+                let (request, send) = next.expect("a request");
+                let path = request.uri().path().to_owned();
+                let answer = if path.contains("/secrets/") {
+                    let secret = Secret {
+                        data: Some([("token".to_owned(), ByteString(token.into()))].into()),
+                        ..Secret::default()
+                    };
+                    serde_json::to_value(secret).unwrap()
+                } else if path.ends_with("/status") {
+                    serde_json::to_value(p).unwrap()
+                } else {
+                    json!({})
+                };
+                send.send_response(
+                    Response::builder()
+                        .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                        .unwrap(),
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn after_the_token_secret_changes_pods_still_on_the_old_token_are_updated_with_it() {
+    // The pod's mounted copy of the Secret lags behind the API: it still accepts only the
+    // token it was started with.
+    let gateways = FakeGateways {
+        tokens: Some(vec!["old-token-old-token-old-token-old"]),
+        ..FakeGateways::default()
+    };
+    let p = policy("models", 0);
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], vec![gateway_pod()], gateways);
+    let first = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    with_timeout(answer_all(
+        &mut api,
+        &p,
+        "old-token-old-token-old-token-old",
+        first,
+    ))
+    .await
+    .expect("the first reconcile succeeded");
+
+    // The Secret is rotated and the policy edited: the new document goes out with the new
+    // token, refused, then with the previous one, taken.
+    let mut edited = p.clone();
+    edited.spec.backends[0]
+        .capacity
+        .max_connections_per_endpoint = 32;
+    let second = tokio::spawn(reconcile(Arc::new(edited.clone()), ctx.clone()));
+    with_timeout(answer_all(
+        &mut api,
+        &edited,
+        "new-token-new-token-new-token-new",
+        second,
+    ))
+    .await
+    .expect("the second reconcile succeeded");
+    let puts = gateways.puts.lock().clone();
+    let tokens: Vec<&str> = puts.iter().map(|(_, t, _)| t.as_str()).collect();
+    assert_eq!(
+        tokens,
+        [
+            "old-token-old-token-old-token-old",
+            "new-token-new-token-new-token-new",
+            "old-token-old-token-old-token-old"
+        ]
+    );
+    let acked = ctx.rollouts.lock().acked.values().next().cloned().unwrap();
+    assert_eq!(
+        acked.revision, puts[2].2.revision,
+        "the pod took the new document"
+    );
 }
 
 #[tokio::test]
