@@ -100,6 +100,8 @@ pub struct Metrics {
     pub puts: Family<OutcomeLabel, Counter>,
     /// Policies per condition status (counted at scrape time).
     pub policies: PolicyConditions,
+    /// Generations read back that were too large to be real, and ignored.
+    pub generations_ignored: Counter,
 }
 
 impl Default for Metrics {
@@ -116,6 +118,7 @@ impl Default for Metrics {
             kube_requests: Family::default(),
             puts: Family::default(),
             policies: PolicyConditions::default(),
+            generations_ignored: Counter::default(),
         }
     }
 }
@@ -168,6 +171,11 @@ impl Metrics {
             "gateway_puts",
             "Limits documents sent to gateway pods, by outcome",
             self.puts.clone(),
+        );
+        registry.register(
+            "generations_ignored",
+            "Generations read back (ConfigMap annotations, pod answers, statuses) too large to be real, and ignored",
+            self.generations_ignored.clone(),
         );
         registry.register_collector(Box::new(self.policies.clone()));
         registry.register_collector(Box::new(ResidentMemory));

@@ -631,6 +631,110 @@ fn generations_only_increase() {
 }
 
 #[test]
+fn implausible_generations_are_ignored_never_wrapped_and_listed() {
+    use poolpilot_api::limits::MAX_GENERATION;
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 64, "autoscale: {enabled: false}\n"),
+        1,
+    );
+    let mut input = FleetInput {
+        policies: vec![p],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    // Plausible history: generation 7 published. Implausible: an annotation edited to u64::MAX,
+    // a pod claiming 2^60, a status recording MAX_GENERATION + 1, and a 409 floor of u64::MAX.
+    input.published = vec![
+        Acked {
+            revision: "aaaaaaaaaaaa".into(),
+            generation: 7,
+        },
+        Acked {
+            revision: "bbbbbbbbbbbb".into(),
+            generation: u64::MAX,
+        },
+    ];
+    input.pods[1].acked = Some(Acked {
+        revision: "cccccccccccc".into(),
+        generation: 1 << 60,
+    });
+    input.policies[0].status = Some(ConnectionPolicyStatus {
+        revision: Some("dddddddddddd".into()),
+        limits_generation: Some(MAX_GENERATION + 1),
+        ..Default::default()
+    });
+    input.generation_floor = u64::MAX;
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let mut generations: Vec<u64> = fleet.documents.values().map(|d| d.generation).collect();
+    generations.sort_unstable();
+    assert_eq!(
+        generations,
+        [8, 9],
+        "the two pods' documents (shares 26 and 25) go just above the plausible history"
+    );
+    for doc in fleet.documents.values() {
+        doc.validate().expect("rendered documents validate");
+    }
+    let ignored = implausible_generations(&input);
+    assert_eq!(ignored.len(), 4, "{ignored:#?}");
+    for (needle, value) in [
+        ("a published limits ConfigMap", u64::MAX),
+        ("pod gw-1", 1 << 60),
+        ("the status of policy ns/a", MAX_GENERATION + 1),
+        ("a pod's answer (409)", u64::MAX),
+    ] {
+        assert!(
+            ignored
+                .iter()
+                .any(|i| i.contains(needle) && i.contains(&value.to_string())),
+            "{needle} {value}: {ignored:#?}"
+        );
+    }
+
+    // At the very top of the plausible range, the next new document cannot go above it: no
+    // document is rendered above MAX_GENERATION, and the plan says so.
+    input.published[0].generation = MAX_GENERATION;
+    input.policies[0].spec.backends[0].pool.max_pending = 64;
+    let fleet = plan(&input, &mut Memory::default(), at(15));
+    for doc in fleet.documents.values() {
+        assert!(doc.generation <= MAX_GENERATION, "{}", doc.generation);
+    }
+}
+
+proptest! {
+    #[test]
+    fn rendered_generations_stay_plausible_and_above_the_plausible_history(
+        known in prop::collection::vec(any::<u64>(), 0..6),
+        floor in prop_oneof![0u64..100, any::<u64>()],
+    ) {
+        let p = policy("a", 0, &spec("model-a", 64, "autoscale: {enabled: false}\n"), 1);
+        let input = FleetInput {
+            policies: vec![p],
+            pods: pods(1),
+            published: known
+                .iter()
+                .enumerate()
+                .map(|(i, g)| Acked { revision: format!("{i:012}"), generation: *g })
+                .collect(),
+            generation_floor: floor,
+            ..FleetInput::default()
+        };
+        let plausible_max = known
+            .iter()
+            .chain([&floor])
+            .copied()
+            .filter(|g| *g < poolpilot_api::limits::MAX_GENERATION)
+            .max()
+            .unwrap_or(0);
+        let doc = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+        prop_assert!(doc.generation <= poolpilot_api::limits::MAX_GENERATION);
+        prop_assert!(doc.generation > plausible_max, "{} <= {plausible_max}", doc.generation);
+    }
+}
+
+#[test]
 fn pods_without_an_accepted_policy_get_an_empty_document() {
     let input = FleetInput {
         policies: vec![],

@@ -166,6 +166,7 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
         cpu_bound(|| observe::observe(ctx, policy, false, now))
     })
     .await?;
+    report_implausible_generations(ctx, policy, &observed).await;
     // 2. validate (no client required)
     let verdict = step(m, "validate", async {
         Ok::<_, Error>(cpu_bound(|| validate::check(&observed)))
@@ -277,6 +278,31 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
     )
     .await?;
     Ok(Action::await_change())
+}
+
+/// Tells about generations read back that are too large to be real (the planner ignores them):
+/// a warning in the log, `poolpilot_operator_generations_ignored_total`, and a Warning Event
+/// `ImplausibleGeneration` on the policy (repeats become one Event series).
+async fn report_implausible_generations<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    observed: &observe::Observed,
+) {
+    let reference = policy.object_ref(&());
+    for note in plan::implausible_generations(&observed.input) {
+        warn!(%note, "implausible generation ignored");
+        ctx.metrics.generations_ignored.inc();
+        let event = Event {
+            type_: EventType::Warning,
+            reason: "ImplausibleGeneration".into(),
+            note: Some(event_note(&note)),
+            action: "Plan".into(),
+            secondary: None,
+        };
+        if let Err(err) = ctx.recorder.publish(&event, &reference).await {
+            warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
+        }
+    }
 }
 
 /// What to do after a failed reconcile: log, tell the user with a `ReconcileFailed` Warning

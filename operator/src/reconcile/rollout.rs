@@ -20,7 +20,7 @@ use crate::gateway::{Gateways, PutError};
 use crate::metrics::OutcomeLabel;
 use crate::plan::status::RolloutReport;
 use crate::plan::waves::{self, PodState, Strategy};
-use crate::plan::{FleetPlan, Timestamp};
+use crate::plan::{FleetPlan, Timestamp, plausible_generation};
 
 /// Why the rollout step failed.
 #[derive(Debug, thiserror::Error)]
@@ -332,6 +332,19 @@ async fn push<G: Gateways>(
                     .retain(|(n, p, _), _| !(n == ns && p == &name));
                 memory.acked.insert((ns.clone(), name, uid), ack);
                 "acked"
+            }
+            Err(PutError::Older {
+                generation: Some(g),
+                ..
+            }) if !plausible_generation(g) => {
+                // No document can go above it: the pod must start over from the ConfigMap.
+                memory.refused.insert(
+                    (ns.clone(), name, revision),
+                    format!(
+                        "runs generation {g}, above the largest the operator issues: restart the pod to reload its limits from the ConfigMap"
+                    ),
+                );
+                "refused"
             }
             Err(PutError::Older {
                 generation: Some(g),

@@ -128,6 +128,15 @@ fn context_with(
     pods: Vec<Pod>,
     gateways: FakeGateways,
 ) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
+    context_full(policies, pods, vec![], gateways)
+}
+
+fn context_full(
+    policies: Vec<ConnectionPolicy>,
+    pods: Vec<Pod>,
+    configmaps: Vec<ConfigMap>,
+    gateways: FakeGateways,
+) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "ns");
     let ctx = Context {
@@ -143,7 +152,7 @@ fn context_with(
             policies: store(policies),
             pods: store(pods),
             slices: store::<EndpointSlice>(vec![]),
-            configmaps: store::<ConfigMap>(vec![]),
+            configmaps: store(configmaps),
         },
         snapshot: Arc::default(),
         memory: Mutex::default(),
@@ -589,6 +598,64 @@ async fn after_the_token_secret_changes_pods_still_on_the_old_token_are_updated_
         acked.revision, puts[2].2.revision,
         "the pod took the new document"
     );
+}
+
+#[tokio::test]
+async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_the_real_ones() {
+    // A ConfigMap annotation edited (or corrupted) to u64::MAX: following it would wrap.
+    let forged: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "models-limits", "namespace": "ns",
+                     "labels": {"app.kubernetes.io/managed-by": "poolpilot-operator"},
+                     "annotations": {"poolpilot.io/revision": "ffffffffffff",
+                                     "poolpilot.io/generation": u64::MAX.to_string()}},
+        "data": {"limits.json": "{}"},
+    }))
+    .unwrap();
+    let p = policy("models", 0);
+    let (ctx, mut api, gateways) = context_full(
+        vec![p.clone()],
+        vec![gateway_pod()],
+        vec![forged],
+        FakeGateways::default(),
+    );
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let event = with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(event["reason"], "ImplausibleGeneration", "{event}");
+    assert_eq!(event["type"], "Warning");
+    let note = event["note"].as_str().unwrap();
+    assert!(
+        note.contains(&u64::MAX.to_string()) && note.contains("ignored"),
+        "{note}"
+    );
+    let cm = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-limits",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(
+        cm["metadata"]["annotations"]["poolpilot.io/generation"],
+        "1"
+    );
+    expect_token_secret(&mut api).await;
+    expect_status_patch(&mut api, &p).await;
+    reconciler.abort();
+    assert_eq!(gateways.puts.lock()[0].2.generation, 1);
+    let text = {
+        let mut registry = prometheus_client::registry::Registry::default();
+        ctx.metrics.clone().register(&mut registry);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        out
+    };
+    assert!(text.contains("generations_ignored_total 1"), "{text}");
 }
 
 #[tokio::test]
