@@ -6,7 +6,8 @@
 //!
 //! Each step is its own module with its own error type. A policy that fails validation skips the
 //! rollout and reports `Accepted=False`; deleting a policy runs the cleanup (its backends leave
-//! the gateways) behind a finalizer.
+//! the gateways) behind a finalizer. A policy this operator cannot even read (written under a
+//! newer CRD, say) is reported in an `InvalidPolicy` Event and skipped: the others go on.
 
 pub mod observe;
 pub mod rollout;
@@ -20,7 +21,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::api::Api;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::core::error_boundary::InvalidObject;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
@@ -107,6 +110,63 @@ impl<G: Gateways> std::fmt::Debug for Context<G> {
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
+}
+
+/// Reconciles one policy as the Controller hands it over: read ([`reconcile`]), or not readable
+/// by this operator ([`skip_unreadable`]).
+pub async fn reconcile_object<G: Gateways>(
+    object: Arc<DeserializeGuard<ConnectionPolicy>>,
+    ctx: Arc<Context<G>>,
+) -> Result<Action> {
+    match &object.0 {
+        Ok(policy) => reconcile(Arc::new(policy.clone()), ctx).await,
+        Err(invalid) => skip_unreadable(&object, invalid, &ctx).await,
+    }
+}
+
+/// A policy that does not deserialize: a Warning Event `InvalidPolicy` on it with the error, a
+/// warning in the log, and nothing else (it is left out of every plan, and its backends out of
+/// every document). Being deleted, it loses the finalizer, whose cleanup only needs the other
+/// policies. Looked at again when it changes.
+pub async fn skip_unreadable<G: Gateways>(
+    object: &DeserializeGuard<ConnectionPolicy>,
+    invalid: &InvalidObject,
+    ctx: &Context<G>,
+) -> Result<Action> {
+    let name = object.name_any();
+    warn!(policy = %name, error = %invalid.error, "cannot read the policy; skipped");
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "InvalidPolicy".into(),
+        note: Some(event_note(&format!(
+            "this operator cannot read the policy, so it is skipped: {} (a field or value of a newer CRD than this operator's?)",
+            invalid.error
+        ))),
+        action: "Read".into(),
+        secondary: None,
+    };
+    if let Err(err) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
+        warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
+    }
+    let meta = &invalid.metadata;
+    let finalizers = meta.finalizers.as_deref().unwrap_or_default();
+    if meta.deletion_timestamp.is_some() && finalizers.iter().any(|f| f == FINALIZER) {
+        let api: Api<DeserializeGuard<ConnectionPolicy>> =
+            Api::namespaced(ctx.client.clone(), &object.namespace().unwrap_or_default());
+        let rest: Vec<&String> = finalizers.iter().filter(|f| *f != FINALIZER).collect();
+        // The resource version makes a concurrent change of the list fail instead of being lost.
+        let patch = serde_json::json!({
+            "metadata": {"finalizers": rest, "resourceVersion": meta.resource_version},
+        });
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| {
+                Error::Finalizer(Box::new(kube::runtime::finalizer::Error::RemoveFinalizer(
+                    e,
+                )))
+            })?;
+    }
+    Ok(Action::await_change())
 }
 
 /// Reconciles one policy (behind the finalizer).
@@ -310,7 +370,7 @@ async fn report_implausible_generations<G: Gateways>(
 /// failure become one Event series: the recorder patches the Event's count instead of creating
 /// another one.
 pub fn error_policy<G: Gateways>(
-    policy: Arc<ConnectionPolicy>,
+    policy: Arc<DeserializeGuard<ConnectionPolicy>>,
     error: &Error,
     ctx: Arc<Context<G>>,
 ) -> Action {

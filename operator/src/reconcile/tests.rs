@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::client::Body;
+use kube::core::DeserializeGuard;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
@@ -128,11 +129,15 @@ fn context_with(
     pods: Vec<Pod>,
     gateways: FakeGateways,
 ) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
+    let policies = policies
+        .into_iter()
+        .map(|p| DeserializeGuard(Ok(p)))
+        .collect();
     context_full(policies, pods, vec![], gateways)
 }
 
 fn context_full(
-    policies: Vec<ConnectionPolicy>,
+    policies: Vec<DeserializeGuard<ConnectionPolicy>>,
     pods: Vec<Pod>,
     configmaps: Vec<ConfigMap>,
     gateways: FakeGateways,
@@ -613,7 +618,7 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
     .unwrap();
     let p = policy("models", 0);
     let (ctx, mut api, gateways) = context_full(
-        vec![p.clone()],
+        vec![DeserializeGuard(Ok(p.clone()))],
         vec![gateway_pod()],
         vec![forged],
         FakeGateways::default(),
@@ -656,6 +661,99 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
         out
     };
     assert!(text.contains("generations_ignored_total 1"), "{text}");
+}
+
+/// A policy written under a newer CRD: a rollout strategy this operator does not know.
+fn from_a_newer_crd(name: &str, deleting: bool) -> DeserializeGuard<ConnectionPolicy> {
+    let mut object = serde_json::to_value(policy(name, 50)).unwrap();
+    object["spec"]["rollout"]["strategy"] = json!("BlueGreen");
+    object["metadata"]["resourceVersion"] = json!("42");
+    if deleting {
+        object["metadata"]["deletionTimestamp"] = json!("2027-01-15T08:00:00Z");
+        object["metadata"]["finalizers"] = json!([FINALIZER, "example.com/keep"]);
+    }
+    let guard: DeserializeGuard<ConnectionPolicy> = serde_json::from_value(object).unwrap();
+    assert!(guard.0.is_err(), "the test object must not deserialize");
+    guard
+}
+
+#[tokio::test]
+async fn a_policy_this_operator_cannot_read_is_reported_and_skipped_while_the_others_reconcile() {
+    let unreadable = from_a_newer_crd("from-the-future", false);
+    let p = policy("models", 0);
+    let (ctx, mut api, gateways) = context_full(
+        vec![DeserializeGuard(Ok(p.clone())), unreadable.clone()],
+        vec![gateway_pod()],
+        vec![],
+        FakeGateways::default(),
+    );
+    let skipped = tokio::spawn(reconcile_object(Arc::new(unreadable), ctx.clone()));
+    let event = with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(event["reason"], "InvalidPolicy", "{event}");
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["regarding"]["name"], "from-the-future");
+    let note = event["note"].as_str().unwrap();
+    assert!(note.contains("Unknown variant BlueGreen"), "{note}");
+    let action = with_timeout(skipped).await.unwrap().unwrap();
+    assert_eq!(action, Action::await_change());
+    assert!(gateways.puts.lock().is_empty(), "nothing sent for it");
+
+    // The readable policy reconciles as if the other were not there.
+    let reconciled = tokio::spawn(reconcile_object(
+        Arc::new(DeserializeGuard(Ok(p.clone()))),
+        ctx.clone(),
+    ));
+    with_timeout(answer_all(&mut api, &p, "s3cr3t", reconciled))
+        .await
+        .expect("the readable policy reconciles");
+    let puts = gateways.puts.lock().clone();
+    assert_eq!(puts.len(), 1);
+    let names: Vec<Option<&str>> = puts[0]
+        .2
+        .backends
+        .iter()
+        .map(|b| b.policy.as_deref())
+        .collect();
+    assert_eq!(
+        names,
+        [Some("ns/models")],
+        "only the readable policy's backends"
+    );
+}
+
+#[tokio::test]
+async fn an_unreadable_policy_being_deleted_loses_only_the_operators_finalizer() {
+    let unreadable = from_a_newer_crd("from-the-future", true);
+    let (ctx, mut api, _) = context_full(vec![], vec![], vec![], FakeGateways::default());
+    let skipped = tokio::spawn(reconcile_object(Arc::new(unreadable), ctx.clone()));
+    with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    let patch = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/from-the-future",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(
+        patch,
+        json!({"metadata": {"finalizers": ["example.com/keep"], "resourceVersion": "42"}})
+    );
+    assert_eq!(
+        with_timeout(skipped).await.unwrap().unwrap(),
+        Action::await_change()
+    );
 }
 
 #[tokio::test]
@@ -772,7 +870,11 @@ async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_
     assert!(gateways.puts.lock().is_empty(), "nothing reached the pods");
 
     // The Controller hands the error to error_policy: a Warning Event on the policy.
-    let action = error_policy(Arc::new(p.clone()), &error, ctx.clone());
+    let action = error_policy(
+        Arc::new(DeserializeGuard(Ok(p.clone()))),
+        &error,
+        ctx.clone(),
+    );
     assert_eq!(action, Action::requeue(Duration::from_secs(5)));
     let event = with_timeout(expect(
         &mut api,
@@ -800,7 +902,7 @@ async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_
         .to_owned();
 
     // The same failure again: the same Event, its series counted up, no new Event.
-    error_policy(Arc::new(p), &error, ctx);
+    error_policy(Arc::new(DeserializeGuard(Ok(p))), &error, ctx);
     let again = with_timeout(expect(
         &mut api,
         Method::PATCH,
