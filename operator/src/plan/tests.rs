@@ -586,6 +586,65 @@ fn invalid_specs_list_every_broken_rule() {
 }
 
 #[test]
+fn static_endpoints_on_loopback_link_local_or_metadata_addresses_need_allow_private_addresses() {
+    let with = |addresses: &[&str], allow: bool| {
+        let list: Vec<String> = addresses
+            .iter()
+            .map(|a| format!("{{address: '{a}'}}"))
+            .collect();
+        let allow = if allow {
+            ", allowPrivateAddresses: true"
+        } else {
+            ""
+        };
+        let spec = format!(
+            "gatewaySelector: {{}}\nbackends:\n- name: m\n  endpoints: {{addresses: [{}]{allow}}}\n  capacity: {{maxConnectionsPerEndpoint: 10}}\n",
+            list.join(", ")
+        );
+        validate::validate_spec(&policy("a", 0, &spec, 1).spec)
+    };
+    let refused = [
+        "127.0.0.1:9901",          // the gateway's own admin port
+        "127.8.9.10:80",           // all of 127/8
+        "[::1]:9901",              // IPv6 loopback
+        "[::ffff:127.0.0.1]:9901", // loopback written as IPv4-mapped IPv6
+        "0.0.0.0:9901",            // the unspecified address connects to this host
+        "[::]:9901",
+        "169.254.169.254:80", // cloud metadata (AWS, GCP, Azure, OpenStack)
+        "169.254.1.1:80",     // IPv4 link-local
+        "[fe80::1]:80",       // IPv6 link-local
+        "[fd00:ec2::254]:80", // AWS metadata over IPv6
+        "100.100.100.200:80", // Alibaba Cloud metadata
+        "224.0.0.1:80",       // multicast
+        "255.255.255.255:80", // broadcast
+    ];
+    for address in refused {
+        let errors = with(&[address], false).expect_err(address);
+        assert_eq!(
+            errors,
+            [format!(
+                "spec.backends[0].endpoints.addresses[0].address: {address:?} is a loopback, link-local, metadata or other non-unicast address; set endpoints.allowPrivateAddresses to use it"
+            )],
+            "{address}"
+        );
+        assert_eq!(with(&[address], true), Ok(()), "allowed: {address}");
+    }
+    // Pod, node and public unicast addresses need no permission.
+    assert_eq!(
+        with(
+            &[
+                "10.0.0.5:8000",
+                "192.168.1.20:80",
+                "[2001:db8::7]:8000",
+                "100.64.0.1:80"
+            ],
+            false
+        ),
+        Ok(())
+    );
+}
+
+#[test]
 fn generations_only_increase() {
     let p = policy(
         "a",
