@@ -174,12 +174,11 @@ pub struct EndpointsSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256))]
     pub addresses: Option<Vec<StaticEndpoint>>,
-    /// Let `addresses` name loopback, link-local, cloud-metadata and other non-unicast
-    /// addresses (`127.0.0.0/8`, `::1`, `0.0.0.0`, `169.254.0.0/16` with `169.254.169.254`,
-    /// `fe80::/10`, `fd00:ec2::254`, `100.100.100.200`, multicast, broadcast). Refused by default:
-    /// from a gateway pod they reach the pod itself (its admin port, through the proxy port) or
-    /// the node's metadata service, not a model backend. Private ranges (10/8, 172.16/12,
-    /// 192.168/16, fc00::/7) need no permission.
+    /// Let `addresses` name loopback, unspecified, link-local, cloud-metadata, multicast and
+    /// broadcast addresses (the list: docs/deploying.md). Refused by default: from a gateway
+    /// pod they reach the pod itself (its admin port, through the proxy port) or the node's
+    /// metadata service, not a model backend. Private ranges (10/8, 172.16/12, 192.168/16,
+    /// fc00::/7) need no permission.
     #[serde(default)]
     pub allow_private_addresses: bool,
 }
