@@ -135,16 +135,7 @@ pub async fn skip_unreadable<G: Gateways>(
 ) -> Result<Action> {
     let name = object.name_any();
     warn!(policy = %name, error = %invalid.error, "cannot read the policy; skipped");
-    let event = Event {
-        type_: EventType::Warning,
-        reason: "InvalidPolicy".into(),
-        note: Some(event_note(&format!(
-            "this operator cannot read the policy, so it is skipped: {} (a field or value of a newer CRD than this operator's?)",
-            invalid.error
-        ))),
-        action: "Read".into(),
-        secondary: None,
-    };
+    let event = unreadable_event(&invalid.error);
     if let Err(err) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
         warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
     }
@@ -352,13 +343,7 @@ async fn report_implausible_generations<G: Gateways>(
     for note in plan::implausible_generations(&observed.input) {
         warn!(%note, "implausible generation ignored");
         ctx.metrics.generations_ignored.inc();
-        let event = Event {
-            type_: EventType::Warning,
-            reason: "ImplausibleGeneration".into(),
-            note: Some(event_note(&note)),
-            action: "Plan".into(),
-            secondary: None,
-        };
+        let event = implausible_generation_event(&note);
         if let Err(err) = ctx.recorder.publish(&event, &reference).await {
             warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
         }
@@ -404,6 +389,30 @@ pub fn failure_event(error: &Error) -> Event {
         reason: "ReconcileFailed".into(),
         note: Some(event_note(&error.describe())),
         action: action.into(),
+        secondary: None,
+    }
+}
+
+/// The Warning Event of a policy this operator cannot read: `error` is why.
+pub fn unreadable_event(error: &str) -> Event {
+    Event {
+        type_: EventType::Warning,
+        reason: "InvalidPolicy".into(),
+        note: Some(event_note(&format!(
+            "this operator cannot read the policy, so it is skipped: {error} (a field or value of a newer CRD than this operator's?)"
+        ))),
+        action: "Read".into(),
+        secondary: None,
+    }
+}
+
+/// The Warning Event of a generation too large to be real; `note` says where it was read.
+pub fn implausible_generation_event(note: &str) -> Event {
+    Event {
+        type_: EventType::Warning,
+        reason: "ImplausibleGeneration".into(),
+        note: Some(event_note(note)),
+        action: "Plan".into(),
         secondary: None,
     }
 }
