@@ -676,18 +676,20 @@ impl GatewayPod {
         SocketAddr::new(self.ip, ADMIN_PORT)
     }
 
-    /// `GET /v1/limits` (HTTPS, with the token): the document in force.
+    /// `GET /v1/limits` (with the token): the document in force.
     pub async fn limits(&self) -> anyhow::Result<GatewayLimits> {
-        let url = self.credentials.url(ADMIN_PORT, "/v1/limits");
+        Ok(self.admin_get("/v1/limits").await?.json().await?)
+    }
+
+    /// A successful `GET path` of its admin port (HTTPS, with the token).
+    async fn admin_get(&self, path: &str) -> anyhow::Result<reqwest::Response> {
         Ok(self
             .admin
-            .get(url)
+            .get(self.credentials.url(ADMIN_PORT, path))
             .header("authorization", self.credentials.bearer())
             .send()
             .await?
-            .error_for_status()?
-            .json()
-            .await?)
+            .error_for_status()?)
     }
 
     /// Polls `GET /v1/limits` every `every` until `done` holds of the document in force, and
@@ -720,17 +722,9 @@ impl GatewayPod {
         }
     }
 
-    /// `GET /metrics` (HTTPS).
+    /// `GET /metrics`.
     pub async fn metrics(&self) -> anyhow::Result<String> {
-        let url = self.credentials.url(ADMIN_PORT, "/metrics");
-        Ok(self
-            .admin
-            .get(url)
-            .send()
-            .await?
-            .error_for_status()?
-            .text()
-            .await?)
+        Ok(self.admin_get("/metrics").await?.text().await?)
     }
 }
 

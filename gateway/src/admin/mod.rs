@@ -160,15 +160,3 @@ fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<ResponseBody> {
 fn error(status: StatusCode, message: &str) -> Response<ResponseBody> {
     json_response(status, &serde_json::json!({ "error": message }))
 }
-
-/// An error with its `source()` chain, for logs.
-pub(crate) fn report(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}

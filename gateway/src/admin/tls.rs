@@ -202,7 +202,7 @@ pub async fn watch(
             }
             Err(error) => {
                 metrics.admin_file_reloaded(AdminFile::Certificate, false);
-                tracing::warn!(error = %crate::admin::report(&error), "admin certificate refused; the one in force stays");
+                tracing::warn!(%error, source = ?std::error::Error::source(&error), "admin certificate refused; the one in force stays");
             }
         }
     })
