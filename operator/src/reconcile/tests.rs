@@ -663,10 +663,16 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
     assert!(text.contains("generations_ignored_total 1"), "{text}");
 }
 
-/// A policy written under a newer CRD: a rollout strategy this operator does not know.
-fn from_a_newer_crd(name: &str, deleting: bool) -> DeserializeGuard<ConnectionPolicy> {
+/// A policy written under a newer CRD, as JSON: a rollout strategy this operator does not know.
+fn newer_crd_json(name: &str) -> Value {
     let mut object = serde_json::to_value(policy(name, 50)).unwrap();
     object["spec"]["rollout"]["strategy"] = json!("BlueGreen");
+    object
+}
+
+/// [`newer_crd_json`], as the Controller hands it over.
+fn from_a_newer_crd(name: &str, deleting: bool) -> DeserializeGuard<ConnectionPolicy> {
+    let mut object = newer_crd_json(name);
     object["metadata"]["resourceVersion"] = json!("42");
     if deleting {
         object["metadata"]["deletionTimestamp"] = json!("2027-01-15T08:00:00Z");
@@ -675,6 +681,24 @@ fn from_a_newer_crd(name: &str, deleting: bool) -> DeserializeGuard<ConnectionPo
     let guard: DeserializeGuard<ConnectionPolicy> = serde_json::from_value(object).unwrap();
     assert!(guard.0.is_err(), "the test object must not deserialize");
     guard
+}
+
+#[test]
+fn one_unreadable_policy_fails_a_typed_list_but_not_a_guarded_one() {
+    // What the Controller's watch gets from the apiserver: the typed list (the operator before
+    // DeserializeGuard) fails as a whole, so no policy at all was reconciled.
+    let list = json!({
+        "apiVersion": "poolpilot.io/v1alpha1", "kind": "ConnectionPolicyList",
+        "metadata": {"resourceVersion": "7"},
+        "items": [policy("models", 0), newer_crd_json("from-the-future")],
+    });
+    assert!(
+        serde_json::from_value::<kube::core::ObjectList<ConnectionPolicy>>(list.clone()).is_err()
+    );
+    let guarded: kube::core::ObjectList<DeserializeGuard<ConnectionPolicy>> =
+        serde_json::from_value(list).unwrap();
+    let readable: Vec<bool> = guarded.items.iter().map(|g| g.0.is_ok()).collect();
+    assert_eq!(readable, [true, false]);
 }
 
 #[tokio::test]
