@@ -13,6 +13,12 @@ use sha2::{Digest, Sha256};
 
 use crate::Duration;
 
+/// The largest generation a document may carry: 2^53 − 1, the largest integer every JSON reader
+/// keeps exactly (JavaScript, Go's `interface{}`, kubectl's JSONPath). Far beyond any count of
+/// changes, so that a larger one read back from a pod or an annotation is a corrupted or forged
+/// value, never a real history, and adding one to it can never wrap.
+pub const MAX_GENERATION: u64 = (1 << 53) - 1;
+
 /// Everything a gateway pod enforces, in one versioned document.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -21,7 +27,8 @@ pub struct GatewayLimits {
     /// hand-written file: the gateway computes it. When set it must match the content.
     #[serde(default)]
     pub revision: String,
-    /// Monotonically increasing version. A gateway refuses a document older than the one it runs.
+    /// Monotonically increasing version, at most [`MAX_GENERATION`]. A gateway refuses a document
+    /// older than the one it runs.
     #[serde(default)]
     pub generation: u64,
     /// Limits on the downstream (client-facing) side of every listener.
@@ -482,6 +489,12 @@ impl GatewayLimits {
                     self.revision,
                     self.content_revision()
                 ),
+            );
+        }
+        if self.generation > MAX_GENERATION {
+            v.push(
+                "generation",
+                format!("{} is above the largest, {MAX_GENERATION}", self.generation),
             );
         }
         let l = &self.listener;

@@ -154,7 +154,17 @@ pub struct RouteMatchSpec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "has(self.service) != has(self.addresses)", "message": "set exactly one of endpoints.service and endpoints.addresses"}
+    {"rule": "has(self.service) != has(self.addresses)", "message": "set exactly one of endpoints.service and endpoints.addresses"},
+    {
+        "rule": ADDRESSES_ARE_IP_PORT,
+        "message": "endpoints.addresses must be ip:port (IPv6 as [addr]:port)",
+        "fieldPath": ".addresses"
+    },
+    {
+        "rule": ADDRESSES_LEAVE_THE_POD,
+        "message": "endpoints.addresses must be unicast addresses outside the pod and the node: loopback, link-local, metadata, multicast and broadcast addresses need endpoints.allowPrivateAddresses",
+        "fieldPath": ".addresses"
+    }
 ]))]
 pub struct EndpointsSpec {
     /// A Service in the policy's namespace; its ready endpoints (from EndpointSlices) are pooled.
@@ -164,7 +174,42 @@ pub struct EndpointsSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256))]
     pub addresses: Option<Vec<StaticEndpoint>>,
+    /// Let `addresses` name loopback, unspecified, link-local, cloud-metadata, multicast and
+    /// broadcast addresses (the list: docs/deploying.md). Refused by default: from a gateway
+    /// pod they reach the pod itself (its admin port, through the proxy port) or the node's
+    /// metadata service, not a model backend. Private ranges (10/8, 172.16/12, 192.168/16,
+    /// fc00::/7) need no permission.
+    #[serde(default)]
+    pub allow_private_addresses: bool,
 }
+
+/// The host of a static address in CEL: between the brackets of `[v6]:port`, before the last
+/// `:` of `v4:port`; empty when there is none.
+macro_rules! cel_host {
+    () => {
+        "(a.address.startsWith('[') ? (a.address.indexOf(']') > 0 ? a.address.substring(1, a.address.indexOf(']')) : '') : (a.address.lastIndexOf(':') > 0 ? a.address.substring(0, a.address.lastIndexOf(':')) : ''))"
+    };
+}
+
+/// CEL: every static address is an IP (Kubernetes' `isIP`: no IPv4-mapped IPv6, no zone) and a
+/// port.
+const ADDRESSES_ARE_IP_PORT: &str = concat!(
+    "!has(self.addresses) || self.addresses.all(a, isIP(",
+    cel_host!(),
+    ") && a.address.substring(a.address.lastIndexOf(':') + 1).matches('^[0-9]{1,5}$'))"
+);
+
+/// CEL: unless `allowPrivateAddresses`, every static address is global unicast (not loopback,
+/// unspecified, link-local, multicast or broadcast) and no cloud metadata service.
+const ADDRESSES_LEAVE_THE_POD: &str = concat!(
+    "!has(self.addresses) || (has(self.allowPrivateAddresses) && self.allowPrivateAddresses) || self.addresses.all(a, isIP(",
+    cel_host!(),
+    ") && ip(",
+    cel_host!(),
+    ").isGlobalUnicast() && !(string(ip(",
+    cel_host!(),
+    ")) in ['100.100.100.200', 'fd00:ec2::254']))"
+);
 
 /// A Service whose endpoints are the backend's instances.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -30,8 +30,10 @@ type prometheusOptions struct {
 
 const prometheusIdentity = "poolpilot-e2e-prometheus"
 
-// prometheusConfig is the scrape configuration: the usual prometheus.io/* pod annotations,
-// running pods only, with namespace and pod labels (what poolpilot's operator queries by).
+// prometheusConfig is the scrape configuration: the usual prometheus.io/* pod annotations
+// (prometheus.io/scheme: https for the gateways' admin port, whose certificate each test makes
+// with its own CA, hence no verification), running pods only, with namespace and pod labels
+// (what poolpilot's operator queries by).
 const prometheusConfig = `global:
   scrape_interval: %[1]s
   scrape_timeout: %[2]s
@@ -41,6 +43,8 @@ scrape_configs:
   kubernetes_sd_configs:
   - role: pod
     kubeconfig_file: %[3]s
+  tls_config:
+    insecure_skip_verify: true
   relabel_configs:
   - source_labels: [__meta_kubernetes_pod_annotation_prometheus_io_scrape]
     action: keep
@@ -48,6 +52,10 @@ scrape_configs:
   - source_labels: [__meta_kubernetes_pod_phase]
     action: keep
     regex: Running
+  - source_labels: [__meta_kubernetes_pod_annotation_prometheus_io_scheme]
+    action: replace
+    target_label: __scheme__
+    regex: (https?)
   - source_labels: [__meta_kubernetes_pod_annotation_prometheus_io_path]
     action: replace
     target_label: __metrics_path__

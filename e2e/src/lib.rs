@@ -11,6 +11,7 @@
 //! ```
 
 pub mod cluster;
+pub mod credentials;
 pub mod hermetic;
 pub mod kubelet;
 pub mod load;

@@ -1,5 +1,7 @@
 //! The whole product deployed into one test namespace from `manifests/overlays/local`, as a user
-//! deploys it: the operator (its own ServiceAccount, bound to the shipped ClusterRole, never
+//! deploys it: the admin credentials an install creates ([`crate::credentials`]: token, CA and
+//! certificate, so that the operator PUTs over verified HTTPS), the operator (its own
+//! ServiceAccount, bound to the shipped ClusterRole in this namespace only, never
 //! cluster-admin), the gateway Deployment, the sample modelsim backends, and then the policies a
 //! scenario applies with `kubectl apply`. The local kubelet runs every pod; the cluster's
 //! Prometheus discovers and scrapes them. The scenarios (`e2e/tests/scenarios_*.rs`) and the demo
@@ -18,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -32,6 +35,7 @@ use serde::Deserialize as _;
 use serde_json::{Value, json};
 
 use crate::cluster::run;
+use crate::credentials::AdminCredentials;
 use crate::modelsim::Remote;
 use crate::namespace::TestNamespace;
 use crate::paths::workspace_root;
@@ -143,11 +147,11 @@ impl Default for StackSpec {
 #[derive(Debug)]
 pub struct Stack<'a> {
     ns: &'a TestNamespace,
-    binding: String,
+    credentials: Arc<AdminCredentials>,
 }
 
-/// Deploys the stack into a fresh namespace, runs `test`, then removes the stack's cluster-scoped
-/// objects and the policies' finalizers (the namespace is deleted by [`with_namespace`]).
+/// Deploys the stack into a fresh namespace, runs `test`, then removes the policies' finalizers
+/// (the namespace is deleted by [`with_namespace`]).
 ///
 /// [`with_namespace`]: crate::with_namespace
 pub async fn with_stack<F>(prefix: &str, spec: StackSpec, test: F) -> anyhow::Result<()>
@@ -157,7 +161,7 @@ where
     crate::with_namespace(prefix, async |ns| {
         let stack = Stack {
             ns,
-            binding: format!("poolpilot-operator-{}", ns.name()),
+            credentials: Arc::new(AdminCredentials::generate(ns.name())?),
         };
         let result = match stack.deploy(&spec).await {
             Ok(()) => test(&stack).await,
@@ -180,12 +184,18 @@ impl<'a> Stack<'a> {
         self.ns.name()
     }
 
+    /// The admin credentials of this install (token, CA, certificate).
+    pub fn credentials(&self) -> &AdminCredentials {
+        &self.credentials
+    }
+
     /// A `kubectl` command against the cluster (add `-n` yourself).
     pub fn kubectl(&self) -> tokio::process::Command {
         self.ns.cluster().kubectl()
     }
 
-    /// The overlay's objects, moved into this namespace and sized by `spec`, then applied.
+    /// The install's Secrets and the overlay's objects, moved into this namespace and sized by
+    /// `spec`, then applied.
     async fn deploy(&self, spec: &StackSpec) -> anyhow::Result<()> {
         let cluster = self.ns.cluster();
         cluster.install_crd().await?;
@@ -194,7 +204,7 @@ impl<'a> Stack<'a> {
             .arg("kustomize")
             .arg(workspace_root().join("manifests/overlays/local")))
         .await?;
-        let mut objects = Vec::new();
+        let mut objects = self.credentials.secrets(self.name());
         for doc in serde_norway::Deserializer::from_str(&yaml) {
             let mut object = Value::deserialize(doc)?;
             let kind = object["kind"].as_str().unwrap_or_default().to_owned();
@@ -220,9 +230,8 @@ impl<'a> Stack<'a> {
     fn adapt(&self, object: &mut Value, kind: &str, spec: &StackSpec) -> anyhow::Result<()> {
         let ns = self.name();
         match kind {
-            // Shared and identical for every test: applied as it is.
-            "ClusterRole" => {}
-            "ClusterRoleBinding" => object["metadata"]["name"] = json!(self.binding),
+            // Cluster-scoped, shared and identical for every test: applied as they are.
+            "ClusterRole" | "ValidatingAdmissionPolicy" | "ValidatingAdmissionPolicyBinding" => {}
             _ => object["metadata"]["namespace"] = json!(ns),
         }
         if kind.ends_with("Binding") {
@@ -310,8 +319,7 @@ impl<'a> Stack<'a> {
 
     /// Removes what outlives the namespace: the policies, whose finalizer would otherwise hold
     /// the namespace in Terminating once the operator is deleted with it (the operator cleans
-    /// them up while it runs; what is left after [`TEARDOWN_WAIT`] loses its finalizer), and the
-    /// operator's ClusterRoleBinding.
+    /// them up while it runs; what is left after [`TEARDOWN_WAIT`] loses its finalizer).
     async fn teardown(&self) {
         let policies: Api<ConnectionPolicy> = self.ns.api();
         let _ = policies
@@ -337,12 +345,6 @@ impl<'a> Stack<'a> {
                     .patch(&p.name_any(), &PatchParams::default(), &patch)
                     .await;
             }
-        }
-        let mut cmd = self.kubectl();
-        cmd.args(["delete", "--ignore-not-found", "--wait=false"])
-            .arg(format!("clusterrolebinding/{}", self.binding));
-        if let Err(e) = run(&mut cmd).await {
-            eprintln!("teardown: {e:#}");
         }
     }
 
@@ -493,7 +495,7 @@ impl<'a> Stack<'a> {
         self.ready_pods(GATEWAY_LABELS)
             .await?
             .iter()
-            .map(GatewayPod::of)
+            .map(|p| GatewayPod::of(p, &self.credentials))
             .collect()
     }
 
@@ -502,7 +504,7 @@ impl<'a> Stack<'a> {
         self.wait_ready(GATEWAY_LABELS, count)
             .await?
             .iter()
-            .map(GatewayPod::of)
+            .map(|p| GatewayPod::of(p, &self.credentials))
             .collect()
     }
 
@@ -646,13 +648,21 @@ pub struct GatewayPod {
     pub name: String,
     /// Pod IP (its proxy and admin ports listen there).
     pub ip: IpAddr,
+    /// The install's admin credentials.
+    credentials: Arc<AdminCredentials>,
+    /// An HTTPS client of its admin port.
+    admin: reqwest::Client,
 }
 
 impl GatewayPod {
-    fn of(pod: &Pod) -> anyhow::Result<Self> {
+    /// The gateway pod `pod` of the install whose credentials these are.
+    pub fn of(pod: &Pod, credentials: &Arc<AdminCredentials>) -> anyhow::Result<Self> {
+        let ip = pod_ip(pod)?;
         Ok(Self {
             name: pod.name_any(),
-            ip: pod_ip(pod)?,
+            ip,
+            credentials: credentials.clone(),
+            admin: credentials.client(SocketAddr::new(ip, ADMIN_PORT))?,
         })
     }
 
@@ -666,16 +676,20 @@ impl GatewayPod {
         SocketAddr::new(self.ip, ADMIN_PORT)
     }
 
-    /// `GET /v1/limits`: the document in force.
+    /// `GET /v1/limits` (with the token): the document in force.
     pub async fn limits(&self) -> anyhow::Result<GatewayLimits> {
-        let url = format!("http://{}/v1/limits", self.admin());
-        Ok(http_client()?
-            .get(url)
+        Ok(self.admin_get("/v1/limits").await?.json().await?)
+    }
+
+    /// A successful `GET path` of its admin port (HTTPS, with the token).
+    async fn admin_get(&self, path: &str) -> anyhow::Result<reqwest::Response> {
+        Ok(self
+            .admin
+            .get(self.credentials.url(ADMIN_PORT, path))
+            .header("authorization", self.credentials.bearer())
             .send()
             .await?
-            .error_for_status()?
-            .json()
-            .await?)
+            .error_for_status()?)
     }
 
     /// Polls `GET /v1/limits` every `every` until `done` holds of the document in force, and
@@ -710,7 +724,7 @@ impl GatewayPod {
 
     /// `GET /metrics`.
     pub async fn metrics(&self) -> anyhow::Result<String> {
-        get_text(&format!("http://{}/metrics", self.admin())).await
+        Ok(self.admin_get("/metrics").await?.text().await?)
     }
 }
 

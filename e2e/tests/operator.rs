@@ -19,6 +19,7 @@ use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_e2e::cluster::{output, run};
+use poolpilot_e2e::credentials::AdminCredentials;
 use poolpilot_e2e::paths::workspace_root;
 use poolpilot_e2e::{TestNamespace, eventually, with_namespace};
 use serde::Deserialize as _;
@@ -53,13 +54,15 @@ async fn rendered_operator(ns: &TestNamespace) -> anyhow::Result<Vec<Value>> {
         kinds
             == [
                 "ClusterRole",
-                "ClusterRoleBinding",
                 "Deployment",
                 "PodDisruptionBudget",
                 "Role",
                 "RoleBinding",
+                "RoleBinding",
                 "Service",
-                "ServiceAccount"
+                "ServiceAccount",
+                "ValidatingAdmissionPolicy",
+                "ValidatingAdmissionPolicyBinding"
             ],
         "unexpected operator objects in the local overlay: {kinds:?}"
     );
@@ -78,21 +81,22 @@ struct Deploy<'a> {
 /// The names of the cluster-scoped objects a test created (deleted by [`teardown`]).
 #[derive(Default)]
 struct ClusterScoped {
-    binding: String,
+    binding: Option<String>,
     role: Option<String>,
 }
 
-/// Deploys the operator's objects into the test namespace: namespaced objects move there, the
-/// ClusterRoleBinding gets a unique name and binds the namespace's ServiceAccount, the operator
-/// watches only this namespace. The shipped ClusterRole is applied as it is (shared, idempotent).
+/// Deploys the operator's objects into the test namespace, with the CA bundle an install gives
+/// it: namespaced objects move there, the RoleBinding binds the ClusterRole to the namespace's
+/// ServiceAccount in this namespace only, the operator watches only this namespace. The shipped
+/// ClusterRole and admission policy are applied as they are (shared, idempotent).
 async fn deploy_operator(
     ns: &TestNamespace,
     how: Deploy<'_>,
     created: &mut ClusterScoped,
 ) -> anyhow::Result<()> {
     let name = ns.name();
-    let mut objects = rendered_operator(ns).await?;
-    created.binding = format!("poolpilot-operator-{name}");
+    let mut objects = AdminCredentials::generate(name)?.secrets(name);
+    objects.extend(rendered_operator(ns).await?);
     for object in &mut objects {
         let kind = object["kind"].as_str().unwrap_or_default().to_owned();
         match kind.as_str() {
@@ -104,9 +108,12 @@ async fn deploy_operator(
                     created.role = Some(role);
                 }
             }
-            "ClusterRoleBinding" => {
-                object["metadata"]["name"] = json!(created.binding);
-                if let Some(role) = &created.role {
+            "ValidatingAdmissionPolicy" | "ValidatingAdmissionPolicyBinding" => {}
+            "RoleBinding" => {
+                object["metadata"]["namespace"] = json!(name);
+                if object["roleRef"]["kind"] == "ClusterRole"
+                    && let Some(role) = &created.role
+                {
                     object["roleRef"]["name"] = json!(role);
                 }
             }
@@ -263,8 +270,8 @@ async fn teardown(ns: &TestNamespace, created: &ClusterScoped) {
         }
     }
     let mut objects: Vec<String> = Vec::new();
-    if !created.binding.is_empty() {
-        objects.push(format!("clusterrolebinding/{}", created.binding));
+    if let Some(binding) = &created.binding {
+        objects.push(format!("clusterrolebinding/{binding}"));
     }
     if let Some(role) = &created.role {
         objects.push(format!("clusterrole/{role}"));
@@ -696,5 +703,275 @@ async fn missing_verb_scenario(
         "the policy must not look accepted: {:?}",
         policy.status
     );
+    Ok(())
+}
+
+/// `kubectl` acting as the operator's ServiceAccount in `ns` (impersonation by the admin), run
+/// with `args` and `object` (JSON) on its standard input when given: whether it succeeded, and
+/// what it printed.
+async fn as_operator(
+    ns: &TestNamespace,
+    args: &[&str],
+    object: Option<&Value>,
+) -> anyhow::Result<(bool, String)> {
+    let user = format!("system:serviceaccount:{}:poolpilot-operator", ns.name());
+    let mut cmd = ns.cluster().kubectl();
+    cmd.arg(format!("--as={user}")).args(args);
+    let file = tempfile::NamedTempFile::new()?;
+    if let Some(object) = object {
+        std::fs::write(file.path(), serde_json::to_vec(object)?)?;
+        cmd.arg("-f").arg(file.path());
+    }
+    let out = output(&mut cmd).await?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok((out.status.success(), text))
+}
+
+/// A ConfigMap in `ns` as the operator writes one (`operator/src/reconcile/rollout.rs`): named
+/// after `policy`, labelled, controlled by the policy whose uid is `uid` (`None`: no owner).
+fn limits_configmap(name: &str, policy: &str, uid: Option<&str>) -> Value {
+    let owners: Vec<Value> = uid
+        .map(|uid| {
+            json!({"apiVersion": "poolpilot.io/v1alpha1", "kind": "ConnectionPolicy",
+                   "name": policy, "uid": uid, "controller": true, "blockOwnerDeletion": true})
+        })
+        .into_iter()
+        .collect();
+    json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "labels": {"app.kubernetes.io/managed-by": "poolpilot-operator", "poolpilot.io/policy": policy},
+            "ownerReferences": owners,
+        },
+        "data": {"limits.json": "{}"},
+    })
+}
+
+#[tokio::test]
+async fn the_operators_identity_may_write_only_the_limits_configmaps_it_manages()
+-> anyhow::Result<()> {
+    with_namespace("op-configmaps", async |ns| {
+        let mut created = ClusterScoped::default();
+        let result = configmap_scenario(ns, &mut created).await;
+        teardown(ns, &created).await;
+        result
+    })
+    .await
+}
+
+async fn configmap_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> anyhow::Result<()> {
+    let name = ns.name();
+    let cluster = ns.cluster();
+    cluster.install_crd().await?;
+    // The operator's identity as the base installs it, cluster-wide: its ServiceAccount, the
+    // shipped ClusterRole with a ClusterRoleBinding (named after the namespace), and the
+    // admission policy; no operator pod, the test acts as it.
+    let binding = format!("poolpilot-operator-{name}");
+    created.binding = Some(binding.clone());
+    let mut objects: Vec<Value> = rendered_operator(ns)
+        .await?
+        .into_iter()
+        .filter(|o| {
+            matches!(
+                o["kind"].as_str(),
+                Some(
+                    "ClusterRole"
+                        | "ValidatingAdmissionPolicy"
+                        | "ValidatingAdmissionPolicyBinding"
+                )
+            )
+        })
+        .collect();
+    objects.push(json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                        "metadata": {"name": "poolpilot-operator", "namespace": name}}));
+    objects.push(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": binding},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "poolpilot-operator"},
+        "subjects": [{"kind": "ServiceAccount", "name": "poolpilot-operator", "namespace": name}],
+    }));
+    objects.push(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": "app-settings", "namespace": name},
+                        "data": {"mode": "production"}}));
+    objects.push(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": "team-limits", "namespace": name},
+                        "data": {"quota": "10"}}));
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(
+        file.path(),
+        serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
+    )?;
+    run(cluster.kubectl().args(["apply", "-f"]).arg(file.path())).await?;
+    apply_sample(ns).await?;
+    let policies: Api<ConnectionPolicy> = ns.api();
+    let uid = policies
+        .get(SAMPLE)
+        .await?
+        .uid()
+        .context("the policy's uid")?;
+
+    // Its own limits ConfigMap, as the operator writes it (server-side apply): allowed, once the
+    // binding is in force.
+    let own = limits_configmap(&format!("{SAMPLE}-limits"), SAMPLE, Some(&uid));
+    let apply = [
+        "apply",
+        "--server-side",
+        "--field-manager=poolpilot-operator",
+        "-n",
+        name,
+    ];
+    eventually(
+        "the operator writes its own limits ConfigMap",
+        WAIT,
+        || async {
+            let (ok, text) = as_operator(ns, &apply, Some(&own)).await?;
+            anyhow::ensure!(ok, "{text}");
+            Ok(())
+        },
+    )
+    .await?;
+    let (ok, text) = as_operator(ns, &apply, Some(&own)).await?;
+    assert!(ok, "an update of its own ConfigMap: {text}");
+
+    // The admission policy takes a moment to be in force once created: a dry run (which runs
+    // admission, and changes nothing) tells when.
+    let stray =
+        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "stray"}, "data": {}});
+    eventually("the admission policy is in force", WAIT, || async {
+        let (ok, text) = as_operator(
+            ns,
+            &["create", "--dry-run=server", "-n", name],
+            Some(&stray),
+        )
+        .await?;
+        anyhow::ensure!(!ok, "a stray ConfigMap passed admission: {text}");
+        Ok(())
+    })
+    .await?;
+
+    // Everything else is refused by the admission policy, naming the rule.
+    let refusals: [(&str, Vec<&str>, Option<Value>, &str); 5] = [
+        (
+            "a change of a ConfigMap it does not manage",
+            vec![
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager=poolpilot-operator",
+                "-n",
+                name,
+            ],
+            Some(
+                json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app-settings"}, "data": {"mode": "debug"}}),
+            ),
+            "may write only its limits ConfigMaps",
+        ),
+        (
+            "a new ConfigMap that is no limits ConfigMap",
+            vec!["create", "-n", name],
+            Some(
+                json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "stray"}, "data": {}}),
+            ),
+            "may write only its limits ConfigMaps",
+        ),
+        (
+            "a limits ConfigMap no policy controls",
+            vec!["create", "-n", name],
+            Some(limits_configmap("orphan-limits", "orphan", None)),
+            "must be controlled by its ConnectionPolicy orphan",
+        ),
+        (
+            "a limits ConfigMap under another policy's name",
+            vec!["create", "-n", name],
+            Some(limits_configmap("other-limits", SAMPLE, Some(&uid))),
+            "may write only its limits ConfigMaps",
+        ),
+        (
+            "taking over a ConfigMap by labelling it",
+            vec![
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager=poolpilot-operator",
+                "-n",
+                name,
+            ],
+            Some(limits_configmap("team-limits", "team", Some(&uid))),
+            "may not take over ConfigMap team-limits",
+        ),
+    ];
+    for (what, args, object, needle) in &refusals {
+        let (ok, text) = as_operator(ns, args, object.as_ref()).await?;
+        assert!(!ok, "{what} was allowed: {text}");
+        assert!(
+            text.contains("ValidatingAdmissionPolicy 'poolpilot-operator-configmaps'")
+                && text.contains(needle),
+            "{what}: {needle:?} missing from: {text}"
+        );
+    }
+    let configmaps: Api<ConfigMap> = ns.api();
+    let settings = configmaps.get("app-settings").await?;
+    assert_eq!(
+        settings
+            .data
+            .and_then(|d| d.get("mode").cloned())
+            .as_deref(),
+        Some("production"),
+        "untouched"
+    );
+    assert!(configmaps.get_opt("stray").await?.is_none());
+
+    // With --namespace, the ClusterRole is bound in the watched namespace only (overlays/local):
+    // a ConfigMap elsewhere is forbidden by RBAC before admission.
+    run(cluster
+        .kubectl()
+        .args(["delete", "clusterrolebinding", &binding]))
+    .await?;
+    created.binding = None;
+    let role_binding = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "poolpilot-operator", "namespace": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "poolpilot-operator"},
+        "subjects": [{"kind": "ServiceAccount", "name": "poolpilot-operator", "namespace": name}],
+    });
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), serde_json::to_vec(&role_binding)?)?;
+    run(cluster.kubectl().args(["apply", "-f"]).arg(file.path())).await?;
+    eventually("the ClusterRoleBinding is gone from RBAC", WAIT, || async {
+        let (_, text) = as_operator(
+            ns,
+            &["auth", "can-i", "create", "configmaps", "-n", "default"],
+            None,
+        )
+        .await?;
+        anyhow::ensure!(text.trim() == "no", "can-i: {text}");
+        Ok(())
+    })
+    .await?;
+    let elsewhere = limits_configmap(&format!("{SAMPLE}-limits"), SAMPLE, Some(&uid));
+    let (ok, text) = as_operator(
+        ns,
+        &[
+            "apply",
+            "--server-side",
+            "--field-manager=poolpilot-operator",
+            "-n",
+            "default",
+        ],
+        Some(&elsewhere),
+    )
+    .await?;
+    assert!(!ok, "allowed in namespace default: {text}");
+    assert!(
+        text.contains("forbidden") && text.contains("in the namespace \"default\""),
+        "{text}"
+    );
+    let (ok, text) = as_operator(ns, &apply, Some(&own)).await?;
+    assert!(ok, "its own namespace, under the RoleBinding: {text}");
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The gateway's own configuration: command line (clap, and the tokio runtime its
-//! `--worker-threads` asks for) and the YAML file it names (listeners, admin token file,
-//! limits file, drain grace). The limits themselves are the separate, hot-reloadable
+//! `--worker-threads` asks for) and the YAML file it names (listeners, the admin API's token,
+//! certificate and limits, limits file, drain grace). The limits themselves are the separate, hot-reloadable
 //! [`poolpilot_api::GatewayLimits`] document.
 
 use std::fs;
@@ -82,9 +82,25 @@ pub enum LogFormat {
 pub struct GatewayConfig {
     /// Where to listen.
     pub listeners: Listeners,
-    /// File holding the admin API bearer token. Without it, `PUT /v1/limits` is refused.
+    /// File holding the admin API's bearer token (required: at least 32 bytes; re-read when it
+    /// changes). See [`crate::admin::token`].
     #[serde(default)]
     pub admin_token_file: Option<PathBuf>,
+    /// How long the previous token stays accepted after the token file changed.
+    #[serde(default = "GatewayConfig::default_token_overlap")]
+    pub admin_token_overlap: Duration,
+    /// HTTPS on the admin listener, from these files (re-read when they change). Omitted: plain
+    /// HTTP, for an admin listener on loopback.
+    #[serde(default)]
+    pub admin_tls: Option<AdminTlsFiles>,
+    /// How long the admin listener waits on a client: for a TLS handshake, a request's head
+    /// (and between requests on a keep-alive connection), a request body, and a response it
+    /// does not take.
+    #[serde(default = "GatewayConfig::default_admin_header_read_timeout")]
+    pub admin_header_read_timeout: Duration,
+    /// Admin connections open at once; a connection beyond them is closed at once.
+    #[serde(default = "GatewayConfig::default_admin_max_connections")]
+    pub admin_max_connections: u32,
     /// The limits document (YAML or JSON), loaded at start and re-applied when it changes.
     #[serde(default)]
     pub limits_file: Option<PathBuf>,
@@ -103,6 +119,17 @@ pub struct GatewayConfig {
     /// default, serves the file at once (a gateway without operator).
     #[serde(default)]
     pub await_operator: Duration,
+}
+
+/// The admin listener's certificate, in the layout of a `kubernetes.io/tls` Secret (cert-manager
+/// writes `tls.crt`, `tls.key` and `ca.crt`; the gateway needs the first two).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AdminTlsFiles {
+    /// The certificate, then its chain (PEM).
+    pub cert_file: PathBuf,
+    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
 }
 
 /// Listener addresses.
@@ -148,9 +175,9 @@ pub enum ConfigError {
         #[source]
         source: serde_norway::Error,
     },
-    /// The admin token file is empty.
-    #[error("admin token file {0} is empty")]
-    EmptyToken(PathBuf),
+    /// A setting is out of its range.
+    #[error("{0}")]
+    Invalid(String),
 }
 
 impl GatewayConfig {
@@ -166,6 +193,22 @@ impl GatewayConfig {
         Duration::from_secs(5)
     }
 
+    /// Long enough for the kubelet to refresh every pod's copy of a rotated Secret (its sync
+    /// period, a minute, plus its cache) while the operator already sends the new token.
+    fn default_token_overlap() -> Duration {
+        Duration::from_secs(5 * 60)
+    }
+
+    /// HAProxy's usual `timeout http-request 10s`.
+    fn default_admin_header_read_timeout() -> Duration {
+        Duration::from_secs(10)
+    }
+
+    /// Probes, Prometheus and the operator need a handful.
+    fn default_admin_max_connections() -> u32 {
+        64
+    }
+
     /// Loads `path`; relative file paths in it are taken relative to its directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -178,31 +221,32 @@ impl GatewayConfig {
                 source,
             })?;
         let base = path.parent().unwrap_or(Path::new("."));
+        let tls = config
+            .admin_tls
+            .iter_mut()
+            .flat_map(|t| [&mut t.cert_file, &mut t.key_file]);
         for file in [&mut config.admin_token_file, &mut config.limits_file]
             .into_iter()
             .flatten()
+            .chain(tls)
         {
             if file.is_relative() {
                 *file = base.join(&*file);
             }
         }
-        Ok(config)
-    }
-
-    /// Reads the admin token, if a token file is configured.
-    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
-        let Some(path) = &self.admin_token_file else {
-            return Ok(None);
-        };
-        let token = fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.clone(),
-            source,
-        })?;
-        let token = token.trim();
-        if token.is_empty() {
-            return Err(ConfigError::EmptyToken(path.clone()));
+        if config.admin_header_read_timeout.is_zero() {
+            return Err(ConfigError::Invalid(format!(
+                "{}: adminHeaderReadTimeout must be longer than 0s",
+                path.display()
+            )));
         }
-        Ok(Some(token.to_owned()))
+        if config.admin_max_connections == 0 {
+            return Err(ConfigError::Invalid(format!(
+                "{}: adminMaxConnections must be at least 1",
+                path.display()
+            )));
+        }
+        Ok(config)
     }
 }
 
@@ -315,22 +359,5 @@ mod tests {
         .unwrap();
         let err = GatewayConfig::load(&path).unwrap_err();
         assert!(format!("{:?}", err).contains("limitFile"), "{err:?}");
-    }
-
-    #[test]
-    fn an_empty_token_file_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        fs::write(dir.path().join("token"), "\n").unwrap();
-        let path = dir.path().join("gw.yaml");
-        fs::write(
-            &path,
-            "listeners: {proxy: '127.0.0.1:1', admin: '127.0.0.1:2'}\nadminTokenFile: token\n",
-        )
-        .unwrap();
-        let config = GatewayConfig::load(&path).unwrap();
-        assert!(matches!(
-            config.read_token(),
-            Err(ConfigError::EmptyToken(_))
-        ));
     }
 }

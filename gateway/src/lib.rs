@@ -56,6 +56,12 @@ pub enum StartError {
     /// The configuration could not be read.
     #[error(transparent)]
     Config(#[from] config::ConfigError),
+    /// The admin token is missing or not fit for use.
+    #[error(transparent)]
+    AdminToken(#[from] admin::token::TokenError),
+    /// The admin certificate could not be loaded.
+    #[error("the admin certificate could not be loaded")]
+    AdminTls(#[from] admin::tls::TlsError),
     /// A listener could not be bound.
     #[error("binding {addr} failed")]
     Bind {
@@ -85,9 +91,21 @@ pub struct Running {
 
 /// Binds the listeners, loads the limits file if there is one, and starts serving.
 pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
-    let token = admin::AdminToken::new(config.read_token()?.as_deref());
-    if config.admin_token_file.is_none() {
-        tracing::warn!("no adminTokenFile configured: PUT /v1/limits is refused");
+    let (token, token_file) = admin::token::load(config.admin_token_file.as_deref())?;
+    let tokens = Arc::new(admin::AdminTokens::new(
+        &token,
+        config.admin_token_overlap.get(),
+    ));
+    let tls = config
+        .admin_tls
+        .as_ref()
+        .map(admin::tls::AdminTls::load)
+        .transpose()?;
+    if tls.is_none() && !config.listeners.admin.ip().is_loopback() {
+        tracing::warn!(
+            admin = %config.listeners.admin,
+            "the admin listener is plain HTTP off loopback: its bearer token crosses the network in clear text (set adminTls)"
+        );
     }
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr)
@@ -112,10 +130,10 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     if let Some(path) = &config.limits_file {
         gw.await_operator(config.await_operator.get());
         let seen = match reload::load_once(&gw, path) {
-            Ok(digest) => Some(digest),
+            Ok(watch) => watch,
             Err(error) => {
                 tracing::warn!(%error, "no limits file yet; waiting for it or for PUT /v1/limits");
-                None
+                reload::FileWatch::new(vec![path.clone()])
             }
         };
         tasks.push(tokio::spawn(reload::watch_file(
@@ -126,10 +144,36 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
             shutdown_rx.clone(),
         )));
     }
-    tasks.push(tokio::spawn(admin::serve(
+    let poll = config.limits_poll_interval.get();
+    if let Some(path) = &config.admin_token_file {
+        tasks.push(tokio::spawn(admin::token::watch(
+            tokens.clone(),
+            path.clone(),
+            token_file,
+            poll,
+            gw.metrics().clone(),
+            shutdown_rx.clone(),
+        )));
+    }
+    let tls = tls.map(|(tls, files)| {
+        tasks.push(tokio::spawn(admin::tls::watch(
+            tls.clone(),
+            files,
+            poll,
+            gw.metrics().clone(),
+            shutdown_rx.clone(),
+        )));
+        tls
+    });
+    let admin_listener = admin::AdminListener {
+        timeout: config.admin_header_read_timeout.get(),
+        max_connections: config.admin_max_connections as usize,
+        tls,
+    };
+    tasks.push(tokio::spawn(admin_listener.serve(
         admin,
         gw.clone(),
-        token,
+        tokens,
         shutdown_rx.clone(),
     )));
     tasks.push(tokio::spawn(server::serve(

@@ -204,6 +204,31 @@ struct SourceLabel {
     source: &'static str,
 }
 
+/// A file of the admin API that the gateway follows (`file` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AdminFile {
+    /// `adminTokenFile`.
+    Token,
+    /// `adminTls.certFile` with its `keyFile`.
+    Certificate,
+}
+
+impl EncodeLabelValue for AdminFile {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        match self {
+            Self::Token => "token",
+            Self::Certificate => "certificate",
+        }
+        .encode(encoder)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct AdminReloadLabels {
+    file: AdminFile,
+    outcome: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Every metric family of the gateway, registered in one registry. Cheap to clone; clones
@@ -238,6 +263,8 @@ pub struct Metrics {
     open_fds: Gauge,
     max_fds: Gauge,
     resident_memory: Gauge,
+    admin_connections_refused: Counter,
+    admin_reloads: Family<AdminReloadLabels, Counter>,
 }
 
 impl fmt::Debug for Metrics {
@@ -295,6 +322,8 @@ impl Metrics {
             open_fds: Gauge::default(),
             max_fds: Gauge::default(),
             resident_memory: Gauge::default(),
+            admin_connections_refused: Counter::default(),
+            admin_reloads: Family::default(),
         };
         r.register(
             "poolpilot_pool_connections",
@@ -435,6 +464,16 @@ impl Metrics {
             "Resident memory size",
             Unit::Bytes,
             m.resident_memory.clone(),
+        );
+        r.register(
+            "poolpilot_admin_connections_refused",
+            "Admin connections closed at once because adminMaxConnections were open",
+            m.admin_connections_refused.clone(),
+        );
+        r.register(
+            "poolpilot_admin_reloads",
+            "Changes of the admin token or certificate files, applied or refused (the old one kept)",
+            m.admin_reloads.clone(),
         );
         *m.registry.lock() = r;
         m
@@ -651,5 +690,18 @@ impl Metrics {
         if let Some(max) = max {
             self.max_fds.set(max as i64);
         }
+    }
+
+    // --- admin ---
+
+    pub(crate) fn admin_connection_refused(&self) {
+        self.admin_connections_refused.inc();
+    }
+
+    pub(crate) fn admin_file_reloaded(&self, file: AdminFile, applied: bool) {
+        let outcome = if applied { "applied" } else { "refused" };
+        self.admin_reloads
+            .get_or_create(&AdminReloadLabels { file, outcome })
+            .inc();
     }
 }

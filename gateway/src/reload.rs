@@ -1,8 +1,15 @@
-//! The durable limits path: the limits file (a mounted ConfigMap, or a hand-written file) is
-//! loaded at start and polled for changes; a changed file is applied under the same rules as
-//! `PUT /v1/limits`, until a document arrives by PUT: from then on the operator manages the
-//! pod and file changes are ignored (see [`Gateway::managed_by_api`]). Polling the content (not
-//! inotify) also sees ConfigMap symlink swaps.
+//! Files the gateway follows while it runs, polled by content ([`FileWatch`]): the durable limits
+//! path here, the admin token and certificate in [`crate::admin`].
+//!
+//! The limits file (a mounted ConfigMap, or a hand-written file) is loaded at start and polled
+//! for changes; a changed file is applied under the same rules as `PUT /v1/limits`, until a
+//! document arrives by PUT: from then on the operator manages the pod and file changes are
+//! ignored (see [`Gateway::managed_by_api`]).
+//!
+//! Polling the content rather than watching with inotify (the `notify` crate): a mounted
+//! ConfigMap or Secret changes by the kubelet swapping a `..data` symlink in the parent folder,
+//! which a watch on the file itself never sees, and the kubelet's own refresh (up to a minute or
+//! so) dwarfs a poll every couple of seconds, which costs one read of a small file.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -45,14 +52,14 @@ pub fn parse(path: &Path, text: &[u8]) -> Result<GatewayLimits, LimitsFileError>
     })
 }
 
-/// Reads and applies the file once. Returns the content digest, so the watcher knows what it
-/// has seen, whether or not it was applied.
-pub fn load_once(gw: &Gateway, path: &Path) -> Result<[u8; 32], LimitsFileError> {
+/// Reads and applies the file once. Returns a watch that has seen this content, whether or not
+/// it was applied, for [`watch_file`].
+pub fn load_once(gw: &Gateway, path: &Path) -> Result<FileWatch, LimitsFileError> {
     let text = fs::read(path).map_err(|source| LimitsFileError::Read {
         path: path.into(),
         source,
     })?;
-    let digest: [u8; 32] = Sha256::digest(&text).into();
+    let watch = FileWatch::having_seen(vec![path.into()], std::slice::from_ref(&text));
     match parse(path, &text) {
         Ok(doc) => {
             // Refusals are logged and counted by `apply`.
@@ -63,39 +70,31 @@ pub fn load_once(gw: &Gateway, path: &Path) -> Result<[u8; 32], LimitsFileError>
             tracing::warn!(error = %error, source = ?std::error::Error::source(&error), "limits file refused");
         }
     }
-    Ok(digest)
+    Ok(watch)
 }
 
-/// Polls `path` every `interval` until `shutdown`, applying it whenever its content changes.
+/// Polls `path` every `interval` until `shutdown`, applying it whenever its content changes
+/// from what `file` (a watch of `path`) has seen.
 pub async fn watch_file(
     gw: Gateway,
     path: PathBuf,
     interval: Duration,
-    mut seen: Option<[u8; 32]>,
-    mut shutdown: watch::Receiver<bool>,
+    mut file: FileWatch,
+    shutdown: watch::Receiver<bool>,
 ) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.wait_for(|s| *s) => return,
-        }
-        let Ok(text) = fs::read(&path) else { continue };
-        let digest: [u8; 32] = Sha256::digest(&text).into();
-        if seen == Some(digest) {
-            continue;
-        }
-        seen = Some(digest);
+    poll(interval, shutdown, || {
+        let Some(contents) = file.changed() else {
+            return;
+        };
         if gw.managed_by_api() {
             tracing::info!(
                 path = %path.display(),
                 "limits file changed; not applied: this pod's limits come by PUT /v1/limits"
             );
-            continue;
+            return;
         }
         tracing::info!(path = %path.display(), "limits file changed");
-        match parse(&path, &text) {
+        match parse(&path, &contents[0]) {
             Ok(doc) => {
                 let _ = gw.apply(doc, LimitsSource::File);
             }
@@ -103,6 +102,75 @@ pub async fn watch_file(
                 gw.metrics().limits_rejected("file");
                 tracing::warn!(%error, source = ?std::error::Error::source(&error), "limits file refused");
             }
+        }
+    })
+    .await;
+}
+
+/// Notices when a set of files changes, by the digest of their contents: a mounted ConfigMap's
+/// or Secret's symlink swap, an editor's rename or an in-place write look the same.
+#[derive(Debug)]
+pub struct FileWatch {
+    paths: Vec<PathBuf>,
+    seen: Option<[u8; 32]>,
+}
+
+impl FileWatch {
+    /// Watches `paths`; nothing seen yet.
+    pub fn new(paths: Vec<PathBuf>) -> Self {
+        Self { paths, seen: None }
+    }
+
+    /// Watches `paths`, whose `contents` (in the same order) were read already.
+    pub fn having_seen(paths: Vec<PathBuf>, contents: &[Vec<u8>]) -> Self {
+        Self {
+            paths,
+            seen: Some(digest(contents)),
+        }
+    }
+
+    /// Reads every file; returns their contents (in the order of the paths) when they differ
+    /// from what was last seen. While one of them cannot be read (a swap in progress, not
+    /// mounted yet), nothing changed.
+    pub fn changed(&mut self) -> Option<Vec<Vec<u8>>> {
+        let contents = self
+            .paths
+            .iter()
+            .map(fs::read)
+            .collect::<Result<Vec<_>, _>>()
+            .ok()?;
+        let digest = digest(&contents);
+        if self.seen == Some(digest) {
+            return None;
+        }
+        self.seen = Some(digest);
+        Some(contents)
+    }
+}
+
+/// One digest of several files' contents (each prefixed by its length, so that bytes moving from
+/// one file to the next are a change).
+fn digest(contents: &[Vec<u8>]) -> [u8; 32] {
+    let mut hash = Sha256::new();
+    for c in contents {
+        hash.update((c.len() as u64).to_le_bytes());
+        hash.update(c);
+    }
+    hash.finalize().into()
+}
+
+/// Runs `check` every `interval` until `shutdown` turns true.
+pub async fn poll(
+    interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+    mut check: impl FnMut(),
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => check(),
+            _ = shutdown.wait_for(|s| *s) => return,
         }
     }
 }

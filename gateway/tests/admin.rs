@@ -25,7 +25,7 @@ async fn put(gw: &Gw, token: Option<&str>, body: &str) -> (u16, serde_json::Valu
 }
 
 async fn limits_in_force(gw: &Gw) -> serde_json::Value {
-    serde_json::from_str(&get(gw.admin, "/v1/limits", &[]).await.2).unwrap()
+    serde_json::from_str(&gw.admin_get("/v1/limits").await.2).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -131,7 +131,7 @@ async fn metrics_follow_the_contract() {
     assert!(text.contains("poolpilot_upstream_request_duration_seconds_count{backend=\"model-a\",code_class=\"2xx\"} 1"), "{text}");
     assert!(metric(&text, "process_open_fds").unwrap() > 5.0);
     let stats: serde_json::Value =
-        serde_json::from_str(&get(gw.admin, "/v1/stats", &[]).await.2).unwrap();
+        serde_json::from_str(&gw.admin_get("/v1/stats").await.2).unwrap();
     let ep = &stats["backends"]["model-a"]["endpoints"][0];
     assert_eq!(
         (

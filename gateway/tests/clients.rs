@@ -132,7 +132,7 @@ async fn an_allowlisted_client_gets_its_higher_limit() {
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     let stats: serde_json::Value =
-        serde_json::from_str(&get(gw.admin, "/v1/stats", &[]).await.2).unwrap();
+        serde_json::from_str(&gw.admin_get("/v1/stats").await.2).unwrap();
     assert_eq!(stats["topClients"][0]["client"], "batch-team");
     assert_eq!(stats["topClients"][0]["inflight"], 6);
     for b in batch {

@@ -319,7 +319,7 @@ async fn shutdown_drains_in_flight_requests_closes_upstreams_and_stops_accepting
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_shutdown_readiness_fails_first_and_traffic_is_served_for_the_shutdown_delay() {
     let backend = Backend::start().await;
-    let mut gw = Gw::start_configured_with(None, Duration::from_secs(5), Duration::ZERO, |c| {
+    let mut gw = Gw::start_edited(None, Duration::from_secs(5), Duration::ZERO, |c, _| {
         c.shutdown_delay = Duration::from_millis(800).into();
     })
     .await;
@@ -390,7 +390,7 @@ impl Process {
             serde_norway::to_string(limits).unwrap(),
         )
         .unwrap();
-        std::fs::write(dir.path().join("token"), "t\n").unwrap();
+        std::fs::write(dir.path().join("token"), TEST_TOKEN).unwrap();
         let config = format!(
             "listeners: {{proxy: '{}', admin: '{}'}}\nadminTokenFile: token\nlimitsFile: limits.yaml\ndrainGrace: 5s\nshutdownDelay: 200ms\n",
             configured.0, configured.1

@@ -38,6 +38,20 @@ pub struct Args {
     /// The gateways' admin port (the pod annotation `poolpilot.io/admin-port` overrides it).
     #[arg(long, env = "POOLPILOT_ADMIN_PORT", default_value_t = 9901)]
     pub admin_port: u16,
+    /// PEM bundle of the CA(s) that sign the gateways' admin certificates (a mounted
+    /// `ca.crt`, re-read when it changes). Set: limits go to the gateways over HTTPS, verified
+    /// against it. Empty: over plain HTTP, the admin token in clear text (loopback and tests
+    /// only).
+    #[arg(long, env = "POOLPILOT_GATEWAY_CA_FILE", default_value = "")]
+    pub gateway_ca_file: String,
+    /// The name each gateway's admin certificate must carry, `{namespace}` standing for the
+    /// pod's namespace (the pods are reached by IP, which no shared certificate names).
+    #[arg(
+        long,
+        env = "POOLPILOT_GATEWAY_SERVER_NAME",
+        default_value = "poolpilot-gateway-admin.{namespace}.svc"
+    )]
+    pub gateway_server_name: String,
     /// Timeout of one PUT to a gateway.
     #[arg(long, env = "POOLPILOT_PUT_TIMEOUT", default_value = "5s")]
     pub put_timeout: Duration,
@@ -100,6 +114,14 @@ mod tests {
         assert!(!a.leader_election);
         assert_eq!(a.namespace, "", "every namespace by default");
         assert_eq!(a.concurrent_reconciles, 8);
+        assert_eq!(
+            a.gateway_ca_file, "",
+            "plain HTTP unless a CA bundle is given"
+        );
+        assert_eq!(
+            a.gateway_server_name,
+            "poolpilot-gateway-admin.{namespace}.svc"
+        );
         assert!(
             Args::try_parse_from(["poolpilot-operator", "--concurrent-reconciles", "0"]).is_err(),
             "0 would mean unbounded to the Controller"

@@ -10,6 +10,7 @@ use futures::{StreamExt, future};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ListParams};
+use kube::core::DeserializeGuard;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -61,6 +62,9 @@ pub enum RunError {
     /// The gateway HTTP client could not be built.
     #[error("failed to build the gateway HTTP client")]
     Gateways(#[source] reqwest::Error),
+    /// The gateways' CA bundle or server name cannot be used.
+    #[error(transparent)]
+    GatewayTrust(#[from] crate::gateway::TrustError),
     /// Leader election failed.
     #[error("leader election failed")]
     Lease(#[source] kube_lease_manager::LeaseManagerError),
@@ -81,7 +85,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         "watching ConnectionPolicies"
     );
     scope
-        .api::<ConnectionPolicy>(&client)
+        .api::<DeserializeGuard<ConnectionPolicy>>(&client)
         .list(&ListParams::default().limit(1))
         .await
         .map_err(RunError::Crd)?;
@@ -130,7 +134,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
     ));
 
     let identity = args.identity.clone().unwrap_or_else(hostname);
-    let gateways = HttpGateways::new(args.put_timeout.get()).map_err(RunError::Gateways)?;
+    let gateways = gateway_client(&args)?;
     let term = Term {
         client: client.clone(),
         scope,
@@ -194,6 +198,29 @@ pub async fn run(args: Args) -> Result<(), RunError> {
     Ok(())
 }
 
+/// The client that PUTs limits to the gateways: HTTPS verified against `--gateway-ca-file`, or
+/// plain HTTP without one (said in the log, once).
+fn gateway_client(args: &Args) -> Result<HttpGateways, RunError> {
+    let timeout = args.put_timeout.get();
+    if args.gateway_ca_file.is_empty() {
+        warn!(
+            "no --gateway-ca-file: limits and the admin token go to the gateways over plain HTTP"
+        );
+        return HttpGateways::new(timeout).map_err(RunError::Gateways);
+    }
+    let trust = crate::gateway::GatewayTrust::load(
+        args.gateway_ca_file.clone().into(),
+        args.gateway_server_name.clone(),
+        timeout,
+    )?;
+    info!(
+        ca = %args.gateway_ca_file,
+        name = %args.gateway_server_name,
+        "limits go to the gateways over HTTPS"
+    );
+    HttpGateways::with_trust(timeout, trust).map_err(RunError::Gateways)
+}
+
 /// Everything one leadership term needs.
 struct Term {
     client: Client,
@@ -212,8 +239,10 @@ impl Term {
     /// Runs the Controller until `stop` is cancelled.
     async fn run(&self, stop: CancellationToken) {
         let c = &self.client;
+        // Policies this operator cannot read arrive as errors, reported and skipped one by one,
+        // instead of failing the whole list and with it every other policy's reconcile.
         let controller = Controller::new(
-            self.scope.api::<ConnectionPolicy>(c),
+            self.scope.api::<DeserializeGuard<ConnectionPolicy>>(c),
             watcher::Config::default(),
         )
         .with_config(controller::Config::default().concurrency(self.args.concurrent_reconciles));
@@ -279,48 +308,58 @@ impl Term {
     }
 }
 
-/// [`reconcile::reconcile`], timed into `poolpilot_operator_reconcile_duration_seconds`.
+/// [`reconcile::reconcile_object`], timed into `poolpilot_operator_reconcile_duration_seconds`.
 async fn timed_reconcile(
-    policy: Arc<ConnectionPolicy>,
+    policy: Arc<DeserializeGuard<ConnectionPolicy>>,
     ctx: Arc<reconcile::Context<HttpGateways>>,
 ) -> crate::Result<Action> {
     let start = Instant::now();
     let histogram = ctx.metrics.reconcile_duration.clone();
-    let out = reconcile::reconcile(policy, ctx).await;
+    let out = reconcile::reconcile_object(policy, ctx).await;
     histogram.observe(start.elapsed().as_secs_f64());
     out
 }
 
+/// The policies of a cache that this operator can read, each with its reference.
+fn readable(
+    policies: &[Arc<DeserializeGuard<ConnectionPolicy>>],
+) -> impl Iterator<
+    Item = (
+        ObjectRef<DeserializeGuard<ConnectionPolicy>>,
+        &ConnectionPolicy,
+    ),
+> {
+    policies
+        .iter()
+        .filter_map(|g| Some((ObjectRef::from_obj(&**g), g.0.as_ref().ok()?)))
+}
+
 /// The policies whose gateway selector selects `pod`.
 fn policies_selecting(
-    store: &Store<ConnectionPolicy>,
+    store: &Store<DeserializeGuard<ConnectionPolicy>>,
     pod: &Pod,
-) -> Vec<ObjectRef<ConnectionPolicy>> {
+) -> Vec<ObjectRef<DeserializeGuard<ConnectionPolicy>>> {
     let ns = pod.namespace();
-    store
-        .state()
-        .iter()
-        .filter(|p| {
+    readable(&store.state())
+        .filter(|(_, p)| {
             p.namespace() == ns && selector::matches(&p.spec.gateway_selector, pod.labels())
         })
-        .map(|p| ObjectRef::from_obj(&**p))
+        .map(|(r, _)| r)
         .collect()
 }
 
 /// The policies with a backend on the Service that `slice` belongs to.
 fn policies_using(
-    store: &Store<ConnectionPolicy>,
+    store: &Store<DeserializeGuard<ConnectionPolicy>>,
     slice: &EndpointSlice,
-) -> Vec<ObjectRef<ConnectionPolicy>> {
+) -> Vec<ObjectRef<DeserializeGuard<ConnectionPolicy>>> {
     let ns = slice.namespace();
     let Some(service) = slice.labels().get("kubernetes.io/service-name") else {
         return Vec::new();
     };
-    store
-        .state()
-        .iter()
-        .filter(|p| p.namespace() == ns)
-        .filter(|p| {
+    readable(&store.state())
+        .filter(|(_, p)| p.namespace() == ns)
+        .filter(|(_, p)| {
             p.spec.backends.iter().any(|b| {
                 b.endpoints
                     .service
@@ -328,7 +367,7 @@ fn policies_using(
                     .is_some_and(|s| &s.name == service)
             })
         })
-        .map(|p| ObjectRef::from_obj(&**p))
+        .map(|(r, _)| r)
         .collect()
 }
 

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
 use parking_lot::RwLock;
 use poolpilot_api::ConnectionPolicy;
@@ -100,6 +101,8 @@ pub struct Metrics {
     pub puts: Family<OutcomeLabel, Counter>,
     /// Policies per condition status (counted at scrape time).
     pub policies: PolicyConditions,
+    /// Generations read back that were too large to be real, and ignored.
+    pub generations_ignored: Counter,
 }
 
 impl Default for Metrics {
@@ -116,6 +119,7 @@ impl Default for Metrics {
             kube_requests: Family::default(),
             puts: Family::default(),
             policies: PolicyConditions::default(),
+            generations_ignored: Counter::default(),
         }
     }
 }
@@ -169,6 +173,11 @@ impl Metrics {
             "Limits documents sent to gateway pods, by outcome",
             self.puts.clone(),
         );
+        registry.register(
+            "generations_ignored",
+            "Generations read back (ConfigMap annotations, pod answers, statuses) too large to be real, and ignored",
+            self.generations_ignored.clone(),
+        );
         registry.register_collector(Box::new(self.policies.clone()));
         registry.register_collector(Box::new(ResidentMemory));
         self
@@ -203,7 +212,7 @@ impl Metrics {
 /// tracked, the six condition types are exported with `True` and `False` even when no policy has
 /// them (zero, not absent).
 #[derive(Clone, Debug, Default)]
-pub struct PolicyConditions(Arc<RwLock<Option<Store<ConnectionPolicy>>>>);
+pub struct PolicyConditions(Arc<RwLock<Option<Store<DeserializeGuard<ConnectionPolicy>>>>>);
 
 /// Stops the tracking of a policy cache when dropped (the leadership term ended).
 #[derive(Debug)]
@@ -218,7 +227,7 @@ impl Drop for Tracking {
 impl PolicyConditions {
     /// Counts from `store` until the returned guard is dropped.
     #[must_use = "tracking stops when the guard is dropped"]
-    pub fn track(&self, store: Store<ConnectionPolicy>) -> Tracking {
+    pub fn track(&self, store: Store<DeserializeGuard<ConnectionPolicy>>) -> Tracking {
         *self.0.write() = Some(store);
         Tracking(self.clone())
     }
@@ -230,7 +239,7 @@ impl Collector for PolicyConditions {
             return Ok(());
         };
         let policies = store.state();
-        let counts = condition_counts(policies.iter().map(|p| &**p));
+        let counts = condition_counts(policies.iter().filter_map(|p| p.0.as_ref().ok()));
         let mut family = encoder.encode_descriptor(
             "policies",
             "ConnectionPolicies per condition type and status (leader only)",
@@ -240,6 +249,13 @@ impl Collector for PolicyConditions {
         for (label, n) in &counts {
             ConstGauge::new(*n).encode(family.encode_family(label)?)?;
         }
+        let unreadable = policies.iter().filter(|p| p.0.is_err()).count();
+        ConstGauge::new(unreadable as i64).encode(encoder.encode_descriptor(
+            "policies_unreadable",
+            "ConnectionPolicies this operator cannot read (skipped; each has an InvalidPolicy Event) (leader only)",
+            None,
+            MetricType::Gauge,
+        )?)?;
         Ok(())
     }
 }
@@ -395,8 +411,14 @@ mod tests {
             ),
             policy("c", &[]),
         ] {
-            writer.apply_watcher_event(&watcher::Event::Apply(p));
+            writer.apply_watcher_event(&watcher::Event::Apply(DeserializeGuard(Ok(p))));
         }
+        // One this operator cannot read: counted apart.
+        let mut unreadable = serde_json::to_value(policy("d", &[])).unwrap();
+        unreadable["spec"]["rollout"] = serde_json::json!({"strategy": "BlueGreen"});
+        writer.apply_watcher_event(&watcher::Event::Apply(
+            serde_json::from_value::<DeserializeGuard<ConnectionPolicy>>(unreadable).unwrap(),
+        ));
         assert!(
             !encode(&registry).contains("poolpilot_operator_policies"),
             "a standby (no tracked cache) exports nothing"
@@ -411,6 +433,7 @@ mod tests {
             "poolpilot_operator_policies{condition=\"MetricsAvailable\",status=\"False\"} 1",
             "poolpilot_operator_policies{condition=\"MetricsAvailable\",status=\"Unknown\"} 1",
             "poolpilot_operator_policies{condition=\"Ready\",status=\"True\"} 0",
+            "poolpilot_operator_policies_unreadable 1",
         ] {
             assert!(
                 out.contains(&format!("{line}\n")),
@@ -420,7 +443,10 @@ mod tests {
         assert!(!out.contains("name="), "no object names in labels:\n{out}");
 
         // A policy leaves the cache: the count follows at the next scrape.
-        writer.apply_watcher_event(&watcher::Event::Delete(policy("a", &[])));
+        writer.apply_watcher_event(&watcher::Event::Delete(DeserializeGuard(Ok(policy(
+            "a",
+            &[],
+        )))));
         let out = encode(&registry);
         assert!(
             out.contains(

@@ -80,6 +80,21 @@ fn revision_follows_content_not_generation() {
 }
 
 #[test]
+fn a_generation_beyond_what_json_readers_keep_exactly_is_refused() {
+    let mut doc = example();
+    doc.generation = MAX_GENERATION;
+    doc.validate().expect("the largest generation is valid");
+    for generation in [MAX_GENERATION + 1, u64::MAX] {
+        doc.generation = generation;
+        let err = doc.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("generation") && err.contains(&MAX_GENERATION.to_string()),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn unknown_fields_are_refused() {
     let err = serde_norway::from_str::<GatewayLimits>("generation: 1\nbackendz: []\n").unwrap_err();
     assert!(err.to_string().contains("backendz"), "{err}");

@@ -238,6 +238,22 @@ pub const EVENTS: &[EventDoc] = &[
                   error, an RBAC denial included. The operator retries every few seconds; \
                   repeats are counted in the same Event series",
     },
+    EventDoc {
+        type_: "Warning",
+        reason: "InvalidPolicy",
+        meaning: "this operator cannot read the policy (a field or value it does not know, \
+                  written under a newer CRD): it is skipped, its backends are in no document, \
+                  and every other policy reconciles; the note has the error. Upgrade the \
+                  operator to the CRD's release, or fix the policy",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "ImplausibleGeneration",
+        meaning: "a generation read back (a limits ConfigMap's annotation or document, a pod's \
+                  answer, a status) is 2^53 − 1 or more: ignored, never stepped over; the note \
+                  says where it was read. A pod running one is named in `RolledOut` and needs a \
+                  restart",
+    },
 ];
 
 /// Whether `(type_, status, reason)` is a documented condition state.

@@ -484,6 +484,62 @@ fn cel_refuses_ambiguous_endpoints_and_identities() {
 }
 
 #[test]
+fn cel_refuses_static_endpoints_that_lead_back_into_the_pod_or_to_the_node() {
+    let with = |address: &str, allow: bool| {
+        let mut p = sample();
+        let endpoints = &mut p.spec.backends[0].endpoints;
+        endpoints.service = None;
+        endpoints.addresses = Some(vec![StaticEndpoint {
+            name: None,
+            address: address.into(),
+        }]);
+        endpoints.allow_private_addresses = allow;
+        cel_errors(&p)
+    };
+    let message = "endpoints.addresses must be unicast addresses outside the pod and the node: loopback, link-local, metadata, multicast and broadcast addresses need endpoints.allowPrivateAddresses";
+    for address in [
+        "127.0.0.1:9901",
+        "127.8.9.10:80",
+        "[::1]:9901",
+        "0.0.0.0:9901",
+        "[::]:9901",
+        "169.254.169.254:80",
+        "[fe80::1]:80",
+        "[fd00:ec2::254]:80",
+        "[fd00:ec2:0::254]:80",
+        "100.100.100.200:80",
+        "224.0.0.1:80",
+        "255.255.255.255:80",
+    ] {
+        assert_eq!(with(address, false), [message], "{address}");
+        assert_eq!(
+            with(address, true),
+            Vec::<String>::new(),
+            "allowed: {address}"
+        );
+    }
+    // Not ip:port at all (Kubernetes' isIP also refuses IPv4-mapped IPv6), allowed or not.
+    let not_ip_port = "endpoints.addresses must be ip:port (IPv6 as [addr]:port)";
+    for address in [
+        "not-an-address",
+        "[::1",
+        "10.0.0.1",
+        "10.0.0.1:http",
+        "[::ffff:127.0.0.1]:9901",
+    ] {
+        for allow in [false, true] {
+            assert!(
+                with(address, allow).contains(&not_ip_port.to_owned()),
+                "{address}"
+            );
+        }
+    }
+    for address in ["10.0.0.5:8000", "192.168.1.20:80", "[2001:db8::7]:8000"] {
+        assert_eq!(with(address, false), Vec::<String>::new(), "{address}");
+    }
+}
+
+#[test]
 fn cel_refuses_client_rule_breaks() {
     let mut p = sample();
     let c = p.spec.clients.as_mut().unwrap();

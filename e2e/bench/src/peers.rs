@@ -67,8 +67,8 @@ pub struct Env {
 /// The gateway's own config and its limits document.
 pub fn poolpilot_configs(s: &PeerSettings, admin: SocketAddr) -> (String, String) {
     let gateway = format!(
-        "listeners:\n  proxy: {listen}\n  admin: {admin}\nlimitsFile: bench-limits.yaml\n\
-         limitsPollInterval: 60s\ndrainGrace: 1s\n",
+        "listeners:\n  proxy: {listen}\n  admin: {admin}\nadminTokenFile: bench-admin-token\n\
+         limitsFile: bench-limits.yaml\nlimitsPollInterval: 60s\ndrainGrace: 1s\n",
         listen = s.listen,
     );
     let limits = format!(
@@ -87,6 +87,19 @@ pub fn poolpilot_configs(s: &PeerSettings, admin: SocketAddr) -> (String, String
         queue = s.queue_timeout_s,
     );
     (gateway, limits)
+}
+
+/// 32 random bytes in hex: the gateway refuses to start without an admin token of at least 32
+/// bytes.
+fn random_token() -> std::io::Result<String> {
+    use std::fmt::Write as _;
+    use std::io::Read as _;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    }))
 }
 
 /// `haproxy.cfg`.
@@ -182,6 +195,7 @@ pub async fn start(target: Target, s: &PeerSettings, env: &Env) -> anyhow::Resul
             let (gateway, limits) = poolpilot_configs(s, admin);
             std::fs::write(dir.join("bench-gateway.yaml"), gateway)?;
             std::fs::write(dir.join("bench-limits.yaml"), limits)?;
+            std::fs::write(dir.join("bench-admin-token"), random_token()?)?;
             let config = dir.join("bench-gateway.yaml").display().to_string();
             Proc::spawn(
                 "poolpilot",

@@ -1,11 +1,14 @@
-//! `make demo`: poolpilot's main job on the embedded cluster, live. Deploys the product from
-//! `manifests/overlays/local` (CRD, operator, gateways, modelsim backends, the sample policy),
+//! `make demo`: poolpilot's main job on the embedded cluster, live. Makes the admin credentials
+//! an install makes (unless an earlier run did: a random token, a CA and the gateways'
+//! certificate), deploys the product from `manifests/overlays/local` (CRD, operator, gateways,
+//! modelsim backends, the sample policy),
 //! lets the pool shrink while idle, plays a flash crowd (seed 1: demand 50% over the pool), and
 //! shows once a second what the gateways and the operator do until the error rate is back under
 //! 0.5%; then a before/after summary, leaving everything running.
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal as _, Write as _};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -14,9 +17,10 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_e2e::cluster::run;
+use poolpilot_e2e::credentials::{self, AdminCredentials};
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
 use poolpilot_e2e::paths::workspace_root;
-use poolpilot_e2e::stack::{GATEWAY_LABELS, GatewayPod, is_ready, metric_sum, pod_ip};
+use poolpilot_e2e::stack::{ADMIN_PORT, GATEWAY_LABELS, GatewayPod, is_ready, metric_sum};
 use poolpilot_e2e::{Cluster, eventually};
 use tokio::time::Instant;
 
@@ -26,6 +30,9 @@ struct Args {
     /// The sample's namespace (manifests/overlays/local).
     #[arg(long, default_value = "poolpilot")]
     namespace: String,
+    /// The operator's namespace (manifests/overlays/local), where its CA bundle goes.
+    #[arg(long, default_value = "poolpilot-system")]
+    operator_namespace: String,
     /// The sample policy.
     #[arg(long, default_value = "models")]
     policy: String,
@@ -68,6 +75,21 @@ async fn main() -> anyhow::Result<()> {
 
     step("installing the ConnectionPolicy CRD (kubectl apply -k manifests/crds)");
     cluster.install_crd().await?;
+    step(
+        "creating the admin credentials (a random token, a CA, the gateways' certificate) unless they exist",
+    );
+    for ns in [&args.namespace, &args.operator_namespace] {
+        eventually("the namespace exists", Duration::from_secs(60), || async {
+            let object = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
+            let file = tempfile::NamedTempFile::new()?;
+            std::fs::write(file.path(), serde_json::to_vec(&object)?)?;
+            run(cluster.kubectl().args(["apply", "-f"]).arg(file.path())).await
+        })
+        .await?;
+    }
+    let credentials = Arc::new(
+        AdminCredentials::ensure(&client, &args.namespace, &args.operator_namespace).await?,
+    );
     step("deploying poolpilot (kubectl apply -k manifests/overlays/local)");
     let overlay = root.join("manifests/overlays/local");
     eventually("the overlay applies", Duration::from_secs(60), || async {
@@ -87,7 +109,7 @@ async fn main() -> anyhow::Result<()> {
         },
     )
     .await?;
-    let gateways = ready_gateways(&pods).await?;
+    let gateways = ready_gateways(&pods, &credentials).await?;
     println!(
         "   policy {} Ready, {} gateway pods: {}",
         args.policy,
@@ -150,7 +172,7 @@ async fn main() -> anyhow::Result<()> {
         "flash crowd: {workers} callers at once against a pool of {pool} connections \
          ({min} per endpoint × {endpoints} endpoints), lease timeout 300ms"
     ));
-    let gateways = ready_gateways(&pods).await?;
+    let gateways = ready_gateways(&pods, &credentials).await?;
     let before_crowd = backend_status(&policies.get(&args.policy).await?, &args.backend)
         .and_then(|b| b.last_scale);
     let load = Load::start_as(spec(workers), workers, "demo", None)?;
@@ -260,7 +282,25 @@ async fn main() -> anyhow::Result<()> {
             g.proxy(),
             args.backend
         );
-        println!("   limits in force: curl -s http://{}/v1/limits", g.admin());
+        let name = credentials::server_name(&args.namespace);
+        let secret = |key: &str| {
+            format!(
+                "kubectl -n {} get secret {} -o jsonpath='{{.data.{}}}' | base64 -d",
+                args.namespace,
+                if key == "token" {
+                    credentials::TOKEN_SECRET
+                } else {
+                    credentials::TLS_SECRET
+                },
+                key.replace('.', "\\.")
+            )
+        };
+        println!(
+            "   limits in force: curl -s --cacert <({}) --resolve {name}:{ADMIN_PORT}:{} -H \"authorization: Bearer $({})\" https://{name}:{ADMIN_PORT}/v1/limits",
+            secret("ca.crt"),
+            g.ip,
+            secret("token")
+        );
     }
     println!("   stop it all: make demo-down");
     anyhow::ensure!(
@@ -296,18 +336,19 @@ fn backend_status(
         .and_then(|s| s.backends.iter().find(|b| b.name == name).cloned())
 }
 
-async fn ready_gateways(pods: &Api<Pod>) -> anyhow::Result<Vec<GatewayPod>> {
+async fn ready_gateways(
+    pods: &Api<Pod>,
+    credentials: &Arc<AdminCredentials>,
+) -> anyhow::Result<Vec<GatewayPod>> {
     let list = pods
         .list(&ListParams::default().labels(GATEWAY_LABELS))
         .await?;
-    let mut out = Vec::new();
-    for pod in list.items.iter().filter(|p| is_ready(p)) {
-        let ip = pod_ip(pod)?;
-        out.push(GatewayPod {
-            name: kube::ResourceExt::name_any(pod),
-            ip,
-        });
-    }
+    let out = list
+        .items
+        .iter()
+        .filter(|p| is_ready(p))
+        .map(|p| GatewayPod::of(p, credentials))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     anyhow::ensure!(!out.is_empty(), "no Ready gateway pod");
     Ok(out)
 }

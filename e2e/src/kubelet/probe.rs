@@ -1,12 +1,14 @@
-//! Container probes (readiness and liveness): HTTP GET, TCP connect and exec, with their
-//! timing from the pod spec.
+//! Container probes (readiness and liveness): HTTP GET (`scheme: HTTPS` over TLS without
+//! verifying the certificate, as the kubelet does), TCP connect and exec, with their timing from
+//! the pod spec.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Probe;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 
 /// When and how often a probe runs, from the spec (Kubernetes defaults where unset).
 #[derive(Clone, Copy, Debug)]
@@ -63,7 +65,7 @@ async fn run_once(
         let port = port_of(&http.port, ports)?;
         let host = http.host.clone().unwrap_or_else(|| pod_ip.to_owned());
         let path = http.path.clone().unwrap_or_else(|| "/".into());
-        let mut stream = tokio::net::TcpStream::connect((host.as_str(), port))
+        let stream = tokio::net::TcpStream::connect((host.as_str(), port))
             .await
             .map_err(|e| format!("connect {host}:{port}: {e}"))?;
         let mut request = format!(
@@ -73,18 +75,18 @@ async fn run_once(
             request.push_str(&format!("{}: {}\r\n", h.name, h.value));
         }
         request.push_str("\r\n");
-        stream
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut head = vec![0u8; 64];
-        let n = stream.read(&mut head).await.map_err(|e| e.to_string())?;
-        let line = String::from_utf8_lossy(&head[..n]);
-        let code: u16 = line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .ok_or_else(|| format!("not an HTTP answer: {line:?}"))?;
+        let code = match http.scheme.as_deref() {
+            Some("HTTPS") => {
+                let name = rustls::pki_types::ServerName::try_from(host.clone())
+                    .map_err(|e| format!("{host}: {e}"))?;
+                let tls = tokio_rustls::TlsConnector::from(TRUSTING_CLIENT.clone())
+                    .connect(name, stream)
+                    .await
+                    .map_err(|e| format!("TLS handshake with {host}:{port}: {e}"))?;
+                status_code(tls, &request).await?
+            }
+            _ => status_code(stream, &request).await?,
+        };
         return if (200..400).contains(&code) {
             Ok(())
         } else {
@@ -119,6 +121,85 @@ async fn run_once(
         };
     }
     Err("probe has no handler (httpGet, tcpSocket or exec)".into())
+}
+
+/// Sends `request` and reads the status code of the answer.
+async fn status_code(
+    mut stream: impl AsyncRead + AsyncWrite + Unpin,
+    request: &str,
+) -> Result<u16, String> {
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut head = vec![0u8; 64];
+    let n = stream.read(&mut head).await.map_err(|e| e.to_string())?;
+    let line = String::from_utf8_lossy(&head[..n]);
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("not an HTTP answer: {line:?}"))
+}
+
+/// The kubelet's HTTPS probes do not verify the certificate (the pod is reached by IP, and a
+/// probe asks whether it answers, not who it is): a TLS client that accepts any.
+static TRUSTING_CLIENT: LazyLock<Arc<rustls::ClientConfig>> = LazyLock::new(|| {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default versions")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
+        .with_no_client_auth();
+    Arc::new(config)
+});
+
+#[derive(Debug)]
+struct AnyCertificate(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &rustls::pki_types::ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
 }
 
 fn port_of(port: &IntOrString, ports: &BTreeMap<String, u16>) -> Result<u16, String> {

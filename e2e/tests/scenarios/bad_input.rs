@@ -4,7 +4,10 @@
 //! second policy defining the same backend on the same pods is the newer one, so it is
 //! `Accepted=False, reason=Conflicted`, naming the older policy, while the older one stays in
 //! force; (d) a gateway pod that refuses the operator's PUTs (it mounts a stale admin token)
-//! makes `RolledOut=False` naming the pod and the refusal (401).
+//! makes `RolledOut=False` naming the pod and the refusal (401); (e) a static endpoint that
+//! leads back into the gateway pod or to the node's metadata service is refused by the schema
+//! unless `allowPrivateAddresses` says so; (f) a policy this operator cannot read (written under
+//! a newer CRD) gets an `InvalidPolicy` Event while every other step above goes on.
 
 use std::time::Duration;
 
@@ -28,6 +31,8 @@ const DUPLICATE: &str = "models-again";
 const STALE_POD: &str = "poolpilot-gateway-zzzzzzzzzzz-stale-token";
 /// The Secret the operator reads the gateways' token from (`--token-secret`).
 const TOKEN_SECRET: &str = "poolpilot-admin-token";
+/// The policy written under a newer CRD.
+const FROM_THE_FUTURE: &str = "from-a-newer-crd";
 
 #[tokio::test]
 async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Result<()> {
@@ -69,6 +74,42 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
             ],
         )
         .await?;
+
+        // === (e) static endpoints into the pod or to the node's metadata service ===
+        for (name, address) in [
+            ("to-metadata", "169.254.169.254:80"), // hermetic: not a destination (refused by the schema)
+            ("to-itself", "127.0.0.1:9901"),
+        ] {
+            let mut invalid = Stack::sample_policy()?;
+            set(&mut invalid, "/metadata/name", json!(name))?;
+            set(
+                &mut invalid,
+                "/spec/backends/0/endpoints",
+                json!({"addresses": [{"address": address}]}),
+            )?;
+            refused(
+                stack,
+                &invalid,
+                &[&format!("\"{name}\" is invalid"), "need endpoints.allowPrivateAddresses"],
+            )
+            .await?;
+        }
+
+        // === (f) a policy this operator cannot read, present through every step below ===
+        let created = Instant::now();
+        create_from_a_newer_crd(stack).await?;
+        let event = stack
+            .wait_event(FROM_THE_FUTURE, "InvalidPolicy", "Unknown variant BlueGreen")
+            .await?;
+        figure(
+            SCENARIO,
+            "(f) unreadable policy → InvalidPolicy Event seconds",
+            format!(
+                "{:.1}: {}",
+                created.elapsed().as_secs_f64(),
+                event.message.unwrap_or_default()
+            ),
+        );
 
         // === (b) a backend whose Service has no endpoints ===
         let policy = Stack::quick_policy()?;
@@ -265,6 +306,45 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
         Ok(())
     })
     .await
+}
+
+/// Stores a policy as a newer poolpilot's CRD would let it through (a rollout strategy this
+/// operator does not know): the CRD is widened for the one write, then put back, so that the
+/// stored object outlives the schema that admitted it, as after an upgrade of the CRD ahead of
+/// the operator. Scenarios run one at a time: no other test sees the wider CRD.
+async fn create_from_a_newer_crd(stack: &Stack<'_>) -> anyhow::Result<()> {
+    let crd = "crd/connectionpolicies.poolpilot.io";
+    let current = run_ok(stack.kubectl().args(["get", crd, "-o", "json"])).await?;
+    let mut wider: Value = serde_json::from_str(&current)?;
+    let strategies = wider
+        .pointer_mut(
+            "/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/rollout/properties/strategy/enum",
+        )
+        .and_then(Value::as_array_mut)
+        .context("the rollout strategy enum in the CRD")?;
+    strategies.push(json!("BlueGreen"));
+    let mut policy = Stack::sample_policy()?;
+    set(&mut policy, "/metadata/name", json!(FROM_THE_FUTURE))?;
+    set(&mut policy, "/spec/rollout/strategy", json!("BlueGreen"))?;
+    let replace = |object: Value| async move {
+        let file = tempfile::NamedTempFile::new()?;
+        std::fs::write(file.path(), serde_json::to_vec(&object)?)?;
+        run_ok(stack.kubectl().args(["replace", "-f"]).arg(file.path())).await
+    };
+    replace(wider).await?;
+    let created = poolpilot_e2e::eventually("the wider CRD admits the policy", WAIT, || {
+        stack.apply(&policy)
+    })
+    .await;
+    // Put the CRD back whatever happened, before anything else.
+    let mut current: Value = serde_json::from_str(&current)?;
+    if let Some(meta) = current["metadata"].as_object_mut() {
+        meta.remove("resourceVersion");
+    }
+    replace(current).await?;
+    stack.ns().cluster().install_crd().await?;
+    created?;
+    Ok(())
 }
 
 /// A gateway pod like `model`, outside its ReplicaSet, that mounts a stale admin token: what a

@@ -266,18 +266,19 @@ impl Gw {
         drain_grace: Duration,
         await_operator: Duration,
     ) -> Self {
-        Self::start_configured_with(limits_file, drain_grace, await_operator, |_| {}).await
+        Self::start_edited(limits_file, drain_grace, await_operator, |_, _| {}).await
     }
 
-    /// [`Gw::start_configured`] with the config edited by `edit`.
-    pub async fn start_configured_with(
+    /// [`Gw::start_configured`], with `edit` changing the configuration (given the gateway's
+    /// temporary folder, which holds the token file) before the gateway starts.
+    pub async fn start_edited(
         limits_file: Option<&str>,
         drain_grace: Duration,
         await_operator: Duration,
-        edit: impl FnOnce(&mut GatewayConfig),
+        edit: impl FnOnce(&mut GatewayConfig, &std::path::Path),
     ) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let token = "test-admin-token".to_owned();
+        let token = TEST_TOKEN.to_owned();
         std::fs::write(dir.path().join("token"), format!("{token}\n")).unwrap();
         let limits_path = dir.path().join("limits.yaml");
         if let Some(text) = limits_file {
@@ -289,6 +290,10 @@ impl Gw {
                 admin: "127.0.0.1:0".parse().unwrap(),
             },
             admin_token_file: Some(dir.path().join("token")),
+            admin_token_overlap: poolpilot_api::Duration::from_secs(300),
+            admin_tls: None,
+            admin_header_read_timeout: poolpilot_api::Duration::from_secs(10),
+            admin_max_connections: 64,
             limits_file: limits_file.map(|_| limits_path),
             limits_poll_interval: poolpilot_api::Duration::from_millis(50),
             drain_grace: drain_grace.into(),
@@ -296,7 +301,7 @@ impl Gw {
             // Tests shut down at once unless they test the delay.
             shutdown_delay: poolpilot_api::Duration::ZERO,
         };
-        edit(&mut config);
+        edit(&mut config, dir.path());
         let running = start(config).await.expect("the gateway starts");
         Self {
             proxy: running.proxy_addr,
@@ -321,7 +326,21 @@ impl Gw {
     pub async fn metrics(&self) -> String {
         get(self.admin, "/metrics", &[]).await.2
     }
+
+    /// `Authorization: Bearer <the admin token>`, for `/v1/*` of the admin API.
+    pub fn bearer(&self) -> String {
+        format!("Bearer {}", self.token)
+    }
+
+    /// `GET` of an admin `/v1/*` path with the token.
+    pub async fn admin_get(&self, path: &str) -> (StatusCode, http::HeaderMap, String) {
+        let bearer = self.bearer();
+        get(self.admin, path, &[("authorization", bearer.as_str())]).await
+    }
 }
+
+/// The admin token of test gateways (32 bytes or more, as the gateway demands).
+pub const TEST_TOKEN: &str = "dGVzdC1hZG1pbi10b2tlbi10ZXN0LWFkbWluLXRva2Vu";
 
 // === limits builders ===
 

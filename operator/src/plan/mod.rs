@@ -36,6 +36,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 pub use k8s_openapi::jiff::Timestamp;
 use poolpilot_api::limits::Endpoint;
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus, GatewayLimits};
+pub use render::{implausible_generations, plausible_generation};
 
 use self::autoscale::{BackendMemory, Bounds, Decision};
 use self::fds::FdReport;

@@ -8,13 +8,14 @@ use std::sync::Arc;
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
     BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, HealthCheck, ListenerLimits,
-    OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch, SlowCalls, Timeouts, TrustedProxies,
+    MAX_GENERATION, OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch, SlowCalls, Timeouts,
+    TrustedProxies,
 };
 use poolpilot_api::policy::{BackendSpec, TrustedProxyProtocol};
 use sha2::{Digest, Sha256};
 
 use super::validate::Acceptance;
-use super::{Acked, GatewayPod, PolicyInput, PolicyPlan};
+use super::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyPlan};
 
 /// Renders every pod's document (pods no accepted policy selects get an empty one, which removes
 /// backends of deleted policies), and stores in each accepted plan its ConfigMap's document: the
@@ -108,8 +109,54 @@ enum PeerSet {
     Selector(usize),
 }
 
+/// Whether a generation read back (from a ConfigMap, a pod, a status or a 409 answer) can be one
+/// the operator issued: below [`MAX_GENERATION`], so that one more still fits. Anything else
+/// is a corrupted or forged value: going above it would wrap or leave the range every JSON
+/// reader keeps exactly, and then every PUT would be refused as older.
+pub fn plausible_generation(generation: u64) -> bool {
+    generation < MAX_GENERATION
+}
+
+/// Every generation in `input` that is not [plausible](plausible_generation), saying where it
+/// was read: the planner ignores them, the reconcile reports them.
+pub fn implausible_generations(input: &FleetInput) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut note = |g: u64, place: String| {
+        if !plausible_generation(g) {
+            out.push(format!(
+                "{place} generation {g}, above the largest the operator issues ({MAX_GENERATION}): ignored"
+            ));
+        }
+    };
+    for a in &input.published {
+        note(
+            a.generation,
+            format!(
+                "a published limits ConfigMap (revision {}) says",
+                a.revision
+            ),
+        );
+    }
+    for pod in &input.pods {
+        if let Some(a) = &pod.acked {
+            note(a.generation, format!("pod {} reports", pod.name));
+        }
+    }
+    for p in &input.policies {
+        if let Some(g) = p.status.as_ref().and_then(|s| s.limits_generation) {
+            note(g, format!("the status of policy {} records", p.key));
+        }
+    }
+    note(
+        input.generation_floor,
+        "a pod's answer (409) names".to_owned(),
+    );
+    out
+}
+
 /// Hands out generations: an existing one for a revision already known (if above the floor),
-/// otherwise one above everything known.
+/// otherwise one above everything known. Implausible values (see [`plausible_generation`])
+/// are left out of what is known.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Generations {
     known: BTreeMap<String, u64>,
@@ -126,6 +173,11 @@ impl Generations {
         published: &[Acked],
         floor: u64,
     ) -> Self {
+        let floor = if plausible_generation(floor) {
+            floor
+        } else {
+            0
+        };
         let mut known = BTreeMap::new();
         let mut max = floor;
         let acked = pods.iter().filter_map(|p| p.acked.clone());
@@ -136,7 +188,13 @@ impl Generations {
                 generation: s.limits_generation?,
             })
         });
-        for a in published.iter().cloned().chain(acked).chain(statuses) {
+        for a in published
+            .iter()
+            .cloned()
+            .chain(acked)
+            .chain(statuses)
+            .filter(|a| plausible_generation(a.generation))
+        {
             max = max.max(a.generation);
             let g = known.entry(a.revision).or_insert(a.generation);
             *g = (*g).max(a.generation);
@@ -144,6 +202,7 @@ impl Generations {
         Self {
             known,
             floor,
+            // `max` is plausible: below MAX_GENERATION, so this fits.
             next: max + 1,
         }
     }
@@ -152,8 +211,9 @@ impl Generations {
         if let Some(g) = self.known.get(revision).filter(|g| **g > self.floor) {
             return *g;
         }
-        let g = self.next;
-        self.next += 1;
+        // Never above MAX_GENERATION, however many new revisions one plan hands out.
+        let g = self.next.min(MAX_GENERATION);
+        self.next = g + 1;
         self.known.insert(revision.to_owned(), g);
         g
     }

@@ -586,6 +586,65 @@ fn invalid_specs_list_every_broken_rule() {
 }
 
 #[test]
+fn static_endpoints_on_loopback_link_local_or_metadata_addresses_need_allow_private_addresses() {
+    let with = |addresses: &[&str], allow: bool| {
+        let list: Vec<String> = addresses
+            .iter()
+            .map(|a| format!("{{address: '{a}'}}"))
+            .collect();
+        let allow = if allow {
+            ", allowPrivateAddresses: true"
+        } else {
+            ""
+        };
+        let spec = format!(
+            "gatewaySelector: {{}}\nbackends:\n- name: m\n  endpoints: {{addresses: [{}]{allow}}}\n  capacity: {{maxConnectionsPerEndpoint: 10}}\n",
+            list.join(", ")
+        );
+        validate::validate_spec(&policy("a", 0, &spec, 1).spec)
+    };
+    let refused = [
+        "127.0.0.1:9901",          // the gateway's own admin port
+        "127.8.9.10:80",           // all of 127/8
+        "[::1]:9901",              // IPv6 loopback
+        "[::ffff:127.0.0.1]:9901", // loopback written as IPv4-mapped IPv6
+        "0.0.0.0:9901",            // the unspecified address connects to this host
+        "[::]:9901",
+        "169.254.169.254:80", // cloud metadata (AWS, GCP, Azure, OpenStack)
+        "169.254.1.1:80",     // IPv4 link-local
+        "[fe80::1]:80",       // IPv6 link-local
+        "[fd00:ec2::254]:80", // AWS metadata over IPv6
+        "100.100.100.200:80", // Alibaba Cloud metadata
+        "224.0.0.1:80",       // multicast
+        "255.255.255.255:80", // broadcast
+    ];
+    for address in refused {
+        let errors = with(&[address], false).expect_err(address);
+        assert_eq!(
+            errors,
+            [format!(
+                "spec.backends[0].endpoints.addresses[0].address: {address:?} is a loopback, link-local, metadata or other non-unicast address; set endpoints.allowPrivateAddresses to use it"
+            )],
+            "{address}"
+        );
+        assert_eq!(with(&[address], true), Ok(()), "allowed: {address}");
+    }
+    // Pod, node and public unicast addresses need no permission.
+    assert_eq!(
+        with(
+            &[
+                "10.0.0.5:8000",
+                "192.168.1.20:80",
+                "[2001:db8::7]:8000",
+                "100.64.0.1:80"
+            ],
+            false
+        ),
+        Ok(())
+    );
+}
+
+#[test]
 fn generations_only_increase() {
     let p = policy(
         "a",
@@ -628,6 +687,110 @@ fn generations_only_increase() {
     input.generation_floor = 20;
     let above = plan(&input, &mut Memory::default(), at(45)).documents["gw-0"].clone();
     assert_eq!(above.generation, 21);
+}
+
+#[test]
+fn implausible_generations_are_ignored_never_wrapped_and_listed() {
+    use poolpilot_api::limits::MAX_GENERATION;
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 64, "autoscale: {enabled: false}\n"),
+        1,
+    );
+    let mut input = FleetInput {
+        policies: vec![p],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    // Plausible history: generation 7 published. Implausible: an annotation edited to u64::MAX,
+    // a pod claiming 2^60, a status recording MAX_GENERATION + 1, and a 409 floor of u64::MAX.
+    input.published = vec![
+        Acked {
+            revision: "aaaaaaaaaaaa".into(),
+            generation: 7,
+        },
+        Acked {
+            revision: "bbbbbbbbbbbb".into(),
+            generation: u64::MAX,
+        },
+    ];
+    input.pods[1].acked = Some(Acked {
+        revision: "cccccccccccc".into(),
+        generation: 1 << 60,
+    });
+    input.policies[0].status = Some(ConnectionPolicyStatus {
+        revision: Some("dddddddddddd".into()),
+        limits_generation: Some(MAX_GENERATION + 1),
+        ..Default::default()
+    });
+    input.generation_floor = u64::MAX;
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let mut generations: Vec<u64> = fleet.documents.values().map(|d| d.generation).collect();
+    generations.sort_unstable();
+    assert_eq!(
+        generations,
+        [8, 9],
+        "the two pods' documents (shares 26 and 25) go just above the plausible history"
+    );
+    for doc in fleet.documents.values() {
+        doc.validate().expect("rendered documents validate");
+    }
+    let ignored = implausible_generations(&input);
+    assert_eq!(ignored.len(), 4, "{ignored:#?}");
+    for (needle, value) in [
+        ("a published limits ConfigMap", u64::MAX),
+        ("pod gw-1", 1 << 60),
+        ("the status of policy ns/a", MAX_GENERATION + 1),
+        ("a pod's answer (409)", u64::MAX),
+    ] {
+        assert!(
+            ignored
+                .iter()
+                .any(|i| i.contains(needle) && i.contains(&value.to_string())),
+            "{needle} {value}: {ignored:#?}"
+        );
+    }
+
+    // At the very top of the plausible range, the next new document cannot go above it: no
+    // document is rendered above MAX_GENERATION, and the plan says so.
+    input.published[0].generation = MAX_GENERATION;
+    input.policies[0].spec.backends[0].pool.max_pending = 64;
+    let fleet = plan(&input, &mut Memory::default(), at(15));
+    for doc in fleet.documents.values() {
+        assert!(doc.generation <= MAX_GENERATION, "{}", doc.generation);
+    }
+}
+
+proptest! {
+    #[test]
+    fn rendered_generations_stay_plausible_and_above_the_plausible_history(
+        known in prop::collection::vec(any::<u64>(), 0..6),
+        floor in prop_oneof![0u64..100, any::<u64>()],
+    ) {
+        let p = policy("a", 0, &spec("model-a", 64, "autoscale: {enabled: false}\n"), 1);
+        let input = FleetInput {
+            policies: vec![p],
+            pods: pods(1),
+            published: known
+                .iter()
+                .enumerate()
+                .map(|(i, g)| Acked { revision: format!("{i:012}"), generation: *g })
+                .collect(),
+            generation_floor: floor,
+            ..FleetInput::default()
+        };
+        let plausible_max = known
+            .iter()
+            .chain([&floor])
+            .copied()
+            .filter(|g| *g < poolpilot_api::limits::MAX_GENERATION)
+            .max()
+            .unwrap_or(0);
+        let doc = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+        prop_assert!(doc.generation <= poolpilot_api::limits::MAX_GENERATION);
+        prop_assert!(doc.generation > plausible_max, "{} <= {plausible_max}", doc.generation);
+    }
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! name is resolved oldest-first, as Gateway API does: the newer policy is not accepted.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use poolpilot_api::ConnectionPolicySpec;
 
@@ -203,11 +203,24 @@ pub fn validate_spec(spec: &ConnectionPolicySpec) -> Result<(), Vec<String>> {
             (None, Some(addrs)) => {
                 let mut seen = BTreeSet::new();
                 for (j, e) in addrs.iter().enumerate() {
-                    if e.address.parse::<SocketAddr>().is_err() {
-                        err(
+                    match e.address.parse::<SocketAddr>() {
+                        Err(_) => err(
                             at(&format!("endpoints.addresses[{j}].address")),
                             format!("{:?} is not ip:port", e.address),
-                        );
+                        ),
+                        Ok(a)
+                            if !b.endpoints.allow_private_addresses
+                                && !is_backend_address(a.ip()) =>
+                        {
+                            err(
+                                at(&format!("endpoints.addresses[{j}].address")),
+                                format!(
+                                    "{:?} is a loopback, link-local, metadata or other non-unicast address; set endpoints.allowPrivateAddresses to use it",
+                                    e.address
+                                ),
+                            );
+                        }
+                        Ok(_) => {}
                     }
                     let name = e.name.as_deref().unwrap_or(&e.address);
                     if !seen.insert(name) {
@@ -289,6 +302,40 @@ pub fn validate_spec(spec: &ConnectionPolicySpec) -> Result<(), Vec<String>> {
         Ok(())
     } else {
         Err(errors)
+    }
+}
+
+/// Cloud metadata services at addresses no other rule catches (`169.254.169.254` is link-local):
+/// Alibaba Cloud's, and AWS's over IPv6.
+const METADATA_ADDRESSES: [IpAddr; 2] = [
+    IpAddr::V4(Ipv4Addr::new(100, 100, 100, 200)),
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254)),
+];
+
+/// Whether a static endpoint may be at `ip` without `allowPrivateAddresses`: a unicast address
+/// that leads out of the gateway pod. Not loopback nor unspecified (the pod itself: its admin
+/// port would be reachable through the proxy port), not link-local nor a metadata service (the
+/// node's credentials), not multicast nor broadcast; IPv4-mapped IPv6 is judged as IPv4. The
+/// CRD's CEL rule on `endpoints` says the same (where Kubernetes' `ip()` refuses mapped IPv6).
+pub fn is_backend_address(ip: IpAddr) -> bool {
+    let ip = ip.to_canonical();
+    if METADATA_ADDRESSES.contains(&ip) {
+        return false;
+    }
+    match ip {
+        IpAddr::V4(v4) => {
+            !(v4.is_loopback()
+                || v4.is_unspecified()
+                || v4.is_link_local()
+                || v4.is_multicast()
+                || v4.is_broadcast())
+        }
+        IpAddr::V6(v6) => {
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_unicast_link_local()
+                || v6.is_multicast())
+        }
     }
 }
 

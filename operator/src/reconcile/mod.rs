@@ -6,7 +6,8 @@
 //!
 //! Each step is its own module with its own error type. A policy that fails validation skips the
 //! rollout and reports `Accepted=False`; deleting a policy runs the cleanup (its backends leave
-//! the gateways) behind a finalizer.
+//! the gateways) behind a finalizer. A policy this operator cannot even read (written under a
+//! newer CRD, say) is reported in an `InvalidPolicy` Event and skipped: the others go on.
 
 pub mod observe;
 pub mod rollout;
@@ -20,7 +21,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::api::Api;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::core::error_boundary::InvalidObject;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
@@ -71,6 +74,10 @@ pub struct RolloutMemory {
     pub canary_since: BTreeMap<(String, String), Timestamp>,
     /// The highest generation a pod said it runs (409 answers), per namespace.
     pub seen_generation: BTreeMap<String, u64>,
+    /// The admin token Secret's value as last read, and the one before it, per namespace: after
+    /// a rotation, pods whose mounted copy still holds the previous token get it (on a 401 to
+    /// the new one) until the kubelet refreshes their copy.
+    pub tokens: BTreeMap<String, (String, Option<String>)>,
 }
 
 /// Everything the reconciler needs, shared by every reconcile.
@@ -103,6 +110,54 @@ impl<G: Gateways> std::fmt::Debug for Context<G> {
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
+}
+
+/// Reconciles one policy as the Controller hands it over: read ([`reconcile`]), or not readable
+/// by this operator ([`skip_unreadable`]).
+pub async fn reconcile_object<G: Gateways>(
+    object: Arc<DeserializeGuard<ConnectionPolicy>>,
+    ctx: Arc<Context<G>>,
+) -> Result<Action> {
+    match &object.0 {
+        Ok(policy) => reconcile(Arc::new(policy.clone()), ctx).await,
+        Err(invalid) => skip_unreadable(&object, invalid, &ctx).await,
+    }
+}
+
+/// A policy that does not deserialize: a Warning Event `InvalidPolicy` on it with the error, a
+/// warning in the log, and nothing else (it is left out of every plan, and its backends out of
+/// every document). Being deleted, it loses the finalizer, whose cleanup only needs the other
+/// policies. Looked at again when it changes.
+pub async fn skip_unreadable<G: Gateways>(
+    object: &DeserializeGuard<ConnectionPolicy>,
+    invalid: &InvalidObject,
+    ctx: &Context<G>,
+) -> Result<Action> {
+    let name = object.name_any();
+    warn!(policy = %name, error = %invalid.error, "cannot read the policy; skipped");
+    let event = unreadable_event(&invalid.error);
+    if let Err(err) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
+        warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
+    }
+    let meta = &invalid.metadata;
+    let finalizers = meta.finalizers.as_deref().unwrap_or_default();
+    if meta.deletion_timestamp.is_some() && finalizers.iter().any(|f| f == FINALIZER) {
+        let api: Api<DeserializeGuard<ConnectionPolicy>> =
+            Api::namespaced(ctx.client.clone(), &object.namespace().unwrap_or_default());
+        let rest: Vec<&String> = finalizers.iter().filter(|f| *f != FINALIZER).collect();
+        // The resource version makes a concurrent change of the list fail instead of being lost.
+        let patch = serde_json::json!({
+            "metadata": {"finalizers": rest, "resourceVersion": meta.resource_version},
+        });
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| {
+                Error::Finalizer(Box::new(kube::runtime::finalizer::Error::RemoveFinalizer(
+                    e,
+                )))
+            })?;
+    }
+    Ok(Action::await_change())
 }
 
 /// Reconciles one policy (behind the finalizer).
@@ -162,6 +217,7 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
         cpu_bound(|| observe::observe(ctx, policy, false, now))
     })
     .await?;
+    report_implausible_generations(ctx, policy, &observed).await;
     // 2. validate (no client required)
     let verdict = step(m, "validate", async {
         Ok::<_, Error>(cpu_bound(|| validate::check(&observed)))
@@ -275,12 +331,31 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
     Ok(Action::await_change())
 }
 
+/// Tells about generations read back that are too large to be real (the planner ignores them):
+/// a warning in the log, `poolpilot_operator_generations_ignored_total`, and a Warning Event
+/// `ImplausibleGeneration` on the policy (repeats become one Event series).
+async fn report_implausible_generations<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    observed: &observe::Observed,
+) {
+    let reference = policy.object_ref(&());
+    for note in plan::implausible_generations(&observed.input) {
+        warn!(%note, "implausible generation ignored");
+        ctx.metrics.generations_ignored.inc();
+        let event = implausible_generation_event(&note);
+        if let Err(err) = ctx.recorder.publish(&event, &reference).await {
+            warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
+        }
+    }
+}
+
 /// What to do after a failed reconcile: log, tell the user with a `ReconcileFailed` Warning
 /// Event on the policy (naming the step and the error), and retry soon. Repeats of the same
 /// failure become one Event series: the recorder patches the Event's count instead of creating
 /// another one.
 pub fn error_policy<G: Gateways>(
-    policy: Arc<ConnectionPolicy>,
+    policy: Arc<DeserializeGuard<ConnectionPolicy>>,
     error: &Error,
     ctx: Arc<Context<G>>,
 ) -> Action {
@@ -314,6 +389,30 @@ pub fn failure_event(error: &Error) -> Event {
         reason: "ReconcileFailed".into(),
         note: Some(event_note(&error.describe())),
         action: action.into(),
+        secondary: None,
+    }
+}
+
+/// The Warning Event of a policy this operator cannot read: `error` is why.
+pub fn unreadable_event(error: &str) -> Event {
+    Event {
+        type_: EventType::Warning,
+        reason: "InvalidPolicy".into(),
+        note: Some(event_note(&format!(
+            "this operator cannot read the policy, so it is skipped: {error} (a field or value of a newer CRD than this operator's?)"
+        ))),
+        action: "Read".into(),
+        secondary: None,
+    }
+}
+
+/// The Warning Event of a generation too large to be real; `note` says where it was read.
+pub fn implausible_generation_event(note: &str) -> Event {
+    Event {
+        type_: EventType::Warning,
+        reason: "ImplausibleGeneration".into(),
+        note: Some(event_note(note)),
+        action: "Plan".into(),
         secondary: None,
     }
 }

@@ -9,6 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
+use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
 use poolpilot_api::limits::Endpoint;
 use poolpilot_api::policy::BackendSpec;
@@ -55,8 +56,8 @@ pub struct Observed {
 /// The caches observe reads.
 #[derive(Clone, Debug)]
 pub struct Stores {
-    /// Every ConnectionPolicy.
-    pub policies: Store<ConnectionPolicy>,
+    /// Every ConnectionPolicy, those this operator cannot read included (left out of planning).
+    pub policies: Store<DeserializeGuard<ConnectionPolicy>>,
     /// Pods (possibly narrowed by a label selector).
     pub pods: Store<Pod>,
     /// EndpointSlices.
@@ -86,7 +87,7 @@ pub fn observe<G: Gateways>(
     let others = ctx.stores.policies.state();
     let mut objects: Vec<&ConnectionPolicy> = others
         .iter()
-        .map(|p| &**p)
+        .filter_map(|p| p.0.as_ref().ok())
         .filter(|p| p.namespace().as_deref() == Some(ns.as_str()) && p.name_any() != focus.name)
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .collect();

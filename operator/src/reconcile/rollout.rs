@@ -20,7 +20,7 @@ use crate::gateway::{Gateways, PutError};
 use crate::metrics::OutcomeLabel;
 use crate::plan::status::RolloutReport;
 use crate::plan::waves::{self, PodState, Strategy};
-use crate::plan::{FleetPlan, Timestamp};
+use crate::plan::{FleetPlan, Timestamp, plausible_generation};
 
 /// Why the rollout step failed.
 #[derive(Debug, thiserror::Error)]
@@ -283,19 +283,28 @@ async fn push<G: Gateways>(
     }
     let ns = &observed.focus.namespace;
     let token = token(ctx, ns).await?;
+    let previous = {
+        let mut memory = ctx.rollouts.lock();
+        let seen = memory.tokens.entry(ns.clone()).or_default();
+        if seen.0 != token {
+            let before = std::mem::replace(&mut seen.0, token.clone());
+            seen.1 = Some(before).filter(|t| !t.is_empty());
+        }
+        seen.1.clone()
+    };
     let sends = pods.iter().filter_map(|name| {
         let doc = fleet.documents.get(name)?;
         let Some(addr) = observed.admin.get(name) else {
             failed.insert(name.clone(), "the pod has no IP yet".to_owned());
             return None;
         };
-        let token = token.as_str();
+        let (token, previous) = (token.as_str(), previous.as_deref());
         Some(async move {
-            (
-                name.clone(),
-                doc.revision.clone(),
-                ctx.gateways.put(*addr, token, doc).await,
-            )
+            let mut result = ctx.gateways.put(ns, *addr, token, doc).await;
+            if let (Err(PutError::Unauthorized), Some(previous)) = (&result, previous) {
+                result = ctx.gateways.put(ns, *addr, previous, doc).await;
+            }
+            (name.clone(), doc.revision.clone(), result)
         })
     });
     let results = futures::future::join_all(sends.collect::<Vec<_>>()).await;
@@ -323,6 +332,19 @@ async fn push<G: Gateways>(
                     .retain(|(n, p, _), _| !(n == ns && p == &name));
                 memory.acked.insert((ns.clone(), name, uid), ack);
                 "acked"
+            }
+            Err(PutError::Older {
+                generation: Some(g),
+                ..
+            }) if !plausible_generation(g) => {
+                // No document can go above it: the pod must start over from the ConfigMap.
+                memory.refused.insert(
+                    (ns.clone(), name, revision),
+                    format!(
+                        "runs generation {g}, above the largest the operator issues: restart the pod to reload its limits from the ConfigMap"
+                    ),
+                );
+                "refused"
             }
             Err(PutError::Older {
                 generation: Some(g),

@@ -326,9 +326,11 @@ mod tests {
                 add(events(&none, &new, &plan(None)));
             }
         }
-        add(vec![crate::reconcile::failure_event(&crate::Error::Plan(
-            "x".into(),
-        ))]);
+        add(vec![
+            crate::reconcile::failure_event(&crate::Error::Plan("x".into())),
+            crate::reconcile::unreadable_event("x"),
+            crate::reconcile::implausible_generation_event("x"),
+        ]);
         let documented: BTreeSet<(&str, String)> = EVENTS
             .iter()
             .map(|e| (e.type_, e.reason.to_owned()))

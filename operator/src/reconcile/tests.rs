@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::client::Body;
+use kube::core::DeserializeGuard;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
@@ -29,24 +30,29 @@ fn now() -> Timestamp {
 }
 
 /// Records every PUT and acknowledges it, or refuses it (422) when `refuse` is set, or answers
-/// 401 when `unauthorized` is, or 503 from the addresses in `starting`.
+/// 401 when `unauthorized` is or the token is not among `tokens` (when given), or 503 from the
+/// addresses in `starting`.
 #[derive(Clone, Default)]
 struct FakeGateways {
     puts: Arc<Mutex<Vec<(SocketAddr, String, GatewayLimits)>>>,
     refuse: Option<&'static str>,
     unauthorized: bool,
+    tokens: Option<Vec<&'static str>>,
     starting: Vec<SocketAddr>,
 }
 
 impl Gateways for FakeGateways {
     async fn put(
         &self,
+        namespace: &str,
         addr: SocketAddr,
         token: &str,
         doc: &GatewayLimits,
     ) -> Result<Acked, PutError> {
+        assert_eq!(namespace, "ns", "the pod's namespace");
         self.puts.lock().push((addr, token.to_owned(), doc.clone()));
-        if self.unauthorized {
+        let known = self.tokens.as_ref().is_none_or(|t| t.contains(&token));
+        if self.unauthorized || !known {
             return Err(PutError::Unauthorized);
         }
         if self.starting.contains(&addr) {
@@ -123,6 +129,19 @@ fn context_with(
     pods: Vec<Pod>,
     gateways: FakeGateways,
 ) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
+    let policies = policies
+        .into_iter()
+        .map(|p| DeserializeGuard(Ok(p)))
+        .collect();
+    context_full(policies, pods, vec![], gateways)
+}
+
+fn context_full(
+    policies: Vec<DeserializeGuard<ConnectionPolicy>>,
+    pods: Vec<Pod>,
+    configmaps: Vec<ConfigMap>,
+    gateways: FakeGateways,
+) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "ns");
     let ctx = Context {
@@ -138,7 +157,7 @@ fn context_with(
             policies: store(policies),
             pods: store(pods),
             slices: store::<EndpointSlice>(vec![]),
-            configmaps: store::<ConfigMap>(vec![]),
+            configmaps: store(configmaps),
         },
         snapshot: Arc::default(),
         memory: Mutex::default(),
@@ -497,6 +516,270 @@ async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
     reconciler.abort();
 }
 
+/// Answers every API request of a reconcile until it ends: the token Secret with `token`, the
+/// status apply with `p`, anything else with `{}`. Returns the reconcile's outcome.
+async fn answer_all(
+    api: &mut ApiHandle,
+    p: &ConnectionPolicy,
+    token: &str,
+    mut reconciler: tokio::task::JoinHandle<Result<Action>>,
+) -> Result<Action> {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+    loop {
+        tokio::select! {
+            done = &mut reconciler => return done.expect("the reconcile task ran"),
+            next = api.next_request() => {
+                let (request, send) = next.expect("a request");
+                let path = request.uri().path().to_owned();
+                let answer = if path.contains("/secrets/") {
+                    let secret = Secret {
+                        data: Some([("token".to_owned(), ByteString(token.into()))].into()),
+                        ..Secret::default()
+                    };
+                    serde_json::to_value(secret).unwrap()
+                } else if path.ends_with("/status") {
+                    serde_json::to_value(p).unwrap()
+                } else {
+                    json!({})
+                };
+                send.send_response(
+                    Response::builder()
+                        .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                        .unwrap(),
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn after_the_token_secret_changes_pods_still_on_the_old_token_are_updated_with_it() {
+    // The pod's mounted copy of the Secret lags behind the API: it still accepts only the
+    // token it was started with.
+    let gateways = FakeGateways {
+        tokens: Some(vec!["old-token-old-token-old-token-old"]),
+        ..FakeGateways::default()
+    };
+    let p = policy("models", 0);
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], vec![gateway_pod()], gateways);
+    let first = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    with_timeout(answer_all(
+        &mut api,
+        &p,
+        "old-token-old-token-old-token-old",
+        first,
+    ))
+    .await
+    .expect("the first reconcile succeeded");
+
+    // The Secret is rotated and the policy edited: the new document goes out with the new
+    // token, refused, then with the previous one, taken.
+    let mut edited = p.clone();
+    edited.spec.backends[0]
+        .capacity
+        .max_connections_per_endpoint = 32;
+    let second = tokio::spawn(reconcile(Arc::new(edited.clone()), ctx.clone()));
+    with_timeout(answer_all(
+        &mut api,
+        &edited,
+        "new-token-new-token-new-token-new",
+        second,
+    ))
+    .await
+    .expect("the second reconcile succeeded");
+    let puts = gateways.puts.lock().clone();
+    let tokens: Vec<&str> = puts.iter().map(|(_, t, _)| t.as_str()).collect();
+    assert_eq!(
+        tokens,
+        [
+            "old-token-old-token-old-token-old",
+            "new-token-new-token-new-token-new",
+            "old-token-old-token-old-token-old"
+        ]
+    );
+    let acked = ctx.rollouts.lock().acked.values().next().cloned().unwrap();
+    assert_eq!(
+        acked.revision, puts[2].2.revision,
+        "the pod took the new document"
+    );
+}
+
+#[tokio::test]
+async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_the_real_ones() {
+    // A ConfigMap annotation edited (or corrupted) to u64::MAX: following it would wrap.
+    let forged: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "models-limits", "namespace": "ns",
+                     "labels": {"app.kubernetes.io/managed-by": "poolpilot-operator"},
+                     "annotations": {"poolpilot.io/revision": "ffffffffffff",
+                                     "poolpilot.io/generation": u64::MAX.to_string()}},
+        "data": {"limits.json": "{}"},
+    }))
+    .unwrap();
+    let p = policy("models", 0);
+    let (ctx, mut api, gateways) = context_full(
+        vec![DeserializeGuard(Ok(p.clone()))],
+        vec![gateway_pod()],
+        vec![forged],
+        FakeGateways::default(),
+    );
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let event = with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(event["reason"], "ImplausibleGeneration", "{event}");
+    assert_eq!(event["type"], "Warning");
+    let note = event["note"].as_str().unwrap();
+    assert!(
+        note.contains(&u64::MAX.to_string()) && note.contains("ignored"),
+        "{note}"
+    );
+    let cm = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-limits",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(
+        cm["metadata"]["annotations"]["poolpilot.io/generation"],
+        "1"
+    );
+    expect_token_secret(&mut api).await;
+    expect_status_patch(&mut api, &p).await;
+    reconciler.abort();
+    assert_eq!(gateways.puts.lock()[0].2.generation, 1);
+    let text = {
+        let mut registry = prometheus_client::registry::Registry::default();
+        ctx.metrics.clone().register(&mut registry);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        out
+    };
+    assert!(text.contains("generations_ignored_total 1"), "{text}");
+}
+
+/// A policy written under a newer CRD, as JSON: a rollout strategy this operator does not know.
+fn newer_crd_json(name: &str) -> Value {
+    let mut object = serde_json::to_value(policy(name, 50)).unwrap();
+    object["spec"]["rollout"]["strategy"] = json!("BlueGreen");
+    object
+}
+
+/// [`newer_crd_json`], as the Controller hands it over.
+fn from_a_newer_crd(name: &str, deleting: bool) -> DeserializeGuard<ConnectionPolicy> {
+    let mut object = newer_crd_json(name);
+    object["metadata"]["resourceVersion"] = json!("42");
+    if deleting {
+        object["metadata"]["deletionTimestamp"] = json!("2027-01-15T08:00:00Z");
+        object["metadata"]["finalizers"] = json!([FINALIZER, "example.com/keep"]);
+    }
+    let guard: DeserializeGuard<ConnectionPolicy> = serde_json::from_value(object).unwrap();
+    assert!(guard.0.is_err(), "the test object must not deserialize");
+    guard
+}
+
+#[test]
+fn one_unreadable_policy_fails_a_typed_list_but_not_a_guarded_one() {
+    // What the Controller's watch gets from the apiserver: the typed list (the operator before
+    // DeserializeGuard) fails as a whole, so no policy at all was reconciled.
+    let list = json!({
+        "apiVersion": "poolpilot.io/v1alpha1", "kind": "ConnectionPolicyList",
+        "metadata": {"resourceVersion": "7"},
+        "items": [policy("models", 0), newer_crd_json("from-the-future")],
+    });
+    assert!(
+        serde_json::from_value::<kube::core::ObjectList<ConnectionPolicy>>(list.clone()).is_err()
+    );
+    let guarded: kube::core::ObjectList<DeserializeGuard<ConnectionPolicy>> =
+        serde_json::from_value(list).unwrap();
+    let readable: Vec<bool> = guarded.items.iter().map(|g| g.0.is_ok()).collect();
+    assert_eq!(readable, [true, false]);
+}
+
+#[tokio::test]
+async fn a_policy_this_operator_cannot_read_is_reported_and_skipped_while_the_others_reconcile() {
+    let unreadable = from_a_newer_crd("from-the-future", false);
+    let p = policy("models", 0);
+    let (ctx, mut api, gateways) = context_full(
+        vec![DeserializeGuard(Ok(p.clone())), unreadable.clone()],
+        vec![gateway_pod()],
+        vec![],
+        FakeGateways::default(),
+    );
+    let skipped = tokio::spawn(reconcile_object(Arc::new(unreadable), ctx.clone()));
+    let event = with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(event["reason"], "InvalidPolicy", "{event}");
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["regarding"]["name"], "from-the-future");
+    let note = event["note"].as_str().unwrap();
+    assert!(note.contains("Unknown variant BlueGreen"), "{note}");
+    let action = with_timeout(skipped).await.unwrap().unwrap();
+    assert_eq!(action, Action::await_change());
+    assert!(gateways.puts.lock().is_empty(), "nothing sent for it");
+
+    // The readable policy reconciles as if the other were not there.
+    let reconciled = tokio::spawn(reconcile_object(
+        Arc::new(DeserializeGuard(Ok(p.clone()))),
+        ctx.clone(),
+    ));
+    with_timeout(answer_all(&mut api, &p, "s3cr3t", reconciled))
+        .await
+        .expect("the readable policy reconciles");
+    let puts = gateways.puts.lock().clone();
+    assert_eq!(puts.len(), 1);
+    let names: Vec<Option<&str>> = puts[0]
+        .2
+        .backends
+        .iter()
+        .map(|b| b.policy.as_deref())
+        .collect();
+    assert_eq!(
+        names,
+        [Some("ns/models")],
+        "only the readable policy's backends"
+    );
+}
+
+#[tokio::test]
+async fn an_unreadable_policy_being_deleted_loses_only_the_operators_finalizer() {
+    let unreadable = from_a_newer_crd("from-the-future", true);
+    let (ctx, mut api, _) = context_full(vec![], vec![], vec![], FakeGateways::default());
+    let skipped = tokio::spawn(reconcile_object(Arc::new(unreadable), ctx.clone()));
+    with_timeout(expect(
+        &mut api,
+        Method::POST,
+        "/apis/events.k8s.io/v1/namespaces/ns/events",
+        json!({}),
+    ))
+    .await;
+    let patch = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/from-the-future",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(
+        patch,
+        json!({"metadata": {"finalizers": ["example.com/keep"], "resourceVersion": "42"}})
+    );
+    assert_eq!(
+        with_timeout(skipped).await.unwrap().unwrap(),
+        Action::await_change()
+    );
+}
+
 #[tokio::test]
 async fn starting_pods_get_their_share_and_terminating_pods_keep_theirs_until_gone() {
     // gw-0 serves, gw-1 is starting (an IP, not Ready, its admin port not answering yet), gw-2
@@ -611,7 +894,11 @@ async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_
     assert!(gateways.puts.lock().is_empty(), "nothing reached the pods");
 
     // The Controller hands the error to error_policy: a Warning Event on the policy.
-    let action = error_policy(Arc::new(p.clone()), &error, ctx.clone());
+    let action = error_policy(
+        Arc::new(DeserializeGuard(Ok(p.clone()))),
+        &error,
+        ctx.clone(),
+    );
     assert_eq!(action, Action::requeue(Duration::from_secs(5)));
     let event = with_timeout(expect(
         &mut api,
@@ -639,7 +926,7 @@ async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_
         .to_owned();
 
     // The same failure again: the same Event, its series counted up, no new Event.
-    error_policy(Arc::new(p), &error, ctx);
+    error_policy(Arc::new(DeserializeGuard(Ok(p))), &error, ctx);
     let again = with_timeout(expect(
         &mut api,
         Method::PATCH,

@@ -1,0 +1,162 @@
+//! The admin API, on its own port: `GET /healthz`, `/readyz` and `/metrics` for probes and
+//! Prometheus, and behind the bearer token `GET /v1/limits`, `GET /v1/stats` and
+//! `PUT /v1/limits` (validated, swapped atomically; 200, 401, 408, 409, 413 or 422 with the old
+//! limits kept).
+//!
+//! ```text
+//!  listener: connection cap, timeouts, optional TLS (tls: certificate re-read when it changes)
+//!     └─► route: token (token: re-read when it changes, old and new during an overlap) ─► gateway
+//! ```
+
+pub mod listener;
+pub mod tls;
+pub mod token;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use poolpilot_api::GatewayLimits;
+
+pub use listener::AdminListener;
+pub use token::AdminTokens;
+
+use crate::body::ResponseBody;
+use crate::error::json_response;
+use crate::gateway::{ApplyError, Gateway, LimitsSource};
+
+/// Largest limits document accepted.
+const MAX_DOCUMENT_BYTES: usize = 4 * 1024 * 1024;
+
+/// Answers one admin request; a body must arrive within `body_timeout`.
+pub async fn route(
+    gw: &Gateway,
+    tokens: &AdminTokens,
+    body_timeout: Duration,
+    req: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let path = req.uri().path();
+    if path.starts_with("/v1/") && !tokens.allows(req.headers().get(header::AUTHORIZATION)) {
+        let mut response = error(StatusCode::UNAUTHORIZED, "a valid bearer token is required");
+        response
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return response;
+    }
+    match (req.method(), path) {
+        (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
+        (&Method::GET, "/readyz") if gw.is_ready() => text(StatusCode::OK, "ready\n"),
+        (&Method::GET, "/readyz") if gw.is_draining() => {
+            text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
+        }
+        (&Method::GET, "/readyz") if gw.is_awaiting_operator() => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "waiting for the operator to send this pod its limits\n",
+        ),
+        (&Method::GET, "/readyz") => text(StatusCode::SERVICE_UNAVAILABLE, "no limits loaded\n"),
+        (&Method::GET, "/metrics") => {
+            let mut response = text(StatusCode::OK, gw.scrape());
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            response
+        }
+        (&Method::GET, "/v1/limits") => {
+            let snapshot = gw.snapshot();
+            json_response(
+                StatusCode::OK,
+                &serde_json::to_value(&snapshot.limits).unwrap_or_default(),
+            )
+        }
+        (&Method::PUT, "/v1/limits") => put_limits(gw, body_timeout, req).await,
+        (&Method::GET, "/v1/stats") => json_response(StatusCode::OK, &gw.stats()),
+        (_, "/healthz" | "/readyz" | "/metrics" | "/v1/limits" | "/v1/stats") => {
+            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+        }
+        _ => error(StatusCode::NOT_FOUND, "no such admin endpoint"),
+    }
+}
+
+async fn put_limits(
+    gw: &Gateway,
+    body_timeout: Duration,
+    req: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let yaml = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("yaml"));
+    let read = Limited::new(req.into_body(), MAX_DOCUMENT_BYTES).collect();
+    let bytes = match tokio::time::timeout(body_timeout, read).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("reading the document failed: {e}"),
+            );
+        }
+        Err(_) => {
+            let mut response = error(
+                StatusCode::REQUEST_TIMEOUT,
+                &format!("the document did not arrive within {body_timeout:?}"),
+            );
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return response;
+        }
+    };
+    let parsed: Result<GatewayLimits, String> = if yaml {
+        serde_norway::from_slice(&bytes).map_err(|e| e.to_string())
+    } else {
+        serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+    };
+    let doc = match parsed {
+        Ok(doc) => doc,
+        Err(e) => {
+            gw.metrics().limits_rejected("api");
+            return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &format!("not a limits document: {e}"),
+            );
+        }
+    };
+    match gw.apply(doc, LimitsSource::Api) {
+        Ok(applied) => json_response(
+            StatusCode::OK,
+            &serde_json::to_value(applied).unwrap_or_default(),
+        ),
+        Err(e @ ApplyError::Invalid(_)) => error(StatusCode::UNPROCESSABLE_ENTITY, &e.to_string()),
+        Err(e @ (ApplyError::Stale { .. } | ApplyError::Conflict { .. })) => {
+            let current = gw.snapshot();
+            let mut body = serde_json::json!({"error": e.to_string()});
+            body["revision"] = current.limits.revision.clone().into();
+            body["generation"] = current.limits.generation.into();
+            json_response(StatusCode::CONFLICT, &body)
+        }
+    }
+}
+
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<ResponseBody> {
+    let mut response = Response::new(
+        Full::new(body.into())
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+fn error(status: StatusCode, message: &str) -> Response<ResponseBody> {
+    json_response(status, &serde_json::json!({ "error": message }))
+}

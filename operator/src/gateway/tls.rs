@@ -1,0 +1,400 @@
+//! HTTPS to the gateways' admin API, verified against a CA bundle (`--gateway-ca-file`, a PEM
+//! file, re-read when it changes: a renewed CA is trusted without a restart, a file that no
+//! longer loads keeps the bundle in force). The operator reaches each pod by its IP, which no
+//! shared certificate can name, so the certificate must carry the name
+//! `--gateway-server-name` gives for the pod's namespace (`poolpilot-gateway-admin.NS.svc` by
+//! default), checked in place of the IP, as Prometheus' `tls_config.server_name` does. One
+//! client per namespace, so that a gateway of one namespace cannot pass for another's.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
+use tracing::warn;
+
+/// The placeholder of `--gateway-server-name` replaced by the pod's namespace.
+pub const NAMESPACE_PLACEHOLDER: &str = "{namespace}";
+
+/// Why the gateways' CA bundle or server name cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    /// The bundle could not be read.
+    #[error("reading the gateways' CA bundle {path} failed")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The bundle is not PEM certificates.
+    #[error("the gateways' CA bundle {path} is not PEM certificates")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: rustls::pki_types::pem::Error,
+    },
+    /// The bundle holds no certificate rustls can use as a root.
+    #[error("the gateways' CA bundle {path} holds no usable CA certificate")]
+    NoRoots {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The server name template does not give a DNS name.
+    #[error(
+        "--gateway-server-name {0:?} does not give a DNS name (use {NAMESPACE_PLACEHOLDER} for the namespace)"
+    )]
+    ServerName(String),
+    /// The verifier could not be built (never expected with roots present).
+    #[error("building the certificate verifier failed")]
+    Verifier(#[source] rustls::client::VerifierBuilderError),
+    /// The TLS configuration could not be built (never expected with the ring provider).
+    #[error("building the TLS configuration failed")]
+    Config(#[source] rustls::Error),
+    /// The HTTP client could not be built.
+    #[error("building the HTTPS client failed")]
+    Client(#[source] reqwest::Error),
+}
+
+/// Trust in the gateways' certificates: the CA bundle in force and an HTTPS client per
+/// namespace built from it.
+#[derive(Debug)]
+pub struct GatewayTrust {
+    ca_file: PathBuf,
+    server_name: String,
+    timeout: Duration,
+    state: Mutex<TrustState>,
+}
+
+#[derive(Debug)]
+struct TrustState {
+    /// The bundle's content, as last loaded.
+    pem: Vec<u8>,
+    roots: Arc<RootCertStore>,
+    clients: BTreeMap<String, reqwest::Client>,
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+impl GatewayTrust {
+    /// Loads the bundle in `ca_file`; each namespace's gateways must present a certificate for
+    /// `server_name` with [`NAMESPACE_PLACEHOLDER`] replaced by the namespace. Calls give up
+    /// after `timeout`.
+    pub fn load(
+        ca_file: PathBuf,
+        server_name: String,
+        timeout: Duration,
+    ) -> Result<Self, TrustError> {
+        if ServerName::try_from(server_name.replace(NAMESPACE_PLACEHOLDER, "ns")).is_err() {
+            return Err(TrustError::ServerName(server_name));
+        }
+        let pem = read(&ca_file)?;
+        let roots = roots(&ca_file, &pem)?;
+        Ok(Self {
+            ca_file,
+            server_name,
+            timeout,
+            state: Mutex::new(TrustState {
+                pem,
+                roots,
+                clients: BTreeMap::new(),
+            }),
+        })
+    }
+
+    /// The name the gateways of `namespace` must present.
+    pub fn server_name(&self, namespace: &str) -> String {
+        self.server_name.replace(NAMESPACE_PLACEHOLDER, namespace)
+    }
+
+    /// The HTTPS client for the gateways of `namespace`, trusting the bundle as it is now in
+    /// its file (a changed bundle that loads replaces the one in force; one that does not is
+    /// logged and the one in force stays).
+    pub fn client(&self, namespace: &str) -> Result<reqwest::Client, TrustError> {
+        let mut state = self.state.lock();
+        match std::fs::read(&self.ca_file) {
+            Ok(pem) if pem != state.pem => match roots(&self.ca_file, &pem) {
+                Ok(roots) => {
+                    tracing::info!(path = %self.ca_file.display(), "the gateways' CA bundle changed");
+                    *state = TrustState {
+                        pem,
+                        roots,
+                        clients: BTreeMap::new(),
+                    };
+                }
+                Err(error) => {
+                    state.pem = pem;
+                    warn!(error = %crate::report(&error), "the gateways' CA bundle changed and is refused; the one in force stays");
+                }
+            },
+            Ok(_) => {}
+            Err(error) => {
+                warn!(path = %self.ca_file.display(), %error, "cannot read the gateways' CA bundle; the one in force stays");
+            }
+        }
+        if let Some(client) = state.clients.get(namespace) {
+            return Ok(client.clone());
+        }
+        let client = self.build(&state.roots, namespace)?;
+        state.clients.insert(namespace.to_owned(), client.clone());
+        Ok(client)
+    }
+
+    fn build(
+        &self,
+        roots: &Arc<RootCertStore>,
+        namespace: &str,
+    ) -> Result<reqwest::Client, TrustError> {
+        let name = self.server_name(namespace);
+        let name = ServerName::try_from(name.clone()).map_err(|_| TrustError::ServerName(name))?;
+        let inner = WebPkiServerVerifier::builder_with_provider(roots.clone(), provider())
+            .build()
+            .map_err(TrustError::Verifier)?;
+        let verifier = Arc::new(NamedServer { inner, name });
+        let mut config = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(TrustError::Config)?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        reqwest::Client::builder()
+            .timeout(self.timeout)
+            .use_preconfigured_tls(config)
+            .build()
+            .map_err(TrustError::Client)
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TrustError> {
+    std::fs::read(path).map_err(|source| TrustError::Read {
+        path: path.into(),
+        source,
+    })
+}
+
+fn roots(path: &Path, pem: &[u8]) -> Result<Arc<RootCertStore>, TrustError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| TrustError::Pem {
+            path: path.into(),
+            source,
+        })?;
+    let mut roots = RootCertStore::empty();
+    let (added, _) = roots.add_parsable_certificates(certs);
+    if added == 0 {
+        return Err(TrustError::NoRoots { path: path.into() });
+    }
+    Ok(Arc::new(roots))
+}
+
+/// WebPKI verification of the chain against the bundle, for `name` whatever address the
+/// connection went to.
+#[derive(Debug)]
+struct NamedServer {
+    inner: Arc<WebPkiServerVerifier>,
+    name: ServerName<'static>,
+}
+
+impl ServerCertVerifier for NamedServer {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _dialed: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.inner
+            .verify_server_cert(end_entity, intermediates, &self.name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use http_body_util::Full;
+    use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
+    use poolpilot_api::GatewayLimits;
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::gateway::{Gateways, HttpGateways, PutError};
+
+    /// A CA that signs certificates.
+    struct Ca(rcgen::CertifiedIssuer<'static, rcgen::KeyPair>);
+
+    impl Ca {
+        fn new() -> Self {
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            let key = rcgen::KeyPair::generate().unwrap();
+            Self(rcgen::CertifiedIssuer::self_signed(params, key).unwrap())
+        }
+
+        /// A certificate and key for `name`, as PEM.
+        fn leaf(&self, name: &str) -> (String, String) {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = rcgen::CertificateParams::new(vec![name.to_owned()])
+                .unwrap()
+                .signed_by(&key, &self.0)
+                .unwrap();
+            (cert.pem(), key.serialize_pem())
+        }
+    }
+
+    /// A loopback gateway admin port over TLS that acknowledges every PUT.
+    async fn https_gateway((cert, key): (String, String)) -> SocketAddr {
+        let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+        let config = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let service = service_fn(|_req| async {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                            bytes::Bytes::from_static(br#"{"revision":"r1","generation":1}"#),
+                        )))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        });
+        addr
+    }
+
+    fn doc() -> GatewayLimits {
+        serde_json::from_value(serde_json::json!({"generation": 1, "backends": []})).unwrap()
+    }
+
+    const TEMPLATE: &str = "poolpilot-gateway-admin.{namespace}.svc";
+
+    fn client(ca_file: &Path) -> HttpGateways {
+        let trust = GatewayTrust::load(ca_file.into(), TEMPLATE.into(), Duration::from_secs(5))
+            .expect("the bundle loads");
+        HttpGateways::with_trust(Duration::from_secs(5), trust).unwrap()
+    }
+
+    #[tokio::test]
+    async fn puts_go_over_https_to_a_certificate_of_the_bundle_named_for_the_namespace() {
+        let ca = Ca::new();
+        let addr = https_gateway(ca.leaf("poolpilot-gateway-admin.ns.svc")).await;
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = dir.path().join("ca.crt");
+        std::fs::write(&bundle, ca.0.pem()).unwrap();
+        let gateways = client(&bundle);
+        let acked = gateways.put("ns", addr, "token", &doc()).await;
+        assert_eq!(acked.map(|a| a.revision).ok().as_deref(), Some("r1"));
+
+        // The same pod taken for a gateway of another namespace: its name does not fit.
+        let other = gateways.put("other", addr, "token", &doc()).await;
+        assert!(matches!(other, Err(PutError::Transport(_))), "{other:?}");
+
+        // A bundle of another CA does not trust it.
+        std::fs::write(dir.path().join("other.crt"), Ca::new().0.pem()).unwrap();
+        let untrusting = client(&dir.path().join("other.crt"));
+        let refused = untrusting.put("ns", addr, "token", &doc()).await;
+        let why = refused
+            .map(|_| String::new())
+            .unwrap_or_else(|e| crate::report(&e));
+        assert!(why.contains("certificate"), "{why}");
+
+        // A plain-HTTP client gets no answer from it.
+        let plain = HttpGateways::new(Duration::from_secs(5)).unwrap();
+        assert!(plain.put("ns", addr, "token", &doc()).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_changed_bundle_is_trusted_without_a_restart_and_a_broken_one_is_not_taken() {
+        let (old, new) = (Ca::new(), Ca::new());
+        let addr = https_gateway(new.leaf("poolpilot-gateway-admin.ns.svc")).await;
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = dir.path().join("ca.crt");
+        std::fs::write(&bundle, old.0.pem()).unwrap();
+        let gateways = client(&bundle);
+        assert!(gateways.put("ns", addr, "token", &doc()).await.is_err());
+
+        // Both CAs during a CA rotation, as trust-manager writes a bundle.
+        std::fs::write(&bundle, format!("{}{}", old.0.pem(), new.0.pem())).unwrap();
+        assert!(gateways.put("ns", addr, "token", &doc()).await.is_ok());
+
+        std::fs::write(&bundle, "not a certificate").unwrap();
+        assert!(
+            gateways.put("ns", addr, "token", &doc()).await.is_ok(),
+            "the bundle in force stays"
+        );
+        std::fs::remove_file(&bundle).unwrap();
+        assert!(gateways.put("ns", addr, "token", &doc()).await.is_ok());
+    }
+
+    #[test]
+    fn an_unusable_bundle_or_name_is_refused_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let load = |file: &str, name: &str| {
+            GatewayTrust::load(dir.path().join(file), name.into(), Duration::from_secs(1))
+                .map(|_| ())
+                .map_err(|e| crate::report(&e))
+        };
+        let missing = load("missing.crt", TEMPLATE).unwrap_err();
+        assert!(missing.contains("missing.crt"), "{missing}");
+        std::fs::write(dir.path().join("empty.crt"), "").unwrap();
+        let empty = load("empty.crt", TEMPLATE).unwrap_err();
+        assert!(empty.contains("no usable CA certificate"), "{empty}");
+        std::fs::write(dir.path().join("ca.crt"), Ca::new().0.pem()).unwrap();
+        assert_eq!(load("ca.crt", TEMPLATE), Ok(()));
+        let bad = load("ca.crt", "not a name {namespace}").unwrap_err();
+        assert!(bad.contains("does not give a DNS name"), "{bad}");
+    }
+}
