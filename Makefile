@@ -69,7 +69,7 @@ bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim, de
 	cargo build --workspace --bins
 
 .PHONY: cluster
-cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl) and Prometheus
+cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) $(HELM_BIN) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), Prometheus and helm
 
 $(CLUSTER_BIN): $(CLUSTER_SOURCES)
 	@mkdir -p $(BIN)
@@ -86,6 +86,18 @@ $(PROMETHEUS_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
 	cd e2e/prometheus && CGO_ENABLED=0 go build -trimpath -tags remove_all_sd,enable_kubernetes_sd \
 		-ldflags '-s -w -X github.com/prometheus/common/version.Version=$(PROMETHEUS_VERSION)' \
 		-o $(PROMETHEUS_BIN) github.com/prometheus/prometheus/cmd/prometheus
+
+# Helm v3 from its Go module (pinned in e2e/helm/go.mod): lints the chart, renders it for the
+# server-side dry run, installs it in the e2e tests.
+HELM_VERSION     := v3.22.0
+HELM_BIN         := $(BIN)/helm
+export POOLPILOT_HELM_BIN := $(HELM_BIN)
+$(HELM_BIN): e2e/helm/go.mod e2e/helm/go.sum
+	@mkdir -p $(BIN)
+	@echo ">> building helm $(HELM_VERSION) from its Go module (cold: ~3 min on 2 cores)"
+	cd e2e/helm && CGO_ENABLED=0 go build -trimpath \
+		-ldflags '-s -w -X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION)' \
+		-o $(HELM_BIN) helm.sh/helm/v3/cmd/helm
 
 # promtool from the same Prometheus module: checks and unit-tests the alerting rules.
 $(PROMTOOL_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
@@ -104,7 +116,7 @@ lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
 	@test -z "$$(gofmt -l e2e/cluster)" || { echo "gofmt needed:"; gofmt -l e2e/cluster; exit 1; }
 
 .PHONY: unit
-unit: monitoring-test sdk ## Unit and loopback integration tests, doc tests, alert rule tests (no cluster needed)
+unit: monitoring-test chart-lint sdk ## Unit and loopback integration tests, doc tests, alert rule and chart checks, the OpenAI SDK against the gateway (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
 	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test -p poolpilot-gateway --test openai_sdk -- --ignored
 	cargo test -p poolpilot-e2e --lib --bins
@@ -131,11 +143,20 @@ monitoring-test: $(PROMTOOL_BIN) ## promtool check + unit tests of the alerting 
 	$(PROMTOOL_BIN) check rules manifests/monitoring/rules/poolpilot.rules.yaml
 	$(PROMTOOL_BIN) test rules manifests/monitoring/tests/poolpilot.test.yaml
 
+.PHONY: chart-lint
+chart-lint: $(HELM_BIN) ## helm lint the chart (charts/poolpilot) with its default values and with every toggle on
+	$(HELM_BIN) lint --strict charts/poolpilot
+	$(HELM_BIN) lint --strict charts/poolpilot --set gateway.enabled=false,operator.watchNamespace=models \
+		--set monitoring.podMonitor.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.dashboard.enabled=true
+
 .PHONY: crds
-crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its copy in manifests/crds and its reference doc
+crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its copies (manifests/crds, the chart, with the chart's alert and dashboard copies) and its reference doc
 	cargo run -q -p poolpilot-api --bin crdgen > crds/connectionpolicy.yaml.tmp
 	mv crds/connectionpolicy.yaml.tmp crds/connectionpolicy.yaml
 	cp crds/connectionpolicy.yaml manifests/crds/connectionpolicy.yaml
+	cp crds/connectionpolicy.yaml charts/poolpilot/crds/connectionpolicy.yaml
+	cp manifests/monitoring/rules/poolpilot.rules.yaml manifests/monitoring/dashboards/poolpilot-saturation.json \
+		charts/poolpilot/files/
 	cargo run -q -p poolpilot-api --bin crdgen -- --reference > docs/connectionpolicy-reference.md.tmp
 	mv docs/connectionpolicy-reference.md.tmp docs/connectionpolicy-reference.md
 

@@ -18,6 +18,7 @@ pub mod load;
 pub mod modelsim;
 pub mod namespace;
 pub mod paths;
+pub mod plot;
 pub mod relay;
 pub mod scenario;
 pub mod stack;

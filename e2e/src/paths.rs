@@ -56,6 +56,13 @@ pub fn prometheus_bin() -> PathBuf {
         .unwrap_or_else(|| cache_dir().join("bin/prometheus"))
 }
 
+/// The helm binary (`make cluster` builds it): `$POOLPILOT_HELM_BIN` or `<cache>/bin/helm`.
+pub fn helm_bin() -> PathBuf {
+    std::env::var_os("POOLPILOT_HELM_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/helm"))
+}
+
 /// The state folder of the shared test cluster: `$POOLPILOT_CLUSTER_DIR` or `<cache>/cluster`.
 pub fn cluster_dir() -> PathBuf {
     std::env::var_os("POOLPILOT_CLUSTER_DIR")
