@@ -45,8 +45,12 @@ listeners:
   proxy: 0.0.0.0:8080
   admin: 0.0.0.0:9901
 adminTokenFile: /etc/poolpilot/admin/token
+adminTls:
+  certFile: /etc/poolpilot/admin-tls/tls.crt
+  keyFile: /etc/poolpilot/admin-tls/tls.key
 limitsFile: /etc/poolpilot/limits/limits.json
 limitsPollInterval: 2s
+shutdownDelay: {{ .Values.gateway.shutdownDelay }}
 drainGrace: {{ .Values.gateway.drainGrace }}
 awaitOperator: {{ .Values.gateway.awaitOperator }}
 {{- end -}}
