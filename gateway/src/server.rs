@@ -39,12 +39,18 @@ use crate::proxy::Peer;
 /// hyper's smallest HTTP/1 read buffer; smaller head limits are enforced per request.
 const MIN_BUF: usize = 8192;
 
-/// Answers to connections over their source's cap, at most this many a second (and a burst of
-/// as many): each costs a connection for up to [`REFUSAL_GRACE`], so a source opening
-/// connections in a loop cannot make refusing them expensive. Beyond it they are closed
-/// unanswered (HAProxy and nginx close them all unanswered; clients such as the OpenAI SDKs
-/// then report a connection error instead of backing off).
+/// Answers to connections over their source's cap, at most this many a second sustained: each
+/// costs a connection for up to [`REFUSAL_GRACE`], so a source opening connections in a loop
+/// cannot make refusing them expensive. Beyond it they are closed unanswered (HAProxy and nginx
+/// close them all unanswered; clients such as the OpenAI SDKs then report a connection error
+/// instead of backing off).
 pub const REFUSAL_ANSWERS_PER_SEC: f64 = 100.0;
+
+/// Answers that may go out at once, above the sustained rate: an SDK sending a burst of a few
+/// hundred calls opens as many connections in the same instant (the OpenAI SDKs allow up to
+/// 1000), and each must get its 429 to back off instead of failing; a loop still gets at most
+/// [`REFUSAL_ANSWERS_PER_SEC`] once the burst is spent.
+pub const REFUSAL_ANSWER_BURST: f64 = 1000.0;
 
 /// The longest a refused connection is kept to read its request and take its answer.
 pub const REFUSAL_GRACE: Duration = Duration::from_secs(2);
@@ -71,11 +77,11 @@ impl Connections {
         let now = Instant::now();
         let mut refusals = self.refusals.lock();
         let budget = refusals.get_or_insert(AnswerBudget {
-            tokens: REFUSAL_ANSWERS_PER_SEC,
+            tokens: REFUSAL_ANSWER_BURST,
             at: now,
         });
         let refill = now.duration_since(budget.at).as_secs_f64() * REFUSAL_ANSWERS_PER_SEC;
-        budget.tokens = (budget.tokens + refill).min(REFUSAL_ANSWERS_PER_SEC);
+        budget.tokens = (budget.tokens + refill).min(REFUSAL_ANSWER_BURST);
         budget.at = now;
         if budget.tokens >= 1.0 {
             budget.tokens -= 1.0;
