@@ -684,8 +684,9 @@ fn autoscale_runs_once_per_interval_inside_the_plan() {
         BackendSample {
             leased: Some(300.0),
             pending: Some(150.0),
-            latency_p90: Some(0.1),
-            latency_baseline: Some(0.1),
+            completed: Some(100.0),
+            bytes: Some(10_000.0),
+            ..BackendSample::default()
         },
     );
     let first = plan(&input, &mut memory, at(0));
@@ -705,8 +706,9 @@ fn only_the_focus_policy_decides() {
     let busy = BackendSample {
         leased: Some(10.0),
         pending: Some(0.0),
-        latency_p90: Some(0.1),
-        latency_baseline: Some(0.1),
+        completed: Some(100.0),
+        bytes: Some(10_000.0),
+        ..BackendSample::default()
     };
     let mut input = FleetInput {
         policies: vec![a, b],
@@ -749,8 +751,9 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
     let steady = BackendSample {
         leased: Some(10.0),
         pending: Some(0.0),
-        latency_p90: Some(0.1),
-        latency_baseline: Some(0.1),
+        completed: Some(100.0),
+        bytes: Some(10_000.0),
+        ..BackendSample::default()
     };
     input
         .samples
@@ -934,7 +937,7 @@ prop_compose! {
         }
         for (i, (leased, pending)) in demand.iter().enumerate().take(capacities.len()) {
             samples.backends.insert((key("p"), format!("b{i}")), BackendSample {
-                leased: Some(*leased), pending: Some(*pending), latency_p90: Some(0.1), latency_baseline: Some(0.1),
+                leased: Some(*leased), pending: Some(*pending), completed: Some(100.0), bytes: Some(10_000.0), ..BackendSample::default()
             });
         }
         (FleetInput { policies: vec![p], pods, samples, ..FleetInput::default() }, min)

@@ -17,6 +17,7 @@ use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 use super::Context;
 use crate::gateway::Gateways;
 use crate::plan::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyKey, Timestamp, selector};
+use crate::prom::Selection;
 
 /// The label EndpointSlices carry with their Service's name.
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -171,18 +172,22 @@ pub fn observe<G: Gateways>(
         .filter_map(|cm| published_document(cm))
         .collect();
 
-    let selection: Vec<(PolicyKey, Vec<String>, Vec<String>)> =
-        selector::select(&policies, &gateway_pods)
-            .into_iter()
-            .zip(&policies)
-            .map(|(pods, p)| {
-                (
-                    p.key.clone(),
-                    pods,
-                    p.spec.backends.iter().map(|b| b.name.clone()).collect(),
-                )
-            })
-            .collect();
+    let selection: Vec<Selection> = selector::select(&policies, &gateway_pods)
+        .into_iter()
+        .zip(&policies)
+        .map(|(pods, p)| {
+            let backends = p
+                .spec
+                .backends
+                .iter()
+                .map(|b| {
+                    let query = b.saturation.as_ref().map(|s| s.query.clone());
+                    (b.name.clone(), query)
+                })
+                .collect();
+            (p.key.clone(), pods, backends)
+        })
+        .collect();
     let samples = snapshot.samples(&ns, &selection, now, ctx.config.snapshot_max_age);
 
     Ok(Observed {

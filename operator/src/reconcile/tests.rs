@@ -141,6 +141,7 @@ fn context_with(
             configmaps: store::<ConfigMap>(vec![]),
         },
         snapshot: Arc::default(),
+        saturation: Default::default(),
         memory: Mutex::default(),
         rollouts: Mutex::default(),
         gateways: gateways.clone(),
