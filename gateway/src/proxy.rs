@@ -25,6 +25,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use poolpilot_api::limits::{ClientIdentity, ListenerLimits};
+use prometheus_client::metrics::counter::Counter;
 use tokio::time::{Instant, Sleep};
 
 use crate::body::{BoxError, ClientBody, RequestBody, ResponseBody};
@@ -405,6 +406,8 @@ fn respond(
     parts.headers.append(header::VIA, via_value(parts.version));
     let call = Call {
         metrics: metrics.clone(),
+        bytes: metrics.upstream_response_bytes(&backend.name),
+        first_byte: false,
         backend,
         lease,
         _permit: permit,
@@ -428,6 +431,10 @@ struct Call {
     _permit: Option<ClientPermit>,
     status: u16,
     sent_at: Instant,
+    /// Response body bytes of this backend, counted as they arrive.
+    bytes: Counter,
+    /// Whether the body's first byte arrived (and its time was observed).
+    first_byte: bool,
 }
 
 /// How a response body ended.
@@ -444,8 +451,26 @@ enum End {
 }
 
 impl Call {
+    /// `n` bytes of the response body arrived; the first of them is its time to first byte.
+    fn received(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        if !self.first_byte {
+            self.first_byte = true;
+            self.metrics
+                .upstream_first_byte(&self.backend.name, self.sent_at.elapsed().as_secs_f64());
+        }
+        self.bytes.inc_by(n as u64);
+    }
+
     fn finish(mut self, end: End) {
         let name = &self.backend.name;
+        if !self.first_byte && matches!(end, End::Complete) {
+            // A response without a body: its end is its first byte.
+            self.metrics
+                .upstream_first_byte(name, self.sent_at.elapsed().as_secs_f64());
+        }
         let endpoint = self.lease.endpoint().clone();
         let status = match end {
             End::Timeout(_) => 504,
@@ -528,6 +553,9 @@ impl Body for UpstreamBody {
         }
         match frame {
             Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(call), Some(data)) = (this.call.as_mut(), frame.data_ref()) {
+                    call.received(data.len());
+                }
                 let deadline = Instant::now() + this.stream_idle;
                 this.idle.as_mut().reset(deadline);
                 if this.inner.is_end_stream() {
