@@ -84,12 +84,14 @@ impl BackendSpec {
     }
 
     /// A fixed service time of about `ms` milliseconds per call (base latency, no per-token time,
-    /// little jitter), so that the in-flight demand of a closed-loop load is predictable.
+    /// little jitter, no slowdown with load), so that the in-flight demand of a closed-loop load
+    /// is predictable.
     pub fn service_ms(mut self, ms: u32) -> Self {
         self.args.extend([
             format!("--base-latency-ms={ms}"),
             "--per-token-ms=0".to_owned(),
             "--jitter-sigma=0.05".to_owned(),
+            "--batch-slowdown=0".to_owned(),
             "--saturation-slowdown=0".to_owned(),
         ]);
         self
@@ -294,13 +296,16 @@ impl<'a> Stack<'a> {
             backend => {
                 let wanted = spec.backends.iter().find(|b| b.name == backend);
                 if let Some(b) = wanted {
+                    // clap refuses a repeated flag: the spec's flags replace the sample's.
+                    let ours: Vec<String> =
+                        std::iter::once(format!("--max-concurrency={}", b.slots))
+                            .chain(b.args.iter().cloned())
+                            .collect();
+                    let flag = |a: &str| a.split('=').next().unwrap_or(a).to_owned();
+                    let replaced: Vec<String> = ours.iter().map(|a| flag(a)).collect();
                     let args = container["args"].as_array_mut().context("modelsim args")?;
-                    args.retain(|a| {
-                        !a.as_str()
-                            .is_some_and(|a| a.starts_with("--max-concurrency="))
-                    });
-                    args.push(json!(format!("--max-concurrency={}", b.slots)));
-                    args.extend(b.args.iter().map(|a| json!(a)));
+                    args.retain(|a| !a.as_str().is_some_and(|a| replaced.contains(&flag(a))));
+                    args.extend(ours.into_iter().map(|a| json!(a)));
                 }
                 object["spec"]["replicas"] = json!(wanted.map_or(0, |b| b.replicas));
             }
