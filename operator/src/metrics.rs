@@ -341,7 +341,7 @@ pub fn decision_kind(d: &Decision) -> &'static str {
         Decision::Held { hold, .. } => match hold {
             Hold::BackendSaturated { .. } => "backend_saturated",
             Hold::SaturationPending => "saturation_pending",
-            Hold::ThroughputFlat(_) => "throughput_flat",
+            Hold::StepFellShort(_) => "step_fell_short",
             Hold::AtKnee(_) => "at_knee",
             Hold::SlowerAtSameLoad { .. } => "slower_at_same_load",
         },

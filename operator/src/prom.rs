@@ -94,6 +94,18 @@ impl Queries {
                 ),
             ),
             q(
+                "leased_now",
+                format!(
+                    "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_connections{{state=\"leased\"}}[{fresh}]))"
+                ),
+            ),
+            q(
+                "pending_now",
+                format!(
+                    "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_pending[{fresh}]))"
+                ),
+            ),
+            q(
                 "completed",
                 format!(
                     "sum by (namespace, pod, backend) (rate(poolpilot_upstream_request_duration_seconds_count{{code_class!=\"5xx\"}}[{w}]))"
@@ -191,6 +203,10 @@ pub struct Snapshot {
     pub leased: Option<BTreeMap<(String, String, String), f64>>,
     /// Pending lease requests per (namespace, pod, backend).
     pub pending: Option<BTreeMap<(String, String, String), f64>>,
+    /// Leased connections at the latest scrape, per (namespace, pod, backend).
+    pub leased_now: Option<BTreeMap<(String, String, String), f64>>,
+    /// Pending lease requests at the latest scrape, per (namespace, pod, backend).
+    pub pending_now: Option<BTreeMap<(String, String, String), f64>>,
     /// Calls completed without a 5xx per second, per (namespace, pod, backend).
     pub completed: Option<BTreeMap<(String, String, String), f64>>,
     /// Response body bytes per second, per (namespace, pod, backend).
@@ -263,6 +279,8 @@ impl Snapshot {
             window,
             leased: by_pod_backend("leased"),
             pending: by_pod_backend("pending"),
+            leased_now: by_pod_backend("leased_now"),
+            pending_now: by_pod_backend("pending_now"),
             completed: by_pod_backend("completed"),
             bytes: by_pod_backend("bytes"),
             ttfb: by("ttfb", "backend"),
@@ -359,6 +377,8 @@ impl Snapshot {
                     BackendSample {
                         leased: gauge(&self.leased),
                         pending: gauge(&self.pending),
+                        leased_now: gauge(&self.leased_now),
+                        pending_now: gauge(&self.pending_now),
                         completed: counter(&self.completed),
                         bytes: counter(&self.bytes),
                         ttfb: fleet(&self.ttfb),
@@ -552,11 +572,15 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 10, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 12, "one round for every policy in the cluster");
         let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
             promql("leased"),
             "sum by (namespace, pod, backend) (avg_over_time(poolpilot_pool_connections{state=\"leased\"}[30s]))"
+        );
+        assert_eq!(
+            promql("pending_now"),
+            "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_pending[30s]))"
         );
         assert_eq!(
             promql("completed"),

@@ -25,6 +25,9 @@ pub const MISSES_BEFORE_UNAVAILABLE: u32 = 3;
 pub const FRESH_TO_RESUME: u32 = 2;
 /// Decisions in a row that held growth after which the hold is told in an Event.
 pub const HELD_EVENT_AFTER: u32 = 3;
+/// A window whose average in-flight differs from its latest by more than this share saw the
+/// load change: the knee guard does not judge its throughput.
+pub const UNSTEADY: f64 = 0.25;
 /// A run this much earlier than the interval still counts as due (requeues jitter a little).
 const DUE_SLACK: f64 = 0.9;
 
@@ -247,7 +250,9 @@ fn guard_input_missing(s: &BackendSample, bounds: &Bounds) -> Option<&'static st
     }
 }
 
-/// This interval as the knee guard keeps it, when the sample has its throughput.
+/// This interval as the knee guard keeps it, when the sample has its throughput and the load
+/// held steady over its window (a window across a change of load mixes two loads, and its
+/// averages and rates do not match each other).
 fn observation(
     s: &BackendSample,
     leased: f64,
@@ -257,6 +262,11 @@ fn observation(
     let e = f64::from(endpoints);
     let completed = usable(s.completed)?;
     let bytes = usable(s.bytes)?;
+    if let Some(latest) = usable(s.leased_now)
+        && (latest - leased).abs() > UNSTEADY * latest.max(leased)
+    {
+        return None;
+    }
     (endpoints > 0).then(|| Observation {
         at: now,
         in_flight: leased / e,
@@ -342,7 +352,13 @@ fn decide_fresh(
     endpoints: u32,
     now: Timestamp,
 ) -> (Decision, String) {
-    let demand = leased + pending;
+    // Demand: the window's average, or the latest scrape when it is higher (a crowd that began
+    // within the window is judged whole, in one step).
+    let (demand_leased, demand_pending) = match (usable(s.leased_now), usable(s.pending_now)) {
+        (Some(l), Some(p)) if l + p > leased + pending => (l, p),
+        _ => (leased, pending),
+    };
+    let demand = demand_leased + demand_pending;
     let per_endpoint = demand * (1.0 + bounds.margin) / f64::from(endpoints.max(1));
     // The epsilon keeps float noise (450 × 1.2 = 540.0000000000001) from adding a connection.
     let wanted = (per_endpoint - 1e-9).ceil().clamp(0.0, f64::from(u32::MAX)) as u32;
@@ -367,13 +383,13 @@ fn decide_fresh(
         mem.recommendations.pop_front();
     }
     let obs = observation(s, leased, endpoints, now);
-    let found = obs.and_then(|o| mem.knee.observe(o, bounds.interval));
+    let found = obs.and_then(|o| mem.knee.observe(o, bounds.interval, bounds.capacity));
 
     let demand_text = format!(
         "demand {} (leased {} + pending {}) × {} over {endpoints} endpoints",
         round(demand),
-        round(leased),
-        round(pending),
+        round(demand_leased),
+        round(demand_pending),
         round(1.0 + bounds.margin),
     );
     if mem.recovering {
@@ -464,7 +480,7 @@ fn decide_fresh(
         mem.saturation = over_upper;
         let reason = if let Some(k) = knee.filter(|_| to < recommendation) {
             format!(
-                "{demand_text}, capped at the knee: throughput stopped rising above {} in flight per endpoint",
+                "{demand_text}, capped at the knee: throughput stopped following above {} in flight per endpoint",
                 round(k.in_flight)
             )
         } else if wanted > bounds.upper {

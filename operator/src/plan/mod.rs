@@ -117,6 +117,11 @@ pub struct BackendSample {
     pub leased: Option<f64>,
     /// Pending lease requests, averaged over the window.
     pub pending: Option<f64>,
+    /// Leased connections at the latest scrape (a crowd that began within the window shows
+    /// here in full).
+    pub leased_now: Option<f64>,
+    /// Pending lease requests at the latest scrape.
+    pub pending_now: Option<f64>,
     /// Upstream calls completed per second without a 5xx, over the window.
     pub completed: Option<f64>,
     /// Response body bytes received from the backend per second, over the window.

@@ -5,21 +5,28 @@
 //! example):
 //!
 //! ```text
-//!  backend's own signal  saturation query ≥ threshold                       BackendSaturated
-//!  a measured step       in-flight rose ≥ 1.5× since a recent interval, yet
-//!                        neither completed calls/s nor response bytes/s rose
-//!                        by more than rise^0.3                              ThroughputFlat → knee
-//!  a remembered knee     growth stops at the in-flight where throughput
-//!                        stopped rising (10 minutes, or until throughput
-//!                        beyond it shows the backend takes more)             AtKnee
-//!  latency, only at ≥ ½  median time to first byte ≥ 2× what it was at a
-//!  declared capacity     comparable in-flight (±20%)                         SlowerAtSameLoad
+//!  backend's own signal   saturation query ≥ threshold                          BackendSaturated
+//!  a measured step        in-flight rose ≥ 1.5× since a recent interval, and
+//!                         throughput (completed calls/s or response bytes/s,
+//!                         whichever rose more) rose less than a backend below
+//!                         its knee gives: rise^0.3, and what batching allows
+//!                         for a backend with the declared capacity              StepFellShort → knee
+//!  a remembered knee      growth stops at the in-flight where throughput
+//!                         stopped following (10 minutes, or until throughput
+//!                         beyond it shows the backend takes more)                AtKnee
+//!  latency, only at ≥ ½   median time to first byte ≥ 2× what it was at a
+//!  declared capacity      comparable in-flight (±20%)                            SlowerAtSameLoad
 //! ```
+//!
+//! What batching allows: a call may take up to [`BATCHING_SLOWDOWN`]× as long with every
+//! declared slot busy as alone, linearly in between, and a quarter more for noise. A backend
+//! whose throughput per call in flight fell further than that did not take the calls as a
+//! backend with its declared capacity would: they queued.
 //!
 //! Throughput counts response bytes as well as calls: longer outputs make fewer calls per
 //! second but not fewer bytes, so output lengths alone never look like a knee. Below half the
-//! declared capacity latency never holds growth: batching slows calls there, and the declared
-//! capacity is the user's word that the backend takes more.
+//! declared capacity latency alone never holds growth: batching slows calls there, and the
+//! declared capacity is the user's word that the backend takes more.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -30,10 +37,15 @@ use super::round;
 /// In-flight (per endpoint) must have risen at least this much since the reference interval
 /// for the step to be judged: smaller steps drown in noise.
 pub const MIN_RISE: f64 = 1.5;
-/// A step whose throughput gain stays below `rise^FLAT_GRADIENT` added connections and no
-/// throughput: the backend is past its knee. Smooth batching slowdown (latency up to twice its
-/// idle value at the declared capacity) keeps the gradient above 0.55.
+/// A step whose throughput gain stays below `rise^FLAT_GRADIENT` added connections and next to
+/// no throughput, whatever the declared capacity: the backend is past its knee.
 pub const FLAT_GRADIENT: f64 = 0.3;
+/// How much longer a call may take with every declared slot of its endpoint busy than alone,
+/// from batching (linear in between): what a backend below its knee may lose in throughput per
+/// call as in-flight rises.
+pub const BATCHING_SLOWDOWN: f64 = 3.0;
+/// Slack on that for noise: a step falls short only below its expected gain / `NOISE`.
+pub const NOISE: f64 = 1.25;
 /// The reference of a step is at most this many intervals old.
 pub const REFERENCE_INTERVALS: u32 = 10;
 /// Completed calls an interval needs before its throughput is judged (fewer: too noisy).
@@ -117,8 +129,19 @@ impl Step {
         self.gain().max(f64::MIN_POSITIVE).ln() / self.rise().ln()
     }
 
-    /// Where throughput stopped rising: the in-flight per endpoint that, at the reference
-    /// interval's time per call, yields today's throughput (within the step).
+    /// The least throughput gain a backend below its knee gives for this rise, with `capacity`
+    /// declared slots per endpoint: `rise^FLAT_GRADIENT`, and the rise less what batching from
+    /// `from` to `to` in-flight may cost per call (up to [`BATCHING_SLOWDOWN`]× at capacity),
+    /// less [`NOISE`]; whichever is larger.
+    pub fn expected(&self, capacity: u32) -> f64 {
+        let per_slot = (BATCHING_SLOWDOWN - 1.0) / f64::from(capacity.max(1));
+        let batching =
+            (1.0 + per_slot * self.from.in_flight) / (1.0 + per_slot * self.to.in_flight);
+        (self.rise() * batching / NOISE).max(self.rise().powf(FLAT_GRADIENT))
+    }
+
+    /// Where throughput stopped following: the in-flight per endpoint that, at the reference
+    /// interval's throughput per call, yields today's throughput (within the step).
     pub fn knee(&self) -> f64 {
         (self.from.in_flight * self.gain()).clamp(self.from.in_flight, self.to.in_flight)
     }
@@ -160,13 +183,15 @@ fn bytes_text(b: f64) -> String {
     }
 }
 
-/// Where a backend's throughput stopped rising with its in-flight calls.
+/// Where a backend's throughput stopped following its in-flight calls.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Knee {
-    /// In-flight per endpoint beyond which throughput did not rise.
+    /// In-flight per endpoint beyond which throughput did not follow.
     pub in_flight: f64,
     /// The measured step that found it.
     pub step: Step,
+    /// The gain that step should have had ([`Step::expected`]).
+    pub expected: f64,
 }
 
 impl Knee {
@@ -180,6 +205,16 @@ impl Knee {
     /// When it was found.
     pub fn found(&self) -> Timestamp {
         self.step.to.at
+    }
+
+    /// The step that found it, in words.
+    fn evidence(&self) -> String {
+        format!(
+            "{}: ×{} where a backend below its knee gives at least ×{}",
+            self.step.describe(),
+            round(self.step.gain()),
+            round(self.expected)
+        )
     }
 }
 
@@ -196,8 +231,9 @@ pub enum Hold {
     /// The saturation query is configured but has not been run since it was (the poller picks
     /// new queries up at its next round).
     SaturationPending,
-    /// This interval's step added in-flight calls and no throughput.
-    ThroughputFlat(Knee),
+    /// This interval's step added in-flight calls and less throughput than a backend below its
+    /// knee gives.
+    StepFellShort(Knee),
     /// The target already reaches the remembered knee.
     AtKnee(Knee),
     /// The backend is slower at the same load than it was.
@@ -225,16 +261,16 @@ impl Hold {
             Self::SaturationPending => {
                 "the backend's saturation query has not been evaluated yet".to_owned()
             }
-            Self::ThroughputFlat(knee) => format!(
-                "throughput did not rise with in-flight: {}; knee ≈ {} in flight per endpoint",
-                knee.step.describe(),
+            Self::StepFellShort(knee) => format!(
+                "throughput did not follow in-flight: {}; knee ≈ {} in flight per endpoint",
+                knee.evidence(),
                 round(knee.in_flight)
             ),
             Self::AtKnee(knee) => format!(
-                "past its knee: throughput stopped rising above {} in flight per endpoint ({} ago: {})",
+                "past its knee: throughput stopped following above {} in flight per endpoint ({} ago: {})",
                 round(knee.in_flight),
                 ago(knee.found(), now),
-                knee.step.describe()
+                knee.evidence()
             ),
             Self::SlowerAtSameLoad {
                 ttfb,
@@ -287,9 +323,10 @@ pub struct KneeMemory {
 impl KneeMemory {
     /// Records this interval, forgetting what is too old, the knee when throughput beyond it
     /// shows the backend takes more, and learning a knee when the step from a recent interval
-    /// with clearly fewer calls in flight added no throughput. Returns that knee when this
-    /// interval found it. `interval` is the autoscale interval (the reference's age limit).
-    pub fn observe(&mut self, obs: Observation, interval: Duration) -> Option<Knee> {
+    /// with clearly fewer calls in flight fell short of what a backend with `capacity` declared
+    /// slots per endpoint gives. Returns that knee when this interval found it. `interval` is
+    /// the autoscale interval (the reference's age limit).
+    pub fn observe(&mut self, obs: Observation, interval: Duration, capacity: u32) -> Option<Knee> {
         let now = obs.at;
         while self
             .observations
@@ -311,9 +348,11 @@ impl KneeMemory {
             }
         }
         let found = self.step_to(&obs, interval).and_then(|step| {
-            (step.gradient() < FLAT_GRADIENT).then(|| Knee {
+            let expected = step.expected(capacity);
+            (step.gain() < expected).then(|| Knee {
                 in_flight: step.knee(),
                 step,
+                expected,
             })
         });
         if found.is_some() {
@@ -364,7 +403,7 @@ impl KneeMemory {
         capacity: u32,
     ) -> Verdict {
         if let Some(knee) = found_now {
-            return Verdict::Hold(Hold::ThroughputFlat(knee));
+            return Verdict::Hold(Hold::StepFellShort(knee));
         }
         let mut to = wanted;
         if let Some(knee) = self.knee {
