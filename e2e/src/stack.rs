@@ -97,9 +97,13 @@ impl BackendSpec {
         self
     }
 
-    /// Appends a modelsim flag.
+    /// Appends a modelsim flag (`--name=value`), replacing an earlier value of the same flag.
     pub fn arg(mut self, arg: impl Into<String>) -> Self {
-        self.args.push(arg.into());
+        let arg = arg.into();
+        let flag = arg.split('=').next().unwrap_or(&arg).to_owned();
+        self.args
+            .retain(|a| a.split('=').next().unwrap_or(a) != flag.as_str());
+        self.args.push(arg);
         self
     }
 }
@@ -535,6 +539,23 @@ impl<'a> Stack<'a> {
             .into_iter()
             .find(|b| b.name == backend)
             .with_context(|| format!("no {backend} in the status yet"))
+    }
+
+    /// `backend`'s upstream p90 latency over the last `seconds` in this namespace, from
+    /// Prometheus (what the gateways' duration histograms say).
+    pub async fn upstream_p90(&self, backend: &str, seconds: u32) -> anyhow::Result<f64> {
+        let promql = format!(
+            "histogram_quantile(0.9, sum by (le) (rate(poolpilot_upstream_request_duration_seconds_bucket{{namespace=\"{}\", backend=\"{backend}\"}}[{seconds}s])))",
+            self.name()
+        );
+        let rows = self.ns.cluster().prometheus_query(&promql).await?;
+        let value = rows
+            .first()
+            .and_then(|r| r["value"][1].as_str())
+            .with_context(|| format!("no p90 from {promql}: {rows:?}"))?;
+        let p90: f64 = value.parse()?;
+        anyhow::ensure!(p90.is_finite(), "p90 {value}");
+        Ok(p90)
     }
 
     /// The `/metrics` URL of a Ready operator pod (the first; with one replica, the leader).
