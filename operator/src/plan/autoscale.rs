@@ -230,9 +230,15 @@ fn usable(v: Option<f64>) -> Option<f64> {
     v.filter(|v| v.is_finite() && *v >= 0.0)
 }
 
-/// The demand inputs every decision needs, or the first one missing.
-fn demand_inputs(s: &BackendSample) -> Result<(f64, f64), &'static str> {
-    let leased = usable(s.leased).ok_or("leased")?;
+/// The demand inputs every decision needs, or the first one missing. A backend without
+/// endpoints has no pool and so no leased connections (the gateways export none): zero, not
+/// missing.
+fn demand_inputs(s: &BackendSample, endpoints: u32) -> Result<(f64, f64), &'static str> {
+    let leased = match usable(s.leased) {
+        Some(l) => l,
+        None if endpoints == 0 && s.leased.is_none() => 0.0,
+        None => return Err("leased"),
+    };
     let pending = usable(s.pending).ok_or("pending")?;
     Ok((leased, pending))
 }
@@ -320,7 +326,7 @@ fn decide_why(
             (Decision::ScaleDown(scale), why)
         };
     }
-    match demand_inputs(sample) {
+    match demand_inputs(sample, endpoints) {
         Ok((leased, pending)) => {
             decide_fresh(bounds, mem, sample, (leased, pending), endpoints, now)
         }

@@ -376,13 +376,21 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                 };
                 // Each backend is named for its own state only: a backend without traffic has
                 // nothing missing, and one that misses data is not blamed on another.
-                if let Some(what) = mem.missing {
-                    let line = format!("{} (no usable {what} sample)", b.name);
-                    if mem.metrics_available {
-                        missing.push(line);
-                    } else {
-                        unavailable.push(line);
-                    }
+                let name = &b.name;
+                match (mem.metrics_available, mem.missing) {
+                    (false, Some(what)) => unavailable.push(format!(
+                        "{name}: no usable {what} sample for {} decisions or more in a row",
+                        autoscale::MISSES_BEFORE_UNAVAILABLE
+                    )),
+                    (false, None) => unavailable.push(format!(
+                        "{name}: samples fresh again, {} of the {} needed to resume",
+                        mem.fresh,
+                        autoscale::FRESH_TO_RESUME
+                    )),
+                    (true, Some(what)) => missing.push(format!(
+                        "{name}: no usable {what} sample at the last decision"
+                    )),
+                    (true, None) => {}
                 }
                 backends.push(BackendPlan {
                     name: b.name.clone(),
@@ -397,26 +405,14 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                 });
             }
             if policy.spec.autoscale.enabled {
-                let mut parts = Vec::new();
-                if !unavailable.is_empty() {
-                    parts.push(format!(
-                        "{} for {} intervals or more in a row",
-                        unavailable.join(", "),
-                        autoscale::MISSES_BEFORE_UNAVAILABLE
-                    ));
-                }
-                if !missing.is_empty() {
-                    parts.push(format!("{} at the last decision", missing.join(", ")));
-                }
-                let message = if parts.is_empty() {
+                let available = unavailable.is_empty();
+                unavailable.extend(missing);
+                let message = if unavailable.is_empty() {
                     "fresh samples for every backend".to_owned()
                 } else {
-                    format!("{}; their targets are held", parts.join("; "))
+                    format!("{}; their targets are held", unavailable.join("; "))
                 };
-                metrics = Some(MetricsState {
-                    available: unavailable.is_empty(),
-                    message,
-                });
+                metrics = Some(MetricsState { available, message });
             }
         }
         plans.push(PolicyPlan {

@@ -808,6 +808,76 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
     assert_eq!(changed.policies[0].backends[0].target, target);
 }
 
+/// Two backends: model-a loses its samples, model-b has no traffic. `MetricsAvailable` names
+/// model-a with what it lacks, never model-b, stays False until model-a's two fresh samples,
+/// and says so while it waits.
+#[test]
+fn metrics_availability_names_the_backend_it_is_about() {
+    let two = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: model-a\n  endpoints: {service: {name: model-a, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 64}\n- name: model-b\n  endpoints: {service: {name: model-b, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 32}\n";
+    let mut input = FleetInput {
+        policies: vec![policy("a", 0, two, 2)],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let idle = BackendSample {
+        leased: Some(0.0),
+        pending: Some(0.0),
+        ..BackendSample::default()
+    };
+    let busy = BackendSample {
+        leased: Some(10.0),
+        pending: Some(0.0),
+        ..BackendSample::default()
+    };
+    let mut memory = Memory::default();
+    let mut state = |a: BackendSample, t: i64| {
+        input
+            .samples
+            .backends
+            .insert((key("a"), "model-a".into()), a);
+        input
+            .samples
+            .backends
+            .insert((key("a"), "model-b".into()), idle);
+        let fleet = plan(&input, &mut memory, at(t));
+        let m = fleet.policies[0].metrics_available.clone().unwrap();
+        (m.available, m.message)
+    };
+    assert_eq!(
+        state(busy, 0),
+        (true, "fresh samples for every backend".into())
+    );
+    let lost = BackendSample::default();
+    assert_eq!(
+        state(lost, 15),
+        (
+            true,
+            "model-a: no usable leased sample at the last decision; their targets are held".into()
+        )
+    );
+    state(lost, 30);
+    assert_eq!(
+        state(lost, 45),
+        (
+            false,
+            "model-a: no usable leased sample for 3 decisions or more in a row; their targets are held"
+                .into()
+        )
+    );
+    assert_eq!(
+        state(busy, 60),
+        (
+            false,
+            "model-a: samples fresh again, 1 of the 2 needed to resume; their targets are held"
+                .into()
+        )
+    );
+    assert_eq!(
+        state(busy, 75),
+        (true, "fresh samples for every backend".into())
+    );
+}
+
 #[test]
 fn status_reports_conditions_targets_and_pods() {
     let p = policy(

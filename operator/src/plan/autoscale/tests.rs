@@ -380,6 +380,25 @@ fn missing_data_at_every_input_holds_the_target() {
 }
 
 #[test]
+fn a_backend_without_endpoints_lacks_no_data_it_cannot_have() {
+    // No endpoints, no pool: the gateways export pending for it but no connections.
+    let b = bounds(8, 25);
+    let mut mem = memory(&b, 8);
+    let no_pool = BackendSample {
+        leased: None,
+        ..sample(0.0, 0.0)
+    };
+    for t in 1..=4 {
+        let d = decide(&b, &mut mem, &no_pool, 0, at(15 * t));
+        assert_eq!(d, Decision::Steady { recommendation: 8 });
+    }
+    assert!(mem.metrics_available && mem.missing.is_none());
+    // With endpoints, the same absence is missing data.
+    let d = decide(&b, &mut mem, &no_pool, 2, at(75));
+    assert_eq!(d, Decision::MissingData { missing: "leased" });
+}
+
+#[test]
 fn a_single_miss_also_needs_two_fresh_samples_but_keeps_metrics_available() {
     let b = bounds(16, 560);
     let mut mem = memory(&b, 300);
