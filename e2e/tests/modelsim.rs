@@ -287,6 +287,18 @@ async fn burst(addr: SocketAddr, n: usize) -> Vec<(StatusCode, Duration, Option<
     out
 }
 
+/// The median latency of three calls made one at a time.
+async fn alone(addr: SocketAddr) -> Duration {
+    let mut alone = Vec::new();
+    for _ in 0..3 {
+        let r = burst(addr, 1).await;
+        assert_eq!(r[0].0, StatusCode::OK);
+        alone.push(r[0].1);
+    }
+    alone.sort();
+    alone[1]
+}
+
 fn mean(latencies: &[Duration]) -> Duration {
     latencies.iter().sum::<Duration>() / u32::try_from(latencies.len()).unwrap()
 }
@@ -314,14 +326,7 @@ async fn overload_raises_latency_then_refuses_and_metrics_say_so() {
     let addr = sim.addr();
 
     // Alone.
-    let mut alone = Vec::new();
-    for _ in 0..3 {
-        let r = burst(addr, 1).await;
-        assert_eq!(r[0].0, StatusCode::OK);
-        alone.push(r[0].1);
-    }
-    alone.sort();
-    let alone = alone[1];
+    let alone = alone(addr).await;
     assert!(
         alone >= Duration::from_millis(140),
         "10 tokens of 15 ms took {alone:?}"
@@ -454,14 +459,7 @@ async fn batching_slows_calls_down_long_before_the_slots_run_out() {
     })
     .await;
     let addr = sim.addr();
-    let mut alone = Vec::new();
-    for _ in 0..3 {
-        let r = burst(addr, 1).await;
-        assert_eq!(r[0].0, StatusCode::OK);
-        alone.push(r[0].1);
-    }
-    alone.sort();
-    let alone = alone[1];
+    let alone = alone(addr).await;
     let half = burst(addr, 16).await;
     assert!(half.iter().all(|r| r.0 == StatusCode::OK), "{half:?}");
     let half: Vec<Duration> = half.iter().map(|r| r.1).collect();

@@ -261,3 +261,137 @@ fn follow(path: PathBuf, query: Query, mut ended: watch::Receiver<bool>) -> Body
     });
     StreamBody::new(stream).boxed()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOG: &str = "\
+2027-01-15T08:00:00Z stdout F one
+2027-01-15T08:00:01Z stdout F two
+";
+
+    async fn get(logs: &Logs<'_>, method: Method, uri: &str) -> (StatusCode, String) {
+        let req = Request::builder().method(method).uri(uri).body(()).unwrap();
+        let resp = logs.respond(&req, Timestamp::now());
+        let status = resp.status();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn container_logs_are_served_as_kubectl_asks_and_everything_else_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let pod = dir.path().join("ns").join("web");
+        std::fs::create_dir_all(&pod).unwrap();
+        std::fs::write(logs::current(&pod, "app"), LOG).unwrap();
+        let instances = Instances::default();
+        let logs = Logs {
+            pods_dir: dir.path(),
+            instances: &instances,
+        };
+        let ok = |body: &str| (StatusCode::OK, body.to_owned());
+        assert_eq!(
+            get(&logs, Method::GET, "/containerLogs/ns/web/app").await,
+            ok("one\ntwo\n")
+        );
+        assert_eq!(
+            get(&logs, Method::GET, "/containerLogs/ns/web/app?tailLines=1").await,
+            ok("two\n")
+        );
+        // No instance registered: the container is not running, so following ends at once.
+        assert_eq!(
+            get(&logs, Method::GET, "/containerLogs/ns/web/app?follow=true").await,
+            ok("one\ntwo\n")
+        );
+        for (method, uri, status, needle) in [
+            (
+                Method::GET,
+                "/containerLogs/ns/web/app?previous=true",
+                StatusCode::BAD_REQUEST,
+                "previous terminated container \"app\"",
+            ),
+            (
+                Method::GET,
+                "/containerLogs/ns/web/other",
+                StatusCode::BAD_REQUEST,
+                "waiting to start",
+            ),
+            (
+                Method::GET,
+                "/containerLogs/ns/gone/app",
+                StatusCode::NOT_FOUND,
+                "never run on this node",
+            ),
+            (
+                Method::GET,
+                "/containerLogs/ns/../app",
+                StatusCode::BAD_REQUEST,
+                "invalid",
+            ),
+            (
+                Method::GET,
+                "/containerLogs/ns/web/app?tailLines=x",
+                StatusCode::BAD_REQUEST,
+                "tailLines",
+            ),
+            (
+                Method::GET,
+                "/exec/ns/web/app",
+                StatusCode::NOT_FOUND,
+                "no such endpoint",
+            ),
+            (
+                Method::POST,
+                "/containerLogs/ns/web/app",
+                StatusCode::METHOD_NOT_ALLOWED,
+                "only GET",
+            ),
+        ] {
+            let (got, body) = get(&logs, method, uri).await;
+            assert_eq!(got, status, "{uri}: {body}");
+            assert!(body.contains(needle), "{uri}: {body}");
+        }
+    }
+
+    #[tokio::test]
+    async fn following_a_running_instance_streams_its_new_lines_until_it_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let pod = dir.path().join("ns").join("web");
+        std::fs::create_dir_all(&pod).unwrap();
+        let (mut out, out_r) = tokio::io::duplex(1024);
+        let (_err, err_r) = tokio::io::duplex(1024);
+        let log = logs::LogFile::open(&pod, "app").unwrap();
+        let instances = Instances::default();
+        instances.lock().insert(
+            ("ns".into(), "web".into(), "app".into()),
+            log.record(out_r, err_r),
+        );
+        let logs = Logs {
+            pods_dir: dir.path(),
+            instances: &instances,
+        };
+        use tokio::io::AsyncWriteExt as _;
+        out.write_all(b"before\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let req = Request::builder()
+            .uri("/containerLogs/ns/web/app?follow=true")
+            .body(())
+            .unwrap();
+        let mut body = logs.respond(&req, Timestamp::now()).into_body();
+        let next = async |body: &mut Body| {
+            let frame = body.frame().await?.ok()?;
+            Some(String::from_utf8(frame.into_data().ok()?.to_vec()).unwrap())
+        };
+        assert_eq!(next(&mut body).await.as_deref(), Some("before\n"));
+        out.write_all(b"after\n").await.unwrap();
+        assert_eq!(next(&mut body).await.as_deref(), Some("after\n"));
+        drop(out);
+        drop(_err);
+        assert_eq!(
+            next(&mut body).await,
+            None,
+            "the instance ended, and so the stream"
+        );
+    }
+}
