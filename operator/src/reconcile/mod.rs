@@ -63,7 +63,7 @@ pub struct Config {
 /// What the rollout remembers between reconciles.
 #[derive(Clone, Debug, Default)]
 pub struct RolloutMemory {
-    /// The last acknowledgement per (namespace, pod, pod uid).
+    /// The last acknowledgement per (namespace, pod, run of the pod: [`observe::instance`]).
     pub acked: BTreeMap<(String, String, String), Acked>,
     /// Refusals per (namespace, pod, revision).
     pub refused: BTreeMap<(String, String, String), String>,

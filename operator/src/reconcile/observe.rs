@@ -133,9 +133,8 @@ pub fn observe<G: Gateways>(
             .as_ref()
             .and_then(|s| s.pod_ip.as_deref())
             .and_then(|ip| ip.parse().ok());
-        let uid = pod.uid().unwrap_or_default();
         let acked = acks
-            .get(&(ns.clone(), name.clone(), uid))
+            .get(&(ns.clone(), name.clone(), instance(pod)))
             .cloned()
             .or_else(|| {
                 snapshot
@@ -225,6 +224,18 @@ pub fn published_document(cm: &ConfigMap) -> Option<Acked> {
         revision: doc.revision,
         generation: doc.generation,
     })
+}
+
+/// Which run of a pod's processes this is: its uid and its containers' restarts. A gateway
+/// whose container restarted starts over from the ConfigMap's document and waits for its own:
+/// what it acknowledged before the restart no longer holds.
+pub fn instance(pod: &Pod) -> String {
+    let restarts: i32 = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .map_or(0, |cs| cs.iter().map(|c| c.restart_count).sum());
+    format!("{}/{restarts}", pod.uid().unwrap_or_default())
 }
 
 /// A pod counts as ready when its Ready condition is True and it is not terminating.
