@@ -130,6 +130,27 @@ pub struct BackendSpec {
     /// for a while. Omitted: endpoints are never ejected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outlier_detection: Option<OutlierDetectionSpec>,
+    /// The backend's own saturation signal, for model servers that export one (vLLM's
+    /// `vllm:num_requests_waiting`, say): while it is at or above its threshold, the operator
+    /// holds growth of this backend's target. Omitted: saturation is judged from the gateways'
+    /// metrics alone (docs/autoscaling.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saturation: Option<SaturationSpec>,
+}
+
+/// A backend's own saturation signal, read from Prometheus.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SaturationSpec {
+    /// PromQL evaluating to one number for the whole backend, run with the operator's other
+    /// queries every round (for example `sum(avg_over_time(vllm:num_requests_waiting{namespace="models"}[30s]))`).
+    /// When it returns several series the largest counts; an empty or failed answer is missing
+    /// data, and missing data holds growth.
+    #[schemars(length(min = 1, max = 2048))]
+    pub query: String,
+    /// At or above this value the backend counts as saturated and growth is held.
+    #[schemars(range(min = 0.0, max = 1e12))]
+    pub threshold: f64,
 }
 
 /// Request matching. A request matches when every condition given here holds.
@@ -668,6 +689,37 @@ pub struct BackendStatus {
     /// The last change of the target, with its reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale: Option<ScaleRecord>,
+    /// The autoscaler's last decision about this backend, whatever it was (a change, a hold or
+    /// no change), with its reason and numbers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_decision: Option<DecisionRecord>,
+}
+
+/// One decision of the autoscaler about a backend.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DecisionRecord {
+    /// When it was made.
+    pub time: Time,
+    /// What it did.
+    pub action: DecisionAction,
+    /// Why, with the numbers it was made from (`held at 8: growth to 15 held: …`).
+    pub reason: String,
+}
+
+/// What one autoscaler decision did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum DecisionAction {
+    /// The target grew.
+    ScaleUp,
+    /// The target shrank.
+    ScaleDown,
+    /// A change was wanted and withheld: growth past the backend's knee or its upper bound, a
+    /// shrink the stabilization window defers, or any change while data is missing.
+    Hold,
+    /// No change was wanted: the recommendation equals the target or lies within the 10%
+    /// deadband.
+    NoChange,
 }
 
 /// One change of a target, with its reason.

@@ -122,6 +122,18 @@ type pki struct {
 	ca  *keyPair
 }
 
+// Files of the kubelet API: the local kubelet serves HTTPS with a certificate of the cluster CA
+// (the apiserver verifies it) and accepts only client certificates of a CA of its own, whose one
+// certificate the apiserver holds: nothing but the apiserver reaches container logs directly.
+const (
+	kubeletServingCert     = "kubelet.crt"
+	kubeletServingKey      = "kubelet.key"
+	kubeletClientCA        = "kubelet-client-ca.crt"
+	apiserverKubeletCert   = "apiserver-kubelet-client.crt"
+	apiserverKubeletKey    = "apiserver-kubelet-client.key"
+	apiserverKubeletClient = "kube-apiserver-kubelet-client"
+)
+
 func (p *pki) path(name string) string { return filepath.Join(p.dir, name) }
 
 // generatePKI writes the CA, the apiserver serving pair, the service-account key pair and one
@@ -168,7 +180,37 @@ func generatePKI(dir string) (*pki, error) {
 	if err := writeFileAtomic(p.path("sa.pub"), pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pubDER}), 0o644); err != nil {
 		return nil, err
 	}
+	clientCA, err := newCA("poolpilot-e2e-kubelet-client-ca")
+	if err != nil {
+		return nil, fmt.Errorf("kubelet client CA: %w", err)
+	}
+	if err := writeFileAtomic(p.path(kubeletClientCA), clientCA.certPEM, 0o644); err != nil {
+		return nil, err
+	}
+	apiserverClient, err := clientCA.issue(certSpec{commonName: apiserverKubeletClient})
+	if err != nil {
+		return nil, fmt.Errorf("apiserver kubelet client certificate: %w", err)
+	}
+	if err := p.writePair("apiserver-kubelet-client", apiserverClient); err != nil {
+		return nil, err
+	}
 	return p, nil
+}
+
+// issueKubelet writes the local kubelet's serving pair for node `node` on 127.0.0.1, the
+// address its Node reports.
+func (p *pki) issueKubelet(node string) error {
+	serving, err := p.ca.issue(certSpec{
+		commonName:   "system:node:" + node,
+		organization: []string{"system:nodes"},
+		dnsNames:     []string{node, "localhost"},
+		ips:          []net.IP{net.ParseIP("127.0.0.1")},
+		server:       true,
+	})
+	if err != nil {
+		return fmt.Errorf("kubelet serving certificate: %w", err)
+	}
+	return p.writePair("kubelet", serving)
 }
 
 func (p *pki) writePair(name string, kp *keyPair) error {

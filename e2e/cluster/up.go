@@ -142,7 +142,7 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 		ctx = watchClientProcesses(ctx, filepath.Join(dir, "clients"))
 	}
 
-	ports, err := freePorts(3)
+	ports, err := freePorts(4)
 	if err != nil {
 		return err
 	}
@@ -200,7 +200,16 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 	// A never-closing channel stands for "no kubelet" in the select below.
 	kubeletDone := make(chan struct{})
 	if kubelet.path != "" {
-		flags := append([]string{"--kubeconfig=" + admin, "--state-dir=" + filepath.Join(dir, "kubelet"), "--node-name=" + kubelet.node}, kubelet.args...)
+		if err := p.issueKubelet(kubelet.node); err != nil {
+			return err
+		}
+		// The kubelet API (container logs for `kubectl logs`) on the address its Node reports.
+		flags := append([]string{
+			"--kubeconfig=" + admin, "--state-dir=" + filepath.Join(dir, "kubelet"), "--node-name=" + kubelet.node,
+			fmt.Sprintf("--listen=127.0.0.1:%d", ports[3]),
+			"--tls-cert-file=" + p.path(kubeletServingCert), "--tls-private-key-file=" + p.path(kubeletServingKey),
+			"--client-ca-file=" + p.path(kubeletClientCA),
+		}, kubelet.args...)
 		k, err := startProgram(dir, "local-kubelet", kubelet.path, flags)
 		if err != nil {
 			return err
@@ -271,6 +280,13 @@ func apiserverFlags(dir string, p *pki, port, etcdPort int) []string {
 		"--service-account-signing-key-file=" + p.path("sa.key"),
 		"--service-cluster-ip-range=10.96.0.0/16",
 		"--authorization-mode=Node,RBAC",
+		// How `kubectl logs` reaches the local kubelet: the Node's InternalIP (127.0.0.1) and
+		// daemonEndpoints port, its serving certificate checked against the cluster CA, with
+		// the one client certificate the kubelet accepts.
+		"--kubelet-preferred-address-types=InternalIP",
+		"--kubelet-certificate-authority=" + p.path("ca.crt"),
+		"--kubelet-client-certificate=" + p.path(apiserverKubeletCert),
+		"--kubelet-client-key=" + p.path(apiserverKubeletKey),
 		"--allow-privileged=true",
 		// Every component listens on loopback, which the endpoint reconciler refuses to publish
 		// for the "kubernetes" Service; pods are told the apiserver's address by the local kubelet.

@@ -88,20 +88,26 @@ impl BackendSpec {
     }
 
     /// A fixed service time of about `ms` milliseconds per call (base latency, no per-token time,
-    /// little jitter), so that the in-flight demand of a closed-loop load is predictable.
+    /// little jitter, no slowdown with load), so that the in-flight demand of a closed-loop load
+    /// is predictable.
     pub fn service_ms(mut self, ms: u32) -> Self {
         self.args.extend([
             format!("--base-latency-ms={ms}"),
             "--per-token-ms=0".to_owned(),
             "--jitter-sigma=0.05".to_owned(),
+            "--batch-slowdown=0".to_owned(),
             "--saturation-slowdown=0".to_owned(),
         ]);
         self
     }
 
-    /// Appends a modelsim flag.
+    /// Appends a modelsim flag (`--name=value`), replacing an earlier value of the same flag.
     pub fn arg(mut self, arg: impl Into<String>) -> Self {
-        self.args.push(arg.into());
+        let arg = arg.into();
+        let flag = arg.split('=').next().unwrap_or(&arg).to_owned();
+        self.args
+            .retain(|a| a.split('=').next().unwrap_or(a) != flag.as_str());
+        self.args.push(arg);
         self
     }
 }
@@ -303,13 +309,16 @@ impl<'a> Stack<'a> {
             backend => {
                 let wanted = spec.backends.iter().find(|b| b.name == backend);
                 if let Some(b) = wanted {
+                    // clap refuses a repeated flag: the spec's flags replace the sample's.
+                    let ours: Vec<String> =
+                        std::iter::once(format!("--max-concurrency={}", b.slots))
+                            .chain(b.args.iter().cloned())
+                            .collect();
+                    let flag = |a: &str| a.split('=').next().unwrap_or(a).to_owned();
+                    let replaced: Vec<String> = ours.iter().map(|a| flag(a)).collect();
                     let args = container["args"].as_array_mut().context("modelsim args")?;
-                    args.retain(|a| {
-                        !a.as_str()
-                            .is_some_and(|a| a.starts_with("--max-concurrency="))
-                    });
-                    args.push(json!(format!("--max-concurrency={}", b.slots)));
-                    args.extend(b.args.iter().map(|a| json!(a)));
+                    args.retain(|a| !a.as_str().is_some_and(|a| replaced.contains(&flag(a))));
+                    args.extend(ours.into_iter().map(|a| json!(a)));
                 }
                 object["spec"]["replicas"] = json!(wanted.map_or(0, |b| b.replicas));
             }
@@ -532,6 +541,23 @@ impl<'a> Stack<'a> {
             .into_iter()
             .find(|b| b.name == backend)
             .with_context(|| format!("no {backend} in the status yet"))
+    }
+
+    /// `backend`'s upstream p90 latency over the last `seconds` in this namespace, from
+    /// Prometheus (what the gateways' duration histograms say).
+    pub async fn upstream_p90(&self, backend: &str, seconds: u32) -> anyhow::Result<f64> {
+        let promql = format!(
+            "histogram_quantile(0.9, sum by (le) (rate(poolpilot_upstream_request_duration_seconds_bucket{{namespace=\"{}\", backend=\"{backend}\"}}[{seconds}s])))",
+            self.name()
+        );
+        let rows = self.ns.cluster().prometheus_query(&promql).await?;
+        let value = rows
+            .first()
+            .and_then(|r| r["value"][1].as_str())
+            .with_context(|| format!("no p90 from {promql}: {rows:?}"))?;
+        let p90: f64 = value.parse()?;
+        anyhow::ensure!(p90.is_finite(), "p90 {value}");
+        Ok(p90)
     }
 
     /// The `/metrics` URL of a Ready operator pod (the first; with one replica, the leader).

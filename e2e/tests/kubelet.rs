@@ -10,11 +10,14 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use poolpilot_e2e::cluster::run;
+use poolpilot_e2e::kubelet::logs::Query;
 use poolpilot_e2e::{TestNamespace, eventually, wait_for, with_namespace};
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// What the container's running instance wrote (its log file, CRI lines, as plain text).
 fn pod_log(ns: &TestNamespace, pod: &str, container: &str) -> String {
     let path = ns
         .cluster()
@@ -23,7 +26,8 @@ fn pod_log(ns: &TestNamespace, pod: &str, container: &str) -> String {
         .join(ns.name())
         .join(pod)
         .join(format!("{container}.log"));
-    std::fs::read_to_string(path).unwrap_or_default()
+    let raw = std::fs::read_to_string(path).unwrap_or_default();
+    Query::default().render_all(&raw)
 }
 
 fn is_ready(pod: &Pod) -> bool {
@@ -162,6 +166,14 @@ async fn a_crashing_container_is_restarted_with_back_off() -> anyhow::Result<()>
         // Back-off: the runs are spaced out (1 s, then 2 s), not restarted in a tight loop.
         let starts = pod_log(ns, "crasher", "main").matches("started").count();
         assert!(starts <= 4, "{starts} starts within the back-off window");
+        // `kubectl logs --previous` shows the instance before the running one (or the last
+        // one, when it is waiting to restart), each its own run.
+        let previous = run(ns
+            .cluster()
+            .kubectl()
+            .args(["logs", "-n", ns.name(), "crasher", "--previous"]))
+        .await?;
+        assert_eq!(previous, "started\n", "one run's output");
         Ok(())
     })
     .await

@@ -1,6 +1,7 @@
 //! Loopback tests of modelsim (the simulated model backend) over real sockets on 127.0.0.1:
-//! saturation (queueing, slowdown, refusals) and its metrics, SSE streaming chunk by chunk,
-//! every fault, exact connection accounting, graceful shutdown, and the binary with SIGTERM.
+//! saturation (batching and full-batch slowdown, queueing, refusals) and its metrics, SSE
+//! streaming chunk by chunk, every fault, exact connection accounting, graceful shutdown, and
+//! the binary with SIGTERM.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -286,6 +287,18 @@ async fn burst(addr: SocketAddr, n: usize) -> Vec<(StatusCode, Duration, Option<
     out
 }
 
+/// The median latency of three calls made one at a time.
+async fn alone(addr: SocketAddr) -> Duration {
+    let mut alone = Vec::new();
+    for _ in 0..3 {
+        let r = burst(addr, 1).await;
+        assert_eq!(r[0].0, StatusCode::OK);
+        alone.push(r[0].1);
+    }
+    alone.sort();
+    alone[1]
+}
+
 fn mean(latencies: &[Duration]) -> Duration {
     latencies.iter().sum::<Duration>() / u32::try_from(latencies.len()).unwrap()
 }
@@ -298,6 +311,7 @@ async fn overload_raises_latency_then_refuses_and_metrics_say_so() {
             base_latency: Duration::ZERO,
             per_token: Duration::from_millis(15),
             jitter: Jitter::None,
+            batch_slowdown: 0.0,
             saturation_slowdown: 1.0,
             default_tokens: 10,
             max_tokens: 10,
@@ -312,14 +326,7 @@ async fn overload_raises_latency_then_refuses_and_metrics_say_so() {
     let addr = sim.addr();
 
     // Alone.
-    let mut alone = Vec::new();
-    for _ in 0..3 {
-        let r = burst(addr, 1).await;
-        assert_eq!(r[0].0, StatusCode::OK);
-        alone.push(r[0].1);
-    }
-    alone.sort();
-    let alone = alone[1];
+    let alone = alone(addr).await;
     assert!(
         alone >= Duration::from_millis(140),
         "10 tokens of 15 ms took {alone:?}"
@@ -428,6 +435,44 @@ async fn overload_raises_latency_then_refuses_and_metrics_say_so() {
     );
     assert!(metric(&text, "process_open_fds") >= 3.0);
     assert!(metric(&text, "process_max_fds") >= metric(&text, "process_open_fds"));
+}
+
+/// A model server batches the calls in flight: with a batch slowdown every call gets slower as
+/// more run beside it, long before the slots run out and with nothing queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batching_slows_calls_down_long_before_the_slots_run_out() {
+    // 10 tokens × 20 ms alone; about 1.5× as long with 16 of 32 slots busy.
+    let sim = start(Config {
+        service: ServiceTime {
+            base_latency: Duration::ZERO,
+            per_token: Duration::from_millis(20),
+            jitter: Jitter::None,
+            batch_slowdown: 1.0,
+            saturation_slowdown: 0.0,
+            default_tokens: 10,
+            max_tokens: 10,
+        },
+        max_concurrency: 32,
+        max_queue: 0,
+        seed: Some(1),
+        ..Config::default()
+    })
+    .await;
+    let addr = sim.addr();
+    let alone = alone(addr).await;
+    let half = burst(addr, 16).await;
+    assert!(half.iter().all(|r| r.0 == StatusCode::OK), "{half:?}");
+    let half: Vec<Duration> = half.iter().map(|r| r.1).collect();
+    assert!(
+        mean(&half) > alone.mul_f64(1.25),
+        "16 of 32 slots busy: {half:?} vs alone {alone:?}"
+    );
+    let stats = sim.stats();
+    assert_eq!(
+        (stats.in_flight_peak, stats.queued_peak, stats.refused),
+        (16, 0, 0),
+        "slower without queueing: {stats:?}"
+    );
 }
 
 /// One SSE event and when it arrived.

@@ -4,7 +4,8 @@
 //! sample policy applied → `Accepted`, CEL rules refuse an invalid policy, printer columns,
 //! `kubectl explain`) and issue 6's RBAC acceptance (no denial under the shipped role; without one
 //! verb the operator fails visibly: in its log, its metrics and a `ReconcileFailed` Event on the
-//! policy).
+//! policy), and that `kubectl logs` of an operator pod works as on any cluster (the local
+//! kubelet serves container logs through the kubelet API).
 //!
 //! Each test runs its own operator in its own namespace (`--namespace`, so that operators of
 //! concurrent tests never reconcile each other's policies) and names its cluster-scoped objects
@@ -24,6 +25,7 @@ use poolpilot_e2e::paths::workspace_root;
 use poolpilot_e2e::{TestNamespace, eventually, with_namespace};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
 
 /// Deadline of every wait: generous, for a loaded 2-core machine.
 const WAIT: Duration = Duration::from_secs(90);
@@ -227,9 +229,14 @@ fn log_path(ns: &TestNamespace, pod: &str) -> PathBuf {
         .join("operator.log")
 }
 
-/// An operator pod's log (empty until the pod wrote one).
-fn operator_log(ns: &TestNamespace, pod: &Pod) -> String {
-    std::fs::read_to_string(log_path(ns, &pod.name_any())).unwrap_or_default()
+/// An operator pod's log, where a user reads it: `kubectl logs` (the apiserver asks the local
+/// kubelet's API for it).
+async fn operator_log(ns: &TestNamespace, pod: &Pod) -> anyhow::Result<String> {
+    run(ns
+        .cluster()
+        .kubectl()
+        .args(["logs", "-n", ns.name(), &pod.name_any()]))
+    .await
 }
 
 /// The text of an operator pod's `/metrics`.
@@ -498,6 +505,9 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
     })
     .await?;
 
+    // While the policy lives, the leader logs its decisions: where a user reads them.
+    kubectl_logs_works_as_on_any_cluster(ns, &pods).await?;
+
     // Deleting the policy runs the operator's finalizer (a patch of the policy).
     run(cluster.kubectl().args([
         "delete",
@@ -527,7 +537,7 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
     // on the standby.
     let mut leaders = 0;
     for pod in &pods {
-        let log = operator_log(ns, pod);
+        let log = operator_log(ns, pod).await?;
         assert!(
             log.contains("watching ConnectionPolicies"),
             "the log of {} is empty or not the operator's:\n{log}",
@@ -548,6 +558,62 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
         );
     }
     assert!(leaders >= 1, "no replica became the leader");
+    Ok(())
+}
+
+/// `kubectl logs` of the operator as a user runs it: the last lines with their times, the
+/// previous instance (there is none yet), and following the log as the leader writes it.
+async fn kubectl_logs_works_as_on_any_cluster(
+    ns: &TestNamespace,
+    pods: &[Pod],
+) -> anyhow::Result<()> {
+    let mut leader = None;
+    for pod in pods {
+        if operator_log(ns, pod).await?.contains("became the leader") {
+            leader = Some(pod.name_any());
+        }
+    }
+    let leader = leader.context("a leader")?;
+    let logs = |args: &[&str]| {
+        let mut cmd = ns.cluster().kubectl();
+        cmd.args(["logs", "-n", ns.name(), &leader]).args(args);
+        cmd
+    };
+    let tail = run(&mut logs(&["--tail=1", "--timestamps"])).await?;
+    assert_eq!(tail.lines().count(), 1, "--tail=1: {tail:?}");
+    let stamp = tail.split(' ').next().unwrap_or_default();
+    assert!(
+        stamp.parse::<k8s_openapi::jiff::Timestamp>().is_ok(),
+        "--timestamps: {tail:?}"
+    );
+    let previous = output(&mut logs(&["--previous"])).await?;
+    let said = String::from_utf8_lossy(&previous.stderr);
+    assert!(
+        !previous.status.success() && said.contains("previous terminated container"),
+        "--previous of a container that never restarted: {said}"
+    );
+    // The leader logs each autoscale decision (every 15 s): one arrives on a follower.
+    let mut follow = logs(&["-f", "--tail=0"]);
+    follow
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = follow.spawn()?;
+    let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+    let decision = tokio::time::timeout(WAIT, async {
+        while let Some(line) = lines.next_line().await? {
+            if line.contains("autoscale decision") {
+                return Ok(line);
+            }
+        }
+        anyhow::bail!("kubectl logs -f ended")
+    })
+    .await
+    .context("no decision followed")??;
+    child.kill().await?;
+    assert!(
+        decision.contains("backend=model-a") || decision.contains("backend=model-b"),
+        "{decision}"
+    );
     Ok(())
 }
 
@@ -583,7 +649,7 @@ async fn missing_verb_scenario(
     // The log says which step failed, on which object, and the apiserver's denial.
     let user = format!("system:serviceaccount:{}:poolpilot-operator", ns.name());
     let line = eventually("the operator logs the denial", WAIT, || async {
-        let log = operator_log(ns, &pod);
+        let log = operator_log(ns, &pod).await?;
         log.lines()
             .find(|l| l.contains("reconcile failed") && l.contains("forbidden"))
             .map(str::to_owned)
@@ -591,7 +657,7 @@ async fn missing_verb_scenario(
     })
     .await?;
     // The log is a file, not a terminal: the plain format writes no colour codes into it.
-    let log = operator_log(ns, &pod);
+    let log = operator_log(ns, &pod).await?;
     assert!(
         !log.contains('\u{1b}'),
         "ANSI escape codes in the operator's log file:\n{log}"

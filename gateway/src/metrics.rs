@@ -245,6 +245,8 @@ pub struct Metrics {
     pool_reused: Family<EndpointLabels, Counter>,
     pool_closed: Family<ClosedLabels, Counter>,
     upstream_duration: HistogramFamily<DurationLabels>,
+    upstream_first_byte: HistogramFamily<BackendLabel>,
+    upstream_response_bytes: Family<BackendLabel, Counter>,
     upstream_timeouts: Family<TimeoutLabels, Counter>,
     upstream_retries: Family<BackendLabel, Counter>,
     client_inflight: Family<ClientLabel, Gauge>,
@@ -304,6 +306,8 @@ impl Metrics {
             pool_reused: Family::default(),
             pool_closed: Family::default(),
             upstream_duration: Family::new_with_constructor(duration_histogram),
+            upstream_first_byte: Family::new_with_constructor(duration_histogram),
+            upstream_response_bytes: Family::default(),
             upstream_timeouts: Family::default(),
             upstream_retries: Family::default(),
             client_inflight: Family::default(),
@@ -371,6 +375,18 @@ impl Metrics {
             "Upstream call duration, from sending the request to the end of the response",
             Unit::Seconds,
             m.upstream_duration.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_upstream_time_to_first_byte",
+            "Upstream time to first byte: from sending the request to the first byte of the response body (the end of a response without one); for a streamed answer, the time to its first token",
+            Unit::Seconds,
+            m.upstream_first_byte.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_upstream_response",
+            "Response body bytes received from the backend (a model server's work done, whatever the output lengths)",
+            Unit::Bytes,
+            m.upstream_response_bytes.clone(),
         );
         r.register(
             "poolpilot_upstream_timeouts",
@@ -582,6 +598,22 @@ impl Metrics {
                 code_class,
             })
             .observe(secs);
+    }
+
+    pub(crate) fn upstream_first_byte(&self, backend: &str, secs: f64) {
+        self.upstream_first_byte
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .observe(secs);
+    }
+
+    /// The response-bytes counter of `backend`, for a call to add to as its body arrives.
+    pub(crate) fn upstream_response_bytes(&self, backend: &str) -> Counter {
+        self.upstream_response_bytes
+            .get_or_create_owned(&BackendLabel {
+                backend: backend.into(),
+            })
     }
 
     pub(crate) fn upstream_timeout(&self, backend: &str, kind: TimeoutKind) {

@@ -30,6 +30,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use poolpilot_api::limits::{ClientIdentity, ListenerLimits, ProxyProtocol, TrustedProxies};
+use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
 use crate::body::{
@@ -600,6 +601,8 @@ fn respond(
     call.slot.arm(deadline.clone());
     let done = Call {
         metrics: call.metrics.clone(),
+        bytes: call.metrics.upstream_response_bytes(&backend.name),
+        first_byte: false,
         backend,
         lease,
         _permit: permit,
@@ -618,6 +621,10 @@ struct Call {
     _permit: Option<ClientPermit>,
     status: u16,
     sent_at: Instant,
+    /// Response body bytes of this backend, counted as they arrive.
+    bytes: Counter,
+    /// Whether the body's first byte arrived (and its time was observed).
+    first_byte: bool,
 }
 
 /// How a response body ended.
@@ -634,8 +641,26 @@ enum End {
 }
 
 impl Call {
+    /// `n` bytes of the response body arrived; the first of them is its time to first byte.
+    fn received(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        if !self.first_byte {
+            self.first_byte = true;
+            self.metrics
+                .upstream_first_byte(&self.backend.name, self.sent_at.elapsed().as_secs_f64());
+        }
+        self.bytes.inc_by(n as u64);
+    }
+
     fn finish(mut self, end: End) {
         let name = &self.backend.name;
+        if !self.first_byte && matches!(end, End::Complete) {
+            // A response without a body: its end is its first byte.
+            self.metrics
+                .upstream_first_byte(name, self.sent_at.elapsed().as_secs_f64());
+        }
         let endpoint = self.lease.endpoint().clone();
         let took = self.sent_at.elapsed().as_secs_f64();
         match end {
@@ -727,6 +752,9 @@ impl Body for UpstreamBody {
         match frame {
             Poll::Ready(Some(Ok(frame))) => {
                 this.deadline.handed_frame();
+                if let (Some(call), Some(data)) = (this.call.as_mut(), frame.data_ref()) {
+                    call.received(data.len());
+                }
                 if this.inner.is_end_stream() {
                     this.end(End::Complete);
                 }

@@ -118,6 +118,8 @@ async fn metrics_follow_the_contract() {
         ("poolpilot_pool_connections_created", "counter"),
         ("poolpilot_pool_connections_reused", "counter"),
         ("poolpilot_upstream_request_duration_seconds", "histogram"),
+        ("poolpilot_upstream_time_to_first_byte_seconds", "histogram"),
+        ("poolpilot_upstream_response_bytes", "counter"),
         ("poolpilot_endpoint_healthy", "gauge"),
         ("poolpilot_limits_info", "gauge"),
         ("process_open_fds", "gauge"),

@@ -1,6 +1,6 @@
 //! Loopback tests of call timeouts and streaming: first-byte timeout → 504 with the
 //! connection discarded, a stalled SSE stream cut at streamIdle (an error, not a clean end),
-//! SSE chunks forwarded as they are produced.
+//! SSE chunks forwarded as they are produced, a stream timed to its first byte.
 
 mod support;
 
@@ -106,6 +106,56 @@ async fn read_body(body: hyper::body::Incoming) -> (String, Result<(), hyper::Er
             None => return (text, Ok(())),
         }
     }
+}
+
+/// A streamed answer's time to first byte is its first token, not the whole stream: what the
+/// operator compares when it asks whether a backend got slower (the whole call moves with the
+/// output length). Its bytes are counted as they arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_answer_is_timed_to_its_first_byte_and_its_bytes_counted() {
+    let backend = Backend::start().await;
+    backend.script.sse_chunks.store(5, Ordering::SeqCst);
+    backend.script.sse_interval_ms.store(200, Ordering::SeqCst);
+    let gw = Gw::start(with_timeouts(backend.addr, "2s", "2s")).await;
+    let (status, _, body) = post(gw.proxy, "/v1/chat", &[], "{\"stream\":true}").await;
+    assert_eq!(status, 200);
+    let first_bytes = "poolpilot_upstream_time_to_first_byte_seconds_count{backend=\"model-a\"}";
+    assert_eventually!(
+        metric(&gw.metrics().await, first_bytes) == Some(1.0),
+        Duration::from_secs(5),
+        "one first byte observed"
+    );
+    let text = gw.metrics().await;
+    let bucket = |family: &str, labels: &str, le: &str| {
+        metric(&text, &format!("{family}_bucket{{le=\"{le}\",{labels}}}"))
+    };
+    // The first chunk comes at once, the last after ~800 ms.
+    assert_eq!(
+        bucket(
+            "poolpilot_upstream_time_to_first_byte_seconds",
+            "backend=\"model-a\"",
+            "0.16"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        bucket(
+            "poolpilot_upstream_request_duration_seconds",
+            "backend=\"model-a\",code_class=\"2xx\"",
+            "0.64"
+        ),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_upstream_response_bytes_total{backend=\"model-a\"}"
+        ),
+        Some(body.len() as f64),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,9 +22,6 @@ pub struct Args {
     /// Prometheus' scrape interval of the gateways; samples older than two of them are stale.
     #[arg(long, env = "POOLPILOT_SCRAPE_INTERVAL", default_value = "15s")]
     pub scrape_interval: Duration,
-    /// Window over which the lowest p90 latency is a backend's latency baseline.
-    #[arg(long, env = "POOLPILOT_BASELINE_WINDOW", default_value = "6h")]
-    pub baseline_window: Duration,
     /// Name of the Secret, in each policy's namespace, holding the gateways' admin token.
     #[arg(
         long,
@@ -109,7 +106,6 @@ mod tests {
         .unwrap();
         assert_eq!(a.metrics_interval, Duration::from_secs(30));
         assert_eq!(a.scrape_interval, Duration::from_secs(15));
-        assert_eq!(a.baseline_window, Duration::from_secs(6 * 3600));
         assert_eq!(a.admin_port, 9901);
         assert!(!a.leader_election);
         assert_eq!(a.namespace, "", "every namespace by default");

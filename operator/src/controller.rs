@@ -29,7 +29,7 @@ use crate::args::Args;
 use crate::gateway::HttpGateways;
 use crate::metrics::{Metrics, QueryLabel};
 use crate::plan::selector;
-use crate::prom::{self, Queries, Snapshot};
+use crate::prom::{self, Queries, SaturationQueries, Snapshot};
 use crate::reconcile::observe::MANAGED_BY;
 use crate::reconcile::{self, Config, Context, Stores};
 
@@ -119,6 +119,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
     );
 
     let snapshot = Arc::new(RwLock::new(Snapshot::default()));
+    let saturation = SaturationQueries::default();
     let prometheus = prometheus_http_query::Client::try_from(args.prometheus_url.as_str())
         .map_err(|source| prom::PromError::Url {
             url: args.prometheus_url.clone(),
@@ -127,6 +128,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
     tokio::spawn(poll_prometheus(
         prometheus,
         queries(&args),
+        saturation.clone(),
         snapshot.clone(),
         metrics.clone(),
         args.metrics_interval.get(),
@@ -142,6 +144,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         identity: identity.clone(),
         metrics,
         snapshot,
+        saturation,
         gateways,
         pods,
         slices,
@@ -229,6 +232,7 @@ struct Term {
     identity: String,
     metrics: Metrics,
     snapshot: Arc<RwLock<Snapshot>>,
+    saturation: SaturationQueries,
     gateways: HttpGateways,
     pods: Store<Pod>,
     slices: Store<EndpointSlice>,
@@ -266,6 +270,7 @@ impl Term {
                 configmaps: self.configmaps.clone(),
             },
             snapshot: self.snapshot.clone(),
+            saturation: self.saturation.clone(),
             memory: Mutex::default(),
             rollouts: Mutex::default(),
             gateways: self.gateways.clone(),
@@ -427,21 +432,22 @@ where
 fn queries(args: &Args) -> Queries {
     Queries {
         window: args.metrics_interval.get(),
-        baseline_window: args.baseline_window.get(),
         freshness: args.scrape_interval.get() * 2,
     }
 }
 
-/// Runs the batched queries every `interval` and publishes the snapshot.
+/// Runs the batched queries (and the backends' saturation queries) every `interval` and
+/// publishes the snapshot.
 async fn poll_prometheus(
     client: prometheus_http_query::Client,
     queries: Queries,
+    saturation: SaturationQueries,
     snapshot: Arc<RwLock<Snapshot>>,
     metrics: Metrics,
     interval: std::time::Duration,
     shutdown: CancellationToken,
 ) {
-    let all = queries.all();
+    let fixed = queries.all();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -449,15 +455,21 @@ async fn poll_prometheus(
             () = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let backends = saturation.all();
         metrics.query_rounds.inc();
-        for q in &all {
+        for name in fixed
+            .iter()
+            .map(|q| q.name)
+            .chain(backends.iter().map(|_| "saturation"))
+        {
             metrics
                 .queries
-                .get_or_create(&QueryLabel { query: q.name })
+                .get_or_create(&QueryLabel { query: name })
                 .inc();
         }
         // A round never outlasts the interval: the next one starts on time.
-        let (rows, errors) = prom::query_round(&client, &all, interval).await;
+        let (round, errors) =
+            prom::query_round(&client, &queries, &backends, interval, crate::clock::now).await;
         for e in &errors {
             if let prom::PromError::Query { name, .. } | prom::PromError::Timeout { name, .. } = e {
                 metrics
@@ -467,10 +479,10 @@ async fn poll_prometheus(
             }
         }
         if let Some(first) = errors.first() {
-            let (failed, of) = (errors.len(), all.len());
+            let (failed, of) = (errors.len(), fixed.len() + backends.len());
             warn!(failed, of, error = %crate::report(first), "Prometheus queries failed; their inputs count as missing");
         }
-        *snapshot.write() = Snapshot::fold(crate::clock::now(), &rows);
+        *snapshot.write() = round;
     }
 }
 

@@ -21,6 +21,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::plan::autoscale::Decision;
+use crate::plan::autoscale::knee::Hold;
 use crate::plan::conditions::Kind;
 
 /// A pipeline step.
@@ -352,7 +353,14 @@ pub fn decision_kind(d: &Decision) -> &'static str {
         Decision::ScaleUp(_) => "scale_up",
         Decision::ScaleDown(_) => "scale_down",
         Decision::Steady { .. } => "steady",
-        Decision::LatencyGuard { .. } => "latency_guard",
+        Decision::WithinDeadband { .. } => "within_deadband",
+        Decision::Held { hold, .. } => match hold {
+            Hold::BackendSaturated { .. } => "backend_saturated",
+            Hold::SaturationPending => "saturation_pending",
+            Hold::StepFellShort(_) => "step_fell_short",
+            Hold::AtKnee(_) => "at_knee",
+            Hold::SlowerAtSameLoad { .. } => "slower_at_same_load",
+        },
         Decision::AtUpperBound { .. } => "at_upper_bound",
         Decision::Stabilizing { .. } => "stabilizing",
         Decision::MissingData { .. } => "missing_data",

@@ -1,15 +1,20 @@
 //! Prometheus: one batched set of PromQL queries per interval for every policy in the cluster
-//! (not one per policy per pod), folded into a [`Snapshot`], and the pure aggregation of that
-//! snapshot into each namespace's planner [`Samples`]. A query error, an empty result, NaN or a
-//! sample older than two scrape intervals is missing data, never zero.
+//! (not one per policy per pod), plus each backend's own saturation query where a policy
+//! declares one, folded into a [`Snapshot`], and the pure aggregation of that snapshot into
+//! each namespace's planner [`Samples`]. A query error, an empty result, NaN or a sample older
+//! than two scrape intervals is missing data, never zero.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::RwLock;
 use prometheus_http_query::response::Data;
 
 use crate::plan::waves::PodRates;
-use crate::plan::{Acked, BackendSample, PodSample, PolicyKey, Samples, Timestamp, elapsed};
+use crate::plan::{
+    Acked, BackendSample, PodSample, PolicyKey, Samples, SaturationSignal, Timestamp, elapsed,
+};
 
 /// Why a Prometheus query failed.
 #[derive(Debug, thiserror::Error)]
@@ -47,10 +52,9 @@ pub enum PromError {
 /// The queries, with the windows they use.
 #[derive(Clone, Debug)]
 pub struct Queries {
-    /// Averaging window of demand (the autoscale interval, at least two scrape intervals).
+    /// Averaging window of demand and throughput (the metrics interval, at least two scrape
+    /// intervals).
     pub window: Duration,
-    /// Window over which the lowest p90 is the latency baseline.
-    pub baseline_window: Duration,
     /// Gauges older than this are stale: two scrape intervals.
     pub freshness: Duration,
 }
@@ -65,69 +69,118 @@ pub struct Query {
 }
 
 impl Queries {
+    /// The window rates and averages are taken over.
+    pub fn rate_window(&self) -> Duration {
+        self.window.max(self.freshness)
+    }
+
     /// Every query of one round. Ranges bound staleness: a range selector only sees samples
     /// inside its window, unlike an instant selector's five-minute lookback.
     pub fn all(&self) -> Vec<Query> {
-        let w = prom_duration(self.window.max(self.freshness));
+        let w = prom_duration(self.rate_window());
         let fresh = prom_duration(self.freshness);
-        let base = prom_duration(self.baseline_window);
-        let p90 = |range: &str| {
-            format!(
-                "histogram_quantile(0.9, sum by (namespace, backend, le) (rate(poolpilot_upstream_request_duration_seconds_bucket[{range}])))"
-            )
-        };
+        let q = |name, promql: String| Query { name, promql };
         vec![
-            Query {
-                name: "leased",
-                promql: format!(
+            q(
+                "leased",
+                format!(
                     "sum by (namespace, pod, backend) (avg_over_time(poolpilot_pool_connections{{state=\"leased\"}}[{w}]))"
                 ),
-            },
-            Query {
-                name: "pending",
-                promql: format!(
+            ),
+            q(
+                "pending",
+                format!(
                     "sum by (namespace, pod, backend) (avg_over_time(poolpilot_pool_pending[{w}]))"
                 ),
-            },
-            Query {
-                name: "latency_p90",
-                promql: p90(&w),
-            },
-            Query {
-                name: "latency_baseline",
-                promql: format!("min_over_time(({})[{base}:{w}])", p90(&w)),
-            },
-            Query {
-                name: "max_fds",
-                promql: format!(
-                    "max by (namespace, pod) (last_over_time(process_max_fds[{fresh}]))"
+            ),
+            q(
+                "leased_now",
+                format!(
+                    "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_connections{{state=\"leased\"}}[{fresh}]))"
                 ),
-            },
-            Query {
-                name: "open_fds",
-                promql: format!(
-                    "max by (namespace, pod) (last_over_time(process_open_fds[{fresh}]))"
+            ),
+            q(
+                "pending_now",
+                format!(
+                    "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_pending[{fresh}]))"
                 ),
-            },
-            Query {
-                name: "limits_info",
-                promql: format!(
+            ),
+            q(
+                "completed",
+                format!(
+                    "sum by (namespace, pod, backend) (rate(poolpilot_upstream_request_duration_seconds_count{{code_class!=\"5xx\"}}[{w}]))"
+                ),
+            ),
+            q(
+                "bytes",
+                format!(
+                    "sum by (namespace, pod, backend) (rate(poolpilot_upstream_response_bytes_total[{w}]))"
+                ),
+            ),
+            q(
+                "ttfb",
+                format!(
+                    "histogram_quantile(0.5, sum by (namespace, backend, le) (rate(poolpilot_upstream_time_to_first_byte_seconds_bucket[{w}])))"
+                ),
+            ),
+            q(
+                "max_fds",
+                format!("max by (namespace, pod) (last_over_time(process_max_fds[{fresh}]))"),
+            ),
+            q(
+                "open_fds",
+                format!("max by (namespace, pod) (last_over_time(process_open_fds[{fresh}]))"),
+            ),
+            q(
+                "limits_info",
+                format!(
                     "max by (namespace, pod, revision, generation) (last_over_time(poolpilot_limits_info[{fresh}]))"
                 ),
-            },
-            Query {
-                name: "requests",
-                promql: format!(
+            ),
+            q(
+                "requests",
+                format!(
                     "sum by (namespace, pod) (rate(poolpilot_upstream_request_duration_seconds_count[{w}]))"
                 ),
-            },
-            Query {
-                name: "lease_timeouts",
-                promql: format!(
-                    "sum by (namespace, pod) (rate(poolpilot_pool_lease_timeouts_total[{w}]))"
-                ),
-            },
+            ),
+            q(
+                "lease_timeouts",
+                format!("sum by (namespace, pod) (rate(poolpilot_pool_lease_timeouts_total[{w}]))"),
+            ),
         ]
+    }
+}
+
+/// (namespace, policy, backend) of a saturation query.
+pub type SaturationKey = (String, String, String);
+
+/// The backends' own saturation queries (`spec.backends[].saturation.query`): each reconcile
+/// sets its policy's, the poller runs them all with the other queries every round. Cheap to
+/// clone; clones share the map.
+#[derive(Clone, Debug, Default)]
+pub struct SaturationQueries(Arc<RwLock<BTreeMap<SaturationKey, String>>>);
+
+impl SaturationQueries {
+    /// Makes `queries` (backend, PromQL) the saturation queries of `policy`, dropping the ones
+    /// its spec no longer has.
+    pub fn set(&self, policy: &PolicyKey, queries: impl IntoIterator<Item = (String, String)>) {
+        let mut map = self.0.write();
+        map.retain(|(ns, name, _), _| !(ns == &policy.namespace && name == &policy.name));
+        for (backend, promql) in queries {
+            map.insert(
+                (policy.namespace.clone(), policy.name.clone(), backend),
+                promql,
+            );
+        }
+    }
+
+    /// Every query, for one round.
+    pub fn all(&self) -> Vec<(SaturationKey, String)> {
+        self.0
+            .read()
+            .iter()
+            .map(|(k, q)| (k.clone(), q.clone()))
+            .collect()
     }
 }
 
@@ -144,14 +197,24 @@ pub type Rows = Option<Vec<(HashMap<String, String>, f64)>>;
 pub struct Snapshot {
     /// When the round ran.
     pub at: Option<Timestamp>,
+    /// The window its averages and rates are taken over.
+    pub window: Duration,
     /// Leased connections per (namespace, pod, backend); `None` when the query failed.
     pub leased: Option<BTreeMap<(String, String, String), f64>>,
     /// Pending lease requests per (namespace, pod, backend).
     pub pending: Option<BTreeMap<(String, String, String), f64>>,
-    /// p90 upstream latency per (namespace, backend).
-    pub latency_p90: Option<BTreeMap<(String, String), f64>>,
-    /// Its baseline per (namespace, backend).
-    pub latency_baseline: Option<BTreeMap<(String, String), f64>>,
+    /// Leased connections at the latest scrape, per (namespace, pod, backend).
+    pub leased_now: Option<BTreeMap<(String, String, String), f64>>,
+    /// Pending lease requests at the latest scrape, per (namespace, pod, backend).
+    pub pending_now: Option<BTreeMap<(String, String, String), f64>>,
+    /// Calls completed without a 5xx per second, per (namespace, pod, backend).
+    pub completed: Option<BTreeMap<(String, String, String), f64>>,
+    /// Response body bytes per second, per (namespace, pod, backend).
+    pub bytes: Option<BTreeMap<(String, String, String), f64>>,
+    /// Median time to first byte per (namespace, backend).
+    pub ttfb: Option<BTreeMap<(String, String), f64>>,
+    /// Each saturation query as it ran and its value (`None`: failed, empty or NaN).
+    pub saturation: BTreeMap<SaturationKey, (String, Option<f64>)>,
     /// `process_max_fds` per (namespace, pod).
     pub max_fds: Option<BTreeMap<(String, String), f64>>,
     /// `process_open_fds` per (namespace, pod).
@@ -167,7 +230,7 @@ pub struct Snapshot {
 impl Snapshot {
     /// Folds the rows of one round (in [`Queries::all`] order, by name) into a snapshot. NaN
     /// and infinite values are dropped: they are missing data.
-    pub fn fold(at: Timestamp, rows: &BTreeMap<&'static str, Rows>) -> Self {
+    pub fn fold(at: Timestamp, window: Duration, rows: &BTreeMap<&'static str, Rows>) -> Self {
         let get = |name: &str| rows.get(name).cloned().flatten();
         let finite =
             |r: Vec<(HashMap<String, String>, f64)>| r.into_iter().filter(|(_, v)| v.is_finite());
@@ -213,10 +276,15 @@ impl Snapshot {
             .collect();
         Self {
             at: Some(at),
+            window,
             leased: by_pod_backend("leased"),
             pending: by_pod_backend("pending"),
-            latency_p90: by("latency_p90", "backend"),
-            latency_baseline: by("latency_baseline", "backend"),
+            leased_now: by_pod_backend("leased_now"),
+            pending_now: by_pod_backend("pending_now"),
+            completed: by_pod_backend("completed"),
+            bytes: by_pod_backend("bytes"),
+            ttfb: by("ttfb", "backend"),
+            saturation: BTreeMap::new(),
             max_fds: by("max_fds", "pod"),
             open_fds: by("open_fds", "pod"),
             limits_info,
@@ -250,11 +318,12 @@ impl Snapshot {
     }
 
     /// The planner's samples for one namespace. `selection` maps each policy to the pods it
-    /// selects and the backends it declares. A snapshot older than `max_age` is all missing.
+    /// selects and the backends it declares, each with its saturation query if it has one. A
+    /// snapshot older than `max_age` is all missing.
     pub fn samples(
         &self,
         namespace: &str,
-        selection: &[(PolicyKey, Vec<String>, Vec<String>)],
+        selection: &[Selection],
         now: Timestamp,
         max_age: Duration,
     ) -> Samples {
@@ -264,25 +333,57 @@ impl Snapshot {
         }
         let ns = namespace.to_owned();
         for (key, pods, backends) in selection {
-            for backend in backends {
-                let sum = |m: &Option<BTreeMap<(String, String, String), f64>>| {
+            // Counters appear with their first increment: for a pod that is scraped (it has a
+            // fresh `process_max_fds`), an absent series is no calls yet, which is zero.
+            let scraped = pods.iter().any(|p| {
+                self.max_fds
+                    .as_ref()
+                    .is_some_and(|m| m.contains_key(&(ns.clone(), p.clone())))
+            });
+            for (backend, saturation_query) in backends {
+                let values = |m: &Option<BTreeMap<(String, String, String), f64>>| {
                     let m = m.as_ref()?;
                     let vals: Vec<f64> = pods
                         .iter()
                         .filter_map(|p| m.get(&(ns.clone(), p.clone(), backend.clone())).copied())
                         .collect();
-                    (!vals.is_empty()).then(|| vals.iter().sum())
+                    Some(vals)
+                };
+                let gauge = |m| values(m).filter(|v| !v.is_empty()).map(|v| v.iter().sum());
+                let counter = |m| {
+                    values(m)
+                        .filter(|v| scraped || !v.is_empty())
+                        .map(|v| v.iter().sum())
                 };
                 let fleet = |m: &Option<BTreeMap<(String, String), f64>>| {
                     m.as_ref()?.get(&(ns.clone(), backend.clone())).copied()
                 };
+                let saturation = match saturation_query {
+                    None => SaturationSignal::NotConfigured,
+                    Some(q) => {
+                        match self
+                            .saturation
+                            .get(&(ns.clone(), key.name.clone(), backend.clone()))
+                        {
+                            Some((ran, value)) if ran == q => {
+                                value.map_or(SaturationSignal::Missing, SaturationSignal::Value)
+                            }
+                            _ => SaturationSignal::Pending,
+                        }
+                    }
+                };
                 out.backends.insert(
                     (key.clone(), backend.clone()),
                     BackendSample {
-                        leased: sum(&self.leased),
-                        pending: sum(&self.pending),
-                        latency_p90: fleet(&self.latency_p90),
-                        latency_baseline: fleet(&self.latency_baseline),
+                        leased: gauge(&self.leased),
+                        pending: gauge(&self.pending),
+                        leased_now: gauge(&self.leased_now),
+                        pending_now: gauge(&self.pending_now),
+                        completed: counter(&self.completed),
+                        bytes: counter(&self.bytes),
+                        ttfb: fleet(&self.ttfb),
+                        window: self.window,
+                        saturation,
                     },
                 );
             }
@@ -305,6 +406,18 @@ impl Snapshot {
     }
 }
 
+/// One policy as [`Snapshot::samples`] reads it: its key, the pods it selects, and its backends
+/// with their saturation queries.
+pub type Selection = (PolicyKey, Vec<String>, Vec<(String, Option<String>)>);
+
+/// The value of a saturation query's answer: the largest finite value (`None`: no value).
+pub fn saturation_value(rows: &[(HashMap<String, String>, f64)]) -> Option<f64> {
+    rows.iter()
+        .map(|(_, v)| *v)
+        .filter(|v| v.is_finite())
+        .reduce(f64::max)
+}
+
 /// The rows of a query answer: an instant vector's labels and values, a scalar as one unlabelled
 /// row. A range vector is not expected from these queries and counts as an empty answer.
 pub fn rows(data: &Data) -> Vec<(HashMap<String, String>, f64)> {
@@ -319,41 +432,51 @@ pub fn rows(data: &Data) -> Vec<(HashMap<String, String>, f64)> {
 }
 
 /// Runs one round of queries, concurrently, each bounded by `timeout` (a query that runs out of
-/// time is cancelled). A failed query leaves its rows `None`; the errors come back too, for logs
-/// and the query-error metric.
+/// time is cancelled), and folds it into a snapshot taken at `at` with the saturation queries'
+/// values. A failed query leaves its rows `None`; the errors come back too, for logs and the
+/// query-error metric.
 pub async fn query_round(
     client: &prometheus_http_query::Client,
-    queries: &[Query],
+    queries: &Queries,
+    saturation: &[(SaturationKey, String)],
     timeout: Duration,
-) -> (BTreeMap<&'static str, Rows>, Vec<PromError>) {
-    let answers = futures::future::join_all(queries.iter().map(|q| async move {
-        let answer = match tokio::time::timeout(timeout, client.query(&q.promql).get()).await {
-            Ok(answer) => answer.map_err(|source| PromError::Query {
-                name: q.name,
-                source,
-            }),
+    at: impl FnOnce() -> Timestamp,
+) -> (Snapshot, Vec<PromError>) {
+    let fixed = queries.all();
+    let all = fixed
+        .iter()
+        .map(|q| (q.name, q.promql.as_str()))
+        .chain(saturation.iter().map(|(_, q)| ("saturation", q.as_str())));
+    let answers = futures::future::join_all(all.map(|(name, promql)| async move {
+        match tokio::time::timeout(timeout, client.query(promql).get()).await {
+            Ok(answer) => answer
+                .map(|r| rows(r.data()))
+                .map_err(|source| PromError::Query { name, source }),
             Err(_) => Err(PromError::Timeout {
-                name: q.name,
+                name,
                 after: timeout,
             }),
-        };
-        (q.name, answer)
+        }
     }))
     .await;
-    let mut rows_by_name = BTreeMap::new();
     let mut errors = Vec::new();
-    for (name, answer) in answers {
-        match answer {
-            Ok(r) => {
-                rows_by_name.insert(name, Some(rows(r.data())));
-            }
-            Err(e) => {
-                rows_by_name.insert(name, None);
-                errors.push(e);
-            }
-        }
-    }
-    (rows_by_name, errors)
+    let mut answers = answers
+        .into_iter()
+        .map(|a| a.map_err(|e| errors.push(e)).ok());
+    let by_name: BTreeMap<&'static str, Rows> = fixed
+        .iter()
+        .map(|q| (q.name, answers.next().flatten()))
+        .collect();
+    let values: BTreeMap<SaturationKey, (String, Option<f64>)> = saturation
+        .iter()
+        .map(|(key, q)| {
+            let value = answers.next().flatten().and_then(|r| saturation_value(&r));
+            (key.clone(), (q.clone(), value))
+        })
+        .collect();
+    let mut snapshot = Snapshot::fold(at(), queries.rate_window(), &by_name);
+    snapshot.saturation = values;
+    (snapshot, errors)
 }
 
 #[cfg(test)]
@@ -381,12 +504,16 @@ mod tests {
         }
     }
 
-    fn selection() -> Vec<(PolicyKey, Vec<String>, Vec<String>)> {
+    fn selection() -> Vec<Selection> {
         vec![(
             key(),
             vec!["gw-0".into(), "gw-1".into()],
-            vec!["model-a".into()],
+            vec![("model-a".into(), None)],
         )]
+    }
+
+    fn fold(r: &BTreeMap<&'static str, Rows>) -> Snapshot {
+        Snapshot::fold(at(0), Duration::from_secs(30), r)
     }
 
     fn round() -> BTreeMap<&'static str, Rows> {
@@ -406,15 +533,10 @@ mod tests {
                 ]),
             ),
             ("pending", Some(vec![pb("gw-0", 50.0), pb("gw-1", 100.0)])),
+            ("completed", Some(vec![pb("gw-0", 20.0), pb("gw-9", 500.0)])),
+            ("bytes", Some(vec![pb("gw-0", 4000.0), pb("gw-1", 6000.0)])),
             (
-                "latency_p90",
-                Some(vec![row(
-                    &[("namespace", "ns"), ("backend", "model-a")],
-                    0.3,
-                )]),
-            ),
-            (
-                "latency_baseline",
+                "ttfb",
                 Some(vec![row(
                     &[("namespace", "ns"), ("backend", "model-a")],
                     0.25,
@@ -447,35 +569,46 @@ mod tests {
     fn queries_are_batched_and_bounded_in_time() {
         let q = Queries {
             window: Duration::from_secs(15),
-            baseline_window: Duration::from_secs(6 * 3600),
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 9, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 12, "one round for every policy in the cluster");
+        let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
-            all[0].promql,
+            promql("leased"),
             "sum by (namespace, pod, backend) (avg_over_time(poolpilot_pool_connections{state=\"leased\"}[30s]))"
         );
         assert_eq!(
-            all[4].promql,
+            promql("pending_now"),
+            "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_pending[30s]))"
+        );
+        assert_eq!(
+            promql("completed"),
+            "sum by (namespace, pod, backend) (rate(poolpilot_upstream_request_duration_seconds_count{code_class!=\"5xx\"}[30s]))",
+            "a backend refusing with 503 completes nothing"
+        );
+        assert_eq!(
+            promql("ttfb"),
+            "histogram_quantile(0.5, sum by (namespace, backend, le) (rate(poolpilot_upstream_time_to_first_byte_seconds_bucket[30s])))"
+        );
+        assert_eq!(
+            promql("max_fds"),
             "max by (namespace, pod) (last_over_time(process_max_fds[30s]))"
         );
-        assert!(
-            all[3]
-                .promql
-                .starts_with("min_over_time((histogram_quantile(0.9, ")
-        );
-        assert!(all[3].promql.ends_with("[21600s:30s])"));
     }
 
     #[test]
     fn fleet_demand_sums_the_selected_pods_only() {
-        let snap = Snapshot::fold(at(0), &round());
+        let snap = fold(&round());
         let s = snap.samples("ns", &selection(), at(5), Duration::from_secs(30));
         let b = s.backends[&(key(), "model-a".into())];
         assert_eq!(b.leased, Some(300.0), "gw-9 is not selected");
         assert_eq!(b.pending, Some(150.0));
-        assert_eq!((b.latency_p90, b.latency_baseline), (Some(0.3), Some(0.25)));
+        assert_eq!(b.completed, Some(20.0), "gw-1 completed nothing yet");
+        assert_eq!(b.bytes, Some(10_000.0));
+        assert_eq!(b.ttfb, Some(0.25));
+        assert_eq!(b.window, Duration::from_secs(30));
+        assert_eq!(b.saturation, SaturationSignal::NotConfigured);
         assert_eq!(
             s.pods["gw-0"],
             PodSample {
@@ -503,17 +636,101 @@ mod tests {
         r.insert("leased", None); // query error
         r.insert("pending", Some(vec![])); // empty result
         r.insert(
-            "latency_p90",
+            "ttfb",
             Some(vec![row(
                 &[("namespace", "ns"), ("backend", "model-a")],
                 f64::NAN,
             )]),
         );
-        let snap = Snapshot::fold(at(0), &r);
+        r.insert("completed", None);
+        let snap = fold(&r);
         let s = snap.samples("ns", &selection(), at(5), Duration::from_secs(30));
         let b = s.backends[&(key(), "model-a".into())];
-        assert_eq!((b.leased, b.pending, b.latency_p90), (None, None, None));
-        assert_eq!(b.latency_baseline, Some(0.25));
+        assert_eq!((b.leased, b.pending, b.ttfb), (None, None, None));
+        assert_eq!(b.completed, None, "a failed query is missing");
+        assert_eq!(b.bytes, Some(10_000.0));
+    }
+
+    #[test]
+    fn throughput_of_scraped_pods_without_calls_is_zero_and_of_unscraped_pods_missing() {
+        let mut r = round();
+        r.insert("completed", Some(vec![]));
+        r.insert("bytes", Some(vec![]));
+        let s = fold(&r).samples("ns", &selection(), at(5), Duration::from_secs(30));
+        let b = s.backends[&(key(), "model-a".into())];
+        assert_eq!(
+            (b.completed, b.bytes),
+            (Some(0.0), Some(0.0)),
+            "gw-0 is scraped: its counters appear with their first call"
+        );
+        r.insert("max_fds", Some(vec![]));
+        let s = fold(&r).samples("ns", &selection(), at(5), Duration::from_secs(30));
+        let b = s.backends[&(key(), "model-a".into())];
+        assert_eq!(
+            (b.completed, b.bytes),
+            (None, None),
+            "no selected pod is scraped"
+        );
+    }
+
+    #[test]
+    fn saturation_queries_are_per_policy_and_read_only_when_they_ran_as_configured() {
+        let queries = SaturationQueries::default();
+        let other = PolicyKey {
+            namespace: "ns".into(),
+            name: "q".into(),
+        };
+        queries.set(&key(), [("model-a".to_owned(), "up".to_owned())]);
+        queries.set(&other, [("model-b".to_owned(), "up2".to_owned())]);
+        queries.set(&key(), [("model-a".to_owned(), "waiting".to_owned())]);
+        assert_eq!(
+            queries.all(),
+            [
+                (
+                    ("ns".into(), "p".into(), "model-a".into()),
+                    "waiting".into()
+                ),
+                (("ns".into(), "q".into(), "model-b".into()), "up2".into()),
+            ]
+        );
+        queries.set(&other, []);
+        assert_eq!(queries.all().len(), 1, "a policy's queries can all go");
+
+        let selection = |q: &str| -> Vec<Selection> {
+            vec![(
+                key(),
+                vec!["gw-0".into()],
+                vec![("model-a".into(), Some(q.to_owned()))],
+            )]
+        };
+        let mut snap = fold(&round());
+        let sat = |snap: &Snapshot, q: &str| {
+            snap.samples("ns", &selection(q), at(5), Duration::from_secs(30))
+                .backends[&(key(), "model-a".into())]
+                .saturation
+        };
+        assert_eq!(
+            sat(&snap, "waiting"),
+            SaturationSignal::Pending,
+            "not run yet"
+        );
+        let k: SaturationKey = ("ns".into(), "p".into(), "model-a".into());
+        snap.saturation
+            .insert(k.clone(), ("waiting".into(), Some(3.0)));
+        assert_eq!(sat(&snap, "waiting"), SaturationSignal::Value(3.0));
+        assert_eq!(
+            sat(&snap, "edited"),
+            SaturationSignal::Pending,
+            "an edited query waits for its own answer"
+        );
+        snap.saturation.insert(k, ("waiting".into(), None));
+        assert_eq!(sat(&snap, "waiting"), SaturationSignal::Missing);
+        assert_eq!(
+            saturation_value(&[row(&[], 1.0), row(&[], f64::NAN), row(&[], 4.0)]),
+            Some(4.0),
+            "the largest series counts"
+        );
+        assert_eq!(saturation_value(&[]), None, "empty is missing, never zero");
     }
 
     #[test]
@@ -524,7 +741,7 @@ mod tests {
             Some(vec![row(&[("namespace", "ns"), ("pod", "gw-0")], 50.0)]),
         );
         r.insert("lease_timeouts", Some(vec![]));
-        let snap = Snapshot::fold(at(0), &r);
+        let snap = fold(&r);
         let max_age = Duration::from_secs(30);
         let gw0 = snap
             .rates("ns", "gw-0", at(5), max_age)
@@ -541,7 +758,7 @@ mod tests {
             "stale snapshot"
         );
         r.insert("requests", None);
-        let failed = Snapshot::fold(at(0), &r);
+        let failed = fold(&r);
         assert_eq!(
             failed.rates("ns", "gw-0", at(5), max_age),
             None,
@@ -551,7 +768,7 @@ mod tests {
 
     #[test]
     fn a_stale_snapshot_is_all_missing() {
-        let snap = Snapshot::fold(at(0), &round());
+        let snap = fold(&round());
         let s = snap.samples("ns", &selection(), at(31), Duration::from_secs(30));
         assert!(s.backends.is_empty() && s.pods.is_empty());
         assert!(
@@ -578,22 +795,29 @@ mod tests {
         let client = prometheus_http_query::Client::try_from(url.as_str()).unwrap();
         let queries = Queries {
             window: Duration::from_secs(30),
-            baseline_window: Duration::from_secs(3600),
             freshness: Duration::from_secs(30),
-        }
-        .all();
+        };
+        let saturation = [(
+            ("ns".to_owned(), "p".to_owned(), "model-a".to_owned()),
+            "vllm:num_requests_waiting".to_owned(),
+        )];
         let timeout = Duration::from_millis(300);
         let start = tokio::time::Instant::now();
-        let (rows, errors) = query_round(&client, &queries, timeout).await;
+        let (snapshot, errors) =
+            query_round(&client, &queries, &saturation, timeout, || at(0)).await;
         let took = start.elapsed();
         held.abort();
         assert!(
             took >= timeout && took < timeout * 10,
             "the round ended after {took:?}"
         );
-        assert_eq!(rows.len(), queries.len());
-        assert!(rows.values().all(Option::is_none), "{rows:?}");
-        assert_eq!(errors.len(), queries.len());
+        assert_eq!(snapshot.leased, None);
+        assert_eq!(snapshot.max_fds, None);
+        assert_eq!(
+            snapshot.saturation.values().collect::<Vec<_>>(),
+            [&("vllm:num_requests_waiting".to_owned(), None)]
+        );
+        assert_eq!(errors.len(), queries.all().len() + 1);
         for e in &errors {
             assert!(
                 matches!(e, PromError::Timeout { after, .. } if *after == timeout),

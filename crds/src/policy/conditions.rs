@@ -72,15 +72,17 @@ pub const CONDITIONS: &[ConditionDoc] = &[
     },
     ConditionDoc {
         type_: "MetricsAvailable",
-        meaning: "Prometheus answers with fresh pool samples for every backend, so the targets \
+        meaning: "Prometheus answers with fresh samples for every backend, so the targets \
                   follow demand.",
         reasons: &[
             reason("True", "SamplesFresh", "usable samples for every backend"),
             reason(
                 "False",
                 "SamplesMissing",
-                "three intervals in a row without usable samples (query error, empty result, \
-                 NaN, or older than two scrape intervals): the targets are held, never read as \
+                "some backend had no usable samples for three decisions in a row (query error, \
+                 empty result, NaN, or older than two scrape intervals; throughput and the \
+                 saturation query count only when growth is wanted): the message names each \
+                 such backend and the input it lacks; their targets are held, never read as \
                  zero, until two fresh samples in a row",
             ),
             reason(
@@ -160,8 +162,10 @@ pub const CONDITIONS: &[ConditionDoc] = &[
                 "True",
                 "Saturated",
                 "a backend's demand exceeds its upper bound (capacity × (1 − headroom), or \
-                 `autoscale.max`), or growth is held because its latency rose above 1.25× its \
-                 baseline",
+                 `autoscale.max`), or its growth is held because it is past its knee: its own \
+                 saturation query says so, a step added in-flight calls and no throughput, or \
+                 (at half its declared capacity or more) it answers slower at the same load; \
+                 the message names the backend with the numbers",
             ),
             reason("Unknown", "NotAccepted", NOT_ACCEPTED),
         ],
@@ -196,6 +200,13 @@ pub const EVENTS: &[EventDoc] = &[
         type_: "Normal",
         reason: "ScaledDown",
         meaning: "a backend's target shrank, with the numbers",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "GrowthHeld",
+        meaning: "a backend's growth has been held for 3 decisions in a row (past its knee, or \
+                  at its upper bound); the note names the backend and the last decision's \
+                  reason with its numbers. Once per hold",
     },
     EventDoc {
         type_: "Normal",

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use poolpilot_e2e::kubelet::api::ApiTls;
 use poolpilot_e2e::kubelet::{ImageResolver, KubeletConfig};
 
 /// Makes this machine a Kubernetes node whose pods are local processes.
@@ -29,6 +30,19 @@ struct Args {
     /// Longest back-off between restarts of a crashing container.
     #[arg(long, default_value = "10s", value_parser = humantime_secs)]
     max_backoff: Duration,
+    /// Where the kubelet API (container logs, for `kubectl logs`) listens: the Node's
+    /// InternalIP and kubelet port. Needs the three TLS files; without it, no API.
+    #[arg(long, requires_all = ["tls_cert_file", "tls_private_key_file", "client_ca_file"])]
+    listen: Option<std::net::SocketAddr>,
+    /// The API's serving certificate (PEM).
+    #[arg(long)]
+    tls_cert_file: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long)]
+    tls_private_key_file: Option<PathBuf>,
+    /// The CA of the only client certificates let in (the apiserver's), PEM.
+    #[arg(long)]
+    client_ca_file: Option<PathBuf>,
 }
 
 fn parse_image(s: &str) -> Result<(String, PathBuf), String> {
@@ -66,6 +80,22 @@ async fn main() -> anyhow::Result<()> {
         },
         apiserver: (host, port),
         backoff: (Duration::from_secs(1), args.max_backoff),
+        api: match (
+            args.listen,
+            args.tls_cert_file,
+            args.tls_private_key_file,
+            args.client_ca_file,
+        ) {
+            (Some(addr), Some(cert), Some(key), Some(client_ca)) => Some((
+                addr,
+                ApiTls {
+                    cert,
+                    key,
+                    client_ca,
+                },
+            )),
+            _ => None,
+        },
     };
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

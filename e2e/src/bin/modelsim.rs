@@ -59,6 +59,10 @@ struct Args {
     /// Sigma of the log-normal jitter.
     #[arg(long, env = "MODELSIM_JITTER_SIGMA", default_value_t = 0.25)]
     jitter_sigma: f64,
+    /// Slowdown of prefill and every token in proportion to the share of slots busy (1.0 = twice
+    /// as slow with every slot busy): a model server batching the calls in flight.
+    #[arg(long, env = "MODELSIM_BATCH_SLOWDOWN", default_value_t = 0.0)]
+    batch_slowdown: f64,
     /// Per-token slowdown when all slots are busy (1.0 = twice as slow), growing with load².
     #[arg(long, env = "MODELSIM_SATURATION_SLOWDOWN", default_value_t = 1.0)]
     saturation_slowdown: f64,
@@ -152,6 +156,7 @@ impl Args {
                 base_latency: millis("base-latency-ms", self.base_latency_ms)?,
                 per_token: millis("per-token-ms", self.per_token_ms)?,
                 jitter,
+                batch_slowdown: self.batch_slowdown,
                 saturation_slowdown: self.saturation_slowdown,
                 default_tokens: self.default_tokens,
                 max_tokens: self.max_tokens,

@@ -16,6 +16,7 @@ use clap::Parser;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
+use poolpilot_api::policy::DecisionRecord;
 use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::credentials::{self, AdminCredentials};
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
@@ -53,6 +54,8 @@ fn humantime_secs(s: &str) -> Result<Duration, String> {
         .map_err(|e| e.to_string())
 }
 
+/// The demo's autoscale interval, in seconds (`DEMO_PACE`).
+const DEMO_INTERVAL: u64 = 10;
 /// The pace of the demo's control loop (the shipped sample decides every 15 s and shrinks over
 /// 5 min, which is right for production and slow for a demo).
 const DEMO_PACE: &str = r#"{"spec": {"autoscale": {"interval": "10s", "scaleDown": {"stabilizationWindow": "10s", "maxStepPercent": 100}}, "rollout": {"strategy": "Progressive", "canaryPods": 1, "verifyIntervals": 0}}}"#;
@@ -180,12 +183,23 @@ async fn main() -> anyhow::Result<()> {
     let mut decision: Option<(u64, String)> = None;
     let mut recovered: Option<u64> = None;
     let live = std::io::stdout().is_terminal();
+    let mut told = b_decision(&policies.get(&args.policy).await?, &args.backend);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
         let p = policies.get(&args.policy).await?;
         let now = load.now();
         let b = backend_status(&p, &args.backend);
+        // Every decision of the operator, with why, as status tells it.
+        let last = b_decision(&p, &args.backend);
+        if last != told
+            && let Some(d) = &last
+        {
+            if !live {
+                println!("   operator at t={now:>3}s: {:?}: {}", d.action, d.reason);
+            }
+            told = last.clone();
+        }
         if decision.is_none()
             && let Some(scale) = b.as_ref().and_then(|b| b.last_scale.clone())
             && scale.to > scale.from
@@ -214,6 +228,7 @@ async fn main() -> anyhow::Result<()> {
             &load,
             workers,
             decision.as_ref(),
+            told.as_ref(),
         );
         let done = recovered.is_some_and(|r| now >= r + 10);
         if done || crowd.elapsed() >= args.max_crowd {
@@ -242,7 +257,11 @@ async fn main() -> anyhow::Result<()> {
         before.errors
     );
     match &decision {
-        Some((at, what)) => println!("   decision at t={at}s: {what}"),
+        Some((at, what)) => println!(
+            "   decision at t={at}s ({:.1} intervals of {}s into the crowd): {what}",
+            *at as f64 / DEMO_INTERVAL as f64,
+            DEMO_INTERVAL
+        ),
         None => println!(
             "   the operator made no decision within {:?}",
             args.max_crowd
@@ -323,6 +342,11 @@ fn condition(p: &ConnectionPolicy, kind: &str) -> Option<(String, String)> {
     })
 }
 
+/// The backend's last decision in the policy's status.
+fn b_decision(p: &ConnectionPolicy, name: &str) -> Option<DecisionRecord> {
+    backend_status(p, name).and_then(|b| b.last_decision)
+}
+
 fn rolled_out(p: &ConnectionPolicy) -> bool {
     condition(p, "RolledOut").is_some_and(|(s, _)| s == "True")
 }
@@ -391,6 +415,7 @@ fn render(
     load: &Load,
     workers: usize,
     decision: Option<&(u64, String)>,
+    latest: Option<&DecisionRecord>,
 ) {
     let now = load.now();
     let last = load.last(1);
@@ -426,6 +451,9 @@ fn render(
         match decision {
             Some((at, what)) => println!("decision at t={at}s: {what}"),
             None => println!("decision: none yet (the operator decides every 10s)"),
+        }
+        if let Some(d) = latest {
+            println!("operator's last decision: {:?}: {}", d.action, d.reason);
         }
         let _ = std::io::stdout().flush();
     } else {

@@ -11,9 +11,12 @@
 //! Each pod gets its own loopback address, so pods can listen on the same ports; processes run
 //! in a private mount namespace where the pod's volumes are bind-mounted at their real
 //! `mountPath`s (a ServiceAccount token at `/var/run/secrets/kubernetes.io/serviceaccount` makes
-//! in-cluster clients work unchanged). Pod logs are kept in
-//! `<state-dir>/pods/<namespace>/<pod>/<container>.log`.
+//! in-cluster clients work unchanged). Container logs are kept CRI style in
+//! `<state-dir>/pods/<namespace>/<pod>/<container>.log` (and `.previous.log`, logs.rs) and
+//! served to the apiserver by the kubelet API (api.rs), so `kubectl logs` works.
 
+pub mod api;
+pub mod logs;
 mod node;
 mod pod;
 mod probe;
@@ -52,6 +55,9 @@ pub struct KubeletConfig {
     pub apiserver: (String, u16),
     /// First and longest restart back-off.
     pub backoff: (Duration, Duration),
+    /// Where the kubelet API listens (the Node's InternalIP and kubelet port) and its TLS;
+    /// `None`: no API, `kubectl logs` does not work.
+    pub api: Option<(std::net::SocketAddr, api::ApiTls)>,
 }
 
 /// What every pod worker shares.
@@ -66,6 +72,8 @@ pub(crate) struct KubeletContext {
     volumes: volumes::VolumeSources,
     ips: Mutex<IpPool>,
     pids: Mutex<HashSet<u32>>,
+    /// The running container instances' "has ended" signals, for the API's followers.
+    instances: Arc<api::Instances>,
 }
 
 impl KubeletContext {
@@ -210,7 +218,18 @@ pub async fn run(
     config: KubeletConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    node::register(&client, &config.node_name).await?;
+    // The API is listening before the Node says where it is.
+    let api = match &config.api {
+        Some((addr, tls)) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("kubelet API: cannot listen on {addr}: {e}"))?;
+            Some((listener.local_addr()?, listener, tls.server_config()?))
+        }
+        None => None,
+    };
+    let endpoint = api.as_ref().map(|(addr, _, _)| *addr);
+    node::register(&client, &config.node_name, endpoint).await?;
     let (configmaps, configmaps_writer) = reflector::store::<ConfigMap>();
     let (secrets, secrets_writer) = reflector::store::<Secret>();
     tokio::spawn(
@@ -236,7 +255,7 @@ pub async fn run(
     let ctx = Arc::new(KubeletContext {
         client: client.clone(),
         node_name: config.node_name.clone(),
-        host_ip: "127.0.0.1".into(),
+        host_ip: endpoint.map_or_else(|| "127.0.0.1".into(), |a| a.ip().to_string()),
         state_dir: config.state_dir,
         images: config.images,
         apiserver: config.apiserver,
@@ -248,8 +267,22 @@ pub async fn run(
         },
         ips: Mutex::new(IpPool::default()),
         pids: Mutex::new(HashSet::new()),
+        instances: Arc::default(),
     });
-    tokio::spawn(node::heartbeat(client.clone(), config.node_name.clone()));
+    if let Some((addr, listener, tls)) = api {
+        tokio::spawn(api::serve(
+            listener,
+            tls,
+            ctx.state_dir.join("pods"),
+            Arc::clone(&ctx.instances),
+        ));
+        tracing::info!(%addr, "kubelet API serving container logs");
+    }
+    tokio::spawn(node::heartbeat(
+        client.clone(),
+        config.node_name.clone(),
+        endpoint,
+    ));
     tracing::info!(node = %config.node_name, "local kubelet running");
 
     tokio::select! {

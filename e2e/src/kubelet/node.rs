@@ -1,6 +1,7 @@
-//! The Node object of the local kubelet: registration with this machine's capacity, and a
-//! heartbeat that keeps its Ready condition fresh.
+//! The Node object of the local kubelet: registration with this machine's capacity and where
+//! its kubelet API listens, and a heartbeat that keeps its Ready condition fresh.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
@@ -24,8 +25,13 @@ pub fn labels(name: &str) -> std::collections::BTreeMap<String, String> {
     .collect()
 }
 
-/// Creates or updates the Node `name` and marks it Ready.
-pub async fn register(client: &kube::Client, name: &str) -> kube::Result<()> {
+/// Creates or updates the Node `name` and marks it Ready; `api` is where its kubelet API
+/// listens (the InternalIP and kubelet port the apiserver calls for `kubectl logs`).
+pub async fn register(
+    client: &kube::Client,
+    name: &str,
+    api: Option<SocketAddr>,
+) -> kube::Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -43,16 +49,24 @@ pub async fn register(client: &kube::Client, name: &str) -> kube::Result<()> {
             &Patch::Apply(&node),
         )
         .await?;
-    patch_status(&nodes, name, cpus).await
+    patch_status(&nodes, name, cpus, api).await
 }
 
-async fn patch_status(nodes: &Api<Node>, name: &str, cpus: usize) -> kube::Result<()> {
+async fn patch_status(
+    nodes: &Api<Node>,
+    name: &str,
+    cpus: usize,
+    api: Option<SocketAddr>,
+) -> kube::Result<()> {
     let now = Timestamp::now().to_string();
+    let ip = api.map_or_else(|| "127.0.0.1".to_owned(), |a| a.ip().to_string());
+    let port = api.map_or(0, |a| a.port());
     let status = json!({
         "status": {
             "capacity": {"cpu": cpus.to_string(), "memory": "24Gi", "pods": "500"},
             "allocatable": {"cpu": cpus.to_string(), "memory": "24Gi", "pods": "500"},
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+            "addresses": [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": name}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": port}},
             "conditions": [{
                 "type": "Ready", "status": "True", "reason": "KubeletReady",
                 "message": "poolpilot local kubelet is posting ready status",
@@ -72,14 +86,14 @@ async fn patch_status(nodes: &Api<Node>, name: &str, cpus: usize) -> kube::Resul
 }
 
 /// Refreshes the Ready condition every 20 seconds, forever.
-pub async fn heartbeat(client: kube::Client, name: String) {
+pub async fn heartbeat(client: kube::Client, name: String, api: Option<SocketAddr>) {
     let nodes: Api<Node> = Api::all(client);
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
     loop {
         tokio::time::sleep(Duration::from_secs(20)).await;
-        if let Err(e) = patch_status(&nodes, &name, cpus).await {
+        if let Err(e) = patch_status(&nodes, &name, cpus, api).await {
             tracing::warn!(error = %e, "node heartbeat failed");
         }
     }

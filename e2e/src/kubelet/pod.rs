@@ -18,10 +18,10 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use super::KubeletContext;
 use super::probe::{self, ProbeTiming};
 use super::process::{self, BindMount, ProcessSpec};
 use super::volumes::{PodVolumes, pod_field};
+use super::{KubeletContext, logs};
 
 /// Annotation that sets the open-files limit (`RLIMIT_NOFILE`) of a pod's processes.
 pub const NOFILE_ANNOTATION: &str = "poolpilot.io/nofile-limit";
@@ -286,6 +286,7 @@ impl PodWorker {
                     self.run_ids += 1;
                     let run = self.run_ids;
                     let pid = child.id().unwrap_or_default();
+                    self.record_logs(index, &mut child);
                     let tx = self.reports_tx.clone();
                     tokio::spawn(async move {
                         let code = process::exit_code(child.wait().await);
@@ -338,6 +339,37 @@ impl PodWorker {
                 Err(e) => self.start_failed(index, e.reason(), e.to_string()),
             },
             Err(e) => self.start_failed(index, e.reason(), e.to_string()),
+        }
+    }
+
+    /// Copies the new instance's output into the container's log (the previous instance's
+    /// becomes its previous log) and registers it for followers of `kubectl logs -f`.
+    fn record_logs(&self, index: usize, child: &mut tokio::process::Child) {
+        let name = self.containers[index].spec.name.clone();
+        let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
+            return;
+        };
+        match logs::LogFile::open(&self.dir, &name) {
+            Ok(log) => {
+                let key = (
+                    self.pod.namespace().unwrap_or_default(),
+                    self.pod.name_any(),
+                    name,
+                );
+                let ended = log.record(out, err);
+                self.ctx.instances.lock().insert(key, ended);
+            }
+            Err(e) => {
+                tracing::warn!(pod = %self.pod.name_any(), container = %name, error = %e, "cannot open the container's log; its output is dropped");
+                // Never leave the process writing into a pipe nobody reads.
+                tokio::spawn(async move {
+                    let (mut a, mut b) = (tokio::io::sink(), tokio::io::sink());
+                    let _ = tokio::join!(
+                        tokio::io::copy(&mut out, &mut a),
+                        tokio::io::copy(&mut err, &mut b)
+                    );
+                });
+            }
         }
     }
 
@@ -409,7 +441,6 @@ impl PodWorker {
                 .unwrap_or_else(|| self.dir.clone()),
             mounts,
             nofile_limit,
-            log_file: self.dir.join(format!("{}.log", c.name)),
         })
     }
 

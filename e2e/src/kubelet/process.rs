@@ -1,6 +1,6 @@
 //! Container processes: turning a container spec into a local process with its binary, argv,
 //! environment, volume mounts (bind-mounted at their real paths in a private mount namespace),
-//! open-files limit and log file; and stopping its whole process group.
+//! open-files limit and piped output (for its log); and stopping its whole process group.
 
 use std::collections::BTreeMap;
 use std::ffi::{CStr, CString};
@@ -153,12 +153,11 @@ pub struct ProcessSpec {
     pub mounts: Vec<BindMount>,
     /// `RLIMIT_NOFILE` (soft and hard) to set, if any.
     pub nofile_limit: Option<u64>,
-    /// Where stdout and stderr go (appended).
-    pub log_file: PathBuf,
 }
 
 /// Starts the process described by `spec`. It leads its own process group (so that
-/// [`signal_group`] reaches everything it spawns); the returned child is to be awaited.
+/// [`signal_group`] reaches everything it spawns); the returned child is to be awaited, and its
+/// piped stdout and stderr copied into its log.
 pub fn spawn(spec: &ProcessSpec) -> Result<tokio::process::Child, StartError> {
     // Mount targets must exist before the process can mount onto them; create them on the host
     // (an empty folder or file is all that is left behind).
@@ -174,18 +173,14 @@ pub fn spawn(spec: &ProcessSpec) -> Result<tokio::process::Child, StartError> {
             }
         }
     }
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&spec.log_file)?;
     let mut cmd = tokio::process::Command::new(&spec.program);
     cmd.args(&spec.args)
         .env_clear()
         .envs(&spec.env)
         .current_dir(&spec.working_dir)
         .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .kill_on_drop(true);
     let mounts = MountPlan::new(&spec.mounts)?;
     let nofile = spec.nofile_limit;

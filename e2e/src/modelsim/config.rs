@@ -76,11 +76,19 @@ impl Config {
     }
 }
 
-/// The service time model. A request producing `n` tokens takes
-/// `base_latency·j + Σ_{i=1..n} per_token·j·(1 + saturation_slowdown·(in_flight/max_concurrency)²)`
-/// once it holds a slot, where `j` is one jitter draw per request (mean 1) and `in_flight` is read
-/// at every token, so a saturated server decodes slower, like a model server whose batch is full.
-/// Time spent queued for a slot comes on top.
+/// The service time model. With `u = in_flight/max_concurrency` (the share of slots busy, read
+/// at every token) and `j` one jitter draw per request (mean 1), a request producing `n` tokens
+/// takes
+///
+/// ```text
+/// base_latency·j·(1 + batch_slowdown·u)  +  Σ_{i=1..n} per_token·j·(1 + batch_slowdown·u + saturation_slowdown·u²)
+/// ```
+///
+/// once it holds a slot: a model server batches the calls in flight, so each step (prefill and
+/// every decoded token) gets slower as the batch grows, long before the slots run out
+/// (`batch_slowdown`, linear), and slower still as the batch fills (`saturation_slowdown`).
+/// Time spent queued for a slot comes on top: past its slots, the server's throughput is flat.
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServiceTime {
     /// Time to the first token (prefill), per request.
@@ -89,7 +97,11 @@ pub struct ServiceTime {
     pub per_token: Duration,
     /// Per-request multiplicative jitter.
     pub jitter: Jitter,
-    /// How much slower each token gets when every slot is busy: 1.0 means twice as slow.
+    /// How much slower prefill and each token get, in proportion to the share of slots busy:
+    /// 1.0 means twice as slow with every slot busy, 1.5 slower at half of them.
+    pub batch_slowdown: f64,
+    /// How much slower each token gets, in proportion to the square of the share of slots busy:
+    /// 1.0 means twice as slow when every slot is busy, barely slower at a few.
     pub saturation_slowdown: f64,
     /// Output tokens of a request that gives no `max_tokens`.
     pub default_tokens: u32,
@@ -103,6 +115,7 @@ impl Default for ServiceTime {
             base_latency: Duration::from_millis(20),
             per_token: Duration::from_millis(10),
             jitter: Jitter::LogNormal { sigma: 0.25 },
+            batch_slowdown: 0.0,
             saturation_slowdown: 1.0,
             default_tokens: 16,
             max_tokens: 4096,
@@ -117,15 +130,29 @@ impl ServiceTime {
             base_latency,
             per_token,
             jitter: Jitter::None,
+            batch_slowdown: 0.0,
             saturation_slowdown: 0.0,
             default_tokens: tokens,
             max_tokens: tokens.max(1),
         }
     }
 
+    /// How much slower prefill and one decoded token are with `busy` (0 to 1) of the slots
+    /// busy: `(prefill factor, decode factor)`.
+    pub fn slowdown(&self, busy: f64) -> (f64, f64) {
+        let u = busy.clamp(0.0, 1.0);
+        let batch = 1.0 + self.batch_slowdown * u;
+        (batch, batch + self.saturation_slowdown * u * u)
+    }
+
     fn validate(&self) -> Result<(), String> {
-        if !(self.saturation_slowdown.is_finite() && self.saturation_slowdown >= 0.0) {
-            return Err("saturation_slowdown must be a finite number ≥ 0".to_owned());
+        for (name, v) in [
+            ("batch_slowdown", self.batch_slowdown),
+            ("saturation_slowdown", self.saturation_slowdown),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be a finite number ≥ 0"));
+            }
         }
         if self.default_tokens == 0 || self.max_tokens == 0 {
             return Err("default_tokens and max_tokens must be at least 1".to_owned());
@@ -218,5 +245,28 @@ impl Faults {
             return Err("idle_close_ms must be at least 1 (or absent)".to_owned());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batching_slows_every_step_linearly_and_a_full_batch_decodes_slower_still() {
+        let service = ServiceTime {
+            batch_slowdown: 1.0,
+            saturation_slowdown: 1.0,
+            ..ServiceTime::default()
+        };
+        assert_eq!(service.slowdown(0.0), (1.0, 1.0));
+        assert_eq!(service.slowdown(0.5), (1.5, 1.75));
+        assert_eq!(service.slowdown(1.0), (2.0, 3.0));
+        assert_eq!(service.slowdown(2.0), (2.0, 3.0), "never beyond every slot");
+        let bad = ServiceTime {
+            batch_slowdown: -1.0,
+            ..ServiceTime::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("batch_slowdown"));
     }
 }

@@ -138,7 +138,6 @@ struct Plan {
     capped: bool,
     prefill: Duration,
     per_token: Duration,
-    slowdown: f64,
     /// Hang after this many tokens (the stall fault, mid-response).
     stall_after: Option<u32>,
     prompt_tokens: u32,
@@ -147,10 +146,11 @@ struct Plan {
 
 impl Plan {
     fn token_delay(&self, i: u32, shared: &Shared) -> Duration {
-        let load = shared.admission.load(&shared.metrics);
-        let decode = self.per_token.mul_f64(1.0 + self.slowdown * load * load);
+        let busy = shared.admission.load(&shared.metrics);
+        let (prefill, decode) = shared.config.service.slowdown(busy);
+        let decode = self.per_token.mul_f64(decode);
         if i == 0 {
-            self.prefill + decode
+            self.prefill.mul_f64(prefill) + decode
         } else {
             decode
         }
@@ -358,7 +358,6 @@ pub(crate) async fn inference(
         capped: parsed.max_tokens.is_some(),
         prefill: service.base_latency.mul_f64(draws.jitter),
         per_token: service.per_token.mul_f64(draws.jitter),
-        slowdown: service.saturation_slowdown,
         stall_after: if stalled {
             faults.stall_after_tokens
         } else {

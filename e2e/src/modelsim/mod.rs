@@ -8,8 +8,10 @@
 //!                                           └─► admission: slot free? ─► serve
 //!                                                queue < max_queue? ─► wait (latency rises)
 //!                                                else ─► refuse (503 + Retry-After)
-//!                                 serve: base latency + per-token time × jitter
-//!                                        × (1 + slowdown·(in_flight/max_concurrency)²)
+//!                                 serve (u = in_flight/max_concurrency):
+//!                                        prefill × jitter × (1 + batch_slowdown·u)
+//!                                        + per-token time × jitter
+//!                                          × (1 + batch_slowdown·u + saturation_slowdown·u²)
 //!                                        complete JSON, or one SSE event per token + [DONE]
 //! ```
 //!

@@ -1,4 +1,4 @@
-//! The end-to-end scenarios of issue 7: the whole product (operator, gateways, modelsim
+//! The end-to-end scenarios: the whole product (operator, gateways, modelsim
 //! backends, Prometheus) deployed from `manifests/overlays/local` into a test namespace
 //! ([`poolpilot_e2e::stack`]), driven through kubectl, the Kubernetes API and real HTTP load
 //! only. One file per scenario; they run one at a time ([`poolpilot_e2e::scenario::serial`]).
@@ -18,3 +18,4 @@ mod policy_edit;
 mod prometheus_down;
 mod saturated;
 mod scale_gateways;
+mod square_wave;

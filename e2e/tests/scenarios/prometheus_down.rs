@@ -141,9 +141,10 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
                 );
                 assert_eq!(metrics.reason, "SamplesMissing", "{metrics:?}");
                 assert!(
-                    metrics.message.contains("3 intervals in a row")
-                        && metrics.message.contains("targets held"),
-                    "{metrics:?}"
+                    metrics.message.starts_with("model-a: no usable ")
+                        && metrics.message.contains("for 3 decisions or more in a row")
+                        && metrics.message.contains("targets are held"),
+                    "the message names the backend and what it lacks: {metrics:?}"
                 );
                 figure(SCENARIO, "MetricsAvailable=False message", &metrics.message);
             }

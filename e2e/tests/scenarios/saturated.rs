@@ -1,31 +1,31 @@
 //! Scenario 3, the saturated backend: the model-a instances run at their own concurrency limit
-//! (modelsim with 4 batch slots and a queue behind them), so that their latency rises with the
-//! connections the gateways hold → the operator does NOT raise the target although the queued
-//! demand asks for more (the latency guard of DESIGN §5: p90 above 1.25× its baseline blocks
-//! growth, because a bigger pool would only make a saturated backend slower), reports
-//! `Saturated=True` with the numbers, and the clients get 503s with `Retry-After` from the
-//! gateways instead of waiting without end.
+//! (modelsim with 4 batch slots and a queue behind them), and say so: the policy gives model-a a
+//! saturation query on modelsim's queue gauge (what `vllm:num_requests_waiting` is for vLLM). The
+//! queued demand asks for more connections, but the operator does NOT raise the target (a bigger
+//! pool would only make a saturated backend slower): every decision holds growth naming the
+//! query's value, `Saturated=True` says so, a `GrowthHeld` Event tells it once the hold lasted
+//! three intervals, and the clients get 503s with `Retry-After` from the gateways instead of
+//! waiting without end.
 //!
 //! ```text
-//!  light load (3 workers, 400 ms calls, no queueing) ─► latency baseline; target max 51 → min 9
-//!  40 workers ─► 27 pooled connections, 9 per instance: 4 served, 5 queued in modelsim
-//!      │          latency p90 ~1.2 s (> 1.25 × baseline ~0.6 s); 13 requests wait for a lease
-//!      └─► demand wants ~16 per endpoint, the guard holds 9; lease timeouts: 503 + Retry-After
+//!  light load (3 workers, 400 ms calls, no queueing) ─► target max 51 → min 9
+//!  right after a decision, 40 workers ─► 27 pooled connections, 9 per instance: 4 served,
+//!      5 queued in modelsim (its saturation query reads ~5 ≥ 1); 13 requests wait for a lease
+//!      └─► demand wants ~16 per endpoint, the operator holds 9; lease timeouts: 503 + Retry-After
 //! ```
-//!
-//! The baseline is the lowest p90 over the operator's `--baseline-window` (6 h by default): in a
-//! fresh namespace, that is the light-load period before the saturation.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use poolpilot_api::policy::DecisionAction;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, POLICY, Stack, StackSpec, WAIT, operator_decisions, share, with_stack,
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, operator_decisions, set, share, with_stack,
 };
+use serde_json::json;
 use tokio::time::Instant;
 
 const SCENARIO: &str = "saturated";
@@ -55,9 +55,17 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         ..StackSpec::default()
     };
     with_stack("saturated", spec, async |stack| {
-        stack
-            .apply(&Stack::one_backend_policy("model-a", INTERVAL, MIN, MAX)?)
-            .await?;
+        let mut policy = Stack::one_backend_policy("model-a", INTERVAL, MIN, MAX)?;
+        let query = format!(
+            "max(avg_over_time(modelsim_requests_queued{{namespace=\"{}\", app=\"model-a\"}}[4s]))",
+            stack.name()
+        );
+        set(
+            &mut policy,
+            "/spec/backends/0/saturation",
+            json!({"query": query, "threshold": 1}),
+        )?;
+        stack.apply(&policy).await?;
         let gateways = stack.wait_gateways(3).await?;
         let load = Load::start(
             LoadSpec::one_client_per_worker(
@@ -91,7 +99,7 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         stack
             .wait_condition(POLICY, "Saturated", "False", WAIT)
             .await?;
-        let light_p90 = p90(stack, 10).await?;
+        let light_p90 = stack.upstream_p90("model-a", 10).await?;
         let light = load.last(5);
         figure(SCENARIO, "light load", &light);
         assert_eq!(light.failed(), 0, "no errors under light load: {light}");
@@ -104,6 +112,8 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         }
         let operator = stack.operator_metrics_url().await?;
         let kinds_before = operator_decisions(&operator).await?;
+        // Right after a decision, so that the next one sees the saturation only.
+        stack.wait_next_decision(INTERVAL * 3).await?;
         load.set_workers(HEAVY);
         let heavy = Instant::now();
         let heavy_second = load.now();
@@ -118,10 +128,11 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
             format!("{}: {}", saturated.reason, saturated.message),
         );
         assert!(
-            saturated.message.contains("model-a: latency p90")
-                && saturated.message.contains("baseline")
-                && saturated.message.contains("growth to"),
-            "Saturated names the latency guard: {}",
+            saturated
+                .message
+                .starts_with("model-a: the backend reports saturation: its saturation query is ")
+                && saturated.message.contains("≥ threshold 1: growth to"),
+            "Saturated names the backend and its signal: {}",
             saturated.message
         );
 
@@ -134,7 +145,7 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
             targets.push(b.target);
             anyhow::ensure!(b.target == MIN, "the target grew under saturation: {b:?}");
             let now = operator_decisions(&operator).await?;
-            let guarded = kind(&now, "latency_guard") - kind(&hold_from, "latency_guard");
+            let guarded = kind(&now, "backend_saturated") - kind(&hold_from, "backend_saturated");
             if guarded >= HELD_DECISIONS {
                 break;
             }
@@ -163,6 +174,26 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
             stack.events(POLICY, "ScaledUp").await?.is_empty(),
             "no ScaledUp Event"
         );
+        let last = status.last_decision.clone().context("lastDecision")?;
+        assert_eq!(last.action, DecisionAction::Hold, "{last:?}");
+        assert!(
+            last.reason
+                .starts_with(&format!("held at {MIN}: growth to "))
+                && last.reason.contains("its saturation query is"),
+            "{last:?}"
+        );
+        let told = stack
+            .wait_event(
+                POLICY,
+                "GrowthHeld",
+                "model-a: growth held for 3 intervals in a row",
+            )
+            .await?;
+        figure(
+            SCENARIO,
+            "GrowthHeld Event",
+            told.message.unwrap_or_default(),
+        );
         let demand = status.leased.unwrap_or_default() + status.pending.unwrap_or_default();
         assert!(
             status.pending.unwrap_or_default() > 0.0 && demand * 1.2 / 3.0 > f64::from(MIN) * 1.1,
@@ -185,7 +216,7 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
 
         // The clients got 503/429 with Retry-After, not silence.
         let during = load.window(heavy_second + 2, end_second);
-        let heavy_p90 = p90(stack, 10).await?;
+        let heavy_p90 = stack.upstream_p90("model-a", 10).await?;
         figure(SCENARIO, "saturated load", &during);
         let rejected: u64 = during.statuses.values().sum();
         assert!(
@@ -265,22 +296,6 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         Ok(())
     })
     .await
-}
-
-/// model-a's upstream p90 latency over the last `seconds` in this namespace, from Prometheus.
-async fn p90(stack: &Stack<'_>, seconds: u32) -> anyhow::Result<f64> {
-    let promql = format!(
-        "histogram_quantile(0.9, sum by (le) (rate(poolpilot_upstream_request_duration_seconds_bucket{{namespace=\"{}\", backend=\"model-a\"}}[{seconds}s])))",
-        stack.name()
-    );
-    let rows = stack.ns().cluster().prometheus_query(&promql).await?;
-    let value = rows
-        .first()
-        .and_then(|r| r["value"][1].as_str())
-        .with_context(|| format!("no p90 from {promql}: {rows:?}"))?;
-    let p90: f64 = value.parse()?;
-    anyhow::ensure!(p90.is_finite(), "p90 {value}");
-    Ok(p90)
 }
 
 /// Decisions of one kind.

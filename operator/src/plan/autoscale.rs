@@ -1,30 +1,37 @@
-//! The autoscale law of DESIGN §5 for one backend: grow in ONE step to demand × (1 + margin)
-//! while the backend's latency stays within 1.25× its baseline; shrink slowly (the highest
-//! recommendation over the stabilization window, at most `maxStepPercent`, at most once per
-//! window); ignore changes inside a 10% deadband; on missing data hold, flag the metrics
-//! unavailable after three misses and resume only after two fresh samples.
+//! The autoscale law for one backend: grow in ONE step to demand × (1 + margin) unless the
+//! backend is past its knee (the guard in [`knee`]: a bigger pool makes a saturated backend
+//! slower, but a model server that merely slows down as it batches more calls is not
+//! saturated); shrink slowly (the highest recommendation over the stabilization window, at most
+//! `maxStepPercent`, at most once per window); ignore changes inside a 10% deadband; on missing
+//! data hold, flag the metrics unavailable after three misses and resume only after two fresh
+//! samples. Every decision, whatever it does, is recorded with its reason and numbers.
+
+pub mod knee;
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use poolpilot_api::ConnectionPolicySpec;
-use poolpilot_api::policy::BackendSpec;
+use poolpilot_api::policy::{BackendSpec, DecisionAction};
 
-use super::{BackendSample, Timestamp, elapsed};
+use self::knee::{Hold, KneeMemory, Observation, Verdict};
+use super::{BackendSample, SaturationSignal, Timestamp, elapsed};
 
-/// Backend latency above this multiple of its baseline blocks growth: a bigger pool makes a
-/// saturated backend slower.
-pub const LATENCY_GUARD: f64 = 1.25;
 /// Relative changes smaller than this are ignored.
 pub const DEADBAND: f64 = 0.10;
 /// Missed samples in a row after which the metrics are reported unavailable.
 pub const MISSES_BEFORE_UNAVAILABLE: u32 = 3;
 /// Fresh samples in a row needed to act again after a miss.
 pub const FRESH_TO_RESUME: u32 = 2;
+/// Decisions in a row that held growth after which the hold is told in an Event.
+pub const HELD_EVENT_AFTER: u32 = 3;
+/// A window whose average in-flight differs from its latest by more than this share saw the
+/// load change: the knee guard does not judge its throughput.
+pub const UNSTEADY: f64 = 0.25;
 /// A run this much earlier than the interval still counts as due (requeues jitter a little).
 const DUE_SLACK: f64 = 0.9;
 
-/// Where a backend's fleet-wide target per endpoint may go.
+/// Where a backend's fleet-wide target per endpoint may go, and what its guard judges by.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Bounds {
     /// `autoscale.min`, never above `upper`.
@@ -37,6 +44,12 @@ pub struct Bounds {
     pub window: Duration,
     /// `autoscale.scaleDown.maxStepPercent`.
     pub max_step_percent: u32,
+    /// `capacity.maxConnectionsPerEndpoint`: the declared capacity of one endpoint.
+    pub capacity: u32,
+    /// `autoscale.interval`.
+    pub interval: Duration,
+    /// `saturation.threshold`, when the backend has a saturation query.
+    pub saturation_threshold: Option<f64>,
 }
 
 impl Bounds {
@@ -51,6 +64,9 @@ impl Bounds {
             margin: a.margin,
             window: a.scale_down.stabilization_window.get(),
             max_step_percent: a.scale_down.max_step_percent.clamp(1, 100),
+            capacity: b.capacity.max_connections_per_endpoint,
+            interval: a.interval.get(),
+            saturation_threshold: b.saturation.as_ref().map(|s| s.threshold),
         }
     }
 
@@ -67,8 +83,8 @@ pub struct BackendMemory {
     pub target: u32,
     /// Recommendations (time, value) within the stabilization window, oldest first.
     pub recommendations: VecDeque<(Timestamp, u32)>,
-    /// When the last decision was made.
-    pub last_decision: Option<Timestamp>,
+    /// The last decision, with its reason.
+    pub last_decision: Option<Explained>,
     /// When the target last changed (any direction).
     pub last_change: Option<Timestamp>,
     /// Missed samples in a row.
@@ -79,10 +95,27 @@ pub struct BackendMemory {
     pub metrics_available: bool,
     /// True after a miss: act again only after [`FRESH_TO_RESUME`] fresh samples.
     pub recovering: bool,
+    /// The input missing at the last decision, if one was.
+    pub missing: Option<&'static str>,
     /// The last change, for status.
     pub last_scale: Option<Scale>,
     /// Why the backend counts as saturated after the last decision on fresh data, if it does.
     pub saturation: Option<String>,
+    /// Decisions in a row that held growth (0: the last one did not).
+    pub held: u32,
+    /// What the knee guard remembers.
+    pub knee: KneeMemory,
+}
+
+/// One decision, explained.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Explained {
+    /// When.
+    pub at: Timestamp,
+    /// What it did.
+    pub action: DecisionAction,
+    /// Why, with the numbers.
+    pub reason: String,
 }
 
 /// One change of the target.
@@ -105,14 +138,12 @@ pub enum Decision {
     ScaleUp(Scale),
     /// Shrank the target by one capped step.
     ScaleDown(Scale),
-    /// The recommendation equals the target, or differs by less than the deadband.
+    /// The recommendation equals the target.
     Steady { recommendation: u32 },
-    /// Demand wants more, but the backend is slower than 1.25× its baseline.
-    LatencyGuard {
-        recommendation: u32,
-        latency: f64,
-        baseline: f64,
-    },
+    /// The recommendation differs from the target by less than the deadband.
+    WithinDeadband { recommendation: u32 },
+    /// Demand wants more, but the backend is past its knee (or says it is saturated).
+    Held { recommendation: u32, hold: Hold },
     /// Demand wants more than the upper bound allows: the target sits at the bound.
     AtUpperBound { recommendation: u32 },
     /// Demand wants less, but the stabilization window holds the target.
@@ -134,7 +165,30 @@ impl Decision {
 
     /// Whether the backend is saturated: it wants more than it can safely get.
     pub fn saturated(&self) -> bool {
-        matches!(self, Self::LatencyGuard { .. } | Self::AtUpperBound { .. })
+        match self {
+            Self::Held { hold, .. } => !matches!(hold, Hold::SaturationPending),
+            Self::AtUpperBound { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// Whether growth was wanted and held (the guard or the upper bound).
+    pub fn holds_growth(&self) -> bool {
+        matches!(self, Self::Held { .. } | Self::AtUpperBound { .. })
+    }
+
+    /// What it did, as status reports it.
+    pub fn action(&self) -> DecisionAction {
+        match self {
+            Self::ScaleUp(_) => DecisionAction::ScaleUp,
+            Self::ScaleDown(_) => DecisionAction::ScaleDown,
+            Self::Steady { .. } | Self::WithinDeadband { .. } => DecisionAction::NoChange,
+            Self::Held { .. }
+            | Self::AtUpperBound { .. }
+            | Self::Stabilizing { .. }
+            | Self::MissingData { .. }
+            | Self::Recovering { .. } => DecisionAction::Hold,
+        }
     }
 }
 
@@ -155,35 +209,82 @@ impl BackendMemory {
             fresh: 0,
             metrics_available: true,
             recovering: false,
+            missing: None,
             last_scale: None,
             saturation: None,
+            held: 0,
+            knee: KneeMemory::default(),
         }
     }
 
     /// Whether a decision is due at `now` for this `interval`.
     pub fn due(&self, interval: Duration, now: Timestamp) -> bool {
         self.last_decision
-            .is_none_or(|t| elapsed(t, now).as_secs_f64() >= interval.as_secs_f64() * DUE_SLACK)
+            .as_ref()
+            .is_none_or(|d| elapsed(d.at, now).as_secs_f64() >= interval.as_secs_f64() * DUE_SLACK)
     }
 }
 
-/// Which input of a sample is missing, if any.
-pub fn missing_inputs(s: &BackendSample) -> Option<&'static str> {
-    let ok = |v: Option<f64>| v.is_some_and(|v| v.is_finite() && v >= 0.0);
-    if !ok(s.leased) {
-        Some("leased")
-    } else if !ok(s.pending) {
-        Some("pending")
-    } else if !ok(s.latency_p90) {
-        Some("latency")
-    } else if !s.latency_baseline.is_some_and(|v| v.is_finite() && v > 0.0) {
-        Some("latency baseline")
+/// A usable gauge or rate: finite and not negative.
+fn usable(v: Option<f64>) -> Option<f64> {
+    v.filter(|v| v.is_finite() && *v >= 0.0)
+}
+
+/// The demand inputs every decision needs, or the first one missing. A backend without
+/// endpoints has no pool and so no leased connections (the gateways export none): zero, not
+/// missing.
+fn demand_inputs(s: &BackendSample, endpoints: u32) -> Result<(f64, f64), &'static str> {
+    let leased = match usable(s.leased) {
+        Some(l) => l,
+        None if endpoints == 0 && s.leased.is_none() => 0.0,
+        None => return Err("leased"),
+    };
+    let pending = usable(s.pending).ok_or("pending")?;
+    Ok((leased, pending))
+}
+
+/// The first input the guard needs to judge growth that is missing, if one is.
+fn guard_input_missing(s: &BackendSample, bounds: &Bounds) -> Option<&'static str> {
+    if usable(s.completed).is_none() {
+        Some("completed calls")
+    } else if usable(s.bytes).is_none() {
+        Some("response bytes")
+    } else if bounds.saturation_threshold.is_some() && s.saturation == SaturationSignal::Missing {
+        Some("saturation query")
     } else {
         None
     }
 }
 
-/// Makes one decision for a backend with `endpoints` endpoints from `sample`, updating `mem`.
+/// This interval as the knee guard keeps it, when the sample has its throughput and the load
+/// held steady over its window (a window across a change of load mixes two loads, and its
+/// averages and rates do not match each other).
+fn observation(
+    s: &BackendSample,
+    leased: f64,
+    endpoints: u32,
+    now: Timestamp,
+) -> Option<Observation> {
+    let e = f64::from(endpoints);
+    let completed = usable(s.completed)?;
+    let bytes = usable(s.bytes)?;
+    if let Some(latest) = usable(s.leased_now)
+        && (latest - leased).abs() > UNSTEADY * latest.max(leased)
+    {
+        return None;
+    }
+    (endpoints > 0).then(|| Observation {
+        at: now,
+        in_flight: leased / e,
+        completed: completed / e,
+        bytes: bytes / e,
+        ttfb: usable(s.ttfb).filter(|t| *t > 0.0),
+        calls: completed * s.window.as_secs_f64(),
+    })
+}
+
+/// Makes one decision for a backend with `endpoints` endpoints from `sample`, updating `mem`
+/// (its last decision records what was decided and why).
 pub fn decide(
     bounds: &Bounds,
     mem: &mut BackendMemory,
@@ -191,51 +292,94 @@ pub fn decide(
     endpoints: u32,
     now: Timestamp,
 ) -> Decision {
-    mem.last_decision = Some(now);
+    let (decision, reason) = decide_why(bounds, mem, sample, endpoints, now);
+    mem.held = if decision.holds_growth() {
+        mem.held.saturating_add(1)
+    } else {
+        0
+    };
+    mem.last_decision = Some(Explained {
+        at: now,
+        action: decision.action(),
+        reason,
+    });
+    decision
+}
+
+/// The decision and its reason.
+fn decide_why(
+    bounds: &Bounds,
+    mem: &mut BackendMemory,
+    sample: &BackendSample,
+    endpoints: u32,
+    now: Timestamp,
+) -> (Decision, String) {
     // Bounds are configuration, not data: a lowered max applies even while data is missing.
     let current = bounds.clamp(mem.target);
     if current != mem.target {
         let reason = format!("bounds changed to [{}, {}]", bounds.min, bounds.upper);
         let scale = change(mem, current, reason, now);
+        let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
         return if scale.to > scale.from {
-            Decision::ScaleUp(scale)
+            (Decision::ScaleUp(scale), why)
         } else {
-            Decision::ScaleDown(scale)
+            (Decision::ScaleDown(scale), why)
         };
     }
+    match demand_inputs(sample, endpoints) {
+        Ok((leased, pending)) => {
+            decide_fresh(bounds, mem, sample, (leased, pending), endpoints, now)
+        }
+        Err(missing) => missed(mem, missing),
+    }
+}
 
-    let Some(missing) = missing_inputs(sample) else {
-        return decide_fresh(bounds, mem, sample, endpoints, now);
-    };
+/// A miss: nothing changes; unavailable after three in a row; two fresh samples to resume.
+fn missed(mem: &mut BackendMemory, missing: &'static str) -> (Decision, String) {
     mem.misses += 1;
     mem.fresh = 0;
     mem.recovering = true;
+    mem.missing = Some(missing);
     if mem.misses >= MISSES_BEFORE_UNAVAILABLE {
         mem.metrics_available = false;
     }
-    Decision::MissingData { missing }
+    let why = format!(
+        "held at {}: missing data: no usable {missing} sample ({} in a row)",
+        mem.target, mem.misses
+    );
+    (Decision::MissingData { missing }, why)
 }
 
 fn decide_fresh(
     bounds: &Bounds,
     mem: &mut BackendMemory,
     s: &BackendSample,
+    (leased, pending): (f64, f64),
     endpoints: u32,
     now: Timestamp,
-) -> Decision {
-    let (leased, pending) = (s.leased.unwrap_or_default(), s.pending.unwrap_or_default());
-    let (latency, baseline) = (
-        s.latency_p90.unwrap_or_default(),
-        s.latency_baseline.unwrap_or(1.0),
-    );
-    mem.misses = 0;
-    mem.fresh = mem.fresh.saturating_add(1);
-
-    let demand = leased + pending;
+) -> (Decision, String) {
+    // Demand: the window's average, or the latest scrape when it is higher (a crowd that began
+    // within the window is judged whole, in one step).
+    let (demand_leased, demand_pending) = match (usable(s.leased_now), usable(s.pending_now)) {
+        (Some(l), Some(p)) if l + p > leased + pending => (l, p),
+        _ => (leased, pending),
+    };
+    let demand = demand_leased + demand_pending;
     let per_endpoint = demand * (1.0 + bounds.margin) / f64::from(endpoints.max(1));
     // The epsilon keeps float noise (450 × 1.2 = 540.0000000000001) from adding a connection.
     let wanted = (per_endpoint - 1e-9).ceil().clamp(0.0, f64::from(u32::MAX)) as u32;
     let recommendation = bounds.clamp(wanted);
+    let current = mem.target;
+    let band = f64::from(current) * DEADBAND;
+    let grows = recommendation > current && f64::from(recommendation - current) >= band;
+    // The guard's inputs count only when growth is wanted: a backend without traffic has no
+    // throughput to judge and needs none.
+    if grows && let Some(missing) = guard_input_missing(s, bounds) {
+        return missed(mem, missing);
+    }
+    mem.misses = 0;
+    mem.missing = None;
+    mem.fresh = mem.fresh.saturating_add(1);
     mem.recommendations.push_back((now, recommendation));
     while mem
         .recommendations
@@ -244,105 +388,181 @@ fn decide_fresh(
     {
         mem.recommendations.pop_front();
     }
+    let obs = observation(s, leased, endpoints, now);
+    let found = obs.and_then(|o| mem.knee.observe(o, bounds.interval, bounds.capacity));
 
+    let demand_text = format!(
+        "demand {} (leased {} + pending {}) × {} over {endpoints} endpoints",
+        round(demand),
+        round(demand_leased),
+        round(demand_pending),
+        round(1.0 + bounds.margin),
+    );
     if mem.recovering {
         if mem.fresh < FRESH_TO_RESUME {
-            return Decision::Recovering { fresh: mem.fresh };
+            let why = format!(
+                "held at {current}: {} of {FRESH_TO_RESUME} fresh samples after missing data ({demand_text})",
+                mem.fresh
+            );
+            return (Decision::Recovering { fresh: mem.fresh }, why);
         }
         mem.recovering = false;
         mem.metrics_available = true;
     }
     mem.saturation = None;
 
-    let current = mem.target;
-    let band = f64::from(current) * DEADBAND;
     if recommendation > current {
-        if latency > LATENCY_GUARD * baseline {
-            mem.saturation = Some(format!(
-                "latency p90 {}s > {LATENCY_GUARD} × baseline {}s: growth to {recommendation} held",
-                round(latency),
-                round(baseline)
-            ));
-            return Decision::LatencyGuard {
-                recommendation,
-                latency,
-                baseline,
-            };
-        }
-        if wanted > bounds.upper {
-            mem.saturation = Some(format!(
+        let over_upper = (wanted > bounds.upper).then(|| {
+            format!(
                 "demand wants {wanted} per endpoint, upper bound is {}",
                 bounds.upper
-            ));
-        }
-        if f64::from(recommendation - current) < band {
+            )
+        });
+        if !grows {
+            mem.saturation = over_upper;
             return if wanted > bounds.upper {
-                Decision::AtUpperBound { recommendation }
+                let why = format!(
+                    "held at {current}: {demand_text} wants {wanted} per endpoint; the upper bound {} is within {}% of the target",
+                    bounds.upper,
+                    round(DEADBAND * 100.0)
+                );
+                (Decision::AtUpperBound { recommendation }, why)
             } else {
-                Decision::Steady { recommendation }
+                let why = format!(
+                    "no change: {demand_text} recommends {recommendation}, within {}% of the target {current}",
+                    round(DEADBAND * 100.0)
+                );
+                (Decision::WithinDeadband { recommendation }, why)
             };
         }
-        let reason = format!(
-            "demand {} (leased {} + pending {}) × {} over {endpoints} endpoints",
-            round(demand),
-            round(leased),
-            round(pending),
-            round(1.0 + bounds.margin),
-        );
-        let reason = if wanted > bounds.upper {
-            format!("{reason}, capped at the upper bound {}", bounds.upper)
-        } else {
-            reason
+        let verdict = match s.saturation {
+            SaturationSignal::Value(value)
+                if bounds.saturation_threshold.is_some_and(|t| value >= t) =>
+            {
+                Verdict::Hold(Hold::BackendSaturated {
+                    value,
+                    threshold: bounds.saturation_threshold.unwrap_or_default(),
+                })
+            }
+            SaturationSignal::NotConfigured | SaturationSignal::Pending
+                if bounds.saturation_threshold.is_some() =>
+            {
+                Verdict::Hold(Hold::SaturationPending)
+            }
+            _ => mem.knee.judge(
+                obs.as_ref(),
+                found,
+                current,
+                recommendation,
+                bounds.capacity,
+            ),
         };
-        return Decision::ScaleUp(change(mem, recommendation, reason, now));
+        // A knee below the recommendation caps the growth; a cap the deadband swallows holds.
+        let knee = mem.knee.knee.filter(|k| k.cap() < recommendation);
+        let to = match (verdict, knee) {
+            (Verdict::Grow(to), Some(k)) if to <= current || f64::from(to - current) < band => {
+                Err(Hold::AtKnee(k))
+            }
+            (Verdict::Grow(to), _) => Ok(to),
+            (Verdict::Hold(hold), _) => Err(hold),
+        };
+        let to = match to {
+            Err(hold) => {
+                let what = hold.describe(now);
+                if !matches!(hold, Hold::SaturationPending) {
+                    mem.saturation = Some(format!("{what}: growth to {recommendation} held"));
+                }
+                let why = format!("held at {current}: growth to {recommendation} held: {what}");
+                return (
+                    Decision::Held {
+                        recommendation,
+                        hold,
+                    },
+                    why,
+                );
+            }
+            Ok(to) => to,
+        };
+        mem.saturation = over_upper;
+        let reason = if let Some(k) = knee.filter(|_| to < recommendation) {
+            format!(
+                "{demand_text}, capped at the knee: throughput stopped following above {} in flight per endpoint",
+                round(k.in_flight)
+            )
+        } else if wanted > bounds.upper {
+            format!("{demand_text}, capped at the upper bound {}", bounds.upper)
+        } else {
+            demand_text
+        };
+        let scale = change(mem, to, reason, now);
+        let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+        return (Decision::ScaleUp(scale), why);
     }
     if wanted > bounds.upper && recommendation == current {
         mem.saturation = Some(format!(
             "demand wants {wanted} per endpoint, upper bound is {}",
             bounds.upper
         ));
-        return Decision::AtUpperBound { recommendation };
+        let why = format!(
+            "held at {current}: {demand_text} wants {wanted} per endpoint, the upper bound is {}",
+            bounds.upper
+        );
+        return (Decision::AtUpperBound { recommendation }, why);
     }
     if recommendation == current {
-        return Decision::Steady { recommendation };
+        let why = format!("no change: {demand_text} recommends {recommendation}, the target");
+        return (Decision::Steady { recommendation }, why);
     }
 
     // Scale down: the highest recommendation over the window, only beyond the deadband, at most
     // one capped step per window.
     if f64::from(current - recommendation) < band {
-        return Decision::Steady { recommendation };
+        let why = format!(
+            "no change: {demand_text} recommends {recommendation}, within {}% of the target {current}",
+            round(DEADBAND * 100.0)
+        );
+        return (Decision::WithinDeadband { recommendation }, why);
     }
+    let window = poolpilot_api::Duration::from(bounds.window);
     let stabilized = mem
         .recommendations
         .iter()
         .map(|(_, r)| *r)
         .max()
         .unwrap_or(recommendation);
+    let stabilizing = |why: String| {
+        (
+            Decision::Stabilizing { recommendation },
+            format!("held at {current}: {demand_text} recommends {recommendation}, but {why}"),
+        )
+    };
     if f64::from(current.saturating_sub(stabilized)) < band {
-        return Decision::Stabilizing { recommendation };
+        return stabilizing(format!(
+            "the highest recommendation over the last {window} is {stabilized}"
+        ));
     }
-    if mem
-        .last_change
-        .is_some_and(|t| elapsed(t, now) < bounds.window)
-    {
-        return Decision::Stabilizing { recommendation };
+    if let Some(t) = mem.last_change.filter(|t| elapsed(*t, now) < bounds.window) {
+        return stabilizing(format!(
+            "the target changed {}s ago, within the stabilization window of {window}",
+            elapsed(t, now).as_secs()
+        ));
     }
     let floor = (f64::from(current) * (1.0 - f64::from(bounds.max_step_percent) / 100.0) - 1e-9)
         .ceil() as u32;
     let to = bounds.clamp(stabilized.max(floor));
     if to >= current {
-        return Decision::Stabilizing { recommendation };
+        return stabilizing(format!(
+            "a step of at most {}% from {current} rounds to no change",
+            bounds.max_step_percent
+        ));
     }
     let reason = format!(
-        "demand {} (leased {} + pending {}) × {} recommends {recommendation}; highest over {} is {stabilized}, step capped at {}%",
-        round(demand),
-        round(leased),
-        round(pending),
-        round(1.0 + bounds.margin),
-        poolpilot_api::Duration::from(bounds.window),
+        "{demand_text} recommends {recommendation}; highest over {window} is {stabilized}, step capped at {}%",
         bounds.max_step_percent,
     );
-    Decision::ScaleDown(change(mem, to, reason, now))
+    let scale = change(mem, to, reason, now);
+    let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+    (Decision::ScaleDown(scale), why)
 }
 
 /// Sets the target and records the change.

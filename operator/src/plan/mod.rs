@@ -110,18 +110,43 @@ pub struct Acked {
     pub generation: u64,
 }
 
-/// The latest Prometheus samples for one backend (fleet sums). `None` is missing data: a query
-/// error, an empty result, NaN or a stale sample. Never zero.
+/// The latest Prometheus samples for one backend (fleet sums over the pods a policy selects).
+/// `None` is missing data: a query error, an empty result, NaN or a stale sample. Never zero.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BackendSample {
-    /// Leased connections, summed over the pods, averaged over the interval.
+    /// Leased connections (calls in flight to the backend), averaged over the window.
     pub leased: Option<f64>,
-    /// Pending lease requests, summed over the pods, averaged over the interval.
+    /// Pending lease requests, averaged over the window.
     pub pending: Option<f64>,
-    /// Upstream p90 latency now, in seconds.
-    pub latency_p90: Option<f64>,
-    /// The p90 latency's baseline, in seconds.
-    pub latency_baseline: Option<f64>,
+    /// Leased connections at the latest scrape (a crowd that began within the window shows
+    /// here in full).
+    pub leased_now: Option<f64>,
+    /// Pending lease requests at the latest scrape.
+    pub pending_now: Option<f64>,
+    /// Upstream calls completed per second without a 5xx, over the window.
+    pub completed: Option<f64>,
+    /// Response body bytes received from the backend per second, over the window.
+    pub bytes: Option<f64>,
+    /// Median time from sending a request to the first byte of its response body, seconds.
+    pub ttfb: Option<f64>,
+    /// The window the averages and rates are taken over.
+    pub window: std::time::Duration,
+    /// The backend's own saturation signal, when it has a saturation query.
+    pub saturation: SaturationSignal,
+}
+
+/// A backend's own saturation signal (`spec.backends[].saturation.query`) in a sample.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum SaturationSignal {
+    /// No value: no query is configured, or the poller has not picked it up yet.
+    #[default]
+    NotConfigured,
+    /// The query is configured but has not run since (a new or edited query).
+    Pending,
+    /// The query failed, returned nothing, or NaN.
+    Missing,
+    /// Its value (the largest, when it returned several series).
+    Value(f64),
 }
 
 /// The latest file-descriptor samples of one pod.
@@ -190,6 +215,8 @@ pub struct BackendPlan {
     pub bounds: Bounds,
     /// What the autoscaler decided this run (`None`: not due this run).
     pub decision: Option<Decision>,
+    /// Decisions in a row that held this backend's growth (0: the last one did not).
+    pub held: u32,
     /// The sample the decision was made from.
     pub sample: BackendSample,
 }
@@ -320,8 +347,8 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
         let mut backends = Vec::new();
         let mut metrics = None;
         if accepted {
+            let mut unavailable = Vec::new();
             let mut missing = Vec::new();
-            let mut any_unavailable = false;
             for b in &policy.spec.backends {
                 let endpoints = policy.endpoints.get(&b.name).map_or(0, Vec::len) as u32;
                 let bounds = Bounds::of(&policy.spec, b);
@@ -348,10 +375,24 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     mem.target = bounds.clamp(mem.target);
                     None
                 };
-                if let Some(what) = autoscale::missing_inputs(&sample) {
-                    missing.push(format!("{} ({what})", b.name));
+                // Each backend is named for its own state only: a backend without traffic has
+                // nothing missing, and one that misses data is not blamed on another.
+                let name = &b.name;
+                match (mem.metrics_available, mem.missing) {
+                    (false, Some(what)) => unavailable.push(format!(
+                        "{name}: no usable {what} sample for {} decisions or more in a row",
+                        autoscale::MISSES_BEFORE_UNAVAILABLE
+                    )),
+                    (false, None) => unavailable.push(format!(
+                        "{name}: samples fresh again, {} of the {} needed to resume",
+                        mem.fresh,
+                        autoscale::FRESH_TO_RESUME
+                    )),
+                    (true, Some(what)) => missing.push(format!(
+                        "{name}: no usable {what} sample at the last decision"
+                    )),
+                    (true, None) => {}
                 }
-                any_unavailable |= !mem.metrics_available;
                 backends.push(BackendPlan {
                     name: b.name.clone(),
                     endpoints,
@@ -360,25 +401,19 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     clamped: false,
                     bounds,
                     decision,
+                    held: mem.held,
                     sample,
                 });
             }
             if policy.spec.autoscale.enabled {
-                let message = if any_unavailable {
-                    format!(
-                        "no usable data for {} for {} intervals in a row; targets held",
-                        missing.join(", "),
-                        autoscale::MISSES_BEFORE_UNAVAILABLE
-                    )
-                } else if missing.is_empty() {
+                let available = unavailable.is_empty();
+                unavailable.extend(missing);
+                let message = if unavailable.is_empty() {
                     "fresh samples for every backend".to_owned()
                 } else {
-                    format!("missing data for {}; targets held", missing.join(", "))
+                    format!("{}; their targets are held", unavailable.join("; "))
                 };
-                metrics = Some(MetricsState {
-                    available: !any_unavailable,
-                    message,
-                });
+                metrics = Some(MetricsState { available, message });
             }
         }
         plans.push(PolicyPlan {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use poolpilot_api::policy::{BackendStatus, PodFailure, PodsStatus, ScaleRecord};
+use poolpilot_api::policy::{BackendStatus, DecisionRecord, PodFailure, PodsStatus, ScaleRecord};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
 use super::conditions::{Computed, Kind, Status, merge};
@@ -65,8 +65,15 @@ pub fn compute(
                         to: s.to,
                         reason: s.reason.clone(),
                     }),
+                last_decision: mem
+                    .and_then(|m| m.last_decision.as_ref())
+                    .map(|d| DecisionRecord {
+                        time: Time(d.at),
+                        action: d.action,
+                        reason: d.reason.clone(),
+                    }),
             }
-            .with_last_scale_from(&old, &b.name)
+            .with_history_from(&old, &b.name)
         })
         .collect();
 
@@ -109,19 +116,20 @@ pub fn compute(
     }
 }
 
-trait WithLastScale {
-    fn with_last_scale_from(self, old: &ConnectionPolicyStatus, name: &str) -> Self;
+trait WithHistory {
+    fn with_history_from(self, old: &ConnectionPolicyStatus, name: &str) -> Self;
 }
 
-impl WithLastScale for BackendStatus {
-    /// Keeps the stored last scale when memory has none (after an operator restart).
-    fn with_last_scale_from(mut self, old: &ConnectionPolicyStatus, name: &str) -> Self {
+impl WithHistory for BackendStatus {
+    /// Keeps the stored last scale and last decision when memory has none (after an operator
+    /// restart).
+    fn with_history_from(mut self, old: &ConnectionPolicyStatus, name: &str) -> Self {
+        let stored = old.backends.iter().find(|b| b.name == name);
         if self.last_scale.is_none() {
-            self.last_scale = old
-                .backends
-                .iter()
-                .find(|b| b.name == name)
-                .and_then(|b| b.last_scale.clone());
+            self.last_scale = stored.and_then(|b| b.last_scale.clone());
+        }
+        if self.last_decision.is_none() {
+            self.last_decision = stored.and_then(|b| b.last_decision.clone());
         }
         self
     }

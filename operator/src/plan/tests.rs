@@ -890,8 +890,9 @@ fn autoscale_runs_once_per_interval_inside_the_plan() {
         BackendSample {
             leased: Some(300.0),
             pending: Some(150.0),
-            latency_p90: Some(0.1),
-            latency_baseline: Some(0.1),
+            completed: Some(100.0),
+            bytes: Some(10_000.0),
+            ..BackendSample::default()
         },
     );
     let first = plan(&input, &mut memory, at(0));
@@ -911,8 +912,9 @@ fn only_the_focus_policy_decides() {
     let busy = BackendSample {
         leased: Some(10.0),
         pending: Some(0.0),
-        latency_p90: Some(0.1),
-        latency_baseline: Some(0.1),
+        completed: Some(100.0),
+        bytes: Some(10_000.0),
+        ..BackendSample::default()
     };
     let mut input = FleetInput {
         policies: vec![a, b],
@@ -955,8 +957,9 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
     let steady = BackendSample {
         leased: Some(10.0),
         pending: Some(0.0),
-        latency_p90: Some(0.1),
-        latency_baseline: Some(0.1),
+        completed: Some(100.0),
+        bytes: Some(10_000.0),
+        ..BackendSample::default()
     };
     input
         .samples
@@ -1009,6 +1012,76 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
         plan(&input, &mut without, at(10)).documents
     );
     assert_eq!(changed.policies[0].backends[0].target, target);
+}
+
+/// Two backends: model-a loses its samples, model-b has no traffic. `MetricsAvailable` names
+/// model-a with what it lacks, never model-b, stays False until model-a's two fresh samples,
+/// and says so while it waits.
+#[test]
+fn metrics_availability_names_the_backend_it_is_about() {
+    let two = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: model-a\n  endpoints: {service: {name: model-a, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 64}\n- name: model-b\n  endpoints: {service: {name: model-b, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 32}\n";
+    let mut input = FleetInput {
+        policies: vec![policy("a", 0, two, 2)],
+        pods: pods(1),
+        ..FleetInput::default()
+    };
+    let idle = BackendSample {
+        leased: Some(0.0),
+        pending: Some(0.0),
+        ..BackendSample::default()
+    };
+    let busy = BackendSample {
+        leased: Some(10.0),
+        pending: Some(0.0),
+        ..BackendSample::default()
+    };
+    let mut memory = Memory::default();
+    let mut state = |a: BackendSample, t: i64| {
+        input
+            .samples
+            .backends
+            .insert((key("a"), "model-a".into()), a);
+        input
+            .samples
+            .backends
+            .insert((key("a"), "model-b".into()), idle);
+        let fleet = plan(&input, &mut memory, at(t));
+        let m = fleet.policies[0].metrics_available.clone().unwrap();
+        (m.available, m.message)
+    };
+    assert_eq!(
+        state(busy, 0),
+        (true, "fresh samples for every backend".into())
+    );
+    let lost = BackendSample::default();
+    assert_eq!(
+        state(lost, 15),
+        (
+            true,
+            "model-a: no usable leased sample at the last decision; their targets are held".into()
+        )
+    );
+    state(lost, 30);
+    assert_eq!(
+        state(lost, 45),
+        (
+            false,
+            "model-a: no usable leased sample for 3 decisions or more in a row; their targets are held"
+                .into()
+        )
+    );
+    assert_eq!(
+        state(busy, 60),
+        (
+            false,
+            "model-a: samples fresh again, 1 of the 2 needed to resume; their targets are held"
+                .into()
+        )
+    );
+    assert_eq!(
+        state(busy, 75),
+        (true, "fresh samples for every backend".into())
+    );
 }
 
 #[test]
@@ -1140,7 +1213,7 @@ prop_compose! {
         }
         for (i, (leased, pending)) in demand.iter().enumerate().take(capacities.len()) {
             samples.backends.insert((key("p"), format!("b{i}")), BackendSample {
-                leased: Some(*leased), pending: Some(*pending), latency_p90: Some(0.1), latency_baseline: Some(0.1),
+                leased: Some(*leased), pending: Some(*pending), completed: Some(100.0), bytes: Some(10_000.0), ..BackendSample::default()
             });
         }
         (FleetInput { policies: vec![p], pods, samples, ..FleetInput::default() }, min)

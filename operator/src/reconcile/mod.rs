@@ -36,7 +36,7 @@ use tracing::{info, instrument, warn};
 use crate::gateway::Gateways;
 use crate::metrics::{Metrics, StepLabel};
 use crate::plan::{self, Acked, Memory, Timestamp};
-use crate::prom::Snapshot;
+use crate::prom::{SaturationQueries, Snapshot};
 use crate::{Error, Result};
 
 pub use observe::Stores;
@@ -66,7 +66,7 @@ pub struct Config {
 /// What the rollout remembers between reconciles.
 #[derive(Clone, Debug, Default)]
 pub struct RolloutMemory {
-    /// The last acknowledgement per (namespace, pod, pod uid).
+    /// The last acknowledgement per (namespace, pod, run of the pod: [`observe::instance`]).
     pub acked: BTreeMap<(String, String, String), Acked>,
     /// Refusals per (namespace, pod, revision).
     pub refused: BTreeMap<(String, String, String), String>,
@@ -90,6 +90,8 @@ pub struct Context<G: Gateways> {
     pub stores: Stores,
     /// The latest Prometheus snapshot (written by the poller).
     pub snapshot: Arc<RwLock<Snapshot>>,
+    /// The backends' saturation queries the poller runs (each reconcile sets its policy's).
+    pub saturation: SaturationQueries,
     /// Autoscale memory per namespace.
     pub memory: Mutex<BTreeMap<String, Memory>>,
     /// Rollout memory.
@@ -218,6 +220,15 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     })
     .await?;
     report_implausible_generations(ctx, policy, &observed).await;
+    // The poller runs this policy's saturation queries from its next round on.
+    ctx.saturation.set(
+        &observed.focus,
+        policy
+            .spec
+            .backends
+            .iter()
+            .filter_map(|b| Some((b.name.clone(), b.saturation.as_ref()?.query.clone()))),
+    );
     // 2. validate (no client required)
     let verdict = step(m, "validate", async {
         Ok::<_, Error>(cpu_bound(|| validate::check(&observed)))
@@ -280,6 +291,7 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
             ..plan::Memory::default()
         }
     });
+    log_decisions(policy_plan, &memory);
     let status = plan::status::compute(
         observed
             .input
@@ -310,12 +322,42 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     Ok(Action::requeue(interval.max(Duration::from_secs(1))))
 }
 
+/// Each decision of this run, at info, with the numbers it was made from: what status shows
+/// as `lastDecision`, for `kubectl logs`.
+fn log_decisions(plan: &plan::PolicyPlan, memory: &Memory) {
+    for b in &plan.backends {
+        let Some(decision) = &b.decision else {
+            continue;
+        };
+        let reason = memory
+            .backends
+            .get(&(plan.key.clone(), b.name.clone()))
+            .and_then(|m| m.last_decision.as_ref())
+            .map_or("", |d| d.reason.as_str());
+        let s = &b.sample;
+        info!(
+            backend = %b.name,
+            action = ?decision.action(),
+            target = b.target,
+            endpoints = b.endpoints,
+            leased = s.leased,
+            pending = s.pending,
+            completed_per_s = s.completed,
+            bytes_per_s = s.bytes,
+            ttfb_s = s.ttfb,
+            held_intervals = b.held,
+            "autoscale decision: {reason}"
+        );
+    }
+}
+
 async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
     let now = (ctx.clock)();
     let observed = step(&ctx.metrics, "observe", async {
         cpu_bound(|| observe::observe(ctx, policy, true, now))
     })
     .await?;
+    ctx.saturation.set(&observed.focus, []);
     let fleet = cpu_bound(|| {
         let mut memory = ctx.memory.lock();
         let mem = memory.entry(observed.focus.namespace.clone()).or_default();

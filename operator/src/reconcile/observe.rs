@@ -18,6 +18,7 @@ use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 use super::Context;
 use crate::gateway::Gateways;
 use crate::plan::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyKey, Timestamp, selector};
+use crate::prom::Selection;
 
 /// The label EndpointSlices carry with their Service's name.
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -133,9 +134,8 @@ pub fn observe<G: Gateways>(
             .as_ref()
             .and_then(|s| s.pod_ip.as_deref())
             .and_then(|ip| ip.parse().ok());
-        let uid = pod.uid().unwrap_or_default();
         let acked = acks
-            .get(&(ns.clone(), name.clone(), uid))
+            .get(&(ns.clone(), name.clone(), instance(pod)))
             .cloned()
             .or_else(|| {
                 snapshot
@@ -172,18 +172,22 @@ pub fn observe<G: Gateways>(
         .filter_map(|cm| published_document(cm))
         .collect();
 
-    let selection: Vec<(PolicyKey, Vec<String>, Vec<String>)> =
-        selector::select(&policies, &gateway_pods)
-            .into_iter()
-            .zip(&policies)
-            .map(|(pods, p)| {
-                (
-                    p.key.clone(),
-                    pods,
-                    p.spec.backends.iter().map(|b| b.name.clone()).collect(),
-                )
-            })
-            .collect();
+    let selection: Vec<Selection> = selector::select(&policies, &gateway_pods)
+        .into_iter()
+        .zip(&policies)
+        .map(|(pods, p)| {
+            let backends = p
+                .spec
+                .backends
+                .iter()
+                .map(|b| {
+                    let query = b.saturation.as_ref().map(|s| s.query.clone());
+                    (b.name.clone(), query)
+                })
+                .collect();
+            (p.key.clone(), pods, backends)
+        })
+        .collect();
     let samples = snapshot.samples(&ns, &selection, now, ctx.config.snapshot_max_age);
 
     Ok(Observed {
@@ -221,6 +225,18 @@ pub fn published_document(cm: &ConfigMap) -> Option<Acked> {
         revision: doc.revision,
         generation: doc.generation,
     })
+}
+
+/// Which run of a pod's processes this is: its uid and its containers' restarts. A gateway
+/// whose container restarted starts over from the ConfigMap's document and waits for its own:
+/// what it acknowledged before the restart no longer holds.
+pub fn instance(pod: &Pod) -> String {
+    let restarts: i32 = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .map_or(0, |cs| cs.iter().map(|c| c.restart_count).sum());
+    format!("{}/{restarts}", pod.uid().unwrap_or_default())
 }
 
 /// A pod counts as ready when its Ready condition is True and it is not terminating.

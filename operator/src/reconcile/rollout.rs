@@ -13,7 +13,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::observe::{
-    DOCUMENT_KEY, GENERATION_ANNOTATION, MANAGED_BY, Observed, REVISION_ANNOTATION,
+    self, DOCUMENT_KEY, GENERATION_ANNOTATION, MANAGED_BY, Observed, REVISION_ANNOTATION,
 };
 use super::{Context, FIELD_MANAGER};
 use crate::gateway::{Gateways, PutError};
@@ -241,17 +241,17 @@ fn pod_states<G: Gateways>(
         .filter_map(|name| {
             let desired = fleet.documents.get(name)?.revision.clone();
             let pod = observed.input.pods.iter().find(|p| &p.name == name)?;
-            let uid = ctx
+            let instance = ctx
                 .stores
                 .pods
                 .state()
                 .iter()
                 .find(|p| p.namespace().as_deref() == Some(ns.as_str()) && &p.name_any() == name)
-                .and_then(|p| p.uid())
+                .map(|p| observe::instance(p))
                 .unwrap_or_default();
             let acked = memory
                 .acked
-                .get(&(ns.clone(), name.clone(), uid))
+                .get(&(ns.clone(), name.clone(), instance))
                 .or(pod.acked.as_ref())
                 .map(|a| a.revision.clone());
             let refused = memory
@@ -309,13 +309,13 @@ async fn push<G: Gateways>(
     });
     let results = futures::future::join_all(sends.collect::<Vec<_>>()).await;
 
-    let uids: BTreeMap<String, String> = ctx
+    let instances: BTreeMap<String, String> = ctx
         .stores
         .pods
         .state()
         .iter()
         .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
-        .map(|p| (p.name_any(), p.uid().unwrap_or_default()))
+        .map(|p| (p.name_any(), observe::instance(p)))
         .collect();
     let mut memory = ctx.rollouts.lock();
     for (name, revision, result) in results {
@@ -325,12 +325,12 @@ async fn push<G: Gateways>(
                     .canary_since
                     .entry((ns.clone(), ack.revision.clone()))
                     .or_insert(now);
-                let uid = uids.get(&name).cloned().unwrap_or_default();
+                let instance = instances.get(&name).cloned().unwrap_or_default();
                 // A pod that took a document has nothing outstanding to refuse.
                 memory
                     .refused
                     .retain(|(n, p, _), _| !(n == ns && p == &name));
-                memory.acked.insert((ns.clone(), name, uid), ack);
+                memory.acked.insert((ns.clone(), name, instance), ack);
                 "acked"
             }
             Err(PutError::Older {

@@ -13,7 +13,7 @@ use tracing::warn;
 use super::{Context, FIELD_MANAGER};
 use crate::gateway::Gateways;
 use crate::plan::PolicyPlan;
-use crate::plan::autoscale::Decision;
+use crate::plan::autoscale::{Decision, HELD_EVENT_AFTER};
 
 /// Why the status step failed.
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +100,25 @@ pub fn events(
                 format!("{}: target {} → {}: {}", b.name, s.from, s.to, s.reason),
                 "Scale",
             )),
+            // Once per hold: when it has lasted HELD_EVENT_AFTER decisions (the recorder would
+            // only count repeats of the same note, and the numbers change every interval).
+            Some(d) if d.holds_growth() && b.held == HELD_EVENT_AFTER => {
+                let why = new
+                    .backends
+                    .iter()
+                    .find(|s| s.name == b.name)
+                    .and_then(|s| s.last_decision.as_ref())
+                    .map_or_else(String::new, |d| d.reason.clone());
+                out.push(event(
+                    EventType::Warning,
+                    "GrowthHeld",
+                    format!(
+                        "{}: growth held for {HELD_EVENT_AFTER} intervals in a row: {why}",
+                        b.name
+                    ),
+                    "Scale",
+                ));
+            }
             _ => {}
         }
     }
@@ -181,6 +200,11 @@ mod tests {
     }
 
     fn plan(decision: Option<Decision>) -> PolicyPlan {
+        plan_held(decision, 0)
+    }
+
+    /// A plan whose one backend has held growth `held` decisions in a row.
+    fn plan_held(decision: Option<Decision>, held: u32) -> PolicyPlan {
         PolicyPlan {
             key: PolicyKey {
                 namespace: "ns".into(),
@@ -203,8 +227,12 @@ mod tests {
                     margin: 0.2,
                     window: std::time::Duration::from_secs(300),
                     max_step_percent: 20,
+                    capacity: 700,
+                    interval: std::time::Duration::from_secs(15),
+                    saturation_threshold: None,
                 },
                 decision,
+                held,
                 sample: BackendSample::default(),
             }],
             fds: FdReport::default(),
@@ -259,6 +287,51 @@ mod tests {
                 recommendation: 540,
             })),
         )
+    }
+
+    fn at_bound() -> Decision {
+        Decision::AtUpperBound {
+            recommendation: 560,
+        }
+    }
+
+    #[test]
+    fn a_hold_is_told_once_when_it_has_lasted_three_intervals() {
+        let mut new = status(vec![]);
+        new.backends.push(poolpilot_api::policy::BackendStatus {
+            name: "model-a".into(),
+            last_decision: Some(poolpilot_api::policy::DecisionRecord {
+                time: Time(at(45)),
+                action: poolpilot_api::policy::DecisionAction::Hold,
+                reason: "held at 560: demand wants 600 per endpoint".into(),
+            }),
+            ..Default::default()
+        });
+        let told: Vec<Vec<String>> = (1..=5)
+            .map(|held| {
+                events(&new, &new, &plan_held(Some(at_bound()), held))
+                    .into_iter()
+                    .map(|e| format!("{} {}", e.reason, e.note.unwrap_or_default()))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            told,
+            [
+                vec![],
+                vec![],
+                vec![
+                    "GrowthHeld model-a: growth held for 3 intervals in a row: held at 560: demand wants 600 per endpoint"
+                        .to_owned()
+                ],
+                vec![],
+                vec![]
+            ]
+        );
+        assert!(
+            events(&new, &new, &plan_held(None, 3)).is_empty(),
+            "no decision this run, no Event"
+        );
     }
 
     #[test]
@@ -319,6 +392,7 @@ mod tests {
             &none,
             &plan(Some(Decision::ScaleDown(scale))),
         ));
+        add(events(&none, &none, &plan_held(Some(at_bound()), 3)));
         // Every documented condition state, reached from an empty status.
         for c in CONDITIONS {
             for r in c.reasons {

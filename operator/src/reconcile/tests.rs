@@ -160,6 +160,7 @@ fn context_full(
             configmaps: store(configmaps),
         },
         snapshot: Arc::default(),
+        saturation: Default::default(),
         memory: Mutex::default(),
         rollouts: Mutex::default(),
         gateways: gateways.clone(),
@@ -954,4 +955,65 @@ fn failure_events_name_each_step_and_fit_the_note_limit() {
     assert!(note.len() <= 1000, "{} bytes", note.len());
     assert!(note.ends_with('…'));
     assert_eq!(event_note("short"), "short");
+}
+
+/// Answers every request of one reconcile as the apiserver would for a quiet namespace, and
+/// returns how many PUTs the gateways got.
+async fn reconcile_once(p: &ConnectionPolicy, pods: Vec<Pod>, memory: &mut RolloutMemory) -> usize {
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, FakeGateways::default());
+    *ctx.rollouts.lock() = memory.clone();
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let answer = async {
+        while let Some((request, send)) = api.next_request().await {
+            let path = request.uri().path().to_owned();
+            let answer = if path.ends_with("/secrets/poolpilot-admin-token") {
+                json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}})
+            } else if path.ends_with("/status") {
+                serde_json::to_value(p).unwrap()
+            } else {
+                json!({})
+            };
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                    .unwrap(),
+            );
+        }
+    };
+    tokio::select! {
+        done = reconciler => { done.unwrap().unwrap(); }
+        () = answer => {}
+    }
+    let puts = gateways.puts.lock().len();
+    memory.clone_from(&ctx.rollouts.lock());
+    puts
+}
+
+/// A gateway whose container restarted (same pod, same uid) starts from the ConfigMap's
+/// document: what it acknowledged before no longer holds, and it gets its own document again.
+/// (Seen on clusters left running: a restarted gateway kept the ConfigMap's share while status
+/// said it ran the new one.)
+#[tokio::test]
+async fn a_gateway_whose_container_restarted_gets_its_document_again() {
+    let p = policy("models", 0);
+    let restarted = |n: i32| {
+        let mut pod = gateway_pod();
+        pod.status.as_mut().unwrap().container_statuses = Some(vec![
+            serde_json::from_value(json!({
+                "name": "gateway", "image": "poolpilot/gateway", "imageID": "", "ready": true,
+                "restartCount": n,
+            }))
+            .unwrap(),
+        ]);
+        pod
+    };
+    let mut memory = RolloutMemory::default();
+    let first = reconcile_once(&p, vec![restarted(0)], &mut memory).await;
+    let again = reconcile_once(&p, vec![restarted(0)], &mut memory).await;
+    let after_restart = reconcile_once(&p, vec![restarted(1)], &mut memory).await;
+    assert_eq!(
+        (first, again, after_restart),
+        (1, 0, 1),
+        "sent, acknowledged, and sent again once the container restarted"
+    );
 }
