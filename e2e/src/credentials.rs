@@ -27,6 +27,44 @@ pub fn server_name(namespace: &str) -> String {
     format!("poolpilot-gateway-admin.{namespace}.svc")
 }
 
+/// A CA and one server certificate it signs, all PEM.
+#[derive(Clone)]
+pub struct Pki {
+    /// The CA certificate.
+    pub ca_pem: String,
+    /// The server certificate.
+    pub cert_pem: String,
+    /// Its key.
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for Pki {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pki").finish_non_exhaustive()
+    }
+}
+
+impl Pki {
+    /// A new CA called `ca_name` and a certificate for the DNS name `server`.
+    pub fn generate(ca_name: &str, server: &str) -> anyhow::Result<Self> {
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(rcgen::DnType::CommonName, ca_name);
+        let ca = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate()?)?;
+        let key = rcgen::KeyPair::generate()?;
+        let mut leaf = rcgen::CertificateParams::new(vec![server.to_owned()])?;
+        leaf.distinguished_name
+            .push(rcgen::DnType::CommonName, server);
+        let cert = leaf.signed_by(&key, &ca)?;
+        Ok(Self {
+            ca_pem: ca.pem(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+}
+
 /// One install's admin credentials.
 #[derive(Clone)]
 pub struct AdminCredentials {
@@ -57,22 +95,13 @@ impl AdminCredentials {
         let mut bytes = [0u8; 32];
         rand::rng().fill_bytes(&mut bytes);
         let token = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
-        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca.distinguished_name
-            .push(rcgen::DnType::CommonName, "poolpilot gateway admin CA");
-        let ca = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate()?)?;
-        let key = rcgen::KeyPair::generate()?;
-        let mut leaf = rcgen::CertificateParams::new(vec![server_name(namespace)])?;
-        leaf.distinguished_name
-            .push(rcgen::DnType::CommonName, server_name(namespace));
-        let cert = leaf.signed_by(&key, &ca)?;
+        let pki = Pki::generate("poolpilot gateway admin CA", &server_name(namespace))?;
         Ok(Self {
             namespace: namespace.to_owned(),
             token,
-            ca_pem: ca.pem(),
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
+            ca_pem: pki.ca_pem,
+            cert_pem: pki.cert_pem,
+            key_pem: pki.key_pem,
         })
     }
 
@@ -149,8 +178,7 @@ impl AdminCredentials {
     pub fn client(&self, addr: SocketAddr) -> anyhow::Result<reqwest::Client> {
         Ok(reqwest::Client::builder()
             .timeout(Duration::from_secs(5))
-            .tls_built_in_root_certs(false)
-            .add_root_certificate(reqwest::Certificate::from_pem(self.ca_pem.as_bytes())?)
+            .tls_certs_only([reqwest::Certificate::from_pem(self.ca_pem.as_bytes())?])
             .resolve(&server_name(&self.namespace), addr)
             .build()?)
     }

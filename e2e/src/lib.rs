@@ -10,6 +10,7 @@
 //!             └─► with_namespace()   temp namespace, dump of pods/events/logs on failure
 //! ```
 
+pub mod auth_proxy;
 pub mod cluster;
 pub mod credentials;
 pub mod hermetic;
@@ -26,10 +27,9 @@ pub mod wait;
 
 pub use cluster::Cluster;
 
-/// Makes ring the process's TLS crypto provider. Needed by every binary and test that builds a
-/// kube client: when the whole workspace is built together, cargo's feature unification links
-/// both ring (kube) and aws-lc-rs (reqwest under the operator's Prometheus client), and rustls
-/// then refuses to pick one by itself. Idempotent.
+/// Makes ring the process's TLS crypto provider. Needed by every binary and test before it
+/// builds a kube or reqwest client: reqwest is built without a provider of its own (the
+/// workspace links one TLS stack, rustls with ring) and takes the process default. Idempotent.
 pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }

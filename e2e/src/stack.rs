@@ -131,6 +131,20 @@ pub struct StackSpec {
     /// images: the local kubelet runs an image that is an absolute path as is) instead of the
     /// workspace's debug build: the loop benchmark runs the release one.
     pub binaries: Option<PathBuf>,
+    /// Secrets created in the namespace and mounted into the operator (credentials for a
+    /// Prometheus behind authentication, say).
+    pub operator_secrets: Vec<OperatorSecret>,
+}
+
+/// A Secret of the test mounted read-only into the operator's container.
+#[derive(Clone, Debug)]
+pub struct OperatorSecret {
+    /// The Secret's name.
+    pub name: String,
+    /// Where its keys appear as files.
+    pub mount_path: String,
+    /// Its keys and values.
+    pub data: BTreeMap<String, String>,
 }
 
 impl Default for StackSpec {
@@ -145,6 +159,7 @@ impl Default for StackSpec {
             nofile_limit: None,
             operator_args: Vec::new(),
             binaries: None,
+            operator_secrets: Vec::new(),
         }
     }
 }
@@ -211,6 +226,13 @@ impl<'a> Stack<'a> {
             .arg(workspace_root().join("manifests/overlays/local")))
         .await?;
         let mut objects = self.credentials.secrets(self.name());
+        objects.extend(spec.operator_secrets.iter().map(|s| {
+            json!({
+                "apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": s.name, "namespace": self.name()},
+                "stringData": s.data,
+            })
+        }));
         for doc in serde_norway::Deserializer::from_str(&yaml) {
             let mut object = Value::deserialize(doc)?;
             let kind = object["kind"].as_str().unwrap_or_default().to_owned();
@@ -297,6 +319,21 @@ impl<'a> Stack<'a> {
                         .filter(|a| !a.starts_with("--prometheus-url="))
                         .map(|a| json!(a)),
                 );
+                let volume = |s: &OperatorSecret| format!("test-{}", s.name);
+                let mounts = container["volumeMounts"]
+                    .as_array_mut()
+                    .context("operator volumeMounts")?;
+                for secret in &spec.operator_secrets {
+                    mounts.push(json!({"name": volume(secret), "mountPath": secret.mount_path, "readOnly": true}));
+                }
+                let volumes = object["spec"]["template"]["spec"]["volumes"]
+                    .as_array_mut()
+                    .context("operator volumes")?;
+                for secret in &spec.operator_secrets {
+                    volumes.push(
+                        json!({"name": volume(secret), "secret": {"secretName": secret.name}}),
+                    );
+                }
                 object["spec"]["replicas"] = json!(spec.operators);
             }
             GATEWAY_DEPLOYMENT => {

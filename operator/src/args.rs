@@ -16,6 +16,46 @@ pub struct Args {
         default_value = "http://prometheus:9090"
     )]
     pub prometheus_url: String,
+    /// A file holding a bearer token for Prometheus, re-read every round (rotations apply).
+    #[arg(
+        long,
+        env = "POOLPILOT_PROMETHEUS_BEARER_TOKEN_FILE",
+        conflicts_with = "prometheus_basic_auth_username"
+    )]
+    pub prometheus_bearer_token_file: Option<std::path::PathBuf>,
+    /// Basic-auth user for Prometheus (with --prometheus-basic-auth-password-file).
+    #[arg(
+        long,
+        env = "POOLPILOT_PROMETHEUS_BASIC_AUTH_USERNAME",
+        requires = "prometheus_basic_auth_password_file"
+    )]
+    pub prometheus_basic_auth_username: Option<String>,
+    /// A file holding the basic-auth password, re-read every round.
+    #[arg(
+        long,
+        env = "POOLPILOT_PROMETHEUS_BASIC_AUTH_PASSWORD_FILE",
+        requires = "prometheus_basic_auth_username"
+    )]
+    pub prometheus_basic_auth_password_file: Option<std::path::PathBuf>,
+    /// CA bundle (PEM) that Prometheus' HTTPS certificate must chain to (instead of the system's).
+    #[arg(
+        long,
+        env = "POOLPILOT_PROMETHEUS_CA_FILE",
+        conflicts_with = "prometheus_insecure_skip_verify"
+    )]
+    pub prometheus_ca_file: Option<std::path::PathBuf>,
+    /// Do not check Prometheus' HTTPS certificate (a trusted network and a self-signed
+    /// certificate only).
+    #[arg(long, env = "POOLPILOT_PROMETHEUS_INSECURE_SKIP_VERIFY")]
+    pub prometheus_insecure_skip_verify: bool,
+    /// An extra header for every query, `Name: value` (repeatable; in the environment, several
+    /// separated by newlines): `X-Scope-OrgID: team-a` for Mimir, Cortex or Thanos tenants.
+    #[arg(
+        long = "prometheus-header",
+        env = "POOLPILOT_PROMETHEUS_HEADERS",
+        value_delimiter = '\n'
+    )]
+    pub prometheus_headers: Vec<String>,
     /// How often the batched Prometheus queries run.
     #[arg(long, env = "POOLPILOT_METRICS_INTERVAL", default_value = "15s")]
     pub metrics_interval: Duration,
@@ -90,9 +130,89 @@ pub struct Args {
     pub log_format: String,
 }
 
+impl Args {
+    /// How to reach Prometheus, from the `--prometheus-*` flags.
+    pub fn prometheus_connection(&self) -> crate::prom_connection::ConnectionSpec {
+        use crate::prom_connection::{Auth, Trust};
+        let auth = match (
+            &self.prometheus_bearer_token_file,
+            &self.prometheus_basic_auth_username,
+            &self.prometheus_basic_auth_password_file,
+        ) {
+            (Some(token), _, _) => Auth::BearerTokenFile(token.clone()),
+            (None, Some(username), Some(password)) => Auth::Basic {
+                username: username.clone(),
+                password_file: password.clone(),
+            },
+            _ => Auth::None,
+        };
+        let trust = match &self.prometheus_ca_file {
+            Some(ca) => Trust::CaFile(ca.clone()),
+            None if self.prometheus_insecure_skip_verify => Trust::InsecureSkipVerify,
+            None => Trust::System,
+        };
+        crate::prom_connection::ConnectionSpec {
+            url: self.prometheus_url.clone(),
+            auth,
+            trust,
+            headers: self.prometheus_headers.clone(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prometheus_auth_flags_become_a_connection_spec() {
+        use crate::prom_connection::{Auth, Trust};
+        let parse = |args: &[&str]| {
+            Args::try_parse_from(std::iter::once("poolpilot-operator").chain(args.iter().copied()))
+        };
+        let a = parse(&[
+            "--prometheus-bearer-token-file=/var/run/token",
+            "--prometheus-header=X-Scope-OrgID: team-a",
+            "--prometheus-header=X-Other: 1",
+            "--prometheus-ca-file=/etc/ca.crt",
+        ])
+        .unwrap()
+        .prometheus_connection();
+        assert_eq!(a.auth, Auth::BearerTokenFile("/var/run/token".into()));
+        assert_eq!(a.trust, Trust::CaFile("/etc/ca.crt".into()));
+        assert_eq!(a.headers, ["X-Scope-OrgID: team-a", "X-Other: 1"]);
+        let b = parse(&[
+            "--prometheus-basic-auth-username=op",
+            "--prometheus-basic-auth-password-file=/p",
+            "--prometheus-insecure-skip-verify",
+        ])
+        .unwrap()
+        .prometheus_connection();
+        assert_eq!(
+            b.auth,
+            Auth::Basic {
+                username: "op".into(),
+                password_file: "/p".into()
+            }
+        );
+        assert_eq!(b.trust, Trust::InsecureSkipVerify);
+        // Contradictions are refused at start.
+        for bad in [
+            &[
+                "--prometheus-bearer-token-file=/t",
+                "--prometheus-basic-auth-username=u",
+                "--prometheus-basic-auth-password-file=/p",
+            ][..],
+            &["--prometheus-basic-auth-username=u"],
+            &[
+                "--prometheus-ca-file=/c",
+                "--prometheus-insecure-skip-verify",
+            ],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse(&[]).unwrap().prometheus_connection().auth, Auth::None);
+    }
 
     #[test]
     fn defaults_and_durations_parse() {

@@ -56,9 +56,9 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
-    /// The Prometheus client could not be built.
-    #[error(transparent)]
-    Prometheus(#[from] prom::PromError),
+    /// The connection to Prometheus cannot be set up as the flags say.
+    #[error("cannot set up the connection to Prometheus")]
+    Prometheus(#[from] crate::prom_connection::ConnectionError),
     /// The gateway HTTP client could not be built.
     #[error("failed to build the gateway HTTP client")]
     Gateways(#[source] reqwest::Error),
@@ -120,11 +120,10 @@ pub async fn run(args: Args) -> Result<(), RunError> {
 
     let snapshot = Arc::new(RwLock::new(Snapshot::default()));
     let saturation = SaturationQueries::default();
-    let prometheus = prometheus_http_query::Client::try_from(args.prometheus_url.as_str())
-        .map_err(|source| prom::PromError::Url {
-            url: args.prometheus_url.clone(),
-            source,
-        })?;
+    let prometheus = crate::prom_connection::Connection::new(
+        &args.prometheus_connection(),
+        args.metrics_interval.get(),
+    )?;
     tokio::spawn(poll_prometheus(
         prometheus,
         queries(&args),
@@ -439,7 +438,7 @@ fn queries(args: &Args) -> Queries {
 /// Runs the batched queries (and the backends' saturation queries) every `interval` and
 /// publishes the snapshot.
 async fn poll_prometheus(
-    client: prometheus_http_query::Client,
+    prometheus: crate::prom_connection::Connection,
     queries: Queries,
     saturation: SaturationQueries,
     snapshot: Arc<RwLock<Snapshot>>,
@@ -467,9 +466,29 @@ async fn poll_prometheus(
                 .get_or_create(&QueryLabel { query: name })
                 .inc();
         }
-        // A round never outlasts the interval: the next one starts on time.
-        let (round, errors) =
-            prom::query_round(&client, &queries, &backends, interval, crate::clock::now).await;
+        // A round never outlasts the interval: the next one starts on time. Credentials that
+        // cannot be read make the whole round missing data, the reason logged below.
+        let (round, errors) = match prometheus.round_headers() {
+            Ok(headers) => {
+                prom::query_round(
+                    &prometheus.client,
+                    &headers,
+                    &queries,
+                    &backends,
+                    interval,
+                    crate::clock::now,
+                )
+                .await
+            }
+            Err(e) => (
+                Snapshot::fold(
+                    crate::clock::now(),
+                    queries.rate_window(),
+                    &std::collections::BTreeMap::new(),
+                ),
+                vec![prom::PromError::Credentials(e)],
+            ),
+        };
         for e in &errors {
             if let prom::PromError::Query { name, .. } | prom::PromError::Timeout { name, .. } = e {
                 metrics

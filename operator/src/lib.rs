@@ -25,6 +25,7 @@ pub mod gateway;
 pub mod metrics;
 pub mod plan;
 pub mod prom;
+pub mod prom_connection;
 pub mod reconcile;
 pub mod telemetry;
 
@@ -124,4 +125,12 @@ pub fn brief_report(e: &(dyn std::error::Error + 'static)) -> String {
         cur = c.source();
     }
     parts.join(": ")
+}
+
+/// The builder of every HTTP client the operator makes (to gateways, to Prometheus): reqwest on
+/// rustls with ring, the workspace's one TLS stack. reqwest is built without a crypto provider
+/// of its own, so ring becomes the process default here (idempotent) before any client is built.
+pub fn http_client() -> reqwest::ClientBuilder {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
 }

@@ -5,7 +5,8 @@ use poolpilot_operator::{args::Args, controller, telemetry};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    // kube links ring and prometheus-http-query's reqwest links aws-lc-rs: pick one for rustls.
+    // The one TLS stack is rustls with ring; reqwest is built without a provider of its own and
+    // takes the process default, so it must be installed before any client is built.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let args = Args::parse();
     telemetry::init(&args.log_format);

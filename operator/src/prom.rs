@@ -19,15 +19,10 @@ use crate::plan::{
 /// Why a Prometheus query failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PromError {
-    /// The server URL could not be used.
-    #[error("invalid Prometheus URL {url:?}")]
-    Url {
-        /// The URL given.
-        url: String,
-        /// Why.
-        #[source]
-        source: prometheus_http_query::Error,
-    },
+    /// The round's credentials could not be read (a token or password file): every query of
+    /// the round is missing.
+    #[error("Prometheus credentials unreadable")]
+    Credentials(#[source] crate::prom_connection::ConnectionError),
     /// A query failed (transport, HTTP or PromQL error).
     #[error("Prometheus query {name} failed")]
     Query {
@@ -437,6 +432,7 @@ pub fn rows(data: &Data) -> Vec<(HashMap<String, String>, f64)> {
 /// query-error metric.
 pub async fn query_round(
     client: &prometheus_http_query::Client,
+    headers: &http::HeaderMap,
     queries: &Queries,
     saturation: &[(SaturationKey, String)],
     timeout: Duration,
@@ -448,7 +444,11 @@ pub async fn query_round(
         .map(|q| (q.name, q.promql.as_str()))
         .chain(saturation.iter().map(|(_, q)| ("saturation", q.as_str())));
     let answers = futures::future::join_all(all.map(|(name, promql)| async move {
-        match tokio::time::timeout(timeout, client.query(promql).get()).await {
+        let mut query = client.query(promql);
+        for (header, value) in headers {
+            query = query.header(header.clone(), value.clone());
+        }
+        match tokio::time::timeout(timeout, query.get()).await {
             Ok(answer) => answer
                 .map(|r| rows(r.data()))
                 .map_err(|source| PromError::Query { name, source }),
@@ -792,7 +792,9 @@ mod tests {
                 open.push(socket);
             }
         });
-        let client = prometheus_http_query::Client::try_from(url.as_str()).unwrap();
+        let client =
+            prometheus_http_query::Client::from(crate::http_client().build().unwrap(), &url)
+                .unwrap();
         let queries = Queries {
             window: Duration::from_secs(30),
             freshness: Duration::from_secs(30),
@@ -803,8 +805,15 @@ mod tests {
         )];
         let timeout = Duration::from_millis(300);
         let start = tokio::time::Instant::now();
-        let (snapshot, errors) =
-            query_round(&client, &queries, &saturation, timeout, || at(0)).await;
+        let (snapshot, errors) = query_round(
+            &client,
+            &http::HeaderMap::new(),
+            &queries,
+            &saturation,
+            timeout,
+            || at(0),
+        )
+        .await;
         let took = start.elapsed();
         held.abort();
         assert!(

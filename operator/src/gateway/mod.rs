@@ -101,7 +101,7 @@ impl HttpGateways {
     /// A plain-HTTP client whose calls give up after `timeout`.
     pub fn new(timeout: Duration) -> Result<Self, reqwest::Error> {
         Ok(Self {
-            plain: reqwest::Client::builder().timeout(timeout).build()?,
+            plain: crate::http_client().timeout(timeout).build()?,
             trust: None,
         })
     }

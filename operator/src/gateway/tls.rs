@@ -170,7 +170,7 @@ impl GatewayTrust {
             .with_custom_certificate_verifier(verifier)
             .with_no_client_auth();
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        reqwest::Client::builder()
+        crate::http_client()
             .timeout(self.timeout)
             .use_preconfigured_tls(config)
             .build()
