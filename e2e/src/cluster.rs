@@ -109,7 +109,7 @@ impl Cluster {
             (
                 "local kubelet",
                 &kubelet,
-                "cargo build -p poolpilot-e2e --bins",
+                "cargo build -p poolpilot-local-kubelet",
             ),
             ("Prometheus", &prometheus, "make cluster"),
         ] {

@@ -18,10 +18,9 @@ use regex::Regex;
 pub const POD_RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 244, 0, 0), 16);
 /// ClusterIPs the apiserver gives Services (nothing serves them: there is no kube-proxy).
 pub const SERVICE_RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 96, 0, 0), 16);
-/// An address in the pod range that no pod ever holds: the local kubelet never hands out
-/// 10.244.255.0/24. A fixture that needs "an address nothing listens on" uses it: a connect
-/// fails at once on this machine.
-pub const UNHELD_POD_ADDRESS: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 2);
+/// An address in the pod range that no pod ever holds (the local kubelet never hands out
+/// 10.244.255.0/24).
+pub use poolpilot_local_kubelet::UNHELD_POD_ADDRESS;
 
 /// Whether `ip` is somewhere tests may send to: loopback, the unspecified address (which
 /// Linux connects to locally), the pod range or the Service range.
@@ -245,7 +244,14 @@ mod tests {
     #[test]
     fn no_test_demo_bench_or_local_manifest_names_a_destination_off_this_machine() {
         let root = crate::paths::workspace_root();
-        let scanned = ["e2e", "gateway/tests", "manifests/overlays/local", ".ci"];
+        let scanned = [
+            "e2e",
+            "modelsim",
+            "local-kubelet",
+            "gateway/tests",
+            "manifests/overlays/local",
+            ".ci",
+        ];
         let mut files = vec![root.join("Makefile")];
         for dir in scanned {
             for entry in walkdir::WalkDir::new(root.join(dir)) {

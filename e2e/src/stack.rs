@@ -36,10 +36,10 @@ use serde_json::{Value, json};
 
 use crate::cluster::run;
 use crate::credentials::AdminCredentials;
-use crate::modelsim::Remote;
 use crate::namespace::TestNamespace;
 use crate::paths::workspace_root;
 use crate::wait::eventually;
+use poolpilot_modelsim::Remote;
 
 /// Deadline of the waits for pods and conditions: generous, for a loaded 2-core machine.
 pub const WAIT: Duration = Duration::from_secs(120);

@@ -155,7 +155,7 @@ async fn prometheus_discovers_modelsim_pods_through_the_apiserver() -> anyhow::R
         for ip in &all_ips {
             let addr: std::net::IpAddr = ip.parse()?;
             assert!(
-                !poolpilot_e2e::kubelet::host_has_address(addr),
+                !poolpilot_local_kubelet::host_has_address(addr),
                 "modelsim on {ip} must have stopped and released its address"
             );
         }

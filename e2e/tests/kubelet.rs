@@ -11,8 +11,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use poolpilot_e2e::cluster::run;
-use poolpilot_e2e::kubelet::logs::Query;
 use poolpilot_e2e::{TestNamespace, eventually, wait_for, with_namespace};
+use poolpilot_local_kubelet::logs::Query;
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -137,7 +137,7 @@ async fn deployment_pods_run_on_their_own_ips_behind_a_service_and_stop_when_del
         // host", as e2e/tests/hermetic.rs shows; the interface tells which).
         for ip in &ips {
             let addr: std::net::IpAddr = ip.parse()?;
-            assert!(!poolpilot_e2e::kubelet::host_has_address(addr), "{ip} must be released from lo");
+            assert!(!poolpilot_local_kubelet::host_has_address(addr), "{ip} must be released from lo");
         }
         Ok(())
     })

@@ -15,12 +15,12 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
-use poolpilot_e2e::modelsim::{ConnectionAtPeak, Remote};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
     BackendSpec, GATEWAY_DEPLOYMENT, GatewayPod, POLICY, Stack, StackSpec, WAIT, metric_sum, set,
     with_stack,
 };
+use poolpilot_modelsim::{ConnectionAtPeak, Remote};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 

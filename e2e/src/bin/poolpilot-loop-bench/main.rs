@@ -5,11 +5,10 @@
 //!
 //! ```sh
 //! make cluster-up
-//! cargo build -p poolpilot-operator -p poolpilot-gateway -p poolpilot-e2e --bins
+//! cargo build --workspace --bins
 //! $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --out e2e/bench/control-loop.md [--quick] [--parts control,rollout,scale] [--bin-dir DIR]
 //! ```
 
-#[path = "../loop_bench/mod.rs"]
 mod loop_bench;
 
 use std::path::PathBuf;

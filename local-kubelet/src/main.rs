@@ -1,12 +1,12 @@
 //! `local-kubelet`: runs the pods of the embedded cluster as local processes (see
-//! `poolpilot_e2e::kubelet`). Started by `cluster up --kubelet PATH`.
+//! `poolpilot_local_kubelet`). Started by `cluster up --kubelet PATH`.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use poolpilot_e2e::kubelet::api::ApiTls;
-use poolpilot_e2e::kubelet::{ImageResolver, KubeletConfig};
+use poolpilot_local_kubelet::api::ApiTls;
+use poolpilot_local_kubelet::{ImageResolver, KubeletConfig};
 
 /// Makes this machine a Kubernetes node whose pods are local processes.
 #[derive(Debug, Parser)]
@@ -65,7 +65,8 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let args = Args::parse();
-    poolpilot_e2e::install_crypto_provider();
+    // kube's TLS is rustls with ring; the workspace links no other provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let kubeconfig = kube::config::Kubeconfig::read_from(&args.kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
     let host = config.cluster_url.host().unwrap_or("127.0.0.1").to_owned();
@@ -105,5 +106,5 @@ async fn main() -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => {}
         }
     };
-    poolpilot_e2e::kubelet::run(client, kubelet, shutdown).await
+    poolpilot_local_kubelet::run(client, kubelet, shutdown).await
 }

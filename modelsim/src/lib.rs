@@ -35,8 +35,8 @@
 //!
 //! In a test:
 //! ```no_run
-//! # async fn demo() -> Result<(), poolpilot_e2e::modelsim::ModelsimError> {
-//! use poolpilot_e2e::modelsim::{Config, Faults, Modelsim};
+//! # async fn demo() -> Result<(), poolpilot_modelsim::ModelsimError> {
+//! use poolpilot_modelsim::{Config, Faults, Modelsim};
 //! let sim = Modelsim::start(Config { max_concurrency: 4, max_queue: 8, ..Config::default() }).await?;
 //! let url = sim.url(); // http://127.0.0.1:PORT
 //! sim.set_faults(Faults { error_ratio: 0.5, ..Faults::default() })?;

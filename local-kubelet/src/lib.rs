@@ -42,6 +42,11 @@ use tokio::sync::watch;
 pub use pod::NOFILE_ANNOTATION;
 pub use process::ImageResolver;
 
+/// An address in the pod range that no pod ever holds: the local kubelet never hands out
+/// 10.244.255.0/24. A fixture that needs "an address nothing listens on" uses it: a connect
+/// fails at once on this machine.
+pub const UNHELD_POD_ADDRESS: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 2);
+
 /// How the local kubelet is set up.
 #[derive(Clone, Debug)]
 pub struct KubeletConfig {
@@ -115,8 +120,8 @@ impl KubeletContext {
 /// Pod addresses: 10.244.0.1 to 10.244.254.254 (kind's pod range), one per pod uid, each added
 /// to the loopback interface while its pod lives, so that pods reach each other and Prometheus
 /// reaches them. `cluster up` routes the rest of the range to nowhere, so a connect to a pod
-/// that is gone fails on this machine ([`crate::hermetic`]); 10.244.255.0/24 is never handed
-/// out, for fixtures that need an address nothing holds. Not 127.0.0.0/8 itself: the apiserver
+/// that is gone fails on this machine; 10.244.255.0/24 is never handed
+/// out, for fixtures that need an address nothing holds ([`UNHELD_POD_ADDRESS`]). Not 127.0.0.0/8 itself: the apiserver
 /// refuses loopback addresses in Endpoints and EndpointSlices, so Services would have no
 /// endpoints.
 #[derive(Debug, Default)]
@@ -452,7 +457,7 @@ mod tests {
 
     #[test]
     fn ip_pool_never_hands_out_the_unheld_addresses() {
-        let unheld = crate::hermetic::UNHELD_POD_ADDRESS;
+        let unheld = UNHELD_POD_ADDRESS;
         let mut pool = IpPool {
             // The last address of 10.244.254.0/24 comes next; then the range wraps around.
             next: IpPool::LAST - IpPool::FIRST,

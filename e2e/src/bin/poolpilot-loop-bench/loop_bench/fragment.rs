@@ -423,14 +423,13 @@ fn render_reproduce(w: &mut String) {
          ```sh\n\
          make cluster-up\n\
          export CARGO_TARGET_DIR=$HOME/.cache/poolpilot/target\n\
-         cargo build -p poolpilot-operator -p poolpilot-gateway -p poolpilot-e2e --bins\n\
+         cargo build --workspace --bins\n\
          CARGO_TARGET_DIR=$HOME/.cache/poolpilot/target-bench cargo build --release -p poolpilot-operator -p poolpilot-gateway\n\
          # part 5 flash crowd (three rows), or rollout, or scale (part 6); --quick for short runs\n\
          $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --parts control --out /tmp/control-loop.md \\\n\
          \x20 --bin-dir $HOME/.cache/poolpilot/target-bench/release\n\
          ```\n\n\
          The binary takes the scenario lock (`$POOLPILOT_CLUSTER_DIR/scenario.lock`), so it never \
-         overlaps a scenario run; the harness is `e2e/src/bin/poolpilot-loop-bench.rs` and \
-         `e2e/src/loop_bench/`.\n"
+         overlaps a scenario run; the harness is `e2e/src/bin/poolpilot-loop-bench/`.\n"
     );
 }

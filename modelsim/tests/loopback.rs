@@ -12,7 +12,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use poolpilot_e2e::modelsim::{Config, Faults, Jitter, Modelsim, Remote, ServiceTime, Stats};
+use poolpilot_modelsim::{Config, Faults, Jitter, Modelsim, Remote, ServiceTime, Stats};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;

@@ -1,4 +1,4 @@
-//! The `modelsim` binary: command line and environment around [`poolpilot_e2e::modelsim`], with
+//! The `modelsim` binary: command line and environment around [`poolpilot_modelsim`], with
 //! graceful SIGTERM. Every flag has a `MODELSIM_*` environment variable; in a pod, the listener
 //! binds `$POD_IP` and the instance is named `$POD_NAME` unless told otherwise.
 
@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use poolpilot_e2e::modelsim::{Config, Faults, Jitter, Modelsim, ServiceTime};
+use poolpilot_modelsim::{Config, Faults, Jitter, Modelsim, ServiceTime};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::EnvFilter;
 
