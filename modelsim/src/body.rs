@@ -10,7 +10,7 @@ use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::mpsc;
 
-use super::server::RequestGuard;
+use super::conn::RequestGuard;
 
 /// The body of every modelsim response.
 #[derive(Debug)]

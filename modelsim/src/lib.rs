@@ -33,6 +33,12 @@
 //! and the `prometheus.io/port` annotation at it; then `connections_open`/`connections_peak`
 //! count the gateway's connections only.
 //!
+//! Modules, each importing only modules above it in this list (no circle):
+//! `config`, `openai` and `stats` (plain data and the OpenAI wire format) · `conn` (one
+//! connection's state) · `metrics` · `admission` (slots and queue) · `shared` (the state of one
+//! modelsim) · `body` · `response` (JSON, error and SSE heads) · `engine` (inference) · `handler`
+//! (routes) · `server` (accept loops, connection tasks) · `remote` (a client of the admin API).
+//!
 //! In a test:
 //! ```no_run
 //! # async fn demo() -> Result<(), poolpilot_modelsim::ModelsimError> {
@@ -46,14 +52,19 @@
 //! # Ok(()) }
 //! ```
 
+mod admission;
 mod body;
 mod config;
+mod conn;
 mod engine;
 mod handler;
 mod metrics;
 mod openai;
 mod remote;
+mod response;
 mod server;
+mod shared;
+mod stats;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -64,10 +75,11 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 
 pub use config::{Config, Faults, Jitter, ServiceTime};
-pub use metrics::{ConnectionAtPeak, PEAK_DETAIL_LIMIT, Stats, max_fds, open_fds};
+pub use metrics::{max_fds, open_fds};
 pub use remote::Remote;
+pub use stats::{ConnectionAtPeak, PEAK_DETAIL_LIMIT, Stats};
 
-use server::Shared;
+use shared::Shared;
 
 /// Why a modelsim could not start or do what was asked.
 #[derive(Debug, thiserror::Error)]

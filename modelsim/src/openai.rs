@@ -261,6 +261,17 @@ pub(crate) fn models(models: &[String], created: u64) -> Value {
     json!({"object": "list", "data": data})
 }
 
+/// Wall-clock seconds since the Unix epoch, for the OpenAI `created` fields.
+#[expect(
+    clippy::disallowed_methods,
+    reason = "the OpenAI `created` field is wall-clock time by definition; nothing is timed with it"
+)]
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

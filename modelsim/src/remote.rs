@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use tokio::time::timeout;
 
 use super::config::Faults;
-use super::metrics::Stats;
+use super::stats::Stats;
 
 /// The admin API of one modelsim, at `addr` (its admin listener, so that these calls are not
 /// counted as client connections; its serving listener works too, and then they are).

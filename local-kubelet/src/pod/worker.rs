@@ -1,30 +1,29 @@
-//! One pod on the local node, from binding to deletion: its pod IP (on the loopback interface), volumes, container
-//! processes (init containers first), restarts with back-off, readiness and liveness probes, the
-//! pod status it reports, and graceful termination.
+//! The worker loop of one pod on the local node, from binding to deletion: its pod IP (on the
+//! loopback interface), volumes, container processes (init containers first), restarts with
+//! back-off, readiness and liveness probes, and graceful termination.
 
-use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Container, ContainerStateTerminated, EnvVar, Pod};
+use k8s_openapi::api::core::v1::{Container, ContainerStateTerminated, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, DeleteParams, Preconditions};
 use nix::sys::signal::Signal;
-use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use super::probe::{self, ProbeTiming};
-use super::process::{self, BindMount, ProcessSpec};
-use super::volumes::{PodVolumes, pod_field};
-use super::{KubeletContext, logs};
-
-/// Annotation that sets the open-files limit (`RLIMIT_NOFILE`) of a pod's processes.
-pub const NOFILE_ANNOTATION: &str = "poolpilot.io/nofile-limit";
+use super::spec::SpecInputs;
+use super::state::{ContainerState, ProbeContext, ProbeState, Run, restart_policy};
+use super::status::StatusPublisher;
+use crate::context::KubeletContext;
+use crate::logs;
+use crate::probe::{self, ProbeTiming};
+use crate::process;
+use crate::volumes::PodVolumes;
 
 /// What a container's processes and probes report back to the pod worker.
 #[derive(Debug)]
@@ -48,54 +47,6 @@ enum ProbeKind {
     Liveness,
 }
 
-/// A container's current process.
-#[derive(Debug)]
-struct Run {
-    id: u64,
-    pid: u32,
-    started_at: Timestamp,
-    started: Instant,
-    killed_for: Option<String>,
-    /// What this run's probes need, fixed at start: the container's named ports and its
-    /// environment (exec probes run with it, as they would inside the container).
-    probe_context: Arc<ProbeContext>,
-}
-
-/// The per-run inputs of a container's probes.
-#[derive(Debug)]
-struct ProbeContext {
-    ip: String,
-    ports: BTreeMap<String, u16>,
-    env: BTreeMap<String, String>,
-}
-
-/// Probe bookkeeping for one probe of one container.
-#[derive(Debug, Default)]
-struct ProbeState {
-    next: Option<Instant>,
-    in_flight: bool,
-    successes: u32,
-    failures: u32,
-}
-
-#[derive(Debug)]
-struct ContainerState {
-    spec: Container,
-    init: bool,
-    run: Option<Run>,
-    restart_count: i32,
-    /// The termination of the previous run (`lastState`).
-    last_terminated: Option<ContainerStateTerminated>,
-    /// Set when the container finished for good (no restart coming).
-    finished: Option<ContainerStateTerminated>,
-    waiting: Option<(String, String)>,
-    next_start: Instant,
-    backoff: Duration,
-    ready: bool,
-    readiness: ProbeState,
-    liveness: ProbeState,
-}
-
 /// The pod worker's whole state.
 struct PodWorker {
     ctx: Arc<KubeletContext>,
@@ -107,9 +58,7 @@ struct PodWorker {
     volume_error: Option<String>,
     next_volume_sync: Instant,
     containers: Vec<ContainerState>,
-    start_time: Timestamp,
-    conditions: BTreeMap<&'static str, (bool, Timestamp)>,
-    last_status: Option<Value>,
+    status: StatusPublisher,
     run_ids: u64,
     reports_tx: mpsc::UnboundedSender<Report>,
 }
@@ -197,6 +146,7 @@ impl PodWorker {
             .chain(spec.containers.into_iter().map(|c| state(c, false)))
             .collect();
         let api = Api::namespaced(ctx.client.clone(), &ns);
+        let status = StatusPublisher::new(api.clone());
         Self {
             volumes: PodVolumes::new(dir.join("volumes")),
             volume_error: Some("volumes not rendered yet".into()),
@@ -207,20 +157,25 @@ impl PodWorker {
             dir,
             ip,
             containers,
-            start_time: Timestamp::now(),
-            conditions: BTreeMap::new(),
-            last_status: None,
+            status,
             run_ids: 0,
             reports_tx,
         }
     }
 
-    fn restart_policy(&self) -> &str {
-        self.pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.restart_policy.as_deref())
-            .unwrap_or("Always")
+    /// What this pod's process specs are built from.
+    fn spec_inputs(&self) -> SpecInputs<'_> {
+        SpecInputs {
+            pod: &self.pod,
+            ip: self.ip,
+            node_name: &self.ctx.node_name,
+            host_ip: &self.ctx.host_ip,
+            apiserver: &self.ctx.apiserver,
+            images: &self.ctx.images,
+            volumes: &self.volumes,
+            dir: &self.dir,
+            objects: &self.ctx.volumes,
+        }
     }
 
     /// Periodic work: keep volumes in sync, start what is due, schedule probes.
@@ -280,7 +235,10 @@ impl PodWorker {
     }
 
     fn start(&mut self, index: usize) {
-        match self.process_spec(index) {
+        match self
+            .spec_inputs()
+            .process_spec(&self.containers[index].spec)
+        {
             Ok(spec) => match process::spawn(&spec) {
                 Ok(mut child) => {
                     self.run_ids += 1;
@@ -382,147 +340,6 @@ impl PodWorker {
         c.backoff = (c.backoff * 2).min(max);
     }
 
-    /// The process for container `index`: binary, argv, environment, mounts, limits.
-    fn process_spec(&self, index: usize) -> Result<ProcessSpec, process::StartError> {
-        let c = &self.containers[index].spec;
-        let image = c.image.clone().unwrap_or_default();
-        let env = self.environment(c);
-        let expand = |s: &String| process::expand(s, &env);
-        let command: Vec<String> = c
-            .command
-            .clone()
-            .unwrap_or_default()
-            .iter()
-            .map(expand)
-            .collect();
-        let args: Vec<String> = c
-            .args
-            .clone()
-            .unwrap_or_default()
-            .iter()
-            .map(expand)
-            .collect();
-        let (program, args) = match command.split_first() {
-            Some((program, rest)) => (
-                self.ctx.images.resolve_command(&image, program)?,
-                rest.iter().cloned().chain(args).collect(),
-            ),
-            None => (self.ctx.images.resolve(&image)?, args),
-        };
-        let mut mounts = Vec::new();
-        for m in c.volume_mounts.clone().unwrap_or_default() {
-            let mut source = self
-                .volumes
-                .path_of(&self.pod, &m.name)
-                .ok_or_else(|| process::StartError::MissingVolume(m.name.clone()))?;
-            if let Some(sub) = m.sub_path.as_deref().filter(|s| !s.is_empty()) {
-                source = source.join(sub);
-            }
-            mounts.push(BindMount {
-                source,
-                target: PathBuf::from(&m.mount_path),
-                read_only: m.read_only.unwrap_or(false),
-            });
-        }
-        let nofile_limit = self
-            .pod
-            .annotations()
-            .get(NOFILE_ANNOTATION)
-            .and_then(|v| v.parse().ok());
-        Ok(ProcessSpec {
-            program,
-            args,
-            env,
-            working_dir: c
-                .working_dir
-                .clone()
-                .map(PathBuf::from)
-                .filter(|p| p.is_dir())
-                .unwrap_or_else(|| self.dir.clone()),
-            mounts,
-            nofile_limit,
-        })
-    }
-
-    /// The container's environment as a container runtime builds it: a base, the Kubernetes
-    /// service variables, the pod's identity, then `envFrom` and `env` in order (later wins,
-    /// `$(VAR)` expanded against what came before).
-    fn environment(&self, c: &Container) -> BTreeMap<String, String> {
-        let (api_host, api_port) = &self.ctx.apiserver;
-        let mut env: BTreeMap<String, String> = [
-            ("PATH", process::CONTAINER_PATH.to_owned()),
-            ("HOME", "/root".to_owned()),
-            ("HOSTNAME", self.pod.name_any()),
-            ("KUBERNETES_SERVICE_HOST", api_host.clone()),
-            ("KUBERNETES_SERVICE_PORT", api_port.to_string()),
-            ("KUBERNETES_SERVICE_PORT_HTTPS", api_port.to_string()),
-            ("POD_NAME", self.pod.name_any()),
-            ("POD_NAMESPACE", self.pod.namespace().unwrap_or_default()),
-            ("POD_IP", self.ip.to_string()),
-            ("NODE_NAME", self.ctx.node_name.clone()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
-        let ns = self.pod.namespace().unwrap_or_default();
-        for from in c.env_from.clone().unwrap_or_default() {
-            let prefix = from.prefix.clone().unwrap_or_default();
-            if let Some(cm) = from
-                .config_map_ref
-                .and_then(|r| self.ctx.configmap(&ns, &r.name))
-            {
-                for (k, v) in cm.data.unwrap_or_default() {
-                    env.insert(format!("{prefix}{k}"), v);
-                }
-            }
-            if let Some(secret) = from.secret_ref.and_then(|r| self.ctx.secret(&ns, &r.name)) {
-                for (k, v) in secret.data.unwrap_or_default() {
-                    env.insert(
-                        format!("{prefix}{k}"),
-                        String::from_utf8_lossy(&v.0).into_owned(),
-                    );
-                }
-            }
-        }
-        for var in c.env.clone().unwrap_or_default() {
-            let value = self.env_value(&var, &env, &ns);
-            env.insert(var.name, value);
-        }
-        env
-    }
-
-    fn env_value(&self, var: &EnvVar, env: &BTreeMap<String, String>, ns: &str) -> String {
-        if let Some(value) = &var.value {
-            return process::expand(value, env);
-        }
-        let Some(from) = &var.value_from else {
-            return String::new();
-        };
-        if let Some(field) = &from.field_ref {
-            let mut pod = self.pod.clone();
-            let status = pod.status.get_or_insert_default();
-            status.pod_ip = Some(self.ip.to_string());
-            status.host_ip = Some(self.ctx.host_ip.clone());
-            return pod_field(&pod, &field.field_path).unwrap_or_default();
-        }
-        if let Some(key) = &from.config_map_key_ref {
-            return self
-                .ctx
-                .configmap(ns, &key.name)
-                .and_then(|cm| cm.data.unwrap_or_default().remove(&key.key))
-                .unwrap_or_default();
-        }
-        if let Some(key) = &from.secret_key_ref {
-            return self
-                .ctx
-                .secret(ns, &key.name)
-                .and_then(|s| s.data.unwrap_or_default().remove(&key.key))
-                .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-                .unwrap_or_default();
-        }
-        String::new()
-    }
-
     fn schedule_probes(&mut self, now: Instant) {
         for (index, c) in self.containers.iter_mut().enumerate() {
             let Some(run) = &c.run else { continue };
@@ -569,7 +386,7 @@ impl PodWorker {
 
     fn handle(&mut self, report: Report) {
         let pod_name = self.pod.name_any();
-        let policy = self.restart_policy().to_owned();
+        let policy = restart_policy(&self.pod).to_owned();
         let (initial_backoff, max_backoff) = self.ctx.backoff;
         match report {
             Report::Exited {
@@ -737,125 +554,16 @@ impl PodWorker {
         }
     }
 
-    fn set_condition(&mut self, kind: &'static str, status: bool) {
-        match self.conditions.get(kind) {
-            Some((current, _)) if *current == status => {}
-            _ => {
-                self.conditions.insert(kind, (status, Timestamp::now()));
-            }
-        }
-    }
-
-    /// Computes the pod status and patches it when it changed.
+    /// Reports the pod's status (patched only when it changed).
     async fn publish_status(&mut self) {
-        let mains: Vec<&ContainerState> = self.containers.iter().filter(|c| !c.init).collect();
-        let inits_done = self
-            .containers
-            .iter()
-            .filter(|c| c.init)
-            .all(|c| c.finished.as_ref().is_some_and(|t| t.exit_code == 0));
-        let init_failed_for_good = self.restart_policy() == "Never"
-            && self
-                .containers
-                .iter()
-                .any(|c| c.init && c.finished.as_ref().is_some_and(|t| t.exit_code != 0));
-        let all_ready = inits_done && mains.iter().all(|c| c.ready && c.run.is_some());
-        let phase = if init_failed_for_good {
-            "Failed"
-        } else if !mains.is_empty() && mains.iter().all(|c| c.finished.is_some()) {
-            if mains
-                .iter()
-                .all(|c| c.finished.as_ref().is_some_and(|t| t.exit_code == 0))
-            {
-                "Succeeded"
-            } else {
-                "Failed"
-            }
-        } else if mains
-            .iter()
-            .any(|c| c.run.is_some() || c.restart_count > 0 || c.finished.is_some())
-        {
-            "Running"
-        } else {
-            "Pending"
-        };
-        let statuses = |init: bool| -> Vec<Value> {
-            self.containers
-                .iter()
-                .filter(|c| c.init == init)
-                .map(container_status)
-                .collect()
-        };
-        let (init_statuses, main_statuses) = (statuses(true), statuses(false));
-        self.set_condition("PodScheduled", true);
-        self.set_condition("PodReadyToStartContainers", self.volume_error.is_none());
-        self.set_condition("Initialized", inits_done);
-        self.set_condition("ContainersReady", all_ready);
-        self.set_condition("Ready", all_ready);
-        let conditions: Vec<Value> = self
-            .conditions
-            .iter()
-            .map(|(kind, (status, at))| json!({"type": kind, "status": if *status { "True" } else { "False" }, "lastTransitionTime": at.to_string()}))
-            .collect();
-        let host = &self.ctx.host_ip;
-        let (ip, ips) = if self.ip.is_unspecified() {
-            (Value::Null, json!([]))
-        } else {
-            (
-                json!(self.ip.to_string()),
-                json!([{"ip": self.ip.to_string()}]),
+        self.status
+            .publish(
+                &self.pod,
+                &self.containers,
+                self.volume_error.is_none(),
+                self.ip,
+                &self.ctx.host_ip,
             )
-        };
-        let status = json!({
-            "phase": phase,
-            "hostIP": host, "hostIPs": [{"ip": host}],
-            "podIP": ip, "podIPs": ips,
-            "startTime": self.start_time.to_string(),
-            "conditions": conditions,
-            "initContainerStatuses": init_statuses,
-            "containerStatuses": main_statuses,
-        });
-        if self.last_status.as_ref() == Some(&status) {
-            return;
-        }
-        match self
-            .api
-            .patch_status(
-                &self.pod.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(json!({"status": status})),
-            )
-            .await
-        {
-            Ok(_) => self.last_status = Some(status),
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => {
-                tracing::warn!(pod = %self.pod.name_any(), error = %e, "status patch failed; will retry")
-            }
-        }
+            .await;
     }
-}
-
-fn container_status(c: &ContainerState) -> Value {
-    let terminated = |t: &ContainerStateTerminated| json!({"terminated": t});
-    let state = match (&c.run, &c.finished, &c.waiting) {
-        (Some(r), _, _) => json!({"running": {"startedAt": r.started_at.to_string()}}),
-        (None, Some(t), _) => terminated(t),
-        (None, None, Some((reason, message))) => {
-            json!({"waiting": {"reason": reason, "message": message}})
-        }
-        (None, None, None) => json!({"waiting": {"reason": "ContainerCreating"}}),
-    };
-    let image = c.spec.image.clone().unwrap_or_default();
-    json!({
-        "name": c.spec.name,
-        "image": image,
-        "imageID": format!("local://{image}"),
-        "containerID": c.run.as_ref().map(|r| format!("local://{}", r.pid)),
-        "ready": c.ready && c.run.is_some(),
-        "started": c.run.is_some(),
-        "restartCount": c.restart_count,
-        "state": state,
-        "lastState": c.last_terminated.as_ref().map(terminated).unwrap_or_else(|| json!({})),
-    })
 }
