@@ -3,10 +3,16 @@
 //! ```text
 //!  watch Pods ──► unbound pod ──► POST pods/binding (we are the only node, so the scheduler too)
 //!      │
-//!      └──► pod bound here ──► one worker per pod (pod.rs):
-//!              pod IP 10.244.x.y on lo · volumes (volumes.rs) · processes (process.rs)
-//!              · probes (probe.rs) · restarts with back-off · status patches · deletion
+//!      └──► pod bound here ──► one worker per pod (pod/worker.rs):
+//!              pod IP 10.244.x.y on lo (addresses.rs) · volumes (volumes.rs)
+//!              · processes (pod/spec.rs builds them, process.rs runs them) · probes (probe.rs)
+//!              · restarts with back-off · status patches (pod/status.rs) · deletion
 //! ```
+//!
+//! Modules depend one way: `addresses`, `logs`, `node`, `probe`, `process` and `volumes` import
+//! no module of this crate; `api` imports `logs`; `context` (what every pod worker shares)
+//! imports `addresses`, `api`, `process` and `volumes`; `pod` imports `context` and the leaves;
+//! the crate root (watching pods, binding them, starting workers) imports what it runs.
 //!
 //! Each pod gets its own loopback address, so pods can listen on the same ports; processes run
 //! in a private mount namespace where the pod's volumes are bind-mounted at their real

@@ -16,9 +16,23 @@
 //!      └─────────────────────────────────────────────────────┘
 //!  Load (load.rs) ──► gateway pods ──► modelsim pods (model-a, model-b)
 //! ```
+//!
+//! This module deploys and drives the stack; beside it, `policies` (the policy fixtures and edits),
+//! `gateway_pod` (a client of one gateway pod's proxy and admin API), `pods` (a pod's readiness
+//! and address) and `prom_text` (reading `/metrics` texts). They import nothing from here.
+
+mod gateway_pod;
+mod pods;
+pub mod policies;
+mod prom_text;
+
+pub use gateway_pod::{ADMIN_PORT, GatewayPod, PROXY_PORT};
+pub use pods::{is_ready, pod_ip};
+pub use policies::{client_max_concurrency, only_backend, set, share};
+pub use prom_text::{decisions_by_kind, metric_sum, operator_decisions, operator_metrics};
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,10 +69,6 @@ pub const GATEWAY_DEPLOYMENT: &str = "poolpilot-gateway";
 pub const OPERATOR_DEPLOYMENT: &str = "poolpilot-operator";
 /// Name of the sample policy, whose ConfigMap `models-limits` the gateway Deployment mounts.
 pub const POLICY: &str = "models";
-/// The gateway's proxy and admin ports (the overlay's listen flags).
-pub const PROXY_PORT: u16 = 8080;
-/// See [`PROXY_PORT`].
-pub const ADMIN_PORT: u16 = 9901;
 /// modelsim's uncounted admin port (`manifests/samples/modelsim.yaml`).
 pub const MODELSIM_ADMIN_PORT: u16 = 8001;
 
@@ -394,54 +404,24 @@ impl<'a> Stack<'a> {
         }
     }
 
-    /// The sample policy (`manifests/samples/connectionpolicy.yaml`) as JSON, to edit and apply.
+    /// The sample policy (`manifests/samples/connectionpolicy.yaml`) as JSON: [`policies::sample_policy`].
     pub fn sample_policy() -> anyhow::Result<Value> {
-        let path = workspace_root().join("manifests/samples/connectionpolicy.yaml");
-        Ok(serde_norway::from_str(&std::fs::read_to_string(path)?)?)
+        policies::sample_policy()
     }
 
-    /// The quick policy reduced to `backend`, deciding every `interval` within [`min`, `max`],
-    /// and shrinking in one step after a 10 s stabilization window: where a load test finds the
-    /// target at `min` soon after a light load starts.
+    /// [`policies::one_backend_policy`].
     pub fn one_backend_policy(
         backend: &str,
         interval: Duration,
         min: u32,
         max: u32,
     ) -> anyhow::Result<Value> {
-        let mut policy = Self::quick_policy()?;
-        only_backend(&mut policy, backend)?;
-        set(
-            &mut policy,
-            "/spec/autoscale/interval",
-            json!(format!("{}s", interval.as_secs())),
-        )?;
-        set(&mut policy, "/spec/autoscale/min", json!(min))?;
-        set(&mut policy, "/spec/autoscale/max", json!(max))?;
-        set(
-            &mut policy,
-            "/spec/autoscale/scaleDown",
-            json!({"stabilizationWindow": "10s", "maxStepPercent": 100}),
-        )?;
-        Ok(policy)
+        policies::one_backend_policy(backend, interval, min, max)
     }
 
-    /// The sample policy paced for tests: decisions every 5 s, scale-down stabilized over 30 s,
-    /// canary pods acknowledged then the rest at once (no verification intervals).
+    /// The sample policy paced for tests: [`policies::quick_policy`].
     pub fn quick_policy() -> anyhow::Result<Value> {
-        let mut policy = Self::sample_policy()?;
-        set(&mut policy, "/spec/autoscale/interval", json!("5s"))?;
-        set(
-            &mut policy,
-            "/spec/autoscale/scaleDown",
-            json!({"stabilizationWindow": "30s", "maxStepPercent": 20}),
-        )?;
-        set(
-            &mut policy,
-            "/spec/rollout",
-            json!({"strategy": "Progressive", "canaryPods": 1, "verifyIntervals": 0}),
-        )?;
-        Ok(policy)
+        policies::quick_policy()
     }
 
     /// `kubectl apply` of a policy (or any object) into this namespace; the output on success.
@@ -701,247 +681,5 @@ impl<'a> Stack<'a> {
             Ok(docs)
         })
         .await
-    }
-}
-
-/// One Ready gateway pod.
-#[derive(Clone, Debug)]
-pub struct GatewayPod {
-    /// Pod name.
-    pub name: String,
-    /// Pod IP (its proxy and admin ports listen there).
-    pub ip: IpAddr,
-    /// The install's admin credentials.
-    credentials: Arc<AdminCredentials>,
-    /// An HTTPS client of its admin port.
-    admin: reqwest::Client,
-}
-
-impl GatewayPod {
-    /// The gateway pod `pod` of the install whose credentials these are.
-    pub fn of(pod: &Pod, credentials: &Arc<AdminCredentials>) -> anyhow::Result<Self> {
-        let ip = pod_ip(pod)?;
-        Ok(Self {
-            name: pod.name_any(),
-            ip,
-            credentials: credentials.clone(),
-            admin: credentials.client(SocketAddr::new(ip, ADMIN_PORT))?,
-        })
-    }
-
-    /// Where clients send requests.
-    pub fn proxy(&self) -> SocketAddr {
-        SocketAddr::new(self.ip, PROXY_PORT)
-    }
-
-    /// The admin API.
-    pub fn admin(&self) -> SocketAddr {
-        SocketAddr::new(self.ip, ADMIN_PORT)
-    }
-
-    /// `GET /v1/limits` (with the token): the document in force.
-    pub async fn limits(&self) -> anyhow::Result<GatewayLimits> {
-        Ok(self.admin_get("/v1/limits").await?.json().await?)
-    }
-
-    /// A successful `GET path` of its admin port (HTTPS, with the token).
-    async fn admin_get(&self, path: &str) -> anyhow::Result<reqwest::Response> {
-        Ok(self
-            .admin
-            .get(self.credentials.url(ADMIN_PORT, path))
-            .header("authorization", self.credentials.bearer())
-            .send()
-            .await?
-            .error_for_status()?)
-    }
-
-    /// Polls `GET /v1/limits` every `every` until `done` holds of the document in force, and
-    /// returns the time since `from`; fails once `timeout` has passed since `from`.
-    pub async fn wait_applied<F>(
-        &self,
-        from: tokio::time::Instant,
-        every: Duration,
-        timeout: Duration,
-        done: F,
-    ) -> anyhow::Result<Duration>
-    where
-        F: Fn(&GatewayLimits) -> bool,
-    {
-        let deadline = from + timeout;
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            if let Ok(limits) = self.limits().await
-                && done(&limits)
-            {
-                return Ok(from.elapsed());
-            }
-            anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
-                "{} did not apply the change within {timeout:?}",
-                self.name
-            );
-        }
-    }
-
-    /// `GET /metrics`.
-    pub async fn metrics(&self) -> anyhow::Result<String> {
-        Ok(self.admin_get("/metrics").await?.text().await?)
-    }
-}
-
-fn http_client() -> anyhow::Result<reqwest::Client> {
-    Ok(reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()?)
-}
-
-/// Backend `backend`'s per-pod share in a gateway's limits.
-pub fn share(limits: &GatewayLimits, backend: &str) -> anyhow::Result<u32> {
-    Ok(limits
-        .backends
-        .iter()
-        .find(|b| b.name == backend)
-        .with_context(|| format!("no {backend} in the limits"))?
-        .pool
-        .max_connections_per_endpoint)
-}
-
-/// The `clients.maxConcurrency` in force for `backend` in a gateway's limits, if it runs the
-/// backend.
-pub fn client_max_concurrency(limits: &GatewayLimits, backend: &str) -> Option<u32> {
-    let b = limits.backends.iter().find(|b| b.name == backend)?;
-    let name = b.client_policy.as_deref()?;
-    limits
-        .client_policies
-        .iter()
-        .find(|c| c.name == name)
-        .map(|c| c.max_concurrency)
-}
-
-/// Keeps only backend `name` in a policy's `spec.backends`.
-pub fn only_backend(policy: &mut Value, name: &str) -> anyhow::Result<()> {
-    let backends = policy
-        .pointer_mut("/spec/backends")
-        .and_then(Value::as_array_mut)
-        .context("spec.backends")?;
-    backends.retain(|b| b["name"] == name);
-    anyhow::ensure!(!backends.is_empty(), "no backend {name} in the policy");
-    Ok(())
-}
-
-/// An operator pod's `/metrics` text, from its URL ([`Stack::operator_metrics_url`]).
-pub async fn operator_metrics(url: &str) -> anyhow::Result<String> {
-    get_text(url).await
-}
-
-/// The body of a successful `GET url`.
-async fn get_text(url: &str) -> anyhow::Result<String> {
-    Ok(http_client()?
-        .get(url)
-        .send()
-        .await?
-        .error_for_status()?
-        .text()
-        .await?)
-}
-
-/// The operator's autoscale decisions so far by kind (`poolpilot_operator_decisions_total`),
-/// from an operator pod's `/metrics` URL ([`Stack::operator_metrics_url`]).
-pub async fn operator_decisions(url: &str) -> anyhow::Result<BTreeMap<String, f64>> {
-    let text = operator_metrics(url).await?;
-    let mut kinds = BTreeMap::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("poolpilot_operator_decisions_total{") else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once("} ") else {
-            continue;
-        };
-        let kind = labels
-            .split(',')
-            .find_map(|l| l.strip_prefix("kind=\""))
-            .map(|k| k.trim_end_matches('"'));
-        if let (Some(kind), Ok(value)) = (kind, value.trim().parse::<f64>()) {
-            *kinds.entry(kind.to_owned()).or_default() += value;
-        }
-    }
-    Ok(kinds)
-}
-
-/// Sets the field at a JSON pointer (`/spec/autoscale/min`) of a policy; its parent must exist.
-pub fn set(object: &mut Value, pointer: &str, value: Value) -> anyhow::Result<()> {
-    let (parent, key) = pointer.rsplit_once('/').context("a JSON pointer")?;
-    let parent = object
-        .pointer_mut(parent)
-        .with_context(|| format!("no {parent} in the object"))?;
-    match parent {
-        Value::Object(map) => {
-            map.insert(key.to_owned(), value);
-        }
-        Value::Array(items) => {
-            let i: usize = key.parse().context("an array index")?;
-            *items.get_mut(i).with_context(|| format!("no {pointer}"))? = value;
-        }
-        _ => anyhow::bail!("{parent} is neither an object nor an array"),
-    }
-    Ok(())
-}
-
-/// Whether the pod's Ready condition is True.
-pub fn is_ready(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// The pod's IP.
-pub fn pod_ip(pod: &Pod) -> anyhow::Result<IpAddr> {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.pod_ip.as_deref())
-        .with_context(|| format!("pod {} has no IP", pod.name_any()))?
-        .parse()
-        .context("pod IP")
-}
-
-/// The value of a sample's series in a Prometheus text exposition: the sum over every line of
-/// `metric` whose labels contain all of `labels` (`name="value"` pairs).
-pub fn metric_sum(text: &str, metric: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            let (name, rest) = series.split_once('{').unwrap_or((series, ""));
-            (name == metric && labels.iter().all(|want| rest.contains(want)))
-                .then(|| value.parse::<f64>().ok())
-                .flatten()
-        })
-        .sum()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn metric_sum_adds_the_matching_series_only() {
-        let text = "# HELP x\n\
-                    poolpilot_pool_connections{backend=\"a\",endpoint=\"e1\",state=\"leased\"} 3\n\
-                    poolpilot_pool_connections{backend=\"a\",endpoint=\"e2\",state=\"leased\"} 4\n\
-                    poolpilot_pool_connections{backend=\"a\",endpoint=\"e2\",state=\"idle\"} 9\n\
-                    poolpilot_pool_connections_total 100\n";
-        assert_eq!(
-            metric_sum(text, "poolpilot_pool_connections", &["state=\"leased\""]),
-            7.0
-        );
-        assert_eq!(metric_sum(text, "poolpilot_pool_connections", &[]), 16.0);
-        assert_eq!(
-            metric_sum(text, "poolpilot_pool_connections_total", &[]),
-            100.0
-        );
-        assert_eq!(metric_sum(text, "missing", &[]), 0.0);
     }
 }
