@@ -57,7 +57,7 @@ demo: cluster-up ## Build, start the embedded cluster, deploy poolpilot and play
 demo-down: cluster-down ## Stop what `make demo` left running (the embedded cluster with everything on it)
 
 .PHONY: test
-test: lint unit e2e ## Everything CI runs: lint, unit + loopback tests, end-to-end tests on the embedded cluster
+test: lint unit monitoring-test e2e ## Everything CI runs: lint, unit + loopback tests, promtool rule tests, end-to-end tests on the embedded cluster
 
 ##@ Build
 
@@ -116,7 +116,11 @@ lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
 	@test -z "$$(gofmt -l e2e/cluster)" || { echo "gofmt needed:"; gofmt -l e2e/cluster; exit 1; }
 
 .PHONY: unit
-unit: monitoring-test chart-lint sdk ## Unit and loopback integration tests, doc tests, alert rule and chart checks, the OpenAI SDK against the gateway (no cluster needed)
+# Every crate but poolpilot-e2e in full: unit tests, doc tests and loopback tests (the gateway's,
+# modelsim's in modelsim/tests, the local kubelet's); of poolpilot-e2e only the unit tests (its
+# tests/ need the cluster). The alert rules' promtool tests are `make monitoring-test`, part of
+# `make test`: promtool is built from Go, which this tier does not need for them.
+unit: chart-lint sdk ## Unit and loopback integration tests, doc tests, chart lint, the OpenAI SDK against the gateway (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
 	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test -p poolpilot-gateway --test openai_sdk -- --ignored
 	cargo test -p poolpilot-e2e --lib --bins

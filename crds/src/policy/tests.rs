@@ -56,6 +56,23 @@ fn committed_crd_yaml_matches_the_types() {
     );
 }
 
+/// `make crds` copies the CRD where kustomize (manifests/crds) and Helm (the chart's crds/) read
+/// it, since neither can reach this folder; a stale copy installs an older schema.
+#[test]
+fn the_crd_copies_in_manifests_and_the_chart_match_the_types() {
+    for copy in [
+        "manifests/crds/connectionpolicy.yaml",
+        "charts/poolpilot/crds/connectionpolicy.yaml",
+    ] {
+        let committed =
+            std::fs::read_to_string(crate_dir().join("..").join(copy)).unwrap_or_default();
+        assert!(
+            committed == crd_yaml(),
+            "{copy} is out of date: run `make crds`"
+        );
+    }
+}
+
 fn committed_reference() -> String {
     let path = crate_dir().join("..").join(reference::REFERENCE_PATH);
     std::fs::read_to_string(path).unwrap_or_default()

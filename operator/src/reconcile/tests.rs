@@ -118,12 +118,6 @@ where
     reader
 }
 
-fn context(
-    policies: Vec<ConnectionPolicy>,
-) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
-    context_with(policies, vec![gateway_pod()], FakeGateways::default())
-}
-
 fn context_with(
     policies: Vec<ConnectionPolicy>,
     pods: Vec<Pod>,
@@ -271,19 +265,111 @@ async fn with_timeout<T>(f: impl Future<Output = T>) -> T {
         .expect("the reconcile finished in time")
 }
 
+/// One reconcile of one policy against the mocked apiserver: the request sequence the tests
+/// walk through (ConfigMap apply, token Secret, status patch, Event), each step checked for its
+/// method and path and answered as the apiserver would.
+struct Scenario {
+    policy: ConnectionPolicy,
+    ctx: Arc<Context<FakeGateways>>,
+    api: ApiHandle,
+    gateways: FakeGateways,
+    reconciler: tokio::task::JoinHandle<Result<Action>>,
+}
+
+impl Scenario {
+    /// Reconciles `policy`, the only policy, on one ready gateway pod that takes every document.
+    fn start(policy: ConnectionPolicy) -> Self {
+        let policies = vec![policy.clone()];
+        Self::start_with(
+            policy,
+            policies,
+            vec![gateway_pod()],
+            FakeGateways::default(),
+        )
+    }
+
+    /// Reconciles `policy` with `policies` in the store, `pods` and `gateways`.
+    fn start_with(
+        policy: ConnectionPolicy,
+        policies: Vec<ConnectionPolicy>,
+        pods: Vec<Pod>,
+        gateways: FakeGateways,
+    ) -> Self {
+        let (ctx, api, gateways) = context_with(policies, pods, gateways);
+        let reconciler = tokio::spawn(reconcile(Arc::new(policy.clone()), ctx.clone()));
+        Self {
+            policy,
+            ctx,
+            api,
+            gateways,
+            reconciler,
+        }
+    }
+
+    fn name(&self) -> String {
+        self.policy.metadata.name.clone().unwrap_or_default()
+    }
+
+    /// The server-side apply of the policy's limits ConfigMap; returns the ConfigMap sent.
+    async fn configmap_apply(&mut self) -> Value {
+        let path = format!("/api/v1/namespaces/ns/configmaps/{}-limits", self.name());
+        with_timeout(expect(&mut self.api, Method::PATCH, &path, json!({}))).await
+    }
+
+    /// The GET of the gateways' admin token Secret.
+    async fn token_secret(&mut self) {
+        expect_token_secret(&mut self.api).await;
+    }
+
+    /// The status patch of the policy, answered with the policy; returns the patch sent.
+    async fn status_patch(&mut self) -> Value {
+        let path = format!(
+            "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/{}/status",
+            self.name()
+        );
+        let answer = serde_json::to_value(&self.policy).unwrap();
+        with_timeout(expect(&mut self.api, Method::PATCH, &path, answer)).await
+    }
+
+    /// The patch of the policy itself (its finalizers), answered with the policy.
+    async fn policy_patch(&mut self) -> Value {
+        let path = format!(
+            "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/{}",
+            self.name()
+        );
+        let answer = serde_json::to_value(&self.policy).unwrap();
+        with_timeout(expect(&mut self.api, Method::PATCH, &path, answer)).await
+    }
+
+    /// The creation of an Event; returns the Event sent.
+    async fn event(&mut self) -> Value {
+        with_timeout(expect(
+            &mut self.api,
+            Method::POST,
+            "/apis/events.k8s.io/v1/namespaces/ns/events",
+            json!({}),
+        ))
+        .await
+    }
+
+    /// Waits for the reconcile to end; its outcome.
+    async fn outcome(&mut self) -> Result<Action> {
+        with_timeout(&mut self.reconciler)
+            .await
+            .expect("the reconcile task ran")
+    }
+
+    /// Every PUT the gateways got: address, token, document.
+    fn puts(&self) -> Vec<(SocketAddr, String, GatewayLimits)> {
+        self.gateways.puts.lock().clone()
+    }
+}
+
 #[tokio::test]
 async fn accepted_policy_applies_configmap_puts_to_the_pod_then_writes_status_and_an_event() {
-    let p = policy("models", 0);
-    let (ctx, mut api, gateways) = context(vec![p.clone()]);
-    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let mut run = Scenario::start(policy("models", 0));
 
-    let cm = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/api/v1/namespaces/ns/configmaps/models-limits",
-        json!({}),
-    ))
-    .await;
+    let cm = run.configmap_apply().await;
     assert_eq!(cm["metadata"]["ownerReferences"][0]["uid"], "models-uid");
     assert_eq!(cm["metadata"]["ownerReferences"][0]["controller"], true);
     assert_eq!(
@@ -307,9 +393,9 @@ async fn accepted_policy_applies_configmap_puts_to_the_pod_then_writes_status_an
     );
     doc.validate().expect("the durable document validates");
 
-    expect_token_secret(&mut api).await;
+    run.token_secret().await;
 
-    let status = expect_status_patch(&mut api, &p).await;
+    let status = run.status_patch().await;
     let s = &status["status"];
     assert_eq!(s["observedGeneration"], 1);
     assert_eq!(s["revision"], doc.revision);
@@ -321,22 +407,13 @@ async fn accepted_policy_applies_configmap_puts_to_the_pod_then_writes_status_an
     assert_eq!(cond("Ready")["status"], "True");
     assert_eq!(cond("Ready")["observedGeneration"], 1);
 
-    let event = with_timeout(expect(
-        &mut api,
-        Method::POST,
-        "/apis/events.k8s.io/v1/namespaces/ns/events",
-        json!({}),
-    ))
-    .await;
+    let event = run.event().await;
     assert_eq!(event["reason"], "RolledOut");
     assert_eq!(event["regarding"]["name"], "models");
 
-    let action = with_timeout(reconciler)
-        .await
-        .expect("the reconcile task ran")
-        .expect("the reconcile succeeded");
+    let action = run.outcome().await.expect("the reconcile succeeded");
     assert_eq!(action, Action::requeue(Duration::from_secs(15)));
-    let puts = gateways.puts.lock().clone();
+    let puts = run.puts();
     assert_eq!(puts.len(), 1);
     assert_eq!(puts[0].0, "127.0.0.7:9901".parse().unwrap());
     assert_eq!(puts[0].1, "s3cr3t", "the token from the Secret");
@@ -347,23 +424,15 @@ async fn accepted_policy_applies_configmap_puts_to_the_pod_then_writes_status_an
 async fn conflicted_policy_writes_only_status_and_a_warning() {
     let older = policy("older", 0);
     let newer = policy("newer", 100);
-    let (ctx, mut api, gateways) = context(vec![older, newer.clone()]);
-    let reconciler = tokio::spawn(reconcile(Arc::new(newer.clone()), ctx.clone()));
+    let mut run = Scenario::start_with(
+        newer.clone(),
+        vec![older, newer],
+        vec![gateway_pod()],
+        FakeGateways::default(),
+    );
 
-    let status = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/newer/status",
-        serde_json::to_value(&newer).unwrap(),
-    ))
-    .await;
-    let accepted = status["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "Accepted")
-        .unwrap()
-        .clone();
+    let status = run.status_patch().await;
+    let accepted = condition(&status["status"], "Accepted");
     assert_eq!(accepted["status"], "False");
     assert_eq!(accepted["reason"], "Conflicted");
     assert_eq!(
@@ -371,24 +440,15 @@ async fn conflicted_policy_writes_only_status_and_a_warning() {
         "backend \"model-a\" is already defined by the older policy ns/older on pod gw-0"
     );
 
-    let event = with_timeout(expect(
-        &mut api,
-        Method::POST,
-        "/apis/events.k8s.io/v1/namespaces/ns/events",
-        json!({}),
-    ))
-    .await;
+    let event = run.event().await;
     assert_eq!(
         (event["type"].as_str(), event["reason"].as_str()),
         (Some("Warning"), Some("Conflicted"))
     );
 
-    with_timeout(reconciler)
-        .await
-        .expect("the reconcile task ran")
-        .expect("the reconcile succeeded");
+    run.outcome().await.expect("the reconcile succeeded");
     assert!(
-        gateways.puts.lock().is_empty(),
+        run.puts().is_empty(),
         "nothing is rolled out for a conflicted policy"
     );
 }
@@ -397,27 +457,17 @@ async fn conflicted_policy_writes_only_status_and_a_warning() {
 async fn deleting_a_policy_removes_its_backends_from_its_pods_then_the_finalizer() {
     let mut p = policy("models", 0);
     p.metadata.deletion_timestamp = Some(Time(now()));
-    let (ctx, mut api, gateways) = context(vec![p.clone()]);
-    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let mut run = Scenario::start(p);
 
-    expect_token_secret(&mut api).await;
-    let patch = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models",
-        serde_json::to_value(&p).unwrap(),
-    ))
-    .await;
+    run.token_secret().await;
+    let patch = run.policy_patch().await;
     assert!(
         patch.to_string().contains("/metadata/finalizers"),
         "the finalizer is removed: {patch}"
     );
 
-    with_timeout(reconciler)
-        .await
-        .expect("the reconcile task ran")
-        .expect("the cleanup succeeded");
-    let puts = gateways.puts.lock().clone();
+    run.outcome().await.expect("the cleanup succeeded");
+    let puts = run.puts();
     assert_eq!(puts.len(), 1);
     assert!(
         puts[0].2.backends.is_empty(),
@@ -434,18 +484,11 @@ async fn a_refused_canary_halts_a_progressive_rollout() {
         ..FakeGateways::default()
     };
     let pods = vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
-    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, gateways);
-    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let mut run = Scenario::start_with(p.clone(), vec![p], pods, gateways);
 
-    with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/api/v1/namespaces/ns/configmaps/models-limits",
-        json!({}),
-    ))
-    .await;
-    expect_token_secret(&mut api).await;
-    let status = expect_status_patch(&mut api, &p).await;
+    run.configmap_apply().await;
+    run.token_secret().await;
+    let status = run.status_patch().await;
     let s = &status["status"];
     let rolled = condition(s, "RolledOut");
     assert_eq!(rolled["reason"], "Halted");
@@ -459,20 +502,11 @@ async fn a_refused_canary_halts_a_progressive_rollout() {
     assert_eq!(s["pods"]["failures"][0]["pod"], "gw-0");
     assert_eq!(s["updated"], "0/2");
 
-    let event = with_timeout(expect(
-        &mut api,
-        Method::POST,
-        "/apis/events.k8s.io/v1/namespaces/ns/events",
-        json!({}),
-    ))
-    .await;
+    let event = run.event().await;
     assert_eq!(event["reason"], "RolloutHalted");
 
-    with_timeout(reconciler)
-        .await
-        .expect("the reconcile task ran")
-        .expect("the reconcile succeeded");
-    let puts = gateways.puts.lock().clone();
+    run.outcome().await.expect("the reconcile succeeded");
+    let puts = run.puts();
     assert_eq!(puts.len(), 1, "only the canary was tried");
     assert_eq!(puts[0].0, "127.0.0.7:9901".parse().unwrap());
 }
@@ -485,18 +519,11 @@ async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
         ..FakeGateways::default()
     };
     let pods = vec![pod("gw-0", "127.0.0.7")];
-    let (ctx, mut api, _gateways) = context_with(vec![p.clone()], pods, gateways);
-    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let mut run = Scenario::start_with(p.clone(), vec![p], pods, gateways);
 
-    with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/api/v1/namespaces/ns/configmaps/models-limits",
-        json!({}),
-    ))
-    .await;
-    expect_token_secret(&mut api).await;
-    let status = expect_status_patch(&mut api, &p).await;
+    run.configmap_apply().await;
+    run.token_secret().await;
+    let status = run.status_patch().await;
     let s = &status["status"];
     let rolled = condition(s, "RolledOut");
     assert_eq!(rolled["status"], "False");
@@ -514,7 +541,7 @@ async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
         "{s}"
     );
     assert_eq!(s["updated"], "0/1");
-    reconciler.abort();
+    run.reconciler.abort();
 }
 
 /// Answers every API request of a reconcile until it ends: the token Secret with `token`, the
@@ -805,24 +832,17 @@ async fn starting_pods_get_their_share_and_terminating_pods_keep_theirs_until_go
         ..FakeGateways::default()
     };
     let pods = vec![pod("gw-0", "127.0.0.7"), starting, terminating];
-    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, gateways);
-    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let mut run = Scenario::start_with(p.clone(), vec![p], pods, gateways);
 
-    let cm = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/api/v1/namespaces/ns/configmaps/models-limits",
-        json!({}),
-    ))
-    .await;
+    let cm = run.configmap_apply().await;
     let doc: GatewayLimits =
         serde_json::from_str(cm["data"]["limits.json"].as_str().unwrap()).unwrap();
     assert_eq!(
         doc.backends[0].pool.max_connections_per_endpoint, 17,
         "51 over the three pods that may hold connections"
     );
-    expect_token_secret(&mut api).await;
-    let status = expect_status_patch(&mut api, &p).await;
+    run.token_secret().await;
+    let status = run.status_patch().await;
     let s = &status["status"];
     assert_eq!(s["updated"], "1/2", "gw-0 of gw-0 and gw-1");
     let rolled = condition(s, "RolledOut");
@@ -834,18 +854,14 @@ async fn starting_pods_get_their_share_and_terminating_pods_keep_theirs_until_go
             .contains("pod gw-1 not updated: unexpected answer 503"),
         "{rolled}"
     );
-    let action = with_timeout(reconciler)
-        .await
-        .expect("the reconcile task ran")
-        .expect("the reconcile succeeded");
+    let action = run.outcome().await.expect("the reconcile succeeded");
     assert_eq!(
         action,
         Action::requeue(Duration::from_secs(1)),
         "the starting pod is tried again soon"
     );
-    let mut sent: Vec<(String, u32)> = gateways
-        .puts
-        .lock()
+    let mut sent: Vec<(String, u32)> = run
+        .puts()
         .iter()
         .map(|(addr, _, d)| {
             (
@@ -877,22 +893,22 @@ fn forbidden_configmap() -> Value {
 #[tokio::test]
 async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_and_the_error() {
     let p = policy("models", 0);
-    let (ctx, mut api, gateways) = context(vec![p.clone()]);
-    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let mut run = Scenario::start(p.clone());
     with_timeout(expect_answer(
-        &mut api,
+        &mut run.api,
         Method::PATCH,
         "/api/v1/namespaces/ns/configmaps/models-limits",
         http::StatusCode::FORBIDDEN,
         forbidden_configmap(),
     ))
     .await;
-    let error = with_timeout(reconciler)
+    let error = run
+        .outcome()
         .await
-        .expect("the reconcile task ran")
         .expect_err("a forbidden ConfigMap apply fails the reconcile");
     assert_eq!(error.step(), "rollout");
-    assert!(gateways.puts.lock().is_empty(), "nothing reached the pods");
+    assert!(run.puts().is_empty(), "nothing reached the pods");
+    let ctx = run.ctx.clone();
 
     // The Controller hands the error to error_policy: a Warning Event on the policy.
     let action = error_policy(
@@ -901,13 +917,7 @@ async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_
         ctx.clone(),
     );
     assert_eq!(action, Action::requeue(Duration::from_secs(5)));
-    let event = with_timeout(expect(
-        &mut api,
-        Method::POST,
-        "/apis/events.k8s.io/v1/namespaces/ns/events",
-        json!({}),
-    ))
-    .await;
+    let event = run.event().await;
     assert_eq!(event["type"], "Warning");
     assert_eq!(event["reason"], "ReconcileFailed");
     assert_eq!(event["action"], "RollOut");
@@ -929,7 +939,7 @@ async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_
     // The same failure again: the same Event, its series counted up, no new Event.
     error_policy(Arc::new(DeserializeGuard(Ok(p))), &error, ctx);
     let again = with_timeout(expect(
-        &mut api,
+        &mut run.api,
         Method::PATCH,
         &format!("/apis/events.k8s.io/v1/namespaces/ns/events/{name}"),
         json!({}),
@@ -957,33 +967,15 @@ fn failure_events_name_each_step_and_fit_the_note_limit() {
     assert_eq!(event_note("short"), "short");
 }
 
-/// Answers every request of one reconcile as the apiserver would for a quiet namespace, and
-/// returns how many PUTs the gateways got.
+/// One reconcile answered as the apiserver would for a quiet namespace ([`answer_all`]); how
+/// many PUTs the gateways got.
 async fn reconcile_once(p: &ConnectionPolicy, pods: Vec<Pod>, memory: &mut RolloutMemory) -> usize {
     let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, FakeGateways::default());
     *ctx.rollouts.lock() = memory.clone();
     let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
-    let answer = async {
-        while let Some((request, send)) = api.next_request().await {
-            let path = request.uri().path().to_owned();
-            let answer = if path.ends_with("/secrets/poolpilot-admin-token") {
-                json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}})
-            } else if path.ends_with("/status") {
-                serde_json::to_value(p).unwrap()
-            } else {
-                json!({})
-            };
-            send.send_response(
-                Response::builder()
-                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
-                    .unwrap(),
-            );
-        }
-    };
-    tokio::select! {
-        done = reconciler => { done.unwrap().unwrap(); }
-        () = answer => {}
-    }
+    with_timeout(answer_all(&mut api, p, "s3cr3t", reconciler))
+        .await
+        .expect("the reconcile succeeded");
     let puts = gateways.puts.lock().len();
     memory.clone_from(&ctx.rollouts.lock());
     puts
