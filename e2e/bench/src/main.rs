@@ -195,7 +195,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let mut machine = machine;
-    machine.load_end = report::loadavg();
+    machine.load_end = poolpilot_bench::machine::loadavg();
     machine.wall_secs = started.elapsed().as_secs_f64();
     let results = report::Results {
         bench: &bench,

@@ -3,6 +3,8 @@
 
 use std::fmt::Write as _;
 
+use poolpilot_bench::machine::{loadavg, utc_now};
+
 use crate::parts::{Bench, ContentionRun, IdleRun, Profile, Row, Sample, SseRun};
 use crate::peers::{self, Target};
 use crate::procs::first_line;
@@ -25,21 +27,11 @@ impl Machine {
     /// Reads the start time and load.
     pub fn at_start() -> Self {
         Self {
-            started: first_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+            started: utc_now(),
             load_start: loadavg(),
             ..Self::default()
         }
     }
-}
-
-/// The first three fields of `/proc/loadavg`.
-pub fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 fn cpu_model() -> String {

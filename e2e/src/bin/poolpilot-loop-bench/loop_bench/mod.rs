@@ -15,6 +15,7 @@ pub mod scale;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use poolpilot_bench::machine::{loadavg, utc_now};
 use poolpilot_e2e::stack::{BackendSpec, StackSpec, with_stack};
 use tokio::time::Instant;
 
@@ -145,7 +146,7 @@ fn crowd_stack(plan: &Plan) -> StackSpec {
 pub async fn run(plan: &Plan, parts: &[Part]) -> Results {
     let start = Instant::now();
     let mut results = Results {
-        started: now_utc(),
+        started: utc_now(),
         load: (loadavg(), String::new()),
         ..Results::default()
     };
@@ -197,27 +198,6 @@ pub async fn run(plan: &Plan, parts: &[Part]) -> Results {
     results.load.1 = loadavg();
     results.wall = start.elapsed();
     results
-}
-
-/// The first three fields of `/proc/loadavg`.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// `date -u` as `2026-11-30 12:00 UTC`.
-fn now_utc() -> String {
-    std::process::Command::new("date")
-        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_default()
 }
 
 /// The median of `values` (0 when empty).
