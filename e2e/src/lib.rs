@@ -13,8 +13,10 @@
 pub mod auth_proxy;
 pub mod cluster;
 pub mod credentials;
+mod crypto;
 pub mod hermetic;
 pub mod load;
+pub mod module_graph;
 pub mod namespace;
 pub mod paths;
 pub mod plot;
@@ -24,12 +26,7 @@ pub mod stack;
 pub mod wait;
 
 pub use cluster::Cluster;
+pub use crypto::install_crypto_provider;
 
-/// Makes ring the process's TLS crypto provider. Needed by every binary and test before it
-/// builds a kube or reqwest client: reqwest is built without a provider of its own (the
-/// workspace links one TLS stack, rustls with ring) and takes the process default. Idempotent.
-pub fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}
 pub use namespace::{TestNamespace, with_namespace};
 pub use wait::{eventually, wait_for};

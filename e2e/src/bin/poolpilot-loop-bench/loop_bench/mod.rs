@@ -1,5 +1,5 @@
-//! The loop benchmark's plan (how long and how big each part runs, quick or full), the order of
-//! the parts on the embedded cluster, and the results they hand to the fragment writer.
+//! The loop benchmark's run: the order of the parts on the embedded cluster and the results
+//! they hand to the fragment writer (the plan is in plan.rs).
 //!
 //! ```text
 //!  stack "loopb" (3 gateways, 3 × model-a) ── control: flash crowd × {autoscale, static start, static max}
@@ -9,92 +9,17 @@
 
 pub mod control;
 pub mod fragment;
+mod plan;
 pub mod rollout;
 pub mod scale;
 
-use std::path::PathBuf;
+pub use plan::{Part, Plan, median};
+
 use std::time::Duration;
 
 use poolpilot_bench::machine::{loadavg, utc_now};
 use poolpilot_e2e::stack::{BackendSpec, StackSpec, with_stack};
 use tokio::time::Instant;
-
-/// One part of the run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Part {
-    /// The flash crowd three ways.
-    Control,
-    /// Rollout time of a limit edit.
-    Rollout,
-    /// The operator at many policies.
-    Scale,
-}
-
-impl Part {
-    const ALL: [Part; 3] = [Part::Control, Part::Rollout, Part::Scale];
-
-    /// Parses `control,rollout,scale` (all when empty).
-    pub fn parse_list(list: &str) -> anyhow::Result<Vec<Part>> {
-        if list.trim().is_empty() {
-            return Ok(Self::ALL.to_vec());
-        }
-        list.split(',')
-            .map(|p| match p.trim() {
-                "control" => Ok(Part::Control),
-                "rollout" => Ok(Part::Rollout),
-                "scale" => Ok(Part::Scale),
-                other => anyhow::bail!("unknown part {other:?} (control, rollout, scale)"),
-            })
-            .collect()
-    }
-}
-
-/// How long and how big each part runs.
-#[derive(Clone, Debug)]
-pub struct Plan {
-    /// Short runs that validate the harness.
-    pub quick: bool,
-    /// How long each flash crowd lasts (a whole number of 15 s buckets).
-    pub crowd: Duration,
-    /// Gateway counts of the rollout part.
-    pub rollout_pods: Vec<u32>,
-    /// Edits per gateway count.
-    pub rollout_reps: usize,
-    /// Policy counts of the scale part.
-    pub policy_levels: Vec<usize>,
-    /// How long the operator is measured at each policy count.
-    pub scale_window: Duration,
-    /// Where the operator and gateway binaries the pods run come from (`None`: the images',
-    /// the workspace's debug build).
-    pub binaries: Option<PathBuf>,
-}
-
-impl Plan {
-    /// The quick or the full plan, its pods running the binaries in `binaries`.
-    pub fn new(quick: bool, binaries: Option<PathBuf>) -> Self {
-        if quick {
-            Self {
-                quick,
-                crowd: Duration::from_secs(30),
-                rollout_pods: vec![3, 10],
-                rollout_reps: 2,
-                policy_levels: vec![1, 20],
-                scale_window: Duration::from_secs(15),
-                binaries,
-            }
-        } else {
-            Self {
-                quick,
-                crowd: Duration::from_secs(60),
-                rollout_pods: vec![3, 10, 30],
-                rollout_reps: 5,
-                policy_levels: vec![1, 20, 50, 200],
-                scale_window: Duration::from_secs(30),
-                binaries,
-            }
-        }
-    }
-}
 
 /// What the run measured; a part that failed keeps its error.
 #[derive(Debug, Default)]
@@ -198,37 +123,4 @@ pub async fn run(plan: &Plan, parts: &[Part]) -> Results {
     results.load.1 = loadavg();
     results.wall = start.elapsed();
     results
-}
-
-/// The median of `values` (0 when empty).
-pub fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parts_parse_and_default_to_all() {
-        assert_eq!(Part::parse_list("").unwrap(), Part::ALL.to_vec());
-        assert_eq!(
-            Part::parse_list("scale, control").unwrap(),
-            vec![Part::Scale, Part::Control]
-        );
-        assert!(Part::parse_list("proxy").is_err());
-    }
-
-    #[test]
-    fn median_of_odd_even_and_empty() {
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert_eq!(median(&[]), 0.0);
-    }
 }
