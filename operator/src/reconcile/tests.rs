@@ -323,18 +323,18 @@ impl Scenario {
 
     /// The status patch of the policy, answered with the policy; returns the patch sent.
     async fn status_patch(&mut self) -> Value {
-        let path = format!(
-            "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/{}/status",
-            self.name()
-        );
-        let answer = serde_json::to_value(&self.policy).unwrap();
-        with_timeout(expect(&mut self.api, Method::PATCH, &path, answer)).await
+        self.patch_policy("/status").await
     }
 
     /// The patch of the policy itself (its finalizers), answered with the policy.
     async fn policy_patch(&mut self) -> Value {
+        self.patch_policy("").await
+    }
+
+    /// A PATCH of the policy (`subresource` "" or "/status"), answered with the policy.
+    async fn patch_policy(&mut self, subresource: &str) -> Value {
         let path = format!(
-            "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/{}",
+            "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/{}{subresource}",
             self.name()
         );
         let answer = serde_json::to_value(&self.policy).unwrap();
