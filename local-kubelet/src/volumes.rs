@@ -240,21 +240,7 @@ fn configmap_files(
     let data = sources
         .configmaps
         .get(&ObjectRef::new(name).within(ns))
-        .map(|cm| {
-            let text = cm
-                .data
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.into_bytes()));
-            let binary = cm
-                .binary_data
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.0));
-            text.chain(binary).collect()
-        });
+        .map(|cm| key_files(cm.data.clone(), cm.binary_data.clone()));
     source_files("ConfigMap", name, data, items, optional)
 }
 
@@ -269,21 +255,29 @@ fn secret_files(
         .secrets
         .get(&ObjectRef::new(name).within(ns))
         .map(|secret| {
-            let binary = secret
-                .data
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.0));
-            let text = secret
-                .string_data
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.into_bytes()));
-            binary.chain(text).collect()
+            // `stringData` is written over `data`, as the apiserver merges them.
+            let mut files = key_files(None, secret.data.clone());
+            files.extend(key_files(secret.string_data.clone(), None));
+            files
         });
     source_files("Secret", name, data, items, optional)
+}
+
+/// The keys of a ConfigMap or Secret as files: the text values, then the binary ones (which win
+/// on a key in both).
+fn key_files(
+    text: Option<BTreeMap<String, String>>,
+    binary: Option<BTreeMap<String, k8s_openapi::ByteString>>,
+) -> Files {
+    let text = text
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.into_bytes()));
+    let binary = binary
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.0));
+    text.chain(binary).collect()
 }
 
 /// The files a ConfigMap or Secret (`kind`) projects: all its keys, or the `items` chosen;
