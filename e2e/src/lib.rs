@@ -19,7 +19,7 @@ pub mod load;
 pub mod modelsim;
 pub mod namespace;
 pub mod paths;
-pub mod plot;
+pub mod pool_view;
 pub mod relay;
 pub mod scenario;
 pub mod stack;

@@ -20,8 +20,10 @@ use poolpilot_e2e::scenario::serial;
 
 use crate::loop_bench::{Part, Plan};
 
-/// Control-loop and operator-scale benchmarks on the embedded cluster (issue 8, parts 5–6).
+/// Control-loop and operator-scale benchmarks on the embedded cluster (parts 5–6 of
+/// BENCHMARKS.md).
 #[derive(Debug, Parser)]
+#[command(version = poolpilot_telemetry::LONG_VERSION)]
 struct Args {
     /// The markdown fragment to write.
     #[arg(long, default_value = "e2e/bench/control-loop.md")]

@@ -319,7 +319,7 @@ fn render_scale(w: &mut String, plan: &Plan, rows: &[ScaleRow]) {
          `poolpilot_operator_reconcile_duration_seconds` (p50/p99 interpolated in buckets 1.5× \
          apart), `_prometheus_queries_total` / `_prometheus_rounds_total`, \
          `_kube_requests_total{{verb}}` (every request of its client, watches counted when opened), \
-         `_gateway_puts_total`, `_resident_memory_bytes` (highest of samples every 5 s). \"Per \
+         `_gateway_puts_total`, and `process_resident_memory_bytes` (highest of samples every 5 s). \"Per \
          interval\" is per {} s.\n",
         scale::PODS,
         scale::PODS,
