@@ -393,7 +393,7 @@ pub struct OutlierDetectionSpec {
     pub max_ejected_percent: u32,
 }
 
-/// Per-client concurrency limits (seed 2: one client must not hold the whole pool).
+/// Per-client concurrency limits: one client must not hold the whole pool.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [

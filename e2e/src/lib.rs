@@ -23,6 +23,7 @@ pub mod pool_view;
 pub mod relay;
 pub mod scenario;
 pub mod stack;
+pub mod standalone;
 pub mod wait;
 
 pub use cluster::Cluster;

@@ -1,8 +1,8 @@
 //! The operator on the embedded cluster, as a user runs it: deployed as a pod from the local
 //! overlay's manifests (its own ServiceAccount, bound to the ClusterRole of `manifests/operator`,
-//! not cluster-admin), driven with `kubectl` only. Covers issue 5's acceptance (the CRD and a
-//! sample policy applied → `Accepted`, CEL rules refuse an invalid policy, printer columns,
-//! `kubectl explain`) and issue 6's RBAC acceptance (no denial under the shipped role; without one
+//! not cluster-admin), driven with `kubectl` only: the CRD and a sample policy applied →
+//! `Accepted`, CEL rules and list-map keys refuse an invalid policy, printer columns (`-o wide`
+//! too), `kubectl explain`; RBAC (no denial under the shipped role; without one
 //! verb the operator fails visibly: in its log, its metrics and a `ReconcileFailed` Event on the
 //! policy), and that `kubectl logs` of an operator pod works as on any cluster (the local
 //! kubelet serves container logs through the kubelet API).

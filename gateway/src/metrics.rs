@@ -1,5 +1,6 @@
-//! The gateway's Prometheus metrics: exactly the names and labels of DESIGN §4 (what the
-//! operator queries), plus listener and reload counters and the process fd gauges. Labels are
+//! The gateway's Prometheus metrics: exactly the names and labels of the metric contract in
+//! docs/design.md (what the operator queries), plus listener and reload counters; the standard
+//! process metrics come from `poolpilot-telemetry`. Labels are
 //! bounded: backend and endpoint names come from the limits, client labels are configured
 //! override names or `other`, reasons and kinds are enums.
 

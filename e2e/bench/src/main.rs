@@ -1,4 +1,4 @@
-//! `poolpilot-bench`: the gateway side by side with HAProxy and nginx on one machine (issue 8,
+//! `poolpilot-bench`: the gateway side by side with HAProxy and nginx on one machine (
 //! parts 1–4), writing `BENCHMARKS.md` and the gateway's profile, with the fragments of other
 //! harnesses (parts 5–6, `--include`).
 //!

@@ -161,10 +161,10 @@ pub fn render(r: &Results<'_>) -> String {
         },
         r.machine.started,
         if r.includes.is_empty() {
-            "Parts 5–6 of issue 8 (control loop and operator scale, on the embedded cluster) are \
+            "Parts 5–6 (control loop and operator scale, on the embedded cluster) are \
              not measured in this run."
         } else {
-            "Parts 5–6 of issue 8 (control loop and operator scale, on the embedded cluster) come \
+            "Parts 5–6 (control loop and operator scale, on the embedded cluster) come \
              from `poolpilot-loop-bench` in the same `make bench`, included below as it wrote them."
         }
     );
@@ -240,7 +240,7 @@ fn idle_median(r: &Results<'_>, t: Target) -> f64 {
 }
 
 fn render_targets(w: &mut String, r: &Results<'_>) {
-    let _ = writeln!(w, "## Targets of issue 8\n");
+    let _ = writeln!(w, "## Targets\n");
     let _ = writeln!(w, "| target | met? | detail |\n|---|---|---|");
     let mut thr_fail = Vec::new();
     let mut p99_fail = Vec::new();

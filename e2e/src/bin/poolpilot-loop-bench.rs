@@ -1,4 +1,4 @@
-//! `poolpilot-loop-bench`: issue 8 parts 5 and 6 on the embedded cluster — the flash crowd three
+//! `poolpilot-loop-bench`: parts 5 and 6 of BENCHMARKS.md on the embedded cluster — the flash crowd three
 //! ways (static at the start, static at the maximum, autoscaling), the rollout time of a limit
 //! edit to 3/10/30 gateway pods, and the operator at 1/50/200 policies × 5 pods — written as a
 //! markdown fragment that `poolpilot-bench --include` puts into `BENCHMARKS.md`.
