@@ -34,8 +34,9 @@ fn the_crd_in_manifests_is_the_generated_one() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Where every alert's `runbook_url` points: a section of docs/runbooks.md.
-const RUNBOOKS: &str = "https://github.com/poolpilot/poolpilot/blob/main/docs/runbooks.md#";
+/// Where every alert's `runbook_url` points: a section of docs/runbooks.md (a link for people,
+/// never fetched).
+const RUNBOOKS: &str = "https://github.com/poolpilot/poolpilot/blob/main/docs/runbooks.md#"; // hermetic: not a destination
 
 /// GitHub's anchor of a Markdown heading: lower case, spaces to dashes, punctuation dropped.
 fn github_anchor(heading: &str) -> String {
