@@ -11,17 +11,23 @@ use std::path::{Path, PathBuf};
 use poolpilot_api::Duration;
 use serde::Deserialize;
 
+use crate::access::AccessLogConfig;
+
 /// Command line of `poolpilot-gateway`.
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "poolpilot-gateway",
     version,
-    about = "poolpilot's pooled, throttled AI gateway"
+    about = "poolpilot's pooled, throttled AI gateway",
+    subcommand_negates_reqs = true
 )]
 pub struct Args {
+    /// What to do instead of serving.
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// The gateway configuration file (YAML).
-    #[arg(long, env = "POOLPILOT_GATEWAY_CONFIG")]
-    pub config: PathBuf,
+    #[arg(long, env = "POOLPILOT_GATEWAY_CONFIG", required = true)]
+    pub config: Option<PathBuf>,
     /// Where the proxy listens, overriding `listeners.proxy` of the config file
     /// (e.g. `$(POD_IP):8080`; an IPv6 address in brackets: `[fd00::1]:8080`).
     #[arg(long, env = "POOLPILOT_PROXY_LISTEN", value_name = "ADDR")]
@@ -39,11 +45,30 @@ pub struct Args {
     pub worker_threads: Option<NonZeroUsize>,
 }
 
+/// Commands other than serving.
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum Command {
+    /// Checks a configuration file and its limits document without starting (like `nginx -t`):
+    /// exit status 0 when both are fit to serve, 1 when not.
+    Validate {
+        /// The gateway configuration file (YAML).
+        #[arg(long)]
+        config: PathBuf,
+        /// The limits document to check (default: the configuration's `limitsFile`, if any).
+        #[arg(long)]
+        limits: Option<PathBuf>,
+    },
+}
+
 impl Args {
     /// Loads the config file named by `--config`, with the listeners given on the command line
     /// (or in their environment variables) in place of the file's.
     pub fn load_config(&self) -> Result<GatewayConfig, ConfigError> {
-        let mut config = GatewayConfig::load(&self.config)?;
+        let path = self
+            .config
+            .as_deref()
+            .ok_or(ConfigError::Invalid("--config is required".to_owned()))?;
+        let mut config = GatewayConfig::load(path)?;
         config
             .listeners
             .override_with(self.proxy_listen, self.admin_listen);
@@ -119,6 +144,9 @@ pub struct GatewayConfig {
     /// default, serves the file at once (a gateway without operator).
     #[serde(default)]
     pub await_operator: Duration,
+    /// The access log: one JSON line per call (see [`crate::access`]).
+    #[serde(default)]
+    pub access_log: AccessLogConfig,
 }
 
 /// The admin listener's certificate, in the layout of a `kubernetes.io/tls` Secret (cert-manager
@@ -237,6 +265,12 @@ impl GatewayConfig {
         if config.admin_header_read_timeout.is_zero() {
             return Err(ConfigError::Invalid(format!(
                 "{}: adminHeaderReadTimeout must be longer than 0s",
+                path.display()
+            )));
+        }
+        if let Err(message) = config.access_log.validate() {
+            return Err(ConfigError::Invalid(format!(
+                "{}: {message}",
                 path.display()
             )));
         }

@@ -16,6 +16,7 @@ use poolpilot_api::limits::{HealthCheck, InvalidLimits, RouteMatch, Timeouts};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::access::AccessLog;
 use crate::budget::ByteBudget;
 use crate::health;
 use crate::limiter::{ClientLimiter, ClientStats};
@@ -106,6 +107,8 @@ struct Inner {
     route_budget: ByteBudget,
     /// Serialises scrapes: live gauges are cleared and set again before each one.
     scrape: Mutex<()>,
+    /// One line per call.
+    access_log: AccessLog,
 }
 
 #[derive(Debug, Default)]
@@ -143,8 +146,14 @@ pub(crate) struct Route {
 // === impl Gateway ===
 
 impl Gateway {
-    /// A gateway with no backends (every request gets 404) until limits are applied.
+    /// A gateway with no backends (every request gets 404) until limits are applied, and no
+    /// access log.
     pub fn new(metrics: Metrics) -> Self {
+        Self::with_access_log(metrics, AccessLog::off())
+    }
+
+    /// [`Gateway::new`], writing one line per call to `access_log`.
+    pub fn with_access_log(metrics: Metrics, access_log: AccessLog) -> Self {
         let limits = GatewayLimits::default().with_content_revision();
         metrics.set_limits_info(&limits.revision, limits.generation);
         Self {
@@ -163,6 +172,7 @@ impl Gateway {
                 leaving: AtomicBool::new(false),
                 route_budget: ByteBudget::default(),
                 scrape: Mutex::new(()),
+                access_log,
             }),
         }
     }
@@ -175,6 +185,11 @@ impl Gateway {
     /// The metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
+    }
+
+    /// The access log.
+    pub fn access_log(&self) -> &AccessLog {
+        &self.inner.access_log
     }
 
     /// Ready: limits were loaded, shutdown has not begun and the gateway is not waiting for the
@@ -448,6 +463,25 @@ impl Gateway {
                 v
             }).collect::<Vec<_>>(),
         })
+    }
+
+    /// Drains (`true`) or restores (`false`) one endpoint of one backend by hand (see
+    /// [`Pool::set_drained`]); `None` when there is no such backend or endpoint.
+    pub fn set_endpoint_drained(
+        &self,
+        backend: &str,
+        endpoint: &str,
+        drained: bool,
+    ) -> Option<EndpointStats> {
+        let pool = self
+            .inner
+            .registry
+            .lock()
+            .backends
+            .get(backend)?
+            .pool
+            .clone();
+        pool.set_drained(endpoint, drained)
     }
 
     /// The metrics text, with the gauges computed from live state set just before.

@@ -18,6 +18,7 @@
 //!
 //! Every failure of a request is typed and becomes a response in one place: [`error`].
 
+pub mod access;
 pub mod admin;
 pub mod body;
 pub mod budget;
@@ -28,7 +29,9 @@ pub mod gateway;
 pub mod head;
 pub mod health;
 pub mod limiter;
+pub mod logging;
 pub mod metrics;
+pub mod models;
 pub mod pool;
 pub mod procfs;
 pub mod proxy;
@@ -37,6 +40,7 @@ pub mod route;
 pub mod server;
 pub mod source;
 pub mod upstream;
+pub mod validate;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -62,6 +66,9 @@ pub enum StartError {
     /// The admin certificate could not be loaded.
     #[error("the admin certificate could not be loaded")]
     AdminTls(#[from] admin::tls::TlsError),
+    /// The access log file could not be opened.
+    #[error("opening the access log failed")]
+    AccessLog(#[source] std::io::Error),
     /// A listener could not be bound.
     #[error("binding {addr} failed")]
     Bind {
@@ -123,7 +130,8 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         source,
     })?;
 
-    let gw = Gateway::new(Metrics::new());
+    let access_log = access::AccessLog::open(&config.access_log).map_err(StartError::AccessLog)?;
+    let gw = Gateway::with_access_log(Metrics::new(), access_log);
     let (shutdown, shutdown_rx) = watch::channel(false);
     let conns = Arc::new(server::Connections::default());
     let mut tasks = vec![gw.spawn_maintenance()];

@@ -80,6 +80,14 @@ pub enum ClientRejection {
 }
 
 impl ClientRejection {
+    /// The client's override name or `other`, when the rejection names it.
+    pub fn client(&self) -> Option<&Arc<str>> {
+        match self {
+            Self::Concurrency { client, .. } | Self::QueueTimeout { client, .. } => Some(client),
+            Self::TableFull { .. } => None,
+        }
+    }
+
     /// The metric reason.
     pub fn reason(&self) -> &'static str {
         match self {

@@ -32,6 +32,8 @@ pub enum CloseReason {
     Timeout,
     /// Its endpoint or backend left the limits.
     Removed,
+    /// Its endpoint was drained by hand.
+    Drained,
 }
 
 impl CloseReason {
@@ -46,6 +48,7 @@ impl CloseReason {
             Self::Error => "error",
             Self::Timeout => "timeout",
             Self::Removed => "removed",
+            Self::Drained => "drained",
         }
     }
 }

@@ -33,6 +33,7 @@ use poolpilot_api::limits::{ClientIdentity, ListenerLimits, ProxyProtocol, Trust
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
+use crate::access::Record;
 use crate::body::{
     BodyFailure, BodyPace, BodyProgress, BoxError, ClientBody, RequestBody, ResponseBody,
 };
@@ -87,11 +88,13 @@ pub async fn handle(
     peer: &Peer,
     req: Request<Incoming>,
     slot: &DeadlineSlot,
+    record: &Record,
 ) -> Response<ResponseBody> {
-    match proxy(&gw, peer, req, slot).await {
+    match proxy(&gw, peer, req, slot, record).await {
         Ok(response) => response,
         Err(error) => {
-            tracing::debug!(%error, reason = error.reason(), "request not proxied");
+            tracing::debug!(%error, reason = error.reason(), request_id = ?record.request_id(), "request not proxied");
+            record.rejected(error.reason());
             error.to_response()
         }
     }
@@ -102,6 +105,7 @@ async fn proxy(
     peer: &Peer,
     mut req: Request<Incoming>,
     slot: &DeadlineSlot,
+    record: &Record,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     if gw.is_draining() {
         return Err(ProxyError::ShuttingDown);
@@ -110,6 +114,9 @@ async fn proxy(
     let listener = &snapshot.limits.listener;
     check_head(&req, listener)?;
     if let head::Verdict::Answer(response) = head::check(&mut req)? {
+        return Ok(response);
+    }
+    if let Some(response) = crate::models::answer(&req, &snapshot.routes) {
         return Ok(response);
     }
     let pace = BodyPace::new(Instant::now(), listener);
@@ -129,23 +136,30 @@ async fn proxy(
         .iter()
         .find(|r| route::matches(&r.matcher, &parts, model.as_deref()))
         .ok_or(ProxyError::NoRoute)?;
+    record.backend(&route.backend.name);
 
     let permit = match &route.limiter {
-        Some(limiter) => Some(
-            limiter
-                .acquire(client_key(
-                    &limiter.identity(),
-                    &parts.headers,
-                    peer,
-                    listener.trusted_proxies.as_ref(),
-                ))
-                .await?,
-        ),
+        Some(limiter) => {
+            let key = client_key(
+                &limiter.identity(),
+                &parts.headers,
+                peer,
+                listener.trusted_proxies.as_ref(),
+            );
+            let acquired = limiter.acquire(key).await;
+            let name = match &acquired {
+                Ok(permit) => Some(permit.label()),
+                Err(rejection) => rejection.client(),
+            };
+            record.client(name, key.short());
+            Some(acquired?)
+        }
         None => None,
     };
 
     prepare_upstream_head(&mut parts, peer);
     let progress = body.progress();
+    record.body(progress.clone());
     let req = Request::from_parts(parts, body.boxed_unsync());
     let call = CallContext {
         metrics: gw.metrics(),
@@ -153,6 +167,7 @@ async fn proxy(
         body: &progress,
         send_timeout: listener.send_timeout.get(),
         slot,
+        record,
     };
     forward(call, req, permit).await
 }
@@ -413,6 +428,8 @@ struct CallContext<'a> {
     body: &'a BodyProgress,
     send_timeout: Duration,
     slot: &'a DeadlineSlot,
+    /// The call's access log record.
+    record: &'a Record,
 }
 
 /// Leases a connection, sends, waits for the head, and wraps the response body.
@@ -430,6 +447,7 @@ async fn forward(
         metrics,
         route,
         body,
+        record,
         ..
     } = call;
     let backend = &route.backend;
@@ -444,6 +462,7 @@ async fn forward(
                 metrics.upstream_timeout(&backend.name, TimeoutKind::Connect);
             }
         })?;
+        record.leased(lease.endpoint(), lease.wait());
         let sent_at = Instant::now();
         let total_at = sent_at + timeouts.total.get();
         let first_byte = timeouts.first_byte.get();
@@ -463,6 +482,7 @@ async fn forward(
         let endpoint = lease.endpoint().clone();
         match result {
             Ok(Ok(response)) => {
+                record.upstream_head(sent_at.elapsed());
                 return Ok(respond(
                     &call,
                     backend.clone(),
@@ -484,6 +504,7 @@ async fn forward(
                 tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection failed before sending; retrying");
                 lease.discard(CloseReason::PeerClosed);
                 metrics.upstream_retry(&backend.name);
+                record.retried();
                 retries += 1;
                 req = *unsent;
             }

@@ -787,8 +787,13 @@ impl hyper::service::Service<Request<Incoming>> for Service {
     type Error = Infallible;
     type Future = ServiceFuture;
 
-    fn call(&self, req: Request<Incoming>) -> ServiceFuture {
+    fn call(&self, mut req: Request<Incoming>) -> ServiceFuture {
         let gw = self.gw.clone();
+        // The request id goes to the backend, back to the client, and into the access log.
+        let request_id = crate::access::request_id(req.headers());
+        req.headers_mut()
+            .insert(crate::access::X_REQUEST_ID, request_id.clone());
+        let record = Arc::new(crate::access::Record::new(request_id.clone(), &req));
         let peer = self.peer.clone();
         let slot = Arc::new(DeadlineSlot::default());
         if req.version() == http::Version::HTTP_2 {
@@ -799,7 +804,15 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         }
         let active = ActiveRequest::new(self.activity.clone());
         Box::pin(async move {
-            let response = crate::proxy::handle(gw.clone(), &peer, req, &slot).await;
+            let mut response = crate::proxy::handle(gw.clone(), &peer, req, &slot, &record).await;
+            response
+                .headers_mut()
+                .insert(crate::access::X_REQUEST_ID, request_id);
+            record.status(response.status());
+            let access = gw
+                .access_log()
+                .enabled()
+                .then(|| crate::access::Finisher::new(gw.access_log().clone(), record));
             // An answer of the gateway's own (no backend body reports to the slot): the send
             // timeout alone applies to it.
             let own = (!slot.is_armed()).then(|| {
@@ -812,6 +825,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
                 Tracked {
                     inner: body,
                     own,
+                    access,
                     _active: active,
                 }
                 .boxed_unsync()
@@ -1134,6 +1148,8 @@ impl Drop for ActiveRequest {
 struct Tracked {
     inner: ResponseBody,
     own: Option<Arc<ResponseDeadline>>,
+    /// Writes the call's access log line when the body ends or is dropped.
+    access: Option<crate::access::Finisher>,
     _active: ActiveRequest,
 }
 
@@ -1146,6 +1162,18 @@ impl Body for Tracked {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Some(access) = &mut self.access {
+            match &frame {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        access.sent(data.len());
+                    }
+                }
+                Poll::Ready(None) => access.completed(),
+                Poll::Ready(Some(Err(_))) => access.failed(),
+                Poll::Pending => {}
+            }
+        }
         if let Some(deadline) = &self.own {
             match &frame {
                 Poll::Ready(Some(_)) => deadline.handed_frame(),
@@ -1162,6 +1190,17 @@ impl Body for Tracked {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        // hyper stops polling a body that says it ended: its end is seen here.
+        if let Some(access) = &mut self.access
+            && self.inner.is_end_stream()
+        {
+            access.completed();
+        }
     }
 }
 

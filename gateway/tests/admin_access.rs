@@ -84,6 +84,7 @@ fn config_with_token(token_file: Option<&Path>) -> GatewayConfig {
         drain_grace: poolpilot_api::Duration::from_secs(1),
         await_operator: poolpilot_api::Duration::ZERO,
         shutdown_delay: poolpilot_api::Duration::ZERO,
+        access_log: Default::default(),
     }
 }
 
