@@ -275,6 +275,11 @@ impl Record {
         self.fields.lock().request_id.clone()
     }
 
+    /// The client's override name or `other`, once known.
+    pub fn client_name(&self) -> Option<Arc<str>> {
+        self.fields.lock().client.clone()
+    }
+
     /// The route chose `backend`.
     pub fn backend(&self, backend: &Arc<str>) {
         self.fields.lock().backend = Some(backend.clone());

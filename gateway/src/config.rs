@@ -147,6 +147,30 @@ pub struct GatewayConfig {
     /// The access log: one JSON line per call (see [`crate::access`]).
     #[serde(default)]
     pub access_log: AccessLogConfig,
+    /// How some metrics are measured.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+/// The `metrics` section of the configuration file.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Upper bounds of the buckets of `poolpilot_pool_lease_wait_seconds`; include your
+    /// lease-time SLO's bound so that the share of leases within it is exact. Default: 0.5 ms ×
+    /// 2ⁿ up to ~16 s, and 50 ms.
+    #[serde(default)]
+    pub lease_wait_buckets: Option<Vec<Duration>>,
+}
+
+impl MetricsConfig {
+    /// The lease-wait buckets in seconds.
+    pub fn lease_wait_buckets(&self) -> Vec<f64> {
+        match &self.lease_wait_buckets {
+            Some(buckets) => buckets.iter().map(|d| d.get().as_secs_f64()).collect(),
+            None => crate::metrics::default_lease_wait_buckets(),
+        }
+    }
 }
 
 /// The admin listener's certificate, in the layout of a `kubernetes.io/tls` Secret (cert-manager
@@ -271,6 +295,17 @@ impl GatewayConfig {
         if let Err(message) = config.access_log.validate() {
             return Err(ConfigError::Invalid(format!(
                 "{}: {message}",
+                path.display()
+            )));
+        }
+        if config
+            .metrics
+            .lease_wait_buckets
+            .as_ref()
+            .is_some_and(|b| b.is_empty() || b.iter().any(|d| d.is_zero()))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "{}: metrics.leaseWaitBuckets must list at least one bound, each longer than 0s",
                 path.display()
             )));
         }

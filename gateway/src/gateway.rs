@@ -510,6 +510,7 @@ impl Gateway {
             m.set_client_inflight(&label, n);
         }
         m.set_route_buffer_bytes(self.inner.route_budget.held());
+        m.signals().refresh_runtime();
         let (open, max) = crate::procfs::fds();
         m.set_process_fds(open, max);
         m.set_resident_memory(crate::procfs::resident_bytes());

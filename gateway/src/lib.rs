@@ -38,6 +38,7 @@ pub mod proxy;
 pub mod reload;
 pub mod route;
 pub mod server;
+pub mod signals;
 pub mod source;
 pub mod upstream;
 pub mod validate;
@@ -131,10 +132,14 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     })?;
 
     let access_log = access::AccessLog::open(&config.access_log).map_err(StartError::AccessLog)?;
-    let gw = Gateway::with_access_log(Metrics::new(), access_log);
+    let metrics = Metrics::with_lease_wait_buckets(config.metrics.lease_wait_buckets());
+    let gw = Gateway::with_access_log(metrics, access_log);
     let (shutdown, shutdown_rx) = watch::channel(false);
     let conns = Arc::new(server::Connections::default());
-    let mut tasks = vec![gw.spawn_maintenance()];
+    let mut tasks = vec![
+        gw.spawn_maintenance(),
+        signals::spawn_lag_probe(gw.metrics().signals().clone()),
+    ];
     if let Some(path) = &config.limits_file {
         gw.await_operator(config.await_operator.get());
         let seen = match reload::load_once(&gw, path) {

@@ -43,6 +43,7 @@ use crate::gateway::{Backend, Gateway, Route};
 use crate::limiter::{ClientKey, ClientPermit};
 use crate::metrics::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
 use crate::pool::Lease;
+use crate::signals::{NO_CLIENT, Reclaim};
 use crate::upstream::HttpConnector;
 use crate::{head, route};
 
@@ -240,6 +241,9 @@ async fn buffer_for_model(
         let deadline = pace.deadline(buf.len() as u64, last);
         let Ok(frame) = tokio::time::timeout_at(deadline, incoming.frame()).await else {
             gw.metrics().downstream_timeout(DownstreamTimeout::BodyRead);
+            gw.metrics()
+                .signals()
+                .reclaimed(Reclaim::BodyTimeout, NO_CLIENT);
             return Err(ProxyError::BodyTimeout);
         };
         match frame {
@@ -496,6 +500,10 @@ async fn forward(
                 // The client's doing: the backend got part of a request, so the connection
                 // goes, but the backend is not blamed.
                 lease.discard(CloseReason::Error);
+                if body.failed() == Some(BodyFailure::Timeout) {
+                    let client = permit.as_ref().map_or(NO_CLIENT, |p| p.label());
+                    metrics.signals().reclaimed(Reclaim::BodyTimeout, client);
+                }
                 return Err(client_failed(metrics, body.failed()));
             }
             Ok(Err(SendFailure::NotSent(unsent, error)))
@@ -677,6 +685,10 @@ impl Call {
 
     fn finish(mut self, end: End) {
         let name = &self.backend.name;
+        let client = self._permit.as_ref().map_or(NO_CLIENT, |p| p.label());
+        self.metrics
+            .signals()
+            .lease_held(name, client, self.sent_at.elapsed());
         if !self.first_byte && matches!(end, End::Complete) {
             // A response without a body: its end is its first byte.
             self.metrics
@@ -709,9 +721,15 @@ impl Call {
                         self.metrics.upstream_timeout(name, kind);
                         self.backend.pool.report_call(&endpoint, false);
                     }
-                    Cut::Send => self.metrics.downstream_timeout(DownstreamTimeout::Send),
+                    Cut::Send => {
+                        self.metrics.downstream_timeout(DownstreamTimeout::Send);
+                        self.metrics.signals().reclaimed(Reclaim::SendStall, client);
+                    }
                     Cut::TotalClientStalled => {
                         self.metrics.downstream_timeout(DownstreamTimeout::Total);
+                        self.metrics
+                            .signals()
+                            .reclaimed(Reclaim::ClientStalled, client);
                     }
                 }
             }

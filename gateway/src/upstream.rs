@@ -24,6 +24,7 @@ use hyper::client::conn::{TrySendError, http1};
 use hyper_util::rt::TokioIo;
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use crate::body::RequestBody;
 use crate::pool::{Connect, Poolable};
@@ -41,6 +42,7 @@ pub struct UpstreamConn {
     /// `None` once the connection ended (closed by either side, or failed).
     driver: Option<Pin<Box<Driver>>>,
     addr: SocketAddr,
+    opened: Instant,
 }
 
 impl std::fmt::Debug for UpstreamConn {
@@ -101,6 +103,10 @@ impl UpstreamConn {
 }
 
 impl Poolable for UpstreamConn {
+    fn opened_at(&self) -> Option<Instant> {
+        Some(self.opened)
+    }
+
     fn is_open(&mut self) -> bool {
         self.drive_idle() && !self.sender.is_closed()
     }
@@ -138,6 +144,7 @@ impl Connect for HttpConnector {
             sender,
             driver: Some(Box::pin(driver)),
             addr,
+            opened: Instant::now(),
         })
     }
 }

@@ -85,6 +85,7 @@ fn config_with_token(token_file: Option<&Path>) -> GatewayConfig {
         await_operator: poolpilot_api::Duration::ZERO,
         shutdown_delay: poolpilot_api::Duration::ZERO,
         access_log: Default::default(),
+        metrics: Default::default(),
     }
 }
 

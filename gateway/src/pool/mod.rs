@@ -64,6 +64,11 @@ pub trait Poolable: Send + std::fmt::Debug + 'static {
     /// that is already possible without waiting).
     fn is_open(&mut self) -> bool;
 
+    /// When the connection was opened, if it knows (its age at close is measured from it).
+    fn opened_at(&self) -> Option<Instant> {
+        None
+    }
+
     /// The check run before reusing a connection that sat idle longer than
     /// `validateAfterIdle`: it must be open *and* ready to carry a request right now.
     fn validate(&mut self) -> bool {
@@ -1121,6 +1126,13 @@ impl<C: Connect> Inner<C> {
     ) {
         self.metrics
             .connection_closed(&self.backend, &ep.name, reason);
+        if let Some(opened) = conn.opened_at() {
+            let age = opened.elapsed();
+            self.metrics
+                .signals()
+                .connection_aged(&self.backend, reason, age);
+            tracing::debug!(backend = %self.backend, endpoint = %ep.name, reason = reason.as_str(), ?age, "upstream connection closed");
+        }
         let Some(peer_closed) = conn.close() else {
             return;
         };

@@ -305,6 +305,7 @@ impl Gw {
                 file: Some(dir.path().join("access.log")),
                 ..Default::default()
             },
+            metrics: Default::default(),
         };
         edit(&mut config, dir.path());
         let running = start(config).await.expect("the gateway starts");

@@ -1,0 +1,188 @@
+//! Loopback tests of the incident signals: the lease-wait buckets holding the SLO bound (and
+//! configurable), the runtime lag probe seeing a stalled runtime, lease and connection hold
+//! times by client class, connections reclaimed from idle clients and slow heads, and the age of
+//! upstream connections at their close.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+use tokio::io::AsyncWriteExt as _;
+
+/// The count of a histogram series (`name_count{labels}`), 0 when absent.
+fn count(text: &str, series: &str) -> f64 {
+    metric(text, series).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_waits_are_counted_in_a_bucket_at_the_slo_bound() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(limits("model-a", &[backend.addr], 4)).await;
+    assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
+    let text = gw.metrics().await;
+    let within = metric(
+        &text,
+        r#"poolpilot_pool_lease_wait_seconds_bucket{le="0.05",backend="model-a"}"#,
+    );
+    assert_eq!(within, Some(1.0), "{text}");
+    // The 0.5 ms × 2ⁿ bounds stay around it.
+    for le in ["0.032", "0.064"] {
+        assert!(text.contains(&format!(
+            r#"poolpilot_pool_lease_wait_seconds_bucket{{le="{le}",backend="model-a"}}"#
+        )));
+    }
+
+    // Other bounds when configured.
+    let gw = Gw::start_edited(None, Duration::from_secs(5), Duration::ZERO, |config, _| {
+        config.metrics.lease_wait_buckets = Some(vec![
+            poolpilot_api::Duration::from_millis(20),
+            poolpilot_api::Duration::from_millis(10),
+        ]);
+    })
+    .await;
+    gw.apply(limits("model-a", &[backend.addr], 4));
+    assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
+    let text = gw.metrics().await;
+    let buckets: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("poolpilot_pool_lease_wait_seconds_bucket"))
+        .collect();
+    assert_eq!(buckets.len(), 3, "{buckets:?}");
+    assert!(buckets[0].contains(r#"le="0.01""#), "sorted: {buckets:?}");
+    assert!(buckets[1].contains(r#"le="0.02""#));
+    assert!(buckets[2].contains(r#"le="+Inf""#));
+}
+
+/// Blocks the thread of the runtime this runs on, as a CPU-bound or blocking call in the
+/// gateway would.
+#[allow(clippy::disallowed_methods)]
+fn stall_the_runtime(for_: Duration) {
+    std::thread::sleep(for_);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn the_lag_probe_sees_a_stalled_runtime() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(limits("model-a", &[backend.addr], 4)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let calm = gw.metrics().await;
+    let probes = count(&calm, "poolpilot_runtime_lag_seconds_count");
+    assert!(probes >= 3.0, "the probe runs every 100ms: {probes}");
+    let late = |text: &str| {
+        count(text, "poolpilot_runtime_lag_seconds_count")
+            - count(text, r#"poolpilot_runtime_lag_seconds_bucket{le="0.1"}"#)
+    };
+    assert_eq!(late(&calm), 0.0, "no probe 100ms late on an idle runtime");
+    assert_eq!(metric(&calm, "poolpilot_runtime_workers"), Some(1.0));
+
+    // The only worker blocks for 300ms: the probe due meanwhile runs that late.
+    tokio::spawn(async { stall_the_runtime(Duration::from_millis(300)) })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stalled = gw.metrics().await;
+    assert!(late(&stalled) >= 1.0, "{stalled}");
+    assert!(
+        count(&stalled, "poolpilot_runtime_worker_busy_seconds_total") >= 0.3,
+        "the blocked worker was busy: {stalled}"
+    );
+    assert!(count(&stalled, "poolpilot_runtime_alive_tasks") >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_reclaims_and_connection_ages_are_measured() {
+    let backend = Backend::start().await;
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
+    doc["listener"]["idleTimeout"] = "300ms".into();
+    doc["listener"]["headerReadTimeout"] = "300ms".into();
+    doc["clientPolicies"] = serde_json::json!([{
+        "name": "default", "identity": {"header": "x-api-key"},
+        "maxConcurrency": 4, "maxQueue": 0, "queueTimeout": "1s",
+        "overrides": [{"name": "team-a", "keySha256": sha256_hex("key-a"), "maxConcurrency": 4}]
+    }]);
+    doc["backends"][0]["clientPolicy"] = "default".into();
+    let gw = Gw::start(from_json(doc)).await;
+    backend
+        .script
+        .delay_ms
+        .store(200, std::sync::atomic::Ordering::SeqCst);
+
+    // A call of team-a holding its lease ~200ms, on a connection then left idle: reclaimed at
+    // the idle timeout.
+    let mut conn = connect(gw.proxy).await;
+    let (status, ..) = conn
+        .call(request("POST", "/v1/x", &[("x-api-key", "key-a")], "{}"))
+        .await;
+    assert_eq!(status, 200);
+    // A client that sends half a head and stops: reclaimed at the header-read timeout.
+    let mut half = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    half.write_all(b"POST /v1/x HTTP/1.1\r\nHost: gw\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+
+    let text = gw.metrics().await;
+    let held =
+        r#"poolpilot_pool_lease_hold_seconds_bucket{le="0.16",backend="model-a",client="team-a"}"#;
+    assert_eq!(
+        metric(&text, held),
+        Some(0.0),
+        "held longer than 160ms: {text}"
+    );
+    assert_eq!(
+        count(
+            &text,
+            r#"poolpilot_pool_lease_hold_seconds_count{backend="model-a",client="team-a"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        count(
+            &text,
+            r#"poolpilot_downstream_reclaimed_total{reason="idle_timeout",client="team-a"}"#
+        ),
+        1.0,
+        "the connection's last call was team-a's: {text}"
+    );
+    assert_eq!(
+        count(
+            &text,
+            r#"poolpilot_downstream_reclaimed_total{reason="header_timeout",client="none"}"#
+        ),
+        1.0,
+        "{text}"
+    );
+    assert!(count(&text, "poolpilot_downstream_connection_hold_seconds_count") >= 2.0);
+    assert_eq!(
+        count(
+            &text,
+            r#"poolpilot_downstream_connection_hold_seconds_bucket{le="0.16"}"#
+        ),
+        0.0,
+        "both were held at least 300ms"
+    );
+
+    // The upstream connection, drained by hand: its age at close, by reason.
+    let (status, body) = gw
+        .admin_call("POST", "/v1/backends/model-a/endpoints/model-a-0/drain", "")
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let text = gw.metrics().await;
+    assert_eq!(
+        count(
+            &text,
+            r#"poolpilot_pool_connection_age_seconds_count{backend="model-a",reason="drained"}"#
+        ),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        count(
+            &text,
+            r#"poolpilot_pool_connection_age_seconds_bucket{le="0.64",backend="model-a",reason="drained"}"#
+        ),
+        0.0,
+        "opened before the ~1s of the call and the idle wait"
+    );
+}
