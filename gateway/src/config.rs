@@ -150,6 +150,69 @@ pub struct GatewayConfig {
     /// How some metrics are measured.
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// TCP keepalive of the connections to backends.
+    #[serde(default)]
+    pub upstream_keepalive: KeepaliveConfig,
+}
+
+/// The `upstreamKeepalive` section: TCP keepalive probes on idle upstream connections, so that a
+/// connection a middlebox dropped without a word is reset by the kernel (and dropped by the pool)
+/// before a request is sent on it.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KeepaliveConfig {
+    /// Whether upstream connections send keepalive probes.
+    #[serde(default = "KeepaliveConfig::default_enabled")]
+    pub enabled: bool,
+    /// Idle time before the first probe.
+    #[serde(default = "KeepaliveConfig::default_idle")]
+    pub idle: Duration,
+    /// Time between probes.
+    #[serde(default = "KeepaliveConfig::default_interval")]
+    pub interval: Duration,
+    /// Unanswered probes before the kernel drops the connection.
+    #[serde(default = "KeepaliveConfig::default_count")]
+    pub count: u32,
+}
+
+impl KeepaliveConfig {
+    fn default_enabled() -> bool {
+        true
+    }
+
+    /// Below the idle timeouts of common load balancers and NAT tables (AWS NLB 350 s, GCP
+    /// 600 s, conntrack's established timeout far above): probes keep such a path open.
+    fn default_idle() -> Duration {
+        Duration::from_secs(30)
+    }
+
+    fn default_interval() -> Duration {
+        Duration::from_secs(10)
+    }
+
+    fn default_count() -> u32 {
+        3
+    }
+
+    /// The settings for the connector; `None` when off.
+    pub fn settings(&self) -> Option<crate::upstream::Keepalive> {
+        self.enabled.then(|| crate::upstream::Keepalive {
+            idle: self.idle.get(),
+            interval: self.interval.get(),
+            count: self.count,
+        })
+    }
+}
+
+impl Default for KeepaliveConfig {
+    fn default() -> Self {
+        Self {
+            enabled: Self::default_enabled(),
+            idle: Self::default_idle(),
+            interval: Self::default_interval(),
+            count: Self::default_count(),
+        }
+    }
 }
 
 /// The `metrics` section of the configuration file.
@@ -306,6 +369,17 @@ impl GatewayConfig {
         {
             return Err(ConfigError::Invalid(format!(
                 "{}: metrics.leaseWaitBuckets must list at least one bound, each longer than 0s",
+                path.display()
+            )));
+        }
+        let keepalive = &config.upstream_keepalive;
+        if keepalive.enabled
+            && (keepalive.idle.get() < std::time::Duration::from_secs(1)
+                || keepalive.interval.get() < std::time::Duration::from_secs(1)
+                || keepalive.count == 0)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "{}: upstreamKeepalive needs idle and interval of at least 1s and a count of at least 1",
                 path.display()
             )));
         }

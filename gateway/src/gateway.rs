@@ -109,6 +109,8 @@ struct Inner {
     scrape: Mutex<()>,
     /// One line per call.
     access_log: AccessLog,
+    /// Opens the backends' connections.
+    connector: HttpConnector,
 }
 
 #[derive(Debug, Default)]
@@ -149,11 +151,12 @@ impl Gateway {
     /// A gateway with no backends (every request gets 404) until limits are applied, and no
     /// access log.
     pub fn new(metrics: Metrics) -> Self {
-        Self::with_access_log(metrics, AccessLog::off())
+        Self::configured(metrics, AccessLog::off(), HttpConnector::default())
     }
 
-    /// [`Gateway::new`], writing one line per call to `access_log`.
-    pub fn with_access_log(metrics: Metrics, access_log: AccessLog) -> Self {
+    /// [`Gateway::new`], writing one line per call to `access_log` and opening upstream
+    /// connections with `connector`.
+    pub fn configured(metrics: Metrics, access_log: AccessLog, connector: HttpConnector) -> Self {
         let limits = GatewayLimits::default().with_content_revision();
         metrics.set_limits_info(&limits.revision, limits.generation);
         Self {
@@ -173,6 +176,7 @@ impl Gateway {
                 route_budget: ByteBudget::default(),
                 scrape: Mutex::new(()),
                 access_log,
+                connector,
             }),
         }
     }
@@ -371,7 +375,7 @@ impl Gateway {
                         &b.name,
                         b.pool.clone(),
                         &b.endpoints,
-                        HttpConnector,
+                        self.inner.connector,
                         self.inner.metrics.clone(),
                     ),
                     health: Mutex::new(None),

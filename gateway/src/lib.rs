@@ -133,7 +133,10 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
 
     let access_log = access::AccessLog::open(&config.access_log).map_err(StartError::AccessLog)?;
     let metrics = Metrics::with_lease_wait_buckets(config.metrics.lease_wait_buckets());
-    let gw = Gateway::with_access_log(metrics, access_log);
+    let connector = upstream::HttpConnector {
+        keepalive: config.upstream_keepalive.settings(),
+    };
+    let gw = Gateway::configured(metrics, access_log, connector);
     let (shutdown, shutdown_rx) = watch::channel(false);
     let conns = Arc::new(server::Connections::default());
     let mut tasks = vec![

@@ -86,6 +86,7 @@ fn config_with_token(token_file: Option<&Path>) -> GatewayConfig {
         shutdown_delay: poolpilot_api::Duration::ZERO,
         access_log: Default::default(),
         metrics: Default::default(),
+        upstream_keepalive: Default::default(),
     }
 }
 

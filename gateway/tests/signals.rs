@@ -186,3 +186,91 @@ async fn holds_reclaims_and_connection_ages_are_measured() {
         "opened before the ~1s of the call and the idle wait"
     );
 }
+
+/// A backend answering one request per connection read, keeping each connection open after
+/// its answer, and resetting (SO_LINGER 0) every connection 100ms after its first answer, as a
+/// middlebox that dropped it would make it look. Counts requests and connections.
+async fn resetting_backend() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::AsyncReadExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = std::sync::Arc::new(AtomicUsize::new(0));
+    let seen = requests.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                seen.fetch_add(1, Ordering::SeqCst);
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let std = stream.into_std().unwrap();
+                socket2::SockRef::from(&std)
+                    .set_linger(Some(Duration::ZERO))
+                    .unwrap();
+                drop(std);
+            });
+        }
+    });
+    (addr, requests)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_connection_reset_while_idle_is_dropped_before_a_request_is_sent_on_it() {
+    let (addr, requests) = resetting_backend().await;
+    let mut doc = serde_json::to_value(limits("model-a", &[addr], 4)).unwrap();
+    doc["backends"][0]["pool"]["validateAfterIdle"] = "100ms".into();
+    let gw = Gw::start(from_json(doc)).await;
+    for call in 0..3 {
+        let (status, _, body) = post(gw.proxy, "/v1/x", &[], "{}").await;
+        assert_eq!(status, 200, "call {call}: {body}");
+        assert_eq!(body, "ok");
+        // The pooled connection is reset 100ms after its answer, while idle.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(
+        requests.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "every request went out once, each on a new connection"
+    );
+    let text = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            r#"poolpilot_upstream_retries_total{backend="model-a"}"#
+        ),
+        None,
+        "no request was sent on a dead connection: {text}"
+    );
+    let dropped: f64 = ["peer_closed", "validate_failed"]
+        .iter()
+        .map(|reason| {
+            count(
+                &text,
+                &format!(
+                    r#"poolpilot_pool_connections_closed_total{{backend="model-a",endpoint="model-a-0",reason="{reason}"}}"#
+                ),
+            )
+        })
+        .sum();
+    assert_eq!(
+        dropped, 2.0,
+        "the two reset connections were dropped: {text}"
+    );
+}

@@ -306,6 +306,7 @@ impl Gw {
                 ..Default::default()
             },
             metrics: Default::default(),
+            upstream_keepalive: Default::default(),
         };
         edit(&mut config, dir.path());
         let running = start(config).await.expect("the gateway starts");
