@@ -54,6 +54,12 @@ pub struct ListenerLimits {
     /// bounded rate; beyond that rate it is closed at once). Stops a client that opens
     /// connections and never closes them from draining the pod.
     pub max_connections_per_client: Option<u32>,
+    /// Upstream connections the pod may hold across all its backends (HttpAsyncClient's
+    /// `maxTotal` above its `maxPerRoute`). The backends share it fairly: each gets an equal
+    /// part, a backend whose pool is smaller than its part leaves the rest to the others (max-min
+    /// fairness), and each endpoint keeps at least one connection. None: the pools' own caps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_upstream_connections: Option<u32>,
     /// Close a client keep-alive connection idle this long.
     pub idle_timeout: Duration,
     /// A client must send its complete request head within this time (slowloris protection).
@@ -97,6 +103,7 @@ impl Default for ListenerLimits {
         Self {
             max_connections: 16_384,
             max_connections_per_client: None,
+            max_upstream_connections: None,
             idle_timeout: Duration::from_secs(60),
             header_read_timeout: Duration::from_secs(10),
             send_timeout: Duration::from_secs(60),
@@ -502,6 +509,12 @@ impl GatewayLimits {
         if l.max_connections_per_client == Some(0) {
             v.push(
                 "listener.maxConnectionsPerClient",
+                "must be at least 1 when set",
+            );
+        }
+        if l.max_upstream_connections == Some(0) {
+            v.push(
+                "listener.maxUpstreamConnections",
                 "must be at least 1 when set",
             );
         }

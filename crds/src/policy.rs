@@ -493,8 +493,8 @@ pub struct SlowCallsSpec {
 }
 
 /// Downstream limits of each gateway pod. When several policies select a pod, the most
-/// permissive value of each field applies (the largest limit or timeout, the lowest rate), and
-/// the oldest policy's `trustedProxies`.
+/// permissive value of each field applies (the largest limit or timeout, the lowest rate), but
+/// the smallest `maxUpstreamConnections`, and the oldest policy's `trustedProxies`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", default)]
 pub struct ListenerSpec {
@@ -502,6 +502,14 @@ pub struct ListenerSpec {
     /// budget.
     #[schemars(range(min = 1, max = 1_000_000))]
     pub max_connections: u32,
+    /// Upstream connections one gateway pod may hold across all its backends, shared fairly
+    /// between them (an equal part each; a backend whose pool is smaller leaves the rest to the
+    /// others). Counted in the pod's file-descriptor budget instead of the sum of the pools when
+    /// smaller. When policies on the same pods set different values, the smallest applies.
+    /// Omitted: the pools' own caps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub max_upstream_connections: Option<u32>,
     /// Longest wait for a client to accept more of a response (nginx's `send_timeout`): a
     /// response its client stops reading is cut after this, its backend connection and client
     /// slot freed, the HTTP/1 connection closed or the HTTP/2 stream reset.
@@ -837,6 +845,7 @@ impl Default for ListenerSpec {
         let gateway = crate::limits::ListenerLimits::default();
         Self {
             max_connections: 1024,
+            max_upstream_connections: None,
             send_timeout: gateway.send_timeout,
             body_read_timeout: gateway.body_read_timeout,
             min_body_rate: gateway.min_body_rate,

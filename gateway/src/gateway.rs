@@ -359,21 +359,35 @@ impl Gateway {
             limiters.insert(policy.name.clone(), limiter);
         }
 
-        // Backends: resize pools in place, create new ones, retire removed ones.
+        // Backends: resize pools in place, create new ones, retire removed ones. A pod-wide
+        // upstream cap lowers the pools' caps, fairly (`share`).
+        let pools: Vec<(u32, u32)> = doc
+            .backends
+            .iter()
+            .map(|b| {
+                (
+                    b.pool.max_connections_per_endpoint,
+                    b.endpoints.len() as u32,
+                )
+            })
+            .collect();
+        let caps = crate::share::per_endpoint_caps(doc.listener.max_upstream_connections, &pools);
         let mut backends = HashMap::new();
         let mut routes = Vec::with_capacity(doc.backends.len());
-        for b in &doc.backends {
+        for (b, cap) in doc.backends.iter().zip(caps) {
+            let mut pool_limits = b.pool.clone();
+            pool_limits.max_connections_per_endpoint = cap;
             let backend = match registry.backends.remove(&b.name) {
                 Some(existing) => {
                     existing.pool.set_endpoints(&b.endpoints);
-                    existing.pool.set_limits(b.pool.clone());
+                    existing.pool.set_limits(pool_limits);
                     existing
                 }
                 None => Arc::new(Backend {
                     name: b.name.as_str().into(),
                     pool: Pool::new(
                         &b.name,
-                        b.pool.clone(),
+                        pool_limits,
                         &b.endpoints,
                         self.inner.connector,
                         self.inner.metrics.clone(),
@@ -457,9 +471,17 @@ impl Gateway {
             .collect();
         clients.sort_by_key(|c| std::cmp::Reverse(c.1.inflight));
         clients.truncate(10);
+        let upstream: u32 = snapshot
+            .routes
+            .iter()
+            .flat_map(|r| r.backend.pool.stats().endpoints)
+            .map(|e| e.leased + e.idle + e.connecting + e.closing)
+            .sum();
         serde_json::json!({
             "revision": snapshot.limits.revision,
             "generation": snapshot.limits.generation,
+            "upstreamConnections": upstream,
+            "maxUpstreamConnections": snapshot.limits.listener.max_upstream_connections,
             "backends": backends,
             "topClients": clients.into_iter().map(|(policy, c)| {
                 let mut v = serde_json::to_value(c).unwrap_or_default();

@@ -38,6 +38,7 @@ pub mod proxy;
 pub mod reload;
 pub mod route;
 pub mod server;
+pub mod share;
 pub mod signals;
 pub mod source;
 pub mod upstream;

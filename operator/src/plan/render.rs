@@ -250,6 +250,8 @@ fn document(
         .max();
     // The most permissive of the policies' listener settings; the oldest policy's proxies.
     let specs = || order.iter().map(|(i, _)| &policies[*i].spec.listener);
+    // A cap protects the pod: the smallest one set.
+    listener.max_upstream_connections = specs().filter_map(|l| l.max_upstream_connections).min();
     if let Some(t) = specs().map(|l| l.send_timeout).max() {
         listener.send_timeout = t;
     }
