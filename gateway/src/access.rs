@@ -23,6 +23,8 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use crate::body::BodyProgress;
+use crate::limiter::ClientKey;
+use crate::retry::Timing;
 
 /// `X-Request-Id`: taken from the client when it sends a usable one, else generated; sent to
 /// the backend and returned to the client.
@@ -171,6 +173,7 @@ impl AccessLog {
                 status: fields.status,
                 reason: fields.reason,
                 complete,
+                retry: fields.retry.map(Timing::as_str),
                 retries: fields.retries,
                 lease_wait_ms: fields.lease_wait.map(|d| d.as_secs_f64() * 1e3),
                 upstream_ms: fields.upstream.map(|d| d.as_secs_f64() * 1e3),
@@ -208,6 +211,7 @@ struct Line<'a> {
     status: u16,
     reason: Option<&'static str>,
     complete: bool,
+    retry: Option<&'static str>,
     retries: u32,
     lease_wait_ms: Option<f64>,
     upstream_ms: Option<f64>,
@@ -239,6 +243,10 @@ struct Fields {
     lease_wait: Option<std::time::Duration>,
     upstream: Option<std::time::Duration>,
     body: Option<Arc<BodyProgress>>,
+    /// The client's identity, hashed (never logged: for the memory of refusals).
+    key: Option<ClientKey>,
+    /// Whether the call came back after a refusal, and how.
+    retry: Option<Timing>,
 }
 
 impl Record {
@@ -266,6 +274,8 @@ impl Record {
                 lease_wait: None,
                 upstream: None,
                 body: None,
+                key: None,
+                retry: None,
             }),
         }
     }
@@ -278,6 +288,26 @@ impl Record {
     /// The client's override name or `other`, once known.
     pub fn client_name(&self) -> Option<Arc<str>> {
         self.fields.lock().client.clone()
+    }
+
+    /// The client's hashed identity, to remember its refusals.
+    pub fn key(&self, key: ClientKey) {
+        self.fields.lock().key = Some(key);
+    }
+
+    /// The client's hashed identity, if known.
+    pub fn client_key(&self) -> Option<ClientKey> {
+        self.fields.lock().key
+    }
+
+    /// The call came back after a refusal, early or on time.
+    pub fn retry(&self, timing: Timing) {
+        self.fields.lock().retry = Some(timing);
+    }
+
+    /// Whether the call came back before its `Retry-After`.
+    pub fn early_retry(&self) -> bool {
+        self.fields.lock().retry == Some(Timing::Early)
     }
 
     /// The route chose `backend`.

@@ -153,6 +153,9 @@ pub struct GatewayConfig {
     /// TCP keepalive of the connections to backends.
     #[serde(default)]
     pub upstream_keepalive: KeepaliveConfig,
+    /// What happens to calls that come back before their `Retry-After`.
+    #[serde(default)]
+    pub early_retries: crate::retry::EarlyRetryConfig,
 }
 
 /// The `upstreamKeepalive` section: TCP keepalive probes on idle upstream connections, so that a
@@ -380,6 +383,12 @@ impl GatewayConfig {
         {
             return Err(ConfigError::Invalid(format!(
                 "{}: upstreamKeepalive needs idle and interval of at least 1s and a count of at least 1",
+                path.display()
+            )));
+        }
+        if config.early_retries.penalty_factor == 0 {
+            return Err(ConfigError::Invalid(format!(
+                "{}: earlyRetries.penaltyFactor must be at least 1",
                 path.display()
             )));
         }

@@ -22,6 +22,7 @@ use crate::health;
 use crate::limiter::{ClientLimiter, ClientStats};
 use crate::metrics::Metrics;
 use crate::pool::{EndpointStats, Pool, PoolStats};
+use crate::retry::RetryMemory;
 use crate::upstream::HttpConnector;
 
 /// Where a limits document came from (metric label, logs).
@@ -111,6 +112,10 @@ struct Inner {
     access_log: AccessLog,
     /// Opens the backends' connections.
     connector: HttpConnector,
+    /// Recent refusals, to tell early retries.
+    retries: RetryMemory,
+    /// The factor on the `Retry-After` of an early retry refused again.
+    early_retry_penalty: u32,
 }
 
 #[derive(Debug, Default)]
@@ -151,12 +156,18 @@ impl Gateway {
     /// A gateway with no backends (every request gets 404) until limits are applied, and no
     /// access log.
     pub fn new(metrics: Metrics) -> Self {
-        Self::configured(metrics, AccessLog::off(), HttpConnector::default())
+        Self::configured(metrics, AccessLog::off(), HttpConnector::default(), 1)
     }
 
-    /// [`Gateway::new`], writing one line per call to `access_log` and opening upstream
-    /// connections with `connector`.
-    pub fn configured(metrics: Metrics, access_log: AccessLog, connector: HttpConnector) -> Self {
+    /// [`Gateway::new`], writing one line per call to `access_log`, opening upstream
+    /// connections with `connector`, and multiplying the `Retry-After` of an early retry refused
+    /// again by `early_retry_penalty`.
+    pub fn configured(
+        metrics: Metrics,
+        access_log: AccessLog,
+        connector: HttpConnector,
+        early_retry_penalty: u32,
+    ) -> Self {
         let limits = GatewayLimits::default().with_content_revision();
         metrics.set_limits_info(&limits.revision, limits.generation);
         Self {
@@ -177,6 +188,8 @@ impl Gateway {
                 scrape: Mutex::new(()),
                 access_log,
                 connector,
+                retries: RetryMemory::default(),
+                early_retry_penalty: early_retry_penalty.max(1),
             }),
         }
     }
@@ -194,6 +207,16 @@ impl Gateway {
     /// The access log.
     pub fn access_log(&self) -> &AccessLog {
         &self.inner.access_log
+    }
+
+    /// Recent refusals, to tell which clients come back before their `Retry-After`.
+    pub fn retries(&self) -> &RetryMemory {
+        &self.inner.retries
+    }
+
+    /// The factor on the `Retry-After` of an early retry refused again (1: none).
+    pub fn early_retry_penalty(&self) -> u32 {
+        self.inner.early_retry_penalty
     }
 
     /// Ready: limits were loaded, shutdown has not begun and the gateway is not waiting for the
@@ -481,6 +504,15 @@ impl Gateway {
             "revision": snapshot.limits.revision,
             "generation": snapshot.limits.generation,
             "upstreamConnections": upstream,
+            "retryAfterCompliance": self.inner.retries.compliance().into_iter().map(|(client, c)| {
+                let total = c.early + c.on_time;
+                serde_json::json!({
+                    "client": client.as_ref(),
+                    "early": c.early,
+                    "onTime": c.on_time,
+                    "earlyShare": if total == 0 { 0.0 } else { c.early as f64 / total as f64 },
+                })
+            }).collect::<Vec<_>>(),
             "maxUpstreamConnections": snapshot.limits.listener.max_upstream_connections,
             "backends": backends,
             "topClients": clients.into_iter().map(|(policy, c)| {

@@ -36,6 +36,7 @@ pub mod pool;
 pub mod procfs;
 pub mod proxy;
 pub mod reload;
+pub mod retry;
 pub mod route;
 pub mod server;
 pub mod share;
@@ -137,7 +138,12 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     let connector = upstream::HttpConnector {
         keepalive: config.upstream_keepalive.settings(),
     };
-    let gw = Gateway::configured(metrics, access_log, connector);
+    let gw = Gateway::configured(
+        metrics,
+        access_log,
+        connector,
+        config.early_retries.penalty_factor,
+    );
     let (shutdown, shutdown_rx) = watch::channel(false);
     let conns = Arc::new(server::Connections::default());
     let mut tasks = vec![

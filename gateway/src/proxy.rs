@@ -96,7 +96,9 @@ pub async fn handle(
         Err(error) => {
             tracing::debug!(%error, reason = error.reason(), request_id = ?record.request_id(), "request not proxied");
             record.rejected(error.reason());
-            error.to_response()
+            let mut response = error.to_response();
+            remember_refusal(&gw, record, &error, &mut response);
+            response
         }
     }
 }
@@ -139,14 +141,23 @@ async fn proxy(
         .ok_or(ProxyError::NoRoute)?;
     record.backend(&route.backend.name);
 
+    // Who the client is: its policy's identity, or its source address without a policy.
+    let key = match &route.limiter {
+        Some(limiter) => client_key(
+            &limiter.identity(),
+            &parts.headers,
+            peer,
+            listener.trusted_proxies.as_ref(),
+        ),
+        None => ClientKey::of(crate::source::key_text(peer.source).as_bytes()),
+    };
+    record.key(key);
+    if let Some((timing, class)) = gw.retries().arrived(&key, Instant::now()) {
+        record.retry(timing);
+        gw.metrics().signals().retried(&class, timing);
+    }
     let permit = match &route.limiter {
         Some(limiter) => {
-            let key = client_key(
-                &limiter.identity(),
-                &parts.headers,
-                peer,
-                listener.trusted_proxies.as_ref(),
-            );
             let acquired = limiter.acquire(key).await;
             let name = match &acquired {
                 Ok(permit) => Some(permit.label()),
@@ -171,6 +182,35 @@ async fn proxy(
         record,
     };
     forward(call, req, permit).await
+}
+
+/// Remembers a refusal that told the client when to come back (429, 503), for the next call of
+/// the same client to be counted early or on time; an early retry refused again is told to wait
+/// `earlyRetries.penaltyFactor` times longer.
+fn remember_refusal(
+    gw: &Gateway,
+    record: &Record,
+    error: &ProxyError,
+    response: &mut Response<ResponseBody>,
+) {
+    let (Some(key), Some(retry_after)) = (record.client_key(), error.retry_after()) else {
+        return;
+    };
+    if !matches!(error.status().as_u16(), 429 | 503) {
+        return;
+    }
+    let mut secs = retry_after.as_secs().max(1);
+    if record.early_retry() && gw.early_retry_penalty() > 1 {
+        secs *= u64::from(gw.early_retry_penalty());
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    let class = record
+        .client_name()
+        .unwrap_or_else(|| crate::signals::NO_CLIENT.into());
+    gw.retries()
+        .refused(key, class, Duration::from_secs(secs), Instant::now());
 }
 
 /// 431 for too many or too large headers, 413 for a declared body over the limit. hyper

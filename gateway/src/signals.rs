@@ -105,6 +105,13 @@ pub struct Signals {
     downstream_hold: Histogram,
     reclaimed: Family<ReclaimLabels, Counter>,
     connection_age: Hist<AgeLabels>,
+    retries: Family<RetryLabels, Counter>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RetryLabels {
+    client: String,
+    timing: &'static str,
 }
 
 impl Signals {
@@ -120,6 +127,7 @@ impl Signals {
             downstream_hold: long_histogram(),
             reclaimed: Family::default(),
             connection_age: Family::new_with_constructor(long_histogram),
+            retries: Family::default(),
         }
     }
 
@@ -174,6 +182,21 @@ impl Signals {
             Unit::Seconds,
             self.connection_age.clone(),
         );
+        r.register(
+            "poolpilot_client_retries",
+            "Calls that came back after a 429 or 503 with Retry-After, before it passed (early) or after (on_time), by client class",
+            self.retries.clone(),
+        );
+    }
+
+    /// A client of `client` class came back after a refusal.
+    pub(crate) fn retried(&self, client: &str, timing: crate::retry::Timing) {
+        self.retries
+            .get_or_create(&RetryLabels {
+                client: client.into(),
+                timing: timing.as_str(),
+            })
+            .inc();
     }
 
     /// One measure of the runtime's scheduling lag.

@@ -87,6 +87,7 @@ fn config_with_token(token_file: Option<&Path>) -> GatewayConfig {
         access_log: Default::default(),
         metrics: Default::default(),
         upstream_keepalive: Default::default(),
+        early_retries: Default::default(),
     }
 }
 

@@ -274,3 +274,91 @@ async fn an_upstream_connection_reset_while_idle_is_dropped_before_a_request_is_
         "the two reset connections were dropped: {text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_coming_back_before_their_retry_after_are_counted_and_can_be_told_to_wait_longer() {
+    use std::sync::atomic::Ordering;
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(400, Ordering::SeqCst);
+    let gw = Gw::start_edited(None, Duration::from_secs(5), Duration::ZERO, |config, _| {
+        config.early_retries.penalty_factor = 3;
+    })
+    .await;
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
+    doc["clientPolicies"] = serde_json::json!([{
+        "name": "default", "identity": {"header": "x-api-key"},
+        "maxConcurrency": 1, "maxQueue": 0, "queueTimeout": "1s",
+        "overrides": [{"name": "team-a", "keySha256": sha256_hex("key-a"), "maxConcurrency": 1}]
+    }]);
+    doc["backends"][0]["clientPolicy"] = "default".into();
+    gw.apply(from_json(doc));
+
+    // team-a holds its only slot; a second call is refused with a Retry-After.
+    let proxy = gw.proxy;
+    let busy = |key: &'static str| {
+        tokio::spawn(async move { post(proxy, "/v1/x", &[("x-api-key", key)], "{}").await.0 })
+    };
+    let slow = busy("key-a");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, headers, _) = post(gw.proxy, "/v1/x", &[("x-api-key", "key-a")], "{}").await;
+    assert_eq!(status, 429);
+    let told: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(told >= 1);
+    // It comes back at once, is refused again, and told to wait three times as long.
+    let (status, headers, _) = post(gw.proxy, "/v1/x", &[("x-api-key", "key-a")], "{}").await;
+    assert_eq!(status, 429);
+    let penalized: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert_eq!(
+        penalized,
+        3 * told,
+        "an early retry refused again waits longer"
+    );
+    assert_eq!(slow.await.unwrap(), 200);
+
+    // Another client refused once and back after its Retry-After: on time.
+    let slow = busy("key-b");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, headers, _) = post(gw.proxy, "/v1/x", &[("x-api-key", "key-b")], "{}").await;
+    assert_eq!(status, 429);
+    let told: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert_eq!(slow.await.unwrap(), 200);
+    tokio::time::sleep(Duration::from_secs(told) + Duration::from_millis(50)).await;
+    backend.script.delay_ms.store(0, Ordering::SeqCst);
+    assert_eq!(
+        post(gw.proxy, "/v1/x", &[("x-api-key", "key-b")], "{}")
+            .await
+            .0,
+        200
+    );
+
+    let text = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            r#"poolpilot_client_retries_total{client="team-a",timing="early"}"#
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            r#"poolpilot_client_retries_total{client="other",timing="on_time"}"#
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    let (_, _, stats) = gw.admin_get("/v1/stats").await;
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(
+        stats["retryAfterCompliance"],
+        serde_json::json!([
+            {"client": "other", "early": 0, "onTime": 1, "earlyShare": 0.0},
+            {"client": "team-a", "early": 1, "onTime": 0, "earlyShare": 1.0},
+        ])
+    );
+    // The access log tells which call came back early.
+    let lines = gw.access_lines();
+    assert_eq!(lines.iter().filter(|l| l["retry"] == "early").count(), 1);
+    assert_eq!(lines.iter().filter(|l| l["retry"] == "on_time").count(), 1);
+}

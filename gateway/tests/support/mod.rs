@@ -307,6 +307,7 @@ impl Gw {
             },
             metrics: Default::default(),
             upstream_keepalive: Default::default(),
+            early_retries: Default::default(),
         };
         edit(&mut config, dir.path());
         let running = start(config).await.expect("the gateway starts");
