@@ -106,6 +106,18 @@ pub struct Signals {
     reclaimed: Family<ReclaimLabels, Counter>,
     connection_age: Hist<AgeLabels>,
     retries: Family<RetryLabels, Counter>,
+    client_concurrency: Hist<PolicyLabel>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PolicyLabel {
+    policy: String,
+}
+
+fn concurrency_histogram() -> Histogram {
+    Histogram::new([
+        1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0, 512.0,
+    ])
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -128,6 +140,7 @@ impl Signals {
             reclaimed: Family::default(),
             connection_age: Family::new_with_constructor(long_histogram),
             retries: Family::default(),
+            client_concurrency: Family::new_with_constructor(concurrency_histogram),
         }
     }
 
@@ -183,10 +196,24 @@ impl Signals {
             self.connection_age.clone(),
         );
         r.register(
+            "poolpilot_client_concurrency",
+            "Calls a client has in flight or queued, this one included, at each call's admission, per client policy (no client labels: the distribution maxConcurrency is set from)",
+            self.client_concurrency.clone(),
+        );
+        r.register(
             "poolpilot_client_retries",
             "Calls that came back after a 429 or 503 with Retry-After, before it passed (early) or after (on_time), by client class",
             self.retries.clone(),
         );
+    }
+
+    /// A client of `policy` asked for `calls` calls at once (in flight, queued and this one).
+    pub(crate) fn client_concurrency(&self, policy: &str, calls: u32) {
+        self.client_concurrency
+            .get_or_create(&PolicyLabel {
+                policy: policy.into(),
+            })
+            .observe(f64::from(calls));
     }
 
     /// A client of `client` class came back after a refusal.

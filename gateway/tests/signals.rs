@@ -362,3 +362,60 @@ async fn clients_coming_back_before_their_retry_after_are_counted_and_can_be_tol
     assert_eq!(lines.iter().filter(|l| l["retry"] == "early").count(), 1);
     assert_eq!(lines.iter().filter(|l| l["retry"] == "on_time").count(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_concurrency_clients_ask_for_is_a_distribution_and_the_top_clients_are_named() {
+    use std::sync::atomic::Ordering;
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(400, Ordering::SeqCst);
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 16)).unwrap();
+    doc["clientPolicies"] = serde_json::json!([{
+        "name": "default", "identity": {"header": "x-api-key"},
+        "maxConcurrency": 2, "maxQueue": 8, "queueTimeout": "5s",
+        "overrides": [{"name": "team-a", "keySha256": sha256_hex("key-a"), "maxConcurrency": 2}]
+    }]);
+    doc["backends"][0]["clientPolicy"] = "default".into();
+    let gw = Gw::start(from_json(doc)).await;
+
+    // team-a asks for 4 calls at once (2 run, 2 queue), another client for 1.
+    let mut calls = Vec::new();
+    for key in ["key-a", "key-a", "key-a", "key-a", "key-z"] {
+        let proxy = gw.proxy;
+        calls.push(tokio::spawn(async move {
+            post(proxy, "/v1/x", &[("x-api-key", key)], "{}").await.0
+        }));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let (_, _, stats) = gw.admin_get("/v1/stats").await;
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    let top = &stats["topClients"];
+    assert_eq!(top[0]["client"], "team-a", "{stats}");
+    assert_eq!(top[0]["inflight"], 2);
+    assert_eq!(top[0]["queued"], 2);
+    assert!(
+        top[1]["client"].as_str().unwrap().starts_with("sha256:"),
+        "{stats}"
+    );
+    for call in calls {
+        assert_eq!(call.await.unwrap(), 200);
+    }
+    let text = gw.metrics().await;
+    let bucket = |le: &str| {
+        metric(
+            &text,
+            &format!(r#"poolpilot_client_concurrency_bucket{{le="{le}",policy="default"}}"#),
+        )
+    };
+    assert_eq!(
+        metric(
+            &text,
+            r#"poolpilot_client_concurrency_count{policy="default"}"#
+        ),
+        Some(5.0),
+        "{text}"
+    );
+    assert_eq!(bucket("1.0"), Some(2.0), "team-a's first call and key-z's");
+    assert_eq!(bucket("2.0"), Some(3.0));
+    assert_eq!(bucket("3.0"), Some(4.0));
+    assert_eq!(bucket("4.0"), Some(5.0), "team-a asked for 4 at once");
+}
