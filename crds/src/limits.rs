@@ -254,6 +254,31 @@ pub struct PoolLimits {
     pub connect_timeout: Duration,
     /// Check a connection that sat idle longer than this before reusing it.
     pub validate_after_idle: Duration,
+    /// Slow lease entry down while requests wait: omitted, none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soft_throttle: Option<SoftThrottle>,
+}
+
+/// A short, bounded delay before a lease request, growing with the requests already waiting:
+/// `min(max, pending × perPending)`. It smooths a burst into the queue instead of letting it
+/// pile up at once (the HttpAsyncClient report slept `min(10, pending × 2)` ms).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SoftThrottle {
+    /// Delay per lease request already waiting.
+    pub per_pending: Duration,
+    /// Longest delay.
+    pub max: Duration,
+}
+
+impl SoftThrottle {
+    /// The delay of a lease request that finds `pending` requests waiting.
+    pub fn delay(&self, pending: u32) -> std::time::Duration {
+        self.per_pending
+            .get()
+            .saturating_mul(pending)
+            .min(self.max.get())
+    }
 }
 
 /// Hard limits on one proxied call.
@@ -652,6 +677,15 @@ impl GatewayLimits {
             v.positive(&at("pool.idleTimeout"), p.idle_timeout);
             v.positive(&at("pool.maxLifetime"), p.max_lifetime);
             v.positive(&at("pool.connectTimeout"), p.connect_timeout);
+            if let Some(throttle) = &p.soft_throttle {
+                v.positive(&at("pool.softThrottle.perPending"), throttle.per_pending);
+                if throttle.max.get() > std::time::Duration::from_secs(1) {
+                    v.push(
+                        at("pool.softThrottle.max"),
+                        format!("{} is longer than 1s", throttle.max),
+                    );
+                }
+            }
             let t = &b.timeouts;
             v.positive(&at("timeouts.firstByte"), t.first_byte);
             v.positive(&at("timeouts.total"), t.total);

@@ -305,6 +305,26 @@ pub struct PoolSpec {
     /// one is dropped and another taken). At most `idleTimeout`.
     #[schemars(schema_with = "positive_duration")]
     pub validate_after_idle: Duration,
+    /// Delay lease requests a little while others wait: `min(max, pending × perPending)` before
+    /// each one joins the queue. Omitted: no delay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soft_throttle: Option<SoftThrottleSpec>,
+}
+
+/// The soft throttle of a pool.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "duration(self.perPending) <= duration(self.max)", "message": "pool.softThrottle.perPending must not exceed pool.softThrottle.max"},
+    {"rule": "duration(self.max) <= duration('1s')", "message": "pool.softThrottle.max must be at most 1s: it delays every call while requests wait"}
+]))]
+pub struct SoftThrottleSpec {
+    /// Delay per lease request already waiting (2ms in the report it comes from).
+    #[schemars(schema_with = "positive_duration")]
+    pub per_pending: Duration,
+    /// Longest delay (10ms in that report).
+    #[schemars(schema_with = "positive_duration")]
+    pub max: Duration,
 }
 
 /// Hard limits on one proxied call; the gateway closes the upstream connection when one fires.
@@ -791,6 +811,7 @@ impl Default for PoolSpec {
             max_lifetime: Duration::from_secs(600),
             connect_timeout: Duration::from_secs(1),
             validate_after_idle: Duration::from_secs(2),
+            soft_throttle: None,
         }
     }
 }

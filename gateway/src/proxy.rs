@@ -497,6 +497,12 @@ async fn forward(
     let backend = &route.backend;
     let timeouts = &route.timeouts;
     let mut retries = 0;
+    // The soft throttle: a short delay while others wait, before joining them.
+    let delay = backend.pool.throttle_delay();
+    if !delay.is_zero() {
+        metrics.signals().throttled(&backend.name, delay);
+        tokio::time::sleep(delay).await;
+    }
     loop {
         let mut lease = backend.pool.lease().await.inspect_err(|e| {
             if let Some(endpoint) = e.endpoint() {

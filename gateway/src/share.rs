@@ -14,15 +14,18 @@ pub fn per_endpoint_caps(cap: Option<u32>, pools: &[(u32, u32)]) -> Vec<u32> {
     if pools.iter().map(demand).sum::<u64>() <= u64::from(cap) {
         return own;
     }
-    // Water-fill the backends' totals, smallest demand first.
+    // Every endpoint keeps one connection; what is left of the cap is water-filled over what
+    // the backends want beyond that, smallest first.
+    let floor = |&(max, endpoints): &(u32, u32)| u64::from(endpoints) * u64::from(max.min(1));
     let mut order: Vec<usize> = (0..pools.len()).collect();
-    order.sort_by_key(|&i| demand(&pools[i]));
-    let mut totals = vec![0u64; pools.len()];
-    let mut left = u64::from(cap);
+    order.sort_by_key(|&i| demand(&pools[i]) - floor(&pools[i]));
+    let mut totals: Vec<u64> = pools.iter().map(floor).collect();
+    let mut left = u64::from(cap).saturating_sub(totals.iter().sum());
     for (k, &i) in order.iter().enumerate() {
         let part = left / (order.len() - k) as u64;
-        totals[i] = demand(&pools[i]).min(part);
-        left -= totals[i];
+        let extra = (demand(&pools[i]) - totals[i]).min(part);
+        totals[i] += extra;
+        left -= extra;
     }
     pools
         .iter()
@@ -47,10 +50,11 @@ mod tests {
             [64, 8],
             "the pools fit"
         );
-        // 100 for three backends: b (8 in all) keeps 8, a and c share 92: 46 each.
+        // 100 for three backends: one connection per endpoint first (4), then b (7 more
+        // wanted) takes its 7, and a and c share the other 89: 45 and 44 more.
         assert_eq!(
             per_endpoint_caps(Some(100), &[(64, 2), (8, 1), (50, 1)]),
-            [23, 8, 46]
+            [23, 8, 45]
         );
         // Every endpoint keeps one connection, even under a cap too small for that.
         assert_eq!(per_endpoint_caps(Some(2), &[(8, 3), (8, 1)]), [1, 1]);
@@ -72,13 +76,13 @@ mod tests {
             if u64::from(cap) >= endpoints {
                 prop_assert!(held <= u64::from(cap), "{held} over the cap {cap}");
             }
-            // Max-min: no backend holds more than one held below its own cap, but for that
-            // one's rounding down to its endpoints (and the one connection each endpoint keeps).
+            // Max-min: no backend holds more than one held below its own cap, but for the one
+            // connection each endpoint keeps and the rounding down to endpoints.
             for (i, &(max, e)) in pools.iter().enumerate() {
                 if caps[i] < max {
                     for (j, &(_, ej)) in pools.iter().enumerate() {
                         prop_assert!(
-                            total(j) <= (total(i) + u64::from(e)).max(u64::from(ej)),
+                            total(j) <= total(i) + u64::from(e) + u64::from(ej),
                             "backend {i} ({}) starved beside {j} ({})", total(i), total(j)
                         );
                     }

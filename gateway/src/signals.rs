@@ -107,6 +107,13 @@ pub struct Signals {
     connection_age: Hist<AgeLabels>,
     retries: Family<RetryLabels, Counter>,
     client_concurrency: Hist<PolicyLabel>,
+    throttle_delay: Family<BackendLabel, Counter<f64, AtomicU64>>,
+    throttled: Family<BackendLabel, Counter>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BackendLabel {
+    backend: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -141,6 +148,8 @@ impl Signals {
             connection_age: Family::new_with_constructor(long_histogram),
             retries: Family::default(),
             client_concurrency: Family::new_with_constructor(concurrency_histogram),
+            throttle_delay: Family::default(),
+            throttled: Family::default(),
         }
     }
 
@@ -201,6 +210,17 @@ impl Signals {
             self.client_concurrency.clone(),
         );
         r.register(
+            "poolpilot_pool_soft_throttled",
+            "Lease requests the soft throttle delayed",
+            self.throttled.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_pool_soft_throttle_delay",
+            "Time the soft throttle delayed lease requests, in total",
+            Unit::Seconds,
+            self.throttle_delay.clone(),
+        );
+        r.register(
             "poolpilot_client_retries",
             "Calls that came back after a 429 or 503 with Retry-After, before it passed (early) or after (on_time), by client class",
             self.retries.clone(),
@@ -214,6 +234,17 @@ impl Signals {
                 policy: policy.into(),
             })
             .observe(f64::from(calls));
+    }
+
+    /// The soft throttle delayed a lease request of `backend` by `delay`.
+    pub(crate) fn throttled(&self, backend: &str, delay: Duration) {
+        let label = BackendLabel {
+            backend: backend.into(),
+        };
+        self.throttled.get_or_create(&label).inc();
+        self.throttle_delay
+            .get_or_create(&label)
+            .inc_by(delay.as_secs_f64());
     }
 
     /// A client of `client` class came back after a refusal.

@@ -754,6 +754,22 @@ impl<C: Connect> Pool<C> {
     }
 }
 
+// === soft throttle ===
+
+impl<C: Connect> Pool<C> {
+    /// The delay a lease request should take before joining the pool now: the soft throttle's
+    /// `min(max, pending × perPending)`, zero without one or without waiters.
+    pub fn throttle_delay(&self) -> Duration {
+        let state = self.inner.state.lock();
+        match &state.limits.soft_throttle {
+            Some(throttle) if !state.waiters.is_empty() => {
+                throttle.delay(state.waiters.len() as u32)
+            }
+            _ => Duration::ZERO,
+        }
+    }
+}
+
 // === manual drain ===
 
 impl<C: Connect> Pool<C> {
