@@ -17,7 +17,7 @@ use crate::access::AccessLogConfig;
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "poolpilot-gateway",
-    version,
+    version = poolpilot_telemetry::LONG_VERSION,
     about = "poolpilot's pooled, throttled AI gateway",
     subcommand_negates_reqs = true
 )]

@@ -33,7 +33,6 @@ pub mod logging;
 pub mod metrics;
 pub mod models;
 pub mod pool;
-pub mod procfs;
 pub mod proxy;
 pub mod reload;
 pub mod retry;
