@@ -328,7 +328,9 @@ pub struct TimeoutsSpec {
     pub stream_idle: Duration,
 }
 
-/// Active HTTP health checking.
+/// Active HTTP health checking. A probe's connection takes a slot of the endpoint's pool cap,
+/// so probes never take an endpoint over its share; when every slot is in use the endpoint is
+/// not probed that round (its calls report to outlier detection).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -474,7 +476,9 @@ pub struct ClientMatchSpec {
     {"rule": "self.maxRatio > 0.0", "message": "slowCalls.maxRatio must be above 0"}
 ]))]
 pub struct SlowCallsSpec {
-    /// A call slower than this counts as slow.
+    /// A call counts as slow when it waited longer than this for the backend: for its first
+    /// response byte, or between two chunks of its response (a stall). A long stream that keeps
+    /// flowing is not slow, whatever its total duration.
     #[schemars(schema_with = "positive_duration")]
     pub threshold: Duration,
     /// Demote a client when more than this share of its recent calls were slow (0 < ratio ≤ 1).

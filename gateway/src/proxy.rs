@@ -605,7 +605,7 @@ fn respond(
         first_byte: false,
         backend,
         lease,
-        _permit: permit,
+        permit,
         status: parts.status.as_u16(),
         sent_at,
     };
@@ -618,7 +618,9 @@ struct Call {
     metrics: Metrics,
     backend: Arc<Backend>,
     lease: Lease<HttpConnector>,
-    _permit: Option<ClientPermit>,
+    /// The client's slot: released when the call ends; told of each frame (slow calls are
+    /// judged on the waits between them).
+    permit: Option<ClientPermit>,
     status: u16,
     sent_at: Instant,
     /// Response body bytes of this backend, counted as they arrive.
@@ -645,6 +647,9 @@ impl Call {
     fn received(&mut self, n: usize) {
         if n == 0 {
             return;
+        }
+        if let Some(permit) = &mut self.permit {
+            permit.frame();
         }
         if !self.first_byte {
             self.first_byte = true;

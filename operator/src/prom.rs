@@ -327,14 +327,24 @@ impl Snapshot {
             return out;
         }
         let ns = namespace.to_owned();
-        for (key, pods, backends) in selection {
-            // Counters appear with their first increment: for a pod that is scraped (it has a
-            // fresh `process_max_fds`), an absent series is no calls yet, which is zero.
-            let scraped = pods.iter().any(|p| {
+        for Selection {
+            policy: key,
+            pods,
+            ready,
+            backends,
+        } in selection
+        {
+            let is_scraped = |p: &String| {
                 self.max_fds
                     .as_ref()
                     .is_some_and(|m| m.contains_key(&(ns.clone(), p.clone())))
-            });
+            };
+            // Counters appear with their first increment: for a pod that is scraped (it has a
+            // fresh `process_max_fds`), an absent series is no calls yet, which is zero.
+            let scraped = pods.iter().any(is_scraped);
+            // A ready pod serves traffic: if it is not scraped, the fleet's demand is not the
+            // sum of the others' (it would be too small), it is missing.
+            let unscraped = ready.iter().filter(|p| !is_scraped(p)).count() as u32;
             for (backend, saturation_query) in backends {
                 let values = |m: &Option<BTreeMap<(String, String, String), f64>>| {
                     let m = m.as_ref()?;
@@ -344,10 +354,14 @@ impl Snapshot {
                         .collect();
                     Some(vals)
                 };
-                let gauge = |m| values(m).filter(|v| !v.is_empty()).map(|v| v.iter().sum());
+                let gauge = |m| {
+                    values(m)
+                        .filter(|v| unscraped == 0 && !v.is_empty())
+                        .map(|v| v.iter().sum())
+                };
                 let counter = |m| {
                     values(m)
-                        .filter(|v| scraped || !v.is_empty())
+                        .filter(|v| unscraped == 0 && (scraped || !v.is_empty()))
                         .map(|v| v.iter().sum())
                 };
                 let fleet = |m: &Option<BTreeMap<(String, String), f64>>| {
@@ -379,6 +393,7 @@ impl Snapshot {
                         ttfb: fleet(&self.ttfb),
                         window: self.window,
                         saturation,
+                        unscraped,
                     },
                 );
             }
@@ -401,9 +416,18 @@ impl Snapshot {
     }
 }
 
-/// One policy as [`Snapshot::samples`] reads it: its key, the pods it selects, and its backends
-/// with their saturation queries.
-pub type Selection = (PolicyKey, Vec<String>, Vec<(String, Option<String>)>);
+/// One policy as [`Snapshot::samples`] reads it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Selection {
+    /// The policy.
+    pub policy: PolicyKey,
+    /// The pods it selects.
+    pub pods: Vec<String>,
+    /// Of those, the ready ones (they serve traffic, so their samples must be there).
+    pub ready: Vec<String>,
+    /// Its backends, each with its saturation query if it has one.
+    pub backends: Vec<(String, Option<String>)>,
+}
 
 /// The value of a saturation query's answer: the largest finite value (`None`: no value).
 pub fn saturation_value(rows: &[(HashMap<String, String>, f64)]) -> Option<f64> {
@@ -505,11 +529,12 @@ mod tests {
     }
 
     fn selection() -> Vec<Selection> {
-        vec![(
-            key(),
-            vec!["gw-0".into(), "gw-1".into()],
-            vec![("model-a".into(), None)],
-        )]
+        vec![Selection {
+            policy: key(),
+            pods: vec!["gw-0".into(), "gw-1".into()],
+            ready: vec![],
+            backends: vec![("model-a".into(), None)],
+        }]
     }
 
     fn fold(r: &BTreeMap<&'static str, Rows>) -> Snapshot {
@@ -697,11 +722,12 @@ mod tests {
         assert_eq!(queries.all().len(), 1, "a policy's queries can all go");
 
         let selection = |q: &str| -> Vec<Selection> {
-            vec![(
-                key(),
-                vec!["gw-0".into()],
-                vec![("model-a".into(), Some(q.to_owned()))],
-            )]
+            vec![Selection {
+                policy: key(),
+                pods: vec!["gw-0".into()],
+                ready: vec!["gw-0".into()],
+                backends: vec![("model-a".into(), Some(q.to_owned()))],
+            }]
         };
         let mut snap = fold(&round());
         let sat = |snap: &Snapshot, q: &str| {
@@ -764,6 +790,87 @@ mod tests {
             None,
             "a failed query is missing"
         );
+    }
+
+    #[test]
+    fn a_ready_pod_without_fresh_samples_makes_demand_missing_not_smaller() {
+        let snap = fold(&round());
+        let mut sel = selection();
+        sel[0].ready = vec!["gw-0".into()];
+        let s = snap.samples("ns", &sel, at(5), Duration::from_secs(30));
+        let b = s.backends[&(key(), "model-a".into())];
+        assert_eq!(
+            (b.leased, b.unscraped),
+            (Some(300.0), 0),
+            "gw-1 is not ready: it serves nothing, its absence is not a hole"
+        );
+        sel[0].ready = vec!["gw-0".into(), "gw-1".into()];
+        let s = snap.samples("ns", &sel, at(5), Duration::from_secs(30));
+        let b = s.backends[&(key(), "model-a".into())];
+        assert_eq!(b.unscraped, 1, "gw-1 is ready and has no process_max_fds");
+        assert_eq!(
+            (b.leased, b.pending, b.leased_now, b.pending_now),
+            (None, None, None, None),
+            "the demand of the scraped pods alone would be too small"
+        );
+        assert_eq!((b.completed, b.bytes), (None, None));
+        assert_eq!(b.ttfb, Some(0.25), "a fleet quantile, not a sum: it stays");
+    }
+
+    proptest::proptest! {
+        /// Whatever pods are selected, ready and scraped: the demand is the sum over the
+        /// selected pods when every ready one is scraped, and missing otherwise.
+        #[test]
+        fn demand_is_the_whole_sum_or_missing(
+            pods in proptest::collection::vec(
+                (proptest::bool::ANY, proptest::bool::ANY, proptest::option::of(0u32..1000)),
+                1..12,
+            )
+        ) {
+            let name = |i: usize| format!("gw-{i}");
+            let mut rows: BTreeMap<&'static str, Rows> = BTreeMap::new();
+            let mut leased = Vec::new();
+            let mut max_fds = Vec::new();
+            for (i, (_, scraped, value)) in pods.iter().enumerate() {
+                let n = name(i);
+                if *scraped {
+                    max_fds.push(row(&[("namespace", "ns"), ("pod", &n)], 1024.0));
+                    if let Some(v) = value {
+                        leased.push(row(
+                            &[("namespace", "ns"), ("pod", &n), ("backend", "model-a")],
+                            f64::from(*v),
+                        ));
+                    }
+                }
+            }
+            rows.insert("leased", Some(leased));
+            rows.insert("max_fds", Some(max_fds));
+            let sel = vec![Selection {
+                policy: key(),
+                pods: (0..pods.len()).map(name).collect(),
+                ready: pods
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.0)
+                    .map(|(i, _)| name(i))
+                    .collect(),
+                backends: vec![("model-a".into(), None)],
+            }];
+            let s = fold(&rows).samples("ns", &sel, at(5), Duration::from_secs(30));
+            let b = s.backends[&(key(), "model-a".into())];
+            let holes = pods.iter().filter(|(ready, scraped, _)| *ready && !*scraped).count();
+            proptest::prop_assert_eq!(b.unscraped as usize, holes);
+            let present: Vec<f64> = pods
+                .iter()
+                .filter(|(_, scraped, _)| *scraped)
+                .filter_map(|(_, _, v)| v.map(f64::from))
+                .collect();
+            if holes > 0 || present.is_empty() {
+                proptest::prop_assert_eq!(b.leased, None);
+            } else {
+                proptest::prop_assert_eq!(b.leased, Some(present.iter().sum::<f64>()));
+            }
+        }
     }
 
     #[test]

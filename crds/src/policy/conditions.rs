@@ -165,7 +165,16 @@ pub const CONDITIONS: &[ConditionDoc] = &[
                  `autoscale.max`), or its growth is held because it is past its knee: its own \
                  saturation query says so, a step added in-flight calls and no throughput, or \
                  (at half its declared capacity or more) it answers slower at the same load; \
-                 the message names the backend with the numbers",
+                 the message names the backend with the numbers (and any overcommit, below)",
+            ),
+            reason(
+                "True",
+                "Overcommitted",
+                "every gateway pod keeps at least 1 connection per endpoint, so more gateway \
+                 pods than a backend's budget (its target per endpoint) open more connections \
+                 than the budget: the message names the backend with the pods, the total and \
+                 the budget (10 pods, 10 in all, budget 8). Run fewer gateway pods or raise the \
+                 budget",
             ),
             reason("Unknown", "NotAccepted", NOT_ACCEPTED),
         ],

@@ -14,6 +14,7 @@ mod flash_crowd;
 mod happy_path;
 mod hostile_clients;
 mod operator_down;
+mod partial_scrape;
 mod policy_edit;
 mod prometheus_down;
 mod saturated;

@@ -262,7 +262,30 @@ fn conditions(
                 .map(|why| format!("{}: {why}", b.name))
         }))
         .collect();
-    let saturated = if saturated.is_empty() {
+    // Every holder keeps at least one connection per endpoint: with more holders than the
+    // budget allows, the fleet opens more than it. Never silently.
+    let overcommitted: Vec<String> = plan
+        .backends
+        .iter()
+        .filter_map(|b| {
+            let holders = plan.holders.len();
+            let (total, target) = b.overcommit(holders)?;
+            Some(format!(
+                "{}: {holders} gateway pods keep at least 1 connection per endpoint each, \
+                 {total} in all, over the backend's budget of {target} per endpoint; \
+                 run fewer gateway pods or raise the budget",
+                b.name
+            ))
+        })
+        .collect();
+    let saturated = if saturated.is_empty() && !overcommitted.is_empty() {
+        Computed::new(
+            Kind::Saturated,
+            Status::True,
+            "Overcommitted",
+            overcommitted.join("; "),
+        )
+    } else if saturated.is_empty() {
         let util = backends
             .iter()
             .filter_map(|b| {
@@ -278,12 +301,8 @@ fn conditions(
         };
         Computed::new(Kind::Saturated, Status::False, "WithinCapacity", msg)
     } else {
-        Computed::new(
-            Kind::Saturated,
-            Status::True,
-            "Saturated",
-            saturated.join("; "),
-        )
+        let all: Vec<String> = saturated.into_iter().chain(overcommitted).collect();
+        Computed::new(Kind::Saturated, Status::True, "Saturated", all.join("; "))
     };
 
     let ready_cond = if rolled.status == Status::True {

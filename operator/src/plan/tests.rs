@@ -1390,3 +1390,158 @@ fn a_backend_without_endpoints_is_reported_saturated_naming_its_service() {
         .unwrap();
     assert_eq!(saturated.status, "False", "{saturated:?}");
 }
+
+#[test]
+fn a_share_floor_over_the_backend_budget_is_named_with_the_numbers() {
+    // capacity 10 × (1 − 0.2) = 8 per endpoint; ten gateway pods each keep at least one.
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 10, "autoscale: {enabled: false}\n"),
+        1,
+    );
+    let input = FleetInput {
+        policies: vec![p],
+        pods: pods(10),
+        ..FleetInput::default()
+    };
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let b = &fleet.policies[0].backends[0];
+    assert_eq!((b.target, b.per_pod), (8, 1));
+    assert_eq!(b.overcommit(10), Some((10, 8)));
+    let s = compute(
+        &input.policies[0],
+        &fleet.policies[0],
+        &memory,
+        &RolloutReport::default(),
+        at(0),
+    );
+    let c = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Saturated")
+        .unwrap();
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
+        (
+            "True",
+            "Overcommitted",
+            "model-a: 10 gateway pods keep at least 1 connection per endpoint each, 10 in all, \
+             over the backend's budget of 8 per endpoint; run fewer gateway pods or raise the \
+             budget"
+        )
+    );
+
+    // Eight pods fit the budget exactly: nothing to say.
+    let input = FleetInput {
+        pods: pods(8),
+        ..input
+    };
+    let fleet = plan(&input, &mut memory, at(15));
+    assert_eq!(fleet.policies[0].backends[0].overcommit(8), None);
+    let s = compute(
+        &input.policies[0],
+        &fleet.policies[0],
+        &memory,
+        &RolloutReport::default(),
+        at(15),
+    );
+    let c = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Saturated")
+        .unwrap();
+    assert_eq!(c.status, "False", "{c:?}");
+}
+
+#[test]
+fn a_ready_pod_without_fresh_samples_holds_the_target_and_is_named() {
+    let p = policy("a", 0, &spec("model-a", 64, ""), 2);
+    let pods = pods(3);
+    let mut samples = Samples {
+        pods: fds(&pods, 4096),
+        ..Samples::default()
+    };
+    // As `Snapshot::samples` gives it: gw-2 is ready and not scraped, so the sums are missing.
+    samples.pods.insert("gw-2".into(), PodSample::default());
+    samples.backends.insert(
+        (key("a"), "model-a".into()),
+        BackendSample {
+            unscraped: 1,
+            ..BackendSample::default()
+        },
+    );
+    let input = FleetInput {
+        policies: vec![p],
+        pods,
+        samples,
+        ..FleetInput::default()
+    };
+    let mut memory = Memory::default();
+    let before = memory_target(&input, &mut memory);
+    let fleet = plan(&input, &mut memory, at(15));
+    let b = &fleet.policies[0].backends[0];
+    assert!(
+        matches!(b.decision, Some(autoscale::Decision::MissingData { .. })),
+        "{:?}",
+        b.decision
+    );
+    assert_eq!(
+        b.target, before,
+        "held, never lowered to the scraped pods' demand"
+    );
+    let m = fleet.policies[0].metrics_available.clone().unwrap();
+    assert_eq!(
+        m.message,
+        "model-a: no usable leased sample (ready pods without fresh samples: gw-2) at the last \
+         decision; their targets are held"
+    );
+    let why = &memory.backends[&(key("a"), "model-a".into())]
+        .last_decision
+        .as_ref()
+        .unwrap()
+        .reason;
+    assert!(
+        why.contains("a ready gateway pod has no fresh samples"),
+        "{why}"
+    );
+}
+
+/// The target after a first planning run at `at(0)`.
+fn memory_target(input: &FleetInput, memory: &mut Memory) -> u32 {
+    plan(input, memory, at(0)).policies[0].backends[0].target
+}
+
+proptest! {
+    /// Whatever the budget and the number of holders: the shares add up to the target when
+    /// it allows one connection per holder, and otherwise the overcommit is reported with the
+    /// fleet's true total.
+    #[test]
+    fn the_overcommit_is_reported_exactly_when_the_shares_exceed_the_target(
+        capacity in 2u32..64,
+        n in 1usize..40,
+    ) {
+        let p = policy("a", 0, &spec("model-a", capacity, "autoscale: {enabled: false}\n"), 1);
+        let input = FleetInput { policies: vec![p], pods: pods(n), ..FleetInput::default() };
+        let mut memory = Memory::default();
+        let fleet = plan(&input, &mut memory, at(0));
+        let pp = &fleet.policies[0];
+        prop_assert!(pp.acceptance.is_accepted(), "{:?}", pp.acceptance);
+        let b = &pp.backends[0];
+        let total: u64 = pp.holders.iter().map(|h| u64::from(pp.share(b, h))).sum();
+        prop_assert_eq!(total, b.fleet_total(n));
+        if total > u64::from(b.target) {
+            prop_assert_eq!(b.overcommit(n), Some((total, b.target)));
+            prop_assert!(n as u64 > u64::from(b.target));
+            let s = compute(&input.policies[0], pp, &memory, &RolloutReport::default(), at(0));
+            let c = s.conditions.iter().find(|c| c.type_ == "Saturated").unwrap();
+            prop_assert_eq!(c.reason.as_str(), "Overcommitted");
+            let needle = format!("{total} in all");
+            prop_assert!(c.message.contains(&needle), "{}", c.message);
+        } else {
+            prop_assert_eq!(total, u64::from(b.target), "the shares add up to the target");
+            prop_assert_eq!(b.overcommit(n), None);
+        }
+    }
+}

@@ -37,6 +37,7 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         saturation: SaturationSignal::NotConfigured,
         leased_now: None,
         pending_now: None,
+        unscraped: 0,
     }
 }
 
@@ -842,6 +843,7 @@ impl Server {
             ttfb: Some(ttfb),
             window: WINDOW,
             saturation: SaturationSignal::NotConfigured,
+            unscraped: 0,
         }
     }
 }
