@@ -90,6 +90,46 @@ pub struct ConnectionPolicySpec {
     /// How new limits reach the selected pods: canary pods first, or every pod at once.
     #[serde(default)]
     pub rollout: RolloutSpec,
+    /// `Enforce` (the default): the operator rolls its limits out. `Recommend` (shadow mode):
+    /// it observes, validates, plans, checks the fd budget and computes each pod's share exactly
+    /// as it would enforce them, and publishes them (status, `WouldScaleUp`/`WouldScaleDown`
+    /// Events, metrics, and the rendered document in the ConfigMap `<name>-recommended`), but
+    /// sends nothing to the pods and leaves the limits ConfigMap alone. Switching to `Enforce`
+    /// rolls the current recommendation out.
+    #[serde(default, skip_serializing_if = "Mode::is_enforce")]
+    pub mode: Mode,
+}
+
+/// Whether the operator acts on its decisions or only publishes them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Mode {
+    /// Roll the limits out.
+    #[default]
+    Enforce,
+    /// Publish the limits it would roll out; change nothing on the pods.
+    Recommend,
+}
+
+impl Mode {
+    /// Whether this is `Enforce`.
+    pub fn is_enforce(&self) -> bool {
+        *self == Self::Enforce
+    }
+}
+
+/// Where a backend's target starts when the policy has no status yet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum StartFrom {
+    /// The upper bound (`max`, or capacity × (1 − headroom)): what a static configuration
+    /// runs, no slow cold start.
+    #[default]
+    Max,
+    /// The lower bound, `min`.
+    Min,
+    /// What the selected pods run now: the sum of their pools' caps for the backend
+    /// (`poolpilot_pool_max_connections`), within the bounds; the upper bound while that is not
+    /// known (no pod runs the backend yet, or no fresh sample).
+    Current,
 }
 
 /// One group of interchangeable model-server instances.
@@ -580,6 +620,14 @@ pub struct AutoscaleSpec {
     /// How fast targets may shrink: slowly, and stabilized over a window. (Growth is one step to
     /// the demand estimate.)
     pub scale_down: ScaleDownSpec,
+    /// Where a new policy's targets start (before its first decision): `Max` (the default),
+    /// `Min`, or `Current`, the limits the pods run now.
+    #[serde(skip_serializing_if = "is_default")]
+    pub start_from: StartFrom,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 /// Slow, stabilized shrinking.
@@ -859,6 +907,7 @@ impl Default for AutoscaleSpec {
             margin: 0.2,
             interval: Duration::from_secs(15),
             scale_down: ScaleDownSpec::default(),
+            start_from: StartFrom::default(),
         }
     }
 }

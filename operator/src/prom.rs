@@ -101,6 +101,12 @@ impl Queries {
                 ),
             ),
             q(
+                "max_connections",
+                format!(
+                    "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_max_connections[{fresh}]))"
+                ),
+            ),
+            q(
                 "completed",
                 format!(
                     "sum by (namespace, pod, backend) (rate(poolpilot_upstream_request_duration_seconds_count{{code_class!=\"5xx\"}}[{w}]))"
@@ -202,6 +208,8 @@ pub struct Snapshot {
     pub leased_now: Option<BTreeMap<(String, String, String), f64>>,
     /// Pending lease requests at the latest scrape, per (namespace, pod, backend).
     pub pending_now: Option<BTreeMap<(String, String, String), f64>>,
+    /// The pools' caps (per endpoint) at the latest scrape, per (namespace, pod, backend).
+    pub max_connections: Option<BTreeMap<(String, String, String), f64>>,
     /// Calls completed without a 5xx per second, per (namespace, pod, backend).
     pub completed: Option<BTreeMap<(String, String, String), f64>>,
     /// Response body bytes per second, per (namespace, pod, backend).
@@ -276,6 +284,7 @@ impl Snapshot {
             pending: by_pod_backend("pending"),
             leased_now: by_pod_backend("leased_now"),
             pending_now: by_pod_backend("pending_now"),
+            max_connections: by_pod_backend("max_connections"),
             completed: by_pod_backend("completed"),
             bytes: by_pod_backend("bytes"),
             ttfb: by("ttfb", "backend"),
@@ -394,6 +403,10 @@ impl Snapshot {
                         window: self.window,
                         saturation,
                         unscraped,
+                        // What the pods run is known only when every ready one is scraped.
+                        current: values(&self.max_connections)
+                            .filter(|v| unscraped == 0 && !v.is_empty())
+                            .map(|v| v.iter().sum()),
                     },
                 );
             }
@@ -597,7 +610,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 12, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 13, "one round for every policy in the cluster");
         let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
             promql("leased"),

@@ -145,6 +145,13 @@ pub const CONDITIONS: &[ConditionDoc] = &[
                 "NoReadyPods",
                 "`gatewaySelector` selects no ready gateway pod",
             ),
+            reason(
+                "False",
+                "Recommending",
+                "`mode: Recommend`: nothing is sent to the pods; the message says how many run \
+                 the recommended documents and names the recommended revision and the \
+                 `<name>-recommended` ConfigMap that holds it",
+            ),
             reason("False", "NotAccepted", NOT_ACCEPTED),
         ],
     },
@@ -186,6 +193,12 @@ pub const CONDITIONS: &[ConditionDoc] = &[
         reasons: &[
             reason("True", "Ready", "accepted and rolled out"),
             reason(
+                "True",
+                "Recommending",
+                "`mode: Recommend`: accepted, and its recommendation is published (the message \
+                 is that of `RolledOut`)",
+            ),
+            reason(
                 "False",
                 "Progressing",
                 "not yet: the reason and message are those of `RolledOut`",
@@ -209,6 +222,17 @@ pub const EVENTS: &[EventDoc] = &[
         type_: "Normal",
         reason: "ScaledDown",
         meaning: "a backend's target shrank, with the numbers",
+    },
+    EventDoc {
+        type_: "Normal",
+        reason: "WouldScaleUp",
+        meaning: "`mode: Recommend`: a backend's recommended target grew; nothing was sent to \
+                  the pods (`would scale model-a 8 → 17: demand …`)",
+    },
+    EventDoc {
+        type_: "Normal",
+        reason: "WouldScaleDown",
+        meaning: "`mode: Recommend`: a backend's recommended target shrank, with the numbers",
     },
     EventDoc {
         type_: "Warning",

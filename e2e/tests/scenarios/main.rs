@@ -19,4 +19,5 @@ mod policy_edit;
 mod prometheus_down;
 mod saturated;
 mod scale_gateways;
+mod shadow_mode;
 mod square_wave;

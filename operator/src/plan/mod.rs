@@ -35,6 +35,7 @@ use std::sync::Arc;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 pub use k8s_openapi::jiff::Timestamp;
 use poolpilot_api::limits::Endpoint;
+use poolpilot_api::policy::StartFrom;
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus, GatewayLimits};
 pub use render::{implausible_generations, plausible_generation};
 
@@ -137,6 +138,9 @@ pub struct BackendSample {
     /// intervals). While any is, the demand and throughput sums are missing: the fleet's demand
     /// is not the sum over the pods that happen to be scraped.
     pub unscraped: u32,
+    /// What the selected pods run now: the sum of their pools' caps for the backend
+    /// (`poolpilot_pool_max_connections`), for `autoscale.startFrom: Current`.
+    pub current: Option<f64>,
 }
 
 /// A backend's own saturation signal (`spec.backends[].saturation.query`) in a sample.
@@ -381,7 +385,8 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     .get(&key)
                     .copied()
                     .unwrap_or_default();
-                let previous = previous_target(policy, &b.name);
+                let previous = previous_target(policy, &b.name)
+                    .or_else(|| start_from(policy.spec.autoscale.start_from, &bounds, &sample));
                 let mem = memory
                     .backends
                     .entry(key)
@@ -487,6 +492,18 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
     FleetPlan {
         policies: plans,
         documents,
+    }
+}
+
+/// Where a backend without a recorded target starts (`None`: the upper bound).
+fn start_from(from: StartFrom, bounds: &Bounds, sample: &BackendSample) -> Option<u32> {
+    match from {
+        StartFrom::Max => None,
+        StartFrom::Min => Some(bounds.min),
+        StartFrom::Current => sample
+            .current
+            .filter(|c| c.is_finite() && *c >= 1.0)
+            .map(|c| c.round().min(f64::from(u32::MAX)) as u32),
     }
 }
 

@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use poolpilot_api::policy::{BackendStatus, DecisionRecord, PodFailure, PodsStatus, ScaleRecord};
+use poolpilot_api::policy::{
+    BackendStatus, DecisionRecord, Mode, PodFailure, PodsStatus, ScaleRecord,
+};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
 use super::conditions::{Computed, Kind, Status, merge};
@@ -220,7 +222,18 @@ fn conditions(
         )
     });
     let revision = revision.unwrap_or_default();
-    let rolled = if ready == 0 {
+    let recommending = spec.mode == Mode::Recommend;
+    let rolled = if recommending {
+        Computed::new(
+            Kind::RolledOut,
+            Status::False,
+            "Recommending",
+            format!(
+                "mode Recommend: nothing is sent to the pods; {updated}/{live} run the recommended documents; recommended {revision}, in ConfigMap {}-recommended",
+                plan.key.name
+            ),
+        )
+    } else if ready == 0 {
         Computed::new(
             Kind::RolledOut,
             Status::False,
@@ -305,7 +318,14 @@ fn conditions(
         Computed::new(Kind::Saturated, Status::True, "Saturated", all.join("; "))
     };
 
-    let ready_cond = if rolled.status == Status::True {
+    let ready_cond = if recommending {
+        Computed::new(
+            Kind::Ready,
+            Status::True,
+            "Recommending",
+            rolled.message.clone(),
+        )
+    } else if rolled.status == Status::True {
         Computed::new(Kind::Ready, Status::True, "Ready", rolled.message.clone())
     } else {
         Computed::new(

@@ -4,6 +4,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use poolpilot_api::limits::Endpoint;
+use poolpilot_api::policy::Mode;
 use proptest::prelude::*;
 
 use super::conditions::Kind;
@@ -1544,4 +1545,126 @@ proptest! {
             prop_assert_eq!(b.overcommit(n), None);
         }
     }
+}
+
+proptest! {
+    /// Shadow mode plans exactly as enforcement does: over runs whose demand changes, the
+    /// decisions, targets, shares, fd check, documents and status of a Recommend policy are
+    /// those of the same policy in Enforce, so switching to Enforce rolls out what was shown.
+    #[test]
+    fn shadow_equals_enforces_plan(
+        (input, _) in arb_fleet(),
+        demand in prop::collection::vec(0.0f64..3000.0, 1..6),
+        start in prop::sample::select(vec![StartFrom::Max, StartFrom::Min, StartFrom::Current]),
+        current in prop::option::of(1.0f64..500.0),
+    ) {
+        let mut enforce = input;
+        enforce.policies[0].spec.autoscale.start_from = start;
+        for s in enforce.samples.backends.values_mut() {
+            s.current = current;
+        }
+        let mut shadow = enforce.clone();
+        shadow.policies[0].spec.mode = Mode::Recommend;
+        let (mut m_enforce, mut m_shadow) = (Memory::default(), Memory::default());
+        for (t, d) in demand.iter().enumerate() {
+            for input in [&mut enforce, &mut shadow] {
+                for s in input.samples.backends.values_mut() {
+                    s.pending = Some(*d);
+                }
+            }
+            let now = at(t as i64 * 15);
+            let a = plan(&enforce, &mut m_enforce, now);
+            let b = plan(&shadow, &mut m_shadow, now);
+            prop_assert_eq!(&a.policies, &b.policies);
+            prop_assert_eq!(&a.documents, &b.documents);
+            let report = RolloutReport::default();
+            let sa = compute(&enforce.policies[0], &a.policies[0], &m_enforce, &report, now);
+            let sb = compute(&shadow.policies[0], &b.policies[0], &m_shadow, &report, now);
+            prop_assert_eq!(&sa.backends, &sb.backends);
+            prop_assert_eq!(&sa.targets, &sb.targets);
+            prop_assert_eq!(&sa.revision, &sb.revision);
+        }
+    }
+}
+
+#[test]
+fn a_new_policy_starts_from_max_min_or_what_the_pods_run() {
+    let start = |from: &str, current: Option<f64>| {
+        let p = policy(
+            "a",
+            0,
+            &spec(
+                "model-a",
+                64,
+                &format!("autoscale: {{min: 4, max: 40, startFrom: {from}}}\n"),
+            ),
+            2,
+        );
+        let mut samples = Samples::default();
+        samples.backends.insert(
+            (key("a"), "model-a".into()),
+            BackendSample {
+                current,
+                ..BackendSample::default()
+            },
+        );
+        let input = FleetInput {
+            policies: vec![p],
+            pods: pods(3),
+            samples,
+            ..FleetInput::default()
+        };
+        // Not yet due to decide: the starting target stands.
+        let mut memory = Memory::default();
+        plan(&input, &mut memory, at(0));
+        memory.backends[&(key("a"), "model-a".into())].target
+    };
+    assert_eq!(start("Max", Some(12.0)), 40);
+    assert_eq!(start("Min", Some(12.0)), 4);
+    assert_eq!(start("Current", Some(12.0)), 12, "3 pods running 4 each");
+    assert_eq!(start("Current", Some(100.0)), 40, "within the bounds");
+    assert_eq!(
+        start("Current", None),
+        40,
+        "not known yet: the upper bound, as a static configuration"
+    );
+}
+
+#[test]
+fn a_recommend_policy_on_pods_an_enforce_policy_selects_is_conflicted() {
+    let a = policy("a", 0, &spec("model-a", 64, ""), 1);
+    let mut b = policy("b", 1, &spec("model-b", 64, ""), 1);
+    b.spec.mode = Mode::Recommend;
+    let input = FleetInput {
+        policies: vec![a.clone(), b.clone()],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    assert!(fleet.policies[0].acceptance.is_accepted());
+    match &fleet.policies[1].acceptance {
+        validate::Acceptance::Conflicted(why) => assert_eq!(
+            why,
+            "mode Recommend on pod gw-0, which policy ns/a enforces: its documents would roll \
+             this policy's targets out; give this policy pods of its own, or the same mode"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        fleet.documents["gw-0"]
+            .backends
+            .iter()
+            .all(|x| x.name == "model-a"),
+        "the recommendation is in no enforced document"
+    );
+    // Both in Recommend: both accepted.
+    let mut a = a;
+    a.spec.mode = Mode::Recommend;
+    let input = FleetInput {
+        policies: vec![a, b],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    assert!(fleet.policies.iter().all(|p| p.acceptance.is_accepted()));
 }

@@ -5,7 +5,8 @@
 //! ```
 //!
 //! Each step is its own module with its own error type. A policy that fails validation skips the
-//! rollout and reports `Accepted=False`; deleting a policy runs the cleanup (its backends leave
+//! rollout and reports `Accepted=False`; one in `mode: Recommend` (shadow mode) is planned the
+//! same way and its plan published instead of rolled out; deleting a policy runs the cleanup (its backends leave
 //! the gateways) behind a finalizer. A policy this operator cannot even read (written under a
 //! newer CRD, say) is reported in an `InvalidPolicy` Event and skipped: the others go on.
 
@@ -30,6 +31,7 @@ use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Client, Resource as _, ResourceExt};
 use parking_lot::{Mutex, RwLock};
 use poolpilot_api::ConnectionPolicy;
+use poolpilot_api::policy::Mode;
 use tokio::time::Instant;
 use tracing::{info, instrument, warn};
 
@@ -256,6 +258,15 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     // 4. roll out (client and gateways required), only for an accepted policy (rendering may
     //    still reject one whose document does not validate)
     let report = match &verdict {
+        // Shadow mode: the same plan, published instead of rolled out.
+        Ok(()) if policy_plan.acceptance.is_accepted() && policy.spec.mode == Mode::Recommend => {
+            step(
+                m,
+                "rollout",
+                rollout::recommend(ctx, policy, &observed, &fleet),
+            )
+            .await?
+        }
         Ok(()) if policy_plan.acceptance.is_accepted() => {
             step(
                 m,

@@ -125,6 +125,33 @@ pub async fn roll_out<G: Gateways>(
     })
 }
 
+/// The name of a policy's recommendation ConfigMap (`mode: Recommend`).
+pub fn recommended_configmap_name(policy: &str) -> String {
+    format!("{policy}-recommended")
+}
+
+/// Shadow mode (`mode: Recommend`): applies the document the policy would roll out to its
+/// `-recommended` ConfigMap (which no pod mounts), sends nothing to the pods and leaves the
+/// limits ConfigMap alone. The report says which pods already run the recommendation.
+pub async fn recommend<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    observed: &Observed,
+    fleet: &FleetPlan,
+) -> Result<RolloutReport, RolloutError> {
+    let Some(plan) = fleet.policy(&observed.focus) else {
+        return Ok(RolloutReport::default());
+    };
+    if let Some(doc) = &plan.document {
+        let name = recommended_configmap_name(&policy.name_any());
+        apply_document(ctx, policy, &name, doc).await?;
+    }
+    Ok(RolloutReport {
+        pods: pod_states(ctx, observed, fleet, &plan.live),
+        ..RolloutReport::default()
+    })
+}
+
 /// The report of a policy that is not rolled out (not accepted).
 pub fn not_rolled_out(observed: &Observed, fleet: &FleetPlan) -> RolloutReport {
     let live = fleet
@@ -187,7 +214,18 @@ async fn apply_configmap<G: Gateways>(
     policy: &ConnectionPolicy,
     doc: &GatewayLimits,
 ) -> Result<(), RolloutError> {
-    let name = configmap_name(&policy.name_any());
+    apply_document(ctx, policy, &configmap_name(&policy.name_any()), doc).await
+}
+
+/// Server-side apply of ConfigMap `name` holding `doc`, owned by the policy (unless it already
+/// holds it).
+async fn apply_document<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    name: &str,
+    doc: &GatewayLimits,
+) -> Result<(), RolloutError> {
+    let name = name.to_owned();
     let ns = policy.namespace().unwrap_or_default();
     let body = serde_json::to_string_pretty(doc).map_err(RolloutError::Serialize)?;
     let generation = doc.generation.to_string();

@@ -38,6 +38,7 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         leased_now: None,
         pending_now: None,
         unscraped: 0,
+        current: None,
     }
 }
 
@@ -844,6 +845,7 @@ impl Server {
             window: WINDOW,
             saturation: SaturationSignal::NotConfigured,
             unscraped: 0,
+            current: None,
         }
     }
 }
