@@ -806,6 +806,39 @@ pub struct PodsStatus {
     /// Pods that refused or did not answer the current revision, with why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failures: Vec<PodFailure>,
+    /// What each selected pod runs, in name order: the first 50 (`omitted` counts the rest).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 50))]
+    pub items: Vec<PodRun>,
+    /// Selected pods left out of `items` (beyond the first 50).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// What one selected gateway pod runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRun {
+    /// The pod's name.
+    pub name: String,
+    /// The revision of the limits document it runs (absent: none known yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// The generation of that document.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+    /// Whether that is the document the policy wants it to run now.
+    pub current: bool,
+    /// When the operator first saw it run that revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
+    /// Its last refusal or failure to answer, kept until it takes a new revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
 }
 
 /// A pod that did not take the current revision.

@@ -2,7 +2,8 @@
 //! load arrives that wants more connections. The operator decides as it would (status targets,
 //! a `WouldScaleUp` Event "would scale model-a 4 → N", the rendered document in the
 //! `models-recommended` ConfigMap), while every gateway keeps the limits it runs and the limits
-//! ConfigMap keeps its revision. Switched back to `Enforce`, the recommendation is rolled out.
+//! ConfigMap keeps its revision. Switched back to `Enforce`, the recommendation is rolled out,
+//! and `status.pods.items` lists each pod on it.
 
 use std::time::Duration;
 
@@ -184,6 +185,43 @@ async fn shadow_mode_publishes_the_decision_and_changes_nothing_until_enforced()
         .await?;
         let rolled_after = enforced_at.elapsed();
         stack.wait_condition(POLICY, "Ready", "True", WAIT).await?;
+        // Per pod: what it runs and since when.
+        let items = eventually(
+            "status.pods.items lists both pods on the revision",
+            WAIT,
+            || async {
+                let s = status(stack).await?;
+                let pods = s.pods.context("status.pods")?;
+                anyhow::ensure!(
+                    pods.items.len() == 2
+                        && pods.items.iter().all(|i| i.current
+                            && i.revision == s.revision
+                            && i.generation.is_some()
+                            && i.since.is_some()
+                            && i.last_error.is_none()),
+                    "{:?}",
+                    pods.items
+                );
+                Ok(pods.items)
+            },
+        )
+        .await?;
+        figure(
+            SCENARIO,
+            "status.pods.items after Enforce",
+            items
+                .iter()
+                .map(|i| {
+                    format!(
+                        "{} revision {} generation {}",
+                        i.name,
+                        i.revision.as_deref().unwrap_or_default(),
+                        i.generation.unwrap_or_default()
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+        );
         figure(
             SCENARIO,
             "Enforce: recommendation rolled out seconds",

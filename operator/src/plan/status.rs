@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
-    BackendStatus, DecisionRecord, Mode, PodFailure, PodsStatus, ScaleRecord,
+    BackendStatus, DecisionRecord, Mode, PodFailure, PodRun, PodsStatus, ScaleRecord,
 };
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
@@ -86,6 +86,8 @@ pub fn compute(
         .collect();
     failures.sort_by(|a, b| a.pod.cmp(&b.pod));
 
+    let (items, omitted) = pod_runs(&old, plan, rollout, &failures, now);
+
     let conditions = merge(
         &old.conditions,
         conditions(&policy.spec, plan, rollout, &backends, memory, updated),
@@ -114,8 +116,64 @@ pub fn compute(
             fd_limit: plan.fds.limit,
             fd_needed: plan.fds.needed,
             failures,
+            items,
+            omitted,
         }),
     }
+}
+
+/// The most pods `status.pods.items` lists.
+pub const MAX_POD_ITEMS: usize = 50;
+
+/// What each selected pod runs (the first [`MAX_POD_ITEMS`] by name, and how many more): its
+/// revision and generation, since when (kept from the stored status while the revision holds),
+/// and its last error (kept until it takes another revision).
+fn pod_runs(
+    old: &ConnectionPolicyStatus,
+    plan: &PolicyPlan,
+    rollout: &RolloutReport,
+    failures: &[PodFailure],
+    now: Timestamp,
+) -> (Vec<PodRun>, u32) {
+    let before: BTreeMap<&str, &PodRun> = old
+        .pods
+        .iter()
+        .flat_map(|p| &p.items)
+        .map(|r| (r.name.as_str(), r))
+        .collect();
+    let mut names: Vec<&String> = plan.selected.iter().collect();
+    names.sort();
+    let omitted = names.len().saturating_sub(MAX_POD_ITEMS) as u32;
+    let items = names
+        .into_iter()
+        .take(MAX_POD_ITEMS)
+        .map(|name| {
+            let state = rollout.pods.iter().find(|p| &p.name == name);
+            let revision = state.and_then(|s| s.acked.clone());
+            let generation = state.and_then(|s| s.generation);
+            let stored = before
+                .get(name.as_str())
+                .filter(|r| r.revision == revision && r.generation == generation);
+            let error = failures
+                .iter()
+                .find(|f| &f.pod == name)
+                .map(|f| f.message.clone())
+                .or_else(|| stored.and_then(|r| r.last_error.clone()));
+            PodRun {
+                name: name.clone(),
+                current: state.is_some_and(|s| {
+                    !s.desired.is_empty() && s.acked.as_deref() == Some(s.desired.as_str())
+                }),
+                since: revision
+                    .as_ref()
+                    .map(|_| stored.and_then(|r| r.since.clone()).unwrap_or(Time(now))),
+                revision,
+                generation,
+                last_error: error,
+            }
+        })
+        .collect();
+    (items, omitted)
 }
 
 trait WithHistory {

@@ -3,6 +3,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::limits::Endpoint;
 use poolpilot_api::policy::Mode;
 use proptest::prelude::*;
@@ -1109,6 +1110,7 @@ fn status_reports_conditions_targets_and_pods() {
     let pp = &fleet.policies[0];
     let rev = pp.document.as_ref().unwrap().revision.clone();
     let pod_state = |name: &str, acked: Option<&str>| PodState {
+        generation: acked.map(|_| 1),
         name: name.into(),
         desired: rev.clone(),
         acked: acked.map(Into::into),
@@ -1667,4 +1669,89 @@ fn a_recommend_policy_on_pods_an_enforce_policy_selects_is_conflicted() {
     };
     let fleet = plan(&input, &mut Memory::default(), at(0));
     assert!(fleet.policies.iter().all(|p| p.acceptance.is_accepted()));
+}
+
+#[test]
+fn status_lists_what_each_pod_runs_since_when_and_its_last_error_bounded_to_fifty() {
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 2000, "autoscale: {enabled: false}\n"),
+        1,
+    );
+    let mut input = FleetInput {
+        policies: vec![p],
+        pods: pods(60),
+        ..FleetInput::default()
+    };
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let pp = &fleet.policies[0];
+    let rev = pp.document.as_ref().unwrap().revision.clone();
+    let state = |name: &str, acked: Option<(&str, u64)>, refused: Option<&str>| PodState {
+        name: name.into(),
+        desired: rev.clone(),
+        acked: acked.map(|(r, _)| r.to_owned()),
+        generation: acked.map(|(_, g)| g),
+        refused: refused.map(Into::into),
+    };
+    // gw-0 runs the current revision; gw-1 an older one and refused the new one; gw-10 is
+    // unreachable; the others run nothing known yet.
+    let first = RolloutReport {
+        pods: vec![
+            state("gw-0", Some((&rev, 2)), None),
+            state("gw-1", Some(("old", 1)), Some("HTTP 422: bad limits")),
+        ],
+        unreachable: [("gw-10".to_owned(), "connection refused".to_owned())].into(),
+        ..RolloutReport::default()
+    };
+    let s1 = compute(&input.policies[0], pp, &memory, &first, at(0));
+    let pods1 = s1.pods.clone().unwrap();
+    assert_eq!(pods1.items.len(), 50, "bounded");
+    assert_eq!(pods1.omitted, 10, "and the rest counted");
+    assert_eq!(pods1.selected, 60);
+    let item = |s: &ConnectionPolicyStatus, name: &str| {
+        s.pods
+            .as_ref()
+            .unwrap()
+            .items
+            .iter()
+            .find(|i| i.name == name)
+            .cloned()
+            .unwrap()
+    };
+    let gw0 = item(&s1, "gw-0");
+    assert_eq!(
+        (gw0.revision.as_deref(), gw0.generation, gw0.current),
+        (Some(rev.as_str()), Some(2), true)
+    );
+    assert_eq!(gw0.since, Some(Time(at(0))));
+    let gw1 = item(&s1, "gw-1");
+    assert!(!gw1.current);
+    assert_eq!(gw1.last_error.as_deref(), Some("HTTP 422: bad limits"));
+    assert_eq!(
+        item(&s1, "gw-10").last_error.as_deref(),
+        Some("connection refused")
+    );
+    assert_eq!(item(&s1, "gw-2").revision, None);
+    assert_eq!(item(&s1, "gw-2").since, None);
+
+    // 30 s later: gw-0 still runs it (its time stays), gw-1 took the new revision (its error
+    // is over), gw-10 answers now but runs nothing known: its last error stays.
+    input.policies[0].status = Some(s1);
+    let later = RolloutReport {
+        pods: vec![
+            state("gw-0", Some((&rev, 2)), None),
+            state("gw-1", Some((&rev, 2)), None),
+        ],
+        ..RolloutReport::default()
+    };
+    let s2 = compute(&input.policies[0], pp, &memory, &later, at(30));
+    assert_eq!(item(&s2, "gw-0").since, Some(Time(at(0))));
+    let gw1 = item(&s2, "gw-1");
+    assert_eq!((gw1.since, gw1.last_error), (Some(Time(at(30))), None));
+    assert_eq!(
+        item(&s2, "gw-10").last_error.as_deref(),
+        Some("connection refused")
+    );
 }

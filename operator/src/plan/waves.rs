@@ -19,6 +19,8 @@ pub struct PodState {
     pub desired: String,
     /// The revision it acknowledged last.
     pub acked: Option<String>,
+    /// The generation of that document, when known.
+    pub generation: Option<u64>,
     /// Its refusal of `desired`, if it refused it.
     pub refused: Option<String>,
 }
@@ -199,6 +201,7 @@ mod tests {
 
     fn pod(name: &str, acked: Option<&str>) -> PodState {
         PodState {
+            generation: None,
             name: name.into(),
             desired: "new".into(),
             acked: acked.map(Into::into),

@@ -160,17 +160,20 @@ pub fn not_rolled_out(observed: &Observed, fleet: &FleetPlan) -> RolloutReport {
         .unwrap_or_default();
     let pods = live
         .iter()
-        .map(|name| PodState {
-            name: name.clone(),
-            desired: String::new(),
-            acked: observed
+        .map(|name| {
+            let acked = observed
                 .input
                 .pods
                 .iter()
                 .find(|p| &p.name == name)
-                .and_then(|p| p.acked.as_ref())
-                .map(|a| a.revision.clone()),
-            refused: None,
+                .and_then(|p| p.acked.as_ref());
+            PodState {
+                name: name.clone(),
+                desired: String::new(),
+                acked: acked.map(|a| a.revision.clone()),
+                generation: acked.map(|a| a.generation),
+                refused: None,
+            }
         })
         .collect();
     RolloutReport {
@@ -287,11 +290,12 @@ fn pod_states<G: Gateways>(
                 .find(|p| p.namespace().as_deref() == Some(ns.as_str()) && &p.name_any() == name)
                 .map(|p| observe::instance(p))
                 .unwrap_or_default();
-            let acked = memory
+            let known = memory
                 .acked
                 .get(&(ns.clone(), name.clone(), instance))
-                .or(pod.acked.as_ref())
-                .map(|a| a.revision.clone());
+                .or(pod.acked.as_ref());
+            let acked = known.map(|a| a.revision.clone());
+            let generation = known.map(|a| a.generation);
             let refused = memory
                 .refused
                 .get(&(ns.clone(), name.clone(), desired.clone()))
@@ -300,6 +304,7 @@ fn pod_states<G: Gateways>(
                 name: name.clone(),
                 desired,
                 acked,
+                generation,
                 refused,
             })
         })
