@@ -423,11 +423,20 @@ pub struct OutlierDetectionSpec {
 pub struct ClientsSpec {
     /// How a request's client is identified: by a header or by source IP, exactly one of them.
     pub identity: ClientIdentitySpec,
-    /// Calls one client may have in flight, per gateway pod.
+    /// What `maxConcurrency`, `maxQueue`, the overrides' `maxConcurrency` and
+    /// `slowCalls.demotedConcurrency` count. `Fleet` (the default): calls across every selected
+    /// gateway pod; the operator divides each over the pods as it divides a backend's target
+    /// (every selected pod not stopped; rounded down, the remainder one each to the first pods
+    /// by name, at least 1 call in flight per pod; 0 queued is allowed) and divides again as
+    /// pods come and go. `PerPod`:
+    /// on each gateway pod, so a client may run the limit times the number of pods.
+    #[serde(default, skip_serializing_if = "ClientScope::is_fleet")]
+    pub scope: ClientScope,
+    /// Calls one client may have in flight (across the fleet, or per pod: `scope`).
     #[schemars(range(min = 1, max = 100_000))]
     pub max_concurrency: u32,
-    /// Calls one client may have waiting, per gateway pod, beyond `maxConcurrency`; more are
-    /// refused with 429 and Retry-After. 0: no queue, refuse at once.
+    /// Calls one client may have waiting beyond `maxConcurrency` (across the fleet, or per pod:
+    /// `scope`); more are refused with 429 and Retry-After. 0: no queue, refuse at once.
     #[serde(default)]
     #[schemars(range(max = 100_000))]
     pub max_queue: u32,
@@ -495,9 +504,26 @@ pub struct ClientOverrideSpec {
     /// Which client this is, by the hash of its identity value.
     #[serde(rename = "match")]
     pub client: ClientMatchSpec,
-    /// This client's concurrency limit, per gateway pod.
+    /// This client's concurrency limit (across the fleet, or per pod: `clients.scope`).
     #[schemars(range(min = 1, max = 100_000))]
     pub max_concurrency: u32,
+}
+
+/// What the client limits count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ClientScope {
+    /// Calls across every selected gateway pod, divided over the pods by the operator.
+    #[default]
+    Fleet,
+    /// Calls on each gateway pod.
+    PerPod,
+}
+
+impl ClientScope {
+    /// Whether this is `Fleet`.
+    pub fn is_fleet(&self) -> bool {
+        *self == Self::Fleet
+    }
 }
 
 /// Identifies one client without storing its key in the cluster.

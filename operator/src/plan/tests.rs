@@ -1755,3 +1755,74 @@ fn status_lists_what_each_pod_runs_since_when_and_its_last_error_bounded_to_fift
         Some("connection refused")
     );
 }
+
+proptest! {
+    /// Fleet-wide client limits: over the pods the backends' targets are divided over (every
+    /// selected pod not stopped) the parts add up to the fleet limit (or to one call per pod
+    /// when that is more), differ by at most one, and are divided again as pods come and go;
+    /// per pod, every pod gets the limit itself.
+    #[test]
+    fn fleet_client_limits_divide_over_the_pods_and_sum_to_the_fleet_limit(
+        max_concurrency in 1u32..200,
+        max_queue in 0u32..200,
+        vip in 1u32..200,
+        n in 1usize..12,
+        states in prop::collection::vec(0u8..3, 12),
+        per_pod in any::<bool>(),
+    ) {
+        let scope = if per_pod { "PerPod" } else { "Fleet" };
+        let extra = format!(
+            "clients:\n  identity: {{header: authorization}}\n  scope: {scope}\n  maxConcurrency: {max_concurrency}\n  maxQueue: {max_queue}\n  overrides:\n  - name: vip\n    match: {{keySha256: \"{}\"}}\n    maxConcurrency: {vip}\n",
+            "a".repeat(64)
+        );
+        let p = policy("a", 0, &spec("model-a", 64, &extra), 1);
+        let mut pods = pods(n);
+        // Ready, starting (not ready yet) or stopped for good.
+        for (pod, s) in pods.iter_mut().zip(&states) {
+            pod.ready = *s == 0;
+            pod.stopped = *s == 2;
+        }
+        let input = FleetInput { policies: vec![p], pods, ..FleetInput::default() };
+        let fleet = plan(&input, &mut Memory::default(), at(0));
+        let pp = &fleet.policies[0];
+        prop_assert!(pp.acceptance.is_accepted(), "{:?}", pp.acceptance);
+        let parts: Vec<(u32, u32, u32)> = pp
+            .live
+            .iter()
+            .map(|pod| {
+                let c = &fleet.documents[pod].client_policies[0];
+                (c.max_concurrency, c.max_queue, c.overrides[0].max_concurrency)
+            })
+            .collect();
+        let holders = pp.holders.len();
+        for (i, limit) in [max_concurrency, max_queue, vip].into_iter().enumerate() {
+            let got: Vec<u32> = parts.iter().map(|p| [p.0, p.1, p.2][i]).collect();
+            if per_pod {
+                prop_assert!(got.iter().all(|g| *g == limit), "{:?}", got);
+                continue;
+            }
+            // A call in flight per pod at least (a pod must serve the client); the queue may
+            // be 0. So the parts add up to the limit, or to one per pod when that is more.
+            let floor = u32::from(i != 1);
+            if holders > 0 {
+                let want = limit.max(floor * holders as u32);
+                prop_assert_eq!(got.iter().sum::<u32>(), want, "parts {:?} of {}", got, limit);
+            }
+            if let (Some(lo), Some(hi)) = (got.iter().min(), got.iter().max()) {
+                prop_assert!(hi - lo <= 1, "{:?}", got);
+            }
+        }
+        // A pod turning ready changes no document.
+        let mut turned = input.clone();
+        for pod in turned.pods.iter_mut().filter(|p| !p.stopped) {
+            pod.ready = true;
+        }
+        let again = plan(&turned, &mut Memory::default(), at(0));
+        for pod in &pp.live {
+            prop_assert_eq!(
+                &fleet.documents[pod].client_policies,
+                &again.documents[pod].client_policies
+            );
+        }
+    }
+}

@@ -89,12 +89,21 @@ pub async fn roll_out<G: Gateways>(
         .as_ref()
         .map(|d| d.revision.clone())
         .unwrap_or_default();
-    let since = ctx
-        .rollouts
-        .lock()
-        .canary_since
-        .get(&(ns.clone(), desired.clone()))
-        .copied();
+    // Verification starts when a canary is first seen on the revision: acknowledged by PUT,
+    // or (a pod whose own document is the ConfigMap's) loaded from the ConfigMap, which no PUT
+    // ever acknowledges.
+    let since = {
+        let mut memory = ctx.rollouts.lock();
+        let key = (ns.clone(), desired.clone());
+        if states
+            .iter()
+            .any(|p| p.acked.as_deref() == Some(p.desired.as_str()))
+        {
+            Some(*memory.canary_since.entry(key).or_insert(now))
+        } else {
+            memory.canary_since.get(&key).copied()
+        }
+    };
     let verdict = {
         let snapshot = ctx.snapshot.read();
         let max_age = ctx.config.snapshot_max_age;
