@@ -163,7 +163,7 @@ crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its c
 # Before any test runs, `cluster net check` proves that the cluster's ranges are routed to
 # nowhere (see "What runs where" in the README): without that, no e2e test starts.
 .PHONY: e2e
-e2e: cluster bins host-tools ## End-to-end tests on the embedded cluster (reused if `make cluster-up` left one running)
+e2e: cluster bins host-tools $(PROMTOOL_BIN) ## End-to-end tests on the embedded cluster (reused if `make cluster-up` left one running)
 	@if $(CLUSTER_RUNNING); then \
 		$(CLUSTER_BIN) net check; \
 		cargo test -p poolpilot-e2e --tests -- --test-threads=4; \

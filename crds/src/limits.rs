@@ -237,7 +237,7 @@ pub struct PoolLimits {
     pub max_connections_per_endpoint: u32,
     /// Lease requests that may wait for a connection, per backend in this pod; beyond it: 503.
     pub max_pending: u32,
-    /// Longest wait for a connection before giving up with 503 (seed 1's connectionRequestTimeout).
+    /// Longest wait for a connection before giving up with 503 (an HTTP client pool's connection-request timeout).
     pub lease_timeout: Duration,
     /// Close a pooled connection idle this long.
     pub idle_timeout: Duration,

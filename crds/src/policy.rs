@@ -42,15 +42,14 @@ pub const MAX_BACKENDS: usize = 32;
     printcolumn = r#"{"name":"Updated","type":"string","jsonPath":".status.updated","description":"Pods running their current limits / selected pods not terminating"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status","description":"Status of the Ready condition: accepted and rolled out to every selected pod"}"#,
     printcolumn = r#"{"name":"Saturated","type":"string","jsonPath":".status.conditions[?(@.type==\"Saturated\")].status","description":"Status of the Saturated condition: some backend wants more connections than it can safely get"}"#,
+    printcolumn = r#"{"name":"Accepted","type":"string","priority":1,"jsonPath":".status.conditions[?(@.type==\"Accepted\")].reason","description":"Reason of the Accepted condition (Accepted, Invalid, Conflicted)"}"#,
+    printcolumn = r#"{"name":"Metrics","type":"string","priority":1,"jsonPath":".status.conditions[?(@.type==\"MetricsAvailable\")].reason","description":"Reason of the MetricsAvailable condition (SamplesFresh, SamplesMissing, ...)"}"#,
+    printcolumn = r#"{"name":"FdBudget","type":"string","priority":1,"jsonPath":".status.conditions[?(@.type==\"FdBudget\")].reason","description":"Reason of the FdBudget condition (WithinBudget, OverBudget, FdLimitUnknown)"}"#,
+    printcolumn = r#"{"name":"Rollout","type":"string","priority":1,"jsonPath":".status.conditions[?(@.type==\"RolledOut\")].reason","description":"Reason of the RolledOut condition (RolledOut, Progressing, Halted, NoReadyPods)"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp","description":"Time since the policy was created"}"#
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {
-        "rule": "self.backends.all(b, self.backends.filter(c, c.name == b.name).size() == 1)",
-        "message": "backend names must be unique within a policy",
-        "fieldPath": ".backends"
-    },
     {
         "rule": "self.backends.all(b, double(self.autoscale.min) <= double(b.capacity.maxConnectionsPerEndpoint) * (1.0 - b.capacity.headroom))",
         "message": "autoscale.min must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom) of any backend",
@@ -68,8 +67,12 @@ pub struct ConnectionPolicySpec {
     pub gateway_selector: LabelSelector,
     /// The model backends, matched against requests in this order: the first backend whose
     /// `match` fits a request gets it. Names must be unique across every policy that selects the
-    /// same pods; on a clash the older policy wins.
-    #[schemars(length(min = 1, max = 32))]
+    /// same pods; on a clash the older policy wins. A list map keyed by `name`: the API server
+    /// refuses a duplicate name, and server-side apply merges backends by name.
+    #[schemars(
+        length(min = 1, max = 32),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"])
+    )]
     pub backends: Vec<BackendSpec>,
     /// Per-client concurrency limits for calls to these backends, enforced by each gateway pod:
     /// a call over its client's limit waits in that client's queue, or is refused with 429 and
@@ -302,7 +305,10 @@ pub struct StaticEndpoint {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "double(self.maxConnectionsPerEndpoint) * (1.0 - self.headroom) >= 1.0", "message": "capacity leaves less than one connection per endpoint after headroom"}
+    {
+        "rule": "double(self.maxConnectionsPerEndpoint) * (1.0 - self.headroom) >= 1.0",
+        "message": "capacity leaves less than one connection per endpoint after headroom"
+    }
 ]))]
 pub struct CapacitySpec {
     /// Concurrent connections ONE backend instance can take, summed over ALL gateway pods. The
@@ -320,7 +326,11 @@ pub struct CapacitySpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", default)]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "duration(self.validateAfterIdle) <= duration(self.idleTimeout)", "message": "pool.validateAfterIdle must not exceed pool.idleTimeout"}
+    {
+        "rule": "duration(self.validateAfterIdle) <= duration(self.idleTimeout)",
+        "message": "pool.validateAfterIdle must not exceed pool.idleTimeout",
+        "messageExpression": "'pool.validateAfterIdle must not exceed pool.idleTimeout: ' + self.validateAfterIdle + ' > ' + self.idleTimeout"
+    }
 ]))]
 pub struct PoolSpec {
     /// Lease requests that may wait for a connection, per pod and backend; beyond them the gateway
@@ -351,8 +361,16 @@ pub struct PoolSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", default)]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "duration(self.firstByte) <= duration(self.total)", "message": "timeouts.firstByte must not exceed timeouts.total"},
-    {"rule": "duration(self.streamIdle) <= duration(self.total)", "message": "timeouts.streamIdle must not exceed timeouts.total"}
+    {
+        "rule": "duration(self.firstByte) <= duration(self.total)",
+        "message": "timeouts.firstByte must not exceed timeouts.total",
+        "messageExpression": "'timeouts.firstByte must not exceed timeouts.total: ' + self.firstByte + ' > ' + self.total"
+    },
+    {
+        "rule": "duration(self.streamIdle) <= duration(self.total)",
+        "message": "timeouts.streamIdle must not exceed timeouts.total",
+        "messageExpression": "'timeouts.streamIdle must not exceed timeouts.total: ' + self.streamIdle + ' > ' + self.total"
+    }
 ]))]
 pub struct TimeoutsSpec {
     /// Longest time from sending the request to receiving the response head; the client gets
@@ -374,7 +392,11 @@ pub struct TimeoutsSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "duration(self.timeout) <= duration(self.interval)", "message": "healthCheck.timeout must not exceed healthCheck.interval"}
+    {
+        "rule": "duration(self.timeout) <= duration(self.interval)",
+        "message": "healthCheck.timeout must not exceed healthCheck.interval",
+        "messageExpression": "'healthCheck.timeout must not exceed healthCheck.interval: ' + self.timeout + ' > ' + self.interval"
+    }
 ]))]
 pub struct HealthCheckSpec {
     /// Path probed with GET; any 2xx answer is healthy.
@@ -413,12 +435,14 @@ pub struct OutlierDetectionSpec {
     pub max_ejected_percent: u32,
 }
 
-/// Per-client concurrency limits (seed 2: one client must not hold the whole pool).
+/// Per-client concurrency limits: one client must not hold the whole pool.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "self.overrides.all(o, self.overrides.filter(p, p.name == o.name).size() == 1)", "message": "client override names must be unique"},
-    {"rule": "!has(self.slowCalls) || self.slowCalls.demotedConcurrency <= self.maxConcurrency", "message": "clients.slowCalls.demotedConcurrency must not exceed clients.maxConcurrency"}
+    {
+        "rule": "!has(self.slowCalls) || self.slowCalls.demotedConcurrency <= self.maxConcurrency",
+        "message": "clients.slowCalls.demotedConcurrency must not exceed clients.maxConcurrency"
+    }
 ]))]
 pub struct ClientsSpec {
     /// How a request's client is identified: by a header or by source IP, exactly one of them.
@@ -445,8 +469,12 @@ pub struct ClientsSpec {
     #[schemars(schema_with = "positive_duration")]
     pub queue_timeout: Duration,
     /// Named clients with their own concurrency limit (an allowlist for batch callers).
+    /// A list map keyed by `name`: the API server refuses a duplicate name.
     #[serde(default)]
-    #[schemars(length(max = 64))]
+    #[schemars(
+        length(max = 64),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"])
+    )]
     pub overrides: Vec<ClientOverrideSpec>,
     /// Demotion of clients whose calls are often slow: such a client gets a lower concurrency
     /// limit for a while. Omitted: no demotion.
@@ -623,7 +651,10 @@ pub enum TrustedProxyProtocol {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", default)]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "!has(self.max) || self.min <= self.max", "message": "autoscale.min must not exceed autoscale.max"}
+    {
+        "rule": "!has(self.max) || self.min <= self.max",
+        "message": "autoscale.min must not exceed autoscale.max"
+    }
 ]))]
 pub struct AutoscaleSpec {
     /// Tune the targets from observed demand. When false every backend runs at its upper bound
@@ -731,6 +762,7 @@ pub struct ConnectionPolicyStatus {
     /// `RolledOut`, `Saturated` and `Ready`. Their reasons are listed in poolpilot's
     /// ConnectionPolicy reference (docs/connectionpolicy-reference.md).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
     /// Per backend: target, per-pod share, observed saturation and the last scale decision.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

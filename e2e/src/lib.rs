@@ -19,10 +19,11 @@ pub mod load;
 pub mod modelsim;
 pub mod namespace;
 pub mod paths;
-pub mod plot;
+pub mod pool_view;
 pub mod relay;
 pub mod scenario;
 pub mod stack;
+pub mod standalone;
 pub mod wait;
 
 pub use cluster::Cluster;

@@ -3,7 +3,7 @@
 //! outcome counted in one-second buckets (status, the gateway's machine-readable reason,
 //! `Retry-After`), so that a test reads the error rate before and after the operator acts.
 //!
-//! Closed loop is how seed 1's callers behaved (a fixed number of worker threads each waiting
+//! Closed loop is how the callers of the lease-timeout incident behaved (a fixed number of worker threads each waiting
 //! for its call): the in-flight demand at the gateways equals the number of active workers, so
 //! "demand 50% above the pool" is a worker count. The count changes at run time
 //! ([`Load::set_workers`]); workers beyond it idle.

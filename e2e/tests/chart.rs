@@ -483,12 +483,9 @@ async fn the_chart_and_the_kustomize_bases_deploy_the_same_thing() -> anyhow::Re
             other => anyhow::bail!("{key}: no comparison for a {other} yet"),
         }
     }
-    // And nothing the bases lack, but what the chart adds on purpose: the view/edit
-    // aggregation, and the admin credentials, which a kustomize install creates by hand
-    // (docs/deploying.md) and the chart generates once.
+    // And nothing the bases lack, but what the chart adds on purpose: the admin credentials,
+    // which a kustomize install creates by hand (docs/deploying.md) and the chart generates once.
     let on_purpose = [
-        "ClusterRole/poolpilot-view",
-        "ClusterRole/poolpilot-edit",
         "Secret/poolpilot-admin-token",
         "Secret/poolpilot-gateway-admin-tls",
         "Secret/poolpilot-gateway-admin-ca",

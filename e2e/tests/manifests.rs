@@ -3,6 +3,8 @@
 //! PromQL expression of the Grafana dashboard and of the alerting rules runs on the e2e
 //! Prometheus, and the copies kept next to their sources (the CRD, the PrometheusRule) match them.
 
+use std::time::Duration;
+
 use anyhow::Context as _;
 use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::paths::workspace_root;
@@ -29,6 +31,70 @@ fn the_crd_in_manifests_is_the_generated_one() -> anyhow::Result<()> {
         read("manifests/crds/connectionpolicy.yaml")? == read("crds/connectionpolicy.yaml")?,
         "manifests/crds/connectionpolicy.yaml differs from crds/connectionpolicy.yaml: run `make crds`"
     );
+    Ok(())
+}
+
+/// Where every alert's `runbook_url` points: a section of docs/runbooks.md (a link for people,
+/// never fetched).
+const RUNBOOKS: &str = "https://github.com/poolpilot/poolpilot/blob/main/docs/runbooks.md#"; // hermetic: not a destination
+
+/// GitHub's anchor of a Markdown heading: lower case, spaces to dashes, punctuation dropped.
+fn github_anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn every_alert_has_a_runbook_section_that_says_what_to_do() -> anyhow::Result<()> {
+    let rules = yaml(RULES)?;
+    let runbooks = read("docs/runbooks.md")?;
+    let sections: Vec<(String, String)> = runbooks
+        .split("\n## ")
+        .skip(1)
+        .map(|s| {
+            let (heading, body) = s.split_once('\n').unwrap_or((s, ""));
+            (github_anchor(heading), body.to_owned())
+        })
+        .collect();
+    let mut alerts = Vec::new();
+    for group in rules["groups"].as_array().context("groups")? {
+        for rule in group["rules"].as_array().context("rules")? {
+            let Some(alert) = rule["alert"].as_str() else {
+                continue;
+            };
+            alerts.push(github_anchor(alert));
+            let url = rule["annotations"]["runbook_url"]
+                .as_str()
+                .with_context(|| format!("{alert} has no runbook_url"))?;
+            let fragment = url
+                .strip_prefix(RUNBOOKS)
+                .with_context(|| format!("{alert}: {url} is not in docs/runbooks.md"))?;
+            let (_, body) = sections
+                .iter()
+                .find(|(anchor, _)| anchor == fragment)
+                .with_context(|| {
+                    format!("{alert}: no heading of docs/runbooks.md has #{fragment}")
+                })?;
+            for part in ["**Meaning.**", "**Confirm.**", "**Act.**"] {
+                anyhow::ensure!(body.contains(part), "{alert}: its runbook has no {part}");
+            }
+        }
+    }
+    let orphans: Vec<_> = sections
+        .iter()
+        .filter(|(anchor, _)| !alerts.contains(anchor))
+        .map(|(anchor, _)| anchor)
+        .collect();
+    anyhow::ensure!(orphans.is_empty(), "runbooks of no alert: {orphans:?}");
+    anyhow::ensure!(alerts.len() >= 10, "{} alerts", alerts.len());
     Ok(())
 }
 
@@ -259,4 +325,97 @@ async fn every_dashboard_and_alert_query_runs_on_prometheus() -> anyhow::Result<
         failures.join("\n")
     );
     Ok(())
+}
+
+/// `kubectl auth can-i VERB RESOURCE -n NS --as USER [--subresource S]`: whether the API server
+/// allows it.
+async fn can_i(
+    cluster: &Cluster,
+    ns: &str,
+    user: &str,
+    verb: &str,
+    resource: &str,
+) -> anyhow::Result<bool> {
+    let (resource, subresource) = resource.split_once('/').unwrap_or((resource, ""));
+    let mut cmd = cluster.kubectl();
+    cmd.args(["auth", "can-i", verb, resource, "-n", ns, "--as", user]);
+    if !subresource.is_empty() {
+        cmd.arg(format!("--subresource={subresource}"));
+    }
+    let out = poolpilot_e2e::cluster::output(&mut cmd).await?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim() == "yes")
+}
+
+#[tokio::test]
+async fn namespace_users_get_policies_through_the_built_in_view_and_edit_roles()
+-> anyhow::Result<()> {
+    with_namespace("aggregate", async |ns| {
+        let cluster = ns.cluster();
+        cluster.install_crd().await?;
+        let roles = workspace_root().join("manifests/operator/rbac-aggregate.yaml");
+        run(cluster.kubectl().arg("apply").arg("-f").arg(&roles)).await?;
+        let checked = async {
+            for (user, role) in [("jane", "view"), ("joe", "edit")] {
+                run(cluster.kubectl().args([
+                    "create",
+                    "rolebinding",
+                    user,
+                    "-n",
+                    ns.name(),
+                    &format!("--clusterrole={role}"),
+                    &format!("--user={user}"),
+                ]))
+                .await?;
+            }
+            let policies = "connectionpolicies.poolpilot.io";
+            // The controller-manager aggregates the rules into view/edit/admin in a moment.
+            poolpilot_e2e::eventually(
+                "view and edit carry the policies",
+                Duration::from_secs(60),
+                || async {
+                    anyhow::ensure!(
+                        can_i(cluster, ns.name(), "jane", "list", policies).await?,
+                        "jane cannot list"
+                    );
+                    anyhow::ensure!(
+                        can_i(cluster, ns.name(), "joe", "create", policies).await?,
+                        "joe cannot create"
+                    );
+                    Ok(())
+                },
+            )
+            .await?;
+            assert!(can_i(cluster, ns.name(), "jane", "get", policies).await?);
+            assert!(
+                !can_i(cluster, ns.name(), "jane", "create", policies).await?,
+                "view only reads"
+            );
+            assert!(can_i(cluster, ns.name(), "joe", "delete", policies).await?);
+            assert!(
+                !can_i(
+                    cluster,
+                    ns.name(),
+                    "joe",
+                    "update",
+                    &format!("{policies}/status")
+                )
+                .await?,
+                "status stays the operator's"
+            );
+            assert!(
+                !can_i(cluster, "default", "joe", "list", policies).await?,
+                "only in the namespace of the binding"
+            );
+            anyhow::Ok(())
+        }
+        .await;
+        // Cluster-scoped: gone again whatever happened (the chart test installs its own).
+        run(cluster
+            .kubectl()
+            .args(["delete", "--ignore-not-found", "-f"])
+            .arg(&roles))
+        .await?;
+        checked
+    })
+    .await
 }

@@ -1,8 +1,8 @@
 //! The operator on the embedded cluster, as a user runs it: deployed as a pod from the local
 //! overlay's manifests (its own ServiceAccount, bound to the ClusterRole of `manifests/operator`,
-//! not cluster-admin), driven with `kubectl` only. Covers issue 5's acceptance (the CRD and a
-//! sample policy applied → `Accepted`, CEL rules refuse an invalid policy, printer columns,
-//! `kubectl explain`) and issue 6's RBAC acceptance (no denial under the shipped role; without one
+//! not cluster-admin), driven with `kubectl` only: the CRD and a sample policy applied →
+//! `Accepted`, CEL rules and list-map keys refuse an invalid policy, printer columns (`-o wide`
+//! too), `kubectl explain`; RBAC (no denial under the shipped role; without one
 //! verb the operator fails visibly: in its log, its metrics and a `ReconcileFailed` Event on the
 //! policy), and that `kubectl logs` of an operator pod works as on any cluster (the local
 //! kubelet serves container logs through the kubelet API).
@@ -399,9 +399,10 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
         !refused.status.success(),
         "an invalid policy was accepted: {stderr}"
     );
+    // The duration rule's message names the two values (messageExpression).
     for message in [
         "autoscale.max must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom) of any backend",
-        "timeouts.firstByte must not exceed timeouts.total",
+        "timeouts.firstByte must not exceed timeouts.total: 150s > 120s",
     ] {
         assert!(
             stderr.contains(message),
@@ -409,6 +410,32 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
         );
     }
     assert!(stderr.contains("\"too-big\" is invalid"), "{stderr}");
+
+    // Two backends of one name: the list map's key refuses the second, naming it.
+    let twice = sample
+        .replace("name: models", "name: twice")
+        .replace("  - name: model-b\n", "  - name: model-a\n");
+    anyhow::ensure!(
+        twice.matches("- name: model-a").count() == 2,
+        "the sample changed; update this test's edits"
+    );
+    std::fs::write(file.path(), &twice)?;
+    let refused = output(
+        cluster
+            .kubectl()
+            .args(["apply", "-n", ns.name(), "-f"])
+            .arg(file.path()),
+    )
+    .await?;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "a duplicate backend was accepted"
+    );
+    assert!(
+        stderr.contains("spec.backends[1]: Duplicate value") && stderr.contains("model-a"),
+        "{stderr}"
+    );
     let policies: Api<ConnectionPolicy> = ns.api();
     assert!(
         policies.get_opt("too-big").await?.is_none(),
@@ -434,6 +461,40 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
         header,
         ["NAME", "TARGETS", "UPDATED", "READY", "SATURATED", "AGE"],
         "{table}"
+    );
+    // `-o wide` adds the reasons of the other conditions.
+    let wide = run(cluster
+        .kubectl()
+        .args(["get", "cpol", "-n", ns.name(), "-o", "wide"]))
+    .await?;
+    let wide_header: Vec<&str> = wide
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        wide_header,
+        [
+            "NAME",
+            "TARGETS",
+            "UPDATED",
+            "READY",
+            "SATURATED",
+            "ACCEPTED",
+            "METRICS",
+            "FDBUDGET",
+            "ROLLOUT",
+            "AGE"
+        ],
+        "{wide}"
+    );
+    assert!(
+        wide.lines()
+            .nth(1)
+            .unwrap_or_default()
+            .contains(" Accepted "),
+        "{wide}"
     );
     let row: Vec<&str> = lines
         .next()
@@ -488,10 +549,10 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
         );
     }
 
-    // The operator counts its policies per condition status, and Prometheus has it, labelled
-    // as the PoolpilotMetricsUnavailable alert reads it (max over the replicas).
+    // The operator counts its policies per condition status and reason, and Prometheus has it,
+    // labelled as the alerts read it (summed over reasons, max over the replicas).
     let promql = format!(
-        "max(poolpilot_operator_policies{{namespace=\"{}\", condition=\"Accepted\", status=\"True\"}})",
+        "max(sum without (reason) (poolpilot_operator_policies{{namespace=\"{}\", condition=\"Accepted\", status=\"True\"}}))",
         ns.name()
     );
     eventually("Prometheus sees one accepted policy", WAIT, || async {

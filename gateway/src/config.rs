@@ -15,7 +15,7 @@ use serde::Deserialize;
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "poolpilot-gateway",
-    version,
+    version = poolpilot_telemetry::LONG_VERSION,
     about = "poolpilot's pooled, throttled AI gateway"
 )]
 pub struct Args {

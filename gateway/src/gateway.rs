@@ -450,11 +450,11 @@ impl Gateway {
         })
     }
 
-    /// The metrics text, with the gauges computed from live state set just before.
-    pub fn scrape(&self) -> String {
+    /// The metrics page in `format`, with the gauges computed from live state set just before.
+    pub fn scrape(&self, format: poolpilot_telemetry::Format) -> String {
         let _one_at_a_time = self.inner.scrape.lock();
         self.refresh_gauges();
-        self.inner.metrics.encode()
+        self.inner.metrics.encode_as(format)
     }
 
     /// Sets the gauges computed from live state.
@@ -476,9 +476,6 @@ impl Gateway {
             m.set_client_inflight(&label, n);
         }
         m.set_route_buffer_bytes(self.inner.route_budget.held());
-        let (open, max) = crate::procfs::fds();
-        m.set_process_fds(open, max);
-        m.set_resident_memory(crate::procfs::resident_bytes());
     }
 
     /// Forgets idle clients periodically, for as long as the gateway lives.

@@ -30,7 +30,6 @@ pub mod health;
 pub mod limiter;
 pub mod metrics;
 pub mod pool;
-pub mod procfs;
 pub mod proxy;
 pub mod reload;
 pub mod route;

@@ -1,11 +1,13 @@
-//! The gateway's Prometheus metrics: exactly the names and labels of DESIGN §4 (what the
-//! operator queries), plus listener and reload counters and the process fd gauges. Labels are
+//! The gateway's Prometheus metrics: exactly the names and labels of the metric contract in
+//! docs/design.md (what the operator queries), plus listener and reload counters; the standard
+//! process metrics come from `poolpilot-telemetry`. Labels are
 //! bounded: backend and endpoint names come from the limits, client labels are configured
 //! override names or `other`, reasons and kinds are enums.
 
 use std::fmt;
 use std::sync::Arc;
 
+use poolpilot_telemetry::Format;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -262,9 +264,6 @@ pub struct Metrics {
     client_evictions: Counter,
     route_buffer_bytes: Gauge,
     route_buffer_rejected: Counter,
-    open_fds: Gauge,
-    max_fds: Gauge,
-    resident_memory: Gauge,
     admin_connections_refused: Counter,
     admin_reloads: Family<AdminReloadLabels, Counter>,
 }
@@ -323,9 +322,6 @@ impl Metrics {
             client_evictions: Counter::default(),
             route_buffer_bytes: Gauge::default(),
             route_buffer_rejected: Counter::default(),
-            open_fds: Gauge::default(),
-            max_fds: Gauge::default(),
-            resident_memory: Gauge::default(),
             admin_connections_refused: Counter::default(),
             admin_reloads: Family::default(),
         };
@@ -465,22 +461,9 @@ impl Metrics {
             "Requests refused because their routing buffer would exceed routeBufferBudget",
             m.route_buffer_rejected.clone(),
         );
-        r.register(
-            "process_open_fds",
-            "Number of open file descriptors",
-            m.open_fds.clone(),
-        );
-        r.register(
-            "process_max_fds",
-            "Maximum number of open file descriptors",
-            m.max_fds.clone(),
-        );
-        r.register_with_unit(
-            "process_resident_memory",
-            "Resident memory size",
-            Unit::Bytes,
-            m.resident_memory.clone(),
-        );
+        // process_open_fds and process_max_fds are part of the metric contract: the operator's
+        // fd check reads them. The standard collector reads them at every scrape.
+        poolpilot_telemetry::register(&mut r);
         r.register(
             "poolpilot_admin_connections_refused",
             "Admin connections closed at once because adminMaxConnections were open",
@@ -495,13 +478,14 @@ impl Metrics {
         m
     }
 
-    /// The text exposition (OpenMetrics) of every family.
+    /// The OpenMetrics exposition of every family.
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        let registry = self.registry.lock();
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
-        out
+        self.encode_as(Format::OpenMetrics)
+    }
+
+    /// The exposition of every family in the format a scraper negotiated.
+    pub fn encode_as(&self, format: Format) -> String {
+        poolpilot_telemetry::exposition::encode(&self.registry.lock(), format)
     }
 
     // --- pool ---
@@ -707,21 +691,6 @@ impl Metrics {
 
     pub(crate) fn set_route_buffer_bytes(&self, bytes: u64) {
         self.route_buffer_bytes.set(bytes as i64);
-    }
-
-    pub(crate) fn set_resident_memory(&self, bytes: Option<u64>) {
-        if let Some(bytes) = bytes {
-            self.resident_memory.set(bytes as i64);
-        }
-    }
-
-    pub(crate) fn set_process_fds(&self, open: Option<u64>, max: Option<u64>) {
-        if let Some(open) = open {
-            self.open_fds.set(open as i64);
-        }
-        if let Some(max) = max {
-            self.max_fds.set(max as i64);
-        }
     }
 
     // --- admin ---

@@ -5,6 +5,7 @@ mod support;
 
 use std::time::Duration;
 
+use http::header::CONTENT_TYPE;
 use http_body_util::BodyExt;
 use support::*;
 
@@ -125,13 +126,36 @@ async fn metrics_follow_the_contract() {
         ("process_open_fds", "gauge"),
         ("process_max_fds", "gauge"),
     ] {
+        // The classic text format (no Accept header): a counter family is named by its samples.
+        let family = if kind == "counter" {
+            format!("{name}_total")
+        } else {
+            name.to_owned()
+        };
         assert!(
-            text.contains(&format!("# TYPE {name} {kind}\n")),
-            "missing {name} ({kind}) in\n{text}"
+            text.contains(&format!("# TYPE {family} {kind}\n")),
+            "missing {family} ({kind}) in\n{text}"
+        );
+        assert!(
+            text.contains(&format!("# HELP {family} ")),
+            "no help for {family} in\n{text}"
         );
     }
     assert!(text.contains("poolpilot_upstream_request_duration_seconds_count{backend=\"model-a\",code_class=\"2xx\"} 1"), "{text}");
     assert!(metric(&text, "process_open_fds").unwrap() > 5.0);
+    assert!(metric(&text, "process_resident_memory_bytes").unwrap() > 1e6);
+    assert!(
+        metric(&text, "process_cpu_seconds_total").is_some(),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "poolpilot_build_info{{version=\"{}\",revision=\"{}\"}} 1\n",
+            poolpilot_telemetry::VERSION,
+            poolpilot_telemetry::REVISION
+        )),
+        "{text}"
+    );
     let stats: serde_json::Value =
         serde_json::from_str(&gw.admin_get("/v1/stats").await.2).unwrap();
     let ep = &stats["backends"]["model-a"]["endpoints"][0];
@@ -390,4 +414,46 @@ async fn http2_clients_are_served() {
         let body = response.into_body().collect().await.unwrap().to_bytes();
         assert!(String::from_utf8_lossy(&body).contains(r#"\"host\": \"gateway.test\""#));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_answer_each_scraper_in_the_format_it_asks_for() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(limits("model-a", &[backend.addr], 4)).await;
+    assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
+    let scrape = |accept: Option<&'static str>| async move {
+        let headers: Vec<(&str, &str)> = accept.map(|a| ("accept", a)).into_iter().collect();
+        get(gw.admin, "/metrics", &headers).await
+    };
+    // curl sends `*/*`: the classic text format, which `promtool check metrics` reads.
+    for accept in [None, Some("*/*"), Some("text/plain")] {
+        let (status, headers, text) = scrape(accept).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            headers[CONTENT_TYPE], "text/plain; version=0.0.4; charset=utf-8",
+            "{accept:?}"
+        );
+        assert!(
+            !text.contains("# EOF") && !text.contains("# UNIT"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE poolpilot_pool_connections_created_total counter\n"),
+            "{text}"
+        );
+    }
+    // Prometheus prefers OpenMetrics.
+    let (_, headers, page) = scrape(Some(
+        "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    ))
+    .await;
+    assert_eq!(
+        headers[CONTENT_TYPE],
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert!(page.ends_with("# EOF\n"), "{page}");
+    assert!(
+        page.contains("# TYPE poolpilot_pool_connections_created counter\n"),
+        "{page}"
+    );
 }

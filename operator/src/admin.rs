@@ -1,4 +1,5 @@
-//! The operator's own HTTP endpoint: `GET /metrics` (Prometheus text format) and `GET /healthz`,
+//! The operator's own HTTP endpoint: `GET /metrics` (the classic text format, or OpenMetrics when
+//! the scraper accepts it) and `GET /healthz`,
 //! bounded whatever a client does: at most [`MAX_CONNECTIONS`] open, and a client that does not
 //! send its request's head, or does not take its response, within [`HEADER_READ_TIMEOUT`] loses
 //! its connection. HTTP/1.1 only (what Prometheus and the kubelet's probes speak).
@@ -13,6 +14,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use poolpilot_telemetry::Format;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -28,8 +30,13 @@ pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// at once.
 pub const MAX_CONNECTIONS: usize = 64;
 
-/// Answers one request.
-pub fn respond(registry: &Registry, method: &Method, path: &str) -> Response<Full<Bytes>> {
+/// Answers one request; `accept` is its `Accept` header.
+pub fn respond(
+    registry: &Registry,
+    method: &Method,
+    path: &str,
+    accept: Option<&str>,
+) -> Response<Full<Bytes>> {
     let reply = |status, ctype: &'static str, body: String| {
         Response::builder()
             .status(status)
@@ -39,19 +46,9 @@ pub fn respond(registry: &Registry, method: &Method, path: &str) -> Response<Ful
     };
     match (method, path) {
         (&Method::GET, "/metrics") => {
-            let mut out = String::new();
-            match prometheus_client::encoding::text::encode(&mut out, registry) {
-                Ok(()) => reply(
-                    StatusCode::OK,
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    out,
-                ),
-                Err(e) => reply(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "text/plain",
-                    e.to_string(),
-                ),
-            }
+            let format = Format::negotiate(accept);
+            let page = poolpilot_telemetry::exposition::encode(registry, format);
+            reply(StatusCode::OK, format.content_type(), page)
         }
         (&Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".into()),
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
@@ -81,7 +78,11 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>, shutdown: Can
         tokio::spawn(async move {
             let _permit = permit;
             let svc = service_fn(move |req: Request<Incoming>| {
-                let resp = respond(&registry, req.method(), req.uri().path());
+                let accept = req
+                    .headers()
+                    .get(http::header::ACCEPT)
+                    .and_then(|v| v.to_str().ok());
+                let resp = respond(&registry, req.method(), req.uri().path(), accept);
                 async move { Ok::<_, Infallible>(resp) }
             });
             let mut stream = TimeoutStream::new(stream);
@@ -183,22 +184,44 @@ mod tests {
 
     #[tokio::test]
     async fn serves_metrics_and_health() {
-        let mut registry = Registry::with_prefix("poolpilot_operator");
-        let m = crate::metrics::Metrics::default().register(&mut registry);
+        let (registry, m) = crate::metrics::registry(crate::metrics::Metrics::default());
         m.reconciles.inc();
         let body = |r: Response<Full<Bytes>>| async move {
-            r.into_body().collect().await.unwrap().to_bytes()
+            let ctype = r.headers()[http::header::CONTENT_TYPE].clone();
+            let bytes = r.into_body().collect().await.unwrap().to_bytes();
+            (ctype, String::from_utf8(bytes.to_vec()).unwrap())
         };
-        let r = respond(&registry, &Method::GET, "/metrics");
+        // curl: the classic text format, counters named by their `_total` samples.
+        let r = respond(&registry, &Method::GET, "/metrics", Some("*/*"));
         assert_eq!(r.status(), StatusCode::OK);
-        let text = String::from_utf8(body(r).await.to_vec()).unwrap();
-        assert!(text.contains("poolpilot_operator_reconciles_total 1"));
+        let (ctype, text) = body(r).await;
+        assert_eq!(ctype, Format::Text.content_type());
+        assert!(
+            text.contains("poolpilot_operator_reconciles_total 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# HELP poolpilot_operator_reconciles_total "),
+            "{text}"
+        );
+        assert!(text.contains("\nprocess_resident_memory_bytes "), "{text}");
+        assert!(text.contains("\npoolpilot_build_info{"), "{text}");
+        // Prometheus: OpenMetrics.
+        let r = respond(
+            &registry,
+            &Method::GET,
+            "/metrics",
+            Some("application/openmetrics-text;version=1.0.0;q=0.5,*/*;q=0.1"),
+        );
+        let (ctype, page) = body(r).await;
+        assert_eq!(ctype, Format::OpenMetrics.content_type());
+        assert!(page.ends_with("# EOF\n"), "{page}");
         assert_eq!(
-            respond(&registry, &Method::GET, "/healthz").status(),
+            respond(&registry, &Method::GET, "/healthz", None).status(),
             StatusCode::OK
         );
         assert_eq!(
-            respond(&registry, &Method::GET, "/nope").status(),
+            respond(&registry, &Method::GET, "/nope", None).status(),
             StatusCode::NOT_FOUND
         );
     }

@@ -7,7 +7,7 @@ use poolpilot_api::Duration;
 
 /// poolpilot-operator: tunes gateway connection pools from Prometheus and rolls the limits out.
 #[derive(Clone, Debug, Parser)]
-#[command(version, about)]
+#[command(version = poolpilot_telemetry::LONG_VERSION, about)]
 pub struct Args {
     /// Prometheus base URL.
     #[arg(

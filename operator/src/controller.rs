@@ -1,8 +1,9 @@
 //! Wiring: the Kubernetes client (every request counted by verb), caches of pods, EndpointSlices
 //! and the operator's ConfigMaps, the Prometheus poller, the `/metrics` server, leader election,
 //! and the Controller over ConnectionPolicy (each reconcile timed) that also reacts to the
-//! selected pods, the backends' EndpointSlices and its own ConfigMaps. Runs until SIGTERM or
-//! Ctrl-C.
+//! selected pods, the backends' EndpointSlices and its own ConfigMaps. One watch per kind: the
+//! caches that the reconciles read also trigger them (no second watch by the Controller), and
+//! they keep no `managedFields` nor last-applied annotations. Runs until SIGTERM or Ctrl-C.
 
 use std::sync::Arc;
 
@@ -19,7 +20,6 @@ use kube::{Client, ResourceExt};
 use kube_lease_manager::LeaseManagerBuilder;
 use parking_lot::{Mutex, RwLock};
 use poolpilot_api::ConnectionPolicy;
-use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::util::MapRequestLayer;
@@ -72,8 +72,7 @@ pub enum RunError {
 
 /// Runs the operator until a shutdown signal.
 pub async fn run(args: Args) -> Result<(), RunError> {
-    let mut registry = Registry::with_prefix("poolpilot_operator");
-    let metrics = Metrics::default().register(&mut registry);
+    let (registry, metrics) = crate::metrics::registry(Metrics::default());
     let config = kube::Config::infer().await.map_err(RunError::Config)?;
     let client = kube::client::ClientBuilder::try_from(config)
         .map_err(RunError::Client)?
@@ -233,9 +232,9 @@ struct Term {
     snapshot: Arc<RwLock<Snapshot>>,
     saturation: SaturationQueries,
     gateways: HttpGateways,
-    pods: Store<Pod>,
-    slices: Store<EndpointSlice>,
-    configmaps: Store<ConfigMap>,
+    pods: Cached<Pod>,
+    slices: Cached<EndpointSlice>,
+    configmaps: Cached<ConfigMap>,
 }
 
 impl Term {
@@ -250,8 +249,9 @@ impl Term {
         )
         .with_config(controller::Config::default().concurrency(self.args.concurrent_reconciles));
         let policies = controller.store();
-        // `poolpilot_operator_policies` counts from this cache while this replica leads.
-        let _tracking = self.metrics.policies.track(policies.clone());
+        // `poolpilot_operator_leader` is 1 and `poolpilot_operator_policies` counts from this
+        // cache while this replica leads.
+        let _leading = self.metrics.leading(policies.clone());
         let ctx = Arc::new(Context {
             client: c.clone(),
             config: Config {
@@ -264,14 +264,15 @@ impl Term {
             },
             stores: Stores {
                 policies: policies.clone(),
-                pods: self.pods.clone(),
-                slices: self.slices.clone(),
-                configmaps: self.configmaps.clone(),
+                pods: self.pods.store.clone(),
+                slices: self.slices.store.clone(),
+                configmaps: self.configmaps.store.clone(),
             },
             snapshot: self.snapshot.clone(),
             saturation: self.saturation.clone(),
             memory: Mutex::default(),
             rollouts: Mutex::default(),
+            retries: Default::default(),
             gateways: self.gateways.clone(),
             recorder: Recorder::new(
                 c.clone(),
@@ -284,22 +285,22 @@ impl Term {
             clock: crate::clock::now,
         });
         let (by_pod, by_slice) = (policies.clone(), policies);
-        let managed = format!("{}={}", MANAGED_BY.0, MANAGED_BY.1);
+        let pods = self
+            .pods
+            .touched()
+            .flat_map(move |pod| futures::stream::iter(policies_selecting(&by_pod, &pod)));
+        let slices = self
+            .slices
+            .touched()
+            .flat_map(move |slice| futures::stream::iter(policies_using(&by_slice, &slice)));
+        let configmaps = self
+            .configmaps
+            .touched()
+            .flat_map(|cm| futures::stream::iter(owning_policies(&cm)));
         controller
-            .owns(
-                self.scope.api::<ConfigMap>(c),
-                watcher::Config::default().labels(&managed),
-            )
-            .watches(
-                self.scope.api::<Pod>(c),
-                watcher::Config::default().labels(&self.args.pod_selector),
-                move |pod| policies_selecting(&by_pod, &pod),
-            )
-            .watches(
-                self.scope.api::<EndpointSlice>(c),
-                watcher::Config::default(),
-                move |slice| policies_using(&by_slice, &slice),
-            )
+            .reconcile_on(pods)
+            .reconcile_on(slices)
+            .reconcile_on(configmaps)
             .graceful_shutdown_on(stop.cancelled_owned())
             .run(timed_reconcile, reconcile::error_policy, ctx)
             .for_each(|res| {
@@ -396,8 +397,45 @@ impl Scope {
     }
 }
 
-/// A cache of `K`, kept current by a background watch of `api` until `shutdown`.
-fn cache<K>(api: Api<K>, config: watcher::Config, shutdown: &CancellationToken) -> Store<K>
+/// A cache of `K`, kept current by the one watch of `api` until `shutdown`, and the objects that
+/// watch touches, for whoever reconciles on them (the leader's Controller; nobody on a standby,
+/// and then they go nowhere).
+struct Cached<K: kube::Resource<DynamicType = ()> + 'static> {
+    store: Store<K>,
+    touched: tokio::sync::broadcast::Sender<Arc<K>>,
+}
+
+impl<K: kube::Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Cached<K> {
+    /// The objects touched from now on. A receiver that falls behind skips what it missed: the
+    /// store has the latest state, and every policy is reconciled again within `maxRequeue`.
+    fn touched(&self) -> impl futures::Stream<Item = Arc<K>> + Send + 'static {
+        use tokio::sync::broadcast::error::RecvError;
+        futures::stream::unfold(self.touched.subscribe(), |mut rx| async move {
+            loop {
+                match rx.recv().await {
+                    Ok(object) => return Some((object, rx)),
+                    Err(RecvError::Lagged(_)) => {}
+                    Err(RecvError::Closed) => return None,
+                }
+            }
+        })
+    }
+}
+
+/// Objects touched and not yet taken by the Controller, per kind.
+const TOUCHED_BUFFER: usize = 1024;
+
+/// Drops what the operator never reads and every object would otherwise carry in memory: the
+/// `managedFields` of server-side apply and kubectl's last-applied annotation.
+fn strip_bookkeeping<K: ResourceExt>(object: &mut K) {
+    object.managed_fields_mut().clear();
+    object
+        .annotations_mut()
+        .remove("kubectl.kubernetes.io/last-applied-configuration");
+}
+
+/// Starts the watch of `api` behind a [`Cached`].
+fn cache<K>(api: Api<K>, config: watcher::Config, shutdown: &CancellationToken) -> Cached<K>
 where
     K: kube::Resource<DynamicType = ()>
         + Clone
@@ -408,24 +446,41 @@ where
         + 'static,
 {
     let (store, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, config))
+    let (touched, _) = tokio::sync::broadcast::channel(TOUCHED_BUFFER);
+    let stream = reflector::reflector(writer, watcher(api, config).modify(strip_bookkeeping::<K>))
         .default_backoff()
         .touched_objects();
     let shutdown = shutdown.clone();
+    let sender = touched.clone();
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 item = stream.next() => match item {
-                    Some(Ok(_)) => {}
+                    // No receiver (a standby): nobody reconciles, nothing to tell.
+                    Some(Ok(object)) => { let _ = sender.send(Arc::new(object)); }
                     Some(Err(e)) => warn!(error = %crate::report(&e), "watch error"),
                     None => return,
                 },
             }
         }
     });
-    store
+    Cached { store, touched }
+}
+
+/// The policy that owns `configmap` (its limits ConfigMap), as the Controller's `owns` would
+/// find it.
+fn owning_policies(configmap: &ConfigMap) -> Vec<ObjectRef<DeserializeGuard<ConnectionPolicy>>> {
+    let Some(ns) = configmap.namespace() else {
+        return Vec::new();
+    };
+    configmap
+        .owner_references()
+        .iter()
+        .filter(|o| o.kind == "ConnectionPolicy" && o.api_version.starts_with("poolpilot.io/"))
+        .map(|o| ObjectRef::new(&o.name).within(&ns))
+        .collect()
 }
 
 fn queries(args: &Args) -> Queries {
@@ -528,4 +583,85 @@ fn hostname() -> String {
     std::fs::read_to_string("/etc/hostname")
         .map(|s| s.trim().to_owned())
         .unwrap_or_else(|_| "poolpilot-operator".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn cached_objects_keep_no_server_side_apply_bookkeeping() {
+        let mut pod: Pod = serde_json::from_value(json!({
+            "metadata": {
+                "name": "gw-0",
+                "annotations": {
+                    "kubectl.kubernetes.io/last-applied-configuration": "{\"a\": 1}",
+                    "keep": "me"
+                },
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}]
+            }
+        }))
+        .unwrap();
+        strip_bookkeeping(&mut pod);
+        assert!(pod.managed_fields().is_empty());
+        assert_eq!(
+            pod.annotations().keys().collect::<Vec<_>>(),
+            ["keep"],
+            "only the last-applied annotation goes"
+        );
+    }
+
+    #[test]
+    fn a_limits_configmap_triggers_the_policy_that_owns_it() {
+        let cm: ConfigMap = serde_json::from_value(json!({
+            "metadata": {
+                "name": "models-limits",
+                "namespace": "ns",
+                "ownerReferences": [
+                    {"apiVersion": "poolpilot.io/v1alpha1", "kind": "ConnectionPolicy",
+                     "name": "models", "uid": "u1"},
+                    {"apiVersion": "apps/v1", "kind": "Deployment", "name": "other", "uid": "u2"}
+                ]
+            }
+        }))
+        .unwrap();
+        let owners = owning_policies(&cm);
+        assert_eq!(owners, [ObjectRef::new("models").within("ns")]);
+        let orphan: ConfigMap =
+            serde_json::from_value(json!({"metadata": {"name": "x", "namespace": "ns"}})).unwrap();
+        assert!(owning_policies(&orphan).is_empty());
+    }
+
+    #[tokio::test]
+    async fn touched_objects_reach_the_current_subscribers_and_no_one_else() {
+        let (touched, _) = tokio::sync::broadcast::channel(4);
+        let cached = Cached::<ConfigMap> {
+            store: reflector::store().0,
+            touched,
+        };
+        // No subscriber (a standby): sending fails quietly, nothing piles up.
+        assert!(cached.touched.send(Arc::new(ConfigMap::default())).is_err());
+        let mut stream = Box::pin(cached.touched());
+        let named = |n: &str| {
+            let mut cm = ConfigMap::default();
+            cm.metadata.name = Some(n.into());
+            Arc::new(cm)
+        };
+        // More than the buffer: the subscriber skips what it missed and goes on.
+        for n in ["a", "b", "c", "d", "e", "f"] {
+            cached.touched.send(named(n)).unwrap();
+        }
+        let first = stream.next().await.unwrap();
+        assert_eq!(
+            first.name_any(),
+            "c",
+            "the oldest two were dropped for the lagging receiver"
+        );
+        assert_eq!(stream.next().await.unwrap().name_any(), "d");
+        drop(cached);
+        let rest: Vec<_> = stream.map(|cm| cm.name_any()).collect().await;
+        assert_eq!(rest, ["e", "f"], "the stream ends once the cache is gone");
+    }
 }

@@ -1,8 +1,9 @@
 //! The operator's own Prometheus metrics: reconciles (count, whole-reconcile duration, duration
 //! and errors by pipeline step), autoscale decisions by kind, Prometheus queries sent and failed,
 //! Kubernetes API requests by verb, gateway PUT outcomes, the number of policies per condition
-//! status and the process's resident memory. Labels are bounded (step, kind, query, verb, outcome
-//! and condition names from code, never object names).
+//! status and reason, and whether this replica leads. Labels are bounded (step, kind, query, verb,
+//! outcome, condition and reason names from code, never object names). The process metrics and
+//! `poolpilot_build_info` come from `poolpilot-telemetry`, registered at the root by [`registry`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -11,18 +12,18 @@ use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
 use parking_lot::RwLock;
 use poolpilot_api::ConnectionPolicy;
+use poolpilot_api::policy::conditions::CONDITIONS;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::plan::autoscale::Decision;
 use crate::plan::autoscale::knee::Hold;
-use crate::plan::conditions::Kind;
 
 /// A pipeline step.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -52,13 +53,15 @@ pub struct VerbLabel {
     pub verb: &'static str,
 }
 
-/// A condition type and status.
+/// A condition type, status and reason.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct ConditionLabel {
     /// The condition `type` (`Accepted`, `MetricsAvailable`, ...).
     pub condition: String,
     /// `True`, `False` or `Unknown`.
     pub status: String,
+    /// The CamelCase reason (`Halted`, `OverBudget`, ...).
+    pub reason: String,
 }
 
 /// A gateway PUT outcome.
@@ -100,8 +103,10 @@ pub struct Metrics {
     pub kube_requests: Family<VerbLabel, Counter>,
     /// Gateway PUTs by outcome.
     pub puts: Family<OutcomeLabel, Counter>,
-    /// Policies per condition status (counted at scrape time).
+    /// Policies per condition status and reason (counted at scrape time).
     pub policies: PolicyConditions,
+    /// 1 while this replica holds the leader lease, else 0.
+    pub leader: Gauge,
     /// Generations read back that were too large to be real, and ignored.
     pub generations_ignored: Counter,
 }
@@ -120,6 +125,7 @@ impl Default for Metrics {
             kube_requests: Family::default(),
             puts: Family::default(),
             policies: PolicyConditions::default(),
+            leader: Gauge::default(),
             generations_ignored: Counter::default(),
         }
     }
@@ -179,8 +185,12 @@ impl Metrics {
             "Generations read back (ConfigMap annotations, pod answers, statuses) too large to be real, and ignored",
             self.generations_ignored.clone(),
         );
+        registry.register(
+            "leader",
+            "1 while this replica holds the leader lease and reconciles, 0 on a standby",
+            self.leader.clone(),
+        );
         registry.register_collector(Box::new(self.policies.clone()));
-        registry.register_collector(Box::new(ResidentMemory));
         self
     }
 
@@ -197,6 +207,17 @@ impl Metrics {
         }
     }
 
+    /// Marks this replica the leader (`poolpilot_operator_leader` 1) and counts policies from
+    /// `store`, until the returned guard is dropped at the end of the term.
+    #[must_use = "the term ends when the guard is dropped"]
+    pub fn leading(&self, store: Store<DeserializeGuard<ConnectionPolicy>>) -> Leading {
+        self.leader.set(1);
+        Leading {
+            leader: self.leader.clone(),
+            _tracking: self.policies.track(store),
+        }
+    }
+
     /// Counts one decision.
     pub fn decision(&self, d: &Decision) {
         self.decisions
@@ -207,13 +228,37 @@ impl Metrics {
     }
 }
 
-/// `poolpilot_operator_policies{condition,status}`: how many ConnectionPolicies report each
-/// condition status, counted at every scrape from the policy cache of the replica that leads (a
-/// standby exports nothing, so `max` over replicas is the fleet's number). While a cache is
-/// tracked, the six condition types are exported with `True` and `False` even when no policy has
-/// them (zero, not absent).
+/// The operator's registry: the process metrics and `poolpilot_build_info` at the root, every
+/// family of `metrics` under `poolpilot_operator_`.
+pub fn registry(metrics: Metrics) -> (Registry, Metrics) {
+    let mut root = Registry::default();
+    poolpilot_telemetry::register(&mut root);
+    let metrics = metrics.register(root.sub_registry_with_prefix("poolpilot_operator"));
+    (root, metrics)
+}
+
+/// `poolpilot_operator_policies{condition,status,reason}`: how many ConnectionPolicies report
+/// each condition status with each reason, counted at every scrape from the policy cache of the
+/// replica that leads (a standby exports nothing, so `max` over replicas is the fleet's number).
+/// While a cache is tracked, every documented (type, status, reason) is exported even when no
+/// policy has it (zero, not absent), so that alerts on `RolledOut=False/Halted` or `Ready=False`
+/// see a 0 rather than nothing.
 #[derive(Clone, Debug, Default)]
 pub struct PolicyConditions(Arc<RwLock<Option<Store<DeserializeGuard<ConnectionPolicy>>>>>);
+
+/// A leadership term: sets `poolpilot_operator_leader` back to 0 and stops counting policies
+/// when dropped.
+#[derive(Debug)]
+pub struct Leading {
+    leader: Gauge,
+    _tracking: Tracking,
+}
+
+impl Drop for Leading {
+    fn drop(&mut self) {
+        self.leader.set(0);
+    }
+}
 
 /// Stops the tracking of a policy cache when dropped (the leadership term ended).
 #[derive(Debug)]
@@ -261,18 +306,19 @@ impl Collector for PolicyConditions {
     }
 }
 
-/// The number of `policies` per condition type and status; every [`Kind`] appears with `True`
-/// and `False` (zero when no policy has it).
+/// The number of `policies` per condition type, status and reason; every documented
+/// (type, status, reason) of [`CONDITIONS`] appears (zero when no policy has it).
 pub fn condition_counts<'a>(
     policies: impl IntoIterator<Item = &'a ConnectionPolicy>,
 ) -> BTreeMap<ConditionLabel, i64> {
     let mut counts = BTreeMap::new();
-    for kind in Kind::ALL {
-        for status in ["True", "False"] {
+    for doc in CONDITIONS {
+        for r in doc.reasons {
             counts.insert(
                 ConditionLabel {
-                    condition: kind.as_str().to_owned(),
-                    status: status.to_owned(),
+                    condition: doc.type_.to_owned(),
+                    status: r.status.to_owned(),
+                    reason: r.reason.to_owned(),
                 },
                 0,
             );
@@ -287,6 +333,7 @@ pub fn condition_counts<'a>(
             .entry(ConditionLabel {
                 condition: c.type_.clone(),
                 status: c.status.clone(),
+                reason: c.reason.clone(),
             })
             .or_default() += 1;
     }
@@ -308,42 +355,6 @@ pub fn kube_verb(method: &http::Method, query: Option<&str>) -> &'static str {
         http::Method::PATCH => "patch",
         http::Method::DELETE => "delete",
         _ => "other",
-    }
-}
-
-/// `poolpilot_operator_resident_memory_bytes`: the process's resident set size (`VmRSS` of
-/// `/proc/self/status`), read at every scrape; absent where that file is not.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ResidentMemory;
-
-impl Collector for ResidentMemory {
-    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let Some(bytes) = std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .as_deref()
-            .and_then(vm_rss_bytes)
-        else {
-            return Ok(());
-        };
-        let gauge = ConstGauge::new(bytes);
-        let metric = encoder.encode_descriptor(
-            "resident_memory_bytes",
-            "Resident set size of the operator process",
-            None,
-            gauge.metric_type(),
-        )?;
-        gauge.encode(metric)
-    }
-}
-
-/// `VmRSS` of a `/proc/<pid>/status` text, in bytes.
-pub fn vm_rss_bytes(status: &str) -> Option<i64> {
-    let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
-    let mut parts = line.split_whitespace();
-    let value: i64 = parts.next()?.parse().ok()?;
-    match parts.next() {
-        Some("kB") => Some(value * 1024),
-        _ => None,
     }
 }
 
@@ -436,11 +447,12 @@ mod tests {
         let out = encode(&registry);
         for line in [
             "# TYPE poolpilot_operator_policies gauge",
-            "poolpilot_operator_policies{condition=\"Accepted\",status=\"True\"} 2",
-            "poolpilot_operator_policies{condition=\"Accepted\",status=\"False\"} 0",
-            "poolpilot_operator_policies{condition=\"MetricsAvailable\",status=\"False\"} 1",
-            "poolpilot_operator_policies{condition=\"MetricsAvailable\",status=\"Unknown\"} 1",
-            "poolpilot_operator_policies{condition=\"Ready\",status=\"True\"} 0",
+            "poolpilot_operator_policies{condition=\"Accepted\",status=\"True\",reason=\"Test\"} 2",
+            "poolpilot_operator_policies{condition=\"Accepted\",status=\"False\",reason=\"Invalid\"} 0",
+            "poolpilot_operator_policies{condition=\"MetricsAvailable\",status=\"False\",reason=\"Test\"} 1",
+            "poolpilot_operator_policies{condition=\"MetricsAvailable\",status=\"Unknown\",reason=\"Test\"} 1",
+            "poolpilot_operator_policies{condition=\"Ready\",status=\"True\",reason=\"Ready\"} 0",
+            "poolpilot_operator_policies{condition=\"RolledOut\",status=\"False\",reason=\"Halted\"} 0",
             "poolpilot_operator_policies_unreadable 1",
         ] {
             assert!(
@@ -456,14 +468,15 @@ mod tests {
             &[],
         )))));
         let out = encode(&registry);
+        // An undocumented reason is counted while some policy has it, and then goes.
         assert!(
-            out.contains(
-                "poolpilot_operator_policies{condition=\"MetricsAvailable\",status=\"False\"} 0\n"
-            ),
+            !out.contains("condition=\"MetricsAvailable\",status=\"False\",reason=\"Test\""),
             "{out}"
         );
         assert!(
-            out.contains("poolpilot_operator_policies{condition=\"Accepted\",status=\"True\"} 1\n"),
+            out.contains(
+                "poolpilot_operator_policies{condition=\"Accepted\",status=\"True\",reason=\"Test\"} 1\n"
+            ),
             "{out}"
         );
 
@@ -558,7 +571,7 @@ mod tests {
     }
 
     #[test]
-    fn queries_rounds_reconciles_and_memory_are_exported() {
+    fn queries_rounds_reconciles_and_the_leader_are_exported() {
         let mut registry = Registry::with_prefix("poolpilot_operator");
         let m = Metrics::default().register(&mut registry);
         m.query_rounds.inc();
@@ -566,28 +579,46 @@ mod tests {
             .get_or_create(&QueryLabel { query: "leased" })
             .inc_by(2);
         m.reconcile_duration.observe(0.003);
+        m.leader.set(1);
         let out = encode(&registry);
         for line in [
             "poolpilot_operator_prometheus_rounds_total 1",
             "poolpilot_operator_prometheus_queries_total{query=\"leased\"} 2",
             "poolpilot_operator_reconcile_duration_seconds_count 1",
             "poolpilot_operator_reconcile_duration_seconds_bucket{le=\"0.0005\"} 0",
+            "poolpilot_operator_leader 1",
         ] {
             assert!(
                 out.contains(&format!("{line}\n")),
                 "{line:?} missing:\n{out}"
             );
         }
-        if std::path::Path::new("/proc/self/status").exists() {
-            assert!(
-                out.contains("# TYPE poolpilot_operator_resident_memory_bytes gauge"),
-                "{out}"
-            );
+    }
+
+    #[test]
+    fn the_registry_has_the_process_metrics_and_the_build_at_the_root() {
+        let (registry, m) = registry(Metrics::default());
+        m.reconciles.inc();
+        let out =
+            poolpilot_telemetry::exposition::encode(&registry, poolpilot_telemetry::Format::Text);
+        for needle in [
+            "\nprocess_resident_memory_bytes ",
+            "\nprocess_open_fds ",
+            "\nprocess_cpu_seconds_total ",
+            "\npoolpilot_build_info{version=",
+            "\npoolpilot_operator_reconciles_total 1\n",
+            "# TYPE poolpilot_operator_reconciles_total counter\n",
+        ] {
+            assert!(out.contains(needle), "{needle:?} missing:\n{out}");
         }
-        assert_eq!(
-            vm_rss_bytes("Name:\tx\nVmRSS:\t   12345 kB\nThreads: 3\n"),
-            Some(12345 * 1024)
-        );
-        assert_eq!(vm_rss_bytes("Name:\tx\n"), None);
+        assert!(!out.contains("poolpilot_operator_process_"), "{out}");
+    }
+
+    #[test]
+    fn every_documented_reason_is_counted_even_at_zero() {
+        let counts = condition_counts([]);
+        let documented: usize = CONDITIONS.iter().map(|c| c.reasons.len()).sum();
+        assert_eq!(counts.len(), documented);
+        assert!(counts.values().all(|n| *n == 0));
     }
 }

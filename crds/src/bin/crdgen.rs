@@ -14,8 +14,9 @@ fn main() -> ExitCode {
     {
         [] => print!("{}", poolpilot_api::crd_yaml()),
         ["--reference"] => print!("{}", poolpilot_api::reference_markdown()),
+        ["--version"] => println!("crdgen {}", env!("CARGO_PKG_VERSION")),
         _ => {
-            eprintln!("usage: crdgen [--reference]");
+            eprintln!("usage: crdgen [--reference | --version]");
             return ExitCode::from(2);
         }
     }

@@ -367,6 +367,15 @@ fn constraints(prop: &Value) -> Vec<String> {
         out.extend(range(bound("minLength"), bound("maxLength"), " characters"));
     }
     out.extend(range(bound("minItems"), bound("maxItems"), " items"));
+    if prop["x-kubernetes-list-type"] == "map"
+        && let Some(keys) = prop["x-kubernetes-list-map-keys"].as_array()
+    {
+        let keys: Vec<String> = keys.iter().filter_map(Value::as_str).map(code).collect();
+        out.push(format!(
+            "unique by {} (a list map: a duplicate is refused, server-side apply merges by it)",
+            keys.join(" and ")
+        ));
+    }
     out.extend(range(
         bound("minProperties"),
         bound("maxProperties"),

@@ -1,4 +1,4 @@
-//! `poolpilot-bench`: the gateway side by side with HAProxy and nginx on one machine (issue 8,
+//! `poolpilot-bench`: the gateway side by side with HAProxy and nginx on one machine (
 //! parts 1–4), writing `BENCHMARKS.md` and the gateway's profile, with the fragments of other
 //! harnesses (parts 5–6, `--include`).
 //!
@@ -29,7 +29,7 @@ use crate::peers::Env;
 use crate::procs::Proc;
 
 #[derive(Debug, Parser)]
-#[command(about = "poolpilot's proxy benchmarks")]
+#[command(about = "poolpilot's proxy benchmarks", version = poolpilot_telemetry::LONG_VERSION)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -39,6 +39,12 @@ struct Cli {
 enum Command {
     /// Run parts 1–4 and the profile, and write the report.
     Run(RunArgs),
+    /// Draw part 1's picture again from a written report (its tables), and link it there.
+    Plot {
+        /// The report to read and link the picture from.
+        #[arg(long, default_value = "BENCHMARKS.md")]
+        report: PathBuf,
+    },
     /// Serve the benchmark upstream on ADDR (single thread).
     Upstream {
         /// Listen address.
@@ -79,6 +85,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Upstream { addr } => upstream::serve(addr),
+        Command::Plot { report } => plot_from_report(&report),
         Command::Run(args) => {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
@@ -87,6 +94,32 @@ fn main() -> anyhow::Result<()> {
             rt.block_on(run(args))
         }
     }
+}
+
+/// Where part 1's picture goes, relative to the report.
+const PART1_PLOT: &str = "docs/plots/bench-proxy-ratios.svg";
+
+/// `poolpilot-bench plot`: part 1's picture from the report's own table, linked after its ratio
+/// table (where a run's report puts it).
+fn plot_from_report(report: &std::path::Path) -> anyhow::Result<()> {
+    let markdown =
+        std::fs::read_to_string(report).with_context(|| format!("reading {}", report.display()))?;
+    let samples = report::samples_from_report(&markdown)?;
+    let dir = report.parent().unwrap_or(std::path::Path::new("."));
+    report::plot_part1(&samples, &dir.join(PART1_PLOT))?;
+    let line = report::part1_plot_line(PART1_PLOT);
+    if !markdown.contains(&line) {
+        let ratios = markdown
+            .find("| load | req/s ÷ HAProxy")
+            .context("no ratio table in the report")?;
+        let end = markdown[ratios..]
+            .find("\n\n")
+            .map_or(markdown.len(), |e| ratios + e + 2);
+        let linked = format!("{}{line}\n\n{}", &markdown[..end], &markdown[end..]);
+        std::fs::write(report, linked)?;
+    }
+    eprintln!("poolpilot-bench: drew {}", dir.join(PART1_PLOT).display());
+    Ok(())
 }
 
 /// Raises the soft fd limit to the hard one (children inherit it).
@@ -194,6 +227,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(path) if path.exists() => Some(std::fs::read_to_string(path)?),
         _ => None,
     };
+    // The picture of part 1 beside the docs' other plots, linked from the report.
+    let part1_plot = report::plot_part1(&samples, &out_dir.join(PART1_PLOT))
+        .context("drawing part 1")?
+        .then(|| PART1_PLOT.to_owned());
     let mut machine = machine;
     machine.load_end = report::loadavg();
     machine.wall_secs = started.elapsed().as_secs_f64();
@@ -208,6 +245,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         profile_file,
         analysis,
         includes,
+        part1_plot,
     };
     std::fs::write(&args.out, report::render(&results))
         .with_context(|| format!("writing {}", args.out.display()))?;

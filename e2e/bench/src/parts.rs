@@ -1,4 +1,4 @@
-//! The four proxy benchmarks of issue 8 (overhead and throughput, pool under contention,
+//! The four proxy benchmarks (overhead and throughput, pool under contention,
 //! streaming, idle connections) and the gateway profile. Every run starts a fresh proxy; proxies
 //! run in alternating order (reversed every round) so that drift in the machine's load spreads
 //! over all of them, and the report takes medians over rounds.

@@ -84,6 +84,8 @@ pub struct Results<'a> {
     pub analysis: Option<String>,
     /// Fragments of other harnesses (parts 5–6), included verbatim after part 4.
     pub includes: Vec<String>,
+    /// Part 1's ratios drawn as SVG, relative to the report (when part 1 ran).
+    pub part1_plot: Option<String>,
 }
 
 const PROXIES: [Target; 3] = [Target::Poolpilot, Target::Haproxy, Target::Nginx];
@@ -159,10 +161,10 @@ pub fn render(r: &Results<'_>) -> String {
         },
         r.machine.started,
         if r.includes.is_empty() {
-            "Parts 5–6 of issue 8 (control loop and operator scale, on the embedded cluster) are \
+            "Parts 5–6 (control loop and operator scale, on the embedded cluster) are \
              not measured in this run."
         } else {
-            "Parts 5–6 of issue 8 (control loop and operator scale, on the embedded cluster) come \
+            "Parts 5–6 (control loop and operator scale, on the embedded cluster) come \
              from `poolpilot-loop-bench` in the same `make bench`, included below as it wrote them."
         }
     );
@@ -238,7 +240,7 @@ fn idle_median(r: &Results<'_>, t: Target) -> f64 {
 }
 
 fn render_targets(w: &mut String, r: &Results<'_>) {
-    let _ = writeln!(w, "## Targets of issue 8\n");
+    let _ = writeln!(w, "## Targets\n");
     let _ = writeln!(w, "| target | met? | detail |\n|---|---|---|");
     let mut thr_fail = Vec::new();
     let mut p99_fail = Vec::new();
@@ -372,6 +374,109 @@ fn render_part1(w: &mut String, r: &Results<'_>) {
         );
     }
     let _ = writeln!(w);
+    if let Some(plot) = &r.part1_plot {
+        let _ = writeln!(w, "{}\n", part1_plot_line(plot));
+    }
+}
+
+/// Part 1's samples as a report wrote them (one median per row and target), so that its picture
+/// can be drawn again from the committed report: `poolpilot-bench plot`.
+pub fn samples_from_report(markdown: &str) -> anyhow::Result<Vec<Sample>> {
+    let start = markdown
+        .find("## 1. ")
+        .ok_or_else(|| anyhow::anyhow!("no part 1 in the report"))?;
+    let part = &markdown[start..];
+    let part = &part[..part[3..].find("\n## ").map_or(part.len(), |end| end + 3)];
+    let mut samples = Vec::new();
+    for line in part.lines() {
+        let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+        if cells.len() != 11 || cells[0] == "load" || cells[0].starts_with("---") {
+            continue;
+        }
+        let row = if let Some(c) = cells[0].strip_prefix("c=") {
+            Row::Concurrency(c.parse()?)
+        } else if let Some(r) = cells[0].strip_suffix(" req/s") {
+            Row::Rate(r.parse()?)
+        } else {
+            anyhow::bail!("unknown load {:?}", cells[0]);
+        };
+        let target = [
+            Target::Direct,
+            Target::Poolpilot,
+            Target::Haproxy,
+            Target::Nginx,
+        ]
+        .into_iter()
+        .find(|t| t.name() == cells[1])
+        .ok_or_else(|| anyhow::anyhow!("unknown target {:?}", cells[1]))?;
+        let number = |i: usize| -> f64 { cells[i].parse().unwrap_or(f64::NAN) };
+        samples.push(Sample {
+            row,
+            target,
+            load: crate::load::LoadResult {
+                requests: 0,
+                errors: cells[10].parse().unwrap_or(0),
+                rps: number(2),
+                p50_us: number(3) * 1000.0,
+                p99_us: number(4) * 1000.0,
+                p999_us: number(5) * 1000.0,
+            },
+            cpu_per_10k: number(8),
+            peak_rss_kib: number(9) * 1024.0,
+        });
+    }
+    anyhow::ensure!(!samples.is_empty(), "part 1 has no rows");
+    Ok(samples)
+}
+
+/// The line that shows part 1's picture, after its ratio table.
+pub fn part1_plot_line(plot: &str) -> String {
+    format!("![poolpilot ÷ HAProxy and ÷ nginx per load: req/s, p99, CPU]({plot})")
+}
+
+/// One figure of a [`Cell`].
+type CellValue = fn(&Cell) -> f64;
+
+/// Draws part 1's ratios (poolpilot ÷ each peer: req/s, p99, CPU per 10k requests) per load as
+/// grouped bars at `path`, with the line of parity at 1. `false` when part 1 did not run.
+pub fn plot_part1(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<bool> {
+    let rows = rows(samples);
+    if rows.is_empty() {
+        return Ok(false);
+    }
+    let mut groups: Vec<(String, Vec<f64>)> = Vec::new();
+    let metrics: [(&str, CellValue); 3] =
+        [("req/s", |c| c.rps), ("p99", |c| c.p99), ("CPU", |c| c.cpu)];
+    for (what, pick) in metrics {
+        for peer in [Target::Haproxy, Target::Nginx] {
+            let values = rows
+                .iter()
+                .map(|row| {
+                    let p = pick(&cell(samples, *row, Target::Poolpilot));
+                    let q = pick(&cell(samples, *row, peer));
+                    if q > 0.0 { p / q } else { f64::NAN }
+                })
+                .collect();
+            groups.push((format!("{what} ÷ {}", peer.name()), values));
+        }
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    poolpilot_plot::grouped_bars(
+        path,
+        &poolpilot_plot::BarChart {
+            title:
+                "poolpilot-gateway ÷ peer (req/s: above 1 is better; p99, CPU: below 1 is better)"
+                    .into(),
+            category_label: "load".into(),
+            value_label: "ratio".into(),
+            categories: rows.iter().map(|r| r.label()).collect(),
+            groups,
+            reference: Some(1.0),
+        },
+    )?;
+    Ok(true)
 }
 
 fn render_part2(w: &mut String, r: &Results<'_>) {
@@ -607,4 +712,80 @@ fn render_configs(w: &mut String, r: &Results<'_>) {
         listen = s.listen,
         d = b.plan.secs,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::LoadResult;
+
+    fn sample(row: Row, target: Target, rps: f64, p99_us: f64, cpu: f64) -> Sample {
+        Sample {
+            row,
+            target,
+            load: LoadResult {
+                requests: 1000,
+                errors: 0,
+                rps,
+                p50_us: p99_us / 2.0,
+                p99_us,
+                p999_us: p99_us * 2.0,
+            },
+            cpu_per_10k: cpu,
+            peak_rss_kib: 4096.0,
+        }
+    }
+
+    #[test]
+    fn part_one_is_drawn_as_ratios_per_load() {
+        let mut samples = Vec::new();
+        for row in [Row::Concurrency(1), Row::Concurrency(64)] {
+            samples.push(sample(row, Target::Direct, 20_000.0, 100.0, f64::NAN));
+            samples.push(sample(row, Target::Poolpilot, 9_000.0, 300.0, 1.0));
+            samples.push(sample(row, Target::Haproxy, 10_000.0, 250.0, 0.8));
+            samples.push(sample(row, Target::Nginx, 9_000.0, 320.0, 1.2));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("docs/plots/ratios.svg");
+        assert!(plot_part1(&samples, &path).unwrap());
+        let svg = std::fs::read_to_string(&path).unwrap();
+        for text in [
+            "c=1",
+            "c=64",
+            "req/s ÷ haproxy",
+            "p99 ÷ nginx",
+            "CPU ÷ haproxy",
+        ] {
+            assert!(svg.contains(text), "no {text:?} in the picture");
+        }
+        assert!(!plot_part1(&[], &dir.path().join("none.svg")).unwrap());
+        // Drawn again from what a report wrote, the ratios are the same.
+        let mut md = String::from("# x\n\n");
+        for row in [Row::Concurrency(1), Row::Concurrency(64)] {
+            for t in ALL {
+                let c = cell(&samples, row, t);
+                md.push_str(&format!(
+                    "| {} | {} | {} | {} | {} | {} | x | x | {} | {} | 0 |\n",
+                    row.label(),
+                    t.name(),
+                    c.rps,
+                    c.p50 / 1000.0,
+                    c.p99 / 1000.0,
+                    c.p999 / 1000.0,
+                    c.cpu,
+                    c.rss_kib / 1024.0
+                ));
+            }
+        }
+        let md = format!("## 1. Proxy overhead\n\n{md}\n## 2. Next\n| a | b |\n");
+        let read = samples_from_report(&md).unwrap();
+        assert_eq!(read.len(), 8);
+        let (a, b) = (
+            cell(&read, Row::Concurrency(64), Target::Haproxy),
+            cell(&samples, Row::Concurrency(64), Target::Haproxy),
+        );
+        assert_eq!((a.rps, a.p99, a.cpu), (b.rps, b.p99, b.cpu));
+        assert!(samples_from_report("## 2. only\n").is_err());
+        assert!(!dir.path().join("none.svg").exists());
+    }
 }

@@ -10,7 +10,7 @@ use poolpilot_e2e::kubelet::{ImageResolver, KubeletConfig};
 
 /// Makes this machine a Kubernetes node whose pods are local processes.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(version = poolpilot_telemetry::LONG_VERSION)]
 struct Args {
     /// kubeconfig of the identity the kubelet uses.
     #[arg(long, env = "KUBECONFIG")]

@@ -21,7 +21,7 @@ enum JitterKind {
 /// A simulated OpenAI-style model server that saturates like a real one: concurrency slots, a
 /// bounded queue, refusals, slower decoding under load, and injectable faults.
 #[derive(Debug, Parser)]
-#[command(name = "modelsim", version)]
+#[command(name = "modelsim", version = poolpilot_telemetry::LONG_VERSION)]
 struct Args {
     /// Serving address (host:port). Default: $POD_IP (or 0.0.0.0) with --port.
     #[arg(long, env = "MODELSIM_LISTEN")]

@@ -2,9 +2,10 @@
 //! an install makes (unless an earlier run did: a random token, a CA and the gateways'
 //! certificate), deploys the product from `manifests/overlays/local` (CRD, operator, gateways,
 //! modelsim backends, the sample policy),
-//! lets the pool shrink while idle, plays a flash crowd (seed 1: demand 50% over the pool), and
-//! shows once a second what the gateways and the operator do until the error rate is back under
-//! 0.5%; then a before/after summary, leaving everything running.
+//! lets the pool shrink while idle, plays a flash crowd (demand 50% over the pool, as in the
+//! incident the product comes from), and shows once a second what the gateways and the operator
+//! do until the error rate is back under 0.5%; then a before/after summary and a picture of the
+//! crowd (`--plot`), leaving everything running.
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal as _, Write as _};
@@ -21,12 +22,14 @@ use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::credentials::{self, AdminCredentials};
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
 use poolpilot_e2e::paths::workspace_root;
-use poolpilot_e2e::stack::{ADMIN_PORT, GATEWAY_LABELS, GatewayPod, is_ready, metric_sum};
+use poolpilot_e2e::pool_view::{PoolRecorder, PoolView, plot_path, pool_view};
+use poolpilot_e2e::stack::{ADMIN_PORT, GATEWAY_LABELS, GatewayPod, is_ready};
 use poolpilot_e2e::{Cluster, eventually};
 use tokio::time::Instant;
 
 /// Plays poolpilot's flash-crowd demo on the embedded cluster (`make demo`).
 #[derive(Debug, Parser)]
+#[command(version = poolpilot_telemetry::LONG_VERSION)]
 struct Args {
     /// The sample's namespace (manifests/overlays/local).
     #[arg(long, default_value = "poolpilot")]
@@ -46,6 +49,10 @@ struct Args {
     /// Longest time the flash crowd runs.
     #[arg(long, default_value = "150s", value_parser = humantime_secs)]
     max_crowd: Duration,
+    /// Where to draw the crowd (pool, errors, decisions) as SVG; default
+    /// `<cache>/plots/flash-crowd.svg`.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 fn humantime_secs(s: &str) -> Result<Duration, String> {
@@ -184,6 +191,7 @@ async fn main() -> anyhow::Result<()> {
     let mut recovered: Option<u64> = None;
     let live = std::io::stdout().is_terminal();
     let mut told = b_decision(&policies.get(&args.policy).await?, &args.backend);
+    let mut recorder = PoolRecorder::default();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
@@ -209,8 +217,15 @@ async fn main() -> anyhow::Result<()> {
                 now,
                 format!("{} → {}: {}", scale.from, scale.to, scale.reason),
             ));
+            recorder.decision(
+                crowd.elapsed().as_secs_f64(),
+                format!("{} → {} per endpoint", scale.from, scale.to),
+            );
         }
-        let gateway_view = gateway_view(&gateways, &args.backend).await;
+        let gateway_view = pool_view(&gateways, &args.backend).await;
+        if let Some(view) = gateway_view {
+            recorder.record(crowd.elapsed().as_secs_f64(), view);
+        }
         let last = load.last(3);
         if let Some((at, _)) = &decision
             && recovered.is_none()
@@ -238,6 +253,20 @@ async fn main() -> anyhow::Result<()> {
     let seconds = load.seconds();
     let total = load.window(0, load.now());
     load.stop().await;
+    let picture = args
+        .plot
+        .clone()
+        .unwrap_or_else(|| plot_path("flash-crowd"));
+    recorder
+        .draw(
+            &picture,
+            &format!(
+                "make demo: flash crowd on {}, {workers} callers against a pool of {pool}",
+                args.backend
+            ),
+            &seconds,
+        )
+        .with_context(|| format!("drawing {}", picture.display()))?;
 
     println!();
     step("summary");
@@ -276,6 +305,7 @@ async fn main() -> anyhow::Result<()> {
         after.failed(),
         after.calls
     );
+    println!("   the crowd, drawn: {}", picture.display());
     println!();
     println!("poolpilot keeps running on the embedded cluster:");
     println!(
@@ -377,23 +407,6 @@ async fn ready_gateways(
     Ok(out)
 }
 
-/// The backend as the gateways see it right now: (leased, pending, pooled) summed over pods.
-async fn gateway_view(gateways: &[GatewayPod], backend: &str) -> Option<(f64, f64, f64)> {
-    let label = format!("backend=\"{backend}\"");
-    let mut sums = (0.0, 0.0, 0.0);
-    for g in gateways {
-        let text = g.metrics().await.ok()?;
-        sums.0 += metric_sum(
-            &text,
-            "poolpilot_pool_connections",
-            &[&label, "state=\"leased\""],
-        );
-        sums.1 += metric_sum(&text, "poolpilot_pool_pending", &[&label]);
-        sums.2 += metric_sum(&text, "poolpilot_pool_max_connections", &[&label]);
-    }
-    Some(sums)
-}
-
 fn window(seconds: &[(u64, Tally)], from: u64, to: u64) -> Tally {
     let mut total = Tally::default();
     for (_, t) in seconds.iter().filter(|(s, _)| *s >= from && *s < to) {
@@ -411,7 +424,7 @@ fn render(
     live: bool,
     p: &ConnectionPolicy,
     backend: &str,
-    gateways: &Option<(f64, f64, f64)>,
+    gateways: &Option<PoolView>,
     load: &Load,
     workers: usize,
     decision: Option<&(u64, String)>,
@@ -421,7 +434,11 @@ fn render(
     let last = load.last(1);
     let status = p.status.clone().unwrap_or_default();
     let b = status.backends.iter().find(|b| b.name == backend);
-    let (leased, pending, pooled) = gateways.unwrap_or_default();
+    let PoolView {
+        leased,
+        pending,
+        pooled,
+    } = gateways.unwrap_or_default();
     let conditions: BTreeMap<&str, &str> = status
         .conditions
         .iter()

@@ -1,4 +1,4 @@
-//! `poolpilot-loop-bench`: issue 8 parts 5 and 6 on the embedded cluster — the flash crowd three
+//! `poolpilot-loop-bench`: parts 5 and 6 of BENCHMARKS.md on the embedded cluster — the flash crowd three
 //! ways (static at the start, static at the maximum, autoscaling), the rollout time of a limit
 //! edit to 3/10/30 gateway pods, and the operator at 1/50/200 policies × 5 pods — written as a
 //! markdown fragment that `poolpilot-bench --include` puts into `BENCHMARKS.md`.
@@ -20,8 +20,10 @@ use poolpilot_e2e::scenario::serial;
 
 use crate::loop_bench::{Part, Plan};
 
-/// Control-loop and operator-scale benchmarks on the embedded cluster (issue 8, parts 5–6).
+/// Control-loop and operator-scale benchmarks on the embedded cluster (parts 5–6 of
+/// BENCHMARKS.md).
 #[derive(Debug, Parser)]
+#[command(version = poolpilot_telemetry::LONG_VERSION)]
 struct Args {
     /// The markdown fragment to write.
     #[arg(long, default_value = "e2e/bench/control-loop.md")]

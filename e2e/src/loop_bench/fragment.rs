@@ -20,7 +20,7 @@ pub fn render(plan: &Plan, r: &Results) -> String {
     let w = &mut md;
     let _ = writeln!(
         w,
-        "## Control loop and operator scale (issue 8, parts 5–6)\n\n\
+        "## Control loop and operator scale (parts 5–6)\n\n\
          Written by `poolpilot-loop-bench` ({}) on {}, on the embedded cluster \
          (`make cluster-up`: real etcd, kube-apiserver and controller-manager, the local kubelet \
          running every pod as a process: operator and gateways of the {}, modelsim of the debug \
@@ -178,7 +178,7 @@ fn render_control(w: &mut String, c: &ControlResult) {
     let _ = writeln!(
         w,
         "### Flash crowd three ways\n\n\
-         The flash-crowd scenario (`e2e/tests/scenarios/flash_crowd.rs`, seed 1 scaled to this \
+         The flash-crowd scenario (`e2e/tests/scenarios/flash_crowd.rs`, the lease-timeout incident scaled to this \
          machine) on one stack: 3 gateway pods, 3 model-a instances (modelsim, 64 slots, {SERVICE_MS} ms \
          per call), lease timeout 300 ms. {LIGHT} closed-loop workers, then a crowd of {CROWD} for \
          {} s against a fleet pool of {MIN} × 3 endpoints = {} (+56%), then {LIGHT} again. The same \
@@ -319,7 +319,7 @@ fn render_scale(w: &mut String, plan: &Plan, rows: &[ScaleRow]) {
          `poolpilot_operator_reconcile_duration_seconds` (p50/p99 interpolated in buckets 1.5× \
          apart), `_prometheus_queries_total` / `_prometheus_rounds_total`, \
          `_kube_requests_total{{verb}}` (every request of its client, watches counted when opened), \
-         `_gateway_puts_total`, `_resident_memory_bytes` (highest of samples every 5 s). \"Per \
+         `_gateway_puts_total`, and `process_resident_memory_bytes` (highest of samples every 5 s). \"Per \
          interval\" is per {} s.\n",
         scale::PODS,
         scale::PODS,

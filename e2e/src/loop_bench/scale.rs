@@ -256,16 +256,12 @@ async fn measure(
     let (restarts_before, _) = operator_restarts(stack).await?;
     let before = scrape_patiently(stack).await?;
     let start = Instant::now();
-    let mut rss_max = metric_sum(&before, "poolpilot_operator_resident_memory_bytes", &[]);
+    let mut rss_max = metric_sum(&before, "process_resident_memory_bytes", &[]);
     while start.elapsed() < window {
         tokio::time::sleep(Duration::from_secs(5).min(window.saturating_sub(start.elapsed())))
             .await;
         if let Ok(text) = scrape(stack).await {
-            rss_max = rss_max.max(metric_sum(
-                &text,
-                "poolpilot_operator_resident_memory_bytes",
-                &[],
-            ));
+            rss_max = rss_max.max(metric_sum(&text, "process_resident_memory_bytes", &[]));
         }
     }
     let after = scrape_patiently(stack).await?;

@@ -171,8 +171,6 @@ pub(crate) struct Metrics {
     pub accept_errors: Counter,
     pub admin_connections_open: Gauge,
     pub health_failing: Gauge,
-    pub open_fds: Gauge,
-    pub max_fds: Gauge,
 }
 
 fn latency_buckets() -> Histogram {
@@ -211,8 +209,6 @@ impl Metrics {
             accept_errors: Counter::default(),
             admin_connections_open: Gauge::default(),
             health_failing: Gauge::default(),
-            open_fds: Gauge::default(),
-            max_fds: Gauge::default(),
             registry: Registry::default(),
         };
         m.max_concurrency.set(i64::from(max_concurrency));
@@ -348,16 +344,8 @@ impl Metrics {
             "1 while /health answers 503",
             m.health_failing.clone(),
         );
-        r.register(
-            "process_open_fds",
-            "Number of open file descriptors",
-            m.open_fds.clone(),
-        );
-        r.register(
-            "process_max_fds",
-            "Maximum number of open file descriptors (soft RLIMIT_NOFILE)",
-            m.max_fds.clone(),
-        );
+        // The standard process metrics (process_open_fds and process_max_fds among them).
+        poolpilot_telemetry::register(r);
         Self { registry, ..m }
     }
 
@@ -434,67 +422,18 @@ impl Metrics {
         }
     }
 
-    /// The OpenMetrics text exposition, with the process fd gauges read from `/proc/self` now.
+    /// The OpenMetrics text exposition (the process metrics read from `/proc/self` now).
     pub fn encode(&self) -> String {
-        if let Some(open) = open_fds() {
-            self.open_fds.set(open);
-        }
-        if let Some(max) = max_fds() {
-            self.max_fds.set(max);
-        }
-        let mut out = String::with_capacity(8192);
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        poolpilot_telemetry::exposition::encode(
+            &self.registry,
+            poolpilot_telemetry::Format::OpenMetrics,
+        )
     }
-}
-
-/// Open file descriptors of this process (entries of `/proc/self/fd`, which includes the one
-/// used to list it, as Prometheus' own process collector does).
-pub fn open_fds() -> Option<i64> {
-    let entries = std::fs::read_dir("/proc/self/fd").ok()?;
-    i64::try_from(entries.count()).ok()
-}
-
-/// The soft open-files limit of this process, from `/proc/self/limits`; `None` when unlimited
-/// or unreadable.
-pub fn max_fds() -> Option<i64> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    parse_max_open_files(&limits)
-}
-
-fn parse_max_open_files(limits: &str) -> Option<i64> {
-    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
-    line.trim_start_matches("Max open files")
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_the_soft_open_files_limit() {
-        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
-                      Max processes             63704                63704                processes \n\
-                      Max open files            1024                 524288               files     \n";
-        assert_eq!(parse_max_open_files(limits), Some(1024));
-        assert_eq!(
-            parse_max_open_files("Max open files unlimited unlimited files"),
-            None
-        );
-        assert_eq!(parse_max_open_files(""), None);
-    }
-
-    #[test]
-    fn reads_this_process_fds() {
-        let open = open_fds().expect("/proc/self/fd");
-        let max = max_fds().expect("/proc/self/limits");
-        assert!(open >= 3 && open <= max, "open {open}, max {max}");
-    }
 
     #[test]
     fn exposition_names_the_contract_metrics() {

@@ -20,8 +20,8 @@
 //! - `POST /v1/chat/completions`, `POST /v1/completions` (`stream: true` for SSE; `max_tokens`
 //!   or `max_completion_tokens` sets the output length), `GET /v1/models`
 //! - `GET /health`: 200, or 503 when the `health_failing` fault is set or while draining
-//! - `GET /metrics`: Prometheus/OpenMetrics text (`modelsim_*`, `process_open_fds`,
-//!   `process_max_fds`)
+//! - `GET /metrics`: Prometheus/OpenMetrics text (`modelsim_*` and the standard
+//!   `process_*` metrics)
 //! - `GET /admin/stats` ([`Stats`] as JSON), `POST /admin/stats/reset-peaks`
 //! - `GET /admin/faults`, `PUT /admin/faults` (replace, absent fields = no fault),
 //!   `PATCH /admin/faults` (change only the given fields); body: [`Faults`] as JSON; from Rust,
@@ -64,7 +64,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 
 pub use config::{Config, Faults, Jitter, ServiceTime};
-pub use metrics::{ConnectionAtPeak, PEAK_DETAIL_LIMIT, Stats, max_fds, open_fds};
+pub use metrics::{ConnectionAtPeak, PEAK_DETAIL_LIMIT, Stats};
 pub use remote::Remote;
 
 use server::Shared;

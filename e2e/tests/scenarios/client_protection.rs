@@ -1,7 +1,7 @@
 //! Scenario 10, client protection through the full stack: a greedy client (three times over its
 //! concurrency) is throttled with 429 + Retry-After, and a leaking client (opens connections from
-//! its own address, makes one call on each and never closes them, seed 2's leaking client
-//! library) is capped at `maxConnectionsPerClient` (connections over it are answered 429 with
+//! its own address, makes one call on each and never closes them, like the leaking client
+//! library of the AI-gateway incident) is capped at `maxConnectionsPerClient` (connections over it are answered 429 with
 //! Retry-After) and reclaimed once the connections sit idle for the header-read timeout, while a
 //! well-behaved client keeps a ≥ 99.5% success rate.
 

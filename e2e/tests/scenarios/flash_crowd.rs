@@ -1,9 +1,10 @@
-//! Scenario 2, the flash crowd (seed 1, scaled to this machine): a closed-loop load raises the
+//! Scenario 2, the flash crowd (the incident poolpilot comes from, scaled to this machine): a closed-loop load raises the
 //! in-flight demand ~50% above the pooled capacity while the backends have room to spare → the
 //! operator raises model-a's target in ONE decision, within two intervals of the crowd, rolls it
 //! out to the 3 gateways, and the lease-timeout error rate the load generator measures falls
 //! below 0.5% within two autoscale intervals of the rollout; the status records the decision and
-//! its reason, and a `ScaledUp` Event tells it.
+//! its reason, and a `ScaledUp` Event tells it. The run is drawn (pool cap, leased, pending,
+//! errors, the decision) into `<cache>/plots/e2e-flash-crowd.svg`.
 //!
 //! The backends batch like model servers (modelsim `--batch-slowdown=2`: each call slows down as
 //! more run beside it), so the crowd's calls take ~1.4× as long as the light load's, far below
@@ -26,12 +27,14 @@
 //! The crowd starts right after a decision, so that the next one, an interval later, averages
 //! demand over the crowd only (the operator averages gauges over 4 s, read up to 2 s late).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use poolpilot_api::policy::DecisionAction;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
+use poolpilot_e2e::pool_view::{PoolRecorder, plot_path, pool_view};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
     BackendSpec, POLICY, Stack, StackSpec, WAIT, operator_decisions, share, with_stack,
@@ -79,6 +82,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
             LoadSpec::one_client_per_worker(gateways.iter().map(|g| g.proxy()).collect(), "model-a", 4, CROWD, Duration::from_secs(30)),
             LIGHT,
         )?;
+        let started = Instant::now();
 
         // A new policy starts at its upper bound; under the light load it shrinks to `min` in
         // one step (maxStepPercent 100) once the 10 s stabilization window has passed.
@@ -116,6 +120,21 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
             Ok(())
         })
         .await?;
+        // The pool as the gateways hold it, once a second from a few seconds before the crowd.
+        let recorder = Arc::new(parking_lot::Mutex::new(PoolRecorder::default()));
+        let sampler = tokio::spawn({
+            let (recorder, gateways) = (recorder.clone(), gateways.clone());
+            async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tick.tick().await;
+                    if let Some(view) = pool_view(&gateways, "model-a").await {
+                        recorder.lock().record(started.elapsed().as_secs_f64(), view);
+                    }
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_secs(3)).await;
         load.set_workers(CROWD);
         let crowd = Instant::now();
         let crowd_second = load.now();
@@ -244,6 +263,27 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
         for (s, t) in &seconds[crowd_second.saturating_sub(2) as usize..] {
             println!("second {s:>3}: {t}");
         }
+        sampler.abort();
+        let picture = plot_path("e2e-flash-crowd");
+        {
+            let mut recorder = recorder.lock();
+            recorder.decision(
+                (crowd + decided - started).as_secs_f64(),
+                format!("{} → {} per endpoint", scale.from, scale.to),
+            );
+            let views = recorder.views();
+            anyhow::ensure!(
+                views.iter().any(|(_, v)| v.pending > 0.0)
+                    && views.iter().any(|(_, v)| v.pooled >= f64::from(scale.to) * 3.0),
+                "the recorded pool shows the queue and the raised cap: {views:?}"
+            );
+            recorder.draw(
+                &picture,
+                &format!("flash crowd: {CROWD} callers against a pool of {} (e2e scenario)", MIN * 3),
+                &seconds,
+            )?;
+        }
+        figure(SCENARIO, "picture", picture.display());
 
         // One decision only: the target held, one ScaledUp Event, which names the numbers.
         let end_status = stack.backend_status("model-a").await?;

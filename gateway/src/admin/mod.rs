@@ -57,12 +57,16 @@ pub async fn route(
         ),
         (&Method::GET, "/readyz") => text(StatusCode::SERVICE_UNAVAILABLE, "no limits loaded\n"),
         (&Method::GET, "/metrics") => {
-            let mut response = text(StatusCode::OK, gw.scrape());
+            // The classic text format unless the scraper accepts OpenMetrics (Prometheus does).
+            let format = poolpilot_telemetry::Format::negotiate(
+                req.headers()
+                    .get(header::ACCEPT)
+                    .and_then(|v| v.to_str().ok()),
+            );
+            let mut response = text(StatusCode::OK, gw.scrape(format));
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
-                HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
+                HeaderValue::from_static(format.content_type()),
             );
             response
         }

@@ -10,6 +10,7 @@
 //! the gateways) behind a finalizer. A policy this operator cannot even read (written under a
 //! newer CRD, say) is reported in an `InvalidPolicy` Event and skipped: the others go on.
 
+pub mod backoff;
 pub mod observe;
 pub mod rollout;
 pub mod status;
@@ -98,6 +99,8 @@ pub struct Context<G: Gateways> {
     pub memory: Mutex<BTreeMap<String, Memory>>,
     /// Rollout memory.
     pub rollouts: Mutex<RolloutMemory>,
+    /// Failures in a row per policy, for the retry back-off of [`error_policy`].
+    pub retries: backoff::RetryBackoff,
     /// The gateway admin client.
     pub gateways: G,
     /// Publishes Events.
@@ -122,10 +125,23 @@ pub async fn reconcile_object<G: Gateways>(
     object: Arc<DeserializeGuard<ConnectionPolicy>>,
     ctx: Arc<Context<G>>,
 ) -> Result<Action> {
-    match &object.0 {
-        Ok(policy) => reconcile(Arc::new(policy.clone()), ctx).await,
+    let result = match &object.0 {
+        Ok(policy) => reconcile(Arc::new(policy.clone()), ctx.clone()).await,
         Err(invalid) => skip_unreadable(&object, invalid, &ctx).await,
+    };
+    if result.is_ok() {
+        ctx.retries.succeeded(&retry_key(&object));
     }
+    result
+}
+
+/// A policy's key in [`Context::retries`].
+fn retry_key(object: &DeserializeGuard<ConnectionPolicy>) -> String {
+    format!(
+        "{}/{}",
+        object.namespace().unwrap_or_default(),
+        object.name_any()
+    )
 }
 
 /// A policy that does not deserialize: a Warning Event `InvalidPolicy` on it with the error, a
@@ -412,7 +428,14 @@ pub fn error_policy<G: Gateways>(
     error: &Error,
     ctx: Arc<Context<G>>,
 ) -> Action {
-    warn!(policy = %policy.name_any(), step = error.step(), error = %crate::report(error), "reconcile failed");
+    let retry = ctx.retries.failed(&retry_key(&policy));
+    warn!(
+        policy = %policy.name_any(),
+        step = error.step(),
+        error = %crate::report(error),
+        retry_in = ?retry,
+        "reconcile failed"
+    );
     let event = failure_event(error);
     let reference = policy.object_ref(&());
     let recorder = ctx.recorder.clone();
@@ -422,7 +445,7 @@ pub fn error_policy<G: Gateways>(
             warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
         }
     });
-    Action::requeue(Duration::from_secs(5))
+    Action::requeue(retry)
 }
 
 /// The Warning Event of a failed reconcile. Its action names the step, so that the recorder

@@ -163,6 +163,7 @@ fn context_full(
         saturation: Default::default(),
         memory: Mutex::default(),
         rollouts: Mutex::default(),
+        retries: Default::default(),
         gateways: gateways.clone(),
         recorder: Recorder::new(
             client,
@@ -926,8 +927,10 @@ async fn a_failed_reconcile_is_told_in_one_warning_event_series_naming_the_step_
         .expect("the Event has a name")
         .to_owned();
 
-    // The same failure again: the same Event, its series counted up, no new Event.
-    error_policy(Arc::new(DeserializeGuard(Ok(p))), &error, ctx);
+    // The same failure again: the same Event, its series counted up, no new Event; the retry
+    // waits twice as long.
+    let again = error_policy(Arc::new(DeserializeGuard(Ok(p))), &error, ctx);
+    assert_eq!(again, Action::requeue(Duration::from_secs(10)));
     let again = with_timeout(expect(
         &mut api,
         Method::PATCH,

@@ -1,4 +1,4 @@
-//! Tests of the autoscale law: the seed-1 flash crowd in one decision, the knee guard (the
+//! Tests of the autoscale law: the lease-timeout incident's flash crowd in one decision, the knee guard (the
 //! backend's own signal, a step that added no throughput, a remembered knee, latency at the same
 //! load), the stabilized and step-capped scale-down, the deadband, missing data at every input,
 //! every decision explained; and the guard's properties against a simulated model server.
@@ -47,8 +47,9 @@ fn memory(b: &Bounds, target: u32) -> BackendMemory {
 }
 
 #[test]
-fn seed_one_flash_crowd_reaches_the_target_in_one_decision() {
-    // Seed 1: a pool of 300 at 800 QPS; at 2200 QPS it shows 300 leased + 150 pending.
+fn the_incidents_flash_crowd_reaches_the_target_in_one_decision() {
+    // The lease-timeout incident (docs/design.md): a pool of 300 at 800 QPS; at 2200 QPS it shows
+    // 300 leased + 150 pending.
     let b = bounds(16, 560); // capacity 700 × (1 − 0.2)
     let mut mem = memory(&b, 300);
     let d = decide(&b, &mut mem, &sample(300.0, 150.0), 1, at(15));
