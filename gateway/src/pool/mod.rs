@@ -648,8 +648,11 @@ impl<C: Connect> Pool<C> {
 
     /// Takes a slot of `endpoint`'s cap for an active health probe, so that its connection
     /// counts against the cap like any other: `None` when every slot is taken (the endpoint is
-    /// busy with pooled connections, which report to outlier detection) or it is gone. The slot
-    /// frees, and goes to a waiter, when the [`ProbeSlot`] is dropped.
+    /// busy with pooled connections, which report to outlier detection) or it is gone. When
+    /// idle connections fill the cap, the coldest of them is closed, so that the next round
+    /// finds its slot free once the backend let go of it (an endpoint whose idle connections
+    /// fill its pool is still probed). The slot frees, and goes to a waiter, when the
+    /// [`ProbeSlot`] is dropped.
     pub fn probe_slot(&self, endpoint: &str) -> Option<ProbeSlot<C>> {
         let mut state = self.inner.state.lock();
         if state.retired {
@@ -661,6 +664,10 @@ impl<C: Connect> Pool<C> {
             .iter_mut()
             .find(|ep| !ep.removed && *ep.name == *endpoint)?;
         if ep.open() >= max {
+            if !ep.idle.is_empty() {
+                let coldest = ep.idle.remove(0);
+                self.inner.closed(ep, CloseReason::Idle, coldest.conn);
+            }
             return None;
         }
         ep.probing += 1;

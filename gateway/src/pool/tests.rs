@@ -808,5 +808,22 @@ async fn a_health_probe_takes_a_slot_of_the_cap_and_gives_it_to_a_waiter() {
         pool.probe_slot("ep-0").is_none(),
         "both slots leased: the probe skips this round"
     );
+    let (mut first, mut second) = (first, second);
+    first.keep();
+    second.keep();
     drop((first, second));
+    assert_eq!(
+        pool.stats().endpoints[0].idle,
+        2,
+        "the cap is full of idle connections"
+    );
+    assert!(
+        pool.probe_slot("ep-0").is_none(),
+        "this round makes room: the coldest idle connection closes"
+    );
+    assert_eq!(pool.stats().endpoints[0].idle, 1);
+    let _probe = pool
+        .probe_slot("ep-0")
+        .expect("the next round finds the slot free");
+    assert_eq!(connector.live.load(Ordering::SeqCst), 1);
 }
