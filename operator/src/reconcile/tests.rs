@@ -1020,3 +1020,49 @@ async fn a_gateway_whose_container_restarted_gets_its_document_again() {
         "sent, acknowledged, and sent again once the container restarted"
     );
 }
+
+#[tokio::test]
+async fn a_recommend_policy_publishes_its_document_and_sends_nothing_to_the_pods() {
+    let mut p = policy("models", 0);
+    p.spec.mode = poolpilot_api::policy::Mode::Recommend;
+    let pods = vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, FakeGateways::default());
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+
+    // The recommended document, never the limits ConfigMap nor the admin token (no PUT).
+    let cm = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-recommended",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(cm["metadata"]["labels"]["poolpilot.io/policy"], "models");
+    let doc: GatewayLimits =
+        serde_json::from_str(cm["data"]["limits.json"].as_str().unwrap()).unwrap();
+    let status = expect_status_patch(&mut api, &p).await;
+    let s = &status["status"];
+    assert_eq!(s["revision"], doc.revision.as_str(), "status names it");
+    let rolled = condition(s, "RolledOut");
+    assert_eq!(
+        (&rolled["status"], &rolled["reason"]),
+        (&json!("False"), &json!("Recommending"))
+    );
+    assert!(
+        rolled["message"]
+            .as_str()
+            .unwrap()
+            .contains("in ConfigMap models-recommended"),
+        "{rolled}"
+    );
+    let ready = condition(s, "Ready");
+    assert_eq!(
+        (&ready["status"], &ready["reason"]),
+        (&json!("True"), &json!("Recommending"))
+    );
+    with_timeout(reconciler)
+        .await
+        .expect("the reconcile task ran")
+        .expect("the reconcile succeeded");
+    assert!(gateways.puts.lock().is_empty(), "nothing sent to the pods");
+}
