@@ -148,6 +148,18 @@ impl Queries {
                 "lease_timeouts",
                 format!("sum by (namespace, pod) (rate(poolpilot_pool_lease_timeouts_total[{w}]))"),
             ),
+            q(
+                "upstream_5xx",
+                format!(
+                    "sum by (namespace, pod) (rate(poolpilot_upstream_request_duration_seconds_count{{code_class=\"5xx\"}}[{w}]))"
+                ),
+            ),
+            q(
+                "p90",
+                format!(
+                    "histogram_quantile(0.9, sum by (namespace, pod, le) (rate(poolpilot_upstream_request_duration_seconds_bucket[{w}])))"
+                ),
+            ),
         ]
     }
 }
@@ -228,6 +240,10 @@ pub struct Snapshot {
     pub requests: Option<BTreeMap<(String, String), f64>>,
     /// Lease timeouts per second per (namespace, pod).
     pub lease_timeouts: Option<BTreeMap<(String, String), f64>>,
+    /// Upstream calls answered 5xx per second per (namespace, pod).
+    pub upstream_5xx: Option<BTreeMap<(String, String), f64>>,
+    /// p90 of upstream call duration per (namespace, pod); absent (NaN) without calls.
+    pub p90: Option<BTreeMap<(String, String), f64>>,
 }
 
 impl Snapshot {
@@ -294,6 +310,8 @@ impl Snapshot {
             limits_info,
             requests: by("requests", "pod"),
             lease_timeouts: by("lease_timeouts", "pod"),
+            upstream_5xx: by("upstream_5xx", "pod"),
+            p90: by("p90", "pod"),
         }
     }
 
@@ -318,6 +336,9 @@ impl Snapshot {
         Some(PodRates {
             requests: get(&self.requests)?,
             lease_timeouts: get(&self.lease_timeouts)?,
+            upstream_5xx: get(&self.upstream_5xx)?,
+            // A failed query or no calls: latency is not compared.
+            p90: self.p90.as_ref().and_then(|m| m.get(&key).copied()),
         })
     }
 
@@ -610,7 +631,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 13, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 15, "one round for every policy in the cluster");
         let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
             promql("leased"),
@@ -780,12 +801,26 @@ mod tests {
             Some(vec![row(&[("namespace", "ns"), ("pod", "gw-0")], 50.0)]),
         );
         r.insert("lease_timeouts", Some(vec![]));
+        r.insert(
+            "upstream_5xx",
+            Some(vec![row(&[("namespace", "ns"), ("pod", "gw-0")], 5.0)]),
+        );
+        r.insert(
+            "p90",
+            Some(vec![
+                row(&[("namespace", "ns"), ("pod", "gw-0")], 1.25),
+                row(&[("namespace", "ns"), ("pod", "gw-1")], f64::NAN),
+            ]),
+        );
         let snap = fold(&r);
         let max_age = Duration::from_secs(30);
         let gw0 = snap
             .rates("ns", "gw-0", at(5), max_age)
             .expect("gw-0 is scraped");
-        assert_eq!((gw0.requests, gw0.lease_timeouts), (50.0, 0.0));
+        assert_eq!(
+            (gw0.requests, gw0.lease_timeouts, gw0.upstream_5xx, gw0.p90),
+            (50.0, 0.0, 5.0, Some(1.25))
+        );
         assert_eq!(
             snap.rates("ns", "gw-1", at(5), max_age),
             None,
