@@ -137,8 +137,10 @@ pub const CONDITIONS: &[ConditionDoc] = &[
             reason(
                 "False",
                 "Halted",
-                "a pod refused the limits or a canary regressed: the rollout stopped and the \
-                 other pods keep their previous limits",
+                "a pod refused the limits, or a canary regressed against the other pods (lease \
+                 timeouts per call, upstream 5xx per call or p90 latency; the message names the \
+                 signal and both numbers) and was rolled back to its previous document: the \
+                 rollout stopped and the other pods keep their previous limits",
             ),
             reason(
                 "False",
@@ -272,7 +274,8 @@ pub const EVENTS: &[EventDoc] = &[
     EventDoc {
         type_: "Warning",
         reason: "RolloutHalted",
-        meaning: "a pod refused the limits or a canary regressed; the note names the pod",
+        meaning: "a pod refused the limits (the note names the pod), or a canary regressed and \
+                  was rolled back (the note names the signal and both numbers)",
     },
     EventDoc {
         type_: "Warning",

@@ -8,6 +8,7 @@
 //! `e2e/README.md` records.
 
 mod bad_input;
+mod canary_rollback;
 mod client_protection;
 mod fd_budget;
 mod flash_crowd;

@@ -77,10 +77,25 @@ pub struct RolloutMemory {
     pub canary_since: BTreeMap<(String, String), Timestamp>,
     /// The highest generation a pod said it runs (409 answers), per namespace.
     pub seen_generation: BTreeMap<String, u64>,
+    /// The documents each pod acknowledged last and the one before, per (namespace, pod): a
+    /// regressed canary goes back to the one before.
+    pub sent: BTreeMap<(String, String), SentDocuments>,
+    /// Revisions whose canaries regressed and were rolled back, with why, per (namespace,
+    /// revision): the rollout stays halted until the policy changes (a new revision).
+    pub regressed: BTreeMap<(String, String), String>,
     /// The admin token Secret's value as last read, and the one before it, per namespace: after
     /// a rotation, pods whose mounted copy still holds the previous token get it (on a 401 to
     /// the new one) until the kubelet refreshes their copy.
     pub tokens: BTreeMap<String, (String, Option<String>)>,
+}
+
+/// The documents one pod acknowledged: the last and the one before it.
+#[derive(Clone, Debug, Default)]
+pub struct SentDocuments {
+    /// The last one.
+    pub current: Option<Arc<poolpilot_api::GatewayLimits>>,
+    /// The one before it (another revision).
+    pub previous: Option<Arc<poolpilot_api::GatewayLimits>>,
 }
 
 /// Everything the reconciler needs, shared by every reconcile.

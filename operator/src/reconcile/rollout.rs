@@ -4,6 +4,7 @@
 //! Also the cleanup of a deleted policy: its pods get documents without its backends.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, Patch, PatchParams};
@@ -73,7 +74,17 @@ pub async fn roll_out<G: Gateways>(
     let Some(plan) = fleet.policy(&observed.focus) else {
         return Ok(RolloutReport::default());
     };
-    if let Some(doc) = &plan.document {
+    // Pods that never got a PUT follow the ConfigMap: a new document reaches it only once every
+    // pod runs its own (the first one at once, so that starting pods have limits). Before, a
+    // canary's document reached those pods through the ConfigMap before its verification.
+    let name = configmap_name(&policy.name_any());
+    let published = ctx
+        .stores
+        .configmaps
+        .state()
+        .iter()
+        .any(|cm| cm.namespace().as_deref() == Some(ns.as_str()) && cm.name_any() == name);
+    if !published && let Some(doc) = &plan.document {
         apply_configmap(ctx, policy, doc).await?;
     }
 
@@ -116,8 +127,41 @@ pub async fn roll_out<G: Gateways>(
         };
         waves::judge(&rates(true), &rates(false))
     };
-    let wave = waves::next_wave(strategy, &states, since, &verdict, now);
-    let unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
+    // A revision whose canaries regressed stays halted (they were rolled back) until the policy
+    // changes: pushing it again would only repeat the regression.
+    let regressed = ctx
+        .rollouts
+        .lock()
+        .regressed
+        .get(&(ns.clone(), desired.clone()))
+        .cloned();
+    if let Some(why) = regressed {
+        return Ok(RolloutReport {
+            pods: states,
+            halted: Some(why),
+            ..RolloutReport::default()
+        });
+    }
+    let mut wave = waves::next_wave(strategy, &states, since, &verdict, now);
+    let mut unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
+    if let (waves::Verdict::Regressed(why), Some(_)) = (&verdict, &wave.halted) {
+        let canaries: Vec<String> = states
+            .iter()
+            .filter(|p| p.acked.as_deref() == Some(p.desired.as_str()))
+            .map(|p| p.name.clone())
+            .collect();
+        let (back, failed) = roll_back(ctx, observed, &canaries, now).await?;
+        unreachable.extend(failed);
+        let why = format!(
+            "canary regression: {why}; {back} of {} canary pod(s) rolled back to their previous document, the other pods never got revision {desired}",
+            canaries.len()
+        );
+        ctx.rollouts
+            .lock()
+            .regressed
+            .insert((ns.clone(), desired.clone()), why.clone());
+        wave.halted = Some(why);
+    }
 
     let states = pod_states(ctx, observed, fleet, &plan.live);
     let halted = wave.halted.or_else(|| {
@@ -126,12 +170,73 @@ pub async fn roll_out<G: Gateways>(
             .next()
             .map(|(pod, why)| format!("pod {pod} refused revision {desired}: {why}"))
     });
+    let complete = states
+        .iter()
+        .all(|p| p.acked.as_deref() == Some(p.desired.as_str()));
+    if published
+        && halted.is_none()
+        && complete
+        && let Some(doc) = &plan.document
+    {
+        apply_configmap(ctx, policy, doc).await?;
+    }
     Ok(RolloutReport {
         pods: states,
         unreachable,
         waiting: wave.waiting,
         halted,
     })
+}
+
+/// Sends each of `canaries` the document it acknowledged before the current one, at a
+/// generation above everything issued (the planner's next documents go above it in turn).
+/// Returns how many took it, and the pods that could not be rolled back with why.
+async fn roll_back<G: Gateways>(
+    ctx: &Context<G>,
+    observed: &Observed,
+    canaries: &[String],
+    now: Timestamp,
+) -> Result<(usize, BTreeMap<String, String>), RolloutError> {
+    let ns = &observed.focus.namespace;
+    let mut failed = BTreeMap::new();
+    let mut documents = BTreeMap::new();
+    {
+        let mut memory = ctx.rollouts.lock();
+        let floor = memory.seen_generation.get(ns).copied().unwrap_or_default();
+        for pod in canaries {
+            let sent = memory.sent.get(&(ns.clone(), pod.clone()));
+            let (Some(current), Some(previous)) = (
+                sent.and_then(|s| s.current.clone()),
+                sent.and_then(|s| s.previous.clone()),
+            ) else {
+                failed.insert(
+                    pod.clone(),
+                    "no previous document known (the operator restarted, or the pod started from the ConfigMap's): it keeps the new one".to_owned(),
+                );
+                continue;
+            };
+            let mut doc = (*previous).clone();
+            doc.generation = current.generation.max(previous.generation).max(floor) + 1;
+            documents.insert(pod.clone(), Arc::new(doc));
+        }
+        // The planner's next documents go above the rolled-back ones.
+        if let Some(top) = documents.values().map(|d| d.generation).max() {
+            let seen = memory.seen_generation.entry(ns.clone()).or_default();
+            *seen = (*seen).max(top);
+        }
+    }
+    let pods: Vec<String> = documents.keys().cloned().collect();
+    let back = FleetPlan {
+        documents,
+        ..FleetPlan::default()
+    };
+    let unreachable = push(ctx, observed, &back, &pods, now).await?;
+    let rolled = pods.len() - unreachable.len();
+    failed.extend(unreachable);
+    if rolled > 0 {
+        warn!(namespace = %ns, pods = ?pods, "canary regression: rolled back");
+    }
+    Ok((rolled, failed))
 }
 
 /// The name of a policy's recommendation ConfigMap (`mode: Recommend`).
@@ -356,7 +461,7 @@ async fn push<G: Gateways>(
             if let (Err(PutError::Unauthorized), Some(previous)) = (&result, previous) {
                 result = ctx.gateways.put(ns, *addr, previous, doc).await;
             }
-            (name.clone(), doc.revision.clone(), result)
+            (name.clone(), doc.clone(), result)
         })
     });
     let results = futures::future::join_all(sends.collect::<Vec<_>>()).await;
@@ -370,9 +475,19 @@ async fn push<G: Gateways>(
         .map(|p| (p.name_any(), observe::instance(p)))
         .collect();
     let mut memory = ctx.rollouts.lock();
-    for (name, revision, result) in results {
+    for (name, doc, result) in results {
+        let revision = doc.revision.clone();
         let outcome = match result {
             Ok(ack) => {
+                let sent = memory.sent.entry((ns.clone(), name.clone())).or_default();
+                if sent
+                    .current
+                    .as_ref()
+                    .is_none_or(|c| c.revision != doc.revision)
+                {
+                    sent.previous = sent.current.take();
+                }
+                sent.current = Some(doc);
                 memory
                     .canary_since
                     .entry((ns.clone(), ack.revision.clone()))

@@ -640,6 +640,8 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
         note.contains(&u64::MAX.to_string()) && note.contains("ignored"),
         "{note}"
     );
+    // The ConfigMap exists: it is rewritten once the pod runs the new document.
+    expect_token_secret(&mut api).await;
     let cm = with_timeout(expect(
         &mut api,
         Method::PATCH,
@@ -651,7 +653,6 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
         cm["metadata"]["annotations"]["poolpilot.io/generation"],
         "1"
     );
-    expect_token_secret(&mut api).await;
     expect_status_patch(&mut api, &p).await;
     reconciler.abort();
     assert_eq!(gateways.puts.lock()[0].2.generation, 1);
