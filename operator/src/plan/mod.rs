@@ -26,7 +26,7 @@ pub mod validate;
 pub mod waves;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

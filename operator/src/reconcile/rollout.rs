@@ -77,14 +77,28 @@ pub async fn roll_out<G: Gateways>(
     // Pods that never got a PUT follow the ConfigMap: a new document reaches it only once every
     // pod runs its own (the first one at once, so that starting pods have limits). Before, a
     // canary's document reached those pods through the ConfigMap before its verification.
+    // A document that only lowers shares and client limits (more pods to divide over) goes to
+    // the ConfigMap first, so that a pod starting meanwhile never takes more than its share.
     let name = configmap_name(&policy.name_any());
-    let published = ctx
+    let published: Option<Option<GatewayLimits>> = ctx
         .stores
         .configmaps
         .state()
         .iter()
-        .any(|cm| cm.namespace().as_deref() == Some(ns.as_str()) && cm.name_any() == name);
-    if !published && let Some(doc) = &plan.document {
+        .find(|cm| cm.namespace().as_deref() == Some(ns.as_str()) && cm.name_any() == name)
+        .map(|cm| {
+            cm.data
+                .as_ref()
+                .and_then(|d| d.get(DOCUMENT_KEY))
+                .and_then(|d| serde_json::from_str(d).ok())
+        });
+    let first = match (&published, &plan.document) {
+        (None, _) => true,
+        (Some(Some(old)), Some(new)) => only_lowers(old, new),
+        _ => false,
+    };
+    let published = published.is_some();
+    if first && let Some(doc) = &plan.document {
         apply_configmap(ctx, policy, doc).await?;
     }
 
@@ -174,6 +188,7 @@ pub async fn roll_out<G: Gateways>(
         .iter()
         .all(|p| p.acked.as_deref() == Some(p.desired.as_str()));
     if published
+        && !first
         && halted.is_none()
         && complete
         && let Some(doc) = &plan.document
@@ -186,6 +201,54 @@ pub async fn roll_out<G: Gateways>(
         waiting: wave.waiting,
         halted,
     })
+}
+
+/// Whether `new` differs from `old` only by lower (or equal) pool shares and client limits: what
+/// more pods to divide over make. Such a document may reach pods through the ConfigMap before
+/// the rollout's waves; anything else (an endpoint, a route, a timeout) goes through them.
+pub fn only_lowers(old: &GatewayLimits, new: &GatewayLimits) -> bool {
+    if old.backends.len() != new.backends.len()
+        || old.client_policies.len() != new.client_policies.len()
+    {
+        return false;
+    }
+    let mut same = new.clone();
+    same.revision.clone_from(&old.revision);
+    same.generation = old.generation;
+    for (b, o) in same.backends.iter_mut().zip(&old.backends) {
+        if b.name != o.name
+            || b.pool.max_connections_per_endpoint > o.pool.max_connections_per_endpoint
+        {
+            return false;
+        }
+        b.pool.max_connections_per_endpoint = o.pool.max_connections_per_endpoint;
+    }
+    for (c, o) in same.client_policies.iter_mut().zip(&old.client_policies) {
+        let lower = c.max_concurrency <= o.max_concurrency
+            && c.max_queue <= o.max_queue
+            && c.overrides.len() == o.overrides.len()
+            && c.overrides
+                .iter()
+                .zip(&o.overrides)
+                .all(|(a, b)| a.max_concurrency <= b.max_concurrency)
+            && match (&c.slow_calls, &o.slow_calls) {
+                (Some(a), Some(b)) => a.demoted_concurrency <= b.demoted_concurrency,
+                (None, None) => true,
+                _ => false,
+            };
+        if !lower {
+            return false;
+        }
+        c.max_concurrency = o.max_concurrency;
+        c.max_queue = o.max_queue;
+        for (a, b) in c.overrides.iter_mut().zip(&o.overrides) {
+            a.max_concurrency = b.max_concurrency;
+        }
+        if let (Some(a), Some(b)) = (&mut c.slow_calls, &o.slow_calls) {
+            a.demoted_concurrency = b.demoted_concurrency;
+        }
+    }
+    &same == old
 }
 
 /// Sends each of `canaries` the document it acknowledged before the current one, at a

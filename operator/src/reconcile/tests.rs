@@ -1067,3 +1067,39 @@ async fn a_recommend_policy_publishes_its_document_and_sends_nothing_to_the_pods
         .expect("the reconcile succeeded");
     assert!(gateways.puts.lock().is_empty(), "nothing sent to the pods");
 }
+
+#[test]
+fn only_a_document_that_lowers_shares_and_client_limits_reaches_the_configmap_first() {
+    use crate::plan::tests::{pods, policy};
+    use crate::plan::{FleetInput, Memory, plan};
+    let spec = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: model-a\n  endpoints: {service: {name: model-a, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 64}\nautoscale: {enabled: false}\nclients: {identity: {header: authorization}, maxConcurrency: 12, maxQueue: 6}\n";
+    let document = |spec: &str, n: usize| {
+        let input = FleetInput {
+            policies: vec![policy("a", 0, spec, 2)],
+            pods: pods(n),
+            ..FleetInput::default()
+        };
+        let fleet = plan(&input, &mut Memory::default(), crate::plan::tests::at(0));
+        (*fleet.policies[0].document.clone().unwrap()).clone()
+    };
+    let three = document(spec, 3);
+    let six = document(spec, 6);
+    assert!(
+        six.backends[0].pool.max_connections_per_endpoint
+            < three.backends[0].pool.max_connections_per_endpoint
+    );
+    assert!(
+        rollout::only_lowers(&three, &six),
+        "more pods: lower shares first"
+    );
+    assert!(
+        !rollout::only_lowers(&six, &three),
+        "higher shares wait for the waves"
+    );
+    let mut moved = six.clone();
+    moved.backends[0].endpoints[0].address.set_port(9000);
+    assert!(
+        !rollout::only_lowers(&three, &moved),
+        "an endpoint change goes through the canary"
+    );
+}
