@@ -54,6 +54,12 @@ pub struct ListenerLimits {
     /// bounded rate; beyond that rate it is closed at once). Stops a client that opens
     /// connections and never closes them from draining the pod.
     pub max_connections_per_client: Option<u32>,
+    /// Upstream connections the pod may hold across all its backends (HttpAsyncClient's
+    /// `maxTotal` above its `maxPerRoute`). The backends share it fairly: each gets an equal
+    /// part, a backend whose pool is smaller than its part leaves the rest to the others (max-min
+    /// fairness), and each endpoint keeps at least one connection. None: the pools' own caps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_upstream_connections: Option<u32>,
     /// Close a client keep-alive connection idle this long.
     pub idle_timeout: Duration,
     /// A client must send its complete request head within this time (slowloris protection).
@@ -97,6 +103,7 @@ impl Default for ListenerLimits {
         Self {
             max_connections: 16_384,
             max_connections_per_client: None,
+            max_upstream_connections: None,
             idle_timeout: Duration::from_secs(60),
             header_read_timeout: Duration::from_secs(10),
             send_timeout: Duration::from_secs(60),
@@ -247,6 +254,31 @@ pub struct PoolLimits {
     pub connect_timeout: Duration,
     /// Check a connection that sat idle longer than this before reusing it.
     pub validate_after_idle: Duration,
+    /// Slow lease entry down while requests wait: omitted, none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soft_throttle: Option<SoftThrottle>,
+}
+
+/// A short, bounded delay before a lease request, growing with the requests already waiting:
+/// `min(max, pending × perPending)`. It smooths a burst into the queue instead of letting it
+/// pile up at once (the HttpAsyncClient report slept `min(10, pending × 2)` ms).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SoftThrottle {
+    /// Delay per lease request already waiting.
+    pub per_pending: Duration,
+    /// Longest delay.
+    pub max: Duration,
+}
+
+impl SoftThrottle {
+    /// The delay of a lease request that finds `pending` requests waiting.
+    pub fn delay(&self, pending: u32) -> std::time::Duration {
+        self.per_pending
+            .get()
+            .saturating_mul(pending)
+            .min(self.max.get())
+    }
 }
 
 /// Hard limits on one proxied call.
@@ -506,6 +538,12 @@ impl GatewayLimits {
                 "must be at least 1 when set",
             );
         }
+        if l.max_upstream_connections == Some(0) {
+            v.push(
+                "listener.maxUpstreamConnections",
+                "must be at least 1 when set",
+            );
+        }
         v.positive("listener.idleTimeout", l.idle_timeout);
         v.positive("listener.headerReadTimeout", l.header_read_timeout);
         v.positive("listener.sendTimeout", l.send_timeout);
@@ -640,6 +678,15 @@ impl GatewayLimits {
             v.positive(&at("pool.idleTimeout"), p.idle_timeout);
             v.positive(&at("pool.maxLifetime"), p.max_lifetime);
             v.positive(&at("pool.connectTimeout"), p.connect_timeout);
+            if let Some(throttle) = &p.soft_throttle {
+                v.positive(&at("pool.softThrottle.perPending"), throttle.per_pending);
+                if throttle.max.get() > std::time::Duration::from_secs(1) {
+                    v.push(
+                        at("pool.softThrottle.max"),
+                        format!("{} is longer than 1s", throttle.max),
+                    );
+                }
+            }
             let t = &b.timeouts;
             v.positive(&at("timeouts.firstByte"), t.first_byte);
             v.positive(&at("timeouts.total"), t.total);

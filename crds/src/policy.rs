@@ -355,6 +355,26 @@ pub struct PoolSpec {
     /// one is dropped and another taken). At most `idleTimeout`.
     #[schemars(schema_with = "positive_duration")]
     pub validate_after_idle: Duration,
+    /// Delay lease requests a little while others wait: `min(max, pending × perPending)` before
+    /// each one joins the queue. Omitted: no delay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soft_throttle: Option<SoftThrottleSpec>,
+}
+
+/// The soft throttle of a pool.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "duration(self.perPending) <= duration(self.max)", "message": "pool.softThrottle.perPending must not exceed pool.softThrottle.max"},
+    {"rule": "duration(self.max) <= duration('1s')", "message": "pool.softThrottle.max must be at most 1s: it delays every call while requests wait"}
+]))]
+pub struct SoftThrottleSpec {
+    /// Delay per lease request already waiting (2ms in the report it comes from).
+    #[schemars(schema_with = "positive_duration")]
+    pub per_pending: Duration,
+    /// Longest delay (10ms in that report).
+    #[schemars(schema_with = "positive_duration")]
+    pub max: Duration,
 }
 
 /// Hard limits on one proxied call; the gateway closes the upstream connection when one fires.
@@ -591,8 +611,8 @@ pub struct SlowCallsSpec {
 }
 
 /// Downstream limits of each gateway pod. When several policies select a pod, the most
-/// permissive value of each field applies (the largest limit or timeout, the lowest rate), and
-/// the oldest policy's `trustedProxies`.
+/// permissive value of each field applies (the largest limit or timeout, the lowest rate), but
+/// the smallest `maxUpstreamConnections`, and the oldest policy's `trustedProxies`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", default)]
 pub struct ListenerSpec {
@@ -600,6 +620,14 @@ pub struct ListenerSpec {
     /// budget.
     #[schemars(range(min = 1, max = 1_000_000))]
     pub max_connections: u32,
+    /// Upstream connections one gateway pod may hold across all its backends, shared fairly
+    /// between them (an equal part each; a backend whose pool is smaller leaves the rest to the
+    /// others). Counted in the pod's file-descriptor budget instead of the sum of the pools when
+    /// smaller. When policies on the same pods set different values, the smallest applies.
+    /// Omitted: the pools' own caps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub max_upstream_connections: Option<u32>,
     /// Longest wait for a client to accept more of a response (nginx's `send_timeout`): a
     /// response its client stops reading is cut after this, its backend connection and client
     /// slot freed, the HTTP/1 connection closed or the HTTP/2 stream reset.
@@ -926,6 +954,7 @@ impl Default for PoolSpec {
             max_lifetime: Duration::from_secs(600),
             connect_timeout: Duration::from_secs(1),
             validate_after_idle: Duration::from_secs(2),
+            soft_throttle: None,
         }
     }
 }
@@ -980,6 +1009,7 @@ impl Default for ListenerSpec {
         let gateway = crate::limits::ListenerLimits::default();
         Self {
             max_connections: 1024,
+            max_upstream_connections: None,
             send_timeout: gateway.send_timeout,
             body_read_timeout: gateway.body_read_timeout,
             min_body_rate: gateway.min_body_rate,

@@ -271,8 +271,35 @@ fn label_values(query: &str) -> Option<String> {
 fn substitute(expr: &str) -> String {
     expr.replace("$__rate_interval", "1m")
         .replace("$__interval", "1m")
+        .replace("$cluster", ".*")
         .replace("$namespace", ".*")
         .replace("$backend", ".*")
+}
+
+#[test]
+fn every_dashboard_query_can_be_narrowed_to_one_cluster() -> anyhow::Result<()> {
+    // Prometheus setups that hold several clusters (Thanos, Mimir, federation) add a `cluster`
+    // label: every selector of the dashboard matches it against the `cluster` variable.
+    let dashboard: Value = serde_json::from_str(&read(DASHBOARD)?)?;
+    let selector = regex::Regex::new(r"\b(poolpilot_[a-z_]+|process_[a-z_]+)(\{[^}]*\})?")?;
+    let mut missing = Vec::new();
+    for query in dashboard_queries(&dashboard) {
+        for m in selector.captures_iter(&query) {
+            let matchers = m.get(2).map_or("", |g| g.as_str());
+            // `label_values(poolpilot_limits_info, cluster)` lists the clusters themselves.
+            if !matchers.contains("cluster=~\"$cluster\"")
+                && !query.starts_with("group by (cluster)")
+            {
+                missing.push(format!("{}: {query}", &m[0]));
+            }
+        }
+    }
+    anyhow::ensure!(
+        missing.is_empty(),
+        "selectors without the cluster:\n{}",
+        missing.join("\n")
+    );
+    Ok(())
 }
 
 #[test]

@@ -41,6 +41,7 @@ fn limits() -> PoolLimits {
         max_lifetime: Duration::from_secs(600),
         connect_timeout: Duration::from_secs(1),
         validate_after_idle: Duration::from_secs(2),
+        soft_throttle: None,
     }
 }
 

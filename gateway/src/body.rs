@@ -84,6 +84,8 @@ struct Progress {
     /// The body's last poll found no bytes from the client (the gateway waits for the client,
     /// not for the backend to take more).
     waiting_for_client: bool,
+    /// Bytes of the body read from the client so far (the access log's `bytes_in`).
+    received: u64,
 }
 
 impl BodyProgress {
@@ -100,6 +102,11 @@ impl BodyProgress {
     /// Whether the gateway is waiting for the client's next bytes.
     pub fn waiting_for_client(&self) -> bool {
         self.0.lock().waiting_for_client
+    }
+
+    /// Bytes of the body read from the client so far.
+    pub fn received(&self) -> u64 {
+        self.0.lock().received
     }
 }
 
@@ -141,6 +148,7 @@ impl ClientBody {
             timer: None,
             progress: Arc::default(),
         };
+        body.progress.0.lock().received = seen;
         if body.is_end_stream() {
             body.progress.0.lock().sent_at = Some(Instant::now());
         }
@@ -198,7 +206,11 @@ impl Body for ClientBody {
                         return self.fail(BodyFailure::TooLarge(limit));
                     }
                 }
-                self.progress.0.lock().waiting_for_client = false;
+                {
+                    let mut progress = self.progress.0.lock();
+                    progress.waiting_for_client = false;
+                    progress.received = self.seen;
+                }
                 if self.rest.as_ref().is_some_and(|r| r.is_end_stream()) {
                     self.ended();
                 }

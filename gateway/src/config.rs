@@ -11,17 +11,23 @@ use std::path::{Path, PathBuf};
 use poolpilot_api::Duration;
 use serde::Deserialize;
 
+use crate::access::AccessLogConfig;
+
 /// Command line of `poolpilot-gateway`.
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "poolpilot-gateway",
     version = poolpilot_telemetry::LONG_VERSION,
-    about = "poolpilot's pooled, throttled AI gateway"
+    about = "poolpilot's pooled, throttled AI gateway",
+    subcommand_negates_reqs = true
 )]
 pub struct Args {
+    /// What to do instead of serving.
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// The gateway configuration file (YAML).
-    #[arg(long, env = "POOLPILOT_GATEWAY_CONFIG")]
-    pub config: PathBuf,
+    #[arg(long, env = "POOLPILOT_GATEWAY_CONFIG", required = true)]
+    pub config: Option<PathBuf>,
     /// Where the proxy listens, overriding `listeners.proxy` of the config file
     /// (e.g. `$(POD_IP):8080`; an IPv6 address in brackets: `[fd00::1]:8080`).
     #[arg(long, env = "POOLPILOT_PROXY_LISTEN", value_name = "ADDR")]
@@ -39,11 +45,30 @@ pub struct Args {
     pub worker_threads: Option<NonZeroUsize>,
 }
 
+/// Commands other than serving.
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum Command {
+    /// Checks a configuration file and its limits document without starting (like `nginx -t`):
+    /// exit status 0 when both are fit to serve, 1 when not.
+    Validate {
+        /// The gateway configuration file (YAML).
+        #[arg(long)]
+        config: PathBuf,
+        /// The limits document to check (default: the configuration's `limitsFile`, if any).
+        #[arg(long)]
+        limits: Option<PathBuf>,
+    },
+}
+
 impl Args {
     /// Loads the config file named by `--config`, with the listeners given on the command line
     /// (or in their environment variables) in place of the file's.
     pub fn load_config(&self) -> Result<GatewayConfig, ConfigError> {
-        let mut config = GatewayConfig::load(&self.config)?;
+        let path = self
+            .config
+            .as_deref()
+            .ok_or(ConfigError::Invalid("--config is required".to_owned()))?;
+        let mut config = GatewayConfig::load(path)?;
         config
             .listeners
             .override_with(self.proxy_listen, self.admin_listen);
@@ -119,6 +144,99 @@ pub struct GatewayConfig {
     /// default, serves the file at once (a gateway without operator).
     #[serde(default)]
     pub await_operator: Duration,
+    /// The access log: one JSON line per call (see [`crate::access`]).
+    #[serde(default)]
+    pub access_log: AccessLogConfig,
+    /// How some metrics are measured.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+    /// TCP keepalive of the connections to backends.
+    #[serde(default)]
+    pub upstream_keepalive: KeepaliveConfig,
+    /// What happens to calls that come back before their `Retry-After`.
+    #[serde(default)]
+    pub early_retries: crate::retry::EarlyRetryConfig,
+}
+
+/// The `upstreamKeepalive` section: TCP keepalive probes on idle upstream connections, so that a
+/// connection a middlebox dropped without a word is reset by the kernel (and dropped by the pool)
+/// before a request is sent on it.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KeepaliveConfig {
+    /// Whether upstream connections send keepalive probes.
+    #[serde(default = "KeepaliveConfig::default_enabled")]
+    pub enabled: bool,
+    /// Idle time before the first probe.
+    #[serde(default = "KeepaliveConfig::default_idle")]
+    pub idle: Duration,
+    /// Time between probes.
+    #[serde(default = "KeepaliveConfig::default_interval")]
+    pub interval: Duration,
+    /// Unanswered probes before the kernel drops the connection.
+    #[serde(default = "KeepaliveConfig::default_count")]
+    pub count: u32,
+}
+
+impl KeepaliveConfig {
+    fn default_enabled() -> bool {
+        true
+    }
+
+    /// Below the idle timeouts of common load balancers and NAT tables (AWS NLB 350 s, GCP
+    /// 600 s, conntrack's established timeout far above): probes keep such a path open.
+    fn default_idle() -> Duration {
+        Duration::from_secs(30)
+    }
+
+    fn default_interval() -> Duration {
+        Duration::from_secs(10)
+    }
+
+    fn default_count() -> u32 {
+        3
+    }
+
+    /// The settings for the connector; `None` when off.
+    pub fn settings(&self) -> Option<crate::upstream::Keepalive> {
+        self.enabled.then(|| crate::upstream::Keepalive {
+            idle: self.idle.get(),
+            interval: self.interval.get(),
+            count: self.count,
+        })
+    }
+}
+
+impl Default for KeepaliveConfig {
+    fn default() -> Self {
+        Self {
+            enabled: Self::default_enabled(),
+            idle: Self::default_idle(),
+            interval: Self::default_interval(),
+            count: Self::default_count(),
+        }
+    }
+}
+
+/// The `metrics` section of the configuration file.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Upper bounds of the buckets of `poolpilot_pool_lease_wait_seconds`; include your
+    /// lease-time SLO's bound so that the share of leases within it is exact. Default: 0.5 ms ×
+    /// 2ⁿ up to ~16 s, and 50 ms.
+    #[serde(default)]
+    pub lease_wait_buckets: Option<Vec<Duration>>,
+}
+
+impl MetricsConfig {
+    /// The lease-wait buckets in seconds.
+    pub fn lease_wait_buckets(&self) -> Vec<f64> {
+        match &self.lease_wait_buckets {
+            Some(buckets) => buckets.iter().map(|d| d.get().as_secs_f64()).collect(),
+            None => crate::metrics::default_lease_wait_buckets(),
+        }
+    }
 }
 
 /// The admin listener's certificate, in the layout of a `kubernetes.io/tls` Secret (cert-manager
@@ -237,6 +355,40 @@ impl GatewayConfig {
         if config.admin_header_read_timeout.is_zero() {
             return Err(ConfigError::Invalid(format!(
                 "{}: adminHeaderReadTimeout must be longer than 0s",
+                path.display()
+            )));
+        }
+        if let Err(message) = config.access_log.validate() {
+            return Err(ConfigError::Invalid(format!(
+                "{}: {message}",
+                path.display()
+            )));
+        }
+        if config
+            .metrics
+            .lease_wait_buckets
+            .as_ref()
+            .is_some_and(|b| b.is_empty() || b.iter().any(|d| d.is_zero()))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "{}: metrics.leaseWaitBuckets must list at least one bound, each longer than 0s",
+                path.display()
+            )));
+        }
+        let keepalive = &config.upstream_keepalive;
+        if keepalive.enabled
+            && (keepalive.idle.get() < std::time::Duration::from_secs(1)
+                || keepalive.interval.get() < std::time::Duration::from_secs(1)
+                || keepalive.count == 0)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "{}: upstreamKeepalive needs idle and interval of at least 1s and a count of at least 1",
+                path.display()
+            )));
+        }
+        if config.early_retries.penalty_factor == 0 {
+            return Err(ConfigError::Invalid(format!(
+                "{}: earlyRetries.penaltyFactor must be at least 1",
                 path.display()
             )));
         }

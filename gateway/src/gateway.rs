@@ -16,11 +16,13 @@ use poolpilot_api::limits::{HealthCheck, InvalidLimits, RouteMatch, Timeouts};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::access::AccessLog;
 use crate::budget::ByteBudget;
 use crate::health;
 use crate::limiter::{ClientLimiter, ClientStats};
 use crate::metrics::Metrics;
 use crate::pool::{EndpointStats, Pool, PoolStats};
+use crate::retry::RetryMemory;
 use crate::upstream::HttpConnector;
 
 /// Where a limits document came from (metric label, logs).
@@ -106,6 +108,14 @@ struct Inner {
     route_budget: ByteBudget,
     /// Serialises scrapes: live gauges are cleared and set again before each one.
     scrape: Mutex<()>,
+    /// One line per call.
+    access_log: AccessLog,
+    /// Opens the backends' connections.
+    connector: HttpConnector,
+    /// Recent refusals, to tell early retries.
+    retries: RetryMemory,
+    /// The factor on the `Retry-After` of an early retry refused again.
+    early_retry_penalty: u32,
 }
 
 #[derive(Debug, Default)]
@@ -143,8 +153,21 @@ pub(crate) struct Route {
 // === impl Gateway ===
 
 impl Gateway {
-    /// A gateway with no backends (every request gets 404) until limits are applied.
+    /// A gateway with no backends (every request gets 404) until limits are applied, and no
+    /// access log.
     pub fn new(metrics: Metrics) -> Self {
+        Self::configured(metrics, AccessLog::off(), HttpConnector::default(), 1)
+    }
+
+    /// [`Gateway::new`], writing one line per call to `access_log`, opening upstream
+    /// connections with `connector`, and multiplying the `Retry-After` of an early retry refused
+    /// again by `early_retry_penalty`.
+    pub fn configured(
+        metrics: Metrics,
+        access_log: AccessLog,
+        connector: HttpConnector,
+        early_retry_penalty: u32,
+    ) -> Self {
         let limits = GatewayLimits::default().with_content_revision();
         metrics.set_limits_info(&limits.revision, limits.generation);
         Self {
@@ -163,6 +186,10 @@ impl Gateway {
                 leaving: AtomicBool::new(false),
                 route_budget: ByteBudget::default(),
                 scrape: Mutex::new(()),
+                access_log,
+                connector,
+                retries: RetryMemory::default(),
+                early_retry_penalty: early_retry_penalty.max(1),
             }),
         }
     }
@@ -175,6 +202,21 @@ impl Gateway {
     /// The metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
+    }
+
+    /// The access log.
+    pub fn access_log(&self) -> &AccessLog {
+        &self.inner.access_log
+    }
+
+    /// Recent refusals, to tell which clients come back before their `Retry-After`.
+    pub fn retries(&self) -> &RetryMemory {
+        &self.inner.retries
+    }
+
+    /// The factor on the `Retry-After` of an early retry refused again (1: none).
+    pub fn early_retry_penalty(&self) -> u32 {
+        self.inner.early_retry_penalty
     }
 
     /// Ready: limits were loaded, shutdown has not begun and the gateway is not waiting for the
@@ -340,23 +382,37 @@ impl Gateway {
             limiters.insert(policy.name.clone(), limiter);
         }
 
-        // Backends: resize pools in place, create new ones, retire removed ones.
+        // Backends: resize pools in place, create new ones, retire removed ones. A pod-wide
+        // upstream cap lowers the pools' caps, fairly (`share`).
+        let pools: Vec<(u32, u32)> = doc
+            .backends
+            .iter()
+            .map(|b| {
+                (
+                    b.pool.max_connections_per_endpoint,
+                    b.endpoints.len() as u32,
+                )
+            })
+            .collect();
+        let caps = crate::share::per_endpoint_caps(doc.listener.max_upstream_connections, &pools);
         let mut backends = HashMap::new();
         let mut routes = Vec::with_capacity(doc.backends.len());
-        for b in &doc.backends {
+        for (b, cap) in doc.backends.iter().zip(caps) {
+            let mut pool_limits = b.pool.clone();
+            pool_limits.max_connections_per_endpoint = cap;
             let backend = match registry.backends.remove(&b.name) {
                 Some(existing) => {
                     existing.pool.set_endpoints(&b.endpoints);
-                    existing.pool.set_limits(b.pool.clone());
+                    existing.pool.set_limits(pool_limits);
                     existing
                 }
                 None => Arc::new(Backend {
                     name: b.name.as_str().into(),
                     pool: Pool::new(
                         &b.name,
-                        b.pool.clone(),
+                        pool_limits,
                         &b.endpoints,
-                        HttpConnector,
+                        self.inner.connector,
                         self.inner.metrics.clone(),
                     ),
                     health: Mutex::new(None),
@@ -438,9 +494,26 @@ impl Gateway {
             .collect();
         clients.sort_by_key(|c| std::cmp::Reverse(c.1.inflight));
         clients.truncate(10);
+        let upstream: u32 = snapshot
+            .routes
+            .iter()
+            .flat_map(|r| r.backend.pool.stats().endpoints)
+            .map(|e| e.leased + e.idle + e.connecting + e.closing)
+            .sum();
         serde_json::json!({
             "revision": snapshot.limits.revision,
             "generation": snapshot.limits.generation,
+            "upstreamConnections": upstream,
+            "retryAfterCompliance": self.inner.retries.compliance().into_iter().map(|(client, c)| {
+                let total = c.early + c.on_time;
+                serde_json::json!({
+                    "client": client.as_ref(),
+                    "early": c.early,
+                    "onTime": c.on_time,
+                    "earlyShare": if total == 0 { 0.0 } else { c.early as f64 / total as f64 },
+                })
+            }).collect::<Vec<_>>(),
+            "maxUpstreamConnections": snapshot.limits.listener.max_upstream_connections,
             "backends": backends,
             "topClients": clients.into_iter().map(|(policy, c)| {
                 let mut v = serde_json::to_value(c).unwrap_or_default();
@@ -448,6 +521,25 @@ impl Gateway {
                 v
             }).collect::<Vec<_>>(),
         })
+    }
+
+    /// Drains (`true`) or restores (`false`) one endpoint of one backend by hand (see
+    /// [`Pool::set_drained`]); `None` when there is no such backend or endpoint.
+    pub fn set_endpoint_drained(
+        &self,
+        backend: &str,
+        endpoint: &str,
+        drained: bool,
+    ) -> Option<EndpointStats> {
+        let pool = self
+            .inner
+            .registry
+            .lock()
+            .backends
+            .get(backend)?
+            .pool
+            .clone();
+        pool.set_drained(endpoint, drained)
     }
 
     /// The metrics page in `format`, with the gauges computed from live state set just before.
@@ -476,6 +568,7 @@ impl Gateway {
             m.set_client_inflight(&label, n);
         }
         m.set_route_buffer_bytes(self.inner.route_budget.held());
+        m.signals().refresh_runtime();
     }
 
     /// Forgets idle clients periodically, for as long as the gateway lives.

@@ -18,6 +18,7 @@
 //!
 //! Every failure of a request is typed and becomes a response in one place: [`error`].
 
+pub mod access;
 pub mod admin;
 pub mod body;
 pub mod budget;
@@ -28,14 +29,20 @@ pub mod gateway;
 pub mod head;
 pub mod health;
 pub mod limiter;
+pub mod logging;
 pub mod metrics;
+pub mod models;
 pub mod pool;
 pub mod proxy;
 pub mod reload;
+pub mod retry;
 pub mod route;
 pub mod server;
+pub mod share;
+pub mod signals;
 pub mod source;
 pub mod upstream;
+pub mod validate;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -61,6 +68,9 @@ pub enum StartError {
     /// The admin certificate could not be loaded.
     #[error("the admin certificate could not be loaded")]
     AdminTls(#[from] admin::tls::TlsError),
+    /// The access log file could not be opened.
+    #[error("opening the access log failed")]
+    AccessLog(#[source] std::io::Error),
     /// A listener could not be bound.
     #[error("binding {addr} failed")]
     Bind {
@@ -122,10 +132,23 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         source,
     })?;
 
-    let gw = Gateway::new(Metrics::new());
+    let access_log = access::AccessLog::open(&config.access_log).map_err(StartError::AccessLog)?;
+    let metrics = Metrics::with_lease_wait_buckets(config.metrics.lease_wait_buckets());
+    let connector = upstream::HttpConnector {
+        keepalive: config.upstream_keepalive.settings(),
+    };
+    let gw = Gateway::configured(
+        metrics,
+        access_log,
+        connector,
+        config.early_retries.penalty_factor,
+    );
     let (shutdown, shutdown_rx) = watch::channel(false);
     let conns = Arc::new(server::Connections::default());
-    let mut tasks = vec![gw.spawn_maintenance()];
+    let mut tasks = vec![
+        gw.spawn_maintenance(),
+        signals::spawn_lag_probe(gw.metrics().signals().clone()),
+    ];
     if let Some(path) = &config.limits_file {
         gw.await_operator(config.await_operator.get());
         let seen = match reload::load_once(&gw, path) {

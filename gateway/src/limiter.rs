@@ -80,6 +80,14 @@ pub enum ClientRejection {
 }
 
 impl ClientRejection {
+    /// The client's override name or `other`, when the rejection names it.
+    pub fn client(&self) -> Option<&Arc<str>> {
+        match self {
+            Self::Concurrency { client, .. } | Self::QueueTimeout { client, .. } => Some(client),
+            Self::TableFull { .. } => None,
+        }
+    }
+
     /// The metric reason.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -218,7 +226,15 @@ impl ClientLimiter {
                 self.inner.metrics.client_rejected(&label, err.reason());
                 return Err(err);
             }
+            let policy = state.policy.name.clone();
             let client = state.client(key, label.clone(), start);
+            // The concurrency this client asks for, admitted or not: its calls in flight and
+            // queued, and this one.
+            let demand = client.inflight + client.queue.len() as u32 + 1;
+            self.inner
+                .metrics
+                .signals()
+                .client_concurrency(&policy, demand);
             if client.inflight < limit && client.queue.is_empty() {
                 client.inflight += 1;
                 self.inner.metrics.client_queue_wait(&label, 0.0);

@@ -1,9 +1,7 @@
 //! The `poolpilot-gateway` binary: parse the command line, set up logs, build the runtime, run.
 
-use std::io::IsTerminal as _;
-
 use clap::Parser;
-use poolpilot_gateway::config::{Args, LogFormat};
+use poolpilot_gateway::config::{Args, Command};
 
 /// mimalloc instead of glibc's malloc: a proxied call allocates and frees many small buffers,
 /// and at 256 connections glibc's malloc cost about a third of the gateway's user time per
@@ -13,16 +11,12 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    // Colours only on a terminal: log files and collectors get plain text.
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stdout().is_terminal());
-    match args.log_format {
-        LogFormat::Json => logs.json().init(),
-        LogFormat::Text => logs.init(),
+    if let Some(Command::Validate { config, limits }) = &args.command {
+        let ok =
+            poolpilot_gateway::validate::run(config, limits.as_deref(), &mut std::io::stderr());
+        std::process::exit(if ok { 0 } else { 1 });
     }
+    poolpilot_gateway::logging::init(args.log_format);
     let config = args.load_config()?;
     args.runtime()?.block_on(poolpilot_gateway::run(config))?;
     Ok(())

@@ -15,6 +15,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::signals::Signals;
+
 /// Why a pooled connection was closed (`reason` label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CloseReason {
@@ -34,6 +36,8 @@ pub enum CloseReason {
     Timeout,
     /// Its endpoint or backend left the limits.
     Removed,
+    /// Its endpoint was drained by hand.
+    Drained,
 }
 
 impl CloseReason {
@@ -48,6 +52,7 @@ impl CloseReason {
             Self::Error => "error",
             Self::Timeout => "timeout",
             Self::Removed => "removed",
+            Self::Drained => "drained",
         }
     }
 }
@@ -241,7 +246,7 @@ pub struct Metrics {
     pool_connections: Family<ConnectionLabels, Gauge>,
     pool_pending: Family<BackendLabel, Gauge>,
     pool_max_connections: Family<EndpointLabels, Gauge>,
-    pool_lease_wait: HistogramFamily<BackendLabel>,
+    pool_lease_wait: Family<BackendLabel, Histogram, LeaseWaitBuckets>,
     pool_lease_timeouts: Family<BackendLabel, Counter>,
     pool_created: Family<EndpointLabels, Counter>,
     pool_reused: Family<EndpointLabels, Counter>,
@@ -266,6 +271,7 @@ pub struct Metrics {
     route_buffer_rejected: Counter,
     admin_connections_refused: Counter,
     admin_reloads: Family<AdminReloadLabels, Counter>,
+    signals: Signals,
 }
 
 impl fmt::Debug for Metrics {
@@ -277,6 +283,28 @@ impl fmt::Debug for Metrics {
 fn wait_histogram() -> Histogram {
     // 0.5ms .. ~16s: lease and queue waits span sub-millisecond to the lease timeout.
     Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// The buckets of the lease-wait histogram: 0.5 ms × 2ⁿ (to ~16 s) and the lease-time SLO's
+/// boundary, 50 ms, so that "the share of leases within 50 ms" is a bucket, not an estimate.
+pub fn default_lease_wait_buckets() -> Vec<f64> {
+    let mut buckets: Vec<f64> = exponential_buckets(0.0005, 2.0, 16).collect();
+    buckets.push(LEASE_SLO_SECONDS);
+    buckets.sort_by(f64::total_cmp);
+    buckets
+}
+
+/// The lease-time SLO's boundary (99.5% of leases within it), in seconds.
+pub const LEASE_SLO_SECONDS: f64 = 0.05;
+
+/// Builds lease-wait histograms with the configured buckets.
+#[derive(Clone, Debug)]
+struct LeaseWaitBuckets(Arc<[f64]>);
+
+impl prometheus_client::metrics::family::MetricConstructor<Histogram> for LeaseWaitBuckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(self.0.iter().copied())
+    }
 }
 
 fn duration_histogram() -> Histogram {
@@ -291,15 +319,24 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Creates and registers every family.
+    /// Creates and registers every family, with the default lease-wait buckets.
     pub fn new() -> Self {
+        Self::with_lease_wait_buckets(default_lease_wait_buckets())
+    }
+
+    /// Creates and registers every family; lease waits are counted in `buckets` (seconds,
+    /// sorted and de-duplicated here).
+    pub fn with_lease_wait_buckets(mut buckets: Vec<f64>) -> Self {
+        buckets.retain(|b| b.is_finite() && *b > 0.0);
+        buckets.sort_by(f64::total_cmp);
+        buckets.dedup();
         let mut r = Registry::default();
         let m = Self {
             registry: Arc::default(),
             pool_connections: Family::default(),
             pool_pending: Family::default(),
             pool_max_connections: Family::default(),
-            pool_lease_wait: Family::new_with_constructor(wait_histogram),
+            pool_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets.into())),
             pool_lease_timeouts: Family::default(),
             pool_created: Family::default(),
             pool_reused: Family::default(),
@@ -324,7 +361,9 @@ impl Metrics {
             route_buffer_rejected: Counter::default(),
             admin_connections_refused: Counter::default(),
             admin_reloads: Family::default(),
+            signals: Signals::new(),
         };
+        m.signals.register(&mut r);
         r.register(
             "poolpilot_pool_connections",
             "Open upstream connections by state (leased, idle, closing: closed by the pool, not yet by the backend)",
@@ -476,6 +515,11 @@ impl Metrics {
         );
         *m.registry.lock() = r;
         m
+    }
+
+    /// The incident signals (runtime, holds, reclaims, connection ages).
+    pub fn signals(&self) -> &Signals {
+        &self.signals
     }
 
     /// The OpenMetrics exposition of every family.

@@ -33,6 +33,7 @@ use poolpilot_api::limits::{ClientIdentity, ListenerLimits, ProxyProtocol, Trust
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
+use crate::access::Record;
 use crate::body::{
     BodyFailure, BodyPace, BodyProgress, BoxError, ClientBody, RequestBody, ResponseBody,
 };
@@ -42,6 +43,7 @@ use crate::gateway::{Backend, Gateway, Route};
 use crate::limiter::{ClientKey, ClientPermit};
 use crate::metrics::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
 use crate::pool::Lease;
+use crate::signals::{NO_CLIENT, Reclaim};
 use crate::upstream::HttpConnector;
 use crate::{head, route};
 
@@ -87,12 +89,16 @@ pub async fn handle(
     peer: &Peer,
     req: Request<Incoming>,
     slot: &DeadlineSlot,
+    record: &Record,
 ) -> Response<ResponseBody> {
-    match proxy(&gw, peer, req, slot).await {
+    match proxy(&gw, peer, req, slot, record).await {
         Ok(response) => response,
         Err(error) => {
-            tracing::debug!(%error, reason = error.reason(), "request not proxied");
-            error.to_response()
+            tracing::debug!(%error, reason = error.reason(), request_id = ?record.request_id(), "request not proxied");
+            record.rejected(error.reason());
+            let mut response = error.to_response();
+            remember_refusal(&gw, record, &error, &mut response);
+            response
         }
     }
 }
@@ -102,6 +108,7 @@ async fn proxy(
     peer: &Peer,
     mut req: Request<Incoming>,
     slot: &DeadlineSlot,
+    record: &Record,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     if gw.is_draining() {
         return Err(ProxyError::ShuttingDown);
@@ -110,6 +117,9 @@ async fn proxy(
     let listener = &snapshot.limits.listener;
     check_head(&req, listener)?;
     if let head::Verdict::Answer(response) = head::check(&mut req)? {
+        return Ok(response);
+    }
+    if let Some(response) = crate::models::answer(&req, &snapshot.routes) {
         return Ok(response);
     }
     let pace = BodyPace::new(Instant::now(), listener);
@@ -129,23 +139,39 @@ async fn proxy(
         .iter()
         .find(|r| route::matches(&r.matcher, &parts, model.as_deref()))
         .ok_or(ProxyError::NoRoute)?;
+    record.backend(&route.backend.name);
 
-    let permit = match &route.limiter {
-        Some(limiter) => Some(
-            limiter
-                .acquire(client_key(
-                    &limiter.identity(),
-                    &parts.headers,
-                    peer,
-                    listener.trusted_proxies.as_ref(),
-                ))
-                .await?,
+    // Who the client is: its policy's identity, or its source address without a policy.
+    let key = match &route.limiter {
+        Some(limiter) => client_key(
+            &limiter.identity(),
+            &parts.headers,
+            peer,
+            listener.trusted_proxies.as_ref(),
         ),
+        None => ClientKey::of(crate::source::key_text(peer.source).as_bytes()),
+    };
+    record.key(key);
+    if let Some((timing, class)) = gw.retries().arrived(&key, Instant::now()) {
+        record.retry(timing);
+        gw.metrics().signals().retried(&class, timing);
+    }
+    let permit = match &route.limiter {
+        Some(limiter) => {
+            let acquired = limiter.acquire(key).await;
+            let name = match &acquired {
+                Ok(permit) => Some(permit.label()),
+                Err(rejection) => rejection.client(),
+            };
+            record.client(name, key.short());
+            Some(acquired?)
+        }
         None => None,
     };
 
     prepare_upstream_head(&mut parts, peer);
     let progress = body.progress();
+    record.body(progress.clone());
     let req = Request::from_parts(parts, body.boxed_unsync());
     let call = CallContext {
         metrics: gw.metrics(),
@@ -153,8 +179,38 @@ async fn proxy(
         body: &progress,
         send_timeout: listener.send_timeout.get(),
         slot,
+        record,
     };
     forward(call, req, permit).await
+}
+
+/// Remembers a refusal that told the client when to come back (429, 503), for the next call of
+/// the same client to be counted early or on time; an early retry refused again is told to wait
+/// `earlyRetries.penaltyFactor` times longer.
+fn remember_refusal(
+    gw: &Gateway,
+    record: &Record,
+    error: &ProxyError,
+    response: &mut Response<ResponseBody>,
+) {
+    let (Some(key), Some(retry_after)) = (record.client_key(), error.retry_after()) else {
+        return;
+    };
+    if !matches!(error.status().as_u16(), 429 | 503) {
+        return;
+    }
+    let mut secs = retry_after.as_secs().max(1);
+    if record.early_retry() && gw.early_retry_penalty() > 1 {
+        secs *= u64::from(gw.early_retry_penalty());
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    let class = record
+        .client_name()
+        .unwrap_or_else(|| crate::signals::NO_CLIENT.into());
+    gw.retries()
+        .refused(key, class, Duration::from_secs(secs), Instant::now());
 }
 
 /// 431 for too many or too large headers, 413 for a declared body over the limit. hyper
@@ -225,6 +281,9 @@ async fn buffer_for_model(
         let deadline = pace.deadline(buf.len() as u64, last);
         let Ok(frame) = tokio::time::timeout_at(deadline, incoming.frame()).await else {
             gw.metrics().downstream_timeout(DownstreamTimeout::BodyRead);
+            gw.metrics()
+                .signals()
+                .reclaimed(Reclaim::BodyTimeout, NO_CLIENT);
             return Err(ProxyError::BodyTimeout);
         };
         match frame {
@@ -413,6 +472,8 @@ struct CallContext<'a> {
     body: &'a BodyProgress,
     send_timeout: Duration,
     slot: &'a DeadlineSlot,
+    /// The call's access log record.
+    record: &'a Record,
 }
 
 /// Leases a connection, sends, waits for the head, and wraps the response body.
@@ -430,11 +491,18 @@ async fn forward(
         metrics,
         route,
         body,
+        record,
         ..
     } = call;
     let backend = &route.backend;
     let timeouts = &route.timeouts;
     let mut retries = 0;
+    // The soft throttle: a short delay while others wait, before joining them.
+    let delay = backend.pool.throttle_delay();
+    if !delay.is_zero() {
+        metrics.signals().throttled(&backend.name, delay);
+        tokio::time::sleep(delay).await;
+    }
     loop {
         let mut lease = backend.pool.lease().await.inspect_err(|e| {
             if let Some(endpoint) = e.endpoint() {
@@ -444,6 +512,7 @@ async fn forward(
                 metrics.upstream_timeout(&backend.name, TimeoutKind::Connect);
             }
         })?;
+        record.leased(lease.endpoint(), lease.wait());
         let sent_at = Instant::now();
         let total_at = sent_at + timeouts.total.get();
         let first_byte = timeouts.first_byte.get();
@@ -463,6 +532,7 @@ async fn forward(
         let endpoint = lease.endpoint().clone();
         match result {
             Ok(Ok(response)) => {
+                record.upstream_head(sent_at.elapsed());
                 return Ok(respond(
                     &call,
                     backend.clone(),
@@ -476,6 +546,10 @@ async fn forward(
                 // The client's doing: the backend got part of a request, so the connection
                 // goes, but the backend is not blamed.
                 lease.discard(CloseReason::Error);
+                if body.failed() == Some(BodyFailure::Timeout) {
+                    let client = permit.as_ref().map_or(NO_CLIENT, |p| p.label());
+                    metrics.signals().reclaimed(Reclaim::BodyTimeout, client);
+                }
                 return Err(client_failed(metrics, body.failed()));
             }
             Ok(Err(SendFailure::NotSent(unsent, error)))
@@ -484,6 +558,7 @@ async fn forward(
                 tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection failed before sending; retrying");
                 lease.discard(CloseReason::PeerClosed);
                 metrics.upstream_retry(&backend.name);
+                record.retried();
                 retries += 1;
                 req = *unsent;
             }
@@ -661,6 +736,10 @@ impl Call {
 
     fn finish(mut self, end: End) {
         let name = &self.backend.name;
+        let client = self._permit.as_ref().map_or(NO_CLIENT, |p| p.label());
+        self.metrics
+            .signals()
+            .lease_held(name, client, self.sent_at.elapsed());
         if !self.first_byte && matches!(end, End::Complete) {
             // A response without a body: its end is its first byte.
             self.metrics
@@ -693,9 +772,15 @@ impl Call {
                         self.metrics.upstream_timeout(name, kind);
                         self.backend.pool.report_call(&endpoint, false);
                     }
-                    Cut::Send => self.metrics.downstream_timeout(DownstreamTimeout::Send),
+                    Cut::Send => {
+                        self.metrics.downstream_timeout(DownstreamTimeout::Send);
+                        self.metrics.signals().reclaimed(Reclaim::SendStall, client);
+                    }
                     Cut::TotalClientStalled => {
                         self.metrics.downstream_timeout(DownstreamTimeout::Total);
+                        self.metrics
+                            .signals()
+                            .reclaimed(Reclaim::ClientStalled, client);
                     }
                 }
             }

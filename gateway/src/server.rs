@@ -35,6 +35,7 @@ use crate::error::ProxyError;
 use crate::gateway::Gateway;
 use crate::metrics::{DownstreamTimeout, Refusal};
 use crate::proxy::Peer;
+use crate::signals::{NO_CLIENT, Reclaim};
 
 /// hyper's smallest HTTP/1 read buffer; smaller head limits are enforced per request.
 const MIN_BUF: usize = 8192;
@@ -98,6 +99,7 @@ struct ConnGuard {
     conns: Arc<Connections>,
     ip: IpAddr,
     gw: Gateway,
+    opened: Instant,
 }
 
 impl Connections {
@@ -131,6 +133,10 @@ impl Drop for ConnGuard {
         }
         self.conns.total.fetch_sub(1, Ordering::AcqRel);
         self.gw.metrics().downstream_connections().dec();
+        self.gw
+            .metrics()
+            .signals()
+            .downstream_closed(self.opened.elapsed());
         self.conns.closed.notify_waiters();
     }
 }
@@ -336,6 +342,7 @@ fn admit(
         conns: conns.clone(),
         ip,
         gw: gw.clone(),
+        opened: Instant::now(),
     })
 }
 
@@ -432,7 +439,7 @@ async fn serve_connection(
     tokio::pin!(timer);
     let mut first = true;
     loop {
-        if conn.prefix.is_empty() && !conn.wait(&limits, timer.as_mut(), &mut shutdown).await {
+        if conn.prefix.is_empty() && !conn.wait(&gw, &limits, timer.as_mut(), &mut shutdown).await {
             conn.close().await;
             break;
         }
@@ -471,6 +478,9 @@ async fn serve_connection(
                 Some(left) if !left.is_zero() => left,
                 _ => {
                     tracing::debug!("read header from client timeout");
+                    gw.metrics()
+                        .signals()
+                        .reclaimed(Reclaim::HeaderTimeout, NO_CLIENT);
                     break;
                 }
             }
@@ -516,6 +526,7 @@ impl Parked {
     /// first (false).
     async fn wait(
         &self,
+        gw: &Gateway,
         limits: &ConnLimits,
         mut timer: Pin<&mut Sleep>,
         shutdown: &mut watch::Receiver<bool>,
@@ -529,6 +540,7 @@ impl Parked {
             readable = self.stream.readable() => readable.is_ok(),
             _ = timer => {
                 tracing::debug!("closing an idle client connection");
+                gw.metrics().signals().reclaimed(Reclaim::IdleTimeout, NO_CLIENT);
                 false
             }
             _ = shutdown.wait_for(|s| *s) => false,
@@ -627,6 +639,21 @@ async fn serve_h1(
             }) => {
                 if let Err(error) = result {
                     tracing::debug!(%error, "client connection ended with an error");
+                    if error.is_timeout() {
+                        // hyper's header-read timeout: on a kept-alive connection that sent
+                        // nothing since its last response, an idle close.
+                        let idle =
+                            activity.served() && !activity.head_bytes.load(Ordering::Relaxed);
+                        let reason = if idle {
+                            Reclaim::IdleTimeout
+                        } else {
+                            Reclaim::HeaderTimeout
+                        };
+                        let client = activity.client.lock().clone();
+                        gw.metrics()
+                            .signals()
+                            .reclaimed(reason, client.as_deref().unwrap_or(NO_CLIENT));
+                    }
                     return None;
                 }
                 break;
@@ -634,12 +661,16 @@ async fn serve_h1(
             cut = poll_fn(|cx| watch.poll_cut(cx, &activity, limits.send_timeout)) => {
                 // Dropping the connection drops the response body: its lease and permit go
                 // back now, and the client sees the connection close mid-response.
-                cut.count(gw);
+                cut.count(gw, &activity);
                 return None;
             }
             _ = timer.as_mut(), if !draining.load(Ordering::Relaxed) && !parking.load(Ordering::Relaxed) => {
                 if activity.idle_for(limits.idle_timeout) {
                     tracing::debug!("closing an idle client connection");
+                    let client = activity.client.lock().clone();
+                    gw.metrics()
+                        .signals()
+                        .reclaimed(Reclaim::IdleTimeout, client.as_deref().unwrap_or(NO_CLIENT));
                     Pin::new(&mut *conn).graceful_shutdown();
                     draining.store(true, Ordering::Relaxed);
                 } else if activity.idle_for(PARK_AFTER) && !activity.write_blocked() {
@@ -737,12 +768,16 @@ async fn serve_auto(
                 break;
             }
             cut = poll_fn(|cx| watch.poll_cut(cx, &activity, limits.send_timeout)) => {
-                cut.count(&gw);
+                cut.count(&gw, &activity);
                 break;
             }
             _ = timer.as_mut(), if !draining => {
                 if activity.idle_for(idle_timeout) {
                     tracing::debug!("closing an idle client connection");
+                    let client = activity.client.lock().clone();
+                    gw.metrics()
+                        .signals()
+                        .reclaimed(Reclaim::IdleTimeout, client.as_deref().unwrap_or(NO_CLIENT));
                     conn.as_mut().graceful_shutdown();
                     draining = true;
                 }
@@ -787,8 +822,13 @@ impl hyper::service::Service<Request<Incoming>> for Service {
     type Error = Infallible;
     type Future = ServiceFuture;
 
-    fn call(&self, req: Request<Incoming>) -> ServiceFuture {
+    fn call(&self, mut req: Request<Incoming>) -> ServiceFuture {
         let gw = self.gw.clone();
+        // The request id goes to the backend, back to the client, and into the access log.
+        let request_id = crate::access::request_id(req.headers());
+        req.headers_mut()
+            .insert(crate::access::X_REQUEST_ID, request_id.clone());
+        let record = Arc::new(crate::access::Record::new(request_id.clone(), &req));
         let peer = self.peer.clone();
         let slot = Arc::new(DeadlineSlot::default());
         if req.version() == http::Version::HTTP_2 {
@@ -798,8 +838,20 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             *self.activity.current.lock() = Some(slot.clone());
         }
         let active = ActiveRequest::new(self.activity.clone());
+        let activity_of_call = self.activity.clone();
         Box::pin(async move {
-            let response = crate::proxy::handle(gw.clone(), &peer, req, &slot).await;
+            let mut response = crate::proxy::handle(gw.clone(), &peer, req, &slot, &record).await;
+            response
+                .headers_mut()
+                .insert(crate::access::X_REQUEST_ID, request_id);
+            record.status(response.status());
+            if let Some(client) = record.client_name() {
+                *activity_of_call.client.lock() = Some(client);
+            }
+            let access = gw
+                .access_log()
+                .enabled()
+                .then(|| crate::access::Finisher::new(gw.access_log().clone(), record));
             // An answer of the gateway's own (no backend body reports to the slot): the send
             // timeout alone applies to it.
             let own = (!slot.is_armed()).then(|| {
@@ -812,6 +864,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
                 Tracked {
                     inner: body,
                     own,
+                    access,
                     _active: active,
                 }
                 .boxed_unsync()
@@ -848,12 +901,16 @@ enum H1Cut {
 }
 
 impl H1Cut {
-    fn count(self, gw: &Gateway) {
+    fn count(self, gw: &Gateway, activity: &Activity) {
         match self {
             Self::Response(cut) => tracing::debug!(?cut, "cutting a client connection"),
             Self::Stalled => {
                 tracing::debug!("cutting a client connection that accepts no bytes");
                 gw.metrics().downstream_timeout(DownstreamTimeout::Send);
+                let client = activity.client.lock().clone();
+                gw.metrics()
+                    .signals()
+                    .reclaimed(Reclaim::SendStall, client.as_deref().unwrap_or(NO_CLIENT));
             }
         }
     }
@@ -921,6 +978,11 @@ struct Activity {
     /// Whether bytes moved between requests count as activity: not on HTTP/2, whose pings
     /// and their answers would keep a connection without streams open for ever.
     bytes_count: bool,
+    /// The client class of the last call on the connection (its reclaims are counted for it).
+    client: Mutex<Option<Arc<str>>>,
+    /// Bytes of a next head were read since the last response ended (a header-read timeout
+    /// then cuts a slow head, not an idle connection).
+    head_bytes: AtomicBool,
 }
 
 impl Activity {
@@ -943,6 +1005,8 @@ impl Activity {
             stalled_ms: AtomicU64::new(0),
             current: Mutex::new(None),
             bytes_count: true,
+            client: Mutex::new(None),
+            head_bytes: AtomicBool::new(false),
         }
     }
 
@@ -1066,6 +1130,9 @@ impl AsyncRead for ConnIo {
         );
         if buf.filled().len() > before {
             self.activity.moved();
+            if self.activity.in_flight.load(Ordering::Acquire) == 0 {
+                self.activity.head_bytes.store(true, Ordering::Relaxed);
+            }
         }
         result
     }
@@ -1125,6 +1192,7 @@ impl Drop for ActiveRequest {
         self.0
             .head_ms
             .store(self.0.last_ms.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.0.head_bytes.store(false, Ordering::Relaxed);
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -1134,6 +1202,8 @@ impl Drop for ActiveRequest {
 struct Tracked {
     inner: ResponseBody,
     own: Option<Arc<ResponseDeadline>>,
+    /// Writes the call's access log line when the body ends or is dropped.
+    access: Option<crate::access::Finisher>,
     _active: ActiveRequest,
 }
 
@@ -1146,6 +1216,18 @@ impl Body for Tracked {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Some(access) = &mut self.access {
+            match &frame {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        access.sent(data.len());
+                    }
+                }
+                Poll::Ready(None) => access.completed(),
+                Poll::Ready(Some(Err(_))) => access.failed(),
+                Poll::Pending => {}
+            }
+        }
         if let Some(deadline) = &self.own {
             match &frame {
                 Poll::Ready(Some(_)) => deadline.handed_frame(),
@@ -1162,6 +1244,17 @@ impl Body for Tracked {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        // hyper stops polling a body that says it ended: its end is seen here.
+        if let Some(access) = &mut self.access
+            && self.inner.is_end_stream()
+        {
+            access.completed();
+        }
     }
 }
 

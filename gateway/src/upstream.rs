@@ -11,28 +11,156 @@
 //! Closing is a handshake: the gateway's FIN, then whatever the backend still sends is read
 //! and dropped until the backend closes its side, so the pool knows when the backend has let
 //! go of the connection.
+//!
+//! Dead connections are found before a request is sent on them: TCP keepalive probes an idle
+//! connection (a peer or middlebox that dropped it silently answers none, and the kernel resets
+//! the socket), and the check before reusing a connection idle longer than `validateAfterIdle`
+//! asks the kernel (a non-blocking `MSG_PEEK`) whether the peer sent a FIN or a reset, instead of
+//! trusting what the runtime last saw. The socket is shared for that between hyper, which reads
+//! and writes it, and the connection.
 
 use std::future::{Future, poll_fn};
 use std::io;
-use std::net::SocketAddr;
+use std::mem::MaybeUninit;
+use std::net::{Shutdown, SocketAddr};
 use std::pin::{Pin, pin};
-use std::task::{Context, Poll, Waker};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker, ready};
+use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::{TrySendError, http1};
 use hyper_util::rt::TokioIo;
-use tokio::io::AsyncWriteExt as _;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use crate::body::RequestBody;
 use crate::pool::{Connect, Poolable};
 
-/// Opens plain-TCP HTTP/1.1 connections.
+/// Opens plain-TCP HTTP/1.1 connections, with TCP keepalive when configured.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct HttpConnector;
+pub struct HttpConnector {
+    /// Keepalive of every connection opened; `None`: off.
+    pub keepalive: Option<Keepalive>,
+}
 
-type Driver = http1::Connection<TokioIo<TcpStream>, RequestBody>;
+/// TCP keepalive of upstream connections: the first probe after `idle` without traffic, then one
+/// every `interval`; after `count` unanswered probes the kernel resets the connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Keepalive {
+    /// Idle time before the first probe.
+    pub idle: Duration,
+    /// Time between probes.
+    pub interval: Duration,
+    /// Unanswered probes before the connection is dropped.
+    pub count: u32,
+}
+
+impl Keepalive {
+    fn apply(&self, stream: &TcpStream) -> io::Result<()> {
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(self.idle)
+            .with_interval(self.interval)
+            .with_retries(self.count);
+        socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
+    }
+}
+
+type Driver = http1::Connection<TokioIo<SharedStream>, RequestBody>;
+
+/// The upstream socket, shared by hyper (which reads and writes it through this) and the
+/// connection's own checks.
+#[derive(Debug)]
+struct SharedStream(Arc<TcpStream>);
+
+impl AsyncRead for SharedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            ready!(self.0.poll_read_ready(cx))?;
+            match self.0.try_read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                // Readiness was stale (try_read cleared it): wait again.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for SharedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            ready!(self.0.poll_write_ready(cx))?;
+            match self.0.try_write(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                result => return Poll::Ready(result),
+            }
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            ready!(self.0.poll_write_ready(cx))?;
+            match self.0.try_write_vectored(bufs) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                result => return Poll::Ready(result),
+            }
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(socket2::SockRef::from(&*self.0).shutdown(Shutdown::Write))
+    }
+}
+
+/// What the kernel says of an idle connection's socket, without waiting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peek {
+    /// Nothing to read: the peer has not closed it.
+    Quiet,
+    /// The peer closed its side (FIN).
+    Closed,
+    /// The connection was reset, or failed.
+    Failed,
+    /// The peer sent bytes nobody asked for: the connection cannot carry a request.
+    Unexpected,
+}
+
+/// Asks the kernel (a non-blocking `MSG_PEEK` of one byte) what an idle socket holds.
+pub fn peek(stream: &TcpStream) -> Peek {
+    let mut byte = [MaybeUninit::<u8>::uninit(); 1];
+    match socket2::SockRef::from(stream).peek(&mut byte) {
+        Ok(0) => Peek::Closed,
+        Ok(_) => Peek::Unexpected,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Peek::Quiet,
+        Err(_) => Peek::Failed,
+    }
+}
 
 /// One HTTP/1.1 connection to an endpoint: the request handle and the connection's IO state
 /// machine, driven by [`UpstreamConn::drive`].
@@ -41,6 +169,9 @@ pub struct UpstreamConn {
     /// `None` once the connection ended (closed by either side, or failed).
     driver: Option<Pin<Box<Driver>>>,
     addr: SocketAddr,
+    opened: Instant,
+    /// The socket, for [`peek`].
+    stream: Arc<TcpStream>,
 }
 
 impl std::fmt::Debug for UpstreamConn {
@@ -101,12 +232,25 @@ impl UpstreamConn {
 }
 
 impl Poolable for UpstreamConn {
+    fn opened_at(&self) -> Option<Instant> {
+        Some(self.opened)
+    }
+
     fn is_open(&mut self) -> bool {
         self.drive_idle() && !self.sender.is_closed()
     }
 
     fn validate(&mut self) -> bool {
-        self.is_open() && self.sender.is_ready()
+        if !(self.is_open() && self.sender.is_ready()) {
+            return false;
+        }
+        match peek(&self.stream) {
+            Peek::Quiet => true,
+            found => {
+                tracing::debug!(addr = %self.addr, ?found, "idle upstream connection found dead before reuse");
+                false
+            }
+        }
     }
 
     fn close(self) -> Option<impl Future<Output = ()> + Send + 'static> {
@@ -115,7 +259,10 @@ impl Poolable for UpstreamConn {
         // No driver: the connection ended, its socket is closed on both sides already.
         let mut stream = Pin::into_inner(driver?).into_parts().io.into_inner();
         Some(async move {
-            if stream.shutdown().await.is_ok() {
+            if socket2::SockRef::from(&*stream.0)
+                .shutdown(Shutdown::Write)
+                .is_ok()
+            {
                 // Until the peer's FIN (0) or an error (a reset): the rest of a response the
                 // client gave up on is dropped.
                 let _ = tokio::io::copy(&mut stream, &mut tokio::io::sink()).await;
@@ -130,14 +277,98 @@ impl Connect for HttpConnector {
     async fn connect(&self, addr: SocketAddr) -> io::Result<UpstreamConn> {
         let stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
+        if let Some(keepalive) = &self.keepalive {
+            keepalive.apply(&stream)?;
+        }
+        let stream = Arc::new(stream);
         let (sender, driver) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
+            .handshake(TokioIo::new(SharedStream(stream.clone())))
             .await
             .map_err(io::Error::other)?;
         Ok(UpstreamConn {
             sender,
             driver: Some(Box::pin(driver)),
             addr,
+            opened: Instant::now(),
+            stream,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    async fn pair(connector: HttpConnector) -> (UpstreamConn, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (conn, accepted) = tokio::join!(connector.connect(addr), listener.accept());
+        (conn.unwrap(), accepted.unwrap().0)
+    }
+
+    #[tokio::test]
+    async fn connections_send_keepalive_probes_as_configured() {
+        let keepalive = Keepalive {
+            idle: Duration::from_secs(7),
+            interval: Duration::from_secs(3),
+            count: 4,
+        };
+        let (conn, _peer) = pair(HttpConnector {
+            keepalive: Some(keepalive),
+        })
+        .await;
+        let socket = socket2::SockRef::from(&*conn.stream);
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(socket.tcp_keepalive_time().unwrap(), keepalive.idle);
+        assert_eq!(socket.tcp_keepalive_interval().unwrap(), keepalive.interval);
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), keepalive.count);
+
+        let (conn, _peer) = pair(HttpConnector::default()).await;
+        let socket = socket2::SockRef::from(&*conn.stream);
+        assert!(!socket.keepalive().unwrap(), "off unless configured");
+    }
+
+    #[tokio::test]
+    async fn validation_asks_the_kernel_about_a_fin_or_a_reset() {
+        let (conn, peer) = pair(HttpConnector::default()).await;
+        assert_eq!(peek(&conn.stream), Peek::Quiet);
+        drop(peer);
+        // The FIN is in the kernel at once; the runtime may not have seen it yet.
+        let mut seen = Peek::Quiet;
+        for _ in 0..100 {
+            seen = peek(&conn.stream);
+            if seen != Peek::Quiet {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(seen, Peek::Closed);
+
+        let (mut conn, peer) = pair(HttpConnector::default()).await;
+        assert!(conn.validate(), "a quiet connection is fine");
+        // SO_LINGER 0: the close is a reset.
+        socket2::SockRef::from(&peer)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(peer);
+        let mut seen = Peek::Quiet;
+        for _ in 0..100 {
+            seen = peek(&conn.stream);
+            if seen != Peek::Quiet {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(seen, Peek::Failed);
+        assert!(!conn.validate());
+
+        let (mut conn, mut peer) = pair(HttpConnector::default()).await;
+        tokio::io::AsyncWriteExt::write_all(&mut peer, b"HTTP/1.1 200 OK\r\n")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(peek(&conn.stream), Peek::Unexpected);
+        assert!(!conn.validate(), "bytes nobody asked for");
     }
 }

@@ -84,6 +84,10 @@ fn config_with_token(token_file: Option<&Path>) -> GatewayConfig {
         drain_grace: poolpilot_api::Duration::from_secs(1),
         await_operator: poolpilot_api::Duration::ZERO,
         shutdown_delay: poolpilot_api::Duration::ZERO,
+        access_log: Default::default(),
+        metrics: Default::default(),
+        upstream_keepalive: Default::default(),
+        early_retries: Default::default(),
     }
 }
 

@@ -168,6 +168,14 @@ async fn a_client_that_stops_reading_is_cut_at_the_send_timeout_without_blaming_
         metric(&text, "poolpilot_downstream_timeouts_total{kind=\"send\"}"),
         Some(1.0)
     );
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_downstream_reclaimed_total{reason=\"send_stall\",client=\"other\"}"
+        ),
+        Some(1.0),
+        "a reclaimed call, by client class: {text}"
+    );
     for kind in ["total", "stream_idle", "first_byte"] {
         assert_eq!(
             metric(

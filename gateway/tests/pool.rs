@@ -1,6 +1,7 @@
 //! Loopback tests of the connection pool through the real gateway: the per-endpoint cap,
-//! queueing and rejection, reuse, idle reclamation, resizing under load, and the slot of a
-//! closed connection held until the backend lets go of it.
+//! queueing and rejection, reuse, idle reclamation, resizing under load, the slot of a
+//! closed connection held until the backend lets go of it, and the pod-wide cap shared across
+//! backends.
 
 mod support;
 
@@ -394,4 +395,59 @@ async fn a_request_abandoned_by_its_client_keeps_its_slot_until_the_backend_lets
         "the backend never held more connections than the cap"
     );
     assert_eq!(metric(&gw.metrics().await, closing), Some(0.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_wide_upstream_cap_is_shared_fairly_across_backends() {
+    let (a, b, c) = (
+        Backend::start().await,
+        Backend::start().await,
+        Backend::start().await,
+    );
+    for backend in [&a, &b, &c] {
+        backend.script.delay_ms.store(300, Ordering::SeqCst);
+    }
+    // a and b may open 8 each, c 2; a cap of 10 for the pod: c keeps its 2, a and b get 4 each.
+    let mut doc = serde_json::json!({
+        "generation": 1,
+        "listener": {"idleTimeout": "30s", "headerReadTimeout": "2s", "maxUpstreamConnections": 10},
+        "backends": [
+            backend_json("model-a", &[a.addr], 8),
+            backend_json("model-b", &[b.addr], 8),
+            backend_json("model-c", &[c.addr], 2),
+        ],
+    });
+    for (i, name) in ["model-a", "model-b", "model-c"].iter().enumerate() {
+        doc["backends"][i]["match"] = serde_json::json!({"pathPrefix": format!("/{name}/")});
+    }
+    let gw = Gw::start(from_json(doc)).await;
+    let mut calls = Vec::new();
+    for name in ["model-a", "model-b", "model-c"] {
+        for _ in 0..12 {
+            let proxy = gw.proxy;
+            calls.push(tokio::spawn(async move {
+                post(proxy, &format!("/{name}/v1/x"), &[], "{}").await.0
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (_, _, stats) = gw.admin_get("/v1/stats").await;
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(stats["maxUpstreamConnections"], 10);
+    assert!(
+        stats["upstreamConnections"].as_u64().unwrap() <= 10,
+        "{stats}"
+    );
+    for (backend, max) in [("model-a", 4), ("model-b", 4), ("model-c", 2)] {
+        assert_eq!(
+            stats["backends"][backend]["endpoints"][0]["max"], max,
+            "{stats}"
+        );
+    }
+    for call in calls {
+        assert_eq!(call.await.unwrap(), 200, "every call is served, queued");
+    }
+    assert_eq!(a.seen.max_connections.load(Ordering::SeqCst), 4);
+    assert_eq!(b.seen.max_connections.load(Ordering::SeqCst), 4);
+    assert_eq!(c.seen.max_connections.load(Ordering::SeqCst), 2);
 }

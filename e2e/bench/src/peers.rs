@@ -64,11 +64,13 @@ pub struct Env {
     pub proxy_cpu: String,
 }
 
-/// The gateway's own config and its limits document.
+/// The gateway's own config and its limits document (no access log: nginx runs with
+/// `access_log off` too).
 pub fn poolpilot_configs(s: &PeerSettings, admin: SocketAddr) -> (String, String) {
     let gateway = format!(
         "listeners:\n  proxy: {listen}\n  admin: {admin}\nadminTokenFile: bench-admin-token\n\
-         limitsFile: bench-limits.yaml\nlimitsPollInterval: 60s\ndrainGrace: 1s\n",
+         limitsFile: bench-limits.yaml\nlimitsPollInterval: 60s\ndrainGrace: 1s\n\
+         accessLog: {{enabled: false}}\n",
         listen = s.listen,
     );
     let limits = format!(

@@ -1,7 +1,9 @@
 //! Scenario 1, the happy path: CRD, operator, 3 gateways, 2 backends of 3 modelsim instances
 //! each, the sample policy → `Ready=True`, `RolledOut` 3/3, and every gateway's `GET /v1/limits`
 //! holds the rendered per-pod shares, which add up to the fleet target; a request through each
-//! gateway reaches the model it names.
+//! gateway reaches the model it names, with its request id sent back; `GET /v1/models` lists the
+//! policy's models; and the gateways' incident signals (the lease SLO's share, the runtime lag,
+//! lease holds) reach the cluster's Prometheus.
 
 use std::time::Duration;
 
@@ -107,14 +109,21 @@ async fn happy_path_policy_ready_and_rolled_out_to_every_gateway() -> anyhow::Re
         let client = reqwest::Client::new();
         for (gateway, _) in &docs {
             for model in ["model-a", "model-b"] {
+                let id = format!("happy-{}-{model}", gateway.name);
                 let response = client
                     .post(format!("http://{}/v1/chat/completions", gateway.proxy()))
                     .bearer_auth("happy-path")
+                    .header("x-request-id", &id)
                     .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
                     .timeout(Duration::from_secs(30))
                     .send()
                     .await?;
                 assert_eq!(response.status(), 200, "{model} through {}", gateway.name);
+                assert_eq!(
+                    response.headers().get("x-request-id").and_then(|v| v.to_str().ok()),
+                    Some(id.as_str()),
+                    "the request id comes back"
+                );
                 let instance = response
                     .headers()
                     .get("x-modelsim-instance")
@@ -126,6 +135,53 @@ async fn happy_path_policy_ready_and_rolled_out_to_every_gateway() -> anyhow::Re
                     "{model} served by {instance:?}"
                 );
             }
+        }
+
+        // The models of the policy's routes, listed by the gateway itself.
+        let (gateway, _) = &docs[0];
+        let models: serde_json::Value = client
+            .get(format!("http://{}/v1/models", gateway.proxy()))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let ids: Vec<&str> = models["data"]
+            .as_array()
+            .context("a model list")?
+            .iter()
+            .filter_map(|m| m["id"].as_str())
+            .collect();
+        assert_eq!(ids, ["model-a", "model-b"], "{models}");
+
+        // The incident signals, as the dashboard and the alerts query them.
+        let ns = stack.name();
+        let cluster = stack.ns().cluster();
+        for (what, promql) in [
+            (
+                "the share of leases within 50ms of both backends",
+                format!("count(sum by (backend) (poolpilot_pool_lease_wait_seconds_bucket{{namespace=\"{ns}\", le=\"0.05\"}}) / sum by (backend) (poolpilot_pool_lease_wait_seconds_count{{namespace=\"{ns}\"}}) > 0)"),
+            ),
+            (
+                "the runtime lag of every gateway",
+                format!("count(poolpilot_runtime_lag_seconds_count{{namespace=\"{ns}\"}} > 0)"),
+            ),
+            (
+                "lease holds of both backends",
+                format!("count(sum by (backend) (poolpilot_pool_lease_hold_seconds_count{{namespace=\"{ns}\"}}) > 0)"),
+            ),
+        ] {
+            let want = if what.contains("gateway") { "3" } else { "2" };
+            eventually(what, WAIT, || async {
+                let result = cluster.prometheus_query(&promql).await?;
+                let value = result
+                    .first()
+                    .and_then(|s| s["value"][1].as_str())
+                    .unwrap_or("none");
+                anyhow::ensure!(value == want, "{promql} = {value}");
+                Ok(())
+            })
+            .await?;
         }
 
         // `kubectl get cpol` shows it as a user sees it.

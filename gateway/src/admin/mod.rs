@@ -1,7 +1,8 @@
 //! The admin API, on its own port: `GET /healthz`, `/readyz` and `/metrics` for probes and
-//! Prometheus, and behind the bearer token `GET /v1/limits`, `GET /v1/stats` and
+//! Prometheus, and behind the bearer token `GET /v1/limits`, `GET /v1/stats`,
 //! `PUT /v1/limits` (validated, swapped atomically; 200, 401, 408, 409, 413 or 422 with the old
-//! limits kept).
+//! limits kept), `GET`/`PUT /v1/log-level` (the log filter, changed at run time) and
+//! `POST /v1/backends/{backend}/endpoints/{endpoint}/drain` (or `/restore`).
 //!
 //! ```text
 //!  listener: connection cap, timeouts, optional TLS (tls: certificate re-read when it changes)
@@ -79,10 +80,88 @@ pub async fn route(
         }
         (&Method::PUT, "/v1/limits") => put_limits(gw, body_timeout, req).await,
         (&Method::GET, "/v1/stats") => json_response(StatusCode::OK, &gw.stats()),
-        (_, "/healthz" | "/readyz" | "/metrics" | "/v1/limits" | "/v1/stats") => {
+        (&Method::GET, "/v1/log-level") => match crate::logging::level() {
+            Ok(level) => json_response(StatusCode::OK, &serde_json::json!({ "level": level })),
+            Err(e) => error(StatusCode::CONFLICT, &e.to_string()),
+        },
+        (&Method::PUT, "/v1/log-level") => put_log_level(body_timeout, req).await,
+        (_, "/healthz" | "/readyz" | "/metrics" | "/v1/limits" | "/v1/stats" | "/v1/log-level") => {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
         }
+        (method, path) if path.starts_with("/v1/backends/") => drain_or_restore(gw, method, path),
         _ => error(StatusCode::NOT_FOUND, "no such admin endpoint"),
+    }
+}
+
+/// `POST /v1/backends/{backend}/endpoints/{endpoint}/drain` (or `/restore`).
+fn drain_or_restore(gw: &Gateway, method: &Method, path: &str) -> Response<ResponseBody> {
+    let parts: Vec<&str> = path
+        .trim_start_matches("/v1/backends/")
+        .split('/')
+        .collect();
+    let [backend, "endpoints", endpoint, action] = parts[..] else {
+        return error(StatusCode::NOT_FOUND, "no such admin endpoint");
+    };
+    let drained = match action {
+        "drain" => true,
+        "restore" => false,
+        _ => return error(StatusCode::NOT_FOUND, "no such admin endpoint"),
+    };
+    if method != Method::POST {
+        return error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed");
+    }
+    match gw.set_endpoint_drained(backend, endpoint, drained) {
+        Some(stats) => {
+            let mut body = serde_json::to_value(stats).unwrap_or_default();
+            body["backend"] = backend.into();
+            json_response(StatusCode::OK, &body)
+        }
+        None => error(
+            StatusCode::NOT_FOUND,
+            &format!("no endpoint {endpoint:?} in backend {backend:?}"),
+        ),
+    }
+}
+
+/// `PUT /v1/log-level` with `{"level": "<directives>"}` (or the directives as plain text).
+async fn put_log_level(body_timeout: Duration, req: Request<Incoming>) -> Response<ResponseBody> {
+    let read = Limited::new(req.into_body(), 4096).collect();
+    let bytes = match tokio::time::timeout(body_timeout, read).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("reading the level failed: {e}"),
+            );
+        }
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                "the level did not arrive in time",
+            );
+        }
+    };
+    let asked = match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(serde_json::Value::Object(doc)) => match doc.get("level").and_then(|l| l.as_str()) {
+            Some(level) => level.to_owned(),
+            None => {
+                return error(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "expected {\"level\": \"<level or RUST_LOG directives>\"}",
+                );
+            }
+        },
+        _ => String::from_utf8_lossy(&bytes).into_owned(),
+    };
+    match crate::logging::set_level(&asked) {
+        Ok(previous) => json_response(
+            StatusCode::OK,
+            &serde_json::json!({ "level": asked.trim(), "previous": previous }),
+        ),
+        Err(e @ crate::logging::LogLevelError::Invalid { .. }) => {
+            error(StatusCode::UNPROCESSABLE_ENTITY, &e.to_string())
+        }
+        Err(e) => error(StatusCode::CONFLICT, &e.to_string()),
     }
 }
 

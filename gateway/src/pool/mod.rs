@@ -64,6 +64,11 @@ pub trait Poolable: Send + std::fmt::Debug + 'static {
     /// that is already possible without waiting).
     fn is_open(&mut self) -> bool;
 
+    /// When the connection was opened, if it knows (its age at close is measured from it).
+    fn opened_at(&self) -> Option<Instant> {
+        None
+    }
+
     /// The check run before reusing a connection that sat idle longer than
     /// `validateAfterIdle`: it must be open *and* ready to carry a request right now.
     fn validate(&mut self) -> bool {
@@ -190,6 +195,8 @@ pub struct EndpointStats {
     pub healthy: bool,
     /// Whether passive outlier detection has it ejected.
     pub ejected: bool,
+    /// Whether an operator drained it by hand (`POST .../drain`).
+    pub drained: bool,
 }
 
 /// Counts of one backend's pool.
@@ -260,6 +267,9 @@ struct EndpointState<T> {
     probing: u32,
     /// Dropped from the limits: no new leases; closes as its connections come back.
     removed: bool,
+    /// Drained by hand through the admin API: no new leases, its connections close as they
+    /// come back, until restored (kept across limits documents).
+    drained: bool,
     health: Health,
     created: Counter,
     reused: Counter,
@@ -563,6 +573,7 @@ impl<C: Connect> Pool<C> {
                     closing: 0,
                     probing: 0,
                     removed: false,
+                    drained: false,
                     health: Health::default(),
                     created,
                     reused,
@@ -782,6 +793,7 @@ impl<C: Connect> Pool<C> {
                     max,
                     healthy: state.eligible(ep, now),
                     ejected: ep.health.is_ejected(now),
+                    drained: ep.drained,
                 })
                 .collect(),
         }
@@ -792,6 +804,55 @@ impl<C: Connect> Pool<C> {
     /// background; public so tests can drive it.
     pub fn reap(&self) {
         self.inner.reap(Instant::now());
+    }
+}
+
+// === soft throttle ===
+
+impl<C: Connect> Pool<C> {
+    /// The delay a lease request should take before joining the pool now: the soft throttle's
+    /// `min(max, pending × perPending)`, zero without one or without waiters.
+    pub fn throttle_delay(&self) -> Duration {
+        let state = self.inner.state.lock();
+        match &state.limits.soft_throttle {
+            Some(throttle) if !state.waiters.is_empty() => {
+                throttle.delay(state.waiters.len() as u32)
+            }
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+// === manual drain ===
+
+impl<C: Connect> Pool<C> {
+    /// Drains (`true`) or restores (`false`) the endpoint named `endpoint` by hand: a drained
+    /// endpoint takes no new leases, its idle connections close now and its leased ones as they
+    /// return; restored, it takes leases again (health and ejection still apply). Returns the
+    /// endpoint's counts after the change, or `None` when the pool has no such endpoint.
+    pub fn set_drained(&self, endpoint: &str, drained: bool) -> Option<EndpointStats> {
+        {
+            let mut state = self.inner.state.lock();
+            let ep = state
+                .endpoints
+                .iter_mut()
+                .find(|ep| !ep.removed && *ep.name == *endpoint)?;
+            if ep.drained != drained {
+                ep.drained = drained;
+                tracing::info!(backend = %self.inner.backend, endpoint, drained, "endpoint drained or restored by hand");
+                if drained {
+                    for idle in std::mem::take(&mut ep.idle) {
+                        self.inner.closed(ep, CloseReason::Drained, idle.conn);
+                    }
+                }
+            }
+            let now = Instant::now();
+            self.inner.dispatch(&mut state, now);
+        }
+        self.stats()
+            .endpoints
+            .into_iter()
+            .find(|e| e.name == endpoint)
     }
 }
 
@@ -1070,6 +1131,7 @@ impl<C: Connect> Inner<C> {
                 let reason = match outcome {
                     Outcome::Close(reason) => Some(reason),
                     Outcome::Keep if ep.removed || retired => Some(CloseReason::Removed),
+                    Outcome::Keep if ep.drained => Some(CloseReason::Drained),
                     Outcome::Keep if ep.usable() >= max => Some(CloseReason::Shrink),
                     Outcome::Keep if now.duration_since(created_at) >= lifetime => {
                         Some(CloseReason::Lifetime)
@@ -1133,6 +1195,13 @@ impl<C: Connect> Inner<C> {
     ) {
         self.metrics
             .connection_closed(&self.backend, &ep.name, reason);
+        if let Some(opened) = conn.opened_at() {
+            let age = opened.elapsed();
+            self.metrics
+                .signals()
+                .connection_aged(&self.backend, reason, age);
+            tracing::debug!(backend = %self.backend, endpoint = %ep.name, reason = reason.as_str(), ?age, "upstream connection closed");
+        }
         let Some(peer_closed) = conn.close() else {
             return;
         };
@@ -1192,7 +1261,7 @@ impl<T: Poolable> State<T> {
     /// Whether new leases may go to `ep`: listed, probes pass, not ejected (or back from
     /// ejection: its time is over and, with active checks, probes have passed since).
     fn eligible(&self, ep: &EndpointState<T>, now: Instant) -> bool {
-        if ep.removed || !ep.health.probe_up {
+        if ep.removed || ep.drained || !ep.health.probe_up {
             return false;
         }
         match ep.health.ejected_until {

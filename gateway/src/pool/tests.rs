@@ -88,6 +88,7 @@ fn limits(max: u32) -> PoolLimits {
         max_lifetime: ApiDuration::from_secs(600),
         connect_timeout: ApiDuration::from_secs(1),
         validate_after_idle: ApiDuration::from_secs(2),
+        soft_throttle: None,
     }
 }
 

@@ -300,6 +300,14 @@ impl Gw {
             await_operator: await_operator.into(),
             // Tests shut down at once unless they test the delay.
             shutdown_delay: poolpilot_api::Duration::ZERO,
+            // Tests read the log of the calls they make from a file.
+            access_log: poolpilot_gateway::access::AccessLogConfig {
+                file: Some(dir.path().join("access.log")),
+                ..Default::default()
+            },
+            metrics: Default::default(),
+            upstream_keepalive: Default::default(),
+            early_retries: Default::default(),
         };
         edit(&mut config, dir.path());
         let running = start(config).await.expect("the gateway starts");
@@ -325,6 +333,30 @@ impl Gw {
 
     pub async fn metrics(&self) -> String {
         get(self.admin, "/metrics", &[]).await.2
+    }
+
+    /// The access log lines written so far, parsed.
+    pub fn access_lines(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.dir.path().join("access.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("every access log line is JSON"))
+            .collect()
+    }
+
+    /// An admin request with the token: `(status, body)`.
+    pub async fn admin_call(&self, method: &str, path: &str, body: &str) -> (StatusCode, String) {
+        let bearer = self.bearer();
+        let (status, _, body) = connect(self.admin)
+            .await
+            .call(request(
+                method,
+                path,
+                &[("authorization", bearer.as_str())],
+                body,
+            ))
+            .await;
+        (status, body)
     }
 
     /// `Authorization: Bearer <the admin token>`, for `/v1/*` of the admin API.

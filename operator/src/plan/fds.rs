@@ -4,7 +4,9 @@
 //! per pod, over every accepted policy that selects it, the pools (Σ share × endpoints), the
 //! client connections and the reserve must fit in half the pod's `process_max_fds` (Envoy's
 //! advice). If not, the shares are scaled down proportionally, never below the share of
-//! `autoscale.min`, and the policy reports `FdBudget=False` with the numbers.
+//! `autoscale.min`, and the policy reports `FdBudget=False` with the numbers. A pod-wide
+//! `listener.maxUpstreamConnections` bounds what the pools can open: the pools then count for
+//! the smaller of the two.
 
 use std::collections::BTreeMap;
 
@@ -50,6 +52,8 @@ pub struct FdReport {
     pub worst_pod: Option<String>,
     /// Whether any share was scaled down.
     pub clamped: bool,
+    /// `listener.maxUpstreamConnections` of the busiest pod, when it bounds its pools.
+    pub upstream_cap: Option<u64>,
 }
 
 impl FdReport {
@@ -69,8 +73,12 @@ impl FdReport {
             .as_deref()
             .map(|p| format!(" (pod {p})"))
             .unwrap_or_default();
+        let cap = self
+            .upstream_cap
+            .map(|c| format!(", pools capped at {c} by listener.maxUpstreamConnections"))
+            .unwrap_or_default();
         if !self.clamped {
-            return format!("needs {} fds, pods allow {allowed}{pod}", self.needed);
+            return format!("needs {} fds, pods allow {allowed}{pod}{cap}", self.needed);
         }
         let after = if self.needed <= allowed {
             format!("pool shares scaled down to need {}", self.needed)
@@ -110,6 +118,14 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
     let mut caps: BTreeMap<(usize, usize), u32> = BTreeMap::new();
     let mut need_before: BTreeMap<&str, u64> = BTreeMap::new();
     let mut fixed_cost: BTreeMap<&str, u64> = BTreeMap::new();
+    // The pod-wide cap on upstream connections: the smallest any of its policies sets.
+    let upstream_cap = |idxs: &[usize]| {
+        idxs.iter()
+            .filter_map(|&i| policies[i].spec.listener.max_upstream_connections)
+            .min()
+            .map(u64::from)
+    };
+    let capped = |pools: u64, cap: Option<u64>| cap.map_or(pools, |c| pools.min(c));
     for (pod, idxs) in &on_pod {
         let listener = idxs
             .iter()
@@ -141,11 +157,14 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
                 min_share: share(b.bounds.min, holders).min(b.per_pod),
             })
             .collect();
-        let before: u64 = pools
-            .iter()
-            .map(|p| u64::from(p.share) * u64::from(p.endpoints))
-            .sum::<u64>()
-            + fixed;
+        let cap = upstream_cap(idxs);
+        let before: u64 = capped(
+            pools
+                .iter()
+                .map(|p| u64::from(p.share) * u64::from(p.endpoints))
+                .sum::<u64>(),
+            cap,
+        ) + fixed;
         need_before.insert(pod, before);
         fixed_cost.insert(pod, fixed);
         let Some(&limit) = limits.get(pod.as_str()) else {
@@ -173,8 +192,9 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
         }
     }
 
-    // Needs after clamping, per pod.
+    // Needs after clamping, per pod, and the cap when it binds.
     let mut need_after: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut binding_cap: BTreeMap<&str, u64> = BTreeMap::new();
     for (pod, idxs) in &on_pod {
         let pools: u64 = idxs
             .iter()
@@ -184,9 +204,13 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
             })
             .map(|(b, holders)| u64::from(b.share_of(Some(0), holders)) * u64::from(b.endpoints))
             .sum();
+        let cap = upstream_cap(idxs);
+        if let Some(cap) = cap.filter(|&c| c < pools) {
+            binding_cap.insert(pod, cap);
+        }
         need_after.insert(
             pod,
-            pools + fixed_cost.get(pod.as_str()).copied().unwrap_or(0),
+            capped(pools, cap) + fixed_cost.get(pod.as_str()).copied().unwrap_or(0),
         );
     }
 
@@ -203,6 +227,7 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
             if after >= report.needed {
                 report.needed = after;
                 report.worst_pod = Some(pod.clone());
+                report.upstream_cap = binding_cap.get(pod.as_str()).copied();
             }
             report.needed_unclamped = report
                 .needed_unclamped

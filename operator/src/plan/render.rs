@@ -8,8 +8,8 @@ use std::sync::Arc;
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
     BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, HealthCheck, ListenerLimits,
-    MAX_GENERATION, OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch, SlowCalls, Timeouts,
-    TrustedProxies,
+    MAX_GENERATION, OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch, SlowCalls,
+    SoftThrottle, Timeouts, TrustedProxies,
 };
 use poolpilot_api::policy::{BackendSpec, ClientScope, TrustedProxyProtocol};
 use sha2::{Digest, Sha256};
@@ -251,6 +251,8 @@ fn document(
         .max();
     // The most permissive of the policies' listener settings; the oldest policy's proxies.
     let specs = || order.iter().map(|(i, _)| &policies[*i].spec.listener);
+    // A cap protects the pod: the smallest one set.
+    listener.max_upstream_connections = specs().filter_map(|l| l.max_upstream_connections).min();
     if let Some(t) = specs().map(|l| l.send_timeout).max() {
         listener.send_timeout = t;
     }
@@ -360,6 +362,10 @@ fn backend(
             max_lifetime: b.pool.max_lifetime,
             connect_timeout: b.pool.connect_timeout,
             validate_after_idle: b.pool.validate_after_idle,
+            soft_throttle: b.pool.soft_throttle.as_ref().map(|t| SoftThrottle {
+                per_pending: t.per_pending,
+                max: t.max,
+            }),
         },
         timeouts: Timeouts {
             first_byte: b.timeouts.first_byte,

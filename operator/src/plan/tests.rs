@@ -346,6 +346,50 @@ fn pods_three_to_six_grow_the_fleet_total_by_at_most_five_percent() {
 }
 
 #[test]
+fn a_pod_wide_upstream_cap_counts_instead_of_the_pools_and_reaches_the_gateway() {
+    // 7 endpoints × 82 = 574 pool connections would not fit beside 512 + 256 in 1024 fds; a cap
+    // of 200 upstream connections does: 200 + 768 = 968, nothing is scaled down.
+    let extra = "listener: {maxConnections: 512, maxUpstreamConnections: 200}\nfileDescriptors: {reserve: 256}\nautoscale: {enabled: false, max: 82}\n";
+    let p = policy("a", 0, &spec("model-a", 200, extra), 7);
+    let pods = pods(1);
+    let samples = Samples {
+        pods: fds(&pods, 2048),
+        ..Samples::default()
+    };
+    let input = FleetInput {
+        policies: vec![p],
+        pods,
+        samples,
+        ..FleetInput::default()
+    };
+    let capped = plan(&input, &mut Memory::default(), at(0));
+    let pp = &capped.policies[0];
+    assert_eq!(pp.backends[0].per_pod, 82, "not clamped");
+    assert_eq!(pp.fds.within(), Some(true));
+    assert_eq!(pp.fds.needed, 968);
+    assert_eq!(
+        pp.fds.message(),
+        "needs 968 fds, pods allow 1024 (pod gw-0), pools capped at 200 by listener.maxUpstreamConnections"
+    );
+    let doc = &capped.documents["gw-0"];
+    assert_eq!(doc.listener.max_upstream_connections, Some(200));
+    assert_eq!(doc.backends[0].pool.max_connections_per_endpoint, 82);
+
+    // A cap too large to help: the pools are scaled down as without it.
+    let extra = "listener: {maxConnections: 512, maxUpstreamConnections: 5000}\nfileDescriptors: {reserve: 256}\nautoscale: {enabled: false, max: 82}\n";
+    let input = FleetInput {
+        policies: vec![policy("a", 0, &spec("model-a", 200, extra), 7)],
+        ..input
+    };
+    let too_large = plan(&input, &mut Memory::default(), at(0));
+    assert_eq!(too_large.policies[0].backends[0].per_pod, 36);
+    assert_eq!(
+        too_large.policies[0].fds.message(),
+        "needs 1342 fds, pods allow 1024 (pod gw-0); pool shares scaled down to need 1020"
+    );
+}
+
+#[test]
 fn fd_check_clamps_with_the_exact_numbers() {
     // One pod, 7 endpoints × 82 + 512 client connections + 256 reserve = 1342 fds; a limit of
     // 2048 allows half of it, 1024.
