@@ -736,7 +736,7 @@ impl Call {
 
     fn finish(mut self, end: End) {
         let name = &self.backend.name;
-        let client = self._permit.as_ref().map_or(NO_CLIENT, |p| p.label());
+        let client = self.permit.as_ref().map_or(NO_CLIENT, |p| p.label());
         self.metrics
             .signals()
             .lease_held(name, client, self.sent_at.elapsed());
