@@ -444,7 +444,8 @@ pub struct ClientOverride {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SlowCalls {
-    /// A call slower than this counts as slow.
+    /// A call that waited longer than this for its first response byte, or between two
+    /// chunks of its response, counts as slow (never its total duration).
     pub threshold: Duration,
     /// Demote when more than this share of a client's recent calls were slow (0 < ratio ≤ 1).
     pub max_ratio: f64,

@@ -93,6 +93,46 @@ pub struct ConnectionPolicySpec {
     /// How new limits reach the selected pods: canary pods first, or every pod at once.
     #[serde(default)]
     pub rollout: RolloutSpec,
+    /// `Enforce` (the default): the operator rolls its limits out. `Recommend` (shadow mode):
+    /// it observes, validates, plans, checks the fd budget and computes each pod's share exactly
+    /// as it would enforce them, and publishes them (status, `WouldScaleUp`/`WouldScaleDown`
+    /// Events, metrics, and the rendered document in the ConfigMap `<name>-recommended`), but
+    /// sends nothing to the pods and leaves the limits ConfigMap alone. Switching to `Enforce`
+    /// rolls the current recommendation out.
+    #[serde(default, skip_serializing_if = "Mode::is_enforce")]
+    pub mode: Mode,
+}
+
+/// Whether the operator acts on its decisions or only publishes them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Mode {
+    /// Roll the limits out.
+    #[default]
+    Enforce,
+    /// Publish the limits it would roll out; change nothing on the pods.
+    Recommend,
+}
+
+impl Mode {
+    /// Whether this is `Enforce`.
+    pub fn is_enforce(&self) -> bool {
+        *self == Self::Enforce
+    }
+}
+
+/// Where a backend's target starts when the policy has no status yet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum StartFrom {
+    /// The upper bound (`max`, or capacity × (1 − headroom)): what a static configuration
+    /// runs, no slow cold start.
+    #[default]
+    Max,
+    /// The lower bound, `min`.
+    Min,
+    /// What the selected pods run now: the sum of their pools' caps for the backend
+    /// (`poolpilot_pool_max_connections`), within the bounds; the upper bound while that is not
+    /// known (no pod runs the backend yet, or no fresh sample).
+    Current,
 }
 
 /// One group of interchangeable model-server instances.
@@ -366,7 +406,9 @@ pub struct TimeoutsSpec {
     pub stream_idle: Duration,
 }
 
-/// Active HTTP health checking.
+/// Active HTTP health checking. A probe's connection takes a slot of the endpoint's pool cap,
+/// so probes never take an endpoint over its share; when every slot is in use the endpoint is
+/// not probed that round (its calls report to outlier detection).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -425,11 +467,20 @@ pub struct OutlierDetectionSpec {
 pub struct ClientsSpec {
     /// How a request's client is identified: by a header or by source IP, exactly one of them.
     pub identity: ClientIdentitySpec,
-    /// Calls one client may have in flight, per gateway pod.
+    /// What `maxConcurrency`, `maxQueue`, the overrides' `maxConcurrency` and
+    /// `slowCalls.demotedConcurrency` count. `Fleet` (the default): calls across every selected
+    /// gateway pod; the operator divides each over the pods as it divides a backend's target
+    /// (every selected pod not stopped; rounded down, the remainder one each to the first pods
+    /// by name, at least 1 call in flight per pod; 0 queued is allowed) and divides again as
+    /// pods come and go. `PerPod`:
+    /// on each gateway pod, so a client may run the limit times the number of pods.
+    #[serde(default, skip_serializing_if = "ClientScope::is_fleet")]
+    pub scope: ClientScope,
+    /// Calls one client may have in flight (across the fleet, or per pod: `scope`).
     #[schemars(range(min = 1, max = 100_000))]
     pub max_concurrency: u32,
-    /// Calls one client may have waiting, per gateway pod, beyond `maxConcurrency`; more are
-    /// refused with 429 and Retry-After. 0: no queue, refuse at once.
+    /// Calls one client may have waiting beyond `maxConcurrency` (across the fleet, or per pod:
+    /// `scope`); more are refused with 429 and Retry-After. 0: no queue, refuse at once.
     #[serde(default)]
     #[schemars(range(max = 100_000))]
     pub max_queue: u32,
@@ -501,9 +552,26 @@ pub struct ClientOverrideSpec {
     /// Which client this is, by the hash of its identity value.
     #[serde(rename = "match")]
     pub client: ClientMatchSpec,
-    /// This client's concurrency limit, per gateway pod.
+    /// This client's concurrency limit (across the fleet, or per pod: `clients.scope`).
     #[schemars(range(min = 1, max = 100_000))]
     pub max_concurrency: u32,
+}
+
+/// What the client limits count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ClientScope {
+    /// Calls across every selected gateway pod, divided over the pods by the operator.
+    #[default]
+    Fleet,
+    /// Calls on each gateway pod.
+    PerPod,
+}
+
+impl ClientScope {
+    /// Whether this is `Fleet`.
+    pub fn is_fleet(&self) -> bool {
+        *self == Self::Fleet
+    }
 }
 
 /// Identifies one client without storing its key in the cluster.
@@ -522,7 +590,9 @@ pub struct ClientMatchSpec {
     {"rule": "self.maxRatio > 0.0", "message": "slowCalls.maxRatio must be above 0"}
 ]))]
 pub struct SlowCallsSpec {
-    /// A call slower than this counts as slow.
+    /// A call counts as slow when it waited longer than this for the backend: for its first
+    /// response byte, or between two chunks of its response (a stall). A long stream that keeps
+    /// flowing is not slow, whatever its total duration.
     #[schemars(schema_with = "positive_duration")]
     pub threshold: Duration,
     /// Demote a client when more than this share of its recent calls were slow (0 < ratio ≤ 1).
@@ -635,6 +705,14 @@ pub struct AutoscaleSpec {
     /// How fast targets may shrink: slowly, and stabilized over a window. (Growth is one step to
     /// the demand estimate.)
     pub scale_down: ScaleDownSpec,
+    /// Where a new policy's targets start (before its first decision): `Max` (the default),
+    /// `Min`, or `Current`, the limits the pods run now.
+    #[serde(skip_serializing_if = "is_default")]
+    pub start_from: StartFrom,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 /// Slow, stabilized shrinking.
@@ -814,6 +892,39 @@ pub struct PodsStatus {
     /// Pods that refused or did not answer the current revision, with why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failures: Vec<PodFailure>,
+    /// What each selected pod runs, in name order: the first 50 (`omitted` counts the rest).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 50))]
+    pub items: Vec<PodRun>,
+    /// Selected pods left out of `items` (beyond the first 50).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// What one selected gateway pod runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRun {
+    /// The pod's name.
+    pub name: String,
+    /// The revision of the limits document it runs (absent: none known yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// The generation of that document.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+    /// Whether that is the document the policy wants it to run now.
+    pub current: bool,
+    /// When the operator first saw it run that revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
+    /// Its last refusal or failure to answer, kept until it takes a new revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
 }
 
 /// A pod that did not take the current revision.
@@ -917,6 +1028,7 @@ impl Default for AutoscaleSpec {
             margin: 0.2,
             interval: Duration::from_secs(15),
             scale_down: ScaleDownSpec::default(),
+            start_from: StartFrom::default(),
         }
     }
 }

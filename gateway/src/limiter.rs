@@ -150,14 +150,19 @@ struct Client {
 }
 
 /// A granted call slot, held for the whole call (response body included). Dropping it ends
-/// the call: its duration feeds the client's pace and slow-call ratio, and a queued call of
-/// the same client is admitted.
+/// the call: its duration feeds the client's pace, its longest wait for the backend (see
+/// [`ClientPermit::frame`]) its slow-call ratio, and a queued call of the same client is
+/// admitted.
 #[derive(Debug)]
 pub struct ClientPermit {
     limiter: Arc<Inner>,
     key: ClientKey,
     label: Arc<str>,
     started: Instant,
+    /// When the latest response body frame arrived (`None`: none yet).
+    last_frame: Option<Instant>,
+    /// The longest wait so far: to the first frame, or between two frames.
+    longest_wait: Duration,
 }
 
 // === impl ClientLimiter ===
@@ -290,6 +295,8 @@ impl ClientLimiter {
             key,
             label,
             started: Instant::now(),
+            last_frame: None,
+            longest_wait: Duration::ZERO,
         }
     }
 
@@ -479,8 +486,9 @@ impl State {
         }
     }
 
-    /// Records a finished call: its duration, slow-call ratio and demotion.
-    fn finish(&mut self, key: &ClientKey, took: Duration, now: Instant) {
+    /// Records a finished call: its duration (`took`, the client's pace), and whether its
+    /// longest wait for the backend (`waited`) was slow, with the demotion that may follow.
+    fn finish(&mut self, key: &ClientKey, took: Duration, waited: Duration, now: Instant) {
         let slow = self.policy.slow_calls.clone();
         let Some(client) = self.clients.get_mut(key) else {
             return;
@@ -495,7 +503,7 @@ impl State {
             client.demoted_until = None;
         }
         let window = (slow.min_calls.max(1) as usize) * 2;
-        client.recent.push_back(took > slow.threshold.get());
+        client.recent.push_back(waited > slow.threshold.get());
         while client.recent.len() > window {
             client.recent.pop_front();
         }
@@ -558,13 +566,31 @@ impl ClientPermit {
     pub fn started(&self) -> Instant {
         self.started
     }
+
+    /// A response body frame arrived. A call is judged slow on its longest wait for the
+    /// backend: the time to its first byte or its longest stall, never its whole duration, so
+    /// that a long stream that flows is not a slow call.
+    pub fn frame(&mut self) {
+        let now = Instant::now();
+        let since = self.last_frame.unwrap_or(self.started);
+        self.longest_wait = self.longest_wait.max(now.duration_since(since));
+        self.last_frame = Some(now);
+    }
+
+    /// The longest wait of the call ending at `now`: to its first frame (its whole duration
+    /// when none came), or between frames, or from the last frame to its end.
+    pub fn longest_wait(&self, now: Instant) -> Duration {
+        let since = self.last_frame.unwrap_or(self.started);
+        self.longest_wait.max(now.duration_since(since))
+    }
 }
 
 impl Drop for ClientPermit {
     fn drop(&mut self) {
         let now = Instant::now();
+        let waited = self.longest_wait(now);
         let mut state = self.limiter.state.lock();
-        state.finish(&self.key, now.duration_since(self.started), now);
+        state.finish(&self.key, now.duration_since(self.started), waited, now);
         state.admit_queued(&self.key, now);
         state.settle(&self.key, now);
     }

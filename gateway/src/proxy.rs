@@ -680,7 +680,7 @@ fn respond(
         first_byte: false,
         backend,
         lease,
-        _permit: permit,
+        permit,
         status: parts.status.as_u16(),
         sent_at,
     };
@@ -693,7 +693,9 @@ struct Call {
     metrics: Metrics,
     backend: Arc<Backend>,
     lease: Lease<HttpConnector>,
-    _permit: Option<ClientPermit>,
+    /// The client's slot: released when the call ends; told of each frame (slow calls are
+    /// judged on the waits between them).
+    permit: Option<ClientPermit>,
     status: u16,
     sent_at: Instant,
     /// Response body bytes of this backend, counted as they arrive.
@@ -721,6 +723,9 @@ impl Call {
         if n == 0 {
             return;
         }
+        if let Some(permit) = &mut self.permit {
+            permit.frame();
+        }
         if !self.first_byte {
             self.first_byte = true;
             self.metrics
@@ -731,7 +736,7 @@ impl Call {
 
     fn finish(mut self, end: End) {
         let name = &self.backend.name;
-        let client = self._permit.as_ref().map_or(NO_CLIENT, |p| p.label());
+        let client = self.permit.as_ref().map_or(NO_CLIENT, |p| p.label());
         self.metrics
             .signals()
             .lease_held(name, client, self.sent_at.elapsed());

@@ -104,3 +104,37 @@ async fn with_every_endpoint_down_clients_get_503_no_healthy_endpoint() {
     // Two passing probes at a 50ms interval: 100ms, rounded up to a whole second.
     assert_eq!(headers["retry-after"], "1");
 }
+
+/// Probes count against the cap: under calls that keep every slot busy, with a probe every
+/// 10 ms, the backend never sees more connections than the cap (the loop bench once saw 19 on
+/// an instance whose target was 17, the probes' connections on top of the pool's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_never_take_an_endpoint_over_its_cap() {
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(30, Ordering::SeqCst);
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 3)).unwrap();
+    doc["backends"][0]["healthCheck"] = serde_json::json!({"path": "/health", "interval": "10ms", "timeout": "200ms", "unhealthyThreshold": 3, "healthyThreshold": 1});
+    doc["backends"][0]["pool"]["maxPending"] = serde_json::json!(64);
+    doc["backends"][0]["pool"]["leaseTimeout"] = serde_json::json!("5s");
+    let gw = Gw::start(from_json(doc)).await;
+    // Probes alone, then calls on every slot (two waves with a pause, so probes find free
+    // slots between them), probes still running.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let probed_idle = backend.seen.health_requests.load(Ordering::SeqCst);
+    for _ in 0..2 {
+        let calls: Vec<_> = (0..12)
+            .map(|_| tokio::spawn(async move { post(gw.proxy, "/v1/x", &[], "{}").await.0 }))
+            .collect();
+        for c in calls {
+            assert_eq!(c.await.unwrap(), 200);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let max = backend.seen.max_connections.load(Ordering::SeqCst);
+    assert!(max <= 3, "the backend saw {max} connections at once, cap 3");
+    assert!(probed_idle >= 5, "probed while idle: {probed_idle}");
+    assert!(
+        backend.seen.health_requests.load(Ordering::SeqCst) > probed_idle,
+        "probed between the waves"
+    );
+}

@@ -101,6 +101,12 @@ impl Queries {
                 ),
             ),
             q(
+                "max_connections",
+                format!(
+                    "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_max_connections[{fresh}]))"
+                ),
+            ),
+            q(
                 "completed",
                 format!(
                     "sum by (namespace, pod, backend) (rate(poolpilot_upstream_request_duration_seconds_count{{code_class!=\"5xx\"}}[{w}]))"
@@ -141,6 +147,18 @@ impl Queries {
             q(
                 "lease_timeouts",
                 format!("sum by (namespace, pod) (rate(poolpilot_pool_lease_timeouts_total[{w}]))"),
+            ),
+            q(
+                "upstream_5xx",
+                format!(
+                    "sum by (namespace, pod) (rate(poolpilot_upstream_request_duration_seconds_count{{code_class=\"5xx\"}}[{w}]))"
+                ),
+            ),
+            q(
+                "p90",
+                format!(
+                    "histogram_quantile(0.9, sum by (namespace, pod, le) (rate(poolpilot_upstream_request_duration_seconds_bucket[{w}])))"
+                ),
             ),
         ]
     }
@@ -202,6 +220,8 @@ pub struct Snapshot {
     pub leased_now: Option<BTreeMap<(String, String, String), f64>>,
     /// Pending lease requests at the latest scrape, per (namespace, pod, backend).
     pub pending_now: Option<BTreeMap<(String, String, String), f64>>,
+    /// The pools' caps (per endpoint) at the latest scrape, per (namespace, pod, backend).
+    pub max_connections: Option<BTreeMap<(String, String, String), f64>>,
     /// Calls completed without a 5xx per second, per (namespace, pod, backend).
     pub completed: Option<BTreeMap<(String, String, String), f64>>,
     /// Response body bytes per second, per (namespace, pod, backend).
@@ -220,6 +240,10 @@ pub struct Snapshot {
     pub requests: Option<BTreeMap<(String, String), f64>>,
     /// Lease timeouts per second per (namespace, pod).
     pub lease_timeouts: Option<BTreeMap<(String, String), f64>>,
+    /// Upstream calls answered 5xx per second per (namespace, pod).
+    pub upstream_5xx: Option<BTreeMap<(String, String), f64>>,
+    /// p90 of upstream call duration per (namespace, pod); absent (NaN) without calls.
+    pub p90: Option<BTreeMap<(String, String), f64>>,
 }
 
 impl Snapshot {
@@ -276,6 +300,7 @@ impl Snapshot {
             pending: by_pod_backend("pending"),
             leased_now: by_pod_backend("leased_now"),
             pending_now: by_pod_backend("pending_now"),
+            max_connections: by_pod_backend("max_connections"),
             completed: by_pod_backend("completed"),
             bytes: by_pod_backend("bytes"),
             ttfb: by("ttfb", "backend"),
@@ -285,6 +310,8 @@ impl Snapshot {
             limits_info,
             requests: by("requests", "pod"),
             lease_timeouts: by("lease_timeouts", "pod"),
+            upstream_5xx: by("upstream_5xx", "pod"),
+            p90: by("p90", "pod"),
         }
     }
 
@@ -309,6 +336,9 @@ impl Snapshot {
         Some(PodRates {
             requests: get(&self.requests)?,
             lease_timeouts: get(&self.lease_timeouts)?,
+            upstream_5xx: get(&self.upstream_5xx)?,
+            // A failed query or no calls: latency is not compared.
+            p90: self.p90.as_ref().and_then(|m| m.get(&key).copied()),
         })
     }
 
@@ -327,14 +357,24 @@ impl Snapshot {
             return out;
         }
         let ns = namespace.to_owned();
-        for (key, pods, backends) in selection {
-            // Counters appear with their first increment: for a pod that is scraped (it has a
-            // fresh `process_max_fds`), an absent series is no calls yet, which is zero.
-            let scraped = pods.iter().any(|p| {
+        for Selection {
+            policy: key,
+            pods,
+            ready,
+            backends,
+        } in selection
+        {
+            let is_scraped = |p: &String| {
                 self.max_fds
                     .as_ref()
                     .is_some_and(|m| m.contains_key(&(ns.clone(), p.clone())))
-            });
+            };
+            // Counters appear with their first increment: for a pod that is scraped (it has a
+            // fresh `process_max_fds`), an absent series is no calls yet, which is zero.
+            let scraped = pods.iter().any(is_scraped);
+            // A ready pod serves traffic: if it is not scraped, the fleet's demand is not the
+            // sum of the others' (it would be too small), it is missing.
+            let unscraped = ready.iter().filter(|p| !is_scraped(p)).count() as u32;
             for (backend, saturation_query) in backends {
                 let values = |m: &Option<BTreeMap<(String, String, String), f64>>| {
                     let m = m.as_ref()?;
@@ -344,10 +384,14 @@ impl Snapshot {
                         .collect();
                     Some(vals)
                 };
-                let gauge = |m| values(m).filter(|v| !v.is_empty()).map(|v| v.iter().sum());
+                let gauge = |m| {
+                    values(m)
+                        .filter(|v| unscraped == 0 && !v.is_empty())
+                        .map(|v| v.iter().sum())
+                };
                 let counter = |m| {
                     values(m)
-                        .filter(|v| scraped || !v.is_empty())
+                        .filter(|v| unscraped == 0 && (scraped || !v.is_empty()))
                         .map(|v| v.iter().sum())
                 };
                 let fleet = |m: &Option<BTreeMap<(String, String), f64>>| {
@@ -379,6 +423,11 @@ impl Snapshot {
                         ttfb: fleet(&self.ttfb),
                         window: self.window,
                         saturation,
+                        unscraped,
+                        // What the pods run is known only when every ready one is scraped.
+                        current: values(&self.max_connections)
+                            .filter(|v| unscraped == 0 && !v.is_empty())
+                            .map(|v| v.iter().sum()),
                     },
                 );
             }
@@ -401,9 +450,18 @@ impl Snapshot {
     }
 }
 
-/// One policy as [`Snapshot::samples`] reads it: its key, the pods it selects, and its backends
-/// with their saturation queries.
-pub type Selection = (PolicyKey, Vec<String>, Vec<(String, Option<String>)>);
+/// One policy as [`Snapshot::samples`] reads it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Selection {
+    /// The policy.
+    pub policy: PolicyKey,
+    /// The pods it selects.
+    pub pods: Vec<String>,
+    /// Of those, the ready ones (they serve traffic, so their samples must be there).
+    pub ready: Vec<String>,
+    /// Its backends, each with its saturation query if it has one.
+    pub backends: Vec<(String, Option<String>)>,
+}
 
 /// The value of a saturation query's answer: the largest finite value (`None`: no value).
 pub fn saturation_value(rows: &[(HashMap<String, String>, f64)]) -> Option<f64> {
@@ -505,11 +563,12 @@ mod tests {
     }
 
     fn selection() -> Vec<Selection> {
-        vec![(
-            key(),
-            vec!["gw-0".into(), "gw-1".into()],
-            vec![("model-a".into(), None)],
-        )]
+        vec![Selection {
+            policy: key(),
+            pods: vec!["gw-0".into(), "gw-1".into()],
+            ready: vec![],
+            backends: vec![("model-a".into(), None)],
+        }]
     }
 
     fn fold(r: &BTreeMap<&'static str, Rows>) -> Snapshot {
@@ -572,7 +631,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 12, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 15, "one round for every policy in the cluster");
         let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
             promql("leased"),
@@ -697,11 +756,12 @@ mod tests {
         assert_eq!(queries.all().len(), 1, "a policy's queries can all go");
 
         let selection = |q: &str| -> Vec<Selection> {
-            vec![(
-                key(),
-                vec!["gw-0".into()],
-                vec![("model-a".into(), Some(q.to_owned()))],
-            )]
+            vec![Selection {
+                policy: key(),
+                pods: vec!["gw-0".into()],
+                ready: vec!["gw-0".into()],
+                backends: vec![("model-a".into(), Some(q.to_owned()))],
+            }]
         };
         let mut snap = fold(&round());
         let sat = |snap: &Snapshot, q: &str| {
@@ -741,12 +801,26 @@ mod tests {
             Some(vec![row(&[("namespace", "ns"), ("pod", "gw-0")], 50.0)]),
         );
         r.insert("lease_timeouts", Some(vec![]));
+        r.insert(
+            "upstream_5xx",
+            Some(vec![row(&[("namespace", "ns"), ("pod", "gw-0")], 5.0)]),
+        );
+        r.insert(
+            "p90",
+            Some(vec![
+                row(&[("namespace", "ns"), ("pod", "gw-0")], 1.25),
+                row(&[("namespace", "ns"), ("pod", "gw-1")], f64::NAN),
+            ]),
+        );
         let snap = fold(&r);
         let max_age = Duration::from_secs(30);
         let gw0 = snap
             .rates("ns", "gw-0", at(5), max_age)
             .expect("gw-0 is scraped");
-        assert_eq!((gw0.requests, gw0.lease_timeouts), (50.0, 0.0));
+        assert_eq!(
+            (gw0.requests, gw0.lease_timeouts, gw0.upstream_5xx, gw0.p90),
+            (50.0, 0.0, 5.0, Some(1.25))
+        );
         assert_eq!(
             snap.rates("ns", "gw-1", at(5), max_age),
             None,
@@ -764,6 +838,87 @@ mod tests {
             None,
             "a failed query is missing"
         );
+    }
+
+    #[test]
+    fn a_ready_pod_without_fresh_samples_makes_demand_missing_not_smaller() {
+        let snap = fold(&round());
+        let mut sel = selection();
+        sel[0].ready = vec!["gw-0".into()];
+        let s = snap.samples("ns", &sel, at(5), Duration::from_secs(30));
+        let b = s.backends[&(key(), "model-a".into())];
+        assert_eq!(
+            (b.leased, b.unscraped),
+            (Some(300.0), 0),
+            "gw-1 is not ready: it serves nothing, its absence is not a hole"
+        );
+        sel[0].ready = vec!["gw-0".into(), "gw-1".into()];
+        let s = snap.samples("ns", &sel, at(5), Duration::from_secs(30));
+        let b = s.backends[&(key(), "model-a".into())];
+        assert_eq!(b.unscraped, 1, "gw-1 is ready and has no process_max_fds");
+        assert_eq!(
+            (b.leased, b.pending, b.leased_now, b.pending_now),
+            (None, None, None, None),
+            "the demand of the scraped pods alone would be too small"
+        );
+        assert_eq!((b.completed, b.bytes), (None, None));
+        assert_eq!(b.ttfb, Some(0.25), "a fleet quantile, not a sum: it stays");
+    }
+
+    proptest::proptest! {
+        /// Whatever pods are selected, ready and scraped: the demand is the sum over the
+        /// selected pods when every ready one is scraped, and missing otherwise.
+        #[test]
+        fn demand_is_the_whole_sum_or_missing(
+            pods in proptest::collection::vec(
+                (proptest::bool::ANY, proptest::bool::ANY, proptest::option::of(0u32..1000)),
+                1..12,
+            )
+        ) {
+            let name = |i: usize| format!("gw-{i}");
+            let mut rows: BTreeMap<&'static str, Rows> = BTreeMap::new();
+            let mut leased = Vec::new();
+            let mut max_fds = Vec::new();
+            for (i, (_, scraped, value)) in pods.iter().enumerate() {
+                let n = name(i);
+                if *scraped {
+                    max_fds.push(row(&[("namespace", "ns"), ("pod", &n)], 1024.0));
+                    if let Some(v) = value {
+                        leased.push(row(
+                            &[("namespace", "ns"), ("pod", &n), ("backend", "model-a")],
+                            f64::from(*v),
+                        ));
+                    }
+                }
+            }
+            rows.insert("leased", Some(leased));
+            rows.insert("max_fds", Some(max_fds));
+            let sel = vec![Selection {
+                policy: key(),
+                pods: (0..pods.len()).map(name).collect(),
+                ready: pods
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.0)
+                    .map(|(i, _)| name(i))
+                    .collect(),
+                backends: vec![("model-a".into(), None)],
+            }];
+            let s = fold(&rows).samples("ns", &sel, at(5), Duration::from_secs(30));
+            let b = s.backends[&(key(), "model-a".into())];
+            let holes = pods.iter().filter(|(ready, scraped, _)| *ready && !*scraped).count();
+            proptest::prop_assert_eq!(b.unscraped as usize, holes);
+            let present: Vec<f64> = pods
+                .iter()
+                .filter(|(_, scraped, _)| *scraped)
+                .filter_map(|(_, _, v)| v.map(f64::from))
+                .collect();
+            if holes > 0 || present.is_empty() {
+                proptest::prop_assert_eq!(b.leased, None);
+            } else {
+                proptest::prop_assert_eq!(b.leased, Some(present.iter().sum::<f64>()));
+            }
+        }
     }
 
     #[test]

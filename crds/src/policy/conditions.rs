@@ -137,13 +137,22 @@ pub const CONDITIONS: &[ConditionDoc] = &[
             reason(
                 "False",
                 "Halted",
-                "a pod refused the limits or a canary regressed: the rollout stopped and the \
-                 other pods keep their previous limits",
+                "a pod refused the limits, or a canary regressed against the other pods (lease \
+                 timeouts per call, upstream 5xx per call or p90 latency; the message names the \
+                 signal and both numbers) and was rolled back to its previous document: the \
+                 rollout stopped and the other pods keep their previous limits",
             ),
             reason(
                 "False",
                 "NoReadyPods",
                 "`gatewaySelector` selects no ready gateway pod",
+            ),
+            reason(
+                "False",
+                "Recommending",
+                "`mode: Recommend`: nothing is sent to the pods; the message says how many run \
+                 the recommended documents and names the recommended revision and the \
+                 `<name>-recommended` ConfigMap that holds it",
             ),
             reason("False", "NotAccepted", NOT_ACCEPTED),
         ],
@@ -165,7 +174,16 @@ pub const CONDITIONS: &[ConditionDoc] = &[
                  `autoscale.max`), or its growth is held because it is past its knee: its own \
                  saturation query says so, a step added in-flight calls and no throughput, or \
                  (at half its declared capacity or more) it answers slower at the same load; \
-                 the message names the backend with the numbers",
+                 the message names the backend with the numbers (and any overcommit, below)",
+            ),
+            reason(
+                "True",
+                "Overcommitted",
+                "every gateway pod keeps at least 1 connection per endpoint, so more gateway \
+                 pods than a backend's budget (its target per endpoint) open more connections \
+                 than the budget: the message names the backend with the pods, the total and \
+                 the budget (10 pods, 10 in all, budget 8). Run fewer gateway pods or raise the \
+                 budget",
             ),
             reason("Unknown", "NotAccepted", NOT_ACCEPTED),
         ],
@@ -176,6 +194,12 @@ pub const CONDITIONS: &[ConditionDoc] = &[
                   waits for.",
         reasons: &[
             reason("True", "Ready", "accepted and rolled out"),
+            reason(
+                "True",
+                "Recommending",
+                "`mode: Recommend`: accepted, and its recommendation is published (the message \
+                 is that of `RolledOut`)",
+            ),
             reason(
                 "False",
                 "Progressing",
@@ -200,6 +224,17 @@ pub const EVENTS: &[EventDoc] = &[
         type_: "Normal",
         reason: "ScaledDown",
         meaning: "a backend's target shrank, with the numbers",
+    },
+    EventDoc {
+        type_: "Normal",
+        reason: "WouldScaleUp",
+        meaning: "`mode: Recommend`: a backend's recommended target grew; nothing was sent to \
+                  the pods (`would scale model-a 8 → 17: demand …`)",
+    },
+    EventDoc {
+        type_: "Normal",
+        reason: "WouldScaleDown",
+        meaning: "`mode: Recommend`: a backend's recommended target shrank, with the numbers",
     },
     EventDoc {
         type_: "Warning",
@@ -239,7 +274,8 @@ pub const EVENTS: &[EventDoc] = &[
     EventDoc {
         type_: "Warning",
         reason: "RolloutHalted",
-        meaning: "a pod refused the limits or a canary regressed; the note names the pod",
+        meaning: "a pod refused the limits (the note names the pod), or a canary regressed and \
+                  was rolled back (the note names the signal and both numbers)",
     },
     EventDoc {
         type_: "Warning",

@@ -60,6 +60,8 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         json!(MAX_CONCURRENCY),
     )?;
     set(&mut policy, "/spec/clients/maxQueue", json!(4))?;
+    // The limits hold on each pod: a client's calls through one pod are what is measured.
+    set(&mut policy, "/spec/clients/scope", json!("PerPod"))?;
     set(&mut policy, "/spec/clients/queueTimeout", json!("500ms"))?;
     set(
         &mut policy,

@@ -124,6 +124,8 @@ fn policy() -> anyhow::Result<Value> {
         json!(MAX_CONCURRENCY),
     )?;
     set(&mut p, "/spec/clients/maxQueue", json!(4))?;
+    // Per pod: the attackers aim at one pod.
+    set(&mut p, "/spec/clients/scope", json!("PerPod"))?;
     set(&mut p, "/spec/clients/queueTimeout", json!("1s"))?;
     set(
         &mut p,

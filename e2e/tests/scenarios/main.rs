@@ -8,14 +8,17 @@
 //! `e2e/README.md` records.
 
 mod bad_input;
+mod canary_rollback;
 mod client_protection;
 mod fd_budget;
 mod flash_crowd;
 mod happy_path;
 mod hostile_clients;
 mod operator_down;
+mod partial_scrape;
 mod policy_edit;
 mod prometheus_down;
 mod saturated;
 mod scale_gateways;
+mod shadow_mode;
 mod square_wave;

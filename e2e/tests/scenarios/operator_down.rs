@@ -56,6 +56,9 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
             .retain(|b| b["name"] == "model-a");
         set(&mut policy, "/spec/autoscale/min", json!(MIN))?;
         set(&mut policy, "/spec/autoscale/max", json!(MAX))?;
+        // Every pod's document is then the ConfigMap's (the checks below compare revisions):
+        // fleet-wide client limits would give the first pods one call more.
+        set(&mut policy, "/spec/clients/scope", json!("PerPod"))?;
         set(
             &mut policy,
             "/spec/autoscale/scaleDown",

@@ -40,6 +40,8 @@ fn policy(name: &str, backend: &str) -> anyhow::Result<Value> {
     anyhow::ensure!(backends.len() == 1, "{backend} in the sample");
     set(&mut p, "/spec/backends", json!(backends))?;
     set(&mut p, "/spec/autoscale/enabled", json!(false))?;
+    // Each pod runs the limit as written: the edit under test, not the fleet division.
+    set(&mut p, "/spec/clients/scope", json!("PerPod"))?;
     // The sample's allowlist and slow-call demotion play no part here.
     if let Some(clients) = p["spec"]["clients"].as_object_mut() {
         clients.remove("overrides");

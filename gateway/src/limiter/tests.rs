@@ -288,3 +288,63 @@ fn keys_are_never_shown_raw() {
     assert!(!shown.contains("secret"));
     assert!(shown.starts_with("sha256:"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_long_stream_that_flows_is_not_slow_but_a_late_first_byte_or_a_stall_is() {
+    let mut p = policy(4, 0);
+    p.slow_calls = Some(SlowCalls {
+        threshold: ApiDuration::from_secs(1),
+        max_ratio: 0.5,
+        demoted_concurrency: 1,
+        cooldown: ApiDuration::from_secs(30),
+        min_calls: 2,
+    });
+    let l = ClientLimiter::new(p, Metrics::new());
+    // A 10 s stream with a chunk every 500 ms: its first byte and every gap are quick.
+    let streamer = ClientKey::of(b"streamer");
+    for _ in 0..4 {
+        let mut permit = l.acquire(streamer).await.unwrap();
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            permit.frame();
+        }
+        assert_eq!(
+            permit.longest_wait(Instant::now()),
+            Duration::from_millis(500)
+        );
+        drop(permit);
+    }
+    assert!(
+        !l.top_clients(1).first().is_some_and(|c| c.demoted),
+        "40 s of streams, never a slow wait"
+    );
+    let _a = l.acquire(streamer).await.unwrap();
+    let _b = l
+        .acquire(streamer)
+        .await
+        .expect("a streaming client keeps its full limit");
+
+    // The same calls with a 3 s first byte, or a 3 s stall mid-stream, are slow.
+    let late = ClientKey::of(b"late");
+    let stalled = ClientKey::of(b"stalled");
+    for (key, stall_at) in [(late, 0), (stalled, 10)] {
+        for _ in 0..2 {
+            let mut permit = l.acquire(key).await.unwrap();
+            for i in 0..20 {
+                let gap = if i == stall_at { 3000 } else { 100 };
+                tokio::time::sleep(Duration::from_millis(gap)).await;
+                permit.frame();
+            }
+            assert_eq!(permit.longest_wait(Instant::now()), Duration::from_secs(3));
+            drop(permit);
+        }
+        let _held = l.acquire(key).await.unwrap();
+        assert!(
+            matches!(
+                l.acquire(key).await,
+                Err(ClientRejection::Concurrency { limit: 1, .. })
+            ),
+            "demoted"
+        );
+    }
+}

@@ -263,6 +263,8 @@ struct EndpointState<T> {
     connecting: u32,
     /// Closed by the pool, waiting for the peer to close its side.
     closing: u32,
+    /// Held by active health probes: a probe's connection counts against the cap.
+    probing: u32,
     /// Dropped from the limits: no new leases; closes as its connections come back.
     removed: bool,
     /// Drained by hand through the admin API: no new leases, its connections close as they
@@ -363,6 +365,25 @@ impl<C: Connect> Drop for Reservation<C> {
         let mut state = self.pool.state.lock();
         if let Some(ep) = state.endpoint_mut(self.endpoint) {
             ep.connecting -= 1;
+        }
+        self.pool.freed(state, now);
+    }
+}
+
+/// A slot of an endpoint's cap held by an active health probe (see [`Pool::probe_slot`]).
+/// Drop it once the probe's connection is closed.
+#[derive(Debug)]
+pub struct ProbeSlot<C: Connect> {
+    pool: Arc<Inner<C>>,
+    endpoint: u64,
+}
+
+impl<C: Connect> Drop for ProbeSlot<C> {
+    fn drop(&mut self) {
+        let now = Instant::now();
+        let mut state = self.pool.state.lock();
+        if let Some(ep) = state.endpoint_mut(self.endpoint) {
+            ep.probing -= 1;
         }
         self.pool.freed(state, now);
     }
@@ -550,6 +571,7 @@ impl<C: Connect> Pool<C> {
                     leased: 0,
                     connecting: 0,
                     closing: 0,
+                    probing: 0,
                     removed: false,
                     drained: false,
                     health: Health::default(),
@@ -633,6 +655,37 @@ impl<C: Connect> Pool<C> {
             .filter(|ep| !ep.removed)
             .map(|ep| (ep.name.clone(), ep.address))
             .collect()
+    }
+
+    /// Takes a slot of `endpoint`'s cap for an active health probe, so that its connection
+    /// counts against the cap like any other: `None` when every slot is taken (the endpoint is
+    /// busy with pooled connections, which report to outlier detection) or it is gone. When
+    /// idle connections fill the cap, the coldest of them is closed, so that the next round
+    /// finds its slot free once the backend let go of it (an endpoint whose idle connections
+    /// fill its pool is still probed). The slot frees, and goes to a waiter, when the
+    /// [`ProbeSlot`] is dropped.
+    pub fn probe_slot(&self, endpoint: &str) -> Option<ProbeSlot<C>> {
+        let mut state = self.inner.state.lock();
+        if state.retired {
+            return None;
+        }
+        let max = state.limits.max_connections_per_endpoint;
+        let ep = state
+            .endpoints
+            .iter_mut()
+            .find(|ep| !ep.removed && *ep.name == *endpoint)?;
+        if ep.open() >= max {
+            if !ep.idle.is_empty() {
+                let coldest = ep.idle.remove(0);
+                self.inner.closed(ep, CloseReason::Idle, coldest.conn);
+            }
+            return None;
+        }
+        ep.probing += 1;
+        Some(ProbeSlot {
+            pool: self.inner.clone(),
+            endpoint: ep.id,
+        })
     }
 
     /// Records an active probe result for `endpoint`.
@@ -1273,7 +1326,7 @@ impl<T> EndpointState<T> {
     /// Open connections: the number the cap bounds, counting those the peer still holds. No
     /// new connection is opened while this is at the cap.
     fn open(&self) -> u32 {
-        self.usable() + self.closing
+        self.usable() + self.closing + self.probing
     }
 
     /// The connections this pool can still use (idle, leased, being opened): the ones a

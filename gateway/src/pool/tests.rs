@@ -780,3 +780,51 @@ async fn close_all_returns_when_the_last_lease_comes_back() {
     assert_eq!(start.elapsed(), Duration::from_millis(100));
     assert_eq!(connector.live.load(Ordering::SeqCst), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_health_probe_takes_a_slot_of_the_cap_and_gives_it_to_a_waiter() {
+    let (pool, connector) = pool(2, 1);
+    let first = pool.lease().await.unwrap();
+    let probe = pool.probe_slot("ep-0").expect("a slot is free");
+    assert!(
+        pool.probe_slot("ep-0").is_none(),
+        "the probe's connection counts: the endpoint is at its cap of 2"
+    );
+    assert!(pool.probe_slot("ep-9").is_none(), "no such endpoint");
+    // A call now waits for a slot instead of opening a third connection.
+    let waiting = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.lease().await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished(), "the cap holds with the probe in it");
+    assert_eq!(connector.created.load(Ordering::SeqCst), 1);
+    drop(probe);
+    let second = waiting
+        .await
+        .unwrap()
+        .expect("the probe's slot goes to the waiter");
+    assert_eq!(connector.created.load(Ordering::SeqCst), 2);
+    assert!(
+        pool.probe_slot("ep-0").is_none(),
+        "both slots leased: the probe skips this round"
+    );
+    let (mut first, mut second) = (first, second);
+    first.keep();
+    second.keep();
+    drop((first, second));
+    assert_eq!(
+        pool.stats().endpoints[0].idle,
+        2,
+        "the cap is full of idle connections"
+    );
+    assert!(
+        pool.probe_slot("ep-0").is_none(),
+        "this round makes room: the coldest idle connection closes"
+    );
+    assert_eq!(pool.stats().endpoints[0].idle, 1);
+    let _probe = pool
+        .probe_slot("ep-0")
+        .expect("the next round finds the slot free");
+    assert_eq!(connector.live.load(Ordering::SeqCst), 1);
+}

@@ -330,12 +330,13 @@ fn decide_why(
         Ok((leased, pending)) => {
             decide_fresh(bounds, mem, sample, (leased, pending), endpoints, now)
         }
-        Err(missing) => missed(mem, missing),
+        Err(missing) => missed(mem, missing, sample.unscraped),
     }
 }
 
 /// A miss: nothing changes; unavailable after three in a row; two fresh samples to resume.
-fn missed(mem: &mut BackendMemory, missing: &'static str) -> (Decision, String) {
+/// `unscraped` ready gateway pods had no fresh samples (the reason says so: they made it missing).
+fn missed(mem: &mut BackendMemory, missing: &'static str, unscraped: u32) -> (Decision, String) {
     mem.misses += 1;
     mem.fresh = 0;
     mem.recovering = true;
@@ -343,8 +344,13 @@ fn missed(mem: &mut BackendMemory, missing: &'static str) -> (Decision, String) 
     if mem.misses >= MISSES_BEFORE_UNAVAILABLE {
         mem.metrics_available = false;
     }
+    let pods = match unscraped {
+        0 => String::new(),
+        1 => ", a ready gateway pod has no fresh samples".to_owned(),
+        n => format!(", {n} ready gateway pods have no fresh samples"),
+    };
     let why = format!(
-        "held at {}: missing data: no usable {missing} sample ({} in a row)",
+        "held at {}: missing data: no usable {missing} sample{pods} ({} in a row)",
         mem.target, mem.misses
     );
     (Decision::MissingData { missing }, why)
@@ -375,7 +381,7 @@ fn decide_fresh(
     // The guard's inputs count only when growth is wanted: a backend without traffic has no
     // throughput to judge and needs none.
     if grows && let Some(missing) = guard_input_missing(s, bounds) {
-        return missed(mem, missing);
+        return missed(mem, missing, s.unscraped);
     }
     mem.misses = 0;
     mem.missing = None;

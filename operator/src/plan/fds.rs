@@ -21,6 +21,22 @@ pub fn share(target: u32, holders: u32) -> u32 {
     target.checked_div(holders).unwrap_or(target).max(1)
 }
 
+/// The part of a fleet-wide `limit` for the pod at `rank` among `pods` holders (the pods a
+/// backend's target is divided over): the limit divided, rounded down, plus one for the first
+/// `limit mod pods` ranks, so that the parts add up to the limit; at least `floor`. `rank`
+/// `None` (the ConfigMap's document, for pods that start later) gets the rounded-down part.
+/// With no holder, the first pod to appear may take the whole limit.
+pub fn fleet_part(limit: u32, pods: usize, rank: Option<usize>, floor: u32) -> u32 {
+    let Ok(n) = u32::try_from(pods) else {
+        return floor;
+    };
+    let Some(base) = limit.checked_div(n) else {
+        return limit.max(floor);
+    };
+    let extra = rank.is_some_and(|r| u32::try_from(r).is_ok_and(|r| r < limit % n));
+    (base + u32::from(extra)).max(floor)
+}
+
 /// The fd check as one policy sees it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FdReport {

@@ -26,7 +26,7 @@ pub mod validate;
 pub mod waves;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -35,6 +35,7 @@ use std::sync::Arc;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 pub use k8s_openapi::jiff::Timestamp;
 use poolpilot_api::limits::Endpoint;
+use poolpilot_api::policy::StartFrom;
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus, GatewayLimits};
 pub use render::{implausible_generations, plausible_generation};
 
@@ -133,6 +134,13 @@ pub struct BackendSample {
     pub window: std::time::Duration,
     /// The backend's own saturation signal, when it has a saturation query.
     pub saturation: SaturationSignal,
+    /// Ready selected pods without fresh samples (no `process_max_fds` within two scrape
+    /// intervals). While any is, the demand and throughput sums are missing: the fleet's demand
+    /// is not the sum over the pods that happen to be scraped.
+    pub unscraped: u32,
+    /// What the selected pods run now: the sum of their pools' caps for the backend
+    /// (`poolpilot_pool_max_connections`), for `autoscale.startFrom: Current`.
+    pub current: Option<f64>,
 }
 
 /// A backend's own saturation signal (`spec.backends[].saturation.query`) in a sample.
@@ -242,6 +250,24 @@ impl BackendPlan {
             .target
             .saturating_sub(self.per_pod.saturating_mul(holders));
         self.per_pod + u32::from(u32::try_from(rank).unwrap_or(u32::MAX) < remainder)
+    }
+}
+
+impl BackendPlan {
+    /// Connections per endpoint the `holders` would open together when each takes its share:
+    /// more than the target when there are more holders than the target allows (every share is
+    /// at least 1).
+    pub fn fleet_total(&self, holders: usize) -> u64 {
+        (0..holders)
+            .map(|rank| u64::from(self.share_of(Some(rank), holders)))
+            .sum()
+    }
+
+    /// The overcommit, when the shares' floor of 1 takes the fleet over the backend's budget:
+    /// `(fleet total, target)`.
+    pub fn overcommit(&self, holders: usize) -> Option<(u64, u32)> {
+        let total = self.fleet_total(holders);
+        (total > u64::from(self.target)).then_some((total, self.target))
     }
 }
 
@@ -359,7 +385,8 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     .get(&key)
                     .copied()
                     .unwrap_or_default();
-                let previous = previous_target(policy, &b.name);
+                let previous = previous_target(policy, &b.name)
+                    .or_else(|| start_from(policy.spec.autoscale.start_from, &bounds, &sample));
                 let mem = memory
                     .backends
                     .entry(key)
@@ -378,9 +405,14 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                 // Each backend is named for its own state only: a backend without traffic has
                 // nothing missing, and one that misses data is not blamed on another.
                 let name = &b.name;
+                let pods = if sample.unscraped > 0 {
+                    unscraped_pods(&ready, &input.samples)
+                } else {
+                    String::new()
+                };
                 match (mem.metrics_available, mem.missing) {
                     (false, Some(what)) => unavailable.push(format!(
-                        "{name}: no usable {what} sample for {} decisions or more in a row",
+                        "{name}: no usable {what} sample{pods} for {} decisions or more in a row",
                         autoscale::MISSES_BEFORE_UNAVAILABLE
                     )),
                     (false, None) => unavailable.push(format!(
@@ -389,7 +421,7 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                         autoscale::FRESH_TO_RESUME
                     )),
                     (true, Some(what)) => missing.push(format!(
-                        "{name}: no usable {what} sample at the last decision"
+                        "{name}: no usable {what} sample{pods} at the last decision"
                     )),
                     (true, None) => {}
                 }
@@ -461,6 +493,39 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
         policies: plans,
         documents,
     }
+}
+
+/// Where a backend without a recorded target starts (`None`: the upper bound).
+fn start_from(from: StartFrom, bounds: &Bounds, sample: &BackendSample) -> Option<u32> {
+    match from {
+        StartFrom::Max => None,
+        StartFrom::Min => Some(bounds.min),
+        StartFrom::Current => sample
+            .current
+            .filter(|c| c.is_finite() && *c >= 1.0)
+            .map(|c| c.round().min(f64::from(u32::MAX)) as u32),
+    }
+}
+
+/// How many pods to name in a message before counting the rest.
+const NAMED_PODS: usize = 3;
+
+/// The ready pods without fresh samples, for a condition message: ` (ready pods without fresh
+/// samples: gw-1, gw-2)`.
+fn unscraped_pods(ready: &[String], samples: &Samples) -> String {
+    let unscraped: Vec<&str> = ready
+        .iter()
+        .filter(|p| samples.pods.get(*p).is_none_or(|s| s.max_fds.is_none()))
+        .map(String::as_str)
+        .collect();
+    if unscraped.is_empty() {
+        return String::new();
+    }
+    let mut names = unscraped[..unscraped.len().min(NAMED_PODS)].join(", ");
+    if unscraped.len() > NAMED_PODS {
+        names.push_str(&format!(" and {} more", unscraped.len() - NAMED_PODS));
+    }
+    format!(" (ready pods without fresh samples: {names})")
 }
 
 /// The target a policy's status recorded for a backend (continuity across operator restarts).

@@ -11,9 +11,10 @@ use poolpilot_api::limits::{
     MAX_GENERATION, OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch, SlowCalls,
     SoftThrottle, Timeouts, TrustedProxies,
 };
-use poolpilot_api::policy::{BackendSpec, TrustedProxyProtocol};
+use poolpilot_api::policy::{BackendSpec, ClientScope, TrustedProxyProtocol};
 use sha2::{Digest, Sha256};
 
+use super::fds;
 use super::validate::Acceptance;
 use super::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyPlan};
 
@@ -281,7 +282,15 @@ fn document(
     let mut used_names = BTreeSet::new();
     for (i, plan) in order {
         let policy = &policies[*i];
+        // Fleet-wide client limits: this pod's part, by its place among the holders (as the
+        // backends' targets are divided: a pod turning ready changes no document).
+        let rank = pod.and_then(|pod| plan.rank(pod));
         let client_policy = policy.spec.clients.as_ref().map(|c| {
+            let part = |limit: u32, floor: u32| match c.scope {
+                ClientScope::PerPod => limit,
+                ClientScope::Fleet => fds::fleet_part(limit, plan.holders.len(), rank, floor),
+            };
+            let max_concurrency = part(c.max_concurrency, 1);
             let name = client_policy_name(&policy.key.name, &mut used_names);
             client_policies.push(ClientPolicy {
                 name: name.clone(),
@@ -289,8 +298,8 @@ fn document(
                     Some(h) => ClientIdentity::Header(h.clone()),
                     None => ClientIdentity::SourceIp,
                 },
-                max_concurrency: c.max_concurrency,
-                max_queue: c.max_queue,
+                max_concurrency,
+                max_queue: part(c.max_queue, 0),
                 queue_timeout: c.queue_timeout,
                 overrides: c
                     .overrides
@@ -298,13 +307,13 @@ fn document(
                     .map(|o| ClientOverride {
                         name: o.name.clone(),
                         key_sha256: o.client.key_sha256.clone(),
-                        max_concurrency: o.max_concurrency,
+                        max_concurrency: part(o.max_concurrency, 1),
                     })
                     .collect(),
                 slow_calls: c.slow_calls.as_ref().map(|s| SlowCalls {
                     threshold: s.threshold,
                     max_ratio: s.max_ratio,
-                    demoted_concurrency: s.demoted_concurrency,
+                    demoted_concurrency: part(s.demoted_concurrency, 1).min(max_concurrency),
                     cooldown: s.cooldown,
                     min_calls: s.min_calls,
                 }),
@@ -312,7 +321,6 @@ fn document(
             });
             name
         });
-        let rank = pod.and_then(|pod| plan.rank(pod));
         for (spec, planned) in policy.spec.backends.iter().zip(&plan.backends) {
             backends.push(backend(
                 policy,

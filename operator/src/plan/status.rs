@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use poolpilot_api::policy::{BackendStatus, DecisionRecord, PodFailure, PodsStatus, ScaleRecord};
+use poolpilot_api::policy::{
+    BackendStatus, DecisionRecord, Mode, PodFailure, PodRun, PodsStatus, ScaleRecord,
+};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
 use super::conditions::{Computed, Kind, Status, merge};
@@ -84,6 +86,8 @@ pub fn compute(
         .collect();
     failures.sort_by(|a, b| a.pod.cmp(&b.pod));
 
+    let (items, omitted) = pod_runs(&old, plan, rollout, &failures, now);
+
     let conditions = merge(
         &old.conditions,
         conditions(&policy.spec, plan, rollout, &backends, memory, updated),
@@ -112,8 +116,64 @@ pub fn compute(
             fd_limit: plan.fds.limit,
             fd_needed: plan.fds.needed,
             failures,
+            items,
+            omitted,
         }),
     }
+}
+
+/// The most pods `status.pods.items` lists.
+pub const MAX_POD_ITEMS: usize = 50;
+
+/// What each selected pod runs (the first [`MAX_POD_ITEMS`] by name, and how many more): its
+/// revision and generation, since when (kept from the stored status while the revision holds),
+/// and its last error (kept until it takes another revision).
+fn pod_runs(
+    old: &ConnectionPolicyStatus,
+    plan: &PolicyPlan,
+    rollout: &RolloutReport,
+    failures: &[PodFailure],
+    now: Timestamp,
+) -> (Vec<PodRun>, u32) {
+    let before: BTreeMap<&str, &PodRun> = old
+        .pods
+        .iter()
+        .flat_map(|p| &p.items)
+        .map(|r| (r.name.as_str(), r))
+        .collect();
+    let mut names: Vec<&String> = plan.selected.iter().collect();
+    names.sort();
+    let omitted = names.len().saturating_sub(MAX_POD_ITEMS) as u32;
+    let items = names
+        .into_iter()
+        .take(MAX_POD_ITEMS)
+        .map(|name| {
+            let state = rollout.pods.iter().find(|p| &p.name == name);
+            let revision = state.and_then(|s| s.acked.clone());
+            let generation = state.and_then(|s| s.generation);
+            let stored = before
+                .get(name.as_str())
+                .filter(|r| r.revision == revision && r.generation == generation);
+            let error = failures
+                .iter()
+                .find(|f| &f.pod == name)
+                .map(|f| f.message.clone())
+                .or_else(|| stored.and_then(|r| r.last_error.clone()));
+            PodRun {
+                name: name.clone(),
+                current: state.is_some_and(|s| {
+                    !s.desired.is_empty() && s.acked.as_deref() == Some(s.desired.as_str())
+                }),
+                since: revision
+                    .as_ref()
+                    .map(|_| stored.and_then(|r| r.since.clone()).unwrap_or(Time(now))),
+                revision,
+                generation,
+                last_error: error,
+            }
+        })
+        .collect();
+    (items, omitted)
 }
 
 trait WithHistory {
@@ -220,7 +280,18 @@ fn conditions(
         )
     });
     let revision = revision.unwrap_or_default();
-    let rolled = if ready == 0 {
+    let recommending = spec.mode == Mode::Recommend;
+    let rolled = if recommending {
+        Computed::new(
+            Kind::RolledOut,
+            Status::False,
+            "Recommending",
+            format!(
+                "mode Recommend: nothing is sent to the pods; {updated}/{live} run the recommended documents; recommended {revision}, in ConfigMap {}-recommended",
+                plan.key.name
+            ),
+        )
+    } else if ready == 0 {
         Computed::new(
             Kind::RolledOut,
             Status::False,
@@ -262,7 +333,30 @@ fn conditions(
                 .map(|why| format!("{}: {why}", b.name))
         }))
         .collect();
-    let saturated = if saturated.is_empty() {
+    // Every holder keeps at least one connection per endpoint: with more holders than the
+    // budget allows, the fleet opens more than it. Never silently.
+    let overcommitted: Vec<String> = plan
+        .backends
+        .iter()
+        .filter_map(|b| {
+            let holders = plan.holders.len();
+            let (total, target) = b.overcommit(holders)?;
+            Some(format!(
+                "{}: {holders} gateway pods keep at least 1 connection per endpoint each, \
+                 {total} in all, over the backend's budget of {target} per endpoint; \
+                 run fewer gateway pods or raise the budget",
+                b.name
+            ))
+        })
+        .collect();
+    let saturated = if saturated.is_empty() && !overcommitted.is_empty() {
+        Computed::new(
+            Kind::Saturated,
+            Status::True,
+            "Overcommitted",
+            overcommitted.join("; "),
+        )
+    } else if saturated.is_empty() {
         let util = backends
             .iter()
             .filter_map(|b| {
@@ -278,15 +372,18 @@ fn conditions(
         };
         Computed::new(Kind::Saturated, Status::False, "WithinCapacity", msg)
     } else {
-        Computed::new(
-            Kind::Saturated,
-            Status::True,
-            "Saturated",
-            saturated.join("; "),
-        )
+        let all: Vec<String> = saturated.into_iter().chain(overcommitted).collect();
+        Computed::new(Kind::Saturated, Status::True, "Saturated", all.join("; "))
     };
 
-    let ready_cond = if rolled.status == Status::True {
+    let ready_cond = if recommending {
+        Computed::new(
+            Kind::Ready,
+            Status::True,
+            "Recommending",
+            rolled.message.clone(),
+        )
+    } else if rolled.status == Status::True {
         Computed::new(Kind::Ready, Status::True, "Ready", rolled.message.clone())
     } else {
         Computed::new(

@@ -3,7 +3,9 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::limits::Endpoint;
+use poolpilot_api::policy::Mode;
 use proptest::prelude::*;
 
 use super::conditions::Kind;
@@ -1152,6 +1154,7 @@ fn status_reports_conditions_targets_and_pods() {
     let pp = &fleet.policies[0];
     let rev = pp.document.as_ref().unwrap().revision.clone();
     let pod_state = |name: &str, acked: Option<&str>| PodState {
+        generation: acked.map(|_| 1),
         name: name.into(),
         desired: rev.clone(),
         acked: acked.map(Into::into),
@@ -1433,4 +1436,437 @@ fn a_backend_without_endpoints_is_reported_saturated_naming_its_service() {
         .find(|c| c.type_ == "Saturated")
         .unwrap();
     assert_eq!(saturated.status, "False", "{saturated:?}");
+}
+
+#[test]
+fn a_share_floor_over_the_backend_budget_is_named_with_the_numbers() {
+    // capacity 10 × (1 − 0.2) = 8 per endpoint; ten gateway pods each keep at least one.
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 10, "autoscale: {enabled: false}\n"),
+        1,
+    );
+    let input = FleetInput {
+        policies: vec![p],
+        pods: pods(10),
+        ..FleetInput::default()
+    };
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let b = &fleet.policies[0].backends[0];
+    assert_eq!((b.target, b.per_pod), (8, 1));
+    assert_eq!(b.overcommit(10), Some((10, 8)));
+    let s = compute(
+        &input.policies[0],
+        &fleet.policies[0],
+        &memory,
+        &RolloutReport::default(),
+        at(0),
+    );
+    let c = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Saturated")
+        .unwrap();
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
+        (
+            "True",
+            "Overcommitted",
+            "model-a: 10 gateway pods keep at least 1 connection per endpoint each, 10 in all, \
+             over the backend's budget of 8 per endpoint; run fewer gateway pods or raise the \
+             budget"
+        )
+    );
+
+    // Eight pods fit the budget exactly: nothing to say.
+    let input = FleetInput {
+        pods: pods(8),
+        ..input
+    };
+    let fleet = plan(&input, &mut memory, at(15));
+    assert_eq!(fleet.policies[0].backends[0].overcommit(8), None);
+    let s = compute(
+        &input.policies[0],
+        &fleet.policies[0],
+        &memory,
+        &RolloutReport::default(),
+        at(15),
+    );
+    let c = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Saturated")
+        .unwrap();
+    assert_eq!(c.status, "False", "{c:?}");
+}
+
+#[test]
+fn a_ready_pod_without_fresh_samples_holds_the_target_and_is_named() {
+    let p = policy("a", 0, &spec("model-a", 64, ""), 2);
+    let pods = pods(3);
+    let mut samples = Samples {
+        pods: fds(&pods, 4096),
+        ..Samples::default()
+    };
+    // As `Snapshot::samples` gives it: gw-2 is ready and not scraped, so the sums are missing.
+    samples.pods.insert("gw-2".into(), PodSample::default());
+    samples.backends.insert(
+        (key("a"), "model-a".into()),
+        BackendSample {
+            unscraped: 1,
+            ..BackendSample::default()
+        },
+    );
+    let input = FleetInput {
+        policies: vec![p],
+        pods,
+        samples,
+        ..FleetInput::default()
+    };
+    let mut memory = Memory::default();
+    let before = memory_target(&input, &mut memory);
+    let fleet = plan(&input, &mut memory, at(15));
+    let b = &fleet.policies[0].backends[0];
+    assert!(
+        matches!(b.decision, Some(autoscale::Decision::MissingData { .. })),
+        "{:?}",
+        b.decision
+    );
+    assert_eq!(
+        b.target, before,
+        "held, never lowered to the scraped pods' demand"
+    );
+    let m = fleet.policies[0].metrics_available.clone().unwrap();
+    assert_eq!(
+        m.message,
+        "model-a: no usable leased sample (ready pods without fresh samples: gw-2) at the last \
+         decision; their targets are held"
+    );
+    let why = &memory.backends[&(key("a"), "model-a".into())]
+        .last_decision
+        .as_ref()
+        .unwrap()
+        .reason;
+    assert!(
+        why.contains("a ready gateway pod has no fresh samples"),
+        "{why}"
+    );
+}
+
+/// The target after a first planning run at `at(0)`.
+fn memory_target(input: &FleetInput, memory: &mut Memory) -> u32 {
+    plan(input, memory, at(0)).policies[0].backends[0].target
+}
+
+proptest! {
+    /// Whatever the budget and the number of holders: the shares add up to the target when
+    /// it allows one connection per holder, and otherwise the overcommit is reported with the
+    /// fleet's true total.
+    #[test]
+    fn the_overcommit_is_reported_exactly_when_the_shares_exceed_the_target(
+        capacity in 2u32..64,
+        n in 1usize..40,
+    ) {
+        let p = policy("a", 0, &spec("model-a", capacity, "autoscale: {enabled: false}\n"), 1);
+        let input = FleetInput { policies: vec![p], pods: pods(n), ..FleetInput::default() };
+        let mut memory = Memory::default();
+        let fleet = plan(&input, &mut memory, at(0));
+        let pp = &fleet.policies[0];
+        prop_assert!(pp.acceptance.is_accepted(), "{:?}", pp.acceptance);
+        let b = &pp.backends[0];
+        let total: u64 = pp.holders.iter().map(|h| u64::from(pp.share(b, h))).sum();
+        prop_assert_eq!(total, b.fleet_total(n));
+        if total > u64::from(b.target) {
+            prop_assert_eq!(b.overcommit(n), Some((total, b.target)));
+            prop_assert!(n as u64 > u64::from(b.target));
+            let s = compute(&input.policies[0], pp, &memory, &RolloutReport::default(), at(0));
+            let c = s.conditions.iter().find(|c| c.type_ == "Saturated").unwrap();
+            prop_assert_eq!(c.reason.as_str(), "Overcommitted");
+            let needle = format!("{total} in all");
+            prop_assert!(c.message.contains(&needle), "{}", c.message);
+        } else {
+            prop_assert_eq!(total, u64::from(b.target), "the shares add up to the target");
+            prop_assert_eq!(b.overcommit(n), None);
+        }
+    }
+}
+
+proptest! {
+    /// Shadow mode plans exactly as enforcement does: over runs whose demand changes, the
+    /// decisions, targets, shares, fd check, documents and status of a Recommend policy are
+    /// those of the same policy in Enforce, so switching to Enforce rolls out what was shown.
+    #[test]
+    fn shadow_equals_enforces_plan(
+        (input, _) in arb_fleet(),
+        demand in prop::collection::vec(0.0f64..3000.0, 1..6),
+        start in prop::sample::select(vec![StartFrom::Max, StartFrom::Min, StartFrom::Current]),
+        current in prop::option::of(1.0f64..500.0),
+    ) {
+        let mut enforce = input;
+        enforce.policies[0].spec.autoscale.start_from = start;
+        for s in enforce.samples.backends.values_mut() {
+            s.current = current;
+        }
+        let mut shadow = enforce.clone();
+        shadow.policies[0].spec.mode = Mode::Recommend;
+        let (mut m_enforce, mut m_shadow) = (Memory::default(), Memory::default());
+        for (t, d) in demand.iter().enumerate() {
+            for input in [&mut enforce, &mut shadow] {
+                for s in input.samples.backends.values_mut() {
+                    s.pending = Some(*d);
+                }
+            }
+            let now = at(t as i64 * 15);
+            let a = plan(&enforce, &mut m_enforce, now);
+            let b = plan(&shadow, &mut m_shadow, now);
+            prop_assert_eq!(&a.policies, &b.policies);
+            prop_assert_eq!(&a.documents, &b.documents);
+            let report = RolloutReport::default();
+            let sa = compute(&enforce.policies[0], &a.policies[0], &m_enforce, &report, now);
+            let sb = compute(&shadow.policies[0], &b.policies[0], &m_shadow, &report, now);
+            prop_assert_eq!(&sa.backends, &sb.backends);
+            prop_assert_eq!(&sa.targets, &sb.targets);
+            prop_assert_eq!(&sa.revision, &sb.revision);
+        }
+    }
+}
+
+#[test]
+fn a_new_policy_starts_from_max_min_or_what_the_pods_run() {
+    let start = |from: &str, current: Option<f64>| {
+        let p = policy(
+            "a",
+            0,
+            &spec(
+                "model-a",
+                64,
+                &format!("autoscale: {{min: 4, max: 40, startFrom: {from}}}\n"),
+            ),
+            2,
+        );
+        let mut samples = Samples::default();
+        samples.backends.insert(
+            (key("a"), "model-a".into()),
+            BackendSample {
+                current,
+                ..BackendSample::default()
+            },
+        );
+        let input = FleetInput {
+            policies: vec![p],
+            pods: pods(3),
+            samples,
+            ..FleetInput::default()
+        };
+        // Not yet due to decide: the starting target stands.
+        let mut memory = Memory::default();
+        plan(&input, &mut memory, at(0));
+        memory.backends[&(key("a"), "model-a".into())].target
+    };
+    assert_eq!(start("Max", Some(12.0)), 40);
+    assert_eq!(start("Min", Some(12.0)), 4);
+    assert_eq!(start("Current", Some(12.0)), 12, "3 pods running 4 each");
+    assert_eq!(start("Current", Some(100.0)), 40, "within the bounds");
+    assert_eq!(
+        start("Current", None),
+        40,
+        "not known yet: the upper bound, as a static configuration"
+    );
+}
+
+#[test]
+fn a_recommend_policy_on_pods_an_enforce_policy_selects_is_conflicted() {
+    let a = policy("a", 0, &spec("model-a", 64, ""), 1);
+    let mut b = policy("b", 1, &spec("model-b", 64, ""), 1);
+    b.spec.mode = Mode::Recommend;
+    let input = FleetInput {
+        policies: vec![a.clone(), b.clone()],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    assert!(fleet.policies[0].acceptance.is_accepted());
+    match &fleet.policies[1].acceptance {
+        validate::Acceptance::Conflicted(why) => assert_eq!(
+            why,
+            "mode Recommend on pod gw-0, which policy ns/a enforces: its documents would roll \
+             this policy's targets out; give this policy pods of its own, or the same mode"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        fleet.documents["gw-0"]
+            .backends
+            .iter()
+            .all(|x| x.name == "model-a"),
+        "the recommendation is in no enforced document"
+    );
+    // Both in Recommend: both accepted.
+    let mut a = a;
+    a.spec.mode = Mode::Recommend;
+    let input = FleetInput {
+        policies: vec![a, b],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    assert!(fleet.policies.iter().all(|p| p.acceptance.is_accepted()));
+}
+
+#[test]
+fn status_lists_what_each_pod_runs_since_when_and_its_last_error_bounded_to_fifty() {
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 2000, "autoscale: {enabled: false}\n"),
+        1,
+    );
+    let mut input = FleetInput {
+        policies: vec![p],
+        pods: pods(60),
+        ..FleetInput::default()
+    };
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let pp = &fleet.policies[0];
+    let rev = pp.document.as_ref().unwrap().revision.clone();
+    let state = |name: &str, acked: Option<(&str, u64)>, refused: Option<&str>| PodState {
+        name: name.into(),
+        desired: rev.clone(),
+        acked: acked.map(|(r, _)| r.to_owned()),
+        generation: acked.map(|(_, g)| g),
+        refused: refused.map(Into::into),
+    };
+    // gw-0 runs the current revision; gw-1 an older one and refused the new one; gw-10 is
+    // unreachable; the others run nothing known yet.
+    let first = RolloutReport {
+        pods: vec![
+            state("gw-0", Some((&rev, 2)), None),
+            state("gw-1", Some(("old", 1)), Some("HTTP 422: bad limits")),
+        ],
+        unreachable: [("gw-10".to_owned(), "connection refused".to_owned())].into(),
+        ..RolloutReport::default()
+    };
+    let s1 = compute(&input.policies[0], pp, &memory, &first, at(0));
+    let pods1 = s1.pods.clone().unwrap();
+    assert_eq!(pods1.items.len(), 50, "bounded");
+    assert_eq!(pods1.omitted, 10, "and the rest counted");
+    assert_eq!(pods1.selected, 60);
+    let item = |s: &ConnectionPolicyStatus, name: &str| {
+        s.pods
+            .as_ref()
+            .unwrap()
+            .items
+            .iter()
+            .find(|i| i.name == name)
+            .cloned()
+            .unwrap()
+    };
+    let gw0 = item(&s1, "gw-0");
+    assert_eq!(
+        (gw0.revision.as_deref(), gw0.generation, gw0.current),
+        (Some(rev.as_str()), Some(2), true)
+    );
+    assert_eq!(gw0.since, Some(Time(at(0))));
+    let gw1 = item(&s1, "gw-1");
+    assert!(!gw1.current);
+    assert_eq!(gw1.last_error.as_deref(), Some("HTTP 422: bad limits"));
+    assert_eq!(
+        item(&s1, "gw-10").last_error.as_deref(),
+        Some("connection refused")
+    );
+    assert_eq!(item(&s1, "gw-2").revision, None);
+    assert_eq!(item(&s1, "gw-2").since, None);
+
+    // 30 s later: gw-0 still runs it (its time stays), gw-1 took the new revision (its error
+    // is over), gw-10 answers now but runs nothing known: its last error stays.
+    input.policies[0].status = Some(s1);
+    let later = RolloutReport {
+        pods: vec![
+            state("gw-0", Some((&rev, 2)), None),
+            state("gw-1", Some((&rev, 2)), None),
+        ],
+        ..RolloutReport::default()
+    };
+    let s2 = compute(&input.policies[0], pp, &memory, &later, at(30));
+    assert_eq!(item(&s2, "gw-0").since, Some(Time(at(0))));
+    let gw1 = item(&s2, "gw-1");
+    assert_eq!((gw1.since, gw1.last_error), (Some(Time(at(30))), None));
+    assert_eq!(
+        item(&s2, "gw-10").last_error.as_deref(),
+        Some("connection refused")
+    );
+}
+
+proptest! {
+    /// Fleet-wide client limits: over the pods the backends' targets are divided over (every
+    /// selected pod not stopped) the parts add up to the fleet limit (or to one call per pod
+    /// when that is more), differ by at most one, and are divided again as pods come and go;
+    /// per pod, every pod gets the limit itself.
+    #[test]
+    fn fleet_client_limits_divide_over_the_pods_and_sum_to_the_fleet_limit(
+        max_concurrency in 1u32..200,
+        max_queue in 0u32..200,
+        vip in 1u32..200,
+        n in 1usize..12,
+        states in prop::collection::vec(0u8..3, 12),
+        per_pod in any::<bool>(),
+    ) {
+        let scope = if per_pod { "PerPod" } else { "Fleet" };
+        let extra = format!(
+            "clients:\n  identity: {{header: authorization}}\n  scope: {scope}\n  maxConcurrency: {max_concurrency}\n  maxQueue: {max_queue}\n  overrides:\n  - name: vip\n    match: {{keySha256: \"{}\"}}\n    maxConcurrency: {vip}\n",
+            "a".repeat(64)
+        );
+        let p = policy("a", 0, &spec("model-a", 64, &extra), 1);
+        let mut pods = pods(n);
+        // Ready, starting (not ready yet) or stopped for good.
+        for (pod, s) in pods.iter_mut().zip(&states) {
+            pod.ready = *s == 0;
+            pod.stopped = *s == 2;
+        }
+        let input = FleetInput { policies: vec![p], pods, ..FleetInput::default() };
+        let fleet = plan(&input, &mut Memory::default(), at(0));
+        let pp = &fleet.policies[0];
+        prop_assert!(pp.acceptance.is_accepted(), "{:?}", pp.acceptance);
+        let parts: Vec<(u32, u32, u32)> = pp
+            .live
+            .iter()
+            .map(|pod| {
+                let c = &fleet.documents[pod].client_policies[0];
+                (c.max_concurrency, c.max_queue, c.overrides[0].max_concurrency)
+            })
+            .collect();
+        let holders = pp.holders.len();
+        for (i, limit) in [max_concurrency, max_queue, vip].into_iter().enumerate() {
+            let got: Vec<u32> = parts.iter().map(|p| [p.0, p.1, p.2][i]).collect();
+            if per_pod {
+                prop_assert!(got.iter().all(|g| *g == limit), "{:?}", got);
+                continue;
+            }
+            // A call in flight per pod at least (a pod must serve the client); the queue may
+            // be 0. So the parts add up to the limit, or to one per pod when that is more.
+            let floor = u32::from(i != 1);
+            if holders > 0 {
+                let want = limit.max(floor * holders as u32);
+                prop_assert_eq!(got.iter().sum::<u32>(), want, "parts {:?} of {}", got, limit);
+            }
+            if let (Some(lo), Some(hi)) = (got.iter().min(), got.iter().max()) {
+                prop_assert!(hi - lo <= 1, "{:?}", got);
+            }
+        }
+        // A pod turning ready changes no document.
+        let mut turned = input.clone();
+        for pod in turned.pods.iter_mut().filter(|p| !p.stopped) {
+            pod.ready = true;
+        }
+        let again = plan(&turned, &mut Memory::default(), at(0));
+        for pod in &pp.live {
+            prop_assert_eq!(
+                &fleet.documents[pod].client_policies,
+                &again.documents[pod].client_policies
+            );
+        }
+    }
 }

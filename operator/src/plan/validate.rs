@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use poolpilot_api::ConnectionPolicySpec;
+use poolpilot_api::policy::Mode;
 
 use super::PolicyInput;
 
@@ -112,6 +113,26 @@ pub fn accept(policies: &[PolicyInput], selection: &[Vec<String>]) -> Vec<Accept
                     claimed.insert(name, i);
                 }
             }
+        }
+    }
+
+    // A pod runs one document with every policy's backends: a Recommend policy on pods an
+    // Enforce policy also selects would have its targets rolled out with the other's documents.
+    for &i in &order {
+        if !out[i].is_accepted() || policies[i].spec.mode != Mode::Recommend {
+            continue;
+        }
+        let enforcing = order.iter().find_map(|&j| {
+            let shared = selection[i].iter().find(|p| selection[j].contains(p))?;
+            (j != i && out[j].is_accepted() && policies[j].spec.mode == Mode::Enforce)
+                .then_some((j, shared))
+        });
+        if let Some((j, pod)) = enforcing {
+            out[i] = Acceptance::Conflicted(format!(
+                "mode Recommend on pod {pod}, which policy {} enforces: its documents would roll \
+                 this policy's targets out; give this policy pods of its own, or the same mode",
+                policies[j].key
+            ));
         }
     }
     out

@@ -19,6 +19,8 @@ pub struct PodState {
     pub desired: String,
     /// The revision it acknowledged last.
     pub acked: Option<String>,
+    /// The generation of that document, when known.
+    pub generation: Option<u64>,
     /// Its refusal of `desired`, if it refused it.
     pub refused: Option<String>,
 }
@@ -69,32 +71,72 @@ pub struct PodRates {
     pub requests: f64,
     /// Lease timeouts per second.
     pub lease_timeouts: f64,
+    /// Upstream calls answered 5xx per second.
+    pub upstream_5xx: f64,
+    /// 90th percentile of upstream call duration, seconds (`None`: no calls in the window).
+    pub p90: Option<f64>,
 }
 
 /// A canary's lease-timeout share may exceed the rest's by this much (half a percentage point).
 pub const REGRESSION_MARGIN: f64 = 0.005;
+/// A canary's upstream 5xx share may exceed the rest's by this much (one percentage point).
+pub const UPSTREAM_5XX_MARGIN: f64 = 0.01;
+/// A canary's p90 latency may be this many times the rest's ...
+pub const P90_RATIO: f64 = 1.5;
+/// ... plus this many seconds (so that short calls' jitter is no regression).
+pub const P90_SLACK_SECONDS: f64 = 0.1;
 
-/// Judges the canaries: their lease timeouts per call against the other pods'.
+/// Judges the canaries against the other pods on the signals users watch, each with its
+/// margin: lease timeouts per call, upstream 5xx per call, and p90 latency (the slowest
+/// canary's against the slowest other pod's; judged only when both served calls). The verdict
+/// names the first signal that regressed and both numbers.
 pub fn judge(canaries: &[Option<PodRates>], others: &[Option<PodRates>]) -> Verdict {
     if canaries.is_empty() || canaries.iter().any(Option::is_none) {
         return Verdict::Unknown("no metrics for the canary pods yet".into());
     }
-    let share = |pods: &[Option<PodRates>]| {
-        let (calls, timeouts) = pods.iter().flatten().fold((0.0, 0.0), |(c, t), r| {
-            (c + r.requests, t + r.lease_timeouts)
-        });
-        if calls > 0.0 { timeouts / calls } else { 0.0 }
+    let share = |pods: &[Option<PodRates>], of: fn(&PodRates) -> f64| {
+        let (calls, bad) = pods
+            .iter()
+            .flatten()
+            .fold((0.0, 0.0), |(c, b), r| (c + r.requests, b + of(r)));
+        if calls > 0.0 { bad / calls } else { 0.0 }
     };
-    let (canary, rest) = (share(canaries), share(others));
+    let (canary, rest) = (
+        share(canaries, |r| r.lease_timeouts),
+        share(others, |r| r.lease_timeouts),
+    );
     if canary > rest + REGRESSION_MARGIN {
-        Verdict::Regressed(format!(
+        return Verdict::Regressed(format!(
             "lease timeouts on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
             canary * 100.0,
             rest * 100.0
-        ))
-    } else {
-        Verdict::Healthy
+        ));
     }
+    let (canary, rest) = (
+        share(canaries, |r| r.upstream_5xx),
+        share(others, |r| r.upstream_5xx),
+    );
+    if canary > rest + UPSTREAM_5XX_MARGIN {
+        return Verdict::Regressed(format!(
+            "upstream 5xx on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
+            canary * 100.0,
+            rest * 100.0
+        ));
+    }
+    let slowest = |pods: &[Option<PodRates>]| {
+        pods.iter()
+            .flatten()
+            .filter_map(|r| r.p90.filter(|p| p.is_finite()))
+            .reduce(f64::max)
+    };
+    if let (Some(canary), Some(rest)) = (slowest(canaries), slowest(others))
+        && canary > rest * P90_RATIO + P90_SLACK_SECONDS
+    {
+        return Verdict::Regressed(format!(
+            "p90 latency {canary:.2} s on the canaries vs {rest:.2} s on the other pods (more than ×{P90_RATIO} + {P90_SLACK_SECONDS} s)"
+        ));
+    }
+    Verdict::Healthy
 }
 
 /// The next wave. `canary_since` is when the first pod acknowledged the revision (the runtime
@@ -199,6 +241,7 @@ mod tests {
 
     fn pod(name: &str, acked: Option<&str>) -> PodState {
         PodState {
+            generation: None,
             name: name.into(),
             desired: "new".into(),
             acked: acked.map(Into::into),
@@ -276,7 +319,58 @@ mod tests {
         PodRates {
             requests,
             lease_timeouts,
+            upstream_5xx: 0.0,
+            p90: Some(1.0),
         }
+    }
+
+    #[test]
+    fn judging_compares_5xx_per_call_and_p90_latency_naming_the_signal_and_both_numbers() {
+        let with = |upstream_5xx: f64, p90: Option<f64>| PodRates {
+            upstream_5xx,
+            p90,
+            ..rates(100.0, 0.0)
+        };
+        assert_eq!(
+            judge(
+                &[Some(with(12.0, Some(1.0)))],
+                &[Some(with(0.5, Some(1.0)))]
+            ),
+            Verdict::Regressed(
+                "upstream 5xx on 12.0% of the canaries' calls vs 0.5% on the other pods".into()
+            )
+        );
+        assert_eq!(
+            judge(&[Some(with(1.4, Some(1.0)))], &[Some(with(0.5, Some(1.0)))]),
+            Verdict::Healthy,
+            "within one percentage point"
+        );
+        assert_eq!(
+            judge(&[Some(with(0.0, Some(2.4)))], &[Some(with(0.0, Some(1.1)))]),
+            Verdict::Regressed(
+                "p90 latency 2.40 s on the canaries vs 1.10 s on the other pods (more than ×1.5 + 0.1 s)"
+                    .into()
+            )
+        );
+        assert_eq!(
+            judge(&[Some(with(0.0, Some(1.7)))], &[Some(with(0.0, Some(1.1)))]),
+            Verdict::Healthy,
+            "1.7 s is within 1.1 × 1.5 + 0.1"
+        );
+        assert_eq!(
+            judge(&[Some(with(0.0, Some(9.0)))], &[Some(with(0.0, None))]),
+            Verdict::Healthy,
+            "no calls on the other pods: latency is not compared"
+        );
+        // Lease timeouts are judged first.
+        let both = PodRates {
+            lease_timeouts: 4.0,
+            ..with(12.0, Some(1.0))
+        };
+        assert!(matches!(
+            judge(&[Some(both)], &[Some(with(0.0, Some(1.0)))]),
+            Verdict::Regressed(why) if why.starts_with("lease timeouts")
+        ));
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! ```
 //!
 //! Each step is its own module with its own error type. A policy that fails validation skips the
-//! rollout and reports `Accepted=False`; deleting a policy runs the cleanup (its backends leave
+//! rollout and reports `Accepted=False`; one in `mode: Recommend` (shadow mode) is planned the
+//! same way and its plan published instead of rolled out; deleting a policy runs the cleanup (its backends leave
 //! the gateways) behind a finalizer. A policy this operator cannot even read (written under a
 //! newer CRD, say) is reported in an `InvalidPolicy` Event and skipped: the others go on.
 
@@ -31,6 +32,7 @@ use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Client, Resource as _, ResourceExt};
 use parking_lot::{Mutex, RwLock};
 use poolpilot_api::ConnectionPolicy;
+use poolpilot_api::policy::Mode;
 use tokio::time::Instant;
 use tracing::{info, instrument, warn};
 
@@ -75,10 +77,25 @@ pub struct RolloutMemory {
     pub canary_since: BTreeMap<(String, String), Timestamp>,
     /// The highest generation a pod said it runs (409 answers), per namespace.
     pub seen_generation: BTreeMap<String, u64>,
+    /// The documents each pod acknowledged last and the one before, per (namespace, pod): a
+    /// regressed canary goes back to the one before.
+    pub sent: BTreeMap<(String, String), SentDocuments>,
+    /// Revisions whose canaries regressed and were rolled back, with why, per (namespace,
+    /// revision): the rollout stays halted until the policy changes (a new revision).
+    pub regressed: BTreeMap<(String, String), String>,
     /// The admin token Secret's value as last read, and the one before it, per namespace: after
     /// a rotation, pods whose mounted copy still holds the previous token get it (on a 401 to
     /// the new one) until the kubelet refreshes their copy.
     pub tokens: BTreeMap<String, (String, Option<String>)>,
+}
+
+/// The documents one pod acknowledged: the last and the one before it.
+#[derive(Clone, Debug, Default)]
+pub struct SentDocuments {
+    /// The last one.
+    pub current: Option<Arc<poolpilot_api::GatewayLimits>>,
+    /// The one before it (another revision).
+    pub previous: Option<Arc<poolpilot_api::GatewayLimits>>,
 }
 
 /// Everything the reconciler needs, shared by every reconcile.
@@ -272,6 +289,15 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     // 4. roll out (client and gateways required), only for an accepted policy (rendering may
     //    still reject one whose document does not validate)
     let report = match &verdict {
+        // Shadow mode: the same plan, published instead of rolled out.
+        Ok(()) if policy_plan.acceptance.is_accepted() && policy.spec.mode == Mode::Recommend => {
+            step(
+                m,
+                "rollout",
+                rollout::recommend(ctx, policy, &observed, &fleet),
+            )
+            .await?
+        }
         Ok(()) if policy_plan.acceptance.is_accepted() => {
             step(
                 m,

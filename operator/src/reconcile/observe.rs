@@ -185,7 +185,17 @@ pub fn observe<G: Gateways>(
                     (b.name.clone(), query)
                 })
                 .collect();
-            (p.key.clone(), pods, backends)
+            let ready = pods
+                .iter()
+                .filter(|name| gateway_pods.iter().any(|g| &g.name == *name && g.ready))
+                .cloned()
+                .collect();
+            Selection {
+                policy: p.key.clone(),
+                pods,
+                ready,
+                backends,
+            }
         })
         .collect();
     let samples = snapshot.samples(&ns, &selection, now, ctx.config.snapshot_max_age);

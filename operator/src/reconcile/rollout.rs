@@ -4,6 +4,7 @@
 //! Also the cleanup of a deleted policy: its pods get documents without its backends.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, Patch, PatchParams};
@@ -73,7 +74,31 @@ pub async fn roll_out<G: Gateways>(
     let Some(plan) = fleet.policy(&observed.focus) else {
         return Ok(RolloutReport::default());
     };
-    if let Some(doc) = &plan.document {
+    // Pods that never got a PUT follow the ConfigMap: a new document reaches it only once every
+    // pod runs its own (the first one at once, so that starting pods have limits). Before, a
+    // canary's document reached those pods through the ConfigMap before its verification.
+    // A document that only lowers shares and client limits (more pods to divide over) goes to
+    // the ConfigMap first, so that a pod starting meanwhile never takes more than its share.
+    let name = configmap_name(&policy.name_any());
+    let published: Option<Option<GatewayLimits>> = ctx
+        .stores
+        .configmaps
+        .state()
+        .iter()
+        .find(|cm| cm.namespace().as_deref() == Some(ns.as_str()) && cm.name_any() == name)
+        .map(|cm| {
+            cm.data
+                .as_ref()
+                .and_then(|d| d.get(DOCUMENT_KEY))
+                .and_then(|d| serde_json::from_str(d).ok())
+        });
+    let first = match (&published, &plan.document) {
+        (None, _) => true,
+        (Some(Some(old)), Some(new)) => only_lowers(old, new),
+        _ => false,
+    };
+    let published = published.is_some();
+    if first && let Some(doc) = &plan.document {
         apply_configmap(ctx, policy, doc).await?;
     }
 
@@ -89,12 +114,21 @@ pub async fn roll_out<G: Gateways>(
         .as_ref()
         .map(|d| d.revision.clone())
         .unwrap_or_default();
-    let since = ctx
-        .rollouts
-        .lock()
-        .canary_since
-        .get(&(ns.clone(), desired.clone()))
-        .copied();
+    // Verification starts when a canary is first seen on the revision: acknowledged by PUT,
+    // or (a pod whose own document is the ConfigMap's) loaded from the ConfigMap, which no PUT
+    // ever acknowledges.
+    let since = {
+        let mut memory = ctx.rollouts.lock();
+        let key = (ns.clone(), desired.clone());
+        if states
+            .iter()
+            .any(|p| p.acked.as_deref() == Some(p.desired.as_str()))
+        {
+            Some(*memory.canary_since.entry(key).or_insert(now))
+        } else {
+            memory.canary_since.get(&key).copied()
+        }
+    };
     let verdict = {
         let snapshot = ctx.snapshot.read();
         let max_age = ctx.config.snapshot_max_age;
@@ -107,8 +141,41 @@ pub async fn roll_out<G: Gateways>(
         };
         waves::judge(&rates(true), &rates(false))
     };
-    let wave = waves::next_wave(strategy, &states, since, &verdict, now);
-    let unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
+    // A revision whose canaries regressed stays halted (they were rolled back) until the policy
+    // changes: pushing it again would only repeat the regression.
+    let regressed = ctx
+        .rollouts
+        .lock()
+        .regressed
+        .get(&(ns.clone(), desired.clone()))
+        .cloned();
+    if let Some(why) = regressed {
+        return Ok(RolloutReport {
+            pods: states,
+            halted: Some(why),
+            ..RolloutReport::default()
+        });
+    }
+    let mut wave = waves::next_wave(strategy, &states, since, &verdict, now);
+    let mut unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
+    if let (waves::Verdict::Regressed(why), Some(_)) = (&verdict, &wave.halted) {
+        let canaries: Vec<String> = states
+            .iter()
+            .filter(|p| p.acked.as_deref() == Some(p.desired.as_str()))
+            .map(|p| p.name.clone())
+            .collect();
+        let (back, failed) = roll_back(ctx, observed, &canaries, now).await?;
+        unreachable.extend(failed);
+        let why = format!(
+            "canary regression: {why}; {back} of {} canary pod(s) rolled back to their previous document, the other pods never got revision {desired}",
+            canaries.len()
+        );
+        ctx.rollouts
+            .lock()
+            .regressed
+            .insert((ns.clone(), desired.clone()), why.clone());
+        wave.halted = Some(why);
+    }
 
     let states = pod_states(ctx, observed, fleet, &plan.live);
     let halted = wave.halted.or_else(|| {
@@ -117,11 +184,148 @@ pub async fn roll_out<G: Gateways>(
             .next()
             .map(|(pod, why)| format!("pod {pod} refused revision {desired}: {why}"))
     });
+    let complete = states
+        .iter()
+        .all(|p| p.acked.as_deref() == Some(p.desired.as_str()));
+    if published
+        && !first
+        && halted.is_none()
+        && complete
+        && let Some(doc) = &plan.document
+    {
+        apply_configmap(ctx, policy, doc).await?;
+    }
     Ok(RolloutReport {
         pods: states,
         unreachable,
         waiting: wave.waiting,
         halted,
+    })
+}
+
+/// Whether `new` differs from `old` only by lower (or equal) pool shares and client limits: what
+/// more pods to divide over make. Such a document may reach pods through the ConfigMap before
+/// the rollout's waves; anything else (an endpoint, a route, a timeout) goes through them.
+pub fn only_lowers(old: &GatewayLimits, new: &GatewayLimits) -> bool {
+    if old.backends.len() != new.backends.len()
+        || old.client_policies.len() != new.client_policies.len()
+    {
+        return false;
+    }
+    let mut same = new.clone();
+    same.revision.clone_from(&old.revision);
+    same.generation = old.generation;
+    for (b, o) in same.backends.iter_mut().zip(&old.backends) {
+        if b.name != o.name
+            || b.pool.max_connections_per_endpoint > o.pool.max_connections_per_endpoint
+        {
+            return false;
+        }
+        b.pool.max_connections_per_endpoint = o.pool.max_connections_per_endpoint;
+    }
+    for (c, o) in same.client_policies.iter_mut().zip(&old.client_policies) {
+        let lower = c.max_concurrency <= o.max_concurrency
+            && c.max_queue <= o.max_queue
+            && c.overrides.len() == o.overrides.len()
+            && c.overrides
+                .iter()
+                .zip(&o.overrides)
+                .all(|(a, b)| a.max_concurrency <= b.max_concurrency)
+            && match (&c.slow_calls, &o.slow_calls) {
+                (Some(a), Some(b)) => a.demoted_concurrency <= b.demoted_concurrency,
+                (None, None) => true,
+                _ => false,
+            };
+        if !lower {
+            return false;
+        }
+        c.max_concurrency = o.max_concurrency;
+        c.max_queue = o.max_queue;
+        for (a, b) in c.overrides.iter_mut().zip(&o.overrides) {
+            a.max_concurrency = b.max_concurrency;
+        }
+        if let (Some(a), Some(b)) = (&mut c.slow_calls, &o.slow_calls) {
+            a.demoted_concurrency = b.demoted_concurrency;
+        }
+    }
+    &same == old
+}
+
+/// Sends each of `canaries` the document it acknowledged before the current one, at a
+/// generation above everything issued (the planner's next documents go above it in turn).
+/// Returns how many took it, and the pods that could not be rolled back with why.
+async fn roll_back<G: Gateways>(
+    ctx: &Context<G>,
+    observed: &Observed,
+    canaries: &[String],
+    now: Timestamp,
+) -> Result<(usize, BTreeMap<String, String>), RolloutError> {
+    let ns = &observed.focus.namespace;
+    let mut failed = BTreeMap::new();
+    let mut documents = BTreeMap::new();
+    {
+        let mut memory = ctx.rollouts.lock();
+        let floor = memory.seen_generation.get(ns).copied().unwrap_or_default();
+        for pod in canaries {
+            let sent = memory.sent.get(&(ns.clone(), pod.clone()));
+            let (Some(current), Some(previous)) = (
+                sent.and_then(|s| s.current.clone()),
+                sent.and_then(|s| s.previous.clone()),
+            ) else {
+                failed.insert(
+                    pod.clone(),
+                    "no previous document known (the operator restarted, or the pod started from the ConfigMap's): it keeps the new one".to_owned(),
+                );
+                continue;
+            };
+            let mut doc = (*previous).clone();
+            doc.generation = current.generation.max(previous.generation).max(floor) + 1;
+            documents.insert(pod.clone(), Arc::new(doc));
+        }
+        // The planner's next documents go above the rolled-back ones.
+        if let Some(top) = documents.values().map(|d| d.generation).max() {
+            let seen = memory.seen_generation.entry(ns.clone()).or_default();
+            *seen = (*seen).max(top);
+        }
+    }
+    let pods: Vec<String> = documents.keys().cloned().collect();
+    let back = FleetPlan {
+        documents,
+        ..FleetPlan::default()
+    };
+    let unreachable = push(ctx, observed, &back, &pods, now).await?;
+    let rolled = pods.len() - unreachable.len();
+    failed.extend(unreachable);
+    if rolled > 0 {
+        warn!(namespace = %ns, pods = ?pods, "canary regression: rolled back");
+    }
+    Ok((rolled, failed))
+}
+
+/// The name of a policy's recommendation ConfigMap (`mode: Recommend`).
+pub fn recommended_configmap_name(policy: &str) -> String {
+    format!("{policy}-recommended")
+}
+
+/// Shadow mode (`mode: Recommend`): applies the document the policy would roll out to its
+/// `-recommended` ConfigMap (which no pod mounts), sends nothing to the pods and leaves the
+/// limits ConfigMap alone. The report says which pods already run the recommendation.
+pub async fn recommend<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    observed: &Observed,
+    fleet: &FleetPlan,
+) -> Result<RolloutReport, RolloutError> {
+    let Some(plan) = fleet.policy(&observed.focus) else {
+        return Ok(RolloutReport::default());
+    };
+    if let Some(doc) = &plan.document {
+        let name = recommended_configmap_name(&policy.name_any());
+        apply_document(ctx, policy, &name, doc).await?;
+    }
+    Ok(RolloutReport {
+        pods: pod_states(ctx, observed, fleet, &plan.live),
+        ..RolloutReport::default()
     })
 }
 
@@ -133,17 +337,20 @@ pub fn not_rolled_out(observed: &Observed, fleet: &FleetPlan) -> RolloutReport {
         .unwrap_or_default();
     let pods = live
         .iter()
-        .map(|name| PodState {
-            name: name.clone(),
-            desired: String::new(),
-            acked: observed
+        .map(|name| {
+            let acked = observed
                 .input
                 .pods
                 .iter()
                 .find(|p| &p.name == name)
-                .and_then(|p| p.acked.as_ref())
-                .map(|a| a.revision.clone()),
-            refused: None,
+                .and_then(|p| p.acked.as_ref());
+            PodState {
+                name: name.clone(),
+                desired: String::new(),
+                acked: acked.map(|a| a.revision.clone()),
+                generation: acked.map(|a| a.generation),
+                refused: None,
+            }
         })
         .collect();
     RolloutReport {
@@ -187,7 +394,18 @@ async fn apply_configmap<G: Gateways>(
     policy: &ConnectionPolicy,
     doc: &GatewayLimits,
 ) -> Result<(), RolloutError> {
-    let name = configmap_name(&policy.name_any());
+    apply_document(ctx, policy, &configmap_name(&policy.name_any()), doc).await
+}
+
+/// Server-side apply of ConfigMap `name` holding `doc`, owned by the policy (unless it already
+/// holds it).
+async fn apply_document<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    name: &str,
+    doc: &GatewayLimits,
+) -> Result<(), RolloutError> {
+    let name = name.to_owned();
     let ns = policy.namespace().unwrap_or_default();
     let body = serde_json::to_string_pretty(doc).map_err(RolloutError::Serialize)?;
     let generation = doc.generation.to_string();
@@ -249,11 +467,12 @@ fn pod_states<G: Gateways>(
                 .find(|p| p.namespace().as_deref() == Some(ns.as_str()) && &p.name_any() == name)
                 .map(|p| observe::instance(p))
                 .unwrap_or_default();
-            let acked = memory
+            let known = memory
                 .acked
                 .get(&(ns.clone(), name.clone(), instance))
-                .or(pod.acked.as_ref())
-                .map(|a| a.revision.clone());
+                .or(pod.acked.as_ref());
+            let acked = known.map(|a| a.revision.clone());
+            let generation = known.map(|a| a.generation);
             let refused = memory
                 .refused
                 .get(&(ns.clone(), name.clone(), desired.clone()))
@@ -262,6 +481,7 @@ fn pod_states<G: Gateways>(
                 name: name.clone(),
                 desired,
                 acked,
+                generation,
                 refused,
             })
         })
@@ -304,7 +524,7 @@ async fn push<G: Gateways>(
             if let (Err(PutError::Unauthorized), Some(previous)) = (&result, previous) {
                 result = ctx.gateways.put(ns, *addr, previous, doc).await;
             }
-            (name.clone(), doc.revision.clone(), result)
+            (name.clone(), doc.clone(), result)
         })
     });
     let results = futures::future::join_all(sends.collect::<Vec<_>>()).await;
@@ -318,9 +538,19 @@ async fn push<G: Gateways>(
         .map(|p| (p.name_any(), observe::instance(p)))
         .collect();
     let mut memory = ctx.rollouts.lock();
-    for (name, revision, result) in results {
+    for (name, doc, result) in results {
+        let revision = doc.revision.clone();
         let outcome = match result {
             Ok(ack) => {
+                let sent = memory.sent.entry((ns.clone(), name.clone())).or_default();
+                if sent
+                    .current
+                    .as_ref()
+                    .is_none_or(|c| c.revision != doc.revision)
+                {
+                    sent.previous = sent.current.take();
+                }
+                sent.current = Some(doc);
                 memory
                     .canary_since
                     .entry((ns.clone(), ack.revision.clone()))

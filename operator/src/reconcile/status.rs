@@ -6,6 +6,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
+use poolpilot_api::policy::Mode;
 use poolpilot_api::{ConnectionPolicy, ConnectionPolicyStatus};
 use serde_json::json;
 use tracing::warn;
@@ -40,7 +41,7 @@ pub async fn apply<G: Gateways>(
     let api: Api<ConnectionPolicy> =
         Api::namespaced(ctx.client.clone(), &policy.namespace().unwrap_or_default());
     let old = policy.status.clone().unwrap_or_default();
-    let events = events(&old, &status, plan);
+    let events = events(&old, &status, plan, policy.spec.mode);
     if policy.status.as_ref() != Some(&status) {
         let patch = json!({
             "apiVersion": "poolpilot.io/v1alpha1",
@@ -77,6 +78,7 @@ pub fn events(
     old: &ConnectionPolicyStatus,
     new: &ConnectionPolicyStatus,
     plan: &PolicyPlan,
+    mode: Mode,
 ) -> Vec<Event> {
     let mut out = Vec::new();
     let event = |type_, reason: &str, note: String, action: &str| Event {
@@ -88,6 +90,19 @@ pub fn events(
     };
     for b in &plan.backends {
         match &b.decision {
+            Some(Decision::ScaleUp(s) | Decision::ScaleDown(s)) if mode == Mode::Recommend => {
+                let reason = if s.to > s.from {
+                    "WouldScaleUp"
+                } else {
+                    "WouldScaleDown"
+                };
+                out.push(event(
+                    EventType::Normal,
+                    reason,
+                    format!("would scale {} {} → {}: {}", b.name, s.from, s.to, s.reason),
+                    "Recommend",
+                ));
+            }
             Some(Decision::ScaleUp(s)) => out.push(event(
                 EventType::Normal,
                 "ScaledUp",
@@ -263,7 +278,12 @@ mod tests {
             "OverBudget",
             "needs 1342 fds, pods allow 1024",
         )]);
-        let events = events(&old, &new, &plan(Some(Decision::ScaleUp(scale))));
+        let events = events(
+            &old,
+            &new,
+            &plan(Some(Decision::ScaleUp(scale))),
+            Mode::Enforce,
+        );
         let got: Vec<(&str, Option<&str>)> = events
             .iter()
             .map(|e| (e.reason.as_str(), e.note.as_deref()))
@@ -286,6 +306,7 @@ mod tests {
             &plan(Some(Decision::Steady {
                 recommendation: 540,
             })),
+            Mode::Enforce,
         )
     }
 
@@ -309,10 +330,15 @@ mod tests {
         });
         let told: Vec<Vec<String>> = (1..=5)
             .map(|held| {
-                events(&new, &new, &plan_held(Some(at_bound()), held))
-                    .into_iter()
-                    .map(|e| format!("{} {}", e.reason, e.note.unwrap_or_default()))
-                    .collect()
+                events(
+                    &new,
+                    &new,
+                    &plan_held(Some(at_bound()), held),
+                    Mode::Enforce,
+                )
+                .into_iter()
+                .map(|e| format!("{} {}", e.reason, e.note.unwrap_or_default()))
+                .collect()
             })
             .collect();
         assert_eq!(
@@ -329,7 +355,7 @@ mod tests {
             ]
         );
         assert!(
-            events(&new, &new, &plan_held(None, 3)).is_empty(),
+            events(&new, &new, &plan_held(None, 3), Mode::Enforce).is_empty(),
             "no decision this run, no Event"
         );
     }
@@ -343,7 +369,7 @@ mod tests {
             "RolledOut",
             "2/2 pods run their documents; ConfigMap revision abc (generation 3)",
         )]);
-        let e = events(&old, &done, &plan(None));
+        let e = events(&old, &done, &plan(None), Mode::Enforce);
         assert_eq!(e.len(), 1);
         assert_eq!(e[0].reason, "RolledOut");
         let halted = status(vec![cond(
@@ -352,7 +378,7 @@ mod tests {
             "Halted",
             "pod gw-0 refused revision abc: bad",
         )]);
-        let e = events(&old, &halted, &plan(None));
+        let e = events(&old, &halted, &plan(None), Mode::Enforce);
         assert_eq!(
             (e[0].reason.as_str(), e[0].type_),
             ("RolloutHalted", EventType::Warning)
@@ -382,22 +408,47 @@ mod tests {
             reason: "demand 450".into(),
         };
         let none = status(vec![]);
-        add(events(
+        let down = Scale {
+            from: 540,
+            to: 300,
+            ..scale.clone()
+        };
+        for mode in [Mode::Enforce, Mode::Recommend] {
+            add(events(
+                &none,
+                &none,
+                &plan(Some(Decision::ScaleUp(scale.clone()))),
+                mode,
+            ));
+            add(events(
+                &none,
+                &none,
+                &plan(Some(Decision::ScaleDown(down.clone()))),
+                mode,
+            ));
+        }
+        let shadow = events(
             &none,
             &none,
             &plan(Some(Decision::ScaleUp(scale.clone()))),
-        ));
+            Mode::Recommend,
+        );
+        assert_eq!(
+            shadow[0].note.as_deref(),
+            Some("would scale model-a 300 → 540: demand 450"),
+            "a recommendation tells what it would do"
+        );
         add(events(
             &none,
             &none,
-            &plan(Some(Decision::ScaleDown(scale))),
+            &plan_held(Some(at_bound()), 3),
+            Mode::Enforce,
         ));
-        add(events(&none, &none, &plan_held(Some(at_bound()), 3)));
         // Every documented condition state, reached from an empty status.
         for c in CONDITIONS {
             for r in c.reasons {
                 let new = status(vec![cond(c.type_, r.status, r.reason, "m")]);
-                add(events(&none, &new, &plan(None)));
+                add(events(&none, &new, &plan(None), Mode::Enforce));
             }
         }
         add(vec![

@@ -667,6 +667,8 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
         note.contains(&u64::MAX.to_string()) && note.contains("ignored"),
         "{note}"
     );
+    // The ConfigMap exists: it is rewritten once the pod runs the new document.
+    expect_token_secret(&mut api).await;
     let cm = with_timeout(expect(
         &mut api,
         Method::PATCH,
@@ -678,7 +680,6 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
         cm["metadata"]["annotations"]["poolpilot.io/generation"],
         "1"
     );
-    expect_token_secret(&mut api).await;
     expect_status_patch(&mut api, &p).await;
     reconciler.abort();
     assert_eq!(gateways.puts.lock()[0].2.generation, 1);
@@ -1010,5 +1011,87 @@ async fn a_gateway_whose_container_restarted_gets_its_document_again() {
         (first, again, after_restart),
         (1, 0, 1),
         "sent, acknowledged, and sent again once the container restarted"
+    );
+}
+
+#[tokio::test]
+async fn a_recommend_policy_publishes_its_document_and_sends_nothing_to_the_pods() {
+    let mut p = policy("models", 0);
+    p.spec.mode = poolpilot_api::policy::Mode::Recommend;
+    let pods = vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, FakeGateways::default());
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+
+    // The recommended document, never the limits ConfigMap nor the admin token (no PUT).
+    let cm = with_timeout(expect(
+        &mut api,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/configmaps/models-recommended",
+        json!({}),
+    ))
+    .await;
+    assert_eq!(cm["metadata"]["labels"]["poolpilot.io/policy"], "models");
+    let doc: GatewayLimits =
+        serde_json::from_str(cm["data"]["limits.json"].as_str().unwrap()).unwrap();
+    let status = expect_status_patch(&mut api, &p).await;
+    let s = &status["status"];
+    assert_eq!(s["revision"], doc.revision.as_str(), "status names it");
+    let rolled = condition(s, "RolledOut");
+    assert_eq!(
+        (&rolled["status"], &rolled["reason"]),
+        (&json!("False"), &json!("Recommending"))
+    );
+    assert!(
+        rolled["message"]
+            .as_str()
+            .unwrap()
+            .contains("in ConfigMap models-recommended"),
+        "{rolled}"
+    );
+    let ready = condition(s, "Ready");
+    assert_eq!(
+        (&ready["status"], &ready["reason"]),
+        (&json!("True"), &json!("Recommending"))
+    );
+    with_timeout(reconciler)
+        .await
+        .expect("the reconcile task ran")
+        .expect("the reconcile succeeded");
+    assert!(gateways.puts.lock().is_empty(), "nothing sent to the pods");
+}
+
+#[test]
+fn only_a_document_that_lowers_shares_and_client_limits_reaches_the_configmap_first() {
+    use crate::plan::tests::{pods, policy};
+    use crate::plan::{FleetInput, Memory, plan};
+    let spec = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: model-a\n  endpoints: {service: {name: model-a, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 64}\nautoscale: {enabled: false}\nclients: {identity: {header: authorization}, maxConcurrency: 12, maxQueue: 6}\n";
+    let document = |spec: &str, n: usize| {
+        let input = FleetInput {
+            policies: vec![policy("a", 0, spec, 2)],
+            pods: pods(n),
+            ..FleetInput::default()
+        };
+        let fleet = plan(&input, &mut Memory::default(), crate::plan::tests::at(0));
+        (*fleet.policies[0].document.clone().unwrap()).clone()
+    };
+    let three = document(spec, 3);
+    let six = document(spec, 6);
+    assert!(
+        six.backends[0].pool.max_connections_per_endpoint
+            < three.backends[0].pool.max_connections_per_endpoint
+    );
+    assert!(
+        rollout::only_lowers(&three, &six),
+        "more pods: lower shares first"
+    );
+    assert!(
+        !rollout::only_lowers(&six, &three),
+        "higher shares wait for the waves"
+    );
+    let mut moved = six.clone();
+    moved.backends[0].endpoints[0].address.set_port(9000);
+    assert!(
+        !rollout::only_lowers(&three, &moved),
+        "an endpoint change goes through the canary"
     );
 }

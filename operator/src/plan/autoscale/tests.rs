@@ -37,6 +37,8 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         saturation: SaturationSignal::NotConfigured,
         leased_now: None,
         pending_now: None,
+        unscraped: 0,
+        current: None,
     }
 }
 
@@ -843,6 +845,8 @@ impl Server {
             ttfb: Some(ttfb),
             window: WINDOW,
             saturation: SaturationSignal::NotConfigured,
+            unscraped: 0,
+            current: None,
         }
     }
 }

@@ -48,6 +48,8 @@ pub async fn run(stack: &Stack<'_>, plan: &Plan) -> anyhow::Result<Vec<RolloutRo
     let mut p = policy(Mode::StaticMax)?;
     let mut value = 8u32;
     set(&mut p, "/spec/clients/maxConcurrency", json!(value))?;
+    // Every pod runs the edited value itself (not its part of it).
+    set(&mut p, "/spec/clients/scope", json!("PerPod"))?;
     stack.apply(&p).await?;
     let mut rows = Vec::new();
     for &pods in &plan.rollout_pods {
