@@ -223,14 +223,17 @@ BENCH_TARGET_DIR ?= $(CACHE)/target-bench
 BENCH_BIN        := $(BENCH_TARGET_DIR)/release
 
 LOOP_BENCH_OUT   ?= e2e/bench/control-loop.md
+SOFT_THROTTLE_OUT ?= e2e/bench/soft-throttle.md
 
 .PHONY: bench
 bench: bench-peers cluster-up ## Proxy benchmarks beside HAProxy and nginx, control loop and operator scale on the embedded cluster, rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-bench
 	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT) --bin-dir $(BENCH_BIN)
+	POOLPILOT_BENCH_FRAGMENT=$(CURDIR)/$(SOFT_THROTTLE_OUT) CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) \
+		cargo test --release -p poolpilot-gateway --test soft_throttle -- --ignored
 	$(BENCH_BIN)/poolpilot-bench run --gateway-bin $(BENCH_BIN)/poolpilot-gateway \
 		--run-dir $(CACHE)/bench-run --out BENCHMARKS.md --analysis e2e/bench/analysis.md \
-		--include $(LOOP_BENCH_OUT)
+		--include $(LOOP_BENCH_OUT) --include $(SOFT_THROTTLE_OUT)
 
 .PHONY: bench-peers
 bench-peers: ## Install the benchmark peers when missing: haproxy, nginx, wrk, perf (Debian packages)

@@ -220,6 +220,27 @@ impl Cluster {
             .unwrap_or_default())
     }
 
+    /// Waits until the instant query `promql` answers `want` as its first sample's value (the
+    /// scrapes, the rule evaluations and the operator's writes take a moment to show).
+    pub async fn wait_prometheus_value(
+        &self,
+        what: &str,
+        promql: &str,
+        want: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        crate::eventually(what, timeout, || async {
+            let result = self.prometheus_query(promql).await?;
+            let value = result
+                .first()
+                .and_then(|s| s["value"][1].as_str())
+                .unwrap_or("none");
+            anyhow::ensure!(value == want, "{promql} = {value}");
+            Ok(())
+        })
+        .await
+    }
+
     /// The Kubernetes version the control plane reports.
     pub fn version(&self) -> &str {
         &self.marker.version

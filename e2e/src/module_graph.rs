@@ -627,7 +627,7 @@ mod tests {
     /// define types their children use, and call the children) and the gateway's (metrics and
     /// pool use each other). Every other target must have none; a target listed here that has
     /// none fails the test too, so that the list only shrinks.
-    const STILL_CIRCULAR: &[&str] = &["operator/src/lib.rs", "gateway/src/lib.rs"];
+    const STILL_CIRCULAR: &[&str] = &["operator/src/lib.rs"];
 
     #[test]
     fn no_module_of_the_workspace_imports_itself_through_a_circle() {

@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use poolpilot_e2e::credentials::server_name;
 use poolpilot_e2e::paths::cache_dir;
 use poolpilot_e2e::stack::{ADMIN_PORT, BackendSpec, Stack, StackSpec, WAIT, with_stack};
-use poolpilot_e2e::{Cluster, eventually};
+use poolpilot_e2e::Cluster;
 use tokio::io::AsyncWriteExt as _;
 
 /// `curl -s [args] URL`: the body, with the `Content-Type` it came with.
@@ -147,15 +147,8 @@ async fn both_binaries_answer_curl_and_promtool_in_the_text_format_and_prometheu
                 "1",
             ),
         ] {
-            eventually(what, WAIT, || async {
-                let result = cluster.prometheus_query(&promql).await?;
-                let value = result
-                    .first()
-                    .and_then(|s| s["value"][1].as_str())
-                    .unwrap_or("none");
-                anyhow::ensure!(value == want, "{promql} = {value}");
-                Ok(())
-            })
+            cluster
+            .wait_prometheus_value(what, &promql, want, WAIT)
             .await?;
         }
         Ok(())

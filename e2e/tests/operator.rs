@@ -311,6 +311,25 @@ async fn the_operator_accepts_a_policy_under_its_cluster_role_without_rbac_denia
     .await
 }
 
+/// `kubectl apply` of `yaml` in `ns`, which the API server must refuse: its stderr.
+async fn apply_refused(ns: &TestNamespace, yaml: &str) -> anyhow::Result<String> {
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), yaml)?;
+    let refused = output(
+        ns.cluster()
+            .kubectl()
+            .args(["apply", "-n", ns.name(), "-f"])
+            .arg(file.path()),
+    )
+    .await?;
+    let stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
+    anyhow::ensure!(
+        !refused.status.success(),
+        "the policy was accepted: {stderr}"
+    );
+    Ok(stderr)
+}
+
 async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> anyhow::Result<()> {
     let cluster = ns.cluster();
     ns.cluster().install_crd().await?;
@@ -385,20 +404,7 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
         invalid.contains("max: 40") && invalid.contains("firstByte: 150s"),
         "the sample changed; update this test's edits"
     );
-    let file = tempfile::NamedTempFile::new()?;
-    std::fs::write(file.path(), &invalid)?;
-    let refused = output(
-        cluster
-            .kubectl()
-            .args(["apply", "-n", ns.name(), "-f"])
-            .arg(file.path()),
-    )
-    .await?;
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success(),
-        "an invalid policy was accepted: {stderr}"
-    );
+    let stderr = apply_refused(ns, &invalid).await?;
     // The duration rule's message names the two values (messageExpression).
     for message in [
         "autoscale.max must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom) of any backend",
@@ -419,19 +425,7 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
         twice.matches("- name: model-a").count() == 2,
         "the sample changed; update this test's edits"
     );
-    std::fs::write(file.path(), &twice)?;
-    let refused = output(
-        cluster
-            .kubectl()
-            .args(["apply", "-n", ns.name(), "-f"])
-            .arg(file.path()),
-    )
-    .await?;
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success(),
-        "a duplicate backend was accepted"
-    );
+    let stderr = apply_refused(ns, &twice).await?;
     assert!(
         stderr.contains("spec.backends[1]: Duplicate value") && stderr.contains("model-a"),
         "{stderr}"
@@ -555,16 +549,9 @@ async fn accept_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> any
         "max(sum without (reason) (poolpilot_operator_policies{{namespace=\"{}\", condition=\"Accepted\", status=\"True\"}}))",
         ns.name()
     );
-    eventually("Prometheus sees one accepted policy", WAIT, || async {
-        let result = cluster.prometheus_query(&promql).await?;
-        let value = result
-            .first()
-            .and_then(|s| s["value"][1].as_str())
-            .unwrap_or("none");
-        anyhow::ensure!(value == "1", "{promql} = {value}");
-        Ok(())
-    })
-    .await?;
+    cluster
+        .wait_prometheus_value("Prometheus sees one accepted policy", &promql, "1", WAIT)
+        .await?;
 
     // While the policy lives, the leader logs its decisions: where a user reads them.
     kubectl_logs_works_as_on_any_cluster(ns, &pods).await?;

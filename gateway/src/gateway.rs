@@ -555,7 +555,21 @@ impl Gateway {
         m.clear_gauges();
         let snapshot = self.snapshot();
         for r in &snapshot.routes {
-            m.set_pool_gauges(&r.backend.name, &r.backend.pool.stats());
+            let stats = r.backend.pool.stats();
+            m.set_pool_pending(&r.backend.name, stats.pending);
+            for ep in &stats.endpoints {
+                m.set_endpoint_gauges(
+                    &r.backend.name,
+                    crate::metrics::EndpointGauges {
+                        endpoint: &ep.name,
+                        max: ep.max,
+                        healthy: ep.healthy,
+                        leased: ep.leased,
+                        idle: ep.idle,
+                        closing: ep.closing,
+                    },
+                );
+            }
         }
         let registry = self.inner.registry.lock();
         let mut by_label: HashMap<Arc<str>, u32> = HashMap::new();

@@ -28,6 +28,7 @@ pub mod error;
 pub mod gateway;
 pub mod head;
 pub mod health;
+pub mod labels;
 pub mod limiter;
 pub mod logging;
 pub mod metrics;

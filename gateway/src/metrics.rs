@@ -15,53 +15,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
+pub use crate::labels::CloseReason;
 use crate::signals::Signals;
-
-/// Why a pooled connection was closed (`reason` label).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CloseReason {
-    /// Idle longer than `idleTimeout`.
-    Idle,
-    /// Older than `maxLifetime`.
-    Lifetime,
-    /// The backend closed it.
-    PeerClosed,
-    /// It failed the validate-after-idle check.
-    ValidateFailed,
-    /// The cap shrank below the open count.
-    Shrink,
-    /// A call on it failed or was cut short.
-    Error,
-    /// A call on it timed out.
-    Timeout,
-    /// Its endpoint or backend left the limits.
-    Removed,
-    /// Its endpoint was drained by hand.
-    Drained,
-}
-
-impl CloseReason {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Idle => "idle",
-            Self::Lifetime => "lifetime",
-            Self::PeerClosed => "peer_closed",
-            Self::ValidateFailed => "validate_failed",
-            Self::Shrink => "shrink",
-            Self::Error => "error",
-            Self::Timeout => "timeout",
-            Self::Removed => "removed",
-            Self::Drained => "drained",
-        }
-    }
-}
-
-impl EncodeLabelValue for CloseReason {
-    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
-        self.as_str().encode(encoder)
-    }
-}
 
 /// Kinds of upstream timeout (`kind` label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -237,6 +192,18 @@ struct AdminReloadLabels {
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// One endpoint's pool as its gauges show it (`poolpilot_pool_max_connections`,
+/// `poolpilot_endpoint_healthy`, `poolpilot_pool_connections` by state).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EndpointGauges<'a> {
+    pub(crate) endpoint: &'a str,
+    pub(crate) max: u32,
+    pub(crate) healthy: bool,
+    pub(crate) leased: u32,
+    pub(crate) idle: u32,
+    pub(crate) closing: u32,
+}
 
 /// Every metric family of the gateway, registered in one registry. Cheap to clone; clones
 /// share the families.
@@ -576,37 +543,39 @@ impl Metrics {
         self.client_inflight.clear();
     }
 
-    pub(crate) fn set_pool_gauges(&self, backend: &str, stats: &crate::pool::PoolStats) {
+    pub(crate) fn set_pool_pending(&self, backend: &str, pending: u32) {
         self.pool_pending
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
             })
-            .set(stats.pending.into());
-        for ep in &stats.endpoints {
-            let labels = EndpointLabels {
+            .set(pending.into());
+    }
+
+    /// One endpoint's pool gauges, from the pool's live state at a scrape.
+    pub(crate) fn set_endpoint_gauges(&self, backend: &str, ep: EndpointGauges<'_>) {
+        let labels = EndpointLabels {
+            backend: backend.into(),
+            endpoint: ep.endpoint.to_owned(),
+        };
+        self.pool_max_connections
+            .get_or_create(&labels)
+            .set(ep.max.into());
+        self.endpoint_healthy
+            .get_or_create(&labels)
+            .set(ep.healthy.into());
+        for (state, value) in [
+            ("leased", ep.leased),
+            ("idle", ep.idle),
+            ("closing", ep.closing),
+        ] {
+            let labels = ConnectionLabels {
                 backend: backend.into(),
-                endpoint: ep.name.clone(),
+                endpoint: ep.endpoint.to_owned(),
+                state,
             };
-            self.pool_max_connections
+            self.pool_connections
                 .get_or_create(&labels)
-                .set(ep.max.into());
-            self.endpoint_healthy
-                .get_or_create(&labels)
-                .set(ep.healthy.into());
-            for (state, value) in [
-                ("leased", ep.leased),
-                ("idle", ep.idle),
-                ("closing", ep.closing),
-            ] {
-                let labels = ConnectionLabels {
-                    backend: backend.into(),
-                    endpoint: ep.name.clone(),
-                    state,
-                };
-                self.pool_connections
-                    .get_or_create(&labels)
-                    .set(value.into());
-            }
+                .set(value.into());
         }
     }
 

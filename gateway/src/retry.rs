@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::time::Instant;
 
+pub use crate::labels::Timing;
 use crate::limiter::ClientKey;
 
 /// Refusals remembered at most; beyond it the oldest is forgotten.
@@ -41,25 +42,6 @@ impl Default for EarlyRetryConfig {
     fn default() -> Self {
         Self {
             penalty_factor: Self::default_factor(),
-        }
-    }
-}
-
-/// How a call came back after a refusal.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Timing {
-    /// Before its `Retry-After` passed.
-    Early,
-    /// After.
-    OnTime,
-}
-
-impl Timing {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Early => "early",
-            Self::OnTime => "on_time",
         }
     }
 }

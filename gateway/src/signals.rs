@@ -21,7 +21,7 @@ use prometheus_client::registry::{Registry, Unit};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::metrics::CloseReason;
+use crate::labels::{CloseReason, Timing};
 
 /// The client class of calls on a route without client policy, and of connection-level reclaims.
 pub const NO_CLIENT: &str = "none";
@@ -248,7 +248,7 @@ impl Signals {
     }
 
     /// A client of `client` class came back after a refusal.
-    pub(crate) fn retried(&self, client: &str, timing: crate::retry::Timing) {
+    pub(crate) fn retried(&self, client: &str, timing: Timing) {
         self.retries
             .get_or_create(&RetryLabels {
                 client: client.into(),

@@ -2,7 +2,9 @@
 //! with 500. Under the Progressive rollout the canary pod gets the new document first; at the
 //! end of its verification its upstream 5xx share is far above the other pods', so the rollout
 //! halts, the canary is rolled back to its previous document, the condition names the signal
-//! with both numbers, and the other pods never get the new document.
+//! with both numbers, and the other pods never get the new document. Then a good edit rolls out
+//! in waves: the canary, its verification, the rest; drawn into
+//! `<cache>/plots/e2e-rollout-waves.svg`.
 
 use std::time::Duration;
 
@@ -163,6 +165,91 @@ async fn a_canary_answering_5xx_is_rolled_back_and_the_rest_never_get_its_docume
             "RolloutHalted Event",
             event.message.unwrap_or_default(),
         );
+
+        // === a good edit rolls out in waves: the canary, its verification, then the rest ===
+        set(
+            &mut policy,
+            "/spec/backends/0/endpoints/service/name",
+            json!("model-a"),
+        )?;
+        set(&mut policy, "/spec/backends/0/pool/maxPending", json!(200))?;
+        stack.apply(&policy).await?;
+        let edited = Instant::now();
+        let mut took: Vec<Option<f64>> = vec![None; gateways.len()];
+        let mut timeline: Vec<(f64, f64)> = vec![(0.0, 0.0)];
+        while took.iter().any(Option::is_none) {
+            anyhow::ensure!(
+                edited.elapsed() < WAIT,
+                "the good edit did not reach every pod within {WAIT:?}: {took:?}"
+            );
+            for (i, g) in gateways.iter().enumerate() {
+                if took[i].is_none() {
+                    let l = g.limits().await?;
+                    if l.revision != before[i] && l.backends.first().is_some_and(|b| b.pool.max_pending == 200) {
+                        took[i] = Some(edited.elapsed().as_secs_f64());
+                    }
+                }
+            }
+            let at = edited.elapsed().as_secs_f64();
+            let on = took.iter().flatten().count() as f64;
+            if timeline.last().is_some_and(|(_, n)| *n != on) {
+                timeline.push((at, timeline.last().map_or(0.0, |p| p.1)));
+            }
+            timeline.push((at, on));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let took: Vec<f64> = took.into_iter().flatten().collect();
+        let canary_at = took[0];
+        let rest_at = took[1..].iter().copied().fold(f64::INFINITY, f64::min);
+        let verify = (INTERVAL * VERIFY_INTERVALS).as_secs_f64();
+        assert!(
+            rest_at >= canary_at + verify - 1.0,
+            "the other pods wait for the canary's verification ({verify}s): canary {canary_at:.1}s, rest {took:?}"
+        );
+        stack.wait_condition(POLICY, "RolledOut", "True", WAIT).await?;
+        figure(
+            SCENARIO,
+            "good edit: canary / rest seconds",
+            format!(
+                "{canary_at:.1} / {} (verification {verify}s)",
+                took[1..]
+                    .iter()
+                    .map(|t| format!("{t:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        );
+        let picture = poolpilot_e2e::pool_view::plot_path("e2e-rollout-waves");
+        if let Some(dir) = picture.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        poolpilot_plot::time_chart(
+            &picture,
+            &poolpilot_plot::TimeChart {
+                title: format!(
+                    "a Progressive rollout to {} gateways: 1 canary, verified for {VERIFY_INTERVALS} × {}s",
+                    gateways.len(),
+                    INTERVAL.as_secs()
+                ),
+                left_label: "pods running the new document".into(),
+                left: vec![poolpilot_plot::Series {
+                    name: "pods on the new document".into(),
+                    points: timeline,
+                }],
+                markers: vec![
+                    poolpilot_plot::Marker {
+                        x: canary_at,
+                        label: "canary".into(),
+                    },
+                    poolpilot_plot::Marker {
+                        x: rest_at,
+                        label: "verified: the rest".into(),
+                    },
+                ],
+                ..poolpilot_plot::TimeChart::default()
+            },
+        )?;
+        figure(SCENARIO, "picture", picture.display());
         load.stop().await;
         Ok(())
     })

@@ -172,15 +172,8 @@ async fn happy_path_policy_ready_and_rolled_out_to_every_gateway() -> anyhow::Re
             ),
         ] {
             let want = if what.contains("gateway") { "3" } else { "2" };
-            eventually(what, WAIT, || async {
-                let result = cluster.prometheus_query(&promql).await?;
-                let value = result
-                    .first()
-                    .and_then(|s| s["value"][1].as_str())
-                    .unwrap_or("none");
-                anyhow::ensure!(value == want, "{promql} = {value}");
-                Ok(())
-            })
+            cluster
+            .wait_prometheus_value(what, &promql, want, WAIT)
             .await?;
         }
 
