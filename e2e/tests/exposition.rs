@@ -7,10 +7,10 @@
 use std::process::Stdio;
 
 use anyhow::Context as _;
+use poolpilot_e2e::Cluster;
 use poolpilot_e2e::credentials::server_name;
 use poolpilot_e2e::paths::cache_dir;
 use poolpilot_e2e::stack::{ADMIN_PORT, BackendSpec, Stack, StackSpec, WAIT, with_stack};
-use poolpilot_e2e::Cluster;
 use tokio::io::AsyncWriteExt as _;
 
 /// `curl -s [args] URL`: the body, with the `Content-Type` it came with.

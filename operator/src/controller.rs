@@ -243,12 +243,21 @@ impl Term {
         let c = &self.client;
         // Policies this operator cannot read arrive as errors, reported and skipped one by one,
         // instead of failing the whole list and with it every other policy's reconcile.
-        let controller = Controller::new(
-            self.scope.api::<DeserializeGuard<ConnectionPolicy>>(c),
-            watcher::Config::default(),
+        // The policy cache keeps no server-side-apply bookkeeping either.
+        let (policies, writer) = reflector::store();
+        let watch = reflector::reflector(
+            writer,
+            watcher(
+                self.scope.api::<DeserializeGuard<ConnectionPolicy>>(c),
+                watcher::Config::default(),
+            )
+            .modify(strip_bookkeeping::<DeserializeGuard<ConnectionPolicy>>),
         )
-        .with_config(controller::Config::default().concurrency(self.args.concurrent_reconciles));
-        let policies = controller.store();
+        .default_backoff()
+        .touched_objects();
+        let controller = Controller::for_stream(watch, policies.clone()).with_config(
+            controller::Config::default().concurrency(self.args.concurrent_reconciles),
+        );
         // `poolpilot_operator_leader` is 1 and `poolpilot_operator_policies` counts from this
         // cache while this replica leads.
         let _leading = self.metrics.leading(policies.clone());
