@@ -83,11 +83,10 @@ impl AsyncRead for SharedStream {
     ) -> Poll<io::Result<()>> {
         loop {
             ready!(self.0.poll_read_ready(cx))?;
-            match self.0.try_read(buf.initialize_unfilled()) {
-                Ok(n) => {
-                    buf.advance(n);
-                    return Poll::Ready(Ok(()));
-                }
+            // Into the buffer's uninitialised part as it is (hyper's read buffer is large and
+            // fresh on every read: zeroing it first would cost a memset per read).
+            match self.0.try_read_buf(buf) {
+                Ok(_) => return Poll::Ready(Ok(())),
                 // Readiness was stale (try_read cleared it): wait again.
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Poll::Ready(Err(e)),
