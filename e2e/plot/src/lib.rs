@@ -66,11 +66,13 @@ fn axis_top(values: impl Iterator<Item = f64>, floor: f64) -> f64 {
 /// Writes `chart` as an SVG file at `path`.
 pub fn time_chart(path: &Path, chart: &TimeChart) -> anyhow::Result<()> {
     let all = chart.left.iter().chain(&chart.right);
+    // A little room after the last point.
     let x_end = axis_top(
         all.flat_map(|s| s.points.iter().map(|p| p.0))
             .chain(chart.markers.iter().map(|m| m.x)),
         1.0,
-    ) / 1.1;
+    ) / 1.1
+        * 1.04;
     let left_top = axis_top(
         chart.left.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
         1.0,
@@ -112,10 +114,19 @@ pub fn time_chart(path: &Path, chart: &TimeChart) -> anyhow::Result<()> {
             BLACK.mix(0.5).stroke_width(1),
         )))
         .context("marker")?;
+        // Labels of markers in the right half end at their line, the others start there, so
+        // that none runs off the picture; below the legend's height.
+        let anchor = if m.x > x_end / 2.0 {
+            HPos::Right
+        } else {
+            HPos::Left
+        };
+        let style =
+            TextStyle::from(("sans-serif", 13).into_font()).pos(Pos::new(anchor, VPos::Top));
         ctx.draw_series(std::iter::once(Text::new(
-            m.label.clone(),
-            (m.x, left_top * 0.97),
-            ("sans-serif", 13),
+            format!(" {} ", m.label),
+            (m.x, left_top * 0.80),
+            style,
         )))
         .context("marker label")?;
     }
