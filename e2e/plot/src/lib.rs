@@ -63,6 +63,23 @@ fn axis_top(values: impl Iterator<Item = f64>, floor: f64) -> f64 {
     (max * 1.1).max(floor)
 }
 
+/// Draws a chart's legend at `position`, on a light background.
+fn legend<'a, 'b, DB, CT>(
+    mut labels: plotters::chart::SeriesLabelStyle<'a, 'b, DB, CT>,
+    position: SeriesLabelPosition,
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    CT: CoordTranslate,
+{
+    labels
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.3))
+        .draw()
+        .map_err(|e| anyhow::anyhow!("legend: {e}"))
+}
+
 /// Writes `chart` as an SVG file at `path`.
 pub fn time_chart(path: &Path, chart: &TimeChart) -> anyhow::Result<()> {
     let all = chart.left.iter().chain(&chart.right);
@@ -150,15 +167,12 @@ pub fn time_chart(path: &Path, chart: &TimeChart) -> anyhow::Result<()> {
         .label(format!("{} (right axis)", s.name))
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(1)));
     }
-    ctx.configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.3))
-        .draw()
-        .context("legend")?;
+    legend(
+        ctx.configure_series_labels(),
+        SeriesLabelPosition::UpperLeft,
+    )?;
     root.present()
-        .with_context(|| format!("write {}", path.display()))?;
-    Ok(())
+        .with_context(|| format!("write {}", path.display()))
 }
 
 /// Values per category (a load level) and group (a peer), drawn as grouped bars.
@@ -249,15 +263,12 @@ pub fn grouped_bars(path: &Path, chart: &BarChart) -> anyhow::Result<()> {
         ))
         .context("reference")?;
     }
-    ctx.configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.3))
-        .draw()
-        .context("legend")?;
+    legend(
+        ctx.configure_series_labels(),
+        SeriesLabelPosition::UpperRight,
+    )?;
     root.present()
-        .with_context(|| format!("write {}", path.display()))?;
-    Ok(())
+        .with_context(|| format!("write {}", path.display()))
 }
 
 #[cfg(test)]
