@@ -49,10 +49,6 @@ pub fn outside_citations(root: &Path) -> Vec<String> {
     let patterns = patterns();
     let mut found = Vec::new();
     for path in readable_files(root) {
-        // This file's tests show the patterns catching their examples.
-        if path.ends_with("e2e/src/standalone.rs") {
-            continue;
-        }
         let Ok(text) = std::fs::read_to_string(&path) else {
             continue;
         };
@@ -73,17 +69,18 @@ mod tests {
     #[test]
     fn the_patterns_catch_each_kind_of_citation_and_nothing_else() {
         let p = patterns();
+        // Built from parts, like the patterns, so that this file cites nothing itself.
         for cited in [
-            "see DESIGN §4",
-            "DESIGN.md §5 step 3",
-            "Covers issue 5's acceptance",
-            "Issue #12",
-            "seed 1's numbers",
-            "Seed 2 pinned this",
-            "the seed-1 flash crowd",
-            "in ../shared/seeds/",
+            ["see DESIGN", " §4"].concat(),
+            ["DESIGN.md", " §5 step 3"].concat(),
+            ["Covers issue", " 5's acceptance"].concat(),
+            ["Issue", " #12"].concat(),
+            ["seed", " 1's numbers"].concat(),
+            ["Seed", " 2 pinned this"].concat(),
+            ["the seed", "-1 flash crowd"].concat(),
+            ["in ..", "/sha", "red/seeds/"].concat(),
         ] {
-            assert!(p.is_match(cited), "{cited}");
+            assert!(p.is_match(&cited), "{cited}");
         }
         for fine in [
             "Seed of the random draws",
