@@ -19,6 +19,7 @@ pub mod autoscale;
 pub mod conditions;
 pub mod fds;
 pub mod memo;
+pub mod priority;
 pub mod render;
 pub mod selector;
 pub mod status;
@@ -141,6 +142,8 @@ pub struct BackendSample {
     /// What the selected pods run now: the sum of their pools' caps for the backend
     /// (`poolpilot_pool_max_connections`), for `autoscale.startFrom: Current`.
     pub current: Option<f64>,
+    /// The demand per priority class, interactive first (reported, not planned on).
+    pub classes: [priority::ClassSample; 2],
 }
 
 /// A backend's own saturation signal (`spec.backends[].saturation.query`) in a sample.

@@ -308,6 +308,7 @@ fn document(
                         name: o.name.clone(),
                         key_sha256: o.client.key_sha256.clone(),
                         max_concurrency: part(o.max_concurrency, 1),
+                        class: o.class.map(super::priority::class),
                     })
                     .collect(),
                 slow_calls: c.slow_calls.as_ref().map(|s| SlowCalls {
@@ -318,6 +319,7 @@ fn document(
                     min_calls: s.min_calls,
                 }),
                 max_clients: c.max_clients,
+                priority: super::priority::render(c),
             });
             name
         });
