@@ -305,21 +305,19 @@ impl ClientLimiter {
                 let mut state = self.inner.state.lock();
                 let now = Instant::now();
                 let limit = state.limit(&key, now);
-                let client = state.clients.get_mut(&key).filter(|c| c.queue.contains(id));
-                match client {
-                    Some(c) => {
-                        c.queue.remove(id);
-                        let err = ClientRejection::QueueTimeout {
-                            client: label.clone(),
-                            waited: start.elapsed(),
-                            retry_after: c.retry_after(limit, now, queue_timeout),
-                        };
-                        self.inner.metrics.client_rejected(&label, err.reason());
-                        state.settle(&key, now);
-                        return Err(err);
-                    }
-                    // Admitted while the timer fired: the slot is ours.
-                    _ => {}
+                // Still queued: it timed out. Gone: admitted while the timer fired, the slot
+                // is ours.
+                if let Some(c) = state.clients.get_mut(&key)
+                    && c.queue.remove(id).is_some()
+                {
+                    let err = ClientRejection::QueueTimeout {
+                        client: label.clone(),
+                        waited: start.elapsed(),
+                        retry_after: c.retry_after(limit, now, queue_timeout),
+                    };
+                    self.inner.metrics.client_rejected(&label, err.reason());
+                    state.settle(&key, now);
+                    return Err(err);
                 }
             }
         }

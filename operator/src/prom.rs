@@ -217,6 +217,9 @@ fn prom_duration(d: Duration) -> String {
     format!("{}s", d.as_secs().max(1))
 }
 
+/// Values per (namespace, pod, backend, priority class).
+pub type ByClass = BTreeMap<(String, String, String, String), f64>;
+
 /// One query's rows: labels and a finite value. `None`: the query failed.
 pub type Rows = Option<Vec<(HashMap<String, String>, f64)>>;
 
@@ -236,9 +239,9 @@ pub struct Snapshot {
     /// Pending lease requests at the latest scrape, per (namespace, pod, backend).
     pub pending_now: Option<BTreeMap<(String, String, String), f64>>,
     /// Connections held per (namespace, pod, backend, class), averaged over the window.
-    pub class_leased: Option<BTreeMap<(String, String, String, String), f64>>,
+    pub class_leased: Option<ByClass>,
     /// Pending lease requests per (namespace, pod, backend, class), averaged over the window.
-    pub class_pending: Option<BTreeMap<(String, String, String, String), f64>>,
+    pub class_pending: Option<ByClass>,
     /// The pools' caps (per endpoint) at the latest scrape, per (namespace, pod, backend).
     pub max_connections: Option<BTreeMap<(String, String, String), f64>>,
     /// Calls completed without a 5xx per second, per (namespace, pod, backend).
@@ -434,8 +437,7 @@ impl Snapshot {
                 };
                 // A class's demand: summed over the pods like the totals; missing when any
                 // pod lacks it (a gateway too old to report classes) or one is unscraped.
-                let class_gauge = |m: &Option<BTreeMap<(String, String, String, String), f64>>,
-                                   class: &str| {
+                let class_gauge = |m: &Option<ByClass>, class: &str| {
                     let m = m.as_ref()?;
                     let vals: Vec<f64> = pods
                         .iter()
