@@ -544,7 +544,9 @@ pub enum PriorityClassSpec {
     Batch,
 }
 
-/// How calls get their priority class, and how batch calls are treated.
+/// How calls get their priority class, and how batch calls are treated. A full pool queue
+/// (`pool.maxPending`) takes an interactive call in place of its newest batch waiter, which is
+/// answered 503 as on a full queue.
 ///
 /// Who picks the class: an override's `class` pins its client's calls (the header is not
 /// read); otherwise a call sending `header` with `batch` is batch (a call may always lower

@@ -99,6 +99,11 @@ impl<T> ClassQueue<T> {
         self.fifo[class.index()].pop_front()
     }
 
+    /// Takes the newest waiter of one class (the last in its line).
+    pub fn pop_back(&mut self, class: PriorityClass) -> Option<Entry<T>> {
+        self.fifo[class.index()].pop_back()
+    }
+
     /// The class whose head is served next: the head of smallest rank (see the module doc),
     /// interactive on a tie. With `batch_allowed` false (batch holds its share cap) only an
     /// interactive head may be served: batch waits, interactive passes it.

@@ -127,12 +127,13 @@ async fn a_saturated_pool_serves_interactive_calls_before_the_batch_calls_queued
         "a caller may lower itself to batch"
     );
     // Four interactive calls over 2 connections of 100ms calls: served in two rounds, within
-    // ~200ms, ahead of the six batch calls that queued 40ms before them (those wait 300ms+).
+    // ~200ms, ahead of the six batch calls that queued 40ms before them (the last of those
+    // waits three rounds more). Slack for a loaded machine: a round may take longer.
     let worst_interactive = interactive_waits.iter().copied().fold(0.0, f64::max);
     let batch_waits: Vec<f64> = nightly.iter().map(|l| wait(l)).collect();
     let worst_batch = batch_waits.iter().copied().fold(0.0, f64::max);
     assert!(
-        worst_interactive < 250.0,
+        worst_interactive < 350.0,
         "interactive waited up to {worst_interactive}ms"
     );
     assert!(

@@ -516,10 +516,19 @@ impl<C: Connect> Pool<C> {
                 let rx = &mut waiting.rx;
                 match waited {
                     Ok(Ok(grant)) => grant,
-                    // The sender is only dropped when the pool is retired.
+                    // The sender is dropped when the pool is retired, or when an interactive
+                    // call took this batch waiter's place in a full queue.
                     Ok(Err(_)) => {
-                        return Err(PoolError::Retired {
+                        let state = self.inner.state.lock();
+                        if state.retired {
+                            return Err(PoolError::Retired {
+                                backend: self.inner.backend.clone(),
+                            });
+                        }
+                        return Err(PoolError::QueueFull {
                             backend: self.inner.backend.clone(),
+                            pending: state.waiters.len(),
+                            retry_after: state.retry_after(Instant::now()),
                         });
                     }
                     Err(_elapsed) => {
@@ -955,11 +964,18 @@ impl<C: Connect> Inner<C> {
             });
         }
         if state.waiters.len() >= state.limits.max_pending as usize {
-            return Err(PoolError::QueueFull {
-                backend: self.backend.clone(),
-                pending: state.waiters.len(),
-                retry_after: state.retry_after(now),
-            });
+            // A full queue takes an interactive call in place of its newest batch waiter, which
+            // is refused as if it had found the queue full (its sender dropped: see `lease_as`):
+            // batch callers cannot fill the queue against interactive ones.
+            let bumped = class == PriorityClass::Interactive
+                && state.waiters.pop_back(PriorityClass::Batch).is_some();
+            if !bumped {
+                return Err(PoolError::QueueFull {
+                    backend: self.backend.clone(),
+                    pending: state.waiters.len(),
+                    retry_after: state.retry_after(now),
+                });
+            }
         }
         let (tx, mut rx) = oneshot::channel();
         let id = state.next_waiter_id;

@@ -1168,3 +1168,41 @@ proptest::proptest! {
         proptest::prop_assert_eq!(times.len(), arrivals.len());
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_takes_an_interactive_call_in_place_of_its_newest_batch_waiter() {
+    let (pool, _) = pool(1, 1);
+    pool.set_priority(priority(100, None));
+    let held = pool.lease().await.unwrap();
+    // maxPending 4: fill it with batch waiters.
+    let mut batch = Vec::new();
+    for _ in 0..4 {
+        let pool = pool.clone();
+        batch.push(tokio::spawn(async move {
+            pool.lease_as(PriorityClass::Batch).await.map(drop)
+        }));
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(pool.stats().classes[1].pending, 4);
+    assert!(matches!(
+        pool.lease_as(PriorityClass::Batch).await,
+        Err(PoolError::QueueFull { pending: 4, .. })
+    ));
+    let interactive = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(drop) })
+    };
+    tokio::task::yield_now().await;
+    let stats = pool.stats();
+    assert_eq!((stats.classes[0].pending, stats.classes[1].pending), (1, 3));
+    let newest = batch.pop().unwrap().await.unwrap();
+    assert!(
+        matches!(newest, Err(PoolError::QueueFull { .. })),
+        "the newest batch waiter is refused as on a full queue: {newest:?}"
+    );
+    drop(held);
+    interactive
+        .await
+        .unwrap()
+        .expect("the interactive call is served first");
+}
