@@ -11,10 +11,9 @@ use std::time::Duration;
 use parking_lot::RwLock;
 use prometheus_http_query::response::Data;
 
+use crate::plan::time::{Timestamp, elapsed};
 use crate::plan::waves::PodRates;
-use crate::plan::{
-    Acked, BackendSample, PodSample, PolicyKey, Samples, SaturationSignal, Timestamp, elapsed,
-};
+use crate::plan::{Acked, BackendSample, PodSample, PolicyKey, Samples, SaturationSignal};
 
 /// Why a Prometheus query failed.
 #[derive(Debug, thiserror::Error)]
