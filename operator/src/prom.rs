@@ -13,11 +13,10 @@ use prometheus_http_query::response::Data;
 
 use poolpilot_api::limits::PriorityClass;
 
-use crate::plan::priority::ClassSample;
+use crate::plan::input::ClassSample;
+use crate::plan::time::{Timestamp, elapsed};
 use crate::plan::waves::PodRates;
-use crate::plan::{
-    Acked, BackendSample, PodSample, PolicyKey, Samples, SaturationSignal, Timestamp, elapsed,
-};
+use crate::plan::{Acked, BackendSample, PodSample, PolicyKey, Samples, SaturationSignal};
 
 /// Why a Prometheus query failed.
 #[derive(Debug, thiserror::Error)]

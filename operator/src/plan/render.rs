@@ -14,9 +14,10 @@ use poolpilot_api::limits::{
 use poolpilot_api::policy::{BackendSpec, ClientScope, TrustedProxyProtocol};
 use sha2::{Digest, Sha256};
 
-use super::fds;
+use super::budget;
+use super::input::{Acked, FleetInput, GatewayPod, PolicyInput};
+use super::output::PolicyPlan;
 use super::validate::Acceptance;
-use super::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyPlan};
 
 /// Renders every pod's document (pods no accepted policy selects get an empty one, which removes
 /// backends of deleted policies), and stores in each accepted plan its ConfigMap's document: the
@@ -288,7 +289,7 @@ fn document(
         let client_policy = policy.spec.clients.as_ref().map(|c| {
             let part = |limit: u32, floor: u32| match c.scope {
                 ClientScope::PerPod => limit,
-                ClientScope::Fleet => fds::fleet_part(limit, plan.holders.len(), rank, floor),
+                ClientScope::Fleet => budget::fleet_part(limit, plan.holders.len(), rank, floor),
             };
             let max_concurrency = part(c.max_concurrency, 1);
             let name = client_policy_name(&policy.key.name, &mut used_names);

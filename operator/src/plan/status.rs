@@ -11,9 +11,12 @@ use poolpilot_api::policy::{
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
 use super::conditions::{Computed, Kind, Status, merge};
+use super::input::PolicyInput;
+use super::memory::Memory;
+use super::output::PolicyPlan;
+use super::time::Timestamp;
 use super::validate::Acceptance;
 use super::waves::{PodState, refusals, updated_count};
-use super::{Memory, PolicyInput, PolicyPlan, Timestamp};
 
 /// How the rollout went for one policy's ready selected pods.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -13,10 +13,10 @@ use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 use serde_json::json;
 use tracing::{info, warn};
 
+use super::context::{Context, FIELD_MANAGER};
 use super::observe::{
     self, DOCUMENT_KEY, GENERATION_ANNOTATION, MANAGED_BY, Observed, REVISION_ANNOTATION,
 };
-use super::{Context, FIELD_MANAGER};
 use crate::gateway::{Gateways, PutError};
 use crate::metrics::OutcomeLabel;
 use crate::plan::status::RolloutReport;

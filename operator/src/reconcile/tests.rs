@@ -4,14 +4,17 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{Method, Request, Response};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::Client;
 use kube::client::Body;
 use kube::core::DeserializeGuard;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
 use parking_lot::Mutex;
@@ -21,7 +24,8 @@ use tower_test::mock::{self, Handle};
 
 use super::*;
 use crate::gateway::{Gateways, PutError};
-use crate::plan::Acked;
+use crate::metrics::Metrics;
+use crate::plan::{Acked, Timestamp};
 
 type ApiHandle = Handle<Request<Body>, Response<Body>>;
 
@@ -1004,6 +1008,99 @@ fn failure_events_name_each_step_and_fit_the_note_limit() {
     assert!(note.len() <= 1000, "{} bytes", note.len());
     assert!(note.ends_with('…'));
     assert_eq!(event_note("short"), "short");
+}
+
+/// The Events of status changes and decisions (built with the status step's test plans) and of
+/// failures, next to the API's list of Event reasons.
+mod event_catalogue {
+    use kube::runtime::events::{Event, EventType};
+    use poolpilot_api::policy::Mode;
+
+    use crate::plan::autoscale::{Decision, Scale};
+    use crate::reconcile::status::events;
+    use crate::reconcile::status::tests::{at, at_bound, cond, plan, plan_held, status};
+    use crate::reconcile::{Error, failure_event, implausible_generation_event, unreadable_event};
+
+    #[test]
+    fn every_event_reason_is_documented_in_the_api_and_every_documented_one_is_published() {
+        use std::collections::BTreeSet;
+
+        use poolpilot_api::policy::conditions::{CONDITIONS, EVENTS};
+
+        let type_name = |t: EventType| match t {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        };
+        let mut published = BTreeSet::new();
+        let mut add = |events: Vec<Event>| {
+            for e in events {
+                published.insert((type_name(e.type_), e.reason));
+            }
+        };
+        let scale = Scale {
+            at: at(15),
+            from: 300,
+            to: 540,
+            reason: "demand 450".into(),
+        };
+        let none = status(vec![]);
+        let down = Scale {
+            from: 540,
+            to: 300,
+            ..scale.clone()
+        };
+        for mode in [Mode::Enforce, Mode::Recommend] {
+            add(events(
+                &none,
+                &none,
+                &plan(Some(Decision::ScaleUp(scale.clone()))),
+                mode,
+            ));
+            add(events(
+                &none,
+                &none,
+                &plan(Some(Decision::ScaleDown(down.clone()))),
+                mode,
+            ));
+        }
+        let shadow = events(
+            &none,
+            &none,
+            &plan(Some(Decision::ScaleUp(scale.clone()))),
+            Mode::Recommend,
+        );
+        assert_eq!(
+            shadow[0].note.as_deref(),
+            Some("would scale model-a 300 → 540: demand 450"),
+            "a recommendation tells what it would do"
+        );
+        add(events(
+            &none,
+            &none,
+            &plan_held(Some(at_bound()), 3),
+            Mode::Enforce,
+        ));
+        // Every documented condition state, reached from an empty status.
+        for c in CONDITIONS {
+            for r in c.reasons {
+                let new = status(vec![cond(c.type_, r.status, r.reason, "m")]);
+                add(events(&none, &new, &plan(None), Mode::Enforce));
+            }
+        }
+        add(vec![
+            failure_event(&Error::Plan("x".into())),
+            unreadable_event("x"),
+            implausible_generation_event("x"),
+        ]);
+        let documented: BTreeSet<(&str, String)> = EVENTS
+            .iter()
+            .map(|e| (e.type_, e.reason.to_owned()))
+            .collect();
+        assert_eq!(
+            published, documented,
+            "Event reasons and crds/src/policy/conditions.rs EVENTS differ (then run `make crds`)"
+        );
+    }
 }
 
 /// One reconcile answered as the apiserver would for a quiet namespace ([`answer_all`]); how
