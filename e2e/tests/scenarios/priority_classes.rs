@@ -1,6 +1,8 @@
 //! Scenario priority classes: a pool held at 16 connections (8 per gateway) is saturated by
 //! 24 closed-loop callers, 8 interactive clients and 16 workers of one batch client whose
-//! override pins it to `Batch`. The gateways serve the interactive calls first: their p99 lease
+//! override pins it to `Batch`. First a baseline: with `agingAfter: 1ms` a batch waiter ranks
+//! as interactive at once, the queue is first come, first served, and both classes wait alike.
+//! With `agingAfter: 200ms` the gateways serve the interactive calls first: their p99 lease
 //! wait stays far below the 300 ms lease timeout while batch takes the wait; batch still makes
 //! progress every second (a batch waiter ages after `agingAfter: 200ms`), and the operator
 //! reports the demand split by class in `status.backends[].demandByClass` while the target
@@ -42,7 +44,9 @@ const AGING_MS: u64 = 200;
 const BATCH_PERCENT: u32 = 50;
 const BATCH_CAP: f64 = 4.0;
 /// How long each phase is measured.
-const MEASURE: Duration = Duration::from_secs(15);
+const MEASURE: Duration = Duration::from_secs(12);
+/// The baseline's aging bound: 1 ms, so that the queue is first come, first served.
+const FIFO_AGING_MS: u64 = 1;
 
 #[tokio::test]
 async fn interactive_calls_are_served_first_while_batch_takes_the_wait_and_still_progresses()
@@ -73,7 +77,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     set(
         &mut policy,
         "/spec/clients/priority",
-        json!({"header": "x-poolpilot-priority", "agingAfter": format!("{AGING_MS}ms")}),
+        json!({"header": "x-poolpilot-priority", "agingAfter": format!("{FIFO_AGING_MS}ms")}),
     )?;
     stack.apply(&policy).await?;
     let gateways = stack.wait_gateways(2).await?;
@@ -118,13 +122,48 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         None,
     )?;
 
-    // === Phase 1: classes and aging, no cap ===
+    // === Baseline: a batch waiter ages after 1 ms, which makes the queue first come, first
+    // served: both classes wait alike ===
+    let from = interactive.now();
+    tokio::time::sleep(MEASURE).await;
+    let to = interactive.now();
+    let fifo = Waits::read(stack, MEASURE - Duration::from_secs(2)).await?;
+    let (i_tally, b_tally) = (interactive.window(from + 1, to), batch.window(from + 1, to));
+    fifo.report("first come first served", &i_tally, &b_tally);
+    assert!(
+        fifo.interactive_mean > 0.5 * fifo.batch_mean,
+        "without priority both classes wait alike: interactive {}s, batch {}s",
+        fifo.interactive_mean,
+        fifo.batch_mean
+    );
+
+    // === Phase 1: classes with aging after 200 ms, no cap ===
+    set(
+        &mut policy,
+        "/spec/clients/priority/agingAfter",
+        json!(format!("{AGING_MS}ms")),
+    )?;
+    stack.apply(&policy).await?;
+    stack
+        .wait_limits("every gateway ages batch after 200 ms", 2, WAIT, |l| {
+            let p = l
+                .client_policies
+                .first()
+                .and_then(|c| c.priority.as_ref())
+                .context("no priority rules")?;
+            anyhow::ensure!(
+                p.aging_after == Some(poolpilot_api::Duration::from_millis(AGING_MS)),
+                "{p:?}"
+            );
+            Ok(())
+        })
+        .await?;
     let from = interactive.now();
     tokio::time::sleep(MEASURE).await;
     let to = interactive.now();
     let waits = Waits::read(stack, MEASURE - Duration::from_secs(2)).await?;
     let (i_tally, b_tally) = (interactive.window(from + 1, to), batch.window(from + 1, to));
-    waits.report("aging only", &i_tally, &b_tally);
+    waits.report("classes", &i_tally, &b_tally);
     // An interactive call waits at most for the next connection to come back (the closed-loop
     // calls end in bursts: about one call's time), batch calls for the interactive ones too.
     assert!(
@@ -138,13 +177,19 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         waits.batch_mean,
         waits.interactive_mean
     );
+    assert!(
+        waits.interactive_mean < 0.6 * fifo.interactive_mean,
+        "interactive waits less than first come, first served: {}s vs {}s",
+        waits.interactive_mean,
+        fifo.interactive_mean
+    );
     assert_eq!(i_tally.failed(), 0, "no interactive call fails: {i_tally}");
     // Batch is not starved: it completes calls every second, and its waits stay bounded by the
     // aging bound plus the calls ranked ahead of it, within the lease timeout.
     let per_second = progress(&batch, from, to);
     figure(
         SCENARIO,
-        "aging only: batch calls completed per second (min)",
+        "classes: batch calls completed per second (min)",
         per_second.iter().min().copied().unwrap_or_default(),
     );
     assert!(
@@ -209,7 +254,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     let window = MEASURE - Duration::from_secs(2);
     let waits = Waits::read(stack, window).await?;
     let (i_tally, b_tally) = (interactive.window(from + 1, to), batch.window(from + 1, to));
-    waits.report("batch capped", &i_tally, &b_tally);
+    waits.report("classes + batch cap", &i_tally, &b_tally);
     let batch_held_peak = prom_value(
         stack,
         &format!(
@@ -221,7 +266,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     .await?;
     figure(
         SCENARIO,
-        "batch capped: batch connections held, peak per gateway",
+        "classes + batch cap: batch connections held, peak per gateway",
         format!("{batch_held_peak} (cap {BATCH_CAP})"),
     );
     assert!(
