@@ -191,6 +191,15 @@ async fn batch_holds_at_most_its_share_of_the_connections_while_interactive_uses
         2,
         "two connections stay free for interactive calls"
     );
+    let (_, _, body) = gw.admin_get("/v1/stats").await;
+    let stats: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let pool = &stats["backends"]["model-a"];
+    assert_eq!(pool["batch_cap"], 2, "{stats}");
+    assert_eq!(pool["classes"][1]["class"], "batch");
+    assert_eq!(
+        (&pool["classes"][1]["held"], &pool["classes"][1]["pending"]),
+        (&serde_json::json!(2), &serde_json::json!(4))
+    );
 
     // Interactive calls take the free connections at once, past the waiting batch calls.
     let (a, b) = tokio::join!(
