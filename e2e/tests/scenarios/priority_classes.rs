@@ -196,9 +196,13 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         per_second.iter().all(|ok| *ok > 0),
         "batch progresses every second: {per_second:?}"
     );
+    // The aging bound with one connection's turn: a batch waiter past `agingAfter` is passed
+    // over only by interactive waiters that arrived before its deadline, at most 4 per gateway
+    // for its 8 connections, so it is served by the next call's end (about `SERVICE_MS`).
+    let bound = (AGING_MS + u64::from(SERVICE_MS)) as f64 / 1000.0;
     assert!(
-        waits.batch_p99 < LEASE_TIMEOUT,
-        "batch p99 {}s within the lease timeout",
+        waits.batch_p99 < bound.min(LEASE_TIMEOUT),
+        "batch p99 {}s within agingAfter + one call ({bound}s) and the lease timeout",
         waits.batch_p99
     );
     assert!(
