@@ -4,12 +4,12 @@
 //! share, a `FdBudgetExceeded` Event; the limit raised with `kubectl patch` of the Deployment's
 //! pod template (which rolls the pods) → `FdBudget=True` and the shares back to unclamped.
 //!
-//! The numbers (operator/src/plan/fds.rs): a pod may use half its `process_max_fds`; it needs
-//! `listener.maxConnections + fileDescriptors.reserve` plus Σ share × endpoints. With a limit of
-//! 512 (256 allowed), a listener of 200, a reserve of 32 and one backend of 3 endpoints at a
-//! fleet target of 48 over 3 pods (16 each, 48 pooled fds), a pod needs 200 + 32 + 48 = 280 >
-//! 256: the shares are scaled to fit the 24 fds left, 16 × 24 / 48 = 8. At 4096 (2048 allowed)
-//! 280 fits and every pod gets its 16 again.
+//! The numbers (operator/src/plan/budget.rs and fds.rs): a pod may use half its `process_max_fds`;
+//! it needs `listener.maxConnections + fileDescriptors.reserve` plus Σ share × endpoints. With a
+//! limit of 512 (256 allowed), a listener of 200, a reserve of 32 and one backend of 3 endpoints at
+//! a fleet target of 48 over 3 pods (16 each, 48 pooled fds), a pod needs 200 + 32 + 48 = 280 >
+//! 256: the shares are scaled to fit the 24 fds left, 16 × 24 / 48 = 8. At 4096 (2048 allowed) 280
+//! fits and every pod gets its 16 again.
 
 use anyhow::Context as _;
 use poolpilot_e2e::cluster::run;

@@ -7,6 +7,7 @@
 //! samples. Every decision, whatever it does, is recorded with its reason and numbers.
 
 pub mod knee;
+mod words;
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -15,7 +16,9 @@ use poolpilot_api::ConnectionPolicySpec;
 use poolpilot_api::policy::{BackendSpec, DecisionAction};
 
 use self::knee::{Hold, KneeMemory, Observation, Verdict};
-use super::{BackendSample, SaturationSignal, Timestamp, elapsed};
+use self::words::round;
+use super::input::{BackendSample, SaturationSignal};
+use super::time::{Timestamp, elapsed};
 
 /// Relative changes smaller than this are ignored.
 pub const DEADBAND: f64 = 0.10;
@@ -583,12 +586,6 @@ fn change(mem: &mut BackendMemory, to: u32, reason: String, now: Timestamp) -> S
     mem.last_change = Some(now);
     mem.last_scale = Some(scale.clone());
     scale
-}
-
-/// Numbers in reasons: at most two decimals, no trailing zeros.
-fn round(v: f64) -> String {
-    let s = format!("{v:.2}");
-    s.trim_end_matches('0').trim_end_matches('.').to_owned()
 }
 
 #[cfg(test)]

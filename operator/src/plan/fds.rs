@@ -1,96 +1,18 @@
-//! The fleet budget and the file-descriptor check. A backend's fleet target is divided across the
-//! pods its policy selects that may hold connections, its holders (rounded down, the remainder
-//! one each to the first: the fleet never holds more than the target). Then,
-//! per pod, over every accepted policy that selects it, the pools (Σ share × endpoints), the
-//! client connections and the reserve must fit in half the pod's `process_max_fds` (Envoy's
-//! advice). If not, the shares are scaled down proportionally, never below the share of
-//! `autoscale.min`, and the policy reports `FdBudget=False` with the numbers. A pod-wide
-//! `listener.maxUpstreamConnections` bounds what the pools can open: the pools then count for
-//! the smaller of the two.
+//! The file-descriptor check over the fleet budget ([`super::budget`]). A backend's fleet target is
+//! divided across the pods its policy selects that may hold connections, its holders (rounded down,
+//! the remainder one each to the first: the fleet never holds more than the target). Then, per pod,
+//! over every accepted policy that selects it, the pools (Σ share × endpoints), the client
+//! connections and the reserve must fit in half the pod's `process_max_fds` (Envoy's advice). If
+//! not, the shares are scaled down proportionally, never below the share of `autoscale.min`, and
+//! the policy reports `FdBudget=False` with the numbers. A pod-wide
+//! `listener.maxUpstreamConnections` bounds what the pools can open: the pools then count for the
+//! smaller of the two.
 
 use std::collections::BTreeMap;
 
-use super::{PolicyInput, PolicyPlan};
-
-/// Part of `process_max_fds` the pools, clients and reserve may use.
-pub const FD_FRACTION: f64 = 0.5;
-
-/// One pod's share of a fleet-wide target: `target / holders` rounded down, at least 1. With no
-/// holder the first pod to appear may take the whole target.
-pub fn share(target: u32, holders: u32) -> u32 {
-    target.checked_div(holders).unwrap_or(target).max(1)
-}
-
-/// The part of a fleet-wide `limit` for the pod at `rank` among `pods` holders (the pods a
-/// backend's target is divided over): the limit divided, rounded down, plus one for the first
-/// `limit mod pods` ranks, so that the parts add up to the limit; at least `floor`. `rank`
-/// `None` (the ConfigMap's document, for pods that start later) gets the rounded-down part.
-/// With no holder, the first pod to appear may take the whole limit.
-pub fn fleet_part(limit: u32, pods: usize, rank: Option<usize>, floor: u32) -> u32 {
-    let Ok(n) = u32::try_from(pods) else {
-        return floor;
-    };
-    let Some(base) = limit.checked_div(n) else {
-        return limit.max(floor);
-    };
-    let extra = rank.is_some_and(|r| u32::try_from(r).is_ok_and(|r| r < limit % n));
-    (base + u32::from(extra)).max(floor)
-}
-
-/// The fd check as one policy sees it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct FdReport {
-    /// The smallest `process_max_fds` of the selected pods (`None`: not known).
-    pub limit: Option<u64>,
-    /// What the pools, clients and reserve may use: half of that.
-    pub allowed: Option<u64>,
-    /// Fds the busiest selected pod would need at the unclamped shares.
-    pub needed_unclamped: u64,
-    /// Fds the busiest selected pod needs at the rendered shares.
-    pub needed: u64,
-    /// The busiest pod.
-    pub worst_pod: Option<String>,
-    /// Whether any share was scaled down.
-    pub clamped: bool,
-    /// `listener.maxUpstreamConnections` of the busiest pod, when it bounds its pools.
-    pub upstream_cap: Option<u64>,
-}
-
-impl FdReport {
-    /// `Some(true)` within budget, `Some(false)` over it (shares clamped), `None` unknown.
-    pub fn within(&self) -> Option<bool> {
-        let allowed = self.allowed?;
-        Some(!self.clamped && self.needed <= allowed)
-    }
-
-    /// The numbers, for the condition and the Event.
-    pub fn message(&self) -> String {
-        let Some(allowed) = self.allowed else {
-            return "process_max_fds of the selected pods is not known yet".to_owned();
-        };
-        let pod = self
-            .worst_pod
-            .as_deref()
-            .map(|p| format!(" (pod {p})"))
-            .unwrap_or_default();
-        let cap = self
-            .upstream_cap
-            .map(|c| format!(", pools capped at {c} by listener.maxUpstreamConnections"))
-            .unwrap_or_default();
-        if !self.clamped {
-            return format!("needs {} fds, pods allow {allowed}{pod}{cap}", self.needed);
-        }
-        let after = if self.needed <= allowed {
-            format!("pool shares scaled down to need {}", self.needed)
-        } else {
-            format!("even at autoscale.min the pools need {}", self.needed)
-        };
-        format!(
-            "needs {} fds, pods allow {allowed}{pod}; {after}",
-            self.needed_unclamped
-        )
-    }
-}
+use super::budget::{FdReport, allowed, share};
+use super::input::PolicyInput;
+use super::output::PolicyPlan;
 
 /// One pool on one pod, as the water-filling sees it.
 #[derive(Clone, Copy, Debug)]
@@ -241,11 +163,6 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
     }
 }
 
-/// The fds a pod with this `process_max_fds` lets the pools, clients and reserve use.
-pub fn allowed(limit: u64) -> u64 {
-    (limit as f64 * FD_FRACTION).floor() as u64
-}
-
 /// Largest shares, proportional to the current ones, whose pools fit in `avail` fds; a pool
 /// never drops below its `min_share` (if the minima alone do not fit, every pool sits at its min).
 fn water_fill(pools: &[Pool], avail: u64) -> Vec<u32> {
@@ -304,14 +221,6 @@ mod tests {
             endpoints,
             min_share,
         }
-    }
-
-    #[test]
-    fn shares_round_down_and_never_reach_zero() {
-        assert_eq!(share(150, 3), 50);
-        assert_eq!(share(50, 3), 16);
-        assert_eq!(share(2, 3), 1);
-        assert_eq!(share(40, 0), 40);
     }
 
     #[test]

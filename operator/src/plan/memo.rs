@@ -9,8 +9,9 @@ use std::sync::Arc;
 
 use poolpilot_api::GatewayLimits;
 
+use super::input::{FleetInput, PolicyInput};
+use super::output::PolicyPlan;
 use super::render::Generations;
-use super::{FleetInput, PolicyInput, PolicyPlan};
 
 /// Everything the fd check and the rendering read. Per-run facts that they do not read (the
 /// decisions, the samples, metrics availability, the policies' statuses beyond the documents

@@ -14,9 +14,10 @@ use poolpilot_api::limits::{
 use poolpilot_api::policy::{BackendSpec, ClientScope, TrustedProxyProtocol};
 use sha2::{Digest, Sha256};
 
-use super::fds;
+use super::budget;
+use super::input::{Acked, FleetInput, GatewayPod, PolicyInput};
+use super::output::PolicyPlan;
 use super::validate::Acceptance;
-use super::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyPlan};
 
 /// Renders every pod's document (pods no accepted policy selects get an empty one, which removes
 /// backends of deleted policies), and stores in each accepted plan its ConfigMap's document: the
@@ -288,7 +289,7 @@ fn document(
         let client_policy = policy.spec.clients.as_ref().map(|c| {
             let part = |limit: u32, floor: u32| match c.scope {
                 ClientScope::PerPod => limit,
-                ClientScope::Fleet => fds::fleet_part(limit, plan.holders.len(), rank, floor),
+                ClientScope::Fleet => budget::fleet_part(limit, plan.holders.len(), rank, floor),
             };
             let max_concurrency = part(c.max_concurrency, 1);
             let name = client_policy_name(&policy.key.name, &mut used_names);
@@ -308,6 +309,7 @@ fn document(
                         name: o.name.clone(),
                         key_sha256: o.client.key_sha256.clone(),
                         max_concurrency: part(o.max_concurrency, 1),
+                        class: o.class.map(super::priority::class),
                     })
                     .collect(),
                 slow_calls: c.slow_calls.as_ref().map(|s| SlowCalls {
@@ -318,6 +320,7 @@ fn document(
                     min_calls: s.min_calls,
                 }),
                 max_clients: c.max_clients,
+                priority: super::priority::render(c),
             });
             name
         });

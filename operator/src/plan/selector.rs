@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
-use super::{GatewayPod, PolicyInput};
+use super::input::{GatewayPod, PolicyInput};
 
 /// For each policy (same order), the sorted names of the pods it selects.
 pub fn select(policies: &[PolicyInput], pods: &[GatewayPod]) -> Vec<Vec<String>> {

@@ -11,9 +11,12 @@ use poolpilot_api::policy::{
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
 use super::conditions::{Computed, Kind, Status, merge};
+use super::input::PolicyInput;
+use super::memory::Memory;
+use super::output::PolicyPlan;
+use super::time::Timestamp;
 use super::validate::Acceptance;
 use super::waves::{PodState, refusals, updated_count};
-use super::{Memory, PolicyInput, PolicyPlan, Timestamp};
 
 /// How the rollout went for one policy's ready selected pods.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -59,6 +62,7 @@ pub fn compute(
                 utilization: demand
                     .filter(|d| d.is_finite() && pooled > 0.0)
                     .map(|d| (d / pooled * 1000.0).round() / 1000.0),
+                demand_by_class: super::priority::status(&b.sample.classes),
                 last_scale: mem
                     .and_then(|m| m.last_scale.as_ref())
                     .map(|s| ScaleRecord {

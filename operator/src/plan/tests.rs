@@ -1,13 +1,17 @@
 //! Tests of the whole planning run: fleet division, the fd check with its numbers, conflicts,
 //! rendering with monotonic generations, status conditions, and the budget properties.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::limits::Endpoint;
-use poolpilot_api::policy::Mode;
+use poolpilot_api::policy::{Mode, StartFrom};
+use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 use proptest::prelude::*;
 
+use super::budget;
 use super::conditions::Kind;
 use super::status::{RolloutReport, compute};
 use super::waves::PodState;
@@ -1286,10 +1290,10 @@ proptest! {
         let samples = Samples { pods: fds(&pods, fd_limit), ..Samples::default() };
         let input = FleetInput { policies: policies.clone(), pods, samples, ..FleetInput::default() };
         let fleet = plan(&input, &mut Memory::default(), at(0));
-        let allowed = fds::allowed(fd_limit);
+        let allowed = budget::allowed(fd_limit);
         let fixed = u64::from(listener) + 64;
         let minima: u64 = policies.iter().zip(&fleet.policies).map(|(p, pp)| {
-            let min = u64::from(fds::share(p.spec.autoscale.min.min(p.spec.autoscale.max.unwrap_or(1)), n_pods as u32));
+            let min = u64::from(budget::share(p.spec.autoscale.min.min(p.spec.autoscale.max.unwrap_or(1)), n_pods as u32));
             min * u64::from(pp.backends[0].endpoints)
         }).sum();
         for doc in fleet.documents.values() {
@@ -1354,10 +1358,10 @@ proptest! {
             prop_assert!(b.per_pod >= 1);
         }
         let Some(limit) = input.samples.pods.values().next().and_then(|s| s.max_fds) else { return Ok(()) };
-        let allowed = fds::allowed(limit);
+        let allowed = budget::allowed(limit);
         let endpoints = u64::from(fleet.policies[0].backends[0].endpoints);
         let fixed = u64::from(p.spec.listener.max_connections) + u64::from(p.spec.file_descriptors.reserve);
-        let min_share = u64::from(fds::share(min, ready as u32));
+        let min_share = u64::from(budget::share(min, ready as u32));
         let minima_fit = fixed + p.spec.backends.len() as u64 * min_share * endpoints <= allowed;
         for doc in fleet.documents.values() {
             let need: u64 = doc.backends.iter()

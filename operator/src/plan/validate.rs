@@ -8,7 +8,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use poolpilot_api::ConnectionPolicySpec;
 use poolpilot_api::policy::Mode;
 
-use super::PolicyInput;
+use super::input::PolicyInput;
 
 /// Whether a policy is accepted, and if not why.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use poolpilot_api::policy::RolloutStrategy;
 
-use super::{Timestamp, elapsed};
+use super::time::{Timestamp, elapsed};
 
 /// One ready selected pod, as the rollout sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]

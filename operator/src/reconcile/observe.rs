@@ -9,13 +9,11 @@ use std::net::{IpAddr, SocketAddr};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
-use kube::core::DeserializeGuard;
-use kube::runtime::reflector::Store;
 use poolpilot_api::limits::Endpoint;
 use poolpilot_api::policy::BackendSpec;
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 
-use super::Context;
+use super::context::Context;
 use crate::gateway::Gateways;
 use crate::plan::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyKey, Timestamp, selector};
 use crate::prom::Selection;
@@ -52,19 +50,6 @@ pub struct Observed {
     pub focus: PolicyKey,
     /// Admin address per pod name (pods with an IP).
     pub admin: BTreeMap<String, SocketAddr>,
-}
-
-/// The caches observe reads.
-#[derive(Clone, Debug)]
-pub struct Stores {
-    /// Every ConnectionPolicy, those this operator cannot read included (left out of planning).
-    pub policies: Store<DeserializeGuard<ConnectionPolicy>>,
-    /// Pods (possibly narrowed by a label selector).
-    pub pods: Store<Pod>,
-    /// EndpointSlices.
-    pub slices: Store<EndpointSlice>,
-    /// The ConfigMaps the operator wrote.
-    pub configmaps: Store<ConfigMap>,
 }
 
 /// Observes `policy`'s namespace. With `removing`, the policy is left out of the fleet (its

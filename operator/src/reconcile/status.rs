@@ -11,7 +11,8 @@ use poolpilot_api::{ConnectionPolicy, ConnectionPolicyStatus};
 use serde_json::json;
 use tracing::warn;
 
-use super::{Context, FIELD_MANAGER};
+use super::context::{Context, FIELD_MANAGER};
+use super::events::event_note;
 use crate::gateway::Gateways;
 use crate::plan::PolicyPlan;
 use crate::plan::autoscale::{Decision, HELD_EVENT_AFTER};
@@ -84,7 +85,7 @@ pub fn events(
     let event = |type_, reason: &str, note: String, action: &str| Event {
         type_,
         reason: reason.to_owned(),
-        note: Some(super::event_note(&note)),
+        note: Some(event_note(&note)),
         action: action.to_owned(),
         secondary: None,
     };
@@ -190,20 +191,20 @@ pub fn events(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     use super::*;
     use crate::plan::autoscale::{Bounds, Scale};
-    use crate::plan::fds::FdReport;
+    use crate::plan::budget::FdReport;
     use crate::plan::validate::Acceptance;
     use crate::plan::{BackendPlan, BackendSample, PolicyKey, Timestamp};
 
-    fn at(s: i64) -> Timestamp {
+    pub(crate) fn at(s: i64) -> Timestamp {
         Timestamp::from_second(1_800_000_000 + s).unwrap()
     }
 
-    fn cond(kind: &str, status: &str, reason: &str, message: &str) -> Condition {
+    pub(crate) fn cond(kind: &str, status: &str, reason: &str, message: &str) -> Condition {
         Condition {
             type_: kind.into(),
             status: status.into(),
@@ -214,12 +215,12 @@ mod tests {
         }
     }
 
-    fn plan(decision: Option<Decision>) -> PolicyPlan {
+    pub(crate) fn plan(decision: Option<Decision>) -> PolicyPlan {
         plan_held(decision, 0)
     }
 
     /// A plan whose one backend has held growth `held` decisions in a row.
-    fn plan_held(decision: Option<Decision>, held: u32) -> PolicyPlan {
+    pub(crate) fn plan_held(decision: Option<Decision>, held: u32) -> PolicyPlan {
         PolicyPlan {
             key: PolicyKey {
                 namespace: "ns".into(),
@@ -256,7 +257,7 @@ mod tests {
         }
     }
 
-    fn status(conditions: Vec<Condition>) -> ConnectionPolicyStatus {
+    pub(crate) fn status(conditions: Vec<Condition>) -> ConnectionPolicyStatus {
         ConnectionPolicyStatus {
             conditions,
             ..Default::default()
@@ -310,7 +311,7 @@ mod tests {
         )
     }
 
-    fn at_bound() -> Decision {
+    pub(crate) fn at_bound() -> Decision {
         Decision::AtUpperBound {
             recommendation: 560,
         }
@@ -382,87 +383,6 @@ mod tests {
         assert_eq!(
             (e[0].reason.as_str(), e[0].type_),
             ("RolloutHalted", EventType::Warning)
-        );
-    }
-
-    #[test]
-    fn every_event_reason_is_documented_in_the_api_and_every_documented_one_is_published() {
-        use std::collections::BTreeSet;
-
-        use poolpilot_api::policy::conditions::{CONDITIONS, EVENTS};
-
-        let type_name = |t: EventType| match t {
-            EventType::Normal => "Normal",
-            EventType::Warning => "Warning",
-        };
-        let mut published = BTreeSet::new();
-        let mut add = |events: Vec<Event>| {
-            for e in events {
-                published.insert((type_name(e.type_), e.reason));
-            }
-        };
-        let scale = Scale {
-            at: at(15),
-            from: 300,
-            to: 540,
-            reason: "demand 450".into(),
-        };
-        let none = status(vec![]);
-        let down = Scale {
-            from: 540,
-            to: 300,
-            ..scale.clone()
-        };
-        for mode in [Mode::Enforce, Mode::Recommend] {
-            add(events(
-                &none,
-                &none,
-                &plan(Some(Decision::ScaleUp(scale.clone()))),
-                mode,
-            ));
-            add(events(
-                &none,
-                &none,
-                &plan(Some(Decision::ScaleDown(down.clone()))),
-                mode,
-            ));
-        }
-        let shadow = events(
-            &none,
-            &none,
-            &plan(Some(Decision::ScaleUp(scale.clone()))),
-            Mode::Recommend,
-        );
-        assert_eq!(
-            shadow[0].note.as_deref(),
-            Some("would scale model-a 300 → 540: demand 450"),
-            "a recommendation tells what it would do"
-        );
-        add(events(
-            &none,
-            &none,
-            &plan_held(Some(at_bound()), 3),
-            Mode::Enforce,
-        ));
-        // Every documented condition state, reached from an empty status.
-        for c in CONDITIONS {
-            for r in c.reasons {
-                let new = status(vec![cond(c.type_, r.status, r.reason, "m")]);
-                add(events(&none, &new, &plan(None), Mode::Enforce));
-            }
-        }
-        add(vec![
-            crate::reconcile::failure_event(&crate::Error::Plan("x".into())),
-            crate::reconcile::unreadable_event("x"),
-            crate::reconcile::implausible_generation_event("x"),
-        ]);
-        let documented: BTreeSet<(&str, String)> = EVENTS
-            .iter()
-            .map(|e| (e.type_, e.reason.to_owned()))
-            .collect();
-        assert_eq!(
-            published, documented,
-            "Event reasons and crds/src/policy/conditions.rs EVENTS differ (then run `make crds`)"
         );
     }
 }

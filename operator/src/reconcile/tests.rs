@@ -4,14 +4,17 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{Method, Request, Response};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::Client;
 use kube::client::Body;
 use kube::core::DeserializeGuard;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
 use parking_lot::Mutex;
@@ -21,7 +24,8 @@ use tower_test::mock::{self, Handle};
 
 use super::*;
 use crate::gateway::{Gateways, PutError};
-use crate::plan::Acked;
+use crate::metrics::Metrics;
+use crate::plan::{Acked, Timestamp};
 
 type ApiHandle = Handle<Request<Body>, Response<Body>>;
 
@@ -513,6 +517,41 @@ async fn a_refused_canary_halts_a_progressive_rollout() {
 }
 
 #[tokio::test]
+async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_same_reconcile() {
+    let mut p = policy("models", 0);
+    p.spec.rollout.strategy = poolpilot_api::policy::RolloutStrategy::Progressive;
+    p.spec.rollout.canary_pods = 1;
+    p.spec.rollout.verify_intervals = 0;
+    let pods = vec![
+        pod("gw-0", "127.0.0.7"),
+        pod("gw-1", "127.0.0.8"),
+        pod("gw-2", "127.0.0.9"),
+    ];
+    let mut run = Scenario::start_with(p.clone(), vec![p], pods, FakeGateways::default());
+
+    run.configmap_apply().await;
+    // The token is read for each wave: the canary's, then the rest's.
+    run.token_secret().await;
+    run.token_secret().await;
+    let status = run.status_patch().await;
+    assert_eq!(status["status"]["updated"], "3/3", "{status}");
+    assert_eq!(
+        condition(&status["status"], "RolledOut")["status"],
+        "True",
+        "{status}"
+    );
+    run.event().await;
+    run.outcome().await.expect("the reconcile succeeded");
+    let order: Vec<SocketAddr> = run.puts().iter().map(|(addr, _, _)| *addr).collect();
+    assert_eq!(order.len(), 3, "every pod got its document: {order:?}");
+    assert_eq!(
+        order[0],
+        "127.0.0.7:9901".parse().unwrap(),
+        "the canary went first: {order:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
     let p = policy("models", 0);
     let gateways = FakeGateways {
@@ -971,6 +1010,99 @@ fn failure_events_name_each_step_and_fit_the_note_limit() {
     assert_eq!(event_note("short"), "short");
 }
 
+/// The Events of status changes and decisions (built with the status step's test plans) and of
+/// failures, next to the API's list of Event reasons.
+mod event_catalogue {
+    use kube::runtime::events::{Event, EventType};
+    use poolpilot_api::policy::Mode;
+
+    use crate::plan::autoscale::{Decision, Scale};
+    use crate::reconcile::status::events;
+    use crate::reconcile::status::tests::{at, at_bound, cond, plan, plan_held, status};
+    use crate::reconcile::{Error, failure_event, implausible_generation_event, unreadable_event};
+
+    #[test]
+    fn every_event_reason_is_documented_in_the_api_and_every_documented_one_is_published() {
+        use std::collections::BTreeSet;
+
+        use poolpilot_api::policy::conditions::{CONDITIONS, EVENTS};
+
+        let type_name = |t: EventType| match t {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        };
+        let mut published = BTreeSet::new();
+        let mut add = |events: Vec<Event>| {
+            for e in events {
+                published.insert((type_name(e.type_), e.reason));
+            }
+        };
+        let scale = Scale {
+            at: at(15),
+            from: 300,
+            to: 540,
+            reason: "demand 450".into(),
+        };
+        let none = status(vec![]);
+        let down = Scale {
+            from: 540,
+            to: 300,
+            ..scale.clone()
+        };
+        for mode in [Mode::Enforce, Mode::Recommend] {
+            add(events(
+                &none,
+                &none,
+                &plan(Some(Decision::ScaleUp(scale.clone()))),
+                mode,
+            ));
+            add(events(
+                &none,
+                &none,
+                &plan(Some(Decision::ScaleDown(down.clone()))),
+                mode,
+            ));
+        }
+        let shadow = events(
+            &none,
+            &none,
+            &plan(Some(Decision::ScaleUp(scale.clone()))),
+            Mode::Recommend,
+        );
+        assert_eq!(
+            shadow[0].note.as_deref(),
+            Some("would scale model-a 300 → 540: demand 450"),
+            "a recommendation tells what it would do"
+        );
+        add(events(
+            &none,
+            &none,
+            &plan_held(Some(at_bound()), 3),
+            Mode::Enforce,
+        ));
+        // Every documented condition state, reached from an empty status.
+        for c in CONDITIONS {
+            for r in c.reasons {
+                let new = status(vec![cond(c.type_, r.status, r.reason, "m")]);
+                add(events(&none, &new, &plan(None), Mode::Enforce));
+            }
+        }
+        add(vec![
+            failure_event(&Error::Plan("x".into())),
+            unreadable_event("x"),
+            implausible_generation_event("x"),
+        ]);
+        let documented: BTreeSet<(&str, String)> = EVENTS
+            .iter()
+            .map(|e| (e.type_, e.reason.to_owned()))
+            .collect();
+        assert_eq!(
+            published, documented,
+            "Event reasons and crds/src/policy/conditions.rs EVENTS differ (then run `make crds`)"
+        );
+    }
+}
+
 /// One reconcile answered as the apiserver would for a quiet namespace ([`answer_all`]); how
 /// many PUTs the gateways got.
 async fn reconcile_once(p: &ConnectionPolicy, pods: Vec<Pod>, memory: &mut RolloutMemory) -> usize {
@@ -1093,5 +1225,45 @@ fn only_a_document_that_lowers_shares_and_client_limits_reaches_the_configmap_fi
     assert!(
         !rollout::only_lowers(&three, &moved),
         "an endpoint change goes through the canary"
+    );
+}
+
+#[test]
+fn a_revision_rolled_out_again_is_verified_anew_not_by_its_first_canary() {
+    let start = now();
+    let later = |s: i64| Timestamp::from_second(start.as_second() + s).unwrap();
+    let mut memory = RolloutMemory::default();
+    // Revision A: its canary is on it at the start, still on it 60 s later.
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", true, start),
+        Some(start)
+    );
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", true, later(60)),
+        Some(start),
+        "the verification runs from the first canary"
+    );
+    // An edit to B, then undone: A is verified from its canary's new acknowledgement.
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-b", false, later(120)),
+        None
+    );
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", false, later(180)),
+        None,
+        "nothing is on A yet: no verification"
+    );
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", true, later(181)),
+        Some(later(181))
+    );
+    // Another policy's rollout in the namespace is its own.
+    assert_eq!(
+        memory.verification_start("ns", "other", "rev-c", true, later(200)),
+        Some(later(200))
+    );
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", true, later(240)),
+        Some(later(181))
     );
 }

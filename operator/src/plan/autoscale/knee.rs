@@ -31,8 +31,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::super::{Timestamp, elapsed};
-use super::round;
+use super::words::{bytes_text, ratio_text, round};
+use crate::plan::time::{Timestamp, elapsed};
 
 /// In-flight (per endpoint) must have risen at least this much since the reference interval
 /// for the step to be judged: smaller steps drown in noise.
@@ -161,25 +161,6 @@ impl Step {
             bytes_text(to.bytes),
             ratio_text(to.bytes, from.bytes),
         )
-    }
-}
-
-fn ratio_text(now: f64, then: f64) -> String {
-    if then > 0.0 {
-        round(now / then)
-    } else {
-        "-".to_owned()
-    }
-}
-
-/// Bytes per second for people: `830 B`, `52.4 kB`, `1.2 MB`.
-fn bytes_text(b: f64) -> String {
-    if b >= 1e6 {
-        format!("{} MB", round(b / 1e6))
-    } else if b >= 1e3 {
-        format!("{} kB", round(b / 1e3))
-    } else {
-        format!("{} B", round(b))
     }
 }
 

@@ -1,0 +1,300 @@
+//! The gateway admin API as the operator calls it: `PUT https://<podIP>:<adminPort>/v1/limits`
+//! (verified as [`super::tls`] says; plain `http` without a CA bundle) with a bearer token. The gateway
+//! answers `200 {revision, generation}`, `422 {error}` (invalid, the old limits stay), `409` (it
+//! runs a newer generation) or `401` (bad token); an answer longer than
+//! [`MAX_ANSWER_BYTES`] is not read.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use poolpilot_api::GatewayLimits;
+use serde::Deserialize;
+
+use super::tls::{GatewayTrust, TrustError};
+use crate::plan::Acked;
+
+/// The longest answer read from a gateway: its answers are a few hundred bytes, a refusal lists
+/// every violation of a document in a few kilobytes.
+pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+/// Why a pod did not take a document.
+#[derive(Debug, thiserror::Error)]
+pub enum PutError {
+    /// The gateway refused the document as invalid (422); it keeps its old limits.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// The gateway runs a newer generation (409); `generation` is the one it runs, when it says.
+    #[error("runs a newer generation: {message}")]
+    Older {
+        /// The gateway's explanation.
+        message: String,
+        /// The generation it runs, if the answer carries it.
+        generation: Option<u64>,
+    },
+    /// The token was not accepted (401).
+    #[error("the admin token was not accepted")]
+    Unauthorized,
+    /// Any other answer.
+    #[error("unexpected answer {status}: {body}")]
+    Unexpected {
+        /// HTTP status.
+        status: u16,
+        /// Body, truncated.
+        body: String,
+    },
+    /// No answer.
+    #[error("request failed")]
+    Transport(#[source] reqwest::Error),
+    /// No HTTPS client for the pod's namespace.
+    #[error("no HTTPS client for the gateways")]
+    Trust(#[source] TrustError),
+    /// The answer was longer than any the gateway sends.
+    #[error("answer {status} longer than {limit} bytes; not read")]
+    TooLarge {
+        /// HTTP status.
+        status: u16,
+        /// The most read.
+        limit: usize,
+    },
+}
+
+impl PutError {
+    /// Whether the pod looked at the document and said no (a NACK stops a rollout). A 409 that
+    /// names the generation the pod runs is no NACK: the next document simply goes above it.
+    pub fn is_nack(&self) -> bool {
+        matches!(
+            self,
+            Self::Refused(_)
+                | Self::Older {
+                    generation: None,
+                    ..
+                }
+        )
+    }
+}
+
+/// Sends limits documents to gateway pods.
+pub trait Gateways: Send + Sync + 'static {
+    /// PUTs `doc` to the admin API at `addr` of a pod in `namespace` with `token`.
+    fn put(
+        &self,
+        namespace: &str,
+        addr: SocketAddr,
+        token: &str,
+        doc: &GatewayLimits,
+    ) -> impl Future<Output = Result<Acked, PutError>> + Send;
+}
+
+/// The real client.
+#[derive(Clone, Debug)]
+pub struct HttpGateways {
+    /// Plain HTTP, without a CA bundle.
+    plain: reqwest::Client,
+    /// HTTPS verified against the bundle, when there is one.
+    trust: Option<Arc<GatewayTrust>>,
+}
+
+impl HttpGateways {
+    /// A plain-HTTP client whose calls give up after `timeout`.
+    pub fn new(timeout: Duration) -> Result<Self, reqwest::Error> {
+        Ok(Self {
+            plain: crate::http_client().timeout(timeout).build()?,
+            trust: None,
+        })
+    }
+
+    /// An HTTPS client trusting `trust`.
+    pub fn with_trust(timeout: Duration, trust: GatewayTrust) -> Result<Self, reqwest::Error> {
+        Ok(Self {
+            trust: Some(Arc::new(trust)),
+            ..Self::new(timeout)?
+        })
+    }
+}
+
+#[derive(Deserialize)]
+struct AckBody {
+    revision: String,
+    generation: u64,
+}
+
+#[derive(Deserialize)]
+struct ErrorBody {
+    error: String,
+    #[serde(default)]
+    generation: Option<u64>,
+}
+
+impl Gateways for HttpGateways {
+    async fn put(
+        &self,
+        namespace: &str,
+        addr: SocketAddr,
+        token: &str,
+        doc: &GatewayLimits,
+    ) -> Result<Acked, PutError> {
+        let (client, url) = match &self.trust {
+            Some(trust) => (
+                trust.client(namespace).map_err(PutError::Trust)?,
+                format!("https://{addr}/v1/limits"),
+            ),
+            None => (self.plain.clone(), format!("http://{addr}/v1/limits")),
+        };
+        let mut resp = client
+            .put(url)
+            .bearer_auth(token)
+            .json(doc)
+            .send()
+            .await
+            .map_err(PutError::Transport)?;
+        let status = resp.status().as_u16();
+        let too_large = PutError::TooLarge {
+            status,
+            limit: MAX_ANSWER_BYTES,
+        };
+        if resp
+            .content_length()
+            .is_some_and(|n| n > MAX_ANSWER_BYTES as u64)
+        {
+            return Err(too_large);
+        }
+        let mut body = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(PutError::Transport)? {
+            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(too_large);
+            }
+            body.extend_from_slice(&chunk);
+        }
+        classify(status, &body)
+    }
+}
+
+/// Maps an answer to its outcome.
+pub fn classify(status: u16, body: &[u8]) -> Result<Acked, PutError> {
+    let text = || String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
+    let error = || serde_json::from_slice::<ErrorBody>(body).map_or_else(|_| text(), |e| e.error);
+    match status {
+        200 => serde_json::from_slice::<AckBody>(body)
+            .map(|a| Acked {
+                revision: a.revision,
+                generation: a.generation,
+            })
+            .map_err(|_| PutError::Unexpected {
+                status,
+                body: text(),
+            }),
+        422 => Err(PutError::Refused(error())),
+        409 => Err(PutError::Older {
+            message: error(),
+            generation: serde_json::from_slice::<ErrorBody>(body)
+                .ok()
+                .and_then(|e| e.generation),
+        }),
+        401 => Err(PutError::Unauthorized),
+        _ => Err(PutError::Unexpected {
+            status,
+            body: text(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A limits document to send.
+    fn doc() -> GatewayLimits {
+        serde_json::from_value(serde_json::json!({"generation": 1, "backends": []})).unwrap()
+    }
+
+    /// A loopback "gateway" that answers every request with `head` then streams `body_chunk`
+    /// forever; the address and how many body bytes it managed to send.
+    async fn endless_gateway(head: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let sent = Arc::new(AtomicUsize::new(0));
+        let counter = sent.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    let _ = stream.read(&mut buf).await;
+                    if stream.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    let chunk = format!("{:x}\r\n{}\r\n", 16 * 1024, "x".repeat(16 * 1024));
+                    while stream.write_all(chunk.as_bytes()).await.is_ok() {
+                        counter.fetch_add(16 * 1024, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        (addr, sent)
+    }
+
+    #[tokio::test]
+    async fn a_reply_over_the_size_cap_is_refused_without_reading_it_all() {
+        let (addr, sent) = endless_gateway(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .await;
+        let gateways = HttpGateways::new(Duration::from_secs(10)).unwrap();
+        let started = tokio::time::Instant::now();
+        let error = gateways
+            .put("ns", addr, "token", &doc())
+            .await
+            .expect_err("an endless reply is no acknowledgement");
+        assert!(
+            matches!(error, PutError::TooLarge { status: 200, .. }),
+            "{error:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "gave up after {:?}",
+            started.elapsed()
+        );
+        assert!(
+            sent.load(Ordering::Relaxed) < 16 * 1024 * 1024,
+            "{} bytes read",
+            sent.load(Ordering::Relaxed)
+        );
+    }
+
+    #[test]
+    fn answers_map_to_outcomes() {
+        let ok = classify(200, br#"{"revision":"9f2c1e","generation":7}"#).unwrap();
+        assert_eq!(
+            ok,
+            Acked {
+                revision: "9f2c1e".into(),
+                generation: 7
+            }
+        );
+        let nack = classify(422, br#"{"error":"backends[0].pool: bad"}"#).unwrap_err();
+        assert!(nack.is_nack());
+        assert_eq!(nack.to_string(), "refused: backends[0].pool: bad");
+        assert!(
+            classify(409, br#"{"error":"runs generation 9"}"#)
+                .unwrap_err()
+                .is_nack()
+        );
+        assert!(matches!(classify(401, b""), Err(PutError::Unauthorized)));
+        assert!(!classify(401, b"").unwrap_err().is_nack());
+        assert!(matches!(
+            classify(200, b"not json"),
+            Err(PutError::Unexpected { status: 200, .. })
+        ));
+        assert!(matches!(
+            classify(503, b"busy"),
+            Err(PutError::Unexpected { status: 503, .. })
+        ));
+    }
+}

@@ -1,0 +1,181 @@
+//! What one planning run is given: the namespace's policies and gateway pods, the latest
+//! Prometheus samples, the documents already published. Plain data, no decisions: every other
+//! planning module reads these types, and this one reads none of them.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use poolpilot_api::limits::Endpoint;
+use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
+
+use super::time::Timestamp;
+
+/// `namespace/name` of a policy.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PolicyKey {
+    /// The policy's namespace.
+    pub namespace: String,
+    /// The policy's name.
+    pub name: String,
+}
+
+impl std::fmt::Display for PolicyKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// One policy as the planner needs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PolicyInput {
+    /// Which policy.
+    pub key: PolicyKey,
+    /// `metadata.generation`.
+    pub generation: i64,
+    /// `metadata.creationTimestamp`; the older policy wins a conflict.
+    pub created: Timestamp,
+    /// The spec as stored.
+    pub spec: ConnectionPolicySpec,
+    /// The status as stored (conditions keep their transition times; targets survive restarts).
+    pub status: Option<ConnectionPolicyStatus>,
+    /// Resolved endpoints per backend name (from EndpointSlices or the static addresses).
+    pub endpoints: BTreeMap<String, Vec<Endpoint>>,
+}
+
+impl PolicyInput {
+    /// The gateway selector.
+    pub fn selector(&self) -> &LabelSelector {
+        &self.spec.gateway_selector
+    }
+}
+
+/// One gateway pod in the policies' namespace.
+#[derive(Clone, Debug, Default)]
+pub struct GatewayPod {
+    /// The pod's name.
+    pub name: String,
+    /// Its labels (matched against the policies' gateway selectors).
+    pub labels: BTreeMap<String, String>,
+    /// Its IP, once it has one.
+    pub ip: Option<IpAddr>,
+    /// Whether it is ready (Ready condition True, not terminating): it counts in `RolledOut`.
+    pub ready: bool,
+    /// Whether it is terminating (deletion requested): it drains and gets no new document, but
+    /// holds its share until it is gone.
+    pub terminating: bool,
+    /// Whether its containers stopped for good (phase Succeeded or Failed): it holds nothing.
+    pub stopped: bool,
+    /// The limits the pod acknowledged last (from a PUT answer), if known.
+    pub acked: Option<Acked>,
+}
+
+/// What a gateway pod said it runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Acked {
+    /// Content revision.
+    pub revision: String,
+    /// Document generation.
+    pub generation: u64,
+}
+
+/// The latest Prometheus samples for one backend (fleet sums over the pods a policy selects).
+/// `None` is missing data: a query error, an empty result, NaN or a stale sample. Never zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BackendSample {
+    /// Leased connections (calls in flight to the backend), averaged over the window.
+    pub leased: Option<f64>,
+    /// Pending lease requests, averaged over the window.
+    pub pending: Option<f64>,
+    /// Leased connections at the latest scrape (a crowd that began within the window shows
+    /// here in full).
+    pub leased_now: Option<f64>,
+    /// Pending lease requests at the latest scrape.
+    pub pending_now: Option<f64>,
+    /// Upstream calls completed per second without a 5xx, over the window.
+    pub completed: Option<f64>,
+    /// Response body bytes received from the backend per second, over the window.
+    pub bytes: Option<f64>,
+    /// Median time from sending a request to the first byte of its response body, seconds.
+    pub ttfb: Option<f64>,
+    /// The window the averages and rates are taken over.
+    pub window: std::time::Duration,
+    /// The backend's own saturation signal, when it has a saturation query.
+    pub saturation: SaturationSignal,
+    /// Ready selected pods without fresh samples (no `process_max_fds` within two scrape
+    /// intervals). While any is, the demand and throughput sums are missing: the fleet's demand
+    /// is not the sum over the pods that happen to be scraped.
+    pub unscraped: u32,
+    /// What the selected pods run now: the sum of their pools' caps for the backend
+    /// (`poolpilot_pool_max_connections`), for `autoscale.startFrom: Current`.
+    pub current: Option<f64>,
+    /// The demand per priority class, interactive first (reported, not planned on).
+    pub classes: [ClassSample; 2],
+}
+
+/// Demand of one priority class on one backend: leased connections plus pending lease
+/// requests, fleet sums averaged over the window. `None` is missing data, never zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ClassSample {
+    /// Connections held by the class's calls.
+    pub leased: Option<f64>,
+    /// The class's lease requests waiting.
+    pub pending: Option<f64>,
+}
+
+impl ClassSample {
+    /// leased + pending, when both are known.
+    pub fn demand(&self) -> Option<f64> {
+        self.leased.zip(self.pending).map(|(l, p)| l + p)
+    }
+}
+
+/// A backend's own saturation signal (`spec.backends[].saturation.query`) in a sample.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum SaturationSignal {
+    /// No value: no query is configured, or the poller has not picked it up yet.
+    #[default]
+    NotConfigured,
+    /// The query is configured but has not run since (a new or edited query).
+    Pending,
+    /// The query failed, returned nothing, or NaN.
+    Missing,
+    /// Its value (the largest, when it returned several series).
+    Value(f64),
+}
+
+/// The latest file-descriptor samples of one pod.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodSample {
+    /// `process_max_fds`.
+    pub max_fds: Option<u64>,
+    /// `process_open_fds`.
+    pub open_fds: Option<u64>,
+}
+
+/// Everything Prometheus told us at one instant.
+#[derive(Clone, Debug, Default)]
+pub struct Samples {
+    /// Per policy and backend name.
+    pub backends: BTreeMap<(PolicyKey, String), BackendSample>,
+    /// Per pod name.
+    pub pods: BTreeMap<String, PodSample>,
+}
+
+/// The whole input of one planning run for one namespace.
+#[derive(Clone, Debug, Default)]
+pub struct FleetInput {
+    /// Every policy in the namespace.
+    pub policies: Vec<PolicyInput>,
+    /// Every gateway pod in the namespace (selected by at least one policy or not).
+    pub pods: Vec<GatewayPod>,
+    /// The latest samples.
+    pub samples: Samples,
+    /// Documents already published (the policies' ConfigMaps): generations never go back.
+    pub published: Vec<Acked>,
+    /// Every rendered document's generation must be above this (a pod said it runs it).
+    pub generation_floor: u64,
+    /// The policy being reconciled: only its backends get autoscale decisions this run (the
+    /// others keep their targets until their own reconcile). `None`: every policy decides.
+    pub focus: Option<PolicyKey>,
+}

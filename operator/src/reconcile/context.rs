@@ -1,0 +1,153 @@
+//! What every reconcile shares: the client, the settings, the caches, the latest Prometheus
+//! snapshot, the planner's and the rollout's memory, the gateway client, Events and metrics.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Client;
+use kube::core::DeserializeGuard;
+use kube::runtime::events::Recorder;
+use kube::runtime::reflector::Store;
+use parking_lot::{Mutex, RwLock};
+use poolpilot_api::ConnectionPolicy;
+
+use super::backoff;
+use crate::gateway::Gateways;
+use crate::metrics::Metrics;
+use crate::plan::{Acked, Memory, Timestamp};
+use crate::prom::{SaturationQueries, Snapshot};
+
+/// The one field manager of every server-side apply.
+pub const FIELD_MANAGER: &str = "poolpilot-operator";
+
+/// Runtime settings of the reconciler.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The gateways' admin port (a pod annotation may override it).
+    pub admin_port: u16,
+    /// Name of the Secret (in the policy's namespace) holding the admin token.
+    pub token_secret: String,
+    /// Key of the token in that Secret.
+    pub token_key: String,
+    /// A Prometheus snapshot older than this is missing data.
+    pub snapshot_max_age: Duration,
+    /// Longest wait between two reconciles of a policy.
+    pub max_requeue: Duration,
+}
+
+/// What the rollout remembers between reconciles.
+#[derive(Clone, Debug, Default)]
+pub struct RolloutMemory {
+    /// The last acknowledgement per (namespace, pod, run of the pod: [`observe::instance`]).
+    pub acked: BTreeMap<(String, String, String), Acked>,
+    /// Refusals per (namespace, pod, revision).
+    pub refused: BTreeMap<(String, String, String), String>,
+    /// When a revision was first acknowledged by a canary, per (namespace, revision).
+    pub canary_since: BTreeMap<(String, String), Timestamp>,
+    /// The revision each policy rolls out, per (namespace, policy): when it changes, the
+    /// verification of the one before is forgotten, so that a revision seen again (an edit
+    /// undone, a target back where it was) is verified anew.
+    pub rolling: BTreeMap<(String, String), String>,
+    /// The highest generation a pod said it runs (409 answers), per namespace.
+    pub seen_generation: BTreeMap<String, u64>,
+    /// The documents each pod acknowledged last and the one before, per (namespace, pod): a
+    /// regressed canary goes back to the one before.
+    pub sent: BTreeMap<(String, String), SentDocuments>,
+    /// Revisions whose canaries regressed and were rolled back, with why, per (namespace,
+    /// revision): the rollout stays halted until the policy changes (a new revision).
+    pub regressed: BTreeMap<(String, String), String>,
+    /// The admin token Secret's value as last read, and the one before it, per namespace: after
+    /// a rotation, pods whose mounted copy still holds the previous token get it (on a 401 to
+    /// the new one) until the kubelet refreshes their copy.
+    pub tokens: BTreeMap<String, (String, Option<String>)>,
+}
+
+impl RolloutMemory {
+    /// When the canaries' verification of `desired`, the revision `policy` in `ns` rolls out,
+    /// started: when a canary was first seen on it (`on_it`: one is now). A policy that moved to
+    /// another revision forgets the verification of the one before and of `desired`, so that a
+    /// revision seen again (an edit undone, a target back where it was) is verified anew.
+    pub fn verification_start(
+        &mut self,
+        ns: &str,
+        policy: &str,
+        desired: &str,
+        on_it: bool,
+        now: Timestamp,
+    ) -> Option<Timestamp> {
+        let rolling = (ns.to_owned(), policy.to_owned());
+        if self.rolling.get(&rolling).map(String::as_str) != Some(desired) {
+            if let Some(before) = self.rolling.insert(rolling, desired.to_owned()) {
+                self.canary_since.remove(&(ns.to_owned(), before));
+            }
+            self.canary_since
+                .remove(&(ns.to_owned(), desired.to_owned()));
+        }
+        let key = (ns.to_owned(), desired.to_owned());
+        if on_it {
+            Some(*self.canary_since.entry(key).or_insert(now))
+        } else {
+            self.canary_since.get(&key).copied()
+        }
+    }
+}
+
+/// The documents one pod acknowledged: the last and the one before it.
+#[derive(Clone, Debug, Default)]
+pub struct SentDocuments {
+    /// The last one.
+    pub current: Option<Arc<poolpilot_api::GatewayLimits>>,
+    /// The one before it (another revision).
+    pub previous: Option<Arc<poolpilot_api::GatewayLimits>>,
+}
+/// The caches observe reads.
+#[derive(Clone, Debug)]
+pub struct Stores {
+    /// Every ConnectionPolicy, those this operator cannot read included (left out of planning).
+    pub policies: Store<DeserializeGuard<ConnectionPolicy>>,
+    /// Pods (possibly narrowed by a label selector).
+    pub pods: Store<Pod>,
+    /// EndpointSlices.
+    pub slices: Store<EndpointSlice>,
+    /// The ConfigMaps the operator wrote.
+    pub configmaps: Store<ConfigMap>,
+}
+
+/// Everything the reconciler needs, shared by every reconcile.
+pub struct Context<G: Gateways> {
+    /// Kubernetes client.
+    pub client: Client,
+    /// Settings.
+    pub config: Config,
+    /// Caches of the watched objects.
+    pub stores: Stores,
+    /// The latest Prometheus snapshot (written by the poller).
+    pub snapshot: Arc<RwLock<Snapshot>>,
+    /// The backends' saturation queries the poller runs (each reconcile sets its policy's).
+    pub saturation: SaturationQueries,
+    /// Autoscale memory per namespace.
+    pub memory: Mutex<BTreeMap<String, Memory>>,
+    /// Rollout memory.
+    pub rollouts: Mutex<RolloutMemory>,
+    /// Failures in a row per policy, for the retry back-off of [`error_policy`].
+    pub retries: backoff::RetryBackoff,
+    /// The gateway admin client.
+    pub gateways: G,
+    /// Publishes Events.
+    pub recorder: Recorder,
+    /// The operator's metrics.
+    pub metrics: Metrics,
+    /// The wall clock (a fixed one in tests).
+    pub clock: fn() -> Timestamp,
+}
+
+impl<G: Gateways> std::fmt::Debug for Context<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}

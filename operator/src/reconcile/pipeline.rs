@@ -1,0 +1,380 @@
+//! The pipeline of one reconcile: observe → validate → plan → roll out → status, each step
+//! timed and its failure counted; the finalizer's cleanup; what follows a failed reconcile.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::core::error_boundary::InvalidObject;
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::{Resource as _, ResourceExt};
+use poolpilot_api::ConnectionPolicy;
+use poolpilot_api::policy::Mode;
+use tokio::time::Instant;
+use tracing::{info, instrument, warn};
+
+use super::context::Context;
+use super::error::{Error, Result};
+use super::events::{event_note, implausible_generation_event, unreadable_event};
+use super::{observe, rollout, status, validate};
+use crate::gateway::Gateways;
+use crate::metrics::{Metrics, StepLabel};
+use crate::plan::{self, Memory};
+
+/// The finalizer that removes a deleted policy's backends from its gateways.
+pub const FINALIZER: &str = "poolpilot.io/cleanup";
+/// How soon to try again when a starting pod (it has an IP) could not take its document yet.
+const RETRY_STARTING_PODS: Duration = Duration::from_secs(1);
+
+/// Reconciles one policy as the Controller hands it over: read ([`reconcile`]), or not readable
+/// by this operator ([`skip_unreadable`]).
+pub async fn reconcile_object<G: Gateways>(
+    object: Arc<DeserializeGuard<ConnectionPolicy>>,
+    ctx: Arc<Context<G>>,
+) -> Result<Action> {
+    let result = match &object.0 {
+        Ok(policy) => reconcile(Arc::new(policy.clone()), ctx.clone()).await,
+        Err(invalid) => skip_unreadable(&object, invalid, &ctx).await,
+    };
+    if result.is_ok() {
+        ctx.retries.succeeded(&retry_key(&object));
+    }
+    result
+}
+
+/// A policy's key in [`Context::retries`].
+fn retry_key(object: &DeserializeGuard<ConnectionPolicy>) -> String {
+    format!(
+        "{}/{}",
+        object.namespace().unwrap_or_default(),
+        object.name_any()
+    )
+}
+
+/// A policy that does not deserialize: a Warning Event `InvalidPolicy` on it with the error, a
+/// warning in the log, and nothing else (it is left out of every plan, and its backends out of
+/// every document). Being deleted, it loses the finalizer, whose cleanup only needs the other
+/// policies. Looked at again when it changes.
+pub async fn skip_unreadable<G: Gateways>(
+    object: &DeserializeGuard<ConnectionPolicy>,
+    invalid: &InvalidObject,
+    ctx: &Context<G>,
+) -> Result<Action> {
+    let name = object.name_any();
+    warn!(policy = %name, error = %invalid.error, "cannot read the policy; skipped");
+    let event = unreadable_event(&invalid.error);
+    if let Err(err) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
+        warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
+    }
+    let meta = &invalid.metadata;
+    let finalizers = meta.finalizers.as_deref().unwrap_or_default();
+    if meta.deletion_timestamp.is_some() && finalizers.iter().any(|f| f == FINALIZER) {
+        let api: Api<DeserializeGuard<ConnectionPolicy>> =
+            Api::namespaced(ctx.client.clone(), &object.namespace().unwrap_or_default());
+        let rest: Vec<&String> = finalizers.iter().filter(|f| *f != FINALIZER).collect();
+        // The resource version makes a concurrent change of the list fail instead of being lost.
+        let patch = serde_json::json!({
+            "metadata": {"finalizers": rest, "resourceVersion": meta.resource_version},
+        });
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| {
+                Error::Finalizer(Box::new(kube::runtime::finalizer::Error::RemoveFinalizer(
+                    e,
+                )))
+            })?;
+    }
+    Ok(Action::await_change())
+}
+
+/// Reconciles one policy (behind the finalizer).
+#[instrument(skip_all, fields(policy = %policy.name_any(), namespace = policy.namespace().unwrap_or_default()))]
+pub async fn reconcile<G: Gateways>(
+    policy: Arc<ConnectionPolicy>,
+    ctx: Arc<Context<G>>,
+) -> Result<Action> {
+    ctx.metrics.reconciles.inc();
+    let ns = policy.namespace().unwrap_or_default();
+    let api: Api<ConnectionPolicy> = Api::namespaced(ctx.client.clone(), &ns);
+    finalizer(&api, FINALIZER, policy, |event| async {
+        match event {
+            Finalizer::Apply(p) => apply(&p, &ctx).await,
+            Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+/// Times a step and counts its failure.
+async fn step<T, E, F>(metrics: &Metrics, name: &'static str, f: F) -> std::result::Result<T, E>
+where
+    F: Future<Output = std::result::Result<T, E>>,
+{
+    let start = Instant::now();
+    let out = f.await;
+    let label = StepLabel { step: name };
+    metrics
+        .step_duration
+        .get_or_create(&label)
+        .observe(start.elapsed().as_secs_f64());
+    if out.is_err() {
+        metrics.errors.get_or_create(&label).inc();
+    }
+    out
+}
+
+/// Runs CPU-bound work (planning a namespace with many policies takes a while), or a wait for
+/// the memory lock such work holds, without holding up the runtime's other tasks, `/healthz`
+/// among them: on the multi-threaded runtime the worker hands its other tasks over first. (The
+/// current-thread runtime of unit tests just runs it.)
+fn cpu_bound<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
+async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
+    let now = (ctx.clock)();
+    let m = &ctx.metrics;
+    // 1. observe (no API calls: caches and the latest Prometheus snapshot; CPU only, its cost
+    //    grows with the namespace, so off the async workers)
+    let observed = step(m, "observe", async {
+        cpu_bound(|| observe::observe(ctx, policy, false, now))
+    })
+    .await?;
+    report_implausible_generations(ctx, policy, &observed).await;
+    // The poller runs this policy's saturation queries from its next round on.
+    ctx.saturation.set(
+        &observed.focus,
+        policy
+            .spec
+            .backends
+            .iter()
+            .filter_map(|b| Some((b.name.clone(), b.saturation.as_ref()?.query.clone()))),
+    );
+    // 2. validate (no client required)
+    let verdict = step(m, "validate", async {
+        Ok::<_, Error>(cpu_bound(|| validate::check(&observed)))
+    })
+    .await?;
+    // 3. plan (no client required; CPU only, off the async workers)
+    let fleet = step(m, "plan", async {
+        Ok::<_, Error>(cpu_bound(|| {
+            let mut memory = ctx.memory.lock();
+            let mem = memory.entry(observed.focus.namespace.clone()).or_default();
+            plan::plan(&observed.input, mem, now)
+        }))
+    })
+    .await?;
+    let Some(policy_plan) = fleet.policy(&observed.focus) else {
+        return Err(Error::Plan(format!("no plan for {}", observed.focus)));
+    };
+    for d in policy_plan
+        .backends
+        .iter()
+        .filter_map(|b| b.decision.as_ref())
+    {
+        m.decision(d);
+    }
+    // 4. roll out (client and gateways required), only for an accepted policy (rendering may
+    //    still reject one whose document does not validate)
+    let report = match &verdict {
+        // Shadow mode: the same plan, published instead of rolled out.
+        Ok(()) if policy_plan.acceptance.is_accepted() && policy.spec.mode == Mode::Recommend => {
+            step(
+                m,
+                "rollout",
+                rollout::recommend(ctx, policy, &observed, &fleet),
+            )
+            .await?
+        }
+        Ok(()) if policy_plan.acceptance.is_accepted() => {
+            step(
+                m,
+                "rollout",
+                rollout::roll_out(ctx, policy, &observed, &fleet, now),
+            )
+            .await?
+        }
+        Ok(()) => {
+            info!(acceptance = ?policy_plan.acceptance, "rendered document refused; nothing rolled out");
+            rollout::not_rolled_out(&observed, &fleet)
+        }
+        Err(rejected) => {
+            info!(%rejected, "policy not accepted; nothing rolled out");
+            rollout::not_rolled_out(&observed, &fleet)
+        }
+    };
+    // 5. status (client required), from this policy's autoscale memory.
+    // The lock may be held by another reconcile's plan: wait for it off the async workers too.
+    let memory = cpu_bound(|| {
+        let all = ctx.memory.lock();
+        let namespace = all.get(&observed.focus.namespace);
+        plan::Memory {
+            backends: policy_plan
+                .backends
+                .iter()
+                .filter_map(|b| {
+                    let key = (observed.focus.clone(), b.name.clone());
+                    let mem = namespace?.backends.get(&key)?.clone();
+                    Some((key, mem))
+                })
+                .collect(),
+            ..plan::Memory::default()
+        }
+    });
+    log_decisions(policy_plan, &memory);
+    let status = plan::status::compute(
+        observed
+            .input
+            .policies
+            .iter()
+            .find(|p| p.key == observed.focus)
+            .ok_or_else(|| Error::Plan("focus policy missing".into()))?,
+        policy_plan,
+        &memory,
+        &report,
+        now,
+    );
+    step(m, "status", status::apply(ctx, policy, policy_plan, status)).await?;
+
+    // A pod that has an IP but did not take its document is most likely still starting (its
+    // admin port not yet listening) and stays unready until it does: try again soon. Pods
+    // without an IP bring their own reconcile when they get one.
+    let starting = report
+        .unreachable
+        .keys()
+        .any(|pod| observed.admin.contains_key(pod));
+    let interval = if starting {
+        RETRY_STARTING_PODS
+    } else {
+        policy.spec.autoscale.interval.get()
+    };
+    let interval = interval.min(ctx.config.max_requeue);
+    Ok(Action::requeue(interval.max(Duration::from_secs(1))))
+}
+
+/// Each decision of this run, at info, with the numbers it was made from: what status shows
+/// as `lastDecision`, for `kubectl logs`.
+fn log_decisions(plan: &plan::PolicyPlan, memory: &Memory) {
+    for b in &plan.backends {
+        let Some(decision) = &b.decision else {
+            continue;
+        };
+        let reason = memory
+            .backends
+            .get(&(plan.key.clone(), b.name.clone()))
+            .and_then(|m| m.last_decision.as_ref())
+            .map_or("", |d| d.reason.as_str());
+        let s = &b.sample;
+        info!(
+            backend = %b.name,
+            action = ?decision.action(),
+            target = b.target,
+            endpoints = b.endpoints,
+            leased = s.leased,
+            pending = s.pending,
+            completed_per_s = s.completed,
+            bytes_per_s = s.bytes,
+            ttfb_s = s.ttfb,
+            held_intervals = b.held,
+            "autoscale decision: {reason}"
+        );
+    }
+}
+
+async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
+    let now = (ctx.clock)();
+    let observed = step(&ctx.metrics, "observe", async {
+        cpu_bound(|| observe::observe(ctx, policy, true, now))
+    })
+    .await?;
+    ctx.saturation.set(&observed.focus, []);
+    let fleet = cpu_bound(|| {
+        let mut memory = ctx.memory.lock();
+        let mem = memory.entry(observed.focus.namespace.clone()).or_default();
+        mem.backends.retain(|(k, _), _| k != &observed.focus);
+        plan::plan(&observed.input, mem, now)
+    });
+    step(
+        &ctx.metrics,
+        "cleanup",
+        rollout::remove(ctx, policy, &observed, &fleet),
+    )
+    .await?;
+    Ok(Action::await_change())
+}
+
+/// Tells about generations read back that are too large to be real (the planner ignores them):
+/// a warning in the log, `poolpilot_operator_generations_ignored_total`, and a Warning Event
+/// `ImplausibleGeneration` on the policy (repeats become one Event series).
+async fn report_implausible_generations<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    observed: &observe::Observed,
+) {
+    let reference = policy.object_ref(&());
+    for note in plan::implausible_generations(&observed.input) {
+        warn!(%note, "implausible generation ignored");
+        ctx.metrics.generations_ignored.inc();
+        let event = implausible_generation_event(&note);
+        if let Err(err) = ctx.recorder.publish(&event, &reference).await {
+            warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
+        }
+    }
+}
+
+/// What to do after a failed reconcile: log, tell the user with a `ReconcileFailed` Warning
+/// Event on the policy (naming the step and the error), and retry soon. Repeats of the same
+/// failure become one Event series: the recorder patches the Event's count instead of creating
+/// another one.
+pub fn error_policy<G: Gateways>(
+    policy: Arc<DeserializeGuard<ConnectionPolicy>>,
+    error: &Error,
+    ctx: Arc<Context<G>>,
+) -> Action {
+    let retry = ctx.retries.failed(&retry_key(&policy));
+    warn!(
+        policy = %policy.name_any(),
+        step = error.step(),
+        error = %crate::report(error),
+        retry_in = ?retry,
+        "reconcile failed"
+    );
+    let event = failure_event(error);
+    let reference = policy.object_ref(&());
+    let recorder = ctx.recorder.clone();
+    // The Controller calls this synchronously; the Event must not hold up the other policies.
+    tokio::spawn(async move {
+        if let Err(err) = recorder.publish(&event, &reference).await {
+            warn!(reason = %event.reason, error = %crate::report(&err), "failed to publish an Event");
+        }
+    });
+    Action::requeue(retry)
+}
+
+/// The Warning Event of a failed reconcile. Its action names the step, so that the recorder
+/// (which keys a series by type, reason and action, not by note) keeps failures of different
+/// steps apart.
+pub fn failure_event(error: &Error) -> Event {
+    let action = match error.step() {
+        "observe" => "Observe",
+        "plan" => "Plan",
+        "rollout" => "RollOut",
+        "status" => "UpdateStatus",
+        "finalizer" => "Finalize",
+        _ => "Reconcile",
+    };
+    Event {
+        type_: EventType::Warning,
+        reason: "ReconcileFailed".into(),
+        note: Some(event_note(&error.describe())),
+        action: action.into(),
+        secondary: None,
+    }
+}
