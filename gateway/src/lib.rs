@@ -66,6 +66,9 @@ pub enum StartError {
     /// The admin token is missing or not fit for use.
     #[error(transparent)]
     AdminToken(#[from] admin::token::TokenError),
+    /// The admin listener's thread could not be started.
+    #[error("the admin listener's thread could not be started")]
+    AdminThread(#[source] std::io::Error),
     /// The admin certificate could not be loaded.
     #[error("the admin certificate could not be loaded")]
     AdminTls(#[from] admin::tls::TlsError),
@@ -189,13 +192,29 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         timeout: config.admin_header_read_timeout.get(),
         max_connections: config.admin_max_connections as usize,
         tls,
+        work: Some(tokio::runtime::Handle::current()),
     };
-    tasks.push(tokio::spawn(admin_listener.serve(
-        admin,
-        gw.clone(),
-        tokens,
-        shutdown_rx.clone(),
-    )));
+    // The admin socket moves to the admin thread's own reactor: its readiness must not wait
+    // for a busy proxy runtime to poll its driver.
+    let admin = admin.into_std().map_err(|source| StartError::Bind {
+        addr: config.listeners.admin,
+        source,
+    })?;
+    let admin_thread =
+        admin::listener::spawn_thread(shutdown_rx.clone()).map_err(StartError::AdminThread)?;
+    let (admin_gw, admin_shutdown) = (gw.clone(), shutdown_rx.clone());
+    tasks.push(admin_thread.spawn(async move {
+        match tokio::net::TcpListener::from_std(admin) {
+            Ok(admin) => {
+                admin_listener
+                    .serve(admin, admin_gw, tokens, admin_shutdown)
+                    .await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "the admin listener could not be moved to its thread")
+            }
+        }
+    }));
     tasks.push(tokio::spawn(server::serve(
         proxy,
         gw.clone(),

@@ -7,8 +7,8 @@
 //! Client classes are the bounded client labels of the limiter (override names, `other`) or
 //! `none` (no client policy on the route, or a connection-level reclaim that no call owns).
 
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -101,6 +101,9 @@ pub struct Signals {
     runtime_alive_tasks: Gauge,
     runtime_queue_depth: Gauge,
     busy_seen: Arc<Mutex<Duration>>,
+    /// The runtime whose metrics are reported: the proxy's, recorded by the lag probe that runs
+    /// on it (`/metrics` is rendered on the admin thread, another runtime).
+    proxy_runtime: Arc<OnceLock<tokio::runtime::Handle>>,
     lease_hold: Hist<HoldLabels>,
     downstream_hold: Histogram,
     reclaimed: Family<ReclaimLabels, Counter>,
@@ -142,6 +145,7 @@ impl Signals {
             runtime_alive_tasks: Gauge::default(),
             runtime_queue_depth: Gauge::default(),
             busy_seen: Arc::default(),
+            proxy_runtime: Arc::default(),
             lease_hold: Family::new_with_constructor(hold_histogram),
             downstream_hold: long_histogram(),
             reclaimed: Family::default(),
@@ -264,7 +268,12 @@ impl Signals {
 
     /// Reads tokio's runtime metrics (workers, busy time, tasks, global queue) into the gauges.
     pub(crate) fn refresh_runtime(&self) {
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        let Some(handle) = self
+            .proxy_runtime
+            .get()
+            .cloned()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
+        else {
             return;
         };
         let m = handle.metrics();
@@ -320,6 +329,7 @@ impl Signals {
 /// gateway lives: a task that asks to wake at a deadline and notes how late it ran. A runtime
 /// whose workers are all busy (or blocked) runs it late, by as much as it runs every other task.
 pub fn spawn_lag_probe(signals: Signals) -> JoinHandle<()> {
+    let _ = signals.proxy_runtime.set(tokio::runtime::Handle::current());
     tokio::spawn(async move {
         loop {
             let due = Instant::now() + LAG_PROBE_INTERVAL;

@@ -457,3 +457,79 @@ async fn metrics_answer_each_scraper_in_the_format_it_asks_for() {
         "{page}"
     );
 }
+
+/// Sends `GET path` on a fresh connection and reads the status line, waiting at most `wait`;
+/// `None` when nothing came back in time. Plain blocking IO: the test's own thread, outside
+/// every runtime.
+fn status_within(addr: std::net::SocketAddr, path: &str, wait: Duration) -> Option<String> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(wait)).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nhost: gateway\r\nauthorization: Bearer {TEST_TOKEN}\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).ok()?;
+    Some(String::from_utf8_lossy(&head[9..12]).into_owned())
+}
+
+/// Blocks the calling thread: a saturated runtime worker, or the test's own thread waiting
+/// outside every runtime.
+#[allow(clippy::disallowed_methods)]
+fn block_thread(for_: Duration) {
+    std::thread::sleep(for_);
+}
+
+/// The kubelet's probes and Prometheus are answered while every proxy worker is busy (a pod
+/// given a fraction of a core under a flood of clients): the admin listener runs on a thread
+/// of its own. The other admin routes run on the gateway's runtime and answer once it is free.
+#[test]
+fn probes_are_answered_while_the_proxy_runtime_is_blocked() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let gw = runtime.block_on(Gw::start_with(None, Duration::from_secs(5)));
+    let (admin, proxy) = (gw.admin, gw.proxy);
+    assert_eq!(
+        status_within(admin, "/healthz", Duration::from_secs(5)).as_deref(),
+        Some("200")
+    );
+
+    let blocked = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = blocked.clone();
+    runtime.spawn(async move {
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        // What a saturated worker looks like from outside: it polls nothing else for 3 s.
+        block_thread(Duration::from_secs(3));
+    });
+    while !blocked.load(std::sync::atomic::Ordering::SeqCst) {
+        block_thread(Duration::from_millis(5));
+    }
+    let started = tokio::time::Instant::now();
+    assert_eq!(
+        status_within(proxy, "/v1/models", Duration::from_millis(500)),
+        None,
+        "the proxy's only worker is blocked (the premise of the test)"
+    );
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let status = status_within(admin, path, Duration::from_millis(500));
+        assert!(
+            status.is_some(),
+            "{path} not answered within 500 ms while the proxy runtime was blocked"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "the probes were answered while the worker was still blocked"
+    );
+    // A route that may start pool tasks runs on the gateway's runtime: answered once it is free.
+    assert_eq!(
+        status_within(admin, "/v1/stats", Duration::from_secs(10)).as_deref(),
+        Some("200")
+    );
+    runtime.block_on(async move { drop(gw) });
+}

@@ -5,6 +5,13 @@
 //! route answers 408), a response the client does not take (a socket write stalled that long
 //! fails: tokio-io-timeout). HTTP/1.1 only: probes, Prometheus and the operator speak it, and a
 //! smaller surface has fewer ways to hold a connection.
+//!
+//! The listener runs on a thread of its own ([`spawn_thread`]), as Envoy keeps its admin off the
+//! worker threads: a proxy runtime saturated by clients (thousands of streams on a pod given a
+//! fraction of a core) must not make the kubelet's liveness probe time out and restart the pod.
+//! Probes and `/metrics` only read state and are answered on that thread; the other routes may
+//! start pool tasks (health checks, reapers) that belong with the proxy, so they run on the
+//! gateway's runtime ([`AdminListener::work`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -14,6 +21,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
+use tokio::runtime::Handle;
 use tokio::sync::{Semaphore, watch};
 use tokio_io_timeout::TimeoutStream;
 
@@ -33,6 +41,32 @@ pub struct AdminListener {
     pub max_connections: usize,
     /// HTTPS, when configured.
     pub tls: Option<AdminTls>,
+    /// The gateway's runtime, where every route but the probes and `/metrics` runs (`None`:
+    /// the listener's own).
+    pub work: Option<Handle>,
+}
+
+/// Starts the admin thread: a single-threaded runtime that runs until `shutdown` turns true
+/// (or its sender is gone). Returns its handle, to spawn the listener on.
+pub fn spawn_thread(mut shutdown: watch::Receiver<bool>) -> std::io::Result<Handle> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let handle = runtime.handle().clone();
+    std::thread::Builder::new()
+        .name("poolpilot-admin".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let _ = shutdown.wait_for(|s| *s).await;
+            });
+        })?;
+    Ok(handle)
+}
+
+/// Whether a request only reads state and is answered on the admin thread itself.
+fn read_only(req: &http::Request<Incoming>) -> bool {
+    req.method() == http::Method::GET
+        && matches!(req.uri().path(), "/healthz" | "/readyz" | "/metrics")
 }
 
 impl AdminListener {
@@ -90,9 +124,27 @@ impl AdminListener {
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
         let body_timeout = self.timeout;
+        let work = self.work.clone();
         let service = service_fn(move |req: http::Request<Incoming>| {
-            let (gw, tokens) = (gw.clone(), tokens.clone());
-            async move { Ok::<_, Infallible>(route(&gw, &tokens, body_timeout, req).await) }
+            let (gw, tokens, work) = (gw.clone(), tokens.clone(), work.clone());
+            async move {
+                let response = match work.filter(|_| !read_only(&req)) {
+                    None => route(&gw, &tokens, body_timeout, req).await,
+                    Some(work) => {
+                        let routed =
+                            work.spawn(async move { route(&gw, &tokens, body_timeout, req).await });
+                        match routed.await {
+                            Ok(response) => response,
+                            // The gateway's runtime is shutting down.
+                            Err(_) => super::error(
+                                http::StatusCode::SERVICE_UNAVAILABLE,
+                                "the gateway is shutting down",
+                            ),
+                        }
+                    }
+                };
+                Ok::<_, Infallible>(response)
+            }
         });
         let served = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
