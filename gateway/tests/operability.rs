@@ -1,7 +1,8 @@
 //! Loopback tests of what an operator runs the gateway with: the access log (one JSON line per
 //! call, successes sampled, refusals always), the request id (kept or generated, sent upstream
-//! and back), `GET /v1/models` from the routes in force, the 404 of a call no model route takes, `validate` (the real binary),
-//! the log level changed at run time, and draining one endpoint by hand.
+//! and back), `GET /v1/models` from the routes in force, the 404 of a call no model route
+//! takes, `validate` (the real binary), the log level changed at run time, and draining one
+//! endpoint by hand.
 
 mod support;
 
