@@ -451,17 +451,27 @@ impl Priority {
         self.aging_after.map_or(timeout / 2, Duration::get)
     }
 
-    /// The class of a call: its override's class if it has one, else the header's value as
-    /// the policy takes it, else the default.
-    pub fn class_of(
+    /// The class of a call: its override's class if it has one, else the header's values as
+    /// the policy takes them, else the default. `header_values` are the header's lines; each
+    /// may be a comma-separated list, and whitespace around an element is ignored. The lowest
+    /// class named wins: `batch` anywhere makes the call batch (a call may lower itself, and a
+    /// proxy that appends `batch` is not overruled by a value its client sent first);
+    /// `interactive` counts only when trusted.
+    pub fn class_of<V: AsRef<[u8]>>(
         &self,
         override_class: Option<PriorityClass>,
-        header_value: Option<&[u8]>,
+        header_values: impl IntoIterator<Item = V>,
     ) -> PriorityClass {
         if let Some(class) = override_class {
             return class;
         }
-        match header_value.and_then(PriorityClass::parse) {
+        let mut named = None;
+        for value in header_values {
+            for element in value.as_ref().split(|b| *b == b',') {
+                named = named.max(PriorityClass::parse(element.trim_ascii()));
+            }
+        }
+        match named {
             Some(PriorityClass::Batch) => PriorityClass::Batch,
             Some(PriorityClass::Interactive) if self.trust_header => PriorityClass::Interactive,
             _ => self.default_class,
@@ -737,6 +747,29 @@ impl GatewayLimits {
                 }
                 if let Some(aging) = prio.aging_after {
                     v.positive(&at("priority.agingAfter"), aging);
+                    // As the CRD's rules: an aging bound a queue times out before never acts.
+                    if aging >= p.queue_timeout {
+                        v.push(
+                            at("priority.agingAfter"),
+                            format!(
+                                "{aging} is not shorter than queueTimeout {}: batch calls would time out in their client queue before they age",
+                                p.queue_timeout
+                            ),
+                        );
+                    }
+                    for (k, b) in self.backends.iter().enumerate() {
+                        if b.client_policy.as_deref() == Some(p.name.as_str())
+                            && aging >= b.pool.lease_timeout
+                        {
+                            v.push(
+                                at("priority.agingAfter"),
+                                format!(
+                                    "{aging} is not shorter than backends[{k}] ({:?}) pool.leaseTimeout {}: its batch calls would time out in the pool queue before they age",
+                                    b.name, b.pool.lease_timeout
+                                ),
+                            );
+                        }
+                    }
                 }
                 if prio
                     .batch_max_percent

@@ -31,9 +31,10 @@ pub enum ProxyError {
     /// The pool could not lease a connection (503, or 502/504 for connect failures).
     #[error(transparent)]
     Pool(#[from] PoolError),
-    /// No backend's route matches (404).
-    #[error("no backend route matches the request")]
-    NoRoute,
+    /// No backend's route matches (404); the text says what routing read of the body's
+    /// `model` when a route needs it ([`crate::route::BodyModel::miss`]).
+    #[error("no backend route matches the request{0}")]
+    NoRoute(String),
     /// The request head is larger than `maxHeaderBytes` or has more than `maxHeaders` (431).
     #[error("request headers exceed the limit ({0})")]
     HeadersTooLarge(&'static str),
@@ -103,7 +104,7 @@ impl ProxyError {
                 PoolError::ConnectTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
                 PoolError::Connect { .. } => StatusCode::BAD_GATEWAY,
             },
-            Self::NoRoute => StatusCode::NOT_FOUND,
+            Self::NoRoute(_) => StatusCode::NOT_FOUND,
             Self::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -128,7 +129,7 @@ impl ProxyError {
                 PoolError::ConnectTimeout { .. } => "connect_timeout",
                 PoolError::Connect { .. } => "connect_failed",
             },
-            Self::NoRoute => "no_route",
+            Self::NoRoute(_) => "no_route",
             Self::HeadersTooLarge(_) => "headers_too_large",
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::BodyTimeout => "body_timeout",
@@ -172,7 +173,7 @@ impl ProxyError {
             | Self::Upstream { .. }
             | Self::ShuttingDown
             | Self::TooManyConnections => Some(RETRY_SOON),
-            Self::NoRoute
+            Self::NoRoute(_)
             | Self::HeadersTooLarge(_)
             | Self::BodyTooLarge { .. }
             | Self::BodyTimeout
@@ -334,7 +335,7 @@ mod tests {
                 "connect_timeout",
                 Some(1),
             ),
-            (ProxyError::NoRoute, 404, "no_route", None),
+            (ProxyError::NoRoute(String::new()), 404, "no_route", None),
             (
                 ProxyError::HeadersTooLarge("count"),
                 431,

@@ -218,19 +218,19 @@ impl ClientLimiter {
     }
 
     /// The priority class of a call of `key` with request `headers`: the override's class,
-    /// else the policy's header as the policy takes it (`batch` always, `interactive` only
-    /// when trusted), else the policy's default ([`poolpilot_api::limits::Priority::class_of`]).
+    /// else the policy's header as the policy takes it (every value of it, the lowest wins:
+    /// `batch` always, `interactive` only when trusted), else the policy's default ([`poolpilot_api::limits::Priority::class_of`]).
     pub fn classify(&self, key: ClientKey, headers: &HeaderMap) -> PriorityClass {
         let state = self.inner.state.lock();
         let pinned = state.override_classes.get(&key).copied();
         let Some(priority) = &state.policy.priority else {
             return pinned.unwrap_or_default();
         };
-        let value = match (&priority.header, pinned) {
-            (Some(name), None) => headers.get(name.as_str()).map(|v| v.as_bytes()),
+        let values = match (&priority.header, pinned) {
+            (Some(name), None) => Some(headers.get_all(name.as_str())),
             _ => None,
         };
-        priority.class_of(pinned, value)
+        priority.class_of(pinned, values.into_iter().flatten())
     }
 
     /// Admits an interactive call of `key` (see [`Self::acquire_as`]).

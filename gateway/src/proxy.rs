@@ -45,6 +45,7 @@ use crate::gateway::{Backend, Gateway, Route};
 use crate::limiter::{ClientKey, ClientPermit};
 use crate::metrics::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
 use crate::pool::Lease;
+use crate::route::BodyModel;
 use crate::signals::{NO_CLIENT, Reclaim};
 use crate::upstream::HttpConnector;
 use crate::{head, route};
@@ -131,16 +132,21 @@ async fn proxy(
     let (model, body) = if snapshot.needs_model && !incoming.is_end_stream() {
         buffer_for_model(gw, incoming, listener, pace).await?
     } else {
+        let model = if snapshot.needs_model {
+            BodyModel::Absent
+        } else {
+            BodyModel::NotRead
+        };
         (
-            None,
+            model,
             ClientBody::new(None, None, Some(incoming), listener.max_body_bytes, pace),
         )
     };
     let route = snapshot
         .routes
         .iter()
-        .find(|r| route::matches(&r.matcher, &parts, model.as_deref()))
-        .ok_or(ProxyError::NoRoute)?;
+        .find(|r| route::matches(&r.matcher, &parts, model.name()))
+        .ok_or_else(|| ProxyError::NoRoute(model.miss()))?;
     record.backend(&route.backend.name);
 
     // Who the client is: its policy's identity, or its source address without a policy.
@@ -271,7 +277,7 @@ async fn buffer_for_model(
     mut incoming: Incoming,
     limits: &ListenerLimits,
     pace: BodyPace,
-) -> Result<(Option<String>, ClientBody), ProxyError> {
+) -> Result<(BodyModel, ClientBody), ProxyError> {
     let cap = limits.route_body_bytes as usize;
     let mut buf = BytesMut::new();
     let mut reserved = gw.route_budget().reservation();
@@ -280,7 +286,7 @@ async fn buffer_for_model(
         if buf.len() > cap {
             let prefix = buf.freeze();
             return Ok((
-                None,
+                BodyModel::BeyondBuffer(limits.route_body_bytes),
                 ClientBody::new(
                     Some(prefix),
                     Some(reserved),
@@ -317,7 +323,7 @@ async fn buffer_for_model(
             Some(Err(e)) => return Err(ProxyError::ClientBody(e.into())),
             None => {
                 let body = buf.freeze();
-                let model = route::model_of(&body);
+                let model = route::model_of(&body).map_or(BodyModel::Absent, BodyModel::Found);
                 return Ok((
                     model,
                     ClientBody::new(

@@ -1,7 +1,8 @@
 //! Loopback tests of what an operator runs the gateway with: the access log (one JSON line per
 //! call, successes sampled, refusals always), the request id (kept or generated, sent upstream
-//! and back), `GET /v1/models` from the routes in force, `validate` (the real binary),
-//! the log level changed at run time, and draining one endpoint by hand.
+//! and back), `GET /v1/models` from the routes in force, the 404 of a call no model route
+//! takes, `validate` (the real binary), the log level changed at run time, and draining one
+//! endpoint by hand.
 
 mod support;
 
@@ -214,6 +215,55 @@ async fn a_request_id_is_kept_or_generated_and_sent_upstream_and_back() {
     let (status, headers, _) = get(gw.proxy, "/v1/a%2Fb", &[("x-request-id", "bad-1")]).await;
     assert_eq!(status, 400);
     assert_eq!(headers["x-request-id"], "bad-1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_no_model_route_takes_is_told_what_model_the_gateway_read_from_its_body() {
+    let (a, b) = (Backend::start().await, Backend::start().await);
+    let gw = Gw::start(model_limits(a.addr, b.addr)).await;
+    let messages = format!(
+        r#""messages":[{{"role":"user","content":"{}"}}]"#,
+        "x".repeat(70_000)
+    );
+    let cases = [
+        (
+            r#"{"model":"gpt-9"}"#.to_owned(),
+            r#"no backend route matches the request (model "gpt-9")"#,
+        ),
+        (
+            r#"{"model":42}"#.to_owned(),
+            r#"no backend route matches the request: the body has no top-level "model" string"#,
+        ),
+        (
+            "not json".to_owned(),
+            r#"no backend route matches the request: the body has no top-level "model" string"#,
+        ),
+        (
+            String::new(),
+            r#"no backend route matches the request: the body has no top-level "model" string"#,
+        ),
+        // The SDKs that write `messages` first: a long prompt pushes `model` past the
+        // routing buffer (64 KiB by default).
+        (
+            format!(r#"{{{messages},"model":"m-a"}}"#),
+            r#"no backend route matches the request: the body's "model" is not within its first 65536 bytes (listener.routeBodyBytes); send "model" before long fields or raise routeBodyBytes"#,
+        ),
+    ];
+    for (body, expected) in &cases {
+        let (status, _, text) = post(gw.proxy, "/v1/chat/completions", &[], body).await;
+        assert_eq!(status, 404, "{text}");
+        let error: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(error["error"]["code"], "no_route");
+        assert_eq!(error["error"]["message"], *expected);
+    }
+    let long = "m".repeat(1000);
+    let (_, _, text) = post(gw.proxy, "/v1/x", &[], &format!(r#"{{"model":"{long}"}}"#)).await;
+    let error: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(
+        error["error"]["message"].as_str().unwrap().len() < 200,
+        "a long model name is cut in the message: {text}"
+    );
+    assert_eq!(a.seen.requests.load(Ordering::SeqCst), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,8 +1,9 @@
 //! Loopback tests of priority classes through the real gateway: a saturated pool serves
 //! interactive calls before the batch calls that queued first, a client cannot raise itself to
 //! interactive with the header the policy does not trust, batch is held to its share cap of
-//! the backend's connections while interactive calls use them all, and the class shows in the
-//! access log and the per-class metrics.
+//! the backend's connections while interactive calls use them all, the class shows in the
+//! access log and the per-class metrics, a header sent twice counts as its lowest value, and
+//! bad priority rules on `PUT /v1/limits` get a 422 that names each.
 
 mod support;
 
@@ -222,4 +223,69 @@ async fn batch_holds_at_most_its_share_of_the_connections_while_interactive_uses
         assert_eq!(c.await.unwrap(), 200, "batch makes progress under its cap");
     }
     assert_eq!(backend.seen.max_inflight.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_header_sent_twice_or_as_a_list_counts_as_its_lowest_value() {
+    let backend = Backend::start().await;
+    // The policy trusts the header: a proxy in front sets it. A proxy that appends its
+    // `batch` after the `interactive` its client sent must still make the call batch.
+    let mut doc = serde_json::to_value(prioritized(backend.addr, 2, None)).unwrap();
+    doc["clientPolicies"][0]["priority"]["trustHeader"] = true.into();
+    let gw = Gw::start(from_json(doc)).await;
+
+    let cases: [(&[(&str, &str)], &str); 4] = [
+        (&[(HEADER, "interactive")], "interactive"),
+        (&[(HEADER, "interactive"), (HEADER, "batch")], "batch"),
+        (&[(HEADER, "INTERACTIVE, batch")], "batch"),
+        (
+            &[(HEADER, "urgent"), (HEADER, "interactive")],
+            "interactive",
+        ),
+    ];
+    for (i, (claims, _)) in cases.iter().enumerate() {
+        let key = format!("caller-{i}");
+        let mut headers = vec![("x-api-key", key.as_str())];
+        headers.extend_from_slice(claims);
+        assert_eq!(post(gw.proxy, "/v1/x", &headers, "{}").await.0, 200);
+    }
+    let lines = gw.access_lines();
+    let classes: Vec<&str> = lines.iter().map(|l| l["class"].as_str().unwrap()).collect();
+    let expected: Vec<&str> = cases.iter().map(|(_, class)| *class).collect();
+    assert_eq!(classes, expected, "{lines:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_priority_rules_on_put_limits_get_422_naming_each_field_and_the_old_limits_stay() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(prioritized(backend.addr, 2, None)).await;
+    let (_, before) = gw.admin_call("GET", "/v1/limits", "").await;
+    let before: serde_json::Value = serde_json::from_str(&before).unwrap();
+    assert!(before["revision"].is_string(), "{before}");
+
+    // The pool's leaseTimeout is 5s and the policy's queueTimeout 10s: an aging bound of 10s
+    // is reached by neither queue; a header name with a space and a share over 100 are nonsense.
+    let mut doc = serde_json::to_value(prioritized(backend.addr, 2, Some(101))).unwrap();
+    doc["generation"] = (before["generation"].as_i64().unwrap() + 1).into();
+    doc["clientPolicies"][0]["priority"]["agingAfter"] = "10s".into();
+    doc["clientPolicies"][0]["priority"]["header"] = "x priority".into();
+    let (status, body) = gw.admin_call("PUT", "/v1/limits", &doc.to_string()).await;
+    assert_eq!(status, 422, "{body}");
+    let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let message = error["error"].as_str().unwrap();
+    for expected in [
+        "clientPolicies[0].priority.header: \"x priority\" is not a valid header name",
+        "clientPolicies[0].priority.agingAfter: 10s is not shorter than queueTimeout 10s",
+        "clientPolicies[0].priority.agingAfter: 10s is not shorter than backends[0] (\"model-a\") pool.leaseTimeout 5s",
+        "clientPolicies[0].priority.batchMaxPercent: must be 1 to 100",
+    ] {
+        assert!(
+            message.contains(expected),
+            "{expected:?} missing from {message}"
+        );
+    }
+    let (_, after) = gw.admin_call("GET", "/v1/limits", "").await;
+    let after: serde_json::Value = serde_json::from_str(&after).unwrap();
+    assert_eq!(after["revision"], before["revision"], "the old limits stay");
+    assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
 }

@@ -241,8 +241,75 @@ fn priority_rules_are_checked_and_classes_are_picked_as_documented() {
     );
     assert_eq!(trusted.class_of(None, Some(b"urgent")), Batch);
 
+    // The header sent several times, or as a list, classes by its lowest value: a trusted
+    // proxy that appends `batch` (Envoy's `request_headers_to_add` appends by default) is not
+    // overruled by the `interactive` its client put first.
+    let trusted_interactive = Priority {
+        default_class: Interactive,
+        ..trusted.clone()
+    };
+    let values: [&[u8]; 2] = [b"interactive", b"batch"];
+    assert_eq!(trusted_interactive.class_of(None, values), Batch);
+    assert_eq!(
+        trusted_interactive.class_of(None, [b"Interactive , BATCH".as_slice()]),
+        Batch
+    );
+    assert_eq!(
+        trusted_interactive.class_of(None, [b" batch\t".as_slice()]),
+        Batch,
+        "whitespace around a value does not hide it"
+    );
+    assert_eq!(
+        trusted.class_of(None, [b"urgent".as_slice(), b"interactive"]),
+        Interactive,
+        "an unknown value beside a known one is ignored"
+    );
+    assert_eq!(
+        trusted.class_of(None, Option::<&[u8]>::None),
+        Batch,
+        "no header: the default"
+    );
+
     let yaml = "{name: p, identity: {header: x}, maxConcurrency: 1, maxQueue: 0, queueTimeout: 1s, overrides: [{name: n, keySha256: aa, maxConcurrency: 1, class: batch}], priority: {defaultClass: batch, agingAfter: 50ms, batchMaxPercent: 30}}";
     let cp: ClientPolicy = serde_norway::from_str(yaml).expect("parses");
     assert_eq!(cp.overrides[0].class, Some(Batch));
     assert_eq!(cp.priority.unwrap().batch_max_percent, Some(30));
+}
+
+#[test]
+fn an_aging_bound_that_a_queue_times_out_before_is_refused_with_both_timeouts_named() {
+    let with_aging = |aging: Duration| {
+        let mut doc = example();
+        doc.client_policies[0].queue_timeout = Duration::from_secs(2);
+        doc.client_policies[0].priority = Some(Priority {
+            aging_after: Some(aging),
+            ..Priority::default()
+        });
+        doc.backends[0].client_policy = Some(doc.client_policies[0].name.clone());
+        doc.backends[0].pool.lease_timeout = Duration::from_millis(300);
+        doc
+    };
+    assert!(with_aging(Duration::from_millis(150)).validate().is_ok());
+
+    let messages = |doc: GatewayLimits| -> Vec<String> {
+        doc.validate()
+            .unwrap_err()
+            .violations
+            .into_iter()
+            .map(|v| format!("{}: {}", v.field, v.message))
+            .collect()
+    };
+    assert_eq!(
+        messages(with_aging(Duration::from_millis(300))),
+        [
+            "clientPolicies[0].priority.agingAfter: 300ms is not shorter than backends[0] (\"model-a\") pool.leaseTimeout 300ms: its batch calls would time out in the pool queue before they age"
+        ]
+    );
+    assert_eq!(
+        messages(with_aging(Duration::from_secs(2))),
+        [
+            "clientPolicies[0].priority.agingAfter: 2s is not shorter than queueTimeout 2s: batch calls would time out in their client queue before they age",
+            "clientPolicies[0].priority.agingAfter: 2s is not shorter than backends[0] (\"model-a\") pool.leaseTimeout 300ms: its batch calls would time out in the pool queue before they age",
+        ]
+    );
 }

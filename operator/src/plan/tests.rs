@@ -636,6 +636,32 @@ fn invalid_specs_list_every_broken_rule() {
 }
 
 #[test]
+fn an_aging_bound_a_queue_times_out_before_is_invalid_as_the_crd_rules_say() {
+    // The CRD's CEL rules refuse it; an apiserver without them (or a policy written before
+    // them) must not reach the gateways, which refuse such a limits document.
+    let with = |aging: &str| {
+        let spec = format!(
+            "gatewaySelector: {{}}\nbackends:\n- name: m\n  endpoints: {{service: {{name: m, port: 80}}}}\n  capacity: {{maxConnectionsPerEndpoint: 10}}\n  pool: {{leaseTimeout: 300ms}}\nclients:\n  identity: {{header: x-api-key}}\n  maxConcurrency: 4\n  queueTimeout: 2s\n  priority: {{agingAfter: {aging}}}\n"
+        );
+        validate::validate_spec(&policy("a", 0, &spec, 1).spec)
+    };
+    assert_eq!(with("150ms"), Ok(()));
+    assert_eq!(
+        with("300ms"),
+        Err(vec![
+            "spec.clients.priority.agingAfter: 300ms is not shorter than backends[0].pool.leaseTimeout 300ms".to_string()
+        ])
+    );
+    assert_eq!(
+        with("2s"),
+        Err(vec![
+            "spec.clients.priority.agingAfter: 2s is not shorter than clients.queueTimeout 2s".to_string(),
+            "spec.clients.priority.agingAfter: 2s is not shorter than backends[0].pool.leaseTimeout 300ms".to_string(),
+        ])
+    );
+}
+
+#[test]
 fn static_endpoints_on_loopback_link_local_or_metadata_addresses_need_allow_private_addresses() {
     let with = |addresses: &[&str], allow: bool| {
         let list: Vec<String> = addresses

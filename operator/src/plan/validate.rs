@@ -310,6 +310,28 @@ pub fn validate_spec(spec: &ConnectionPolicySpec) -> Result<(), Vec<String>> {
                 );
             }
         }
+        if let Some(aging) = c.priority.as_ref().and_then(|p| p.aging_after) {
+            if aging >= c.queue_timeout {
+                err(
+                    "spec.clients.priority.agingAfter".into(),
+                    format!(
+                        "{aging} is not shorter than clients.queueTimeout {}",
+                        c.queue_timeout
+                    ),
+                );
+            }
+            for (i, b) in spec.backends.iter().enumerate() {
+                if aging >= b.pool.lease_timeout {
+                    err(
+                        "spec.clients.priority.agingAfter".into(),
+                        format!(
+                            "{aging} is not shorter than backends[{i}].pool.leaseTimeout {}",
+                            b.pool.lease_timeout
+                        ),
+                    );
+                }
+            }
+        }
         if let Some(s) = &c.slow_calls
             && s.demoted_concurrency > c.max_concurrency
         {
