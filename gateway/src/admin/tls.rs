@@ -182,15 +182,12 @@ fn certified_key(
 /// the pair in force stays. `file` is the watch [`AdminTls::load`] returned.
 pub async fn watch(
     tls: AdminTls,
-    mut file: FileWatch,
+    file: FileWatch,
     interval: Duration,
     metrics: Metrics,
     shutdown: watch::Receiver<bool>,
 ) {
-    crate::reload::poll(interval, shutdown, || {
-        let Some(contents) = file.changed() else {
-            return;
-        };
+    file.poll(interval, shutdown, |contents| {
         match tls.replace(&contents[0], &contents[1]) {
             Ok(()) => {
                 metrics.admin_file_reloaded(AdminFile::Certificate, true);

@@ -101,27 +101,19 @@ pub fn judge(canaries: &[Option<PodRates>], others: &[Option<PodRates>]) -> Verd
             .fold((0.0, 0.0), |(c, b), r| (c + r.requests, b + of(r)));
         if calls > 0.0 { bad / calls } else { 0.0 }
     };
-    let (canary, rest) = (
-        share(canaries, |r| r.lease_timeouts),
-        share(others, |r| r.lease_timeouts),
-    );
-    if canary > rest + REGRESSION_MARGIN {
-        return Verdict::Regressed(format!(
-            "lease timeouts on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
-            canary * 100.0,
-            rest * 100.0
-        ));
-    }
-    let (canary, rest) = (
-        share(canaries, |r| r.upstream_5xx),
-        share(others, |r| r.upstream_5xx),
-    );
-    if canary > rest + UPSTREAM_5XX_MARGIN {
-        return Verdict::Regressed(format!(
-            "upstream 5xx on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
-            canary * 100.0,
-            rest * 100.0
-        ));
+    let failures: [(&str, fn(&PodRates) -> f64, f64); 2] = [
+        ("lease timeouts", |r| r.lease_timeouts, REGRESSION_MARGIN),
+        ("upstream 5xx", |r| r.upstream_5xx, UPSTREAM_5XX_MARGIN),
+    ];
+    for (what, of, margin) in failures {
+        let (canary, rest) = (share(canaries, of), share(others, of));
+        if canary > rest + margin {
+            return Verdict::Regressed(format!(
+                "{what} on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
+                canary * 100.0,
+                rest * 100.0
+            ));
+        }
     }
     let slowest = |pods: &[Option<PodRates>]| {
         pods.iter()
