@@ -86,6 +86,10 @@ pub const P90_RATIO: f64 = 1.5;
 /// ... plus this many seconds (so that short calls' jitter is no regression).
 pub const P90_SLACK_SECONDS: f64 = 0.1;
 
+/// A failure rate the canaries are compared on: its name, how to read it from a pod's rates,
+/// and how far above the other pods' it may be.
+type FailureRate = (&'static str, fn(&PodRates) -> f64, f64);
+
 /// Judges the canaries against the other pods on the signals users watch, each with its
 /// margin: lease timeouts per call, upstream 5xx per call, and p90 latency (the slowest
 /// canary's against the slowest other pod's; judged only when both served calls). The verdict
@@ -101,7 +105,7 @@ pub fn judge(canaries: &[Option<PodRates>], others: &[Option<PodRates>]) -> Verd
             .fold((0.0, 0.0), |(c, b), r| (c + r.requests, b + of(r)));
         if calls > 0.0 { bad / calls } else { 0.0 }
     };
-    let failures: [(&str, fn(&PodRates) -> f64, f64); 2] = [
+    let failures: [FailureRate; 2] = [
         ("lease timeouts", |r| r.lease_timeouts, REGRESSION_MARGIN),
         ("upstream 5xx", |r| r.upstream_5xx, UPSTREAM_5XX_MARGIN),
     ];
