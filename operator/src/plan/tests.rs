@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use poolpilot_api::limits::Endpoint;
 use poolpilot_api::policy::{Mode, StartFrom};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
@@ -121,6 +121,31 @@ fn input_with_fds(policies: Vec<PolicyInput>, pods: Vec<GatewayPod>, max_fds: u6
 /// One planning run of `input` at [`at`]`(0)`, from an empty memory.
 fn plan_once(input: &FleetInput) -> FleetPlan {
     plan(input, &mut Memory::default(), at(0))
+}
+
+/// The first policy's status after `fleet`, with nothing rolled out.
+fn status_now(
+    input: &FleetInput,
+    fleet: &FleetPlan,
+    memory: &Memory,
+    now: Timestamp,
+) -> ConnectionPolicyStatus {
+    compute(
+        &input.policies[0],
+        &fleet.policies[0],
+        memory,
+        &RolloutReport::default(),
+        now,
+    )
+}
+
+/// Condition `kind` of `status`.
+fn condition<'a>(status: &'a ConnectionPolicyStatus, kind: &str) -> &'a Condition {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == kind)
+        .unwrap_or_else(|| panic!("no {kind} condition in {status:?}"))
 }
 
 #[test]
@@ -1292,19 +1317,9 @@ fn a_backend_without_endpoints_is_reported_saturated_naming_its_service() {
     let input = input_of(vec![p], pods(2));
     let mut memory = Memory::default();
     let fleet = plan(&input, &mut memory, at(0));
-    let s = compute(
-        &input.policies[0],
-        &fleet.policies[0],
-        &memory,
-        &RolloutReport::default(),
-        at(0),
-    );
+    let s = status_now(&input, &fleet, &memory, at(0));
     assert_eq!(s.backends[0].endpoints, 0);
-    let saturated = s
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Saturated")
-        .unwrap();
+    let saturated = condition(&s, "Saturated");
     assert_eq!(
         (saturated.status.as_str(), saturated.reason.as_str()),
         ("True", "Saturated")
@@ -1324,18 +1339,8 @@ fn a_backend_without_endpoints_is_reported_saturated_naming_its_service() {
     );
     let input = input_of(vec![p], pods(2));
     let fleet = plan(&input, &mut memory, at(0));
-    let s = compute(
-        &input.policies[0],
-        &fleet.policies[0],
-        &memory,
-        &RolloutReport::default(),
-        at(0),
-    );
-    let saturated = s
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Saturated")
-        .unwrap();
+    let s = status_now(&input, &fleet, &memory, at(0));
+    let saturated = condition(&s, "Saturated");
     assert_eq!(saturated.status, "False", "{saturated:?}");
 }
 
@@ -1354,18 +1359,8 @@ fn a_share_floor_over_the_backend_budget_is_named_with_the_numbers() {
     let b = &fleet.policies[0].backends[0];
     assert_eq!((b.target, b.per_pod), (8, 1));
     assert_eq!(b.overcommit(10), Some((10, 8)));
-    let s = compute(
-        &input.policies[0],
-        &fleet.policies[0],
-        &memory,
-        &RolloutReport::default(),
-        at(0),
-    );
-    let c = s
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Saturated")
-        .unwrap();
+    let s = status_now(&input, &fleet, &memory, at(0));
+    let c = condition(&s, "Saturated");
     assert_eq!(
         (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
         (
@@ -1384,18 +1379,8 @@ fn a_share_floor_over_the_backend_budget_is_named_with_the_numbers() {
     };
     let fleet = plan(&input, &mut memory, at(15));
     assert_eq!(fleet.policies[0].backends[0].overcommit(8), None);
-    let s = compute(
-        &input.policies[0],
-        &fleet.policies[0],
-        &memory,
-        &RolloutReport::default(),
-        at(15),
-    );
-    let c = s
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Saturated")
-        .unwrap();
+    let s = status_now(&input, &fleet, &memory, at(15));
+    let c = condition(&s, "Saturated");
     assert_eq!(c.status, "False", "{c:?}");
 }
 
