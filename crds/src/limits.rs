@@ -364,6 +364,109 @@ pub struct ClientPolicy {
     /// every entry is busy a new client gets `503` with `Retry-After`.
     #[serde(default = "ClientPolicy::default_max_clients")]
     pub max_clients: u32,
+    /// Priority classes of this policy's calls, applied in its per-client queues and in the
+    /// pool queue of every backend that refers to it. Omitted: the defaults of [`Priority`]
+    /// (a call is `interactive` unless its override names a class; no header is read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+}
+
+/// The priority class of a call. Two classes; there is no third.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum PriorityClass {
+    /// Served first.
+    #[default]
+    Interactive,
+    /// Served after the interactive calls waiting with it, until it has waited `agingAfter`.
+    Batch,
+}
+
+impl PriorityClass {
+    /// Both classes, interactive first.
+    pub const ALL: [Self; 2] = [Self::Interactive, Self::Batch];
+
+    /// The metric label and header value (`interactive`, `batch`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Interactive => "interactive",
+            Self::Batch => "batch",
+        }
+    }
+
+    /// The class a header value names (`interactive` or `batch`, any case), if any.
+    pub fn parse(value: &[u8]) -> Option<Self> {
+        if value.eq_ignore_ascii_case(b"interactive") {
+            Some(Self::Interactive)
+        } else if value.eq_ignore_ascii_case(b"batch") {
+            Some(Self::Batch)
+        } else {
+            None
+        }
+    }
+
+    /// An index into per-class arrays (interactive 0, batch 1).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// How the calls of a client policy get their priority class, and how the queues treat batch.
+///
+/// A call's class: its client's override `class` when the override sets one (the header is
+/// not read); else the `header`'s value when the policy takes it (`batch` always, since a call
+/// may always lower itself; `interactive` only with `trustHeader`, so that a client cannot
+/// raise itself); else `defaultClass`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Priority {
+    /// Class of a call that neither an override nor the header classes.
+    #[serde(default)]
+    pub default_class: PriorityClass,
+    /// Request header naming a call's class (`interactive` or `batch`, any case; another value
+    /// is ignored). None: the header is not read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// Take `interactive` from the header too (only when a proxy in front sets or strips it).
+    #[serde(default)]
+    pub trust_header: bool,
+    /// A batch call that waited this long in a queue is served as if it were an interactive
+    /// call that arrived then. None: half of each queue's timeout (`leaseTimeout` in the pool
+    /// queue, `queueTimeout` in a client's queue).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aging_after: Option<Duration>,
+    /// Most of a backend's connections in this pod (percent of its pool cap over its
+    /// endpoints, rounded down, at least 1) that batch calls may hold; a batch call beyond it
+    /// waits even when a connection is free. Interactive calls may use every connection. None:
+    /// no cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_max_percent: Option<u32>,
+}
+
+impl Priority {
+    /// The aging bound of a queue whose timeout is `timeout`.
+    pub fn aging_in(&self, timeout: std::time::Duration) -> std::time::Duration {
+        self.aging_after.map_or(timeout / 2, Duration::get)
+    }
+
+    /// The class of a call: its override's class if it has one, else the header's value as
+    /// the policy takes it, else the default.
+    pub fn class_of(
+        &self,
+        override_class: Option<PriorityClass>,
+        header_value: Option<&[u8]>,
+    ) -> PriorityClass {
+        if let Some(class) = override_class {
+            return class;
+        }
+        match header_value.and_then(PriorityClass::parse) {
+            Some(PriorityClass::Batch) => PriorityClass::Batch,
+            Some(PriorityClass::Interactive) if self.trust_header => PriorityClass::Interactive,
+            _ => self.default_class,
+        }
+    }
 }
 
 impl ClientPolicy {
@@ -438,6 +541,10 @@ pub struct ClientOverride {
     pub key_sha256: String,
     /// This client's concurrency limit.
     pub max_concurrency: u32,
+    /// This client's priority class: its calls get it whatever header they send. None: the
+    /// policy's `priority` classes them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<PriorityClass>,
 }
 
 /// Slow-call tracking: a client whose calls are often slow is demoted for a while.
@@ -618,6 +725,25 @@ impl GatewayLimits {
                     );
                 }
                 v.positive_u64(&at("maxConcurrency"), o.max_concurrency.into());
+            }
+            if let Some(prio) = &p.priority {
+                if let Some(h) = &prio.header
+                    && http_token(h).is_err()
+                {
+                    v.push(
+                        at("priority.header"),
+                        format!("{h:?} is not a valid header name"),
+                    );
+                }
+                if let Some(aging) = prio.aging_after {
+                    v.positive(&at("priority.agingAfter"), aging);
+                }
+                if prio
+                    .batch_max_percent
+                    .is_some_and(|pct| pct == 0 || pct > 100)
+                {
+                    v.push(at("priority.batchMaxPercent"), "must be 1 to 100");
+                }
             }
             if let Some(s) = &p.slow_calls {
                 v.positive(&at("slowCalls.threshold"), s.threshold);

@@ -59,6 +59,11 @@ pub const MAX_BACKENDS: usize = 32;
         "rule": "!has(self.autoscale.max) || self.backends.all(b, double(self.autoscale.max) <= double(b.capacity.maxConnectionsPerEndpoint) * (1.0 - b.capacity.headroom))",
         "message": "autoscale.max must not exceed capacity.maxConnectionsPerEndpoint × (1 − capacity.headroom) of any backend",
         "fieldPath": ".autoscale.max"
+    },
+    {
+        "rule": "!has(self.clients) || !has(self.clients.priority) || !has(self.clients.priority.agingAfter) || self.backends.all(b, !has(b.pool) || !has(b.pool.leaseTimeout) || duration(self.clients.priority.agingAfter) < duration(b.pool.leaseTimeout))",
+        "message": "clients.priority.agingAfter must be shorter than every backend's pool.leaseTimeout, or batch calls time out in the pool queue before they age",
+        "fieldPath": ".clients.priority.agingAfter"
     }
 ]))]
 pub struct ConnectionPolicySpec {
@@ -462,6 +467,11 @@ pub struct OutlierDetectionSpec {
     {
         "rule": "!has(self.slowCalls) || self.slowCalls.demotedConcurrency <= self.maxConcurrency",
         "message": "clients.slowCalls.demotedConcurrency must not exceed clients.maxConcurrency"
+    },
+    {
+        "rule": "!has(self.priority) || !has(self.priority.agingAfter) || duration(self.priority.agingAfter) < duration(has(self.queueTimeout) ? self.queueTimeout : '2s')",
+        "message": "clients.priority.agingAfter must be shorter than clients.queueTimeout, or batch calls time out in their queue before they age",
+        "fieldPath": ".priority.agingAfter"
     }
 ]))]
 pub struct ClientsSpec {
@@ -514,6 +524,73 @@ pub struct ClientsSpec {
     #[serde(default = "ClientsSpec::default_max_clients")]
     #[schemars(range(min = 1, max = 10_000_000))]
     pub max_clients: u32,
+    /// Priority classes: which calls are `Interactive` and which `Batch`, how long batch may
+    /// be passed over before it ages, and how much of a backend batch may hold. Each gateway
+    /// pod serves interactive calls before batch ones in every client's queue and in the
+    /// connection pool queue of every backend of this policy. Omitted: every call is
+    /// `Interactive` unless its override names a class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<PrioritySpec>,
+}
+
+/// A call's priority class. There are two; a third is not supported.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PriorityClassSpec {
+    /// Served before batch calls that wait with it.
+    #[default]
+    Interactive,
+    /// Served after the interactive calls waiting with it, until it has waited `agingAfter`;
+    /// held to `batchMaxPercent` of a backend's connections.
+    Batch,
+}
+
+/// How calls get their priority class, and how batch calls are treated. A full pool queue
+/// (`pool.maxPending`) takes an interactive call in place of its newest batch waiter, which is
+/// answered 503 as on a full queue.
+///
+/// Who picks the class: an override's `class` pins its client's calls (the header is not
+/// read); otherwise a call sending `header` with `batch` is batch (a call may always lower
+/// itself); with `interactive` it is interactive only when `trustHeader` is set; any other
+/// call gets `defaultClass`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.trustHeader) || !self.trustHeader || has(self.header)",
+        "message": "clients.priority.trustHeader needs clients.priority.header",
+        "fieldPath": ".trustHeader"
+    }
+]))]
+pub struct PrioritySpec {
+    /// The class of calls that neither an override nor the header classes.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub default_class: PriorityClassSpec,
+    /// A request header whose value (`interactive` or `batch`, in any case; other values are
+    /// ignored) names a call's class, for clients without an override class (for example
+    /// `x-poolpilot-priority`). Omitted: no header is read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128), pattern(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"))]
+    pub header: Option<String>,
+    /// Take `interactive` from the header too, not only `batch`. Set it only when the header
+    /// comes from something you trust (a proxy in front that sets or strips it): otherwise any
+    /// client could raise itself to interactive. Needs `header`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub trust_header: bool,
+    /// The starvation bound: a batch call that has waited this long in a queue is served as
+    /// if it were an interactive call arriving then (it is passed over only by the interactive
+    /// calls that arrived before that moment). Omitted: half of each queue's timeout
+    /// (`pool.leaseTimeout` in a backend's pool queue, `clients.queueTimeout` in a client's
+    /// queue). Keep it below those timeouts, or batch calls time out before they age.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "positive_duration")]
+    pub aging_after: Option<Duration>,
+    /// The most of a backend's connections in each gateway pod that batch calls may hold, in
+    /// percent of the pod's pool cap over the backend's endpoints (rounded down, at least one
+    /// connection). A batch call over it waits even when a connection is free; interactive
+    /// calls may use every connection. Omitted: no cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub batch_max_percent: Option<u32>,
 }
 
 /// How a client is identified: exactly one of `header` and `sourceIP`. With `header:
@@ -555,6 +632,13 @@ pub struct ClientOverrideSpec {
     /// This client's concurrency limit (across the fleet, or per pod: `clients.scope`).
     #[schemars(range(min = 1, max = 100_000))]
     pub max_concurrency: u32,
+    /// This client's priority class: every call of it gets this class, whatever header it
+    /// sends. Omitted: `clients.priority` classes its calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        description = "This client's priority class (`Interactive` or `Batch`): every call of it gets this class, whatever header it sends. Omitted: `clients.priority` classes its calls."
+    )]
+    pub class: Option<PriorityClassSpec>,
 }
 
 /// What the client limits count.
@@ -824,6 +908,11 @@ pub struct BackendStatus {
     /// Demand over the pooled capacity in force (leased + pending) / (target × endpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub utilization: Option<f64>,
+    /// The demand (leased + pending) split by priority class, fleet sums averaged over the
+    /// last interval. The target is sized from the total; this says whose demand it is.
+    /// Absent: no data for a class (gateways too old to report classes, or missing samples).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub demand_by_class: Option<ClassDemand>,
     /// The last change of the target, with its reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale: Option<ScaleRecord>,
@@ -831,6 +920,16 @@ pub struct BackendStatus {
     /// no change), with its reason and numbers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_decision: Option<DecisionRecord>,
+}
+
+/// A backend's demand per priority class.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClassDemand {
+    /// Connections held and lease requests waiting for interactive calls.
+    pub interactive: f64,
+    /// Connections held and lease requests waiting for batch calls.
+    pub batch: f64,
 }
 
 /// One decision of the autoscaler about a backend.

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  server: request id (the client's x-request-id, or a new one) ─► Record (shared)
-//!  proxy:  route → backend, limiter → client name, lease → endpoint + wait, head → upstream_ms
+//!  proxy:  route → backend, limiter → client name and class, lease → endpoint + wait, head → upstream_ms
 //!  server: response body ends or is dropped ─► AccessLog::finish: a line, unless a sampled-out
 //!          success (every refusal, error and cut response is written)
 //! ```
@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 use parking_lot::Mutex;
+use poolpilot_api::limits::PriorityClass;
 use serde::Deserialize;
 use tokio::time::Instant;
 
@@ -168,6 +169,7 @@ impl AccessLog {
                 protocol: fields.protocol,
                 client: fields.client.as_deref(),
                 client_id: fields.client_id.as_deref(),
+                class: fields.class.map(PriorityClass::as_str),
                 backend: fields.backend.as_deref(),
                 endpoint: fields.endpoint.as_deref(),
                 status: fields.status,
@@ -206,6 +208,8 @@ struct Line<'a> {
     protocol: &'a str,
     client: Option<&'a str>,
     client_id: Option<&'a str>,
+    /// The call's priority class (`interactive`, `batch`), once its client is known.
+    class: Option<&'static str>,
     backend: Option<&'a str>,
     endpoint: Option<&'a str>,
     status: u16,
@@ -235,6 +239,7 @@ struct Fields {
     protocol: &'static str,
     client: Option<Arc<str>>,
     client_id: Option<String>,
+    class: Option<PriorityClass>,
     backend: Option<Arc<str>>,
     endpoint: Option<Arc<str>>,
     status: u16,
@@ -266,6 +271,7 @@ impl Record {
                 protocol,
                 client: None,
                 client_id: None,
+                class: None,
                 backend: None,
                 endpoint: None,
                 status: 0,
@@ -322,6 +328,11 @@ impl Record {
         if let Some(name) = name {
             fields.client = Some(name.clone());
         }
+    }
+
+    /// The call's priority class.
+    pub fn class(&self, class: PriorityClass) {
+        self.fields.lock().class = Some(class);
     }
 
     /// The request body on its way (its bytes read so far are `bytes_in`).

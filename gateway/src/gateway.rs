@@ -421,6 +421,13 @@ impl Gateway {
             backend
                 .pool
                 .set_health_rules(b.health_check.clone(), b.outlier_detection.clone());
+            // The pool queue treats batch as the backend's client policy says.
+            backend.pool.set_priority(
+                b.client_policy
+                    .as_ref()
+                    .and_then(|name| doc.client_policies.iter().find(|p| p.name == *name))
+                    .and_then(|p| p.priority.clone()),
+            );
             backend.set_health_check(b.health_check.clone());
             routes.push(Route {
                 matcher: b.route.clone(),
@@ -557,6 +564,10 @@ impl Gateway {
         for r in &snapshot.routes {
             let stats = r.backend.pool.stats();
             m.set_pool_pending(&r.backend.name, stats.pending);
+            m.set_pool_classes(
+                &r.backend.name,
+                stats.classes.clone().map(|c| (c.pending, c.held)),
+            );
             for ep in &stats.endpoints {
                 m.set_endpoint_gauges(
                     &r.backend.name,
@@ -581,6 +592,13 @@ impl Gateway {
         for (label, n) in by_label {
             m.set_client_inflight(&label, n);
         }
+        let mut queued = [0; 2];
+        for limiter in registry.limiters.values() {
+            let by_class = limiter.queued_by_class();
+            queued[0] += by_class[0];
+            queued[1] += by_class[1];
+        }
+        m.set_client_classes_queued(queued);
         m.set_route_buffer_bytes(self.inner.route_budget.held());
         m.signals().refresh_runtime();
     }

@@ -35,6 +35,7 @@ pub mod metrics;
 pub mod models;
 pub mod pool;
 pub mod proxy;
+pub mod queue;
 pub mod reload;
 pub mod retry;
 pub mod route;

@@ -1,6 +1,7 @@
 //! The per-client limiter of one client policy: max concurrency per client (with named
-//! overrides, an allowlist for batch callers), a bounded per-client FIFO queue with a queue
-//! timeout, and slow-call demotion for a cooldown. Clients are known only by the SHA-256 of
+//! overrides, an allowlist for batch callers), a bounded per-client queue with a queue
+//! timeout (interactive calls before batch ones, FIFO within a class, batch aging:
+//! [`crate::queue`]), the priority class of each call, and slow-call demotion for a cooldown. Clients are known only by the SHA-256 of
 //! their identity (API key or source IP): raw keys are never stored, logged or exported.
 //!
 //! Memory is bounded: a client has an entry only while it has calls in flight or queued, or
@@ -14,14 +15,16 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::HeaderMap;
 use parking_lot::Mutex;
-use poolpilot_api::limits::{ClientIdentity, ClientPolicy};
+use poolpilot_api::limits::{ClientIdentity, ClientPolicy, PriorityClass};
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::metrics::Metrics;
 use crate::pool::rate_whole_seconds;
+use crate::queue::{ClassQueue, Entry};
 
 /// The label of clients without an override.
 pub const OTHER: &str = "other";
@@ -129,6 +132,8 @@ struct Inner {
 struct State {
     policy: ClientPolicy,
     overrides: HashMap<ClientKey, (Arc<str>, u32)>,
+    /// The overrides that pin their client's priority class.
+    override_classes: HashMap<ClientKey, PriorityClass>,
     clients: HashMap<ClientKey, Client>,
     /// Clients kept while idle (they have history), in the order they went idle, with the
     /// `last_seen` they had then: a record whose client was busy since is stale and skipped.
@@ -140,7 +145,7 @@ struct State {
 struct Client {
     label: Arc<str>,
     inflight: u32,
-    queue: VecDeque<(u64, oneshot::Sender<()>)>,
+    queue: ClassQueue<oneshot::Sender<()>>,
     /// Outcomes of recent calls (true = slow), newest last.
     recent: VecDeque<bool>,
     demoted_until: Option<Instant>,
@@ -171,12 +176,14 @@ impl ClientLimiter {
     /// A limiter enforcing `policy`.
     pub fn new(policy: ClientPolicy, metrics: Metrics) -> Self {
         let overrides = overrides_of(&policy);
+        let override_classes = override_classes_of(&policy);
         Self {
             inner: Arc::new(Inner {
                 metrics,
                 state: Mutex::new(State {
                     policy,
                     overrides,
+                    override_classes,
                     clients: HashMap::new(),
                     idle: VecDeque::new(),
                     next_waiter: 0,
@@ -190,6 +197,7 @@ impl ClientLimiter {
     pub fn set_policy(&self, policy: ClientPolicy) {
         let mut state = self.inner.state.lock();
         state.overrides = overrides_of(&policy);
+        state.override_classes = override_classes_of(&policy);
         state.policy = policy;
         let overrides = state.overrides.clone();
         for (key, client) in &mut state.clients {
@@ -209,9 +217,35 @@ impl ClientLimiter {
         self.inner.state.lock().policy.identity.clone()
     }
 
-    /// Admits a call of `key`, queueing it up to `queueTimeout` while the client is at its
-    /// limit.
+    /// The priority class of a call of `key` with request `headers`: the override's class,
+    /// else the policy's header as the policy takes it (`batch` always, `interactive` only
+    /// when trusted), else the policy's default ([`poolpilot_api::limits::Priority::class_of`]).
+    pub fn classify(&self, key: ClientKey, headers: &HeaderMap) -> PriorityClass {
+        let state = self.inner.state.lock();
+        let pinned = state.override_classes.get(&key).copied();
+        let Some(priority) = &state.policy.priority else {
+            return pinned.unwrap_or_default();
+        };
+        let value = match (&priority.header, pinned) {
+            (Some(name), None) => headers.get(name.as_str()).map(|v| v.as_bytes()),
+            _ => None,
+        };
+        priority.class_of(pinned, value)
+    }
+
+    /// Admits an interactive call of `key` (see [`Self::acquire_as`]).
     pub async fn acquire(&self, key: ClientKey) -> Result<ClientPermit, ClientRejection> {
+        self.acquire_as(key, PriorityClass::Interactive).await
+    }
+
+    /// Admits a call of `key` of priority `class`, queueing it up to `queueTimeout` while the
+    /// client is at its limit; queued calls are admitted interactive first, FIFO within a
+    /// class, a batch call that waited `agingAfter` as an interactive one arriving then.
+    pub async fn acquire_as(
+        &self,
+        key: ClientKey,
+        class: PriorityClass,
+    ) -> Result<ClientPermit, ClientRejection> {
         let start = Instant::now();
         let (rx, id, label, queue_timeout) = {
             let mut state = self.inner.state.lock();
@@ -238,6 +272,7 @@ impl ClientLimiter {
             if client.inflight < limit && client.queue.is_empty() {
                 client.inflight += 1;
                 self.inner.metrics.client_queue_wait(&label, 0.0);
+                self.inner.metrics.client_class_queue_wait(class, 0.0);
                 return Ok(self.permit(key, label));
             }
             if client.queue.len() >= max_queue {
@@ -257,7 +292,12 @@ impl ClientLimiter {
                 .get_mut(&key)
                 .expect("just inserted")
                 .queue
-                .push_back((id, tx));
+                .push(Entry {
+                    id,
+                    since: start,
+                    class,
+                    item: tx,
+                });
             (rx, id, label, queue_timeout)
         };
         if !matches!(tokio::time::timeout(queue_timeout, rx).await, Ok(Ok(()))) {
@@ -265,27 +305,25 @@ impl ClientLimiter {
                 let mut state = self.inner.state.lock();
                 let now = Instant::now();
                 let limit = state.limit(&key, now);
-                let client = state.clients.get_mut(&key);
-                match client {
-                    Some(c) if c.queue.iter().any(|(w, _)| *w == id) => {
-                        c.queue.retain(|(w, _)| *w != id);
-                        let err = ClientRejection::QueueTimeout {
-                            client: label.clone(),
-                            waited: start.elapsed(),
-                            retry_after: c.retry_after(limit, now, queue_timeout),
-                        };
-                        self.inner.metrics.client_rejected(&label, err.reason());
-                        state.settle(&key, now);
-                        return Err(err);
-                    }
-                    // Admitted while the timer fired: the slot is ours.
-                    _ => {}
+                // Still queued: it timed out. Gone: admitted while the timer fired, the slot
+                // is ours.
+                if let Some(c) = state.clients.get_mut(&key)
+                    && c.queue.remove(id).is_some()
+                {
+                    let err = ClientRejection::QueueTimeout {
+                        client: label.clone(),
+                        waited: start.elapsed(),
+                        retry_after: c.retry_after(limit, now, queue_timeout),
+                    };
+                    self.inner.metrics.client_rejected(&label, err.reason());
+                    state.settle(&key, now);
+                    return Err(err);
                 }
             }
         }
-        self.inner
-            .metrics
-            .client_queue_wait(&label, start.elapsed().as_secs_f64());
+        let waited = start.elapsed().as_secs_f64();
+        self.inner.metrics.client_queue_wait(&label, waited);
+        self.inner.metrics.client_class_queue_wait(class, waited);
         Ok(self.permit(key, label))
     }
 
@@ -342,6 +380,18 @@ impl ClientLimiter {
         out
     }
 
+    /// Calls queued per class, interactive then batch, for the gauge.
+    pub fn queued_by_class(&self) -> [u32; 2] {
+        let state = self.inner.state.lock();
+        let mut out = [0; 2];
+        for c in state.clients.values() {
+            for class in PriorityClass::ALL {
+                out[class.index()] += c.queue.len_of(class) as u32;
+            }
+        }
+        out
+    }
+
     /// Drops entries of clients idle for longer than their history matters.
     pub fn purge(&self) {
         let now = Instant::now();
@@ -377,6 +427,19 @@ fn overrides_of(policy: &ClientPolicy) -> HashMap<ClientKey, (Arc<str>, u32)> {
             let mut key = [0u8; 32];
             hex::decode_to_slice(&o.key_sha256, &mut key).ok()?;
             Some((ClientKey(key), (o.name.as_str().into(), o.max_concurrency)))
+        })
+        .collect()
+}
+
+fn override_classes_of(policy: &ClientPolicy) -> HashMap<ClientKey, PriorityClass> {
+    policy
+        .overrides
+        .iter()
+        .filter_map(|o| {
+            let class = o.class?;
+            let mut key = [0u8; 32];
+            hex::decode_to_slice(&o.key_sha256, &mut key).ok()?;
+            Some((ClientKey(key), class))
         })
         .collect()
 }
@@ -443,7 +506,7 @@ impl State {
         let client = self.clients.entry(key).or_insert_with(|| Client {
             label,
             inflight: 0,
-            queue: VecDeque::new(),
+            queue: ClassQueue::default(),
             recent: VecDeque::new(),
             demoted_until: None,
             mean_call: None,
@@ -470,17 +533,27 @@ impl State {
         }
     }
 
-    /// Hands free slots of `key` to its queued calls, oldest first.
+    /// Hands free slots of `key` to its queued calls: interactive first, FIFO within a
+    /// class, a batch call aged past `agingAfter` as an interactive one arriving then.
     fn admit_queued(&mut self, key: &ClientKey, now: Instant) {
         let limit = self.limit(key, now);
+        let queue_timeout = self.policy.queue_timeout.get();
+        let aging = self
+            .policy
+            .priority
+            .as_ref()
+            .map_or(queue_timeout / 2, |p| p.aging_in(queue_timeout));
         let Some(client) = self.clients.get_mut(key) else {
             return;
         };
         while client.inflight < limit {
-            let Some((_, tx)) = client.queue.pop_front() else {
+            let Some(class) = client.queue.next(aging, true) else {
                 break;
             };
-            if tx.send(()).is_ok() {
+            let Some(waiter) = client.queue.pop(class) else {
+                break;
+            };
+            if waiter.item.send(()).is_ok() {
                 client.inflight += 1;
             }
         }

@@ -7,6 +7,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use poolpilot_api::limits::PriorityClass;
 use poolpilot_telemetry::Format;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -113,6 +114,17 @@ struct BackendLabel {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BackendClassLabels {
+    backend: String,
+    class: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClassLabel {
+    class: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct EndpointLabels {
     backend: String,
     endpoint: String,
@@ -215,6 +227,11 @@ pub struct Metrics {
     pool_max_connections: Family<EndpointLabels, Gauge>,
     pool_lease_wait: Family<BackendLabel, Histogram, LeaseWaitBuckets>,
     pool_lease_timeouts: Family<BackendLabel, Counter>,
+    pool_class_pending: Family<BackendClassLabels, Gauge>,
+    pool_class_leased: Family<BackendClassLabels, Gauge>,
+    pool_class_lease_wait: Family<BackendClassLabels, Histogram, LeaseWaitBuckets>,
+    client_class_queued: Family<ClassLabel, Gauge>,
+    client_class_queue_wait: HistogramFamily<ClassLabel>,
     pool_created: Family<EndpointLabels, Counter>,
     pool_reused: Family<EndpointLabels, Counter>,
     pool_closed: Family<ClosedLabels, Counter>,
@@ -298,13 +315,19 @@ impl Metrics {
         buckets.sort_by(f64::total_cmp);
         buckets.dedup();
         let mut r = Registry::default();
+        let buckets: Arc<[f64]> = buckets.into();
         let m = Self {
             registry: Arc::default(),
             pool_connections: Family::default(),
             pool_pending: Family::default(),
             pool_max_connections: Family::default(),
-            pool_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets.into())),
+            pool_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets.clone())),
             pool_lease_timeouts: Family::default(),
+            pool_class_pending: Family::default(),
+            pool_class_leased: Family::default(),
+            pool_class_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets)),
+            client_class_queued: Family::default(),
+            client_class_queue_wait: Family::new_with_constructor(wait_histogram),
             pool_created: Family::default(),
             pool_reused: Family::default(),
             pool_closed: Family::default(),
@@ -356,6 +379,33 @@ impl Metrics {
             "poolpilot_pool_lease_timeouts",
             "Lease requests that gave up after leaseTimeout",
             m.pool_lease_timeouts.clone(),
+        );
+        r.register(
+            "poolpilot_pool_class_pending",
+            "Lease requests waiting for a connection, by priority class (interactive, batch)",
+            m.pool_class_pending.clone(),
+        );
+        r.register(
+            "poolpilot_pool_class_leased",
+            "Upstream connections held by calls of each priority class (leased, or being opened for them)",
+            m.pool_class_leased.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_pool_class_lease_wait",
+            "Time a request waited for a pooled connection, by priority class",
+            Unit::Seconds,
+            m.pool_class_lease_wait.clone(),
+        );
+        r.register(
+            "poolpilot_client_class_queued",
+            "Calls waiting in their clients' queues, by priority class",
+            m.client_class_queued.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_client_class_queue_wait",
+            "Time a request waited in its client's queue, by priority class",
+            Unit::Seconds,
+            m.client_class_queue_wait.clone(),
         );
         r.register(
             "poolpilot_pool_connections_created",
@@ -507,6 +557,31 @@ impl Metrics {
         })
     }
 
+    /// The lease-wait histogram of one class of `backend`.
+    pub(crate) fn class_lease_wait(&self, backend: &str, class: PriorityClass) -> Histogram {
+        self.pool_class_lease_wait
+            .get_or_create_owned(&BackendClassLabels {
+                backend: backend.into(),
+                class: class.as_str(),
+            })
+    }
+
+    /// One backend's per-class gauges: `(pending, leased)` for interactive, then batch.
+    pub(crate) fn set_pool_classes(&self, backend: &str, classes: [(u32, u32); 2]) {
+        for (class, (pending, leased)) in PriorityClass::ALL.into_iter().zip(classes) {
+            let labels = BackendClassLabels {
+                backend: backend.into(),
+                class: class.as_str(),
+            };
+            self.pool_class_pending
+                .get_or_create(&labels)
+                .set(pending.into());
+            self.pool_class_leased
+                .get_or_create(&labels)
+                .set(leased.into());
+        }
+    }
+
     pub(crate) fn lease_timeouts(&self, backend: &str) -> Counter {
         self.pool_lease_timeouts.get_or_create_owned(&BackendLabel {
             backend: backend.into(),
@@ -538,6 +613,9 @@ impl Metrics {
     pub(crate) fn clear_gauges(&self) {
         self.pool_connections.clear();
         self.pool_pending.clear();
+        self.pool_class_pending.clear();
+        self.pool_class_leased.clear();
+        self.client_class_queued.clear();
         self.pool_max_connections.clear();
         self.endpoint_healthy.clear();
         self.client_inflight.clear();
@@ -647,6 +725,25 @@ impl Metrics {
                 client: client.into(),
             })
             .observe(secs);
+    }
+
+    pub(crate) fn client_class_queue_wait(&self, class: PriorityClass, secs: f64) {
+        self.client_class_queue_wait
+            .get_or_create(&ClassLabel {
+                class: class.as_str(),
+            })
+            .observe(secs);
+    }
+
+    /// Calls queued in the clients' queues, interactive then batch.
+    pub(crate) fn set_client_classes_queued(&self, queued: [u32; 2]) {
+        for (class, n) in PriorityClass::ALL.into_iter().zip(queued) {
+            self.client_class_queued
+                .get_or_create(&ClassLabel {
+                    class: class.as_str(),
+                })
+                .set(n.into());
+        }
     }
 
     pub(crate) fn set_client_inflight(&self, client: &str, n: u32) {

@@ -29,7 +29,9 @@ use http::{Request, Response, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use poolpilot_api::limits::{ClientIdentity, ListenerLimits, ProxyProtocol, TrustedProxies};
+use poolpilot_api::limits::{
+    ClientIdentity, ListenerLimits, PriorityClass, ProxyProtocol, TrustedProxies,
+};
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
@@ -156,9 +158,18 @@ async fn proxy(
         record.retry(timing);
         gw.metrics().signals().retried(&class, timing);
     }
+    // Its priority class, by its policy's rules (an override's class, the header when the
+    // policy takes it); a call without a client policy is interactive.
+    let priority = route
+        .limiter
+        .as_ref()
+        .map_or(PriorityClass::Interactive, |l| {
+            l.classify(key, &parts.headers)
+        });
+    record.class(priority);
     let permit = match &route.limiter {
         Some(limiter) => {
-            let acquired = limiter.acquire(key).await;
+            let acquired = limiter.acquire_as(key, priority).await;
             let name = match &acquired {
                 Ok(permit) => Some(permit.label()),
                 Err(rejection) => rejection.client(),
@@ -176,6 +187,7 @@ async fn proxy(
     let call = CallContext {
         metrics: gw.metrics(),
         route,
+        priority,
         body: &progress,
         send_timeout: listener.send_timeout.get(),
         slot,
@@ -468,6 +480,8 @@ enum SendFailure {
 struct CallContext<'a> {
     metrics: &'a Metrics,
     route: &'a Route,
+    /// The call's priority class, in the pool queue.
+    priority: PriorityClass,
     /// The request body's progress: when it was sent in full, how the client failed it.
     body: &'a BodyProgress,
     send_timeout: Duration,
@@ -504,14 +518,18 @@ async fn forward(
         tokio::time::sleep(delay).await;
     }
     loop {
-        let mut lease = backend.pool.lease().await.inspect_err(|e| {
-            if let Some(endpoint) = e.endpoint() {
-                backend.pool.report_call(endpoint, false);
-            }
-            if matches!(e, crate::pool::PoolError::ConnectTimeout { .. }) {
-                metrics.upstream_timeout(&backend.name, TimeoutKind::Connect);
-            }
-        })?;
+        let mut lease = backend
+            .pool
+            .lease_as(call.priority)
+            .await
+            .inspect_err(|e| {
+                if let Some(endpoint) = e.endpoint() {
+                    backend.pool.report_call(endpoint, false);
+                }
+                if matches!(e, crate::pool::PoolError::ConnectTimeout { .. }) {
+                    metrics.upstream_timeout(&backend.name, TimeoutKind::Connect);
+                }
+            })?;
         record.leased(lease.endpoint(), lease.wait());
         let sent_at = Instant::now();
         let total_at = sent_at + timeouts.total.get();

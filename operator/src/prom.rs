@@ -11,6 +11,9 @@ use std::time::Duration;
 use parking_lot::RwLock;
 use prometheus_http_query::response::Data;
 
+use poolpilot_api::limits::PriorityClass;
+
+use crate::plan::input::ClassSample;
 use crate::plan::time::{Timestamp, elapsed};
 use crate::plan::waves::PodRates;
 use crate::plan::{Acked, BackendSample, PodSample, PolicyKey, Samples, SaturationSignal};
@@ -97,6 +100,18 @@ impl Queries {
                 "pending_now",
                 format!(
                     "sum by (namespace, pod, backend) (last_over_time(poolpilot_pool_pending[{fresh}]))"
+                ),
+            ),
+            q(
+                "class_leased",
+                format!(
+                    "sum by (namespace, pod, backend, class) (avg_over_time(poolpilot_pool_class_leased[{w}]))"
+                ),
+            ),
+            q(
+                "class_pending",
+                format!(
+                    "sum by (namespace, pod, backend, class) (avg_over_time(poolpilot_pool_class_pending[{w}]))"
                 ),
             ),
             q(
@@ -201,6 +216,9 @@ fn prom_duration(d: Duration) -> String {
     format!("{}s", d.as_secs().max(1))
 }
 
+/// Values per (namespace, pod, backend, priority class).
+pub type ByClass = BTreeMap<(String, String, String, String), f64>;
+
 /// One query's rows: labels and a finite value. `None`: the query failed.
 pub type Rows = Option<Vec<(HashMap<String, String>, f64)>>;
 
@@ -219,6 +237,10 @@ pub struct Snapshot {
     pub leased_now: Option<BTreeMap<(String, String, String), f64>>,
     /// Pending lease requests at the latest scrape, per (namespace, pod, backend).
     pub pending_now: Option<BTreeMap<(String, String, String), f64>>,
+    /// Connections held per (namespace, pod, backend, class), averaged over the window.
+    pub class_leased: Option<ByClass>,
+    /// Pending lease requests per (namespace, pod, backend, class), averaged over the window.
+    pub class_pending: Option<ByClass>,
     /// The pools' caps (per endpoint) at the latest scrape, per (namespace, pod, backend).
     pub max_connections: Option<BTreeMap<(String, String, String), f64>>,
     /// Calls completed without a 5xx per second, per (namespace, pod, backend).
@@ -268,6 +290,23 @@ impl Snapshot {
                     .collect()
             })
         };
+        let by_class = |name: &str| {
+            get(name).map(|r| {
+                finite(r)
+                    .filter_map(|(l, v)| {
+                        Some((
+                            (
+                                l.get("namespace")?.clone(),
+                                l.get("pod")?.clone(),
+                                l.get("backend")?.clone(),
+                                l.get("class")?.clone(),
+                            ),
+                            v,
+                        ))
+                    })
+                    .collect()
+            })
+        };
         let by = |name: &str, key: &str| {
             get(name).map(|r| {
                 finite(r)
@@ -299,6 +338,8 @@ impl Snapshot {
             pending: by_pod_backend("pending"),
             leased_now: by_pod_backend("leased_now"),
             pending_now: by_pod_backend("pending_now"),
+            class_leased: by_class("class_leased"),
+            class_pending: by_class("class_pending"),
             max_connections: by_pod_backend("max_connections"),
             completed: by_pod_backend("completed"),
             bytes: by_pod_backend("bytes"),
@@ -393,6 +434,23 @@ impl Snapshot {
                         .filter(|v| unscraped == 0 && (scraped || !v.is_empty()))
                         .map(|v| v.iter().sum())
                 };
+                // A class's demand: summed over the pods like the totals; missing when any
+                // pod lacks it (a gateway too old to report classes) or one is unscraped.
+                let class_gauge = |m: &Option<ByClass>, class: &str| {
+                    let m = m.as_ref()?;
+                    let vals: Vec<f64> = pods
+                        .iter()
+                        .filter_map(|p| {
+                            m.get(&(ns.clone(), p.clone(), backend.clone(), class.to_owned()))
+                                .copied()
+                        })
+                        .collect();
+                    (unscraped == 0 && !vals.is_empty()).then(|| vals.iter().sum())
+                };
+                let classes = PriorityClass::ALL.map(|c| ClassSample {
+                    leased: class_gauge(&self.class_leased, c.as_str()),
+                    pending: class_gauge(&self.class_pending, c.as_str()),
+                });
                 let fleet = |m: &Option<BTreeMap<(String, String), f64>>| {
                     m.as_ref()?.get(&(ns.clone(), backend.clone())).copied()
                 };
@@ -427,6 +485,7 @@ impl Snapshot {
                         current: values(&self.max_connections)
                             .filter(|v| unscraped == 0 && !v.is_empty())
                             .map(|v| v.iter().sum()),
+                        classes,
                     },
                 );
             }
@@ -630,7 +689,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 15, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 17, "one round for every policy in the cluster");
         let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
             promql("leased"),
@@ -992,5 +1051,54 @@ mod tests {
             "{}",
             errors[0]
         );
+    }
+
+    #[test]
+    fn demand_per_class_is_summed_over_the_selected_pods_and_missing_when_a_pod_lacks_it() {
+        let pbc = |pod, class, v| {
+            row(
+                &[
+                    ("namespace", "ns"),
+                    ("pod", pod),
+                    ("backend", "model-a"),
+                    ("class", class),
+                ],
+                v,
+            )
+        };
+        let mut r = round();
+        r.insert(
+            "class_leased",
+            Some(vec![
+                pbc("gw-0", "interactive", 6.0),
+                pbc("gw-0", "batch", 4.0),
+                pbc("gw-1", "interactive", 1.0),
+                pbc("gw-1", "batch", 9.0),
+                pbc("gw-9", "batch", 500.0),
+            ]),
+        );
+        r.insert(
+            "class_pending",
+            Some(vec![
+                pbc("gw-0", "interactive", 0.0),
+                pbc("gw-0", "batch", 2.0),
+                pbc("gw-1", "interactive", 0.5),
+                pbc("gw-1", "batch", 3.0),
+            ]),
+        );
+        let samples = fold(&r).samples("ns", &selection(), at(0), Duration::from_secs(60));
+        let classes = samples.backends[&(key(), "model-a".to_owned())].classes;
+        assert_eq!(
+            crate::plan::priority::demand_by_class(&classes),
+            Some([7.5, 18.0]),
+            "gw-9 is not selected"
+        );
+
+        // A query that failed: the split is missing, the totals are not.
+        r.insert("class_pending", None);
+        let samples = fold(&r).samples("ns", &selection(), at(0), Duration::from_secs(60));
+        let b = &samples.backends[&(key(), "model-a".to_owned())];
+        assert_eq!(crate::plan::priority::demand_by_class(&b.classes), None);
+        assert_eq!(b.leased, Some(300.0));
     }
 }

@@ -181,3 +181,68 @@ fn header_names_and_label_names_are_checked() {
         ["clientPolicies[0].identity.header", "backends[0].name"]
     );
 }
+
+#[test]
+fn priority_rules_are_checked_and_classes_are_picked_as_documented() {
+    let mut doc = example();
+    doc.client_policies[0].priority = Some(Priority {
+        header: Some("bad header".into()),
+        aging_after: Some(Duration::ZERO),
+        batch_max_percent: Some(101),
+        ..Priority::default()
+    });
+    let fields: Vec<String> = doc
+        .validate()
+        .unwrap_err()
+        .violations
+        .into_iter()
+        .map(|v| v.field)
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "clientPolicies[0].priority.header",
+            "clientPolicies[0].priority.agingAfter",
+            "clientPolicies[0].priority.batchMaxPercent",
+        ]
+    );
+
+    let p = Priority::default();
+    assert_eq!(
+        p.aging_in(std::time::Duration::from_millis(300)),
+        std::time::Duration::from_millis(150),
+        "half the queue's timeout by default"
+    );
+    use PriorityClass::{Batch, Interactive};
+    assert_eq!(
+        p.class_of(None, Some(b"batch")),
+        Batch,
+        "a call may lower itself"
+    );
+    assert_eq!(p.class_of(None, Some(b"INTERACTIVE")), Interactive);
+    let batch_default = Priority {
+        default_class: Batch,
+        ..Priority::default()
+    };
+    assert_eq!(
+        batch_default.class_of(None, Some(b"interactive")),
+        Batch,
+        "an untrusted header cannot raise a call"
+    );
+    let trusted = Priority {
+        trust_header: true,
+        ..batch_default
+    };
+    assert_eq!(trusted.class_of(None, Some(b"interactive")), Interactive);
+    assert_eq!(
+        trusted.class_of(Some(Batch), Some(b"interactive")),
+        Batch,
+        "an override's class wins"
+    );
+    assert_eq!(trusted.class_of(None, Some(b"urgent")), Batch);
+
+    let yaml = "{name: p, identity: {header: x}, maxConcurrency: 1, maxQueue: 0, queueTimeout: 1s, overrides: [{name: n, keySha256: aa, maxConcurrency: 1, class: batch}], priority: {defaultClass: batch, agingAfter: 50ms, batchMaxPercent: 30}}";
+    let cp: ClientPolicy = serde_norway::from_str(yaml).expect("parses");
+    assert_eq!(cp.overrides[0].class, Some(Batch));
+    assert_eq!(cp.priority.unwrap().batch_max_percent, Some(30));
+}

@@ -706,3 +706,63 @@ fn cel_messages_name_the_durations() {
         message(&p)
     );
 }
+
+#[test]
+fn cel_takes_priority_classes_and_refuses_an_aging_bound_the_queues_never_reach() {
+    let with = |priority: PrioritySpec| {
+        let mut p = sample();
+        let clients = p.spec.clients.as_mut().expect("the sample limits clients");
+        clients.queue_timeout = Duration::from_secs(2);
+        clients.priority = Some(priority);
+        for b in &mut p.spec.backends {
+            b.pool.lease_timeout = Duration::from_millis(300);
+        }
+        p
+    };
+    let good = PrioritySpec {
+        header: Some("x-poolpilot-priority".into()),
+        aging_after: Some(Duration::from_millis(150)),
+        batch_max_percent: Some(50),
+        ..PrioritySpec::default()
+    };
+    assert_eq!(cel_errors(&with(good.clone())), Vec::<String>::new());
+    assert_refused(
+        &with(PrioritySpec {
+            aging_after: Some(Duration::from_millis(300)),
+            ..good.clone()
+        }),
+        "clients.priority.agingAfter must be shorter than every backend's pool.leaseTimeout",
+    );
+    let mut slow_pool = with(PrioritySpec {
+        aging_after: Some(Duration::from_secs(3)),
+        ..good.clone()
+    });
+    for b in &mut slow_pool.spec.backends {
+        b.pool.lease_timeout = Duration::from_secs(10);
+    }
+    assert_refused(
+        &slow_pool,
+        "clients.priority.agingAfter must be shorter than clients.queueTimeout",
+    );
+    assert_refused(
+        &with(PrioritySpec {
+            header: None,
+            trust_header: true,
+            ..good
+        }),
+        "clients.priority.trustHeader needs clients.priority.header",
+    );
+}
+
+#[test]
+fn a_priority_spec_reads_as_documented() {
+    let clients: ClientsSpec = serde_norway::from_str(
+        "identity: {header: authorization}\nmaxConcurrency: 4\noverrides:\n- {name: nightly, match: {keySha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08}, maxConcurrency: 2, class: Batch}\npriority: {header: x-poolpilot-priority}\n",
+    )
+    .expect("parses");
+    let p = clients.priority.expect("priority");
+    assert_eq!(p.default_class, PriorityClassSpec::Interactive);
+    assert!(!p.trust_header);
+    assert_eq!((p.aging_after, p.batch_max_percent), (None, None));
+    assert_eq!(clients.overrides[0].class, Some(PriorityClassSpec::Batch));
+}

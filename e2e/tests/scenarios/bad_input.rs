@@ -77,6 +77,26 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
         )
         .await?;
 
+        // Priority classes: an aging bound the pool queue never reaches, a trusted header
+        // that is not named.
+        let mut invalid = sample_policy()?;
+        set(&mut invalid, "/metadata/name", json!("never-ages"))?;
+        set(
+            &mut invalid,
+            "/spec/clients/priority",
+            json!({"agingAfter": "300ms", "trustHeader": true}),
+        )?;
+        refused(
+            stack,
+            &invalid,
+            &[
+                "\"never-ages\" is invalid",
+                "clients.priority.agingAfter must be shorter than every backend's pool.leaseTimeout",
+                "clients.priority.trustHeader needs clients.priority.header",
+            ],
+        )
+        .await?;
+
         // === (e) static endpoints into the pod or to the node's metadata service ===
         for (name, address) in [
             ("to-metadata", "169.254.169.254:80"), // hermetic: not a destination (refused by the schema)

@@ -17,6 +17,7 @@ mod hostile_clients;
 mod operator_down;
 mod partial_scrape;
 mod policy_edit;
+mod priority_classes;
 mod prometheus_down;
 mod saturated;
 mod scale_gateways;

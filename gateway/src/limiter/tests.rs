@@ -16,9 +16,11 @@ fn policy(max: u32, queue: u32) -> ClientPolicy {
             name: "batch-team".into(),
             key_sha256: hex::encode(Sha256::digest(b"batch-key")),
             max_concurrency: 5,
+            class: None,
         }],
         slow_calls: None,
         max_clients: ClientPolicy::DEFAULT_MAX_CLIENTS,
+        priority: None,
     }
 }
 
@@ -347,4 +349,113 @@ async fn a_long_stream_that_flows_is_not_slow_but_a_late_first_byte_or_a_stall_i
             "demoted"
         );
     }
+}
+
+// === priority classes ===
+
+fn prioritized(trust_header: bool) -> ClientLimiter {
+    let mut p = policy(1, 8);
+    p.overrides[0].class = Some(PriorityClass::Batch);
+    p.overrides.push(ClientOverride {
+        name: "frontend".into(),
+        key_sha256: hex::encode(Sha256::digest(b"frontend-key")),
+        max_concurrency: 5,
+        class: Some(PriorityClass::Interactive),
+    });
+    p.priority = Some(poolpilot_api::limits::Priority {
+        header: Some("x-poolpilot-priority".into()),
+        trust_header,
+        aging_after: Some(ApiDuration::from_millis(500)),
+        ..Default::default()
+    });
+    ClientLimiter::new(p, Metrics::new())
+}
+
+fn with_header(value: &str) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert("x-poolpilot-priority", value.parse().unwrap());
+    headers
+}
+
+#[test]
+fn a_client_may_lower_itself_to_batch_but_not_raise_itself_unless_the_header_is_trusted() {
+    let untrusted = prioritized(false);
+    let anyone = ClientKey::of(b"anyone");
+    let none = HeaderMap::new();
+    assert_eq!(
+        untrusted.classify(anyone, &none),
+        PriorityClass::Interactive
+    );
+    assert_eq!(
+        untrusted.classify(anyone, &with_header("BATCH")),
+        PriorityClass::Batch
+    );
+    assert_eq!(
+        untrusted.classify(anyone, &with_header("nonsense")),
+        PriorityClass::Interactive
+    );
+    // A batch override cannot raise itself with the header, trusted or not: overrides win.
+    let batch_key = ClientKey::of(b"batch-key");
+    for limiter in [prioritized(false), prioritized(true)] {
+        assert_eq!(
+            limiter.classify(batch_key, &with_header("interactive")),
+            PriorityClass::Batch
+        );
+    }
+    // An interactive override stays interactive when it sends `batch`: the override pins it.
+    assert_eq!(
+        untrusted.classify(ClientKey::of(b"frontend-key"), &with_header("batch")),
+        PriorityClass::Interactive
+    );
+
+    // With a batch default, the header raises a call only when the policy trusts it.
+    let mut p = policy(1, 8);
+    p.priority = Some(poolpilot_api::limits::Priority {
+        default_class: PriorityClass::Batch,
+        header: Some("x-poolpilot-priority".into()),
+        ..Default::default()
+    });
+    let l = ClientLimiter::new(p.clone(), Metrics::new());
+    assert_eq!(
+        l.classify(anyone, &with_header("interactive")),
+        PriorityClass::Batch
+    );
+    p.priority.as_mut().unwrap().trust_header = true;
+    l.set_policy(p);
+    assert_eq!(
+        l.classify(anyone, &with_header("Interactive")),
+        PriorityClass::Interactive
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_clients_queued_interactive_calls_go_before_its_batch_calls_until_batch_ages() {
+    let l = prioritized(false);
+    let key = ClientKey::of(b"alice");
+    let first = l.acquire(key).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let queue = |class: PriorityClass, tag: usize| {
+        let (l, tx) = (l.clone(), tx.clone());
+        tokio::spawn(async move {
+            let permit = l.acquire_as(key, class).await.expect("admitted in time");
+            tx.send(tag).unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            drop(permit);
+        });
+    };
+    queue(PriorityClass::Batch, 0);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    queue(PriorityClass::Interactive, 1);
+    // After the batch call's aging deadline (500ms): ranked after it.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    queue(PriorityClass::Interactive, 2);
+    tokio::task::yield_now().await;
+    assert_eq!(l.queued_by_class(), [2, 1]);
+    drop(first);
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        order.push(rx.recv().await.unwrap());
+    }
+    assert_eq!(order, [1, 0, 2]);
+    assert_eq!(l.queued_by_class(), [0, 0]);
 }

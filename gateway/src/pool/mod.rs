@@ -1,5 +1,6 @@
-//! The per-backend connection pool: a hard cap on open connections per endpoint, FIFO waiters
-//! with a lease timeout, a bounded pending queue, idle reuse, idle/lifetime expiry,
+//! The per-backend connection pool: a hard cap on open connections per endpoint, waiters in
+//! two priority classes (interactive first, FIFO within a class, batch aging and an optional
+//! share cap on batch: [`crate::queue`]) with a lease timeout, a bounded pending queue, idle reuse, idle/lifetime expiry,
 //! validate-after-idle, runtime resizing, endpoint choice by spare capacity, and the health
 //! state (active probes, passive ejection) that decides which endpoints may be chosen.
 //!
@@ -17,7 +18,8 @@
 //!   └────────────┬────────────┘──connect────►└───────────┘                 │
 //!                │ all full                                      dispatch(): hand idle conns
 //!                ▼                                               and free slots to waiters,
-//!   pending < maxPending ? FIFO waiter ──lease timeout──► 503   oldest first
+//!   pending < maxPending ? waiter ──────lease timeout──► 503   interactive first, FIFO
+//!                                                               in a class, batch aged
 //!                        : 503 pool_queue_full
 //! ```
 //!
@@ -39,7 +41,6 @@ mod rate;
 #[cfg(test)]
 mod tests;
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
@@ -47,7 +48,9 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
-use poolpilot_api::limits::{Endpoint, HealthCheck, OutlierDetection, PoolLimits};
+use poolpilot_api::limits::{
+    Endpoint, HealthCheck, OutlierDetection, PoolLimits, Priority, PriorityClass,
+};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 use rand::Rng;
@@ -55,6 +58,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::metrics::{CloseReason, Metrics};
+use crate::queue::{ClassQueue, Entry};
 pub(crate) use rate::whole_seconds as rate_whole_seconds;
 use rate::{HoldTime, ReleaseRate};
 
@@ -204,10 +208,27 @@ pub struct EndpointStats {
 pub struct PoolStats {
     /// Lease requests waiting.
     pub pending: u32,
+    /// Per priority class, interactive first.
+    pub classes: [ClassStats; 2],
+    /// The most connections batch calls may hold (`batchMaxPercent` of the cap over the live
+    /// endpoints); none: no cap.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_cap: Option<u32>,
     /// `maxPending` in force.
     pub max_pending: u32,
     /// Per endpoint.
     pub endpoints: Vec<EndpointStats>,
+}
+
+/// Counts of one priority class in a pool.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ClassStats {
+    /// `interactive` or `batch`.
+    pub class: &'static str,
+    /// Its lease requests waiting.
+    pub pending: u32,
+    /// Connections its calls hold (leased, or being opened for them).
+    pub held: u32,
 }
 
 /// One backend's pool. Cheap to clone; clones share the pool.
@@ -230,6 +251,8 @@ struct Inner<C: Connect> {
     connector: C,
     metrics: Metrics,
     lease_wait: Histogram,
+    /// Lease waits per priority class, interactive first.
+    class_wait: [Histogram; 2],
     lease_timeouts: Counter,
     state: Mutex<State<C::Conn>>,
     /// Notified whenever a slot frees other than by a lease returning to a live pool: a closing
@@ -245,8 +268,12 @@ struct State<T> {
     outlier: Option<OutlierDetection>,
     endpoints: Vec<EndpointState<T>>,
     next_endpoint_id: u64,
-    waiters: VecDeque<Waiter<T>>,
+    waiters: ClassQueue<oneshot::Sender<Grant<T>>>,
     next_waiter_id: u64,
+    /// How the queue treats batch (the backend's client policy's `priority`).
+    priority: Priority,
+    /// Connections held per class (granted and not yet returned), interactive first.
+    held: [u32; 2],
     releases: ReleaseRate,
     hold: HoldTime,
     retired: bool,
@@ -296,13 +323,6 @@ struct IdleConn<T> {
     idle_since: Instant,
 }
 
-#[derive(Debug)]
-struct Waiter<T> {
-    id: u64,
-    tx: oneshot::Sender<Grant<T>>,
-    since: Instant,
-}
-
 /// What a waiter is handed.
 #[derive(Debug)]
 enum Grant<T> {
@@ -325,6 +345,7 @@ struct Waiting<C: Connect> {
     pool: Arc<Inner<C>>,
     rx: oneshot::Receiver<Grant<C::Conn>>,
     id: u64,
+    class: PriorityClass,
     /// The wait ended and `lease()` took over.
     settled: bool,
 }
@@ -336,12 +357,11 @@ impl<C: Connect> Drop for Waiting<C> {
         }
         let now = Instant::now();
         let mut state = self.pool.state.lock();
-        if let Some(at) = state.waiters.iter().position(|w| w.id == self.id) {
-            state.waiters.remove(at);
+        if state.waiters.remove(self.id).is_some() {
             return;
         }
         if let Ok(grant) = self.rx.try_recv() {
-            self.pool.undo(&mut state, grant);
+            self.pool.undo(&mut state, grant, self.class);
             self.pool.freed(state, now);
         }
     }
@@ -352,6 +372,7 @@ impl<C: Connect> Drop for Waiting<C> {
 struct Reservation<C: Connect> {
     pool: Arc<Inner<C>>,
     endpoint: u64,
+    class: PriorityClass,
     /// The connect finished and `complete()` took over.
     settled: bool,
 }
@@ -361,7 +382,13 @@ impl<C: Connect> Drop for Reservation<C> {
         if self.settled {
             return;
         }
-        self.pool.give_back(self.endpoint, |ep| &mut ep.connecting);
+        let now = Instant::now();
+        let mut state = self.pool.state.lock();
+        if let Some(ep) = state.endpoint_mut(self.endpoint) {
+            ep.connecting -= 1;
+        }
+        state.held[self.class.index()] -= 1;
+        self.pool.freed(state, now);
     }
 }
 
@@ -391,6 +418,7 @@ pub struct Lease<C: Connect> {
     leased_at: Instant,
     reused: bool,
     wait: Duration,
+    class: PriorityClass,
     outcome: Outcome,
 }
 
@@ -415,11 +443,13 @@ impl<C: Connect> Pool<C> {
     ) -> Self {
         let backend: Arc<str> = backend.into();
         let lease_wait = metrics.lease_wait(&backend);
+        let class_wait = PriorityClass::ALL.map(|c| metrics.class_lease_wait(&backend, c));
         let lease_timeouts = metrics.lease_timeouts(&backend);
         let inner = Arc::new(Inner {
             backend: backend.clone(),
             connector,
             lease_wait,
+            class_wait,
             lease_timeouts,
             state: Mutex::new(State {
                 limits,
@@ -427,8 +457,10 @@ impl<C: Connect> Pool<C> {
                 outlier: None,
                 endpoints: Vec::new(),
                 next_endpoint_id: 0,
-                waiters: VecDeque::new(),
+                waiters: ClassQueue::default(),
                 next_waiter_id: 0,
+                priority: Priority::default(),
+                held: [0; 2],
                 releases: ReleaseRate::default(),
                 hold: HoldTime::default(),
                 retired: false,
@@ -447,14 +479,21 @@ impl<C: Connect> Pool<C> {
         &self.inner.backend
     }
 
-    /// Leases a connection: an idle one if an eligible endpoint has one, a new one if an
-    /// endpoint is below its cap, else waits in FIFO order up to `leaseTimeout`.
+    /// Leases a connection for an interactive call (see [`Self::lease_as`]).
     pub async fn lease(&self) -> Result<Lease<C>, PoolError> {
+        self.lease_as(PriorityClass::Interactive).await
+    }
+
+    /// Leases a connection for a call of `class`: an idle one if an eligible endpoint has one,
+    /// a new one if an endpoint is below its cap, else waits up to `leaseTimeout`, served in
+    /// the queue's order (interactive first, FIFO within a class, batch aging: see
+    /// [`crate::queue`]). A batch call also waits while batch holds its share cap.
+    pub async fn lease_as(&self, class: PriorityClass) -> Result<Lease<C>, PoolError> {
         let start = Instant::now();
         let (step, lease_timeout) = {
             let mut state = self.inner.state.lock();
             let lease_timeout = state.limits.lease_timeout.get();
-            (self.inner.begin(&mut state, start)?, lease_timeout)
+            (self.inner.begin(&mut state, start, class)?, lease_timeout)
         };
         let grant = match step {
             Step::Ready(grant) => grant,
@@ -463,6 +502,7 @@ impl<C: Connect> Pool<C> {
                     pool: Arc::clone(&self.inner),
                     rx,
                     id,
+                    class,
                     settled: false,
                 };
                 let waited = tokio::time::timeout_at(start + lease_timeout, &mut waiting.rx).await;
@@ -471,17 +511,25 @@ impl<C: Connect> Pool<C> {
                 let rx = &mut waiting.rx;
                 match waited {
                     Ok(Ok(grant)) => grant,
-                    // The sender is only dropped when the pool is retired.
+                    // The sender is dropped when the pool is retired, or when an interactive
+                    // call took this batch waiter's place in a full queue.
                     Ok(Err(_)) => {
-                        return Err(PoolError::Retired {
+                        let state = self.inner.state.lock();
+                        if state.retired {
+                            return Err(PoolError::Retired {
+                                backend: self.inner.backend.clone(),
+                            });
+                        }
+                        return Err(PoolError::QueueFull {
                             backend: self.inner.backend.clone(),
+                            pending: state.waiters.len(),
+                            retry_after: state.retry_after(Instant::now()),
                         });
                     }
                     Err(_elapsed) => {
                         let mut state = self.inner.state.lock();
-                        match state.waiters.iter().position(|w| w.id == id) {
-                            Some(at) => {
-                                state.waiters.remove(at);
+                        match state.waiters.remove(id) {
+                            Some(_) => {
                                 self.inner.lease_timeouts.inc();
                                 let waited = start.elapsed();
                                 let retry_after = state.retry_after(Instant::now());
@@ -505,7 +553,17 @@ impl<C: Connect> Pool<C> {
                 }
             }
         };
-        self.inner.clone().complete(grant, start).await
+        self.inner.clone().complete(grant, start, class).await
+    }
+
+    /// Sets how the queue treats batch calls: the aging bound and the share cap (the
+    /// `priority` of the backend's client policy; none: the defaults). Waiters are served
+    /// again under the new rules at once.
+    pub fn set_priority(&self, priority: Option<Priority>) {
+        let mut state = self.inner.state.lock();
+        state.priority = priority.unwrap_or_default();
+        let now = Instant::now();
+        self.inner.dispatch(&mut state, now);
     }
 
     /// Applies new pool limits in place. Growing the cap hands free slots to waiters at once;
@@ -768,6 +826,12 @@ impl<C: Connect> Pool<C> {
         let max = state.limits.max_connections_per_endpoint;
         PoolStats {
             pending: state.waiters.len() as u32,
+            classes: PriorityClass::ALL.map(|c| ClassStats {
+                class: c.as_str(),
+                pending: state.waiters.len_of(c) as u32,
+                held: state.held[c.index()],
+            }),
+            batch_cap: state.batch_cap(),
             max_pending: state.limits.max_pending,
             endpoints: state
                 .endpoints
@@ -871,6 +935,7 @@ impl<C: Connect> Inner<C> {
         self: &Arc<Self>,
         state: &mut State<C::Conn>,
         now: Instant,
+        class: PriorityClass,
     ) -> Result<Step<C::Conn>, PoolError> {
         if state.retired {
             return Err(PoolError::Retired {
@@ -879,9 +944,12 @@ impl<C: Connect> Inner<C> {
         }
         // Waiters go first: a newcomer must not overtake the queue.
         if state.waiters.is_empty()
+            && state.may_serve(class)
             && let Some(grant) = self.find_grant(state, now)
         {
+            state.held[class.index()] += 1;
             self.lease_wait.observe(0.0);
+            self.class_wait[class.index()].observe(0.0);
             return Ok(Step::Ready(grant));
         }
         if !state.endpoints.iter().any(|ep| state.eligible(ep, now)) {
@@ -891,17 +959,35 @@ impl<C: Connect> Inner<C> {
             });
         }
         if state.waiters.len() >= state.limits.max_pending as usize {
-            return Err(PoolError::QueueFull {
-                backend: self.backend.clone(),
-                pending: state.waiters.len(),
-                retry_after: state.retry_after(now),
-            });
+            // A full queue takes an interactive call in place of its newest batch waiter, which
+            // is refused as if it had found the queue full (its sender dropped: see `lease_as`):
+            // batch callers cannot fill the queue against interactive ones.
+            let bumped = class == PriorityClass::Interactive
+                && state.waiters.pop_back(PriorityClass::Batch).is_some();
+            if !bumped {
+                return Err(PoolError::QueueFull {
+                    backend: self.backend.clone(),
+                    pending: state.waiters.len(),
+                    retry_after: state.retry_after(now),
+                });
+            }
         }
-        let (tx, rx) = oneshot::channel();
+        let (tx, mut rx) = oneshot::channel();
         let id = state.next_waiter_id;
         state.next_waiter_id += 1;
-        state.waiters.push_back(Waiter { id, tx, since: now });
-        Ok(Step::Wait(rx, id))
+        state.waiters.push(Entry {
+            id,
+            since: now,
+            class,
+            item: tx,
+        });
+        // The waiters ahead may be batch held by its share cap while a connection is free: an
+        // interactive newcomer is served at once.
+        self.dispatch(state, now);
+        match rx.try_recv() {
+            Ok(grant) => Ok(Step::Ready(grant)),
+            Err(_) => Ok(Step::Wait(rx, id)),
+        }
     }
 
     /// Finds a connection or a free slot on an eligible endpoint, choosing between two random
@@ -978,29 +1064,45 @@ impl<C: Connect> Inner<C> {
         }
     }
 
-    /// Hands idle connections and free slots to waiters, oldest first.
+    /// Hands idle connections and free slots to waiters, in the queue's order: interactive
+    /// first, FIFO within a class, aged batch as interactive (see [`crate::queue`]); a batch
+    /// waiter only while batch is under its share cap.
     fn dispatch(self: &Arc<Self>, state: &mut State<C::Conn>, now: Instant) {
-        while let Some(front) = state.waiters.front() {
-            if front.tx.is_closed() {
-                state.waiters.pop_front();
+        let aging = state.priority.aging_in(state.limits.lease_timeout.get());
+        loop {
+            let batch_allowed = state.may_serve(PriorityClass::Batch);
+            let Some(class) = state.waiters.next(aging, batch_allowed) else {
+                return;
+            };
+            if state
+                .waiters
+                .front(class)
+                .is_some_and(|w| w.item.is_closed())
+            {
+                state.waiters.pop(class);
                 continue;
             }
             let Some(grant) = self.find_grant(state, now) else {
                 return;
             };
-            let Some(waiter) = state.waiters.pop_front() else {
+            let Some(waiter) = state.waiters.pop(class) else {
                 return;
             };
             let wait = now.duration_since(waiter.since);
-            match waiter.tx.send(grant) {
-                Ok(()) => self.lease_wait.observe(wait.as_secs_f64()),
-                Err(grant) => self.undo(state, grant),
+            state.held[class.index()] += 1;
+            match waiter.item.send(grant) {
+                Ok(()) => {
+                    self.lease_wait.observe(wait.as_secs_f64());
+                    self.class_wait[class.index()].observe(wait.as_secs_f64());
+                }
+                Err(grant) => self.undo(state, grant, class),
             }
         }
     }
 
-    /// Gives back a grant nobody took.
-    fn undo(&self, state: &mut State<C::Conn>, grant: Grant<C::Conn>) {
+    /// Gives back a grant nobody took (given to a call of `class`).
+    fn undo(&self, state: &mut State<C::Conn>, grant: Grant<C::Conn>, class: PriorityClass) {
+        state.held[class.index()] -= 1;
         match grant {
             Grant::Conn { endpoint, idle } => {
                 if let Some(ep) = state.endpoint_mut(endpoint) {
@@ -1021,6 +1123,7 @@ impl<C: Connect> Inner<C> {
         self: Arc<Self>,
         grant: Grant<C::Conn>,
         start: Instant,
+        class: PriorityClass,
     ) -> Result<Lease<C>, PoolError> {
         let now = Instant::now();
         match grant {
@@ -1035,6 +1138,7 @@ impl<C: Connect> Inner<C> {
                     leased_at: now,
                     reused: true,
                     wait: now.duration_since(start),
+                    class,
                     outcome: Outcome::Close(CloseReason::Error),
                 })
             }
@@ -1053,6 +1157,7 @@ impl<C: Connect> Inner<C> {
                 let mut reservation = Reservation {
                     pool: Arc::clone(&self),
                     endpoint,
+                    class,
                     settled: false,
                 };
                 let result = tokio::time::timeout(timeout, self.connector.connect(address)).await;
@@ -1078,6 +1183,7 @@ impl<C: Connect> Inner<C> {
                             leased_at,
                             reused: false,
                             wait: now.duration_since(start),
+                            class,
                             outcome: Outcome::Close(CloseReason::Error),
                         });
                     }
@@ -1093,6 +1199,7 @@ impl<C: Connect> Inner<C> {
                     },
                 };
                 // The reserved slot is free again.
+                state.held[class.index()] -= 1;
                 self.freed(state, Instant::now());
                 Err(error)
             }
@@ -1107,9 +1214,11 @@ impl<C: Connect> Inner<C> {
         outcome: Outcome,
         created_at: Instant,
         held: Duration,
+        class: PriorityClass,
     ) {
         let now = Instant::now();
         let mut state = self.state.lock();
+        state.held[class.index()] -= 1;
         state.releases.record(now);
         state.hold.record(held);
         let max = state.limits.max_connections_per_endpoint;
@@ -1274,6 +1383,29 @@ impl<T: Poolable> State<T> {
         }
     }
 
+    /// The most connections batch calls may hold: `batchMaxPercent` of the cap over the
+    /// endpoints that take leases (not removed or drained), rounded down, at least 1; none
+    /// without a cap.
+    fn batch_cap(&self) -> Option<u32> {
+        let percent = self.priority.batch_max_percent?;
+        let live = self
+            .endpoints
+            .iter()
+            .filter(|ep| !ep.removed && !ep.drained)
+            .count() as u64;
+        let total = u64::from(self.limits.max_connections_per_endpoint) * live;
+        Some(((total * u64::from(percent) / 100).max(1)).min(u64::from(u32::MAX)) as u32)
+    }
+
+    /// Whether a call of `class` may be handed a connection now: interactive always, batch
+    /// while it holds fewer than its cap.
+    fn may_serve(&self, class: PriorityClass) -> bool {
+        match (class, self.batch_cap()) {
+            (PriorityClass::Batch, Some(cap)) => self.held[PriorityClass::Batch.index()] < cap,
+            _ => true,
+        }
+    }
+
     /// Retry-After for a full pool: the time for the queue ahead (and this request) to drain
     /// at the observed release rate; before any release was seen, the mean hold time spread
     /// over the capacity; before any lease completed, the lease timeout.
@@ -1381,6 +1513,11 @@ impl<C: Connect> Lease<C> {
         self.wait
     }
 
+    /// The priority class it was leased for.
+    pub fn class(&self) -> PriorityClass {
+        self.class
+    }
+
     /// The endpoint's name.
     pub fn endpoint(&self) -> &Arc<str> {
         &self.endpoint_name
@@ -1407,6 +1544,7 @@ impl<C: Connect> Drop for Lease<C> {
             self.outcome,
             self.created_at,
             held,
+            self.class,
         );
     }
 }

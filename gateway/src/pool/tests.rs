@@ -828,3 +828,381 @@ async fn a_health_probe_takes_a_slot_of_the_cap_and_gives_it_to_a_waiter() {
         .expect("the next round finds the slot free");
     assert_eq!(connector.live.load(Ordering::SeqCst), 1);
 }
+
+// === priority classes ===
+
+fn priority(aging_ms: u64, batch_max_percent: Option<u32>) -> Option<Priority> {
+    Some(Priority {
+        aging_after: Some(ApiDuration::from_millis(aging_ms)),
+        batch_max_percent,
+        ..Priority::default()
+    })
+}
+
+/// Queues one waiter of `class` that reports `(tag, class)` once it holds a connection, keeps
+/// it for `hold`, then returns it.
+fn queue_waiter(
+    pool: &Pool<Arc<FakeConnector>>,
+    class: PriorityClass,
+    tag: usize,
+    hold: Duration,
+    tx: &tokio::sync::mpsc::UnboundedSender<(usize, PriorityClass)>,
+) {
+    let (pool, tx) = (pool.clone(), tx.clone());
+    tokio::spawn(async move {
+        let mut lease = pool
+            .lease_as(class)
+            .await
+            .expect("a waiter gets a connection in time");
+        tx.send((tag, class)).unwrap();
+        tokio::time::sleep(hold).await;
+        lease.keep();
+    });
+}
+
+#[tokio::test(start_paused = true)]
+async fn interactive_waiters_are_served_before_batch_waiters_that_came_first() {
+    let (pool, _) = pool(1, 1);
+    pool.set_limits(PoolLimits {
+        max_pending: 16,
+        lease_timeout: ApiDuration::from_secs(10),
+        ..limits(1)
+    });
+    pool.set_priority(priority(1000, None));
+    let held = pool.lease().await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let hold = Duration::from_millis(10);
+    for (tag, class) in [
+        (0, PriorityClass::Batch),
+        (1, PriorityClass::Batch),
+        (2, PriorityClass::Interactive),
+        (3, PriorityClass::Interactive),
+    ] {
+        queue_waiter(&pool, class, tag, hold, &tx);
+        tokio::task::yield_now().await;
+    }
+    let stats = pool.stats();
+    assert_eq!(
+        (stats.classes[0].pending, stats.classes[1].pending),
+        (2, 2),
+        "two waiters of each class"
+    );
+    drop(held);
+    let mut order = Vec::new();
+    for _ in 0..4 {
+        order.push(rx.recv().await.unwrap().0);
+    }
+    assert_eq!(
+        order,
+        [2, 3, 0, 1],
+        "interactive first, then batch, each in arrival order"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_waiter_past_its_aging_bound_goes_before_later_interactive_ones() {
+    let (pool, _) = pool(1, 1);
+    pool.set_limits(PoolLimits {
+        max_pending: 16,
+        lease_timeout: ApiDuration::from_secs(10),
+        ..limits(1)
+    });
+    pool.set_priority(priority(100, None));
+    let held = pool.lease().await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let hold = Duration::from_millis(10);
+    queue_waiter(&pool, PriorityClass::Batch, 0, hold, &tx);
+    tokio::task::yield_now().await;
+    // One interactive waiter before the batch waiter's aging deadline (100ms), one after.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    queue_waiter(&pool, PriorityClass::Interactive, 1, hold, &tx);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    queue_waiter(&pool, PriorityClass::Interactive, 2, hold, &tx);
+    tokio::task::yield_now().await;
+    drop(held);
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        order.push(rx.recv().await.unwrap().0);
+    }
+    assert_eq!(
+        order,
+        [1, 0, 2],
+        "the aged batch waiter ranks as an interactive one arriving at its deadline"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn batch_waits_at_its_share_cap_while_interactive_takes_every_connection() {
+    // 2 endpoints × 4 = 8 connections; batch may hold 50%: 4.
+    let (pool, _) = pool(4, 2);
+    pool.set_limits(PoolLimits {
+        max_pending: 16,
+        lease_timeout: ApiDuration::from_secs(10),
+        ..limits(4)
+    });
+    pool.set_priority(priority(50, Some(50)));
+    assert_eq!(pool.stats().batch_cap, Some(4));
+    let mut batch = Vec::new();
+    for _ in 0..4 {
+        batch.push(pool.lease_as(PriorityClass::Batch).await.unwrap());
+    }
+    // A fifth batch call waits although 4 connections are free, and is never handed one
+    // while batch holds its cap, however long it waited (aging reorders, the cap holds).
+    let waiting = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease_as(PriorityClass::Batch).await })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().classes[1].pending, 1);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        pool.stats().classes[1].pending,
+        1,
+        "still waiting, past its aging bound"
+    );
+    // Interactive calls take the other 4 at once, past the waiting batch call.
+    let mut interactive = Vec::new();
+    for _ in 0..4 {
+        let lease = tokio::time::timeout(Duration::ZERO, pool.lease_as(PriorityClass::Interactive))
+            .await
+            .expect("an interactive call does not wait for a free connection")
+            .unwrap();
+        interactive.push(lease);
+    }
+    let stats = pool.stats();
+    assert_eq!((stats.classes[0].held, stats.classes[1].held), (4, 4));
+    // A batch connection coming back goes to the waiting batch call.
+    let mut returned = batch.pop().unwrap();
+    returned.keep();
+    drop(returned);
+    let lease = waiting
+        .await
+        .unwrap()
+        .expect("served once batch is under its cap");
+    assert_eq!(lease.class(), PriorityClass::Batch);
+    assert_eq!(pool.stats().classes[1].held, 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_waits_are_counted_per_class() {
+    let metrics = Metrics::new();
+    let pool = Pool::new(
+        "model-a",
+        PoolLimits {
+            lease_timeout: ApiDuration::from_secs(10),
+            ..limits(1)
+        },
+        &endpoints(1),
+        Arc::new(FakeConnector::default()),
+        metrics.clone(),
+    );
+    pool.set_priority(priority(1000, None));
+    let held = pool.lease_as(PriorityClass::Batch).await.unwrap();
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease_as(PriorityClass::Batch).await.map(drop) })
+    };
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    drop(held);
+    waiter.await.unwrap().unwrap();
+    let text = metrics.encode();
+    let count = |class: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("poolpilot_pool_class_lease_wait_seconds_count")
+                    && l.contains(&format!("class=\"{class}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .map(str::to_owned)
+    };
+    assert_eq!(count("batch").as_deref(), Some("2"), "{text}");
+    assert_eq!(count("interactive").as_deref(), Some("0"));
+    let sum = text
+        .lines()
+        .find(|l| {
+            l.starts_with("poolpilot_pool_class_lease_wait_seconds_sum")
+                && l.contains("class=\"batch\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap();
+    assert!(
+        (sum - 0.04).abs() < 1e-9,
+        "the batch waiter waited 40ms: {sum}"
+    );
+}
+
+/// One call in a simulated arrival pattern.
+#[derive(Clone, Debug)]
+struct Arrival {
+    at_ms: u64,
+    class: PriorityClass,
+    hold_ms: u64,
+}
+
+fn arrival() -> impl proptest::strategy::Strategy<Value = Arrival> {
+    use proptest::prelude::*;
+    (0u64..400, any::<bool>(), 1u64..=40).prop_map(|(at_ms, batch, hold_ms)| Arrival {
+        at_ms,
+        class: if batch {
+            PriorityClass::Batch
+        } else {
+            PriorityClass::Interactive
+        },
+        hold_ms,
+    })
+}
+
+/// Runs `arrivals` against a pool of `cap` connections (one endpoint, no lease timeout in
+/// reach) in paused time; returns each call's `(arrival, grant)` instants.
+fn simulate(
+    arrivals: &[Arrival],
+    cap: u32,
+    aging_ms: u64,
+    batch_max_percent: Option<u32>,
+) -> (Vec<(Instant, Instant)>, u32) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (pool, _) = pool(cap, 1);
+        pool.set_limits(PoolLimits {
+            max_pending: 10_000,
+            lease_timeout: ApiDuration::from_secs(3600),
+            ..limits(cap)
+        });
+        pool.set_priority(priority(aging_ms, batch_max_percent));
+        let t0 = Instant::now();
+        let batch_held = Arc::new(AtomicUsize::new(0));
+        let batch_peak = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for a in arrivals.iter().cloned() {
+            let pool = pool.clone();
+            let (held, peak) = (batch_held.clone(), batch_peak.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep_until(t0 + Duration::from_millis(a.at_ms)).await;
+                let arrived = Instant::now();
+                let mut lease = pool.lease_as(a.class).await.expect("no lease timeout");
+                let granted = Instant::now();
+                if a.class == PriorityClass::Batch {
+                    let now = held.fetch_add(1, Ordering::SeqCst) + 1;
+                    peak.fetch_max(now, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(a.hold_ms)).await;
+                if a.class == PriorityClass::Batch {
+                    held.fetch_sub(1, Ordering::SeqCst);
+                }
+                lease.keep();
+                drop(lease);
+                (arrived, granted)
+            }));
+        }
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        (out, batch_peak.load(Ordering::SeqCst) as u32)
+    })
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// The starvation bound, stated precisely: let batch waiter B arrive at `a`, with aging
+    /// deadline `d = a + agingAfter`. (1) After `d`, only waiters ranked before B are served
+    /// before it: interactive waiters that arrived at or before `d`, and batch waiters that
+    /// arrived before B. (2) Hence, with `k` of those still waiting at `d`, `c` connections and
+    /// every call holding its connection at most `H`, B is served by
+    /// `d + ceil((k + 1) / c) × H`: its wait is at most `agingAfter + ceil((k + 1) / c) × H`.
+    #[test]
+    fn no_batch_waiter_waits_beyond_the_aging_bound_and_those_ranked_before_it(
+        arrivals in proptest::collection::vec(arrival(), 1..40),
+        cap in 1u32..4,
+        aging_ms in 1u64..120,
+    ) {
+        let times = simulate(&arrivals, cap, aging_ms, None).0;
+        let aging = Duration::from_millis(aging_ms);
+        let max_hold = Duration::from_millis(arrivals.iter().map(|a| a.hold_ms).max().unwrap());
+        let ranked_before = |w: usize, b: usize, deadline: Instant| match arrivals[w].class {
+            PriorityClass::Interactive => times[w].0 <= deadline,
+            PriorityClass::Batch => times[w].0 < times[b].0 || (times[w].0 == times[b].0 && w < b),
+        };
+        for b in (0..arrivals.len()).filter(|&b| arrivals[b].class == PriorityClass::Batch) {
+            let (arrived, granted) = times[b];
+            let deadline = arrived + aging;
+            if granted <= deadline {
+                continue;
+            }
+            for w in (0..arrivals.len()).filter(|&w| w != b) {
+                let overtook = times[w].1 > deadline && times[w].1 < granted;
+                proptest::prop_assert!(
+                    !overtook || ranked_before(w, b, deadline),
+                    "waiter {w} ({:?}, arrived {:?}) was served at {:?}, after batch waiter {b}'s deadline {:?} and before it ({:?}) without being ranked before it",
+                    arrivals[w].class, times[w].0, times[w].1, deadline, granted
+                );
+            }
+            let ahead = (0..arrivals.len())
+                .filter(|&w| w != b && ranked_before(w, b, deadline) && times[w].1 > deadline)
+                .count() as u32;
+            let bound = aging + max_hold * (ahead + 1).div_ceil(cap);
+            proptest::prop_assert!(
+                granted - arrived <= bound,
+                "batch waiter {b} waited {:?}, beyond {bound:?} ({ahead} ranked before it at its deadline)",
+                granted - arrived
+            );
+        }
+    }
+
+    /// With a share cap, batch never holds more than it, whatever the arrivals; every call is
+    /// still served (batch makes progress under the cap).
+    #[test]
+    fn batch_never_holds_more_than_its_share_cap(
+        arrivals in proptest::collection::vec(arrival(), 1..40),
+        cap in 1u32..6,
+        percent in 1u32..=100,
+    ) {
+        let (times, peak) = simulate(&arrivals, cap, 20, Some(percent));
+        let batch_cap = (cap * percent / 100).max(1);
+        proptest::prop_assert!(peak <= batch_cap, "batch held {peak}, cap {batch_cap}");
+        proptest::prop_assert_eq!(times.len(), arrivals.len());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_takes_an_interactive_call_in_place_of_its_newest_batch_waiter() {
+    let (pool, _) = pool(1, 1);
+    pool.set_priority(priority(100, None));
+    let held = pool.lease().await.unwrap();
+    // maxPending 4: fill it with batch waiters.
+    let mut batch = Vec::new();
+    for _ in 0..4 {
+        let pool = pool.clone();
+        batch.push(tokio::spawn(async move {
+            pool.lease_as(PriorityClass::Batch).await.map(drop)
+        }));
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(pool.stats().classes[1].pending, 4);
+    assert!(matches!(
+        pool.lease_as(PriorityClass::Batch).await,
+        Err(PoolError::QueueFull { pending: 4, .. })
+    ));
+    let interactive = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(drop) })
+    };
+    tokio::task::yield_now().await;
+    let stats = pool.stats();
+    assert_eq!((stats.classes[0].pending, stats.classes[1].pending), (1, 3));
+    let newest = batch.pop().unwrap().await.unwrap();
+    assert!(
+        matches!(newest, Err(PoolError::QueueFull { .. })),
+        "the newest batch waiter is refused as on a full queue: {newest:?}"
+    );
+    drop(held);
+    interactive
+        .await
+        .unwrap()
+        .expect("the interactive call is served first");
+}

@@ -109,6 +109,25 @@ pub struct BackendSample {
     /// What the selected pods run now: the sum of their pools' caps for the backend
     /// (`poolpilot_pool_max_connections`), for `autoscale.startFrom: Current`.
     pub current: Option<f64>,
+    /// The demand per priority class, interactive first (reported, not planned on).
+    pub classes: [ClassSample; 2],
+}
+
+/// Demand of one priority class on one backend: leased connections plus pending lease
+/// requests, fleet sums averaged over the window. `None` is missing data, never zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ClassSample {
+    /// Connections held by the class's calls.
+    pub leased: Option<f64>,
+    /// The class's lease requests waiting.
+    pub pending: Option<f64>,
+}
+
+impl ClassSample {
+    /// leased + pending, when both are known.
+    pub fn demand(&self) -> Option<f64> {
+        self.leased.zip(self.pending).map(|(l, p)| l + p)
+    }
 }
 
 /// A backend's own saturation signal (`spec.backends[].saturation.query`) in a sample.

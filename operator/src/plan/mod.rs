@@ -29,6 +29,7 @@ pub mod input;
 pub mod memo;
 pub mod memory;
 pub mod output;
+pub mod priority;
 pub mod render;
 pub mod selector;
 pub mod status;

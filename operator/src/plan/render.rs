@@ -309,6 +309,7 @@ fn document(
                         name: o.name.clone(),
                         key_sha256: o.client.key_sha256.clone(),
                         max_concurrency: part(o.max_concurrency, 1),
+                        class: o.class.map(super::priority::class),
                     })
                     .collect(),
                 slow_calls: c.slow_calls.as_ref().map(|s| SlowCalls {
@@ -319,6 +320,7 @@ fn document(
                     min_calls: s.min_calls,
                 }),
                 max_clients: c.max_clients,
+                priority: super::priority::render(c),
             });
             name
         });

@@ -62,6 +62,7 @@ pub fn compute(
                 utilization: demand
                     .filter(|d| d.is_finite() && pooled > 0.0)
                     .map(|d| (d / pooled * 1000.0).round() / 1000.0),
+                demand_by_class: super::priority::status(&b.sample.classes),
                 last_scale: mem
                     .and_then(|m| m.last_scale.as_ref())
                     .map(|s| ScaleRecord {

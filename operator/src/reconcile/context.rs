@@ -47,6 +47,10 @@ pub struct RolloutMemory {
     pub refused: BTreeMap<(String, String, String), String>,
     /// When a revision was first acknowledged by a canary, per (namespace, revision).
     pub canary_since: BTreeMap<(String, String), Timestamp>,
+    /// The revision each policy rolls out, per (namespace, policy): when it changes, the
+    /// verification of the one before is forgotten, so that a revision seen again (an edit
+    /// undone, a target back where it was) is verified anew.
+    pub rolling: BTreeMap<(String, String), String>,
     /// The highest generation a pod said it runs (409 answers), per namespace.
     pub seen_generation: BTreeMap<String, u64>,
     /// The documents each pod acknowledged last and the one before, per (namespace, pod): a
@@ -59,6 +63,36 @@ pub struct RolloutMemory {
     /// a rotation, pods whose mounted copy still holds the previous token get it (on a 401 to
     /// the new one) until the kubelet refreshes their copy.
     pub tokens: BTreeMap<String, (String, Option<String>)>,
+}
+
+impl RolloutMemory {
+    /// When the canaries' verification of `desired`, the revision `policy` in `ns` rolls out,
+    /// started: when a canary was first seen on it (`on_it`: one is now). A policy that moved to
+    /// another revision forgets the verification of the one before and of `desired`, so that a
+    /// revision seen again (an edit undone, a target back where it was) is verified anew.
+    pub fn verification_start(
+        &mut self,
+        ns: &str,
+        policy: &str,
+        desired: &str,
+        on_it: bool,
+        now: Timestamp,
+    ) -> Option<Timestamp> {
+        let rolling = (ns.to_owned(), policy.to_owned());
+        if self.rolling.get(&rolling).map(String::as_str) != Some(desired) {
+            if let Some(before) = self.rolling.insert(rolling, desired.to_owned()) {
+                self.canary_since.remove(&(ns.to_owned(), before));
+            }
+            self.canary_since
+                .remove(&(ns.to_owned(), desired.to_owned()));
+        }
+        let key = (ns.to_owned(), desired.to_owned());
+        if on_it {
+            Some(*self.canary_since.entry(key).or_insert(now))
+        } else {
+            self.canary_since.get(&key).copied()
+        }
+    }
 }
 
 /// The documents one pod acknowledged: the last and the one before it.

@@ -117,18 +117,15 @@ pub async fn roll_out<G: Gateways>(
     // Verification starts when a canary is first seen on the revision: acknowledged by PUT,
     // or (a pod whose own document is the ConfigMap's) loaded from the ConfigMap, which no PUT
     // ever acknowledges.
-    let since = {
-        let mut memory = ctx.rollouts.lock();
-        let key = (ns.clone(), desired.clone());
-        if states
+    let since = ctx.rollouts.lock().verification_start(
+        ns,
+        &policy.name_any(),
+        &desired,
+        states
             .iter()
-            .any(|p| p.acked.as_deref() == Some(p.desired.as_str()))
-        {
-            Some(*memory.canary_since.entry(key).or_insert(now))
-        } else {
-            memory.canary_since.get(&key).copied()
-        }
-    };
+            .any(|p| p.acked.as_deref() == Some(p.desired.as_str())),
+        now,
+    );
     let verdict = {
         let snapshot = ctx.snapshot.read();
         let max_age = ctx.config.snapshot_max_age;
@@ -158,6 +155,20 @@ pub async fn roll_out<G: Gateways>(
     }
     let mut wave = waves::next_wave(strategy, &states, since, &verdict, now);
     let mut unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
+    if strategy.verify.is_zero() && !wave.push.is_empty() && wave.halted.is_none() {
+        // Without verification the rest follow the canaries as soon as they acknowledged: in
+        // this reconcile, not the next.
+        let after = pod_states(ctx, observed, fleet, &plan.live);
+        let since = ctx
+            .rollouts
+            .lock()
+            .canary_since
+            .get(&(ns.clone(), desired.clone()))
+            .copied();
+        let rest = waves::next_wave(strategy, &after, since, &verdict, now);
+        unreachable.extend(push(ctx, observed, fleet, &rest.push, now).await?);
+        wave = rest;
+    }
     if let (waves::Verdict::Regressed(why), Some(_)) = (&verdict, &wave.halted) {
         let canaries: Vec<String> = states
             .iter()

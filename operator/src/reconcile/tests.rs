@@ -523,6 +523,41 @@ async fn a_refused_canary_halts_a_progressive_rollout() {
 }
 
 #[tokio::test]
+async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_same_reconcile() {
+    let mut p = policy("models", 0);
+    p.spec.rollout.strategy = poolpilot_api::policy::RolloutStrategy::Progressive;
+    p.spec.rollout.canary_pods = 1;
+    p.spec.rollout.verify_intervals = 0;
+    let pods = vec![
+        pod("gw-0", "127.0.0.7"),
+        pod("gw-1", "127.0.0.8"),
+        pod("gw-2", "127.0.0.9"),
+    ];
+    let mut run = Scenario::start_with(p.clone(), vec![p], pods, FakeGateways::default());
+
+    run.configmap_apply().await;
+    // The token is read for each wave: the canary's, then the rest's.
+    run.token_secret().await;
+    run.token_secret().await;
+    let status = run.status_patch().await;
+    assert_eq!(status["status"]["updated"], "3/3", "{status}");
+    assert_eq!(
+        condition(&status["status"], "RolledOut")["status"],
+        "True",
+        "{status}"
+    );
+    run.event().await;
+    run.outcome().await.expect("the reconcile succeeded");
+    let order: Vec<SocketAddr> = run.puts().iter().map(|(addr, _, _)| *addr).collect();
+    assert_eq!(order.len(), 3, "every pod got its document: {order:?}");
+    assert_eq!(
+        order[0],
+        "127.0.0.7:9901".parse().unwrap(),
+        "the canary went first: {order:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
     let p = policy("models", 0);
     let gateways = FakeGateways {
@@ -1166,5 +1201,45 @@ fn only_a_document_that_lowers_shares_and_client_limits_reaches_the_configmap_fi
     assert!(
         !rollout::only_lowers(&three, &moved),
         "an endpoint change goes through the canary"
+    );
+}
+
+#[test]
+fn a_revision_rolled_out_again_is_verified_anew_not_by_its_first_canary() {
+    let start = now();
+    let later = |s: i64| Timestamp::from_second(start.as_second() + s).unwrap();
+    let mut memory = RolloutMemory::default();
+    // Revision A: its canary is on it at the start, still on it 60 s later.
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", true, start),
+        Some(start)
+    );
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", true, later(60)),
+        Some(start),
+        "the verification runs from the first canary"
+    );
+    // An edit to B, then undone: A is verified from its canary's new acknowledgement.
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-b", false, later(120)),
+        None
+    );
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", false, later(180)),
+        None,
+        "nothing is on A yet: no verification"
+    );
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", true, later(181)),
+        Some(later(181))
+    );
+    // Another policy's rollout in the namespace is its own.
+    assert_eq!(
+        memory.verification_start("ns", "other", "rev-c", true, later(200)),
+        Some(later(200))
+    );
+    assert_eq!(
+        memory.verification_start("ns", "models", "rev-a", true, later(240)),
+        Some(later(181))
     );
 }

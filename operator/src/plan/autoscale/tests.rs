@@ -39,6 +39,7 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         pending_now: None,
         unscraped: 0,
         current: None,
+        classes: Default::default(),
     }
 }
 
@@ -847,6 +848,7 @@ impl Server {
             saturation: SaturationSignal::NotConfigured,
             unscraped: 0,
             current: None,
+            classes: Default::default(),
         }
     }
 }

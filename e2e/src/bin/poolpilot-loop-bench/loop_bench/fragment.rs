@@ -7,12 +7,14 @@ use std::fmt::Write as _;
 use super::control::{
     BUCKET, CROWD, ControlResult, CrowdRun, INTERVAL, LIGHT, MAX, MIN, Mode, SERVICE_MS,
 };
-use super::rollout::{self, RolloutRow};
+use super::rollout::{self, DefaultRolloutRow, RolloutRow, RolloutTimes};
 use super::scale::{self, ScaleRow};
 use super::{Plan, Results};
 
 /// The rollout target: every pod within this many milliseconds of the apply.
 const ROLLOUT_TARGET_MS: f64 = 2000.0;
+/// The default rollout's target: the last pod within this long after its verification period.
+const DEFAULT_ROLLOUT_SLACK_MS: f64 = 2000.0;
 
 /// Renders the fragment.
 pub fn render(plan: &Plan, r: &Results) -> String {
@@ -32,11 +34,11 @@ pub fn render(plan: &Plan, r: &Results) -> String {
         } else {
             "full mode"
         },
+        r.started,
         match &plan.binaries {
             Some(dir) => format!("build in `{}`", dir.display()),
             None => "**debug** build".to_owned(),
         },
-        r.started,
         r.load.0,
         r.load.1,
         r.wall.as_secs_f64()
@@ -48,7 +50,7 @@ pub fn render(plan: &Plan, r: &Results) -> String {
         None => {}
     }
     match &r.rollout {
-        Some(Ok(rows)) => render_rollout(w, rows),
+        Some(Ok(times)) => render_rollout(w, times),
         Some(Err(e)) => failed(w, "Rollout time of a limit edit", e),
         None => {}
     }
@@ -97,15 +99,39 @@ fn render_targets(w: &mut String, plan: &Plan, r: &Results) {
             );
         }
     }
-    if let Some(Ok(rows)) = &r.rollout
-        && let Some(row) = rows.iter().max_by_key(|row| row.pods)
-    {
-        let (med, max) = RolloutRow::median_max_ms(&row.from_return);
+    if let Some(Ok(times)) = &r.rollout {
+        if let Some(row) = times.fast.iter().max_by_key(|row| row.pods) {
+            let (med, max) = RolloutRow::median_max_ms(&row.from_return);
+            let _ = writeln!(
+                w,
+                "| fast path (`verifyIntervals: 0`): rollout to {} pods under 2 s (from `kubectl apply` returning) | median {med:.0} ms, max {max:.0} ms | {} |",
+                row.pods,
+                yes_no(max < ROLLOUT_TARGET_MS)
+            );
+        }
+        let row = &times.default;
+        let verify_ms = default_verify_ms();
+        let (_, canary_max) = RolloutRow::median_max_ms(&row.canary);
+        let (med, max) = RolloutRow::median_max_ms(&row.last);
+        let min = row
+            .last
+            .iter()
+            .map(|d| d.as_secs_f64() * 1e3)
+            .fold(f64::INFINITY, f64::min);
         let _ = writeln!(
             w,
-            "| rollout to {} pods under 2 s (from `kubectl apply` returning) | median {med:.0} ms, max {max:.0} ms | {} |",
-            row.pods,
-            yes_no(max < ROLLOUT_TARGET_MS)
+            "| default rollout: the canary at once (under 2 s), the other {} pods after its verification ({:.0} s), within 2 s of its end | canary max {canary_max:.0} ms; last pod min {:.1} s, median {:.1} s, max {:.1} s | {} |",
+            row.pods.saturating_sub(1),
+            verify_ms / 1e3,
+            min / 1e3,
+            med / 1e3,
+            max / 1e3,
+            yes_no(
+                !row.last.is_empty()
+                    && canary_max < ROLLOUT_TARGET_MS
+                    && min >= verify_ms
+                    && max < verify_ms + DEFAULT_ROLLOUT_SLACK_MS
+            )
         );
     }
     if let Some(Ok(rows)) = &r.scale {
@@ -279,7 +305,13 @@ fn label(run: &CrowdRun) -> String {
     }
 }
 
-fn render_rollout(w: &mut String, rows: &[RolloutRow]) {
+/// The default rollout's verification period, in milliseconds.
+fn default_verify_ms() -> f64 {
+    rollout::DEFAULT_INTERVAL.as_secs_f64() * 1e3 * f64::from(rollout::DEFAULT_VERIFY_INTERVALS)
+}
+
+fn render_rollout(w: &mut String, times: &RolloutTimes) {
+    let rows = &times.fast;
     let _ = writeln!(
         w,
         "### Rollout time of a limit edit\n\n\
@@ -306,6 +338,35 @@ fn render_rollout(w: &mut String, rows: &[RolloutRow]) {
         );
     }
     let _ = writeln!(w);
+    render_default_rollout(w, &times.default);
+}
+
+fn render_default_rollout(w: &mut String, row: &DefaultRolloutRow) {
+    let _ = writeln!(
+        w,
+        "The same edits at {} pods under the **default** rollout (Progressive, 1 canary pod, \
+         `verifyIntervals: {}` at the default {} s interval): the canary takes the edit at once, \
+         the other pods once it has run it for the verification period ({:.0} s) and been judged \
+         no worse than the rest.\n",
+        row.pods,
+        rollout::DEFAULT_VERIFY_INTERVALS,
+        rollout::DEFAULT_INTERVAL.as_secs(),
+        default_verify_ms() / 1e3
+    );
+    let _ = writeln!(
+        w,
+        "| gateway pods | edits | canary, from return: median | max | last pod, from return: median | max |\n|---:|---:|---:|---:|---:|---:|"
+    );
+    let (cm, cx) = RolloutRow::median_max_ms(&row.canary);
+    let (lm, lx) = RolloutRow::median_max_ms(&row.last);
+    let _ = writeln!(
+        w,
+        "| {} | {} | {cm:.0} ms | {cx:.0} ms | {:.1} s | {:.1} s |\n",
+        row.pods,
+        row.last.len(),
+        lm / 1e3,
+        lx / 1e3
+    );
 }
 
 fn render_scale(w: &mut String, plan: &Plan, rows: &[ScaleRow]) {

@@ -27,7 +27,7 @@ pub struct Results {
     /// Part 5, the flash crowd.
     pub control: Option<anyhow::Result<control::ControlResult>>,
     /// Part 5, rollout times.
-    pub rollout: Option<anyhow::Result<Vec<rollout::RolloutRow>>>,
+    pub rollout: Option<anyhow::Result<rollout::RolloutTimes>>,
     /// Part 6.
     pub scale: Option<anyhow::Result<Vec<scale::ScaleRow>>>,
     /// `date -u` at the start.

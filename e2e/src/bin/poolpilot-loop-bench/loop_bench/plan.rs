@@ -45,6 +45,8 @@ pub struct Plan {
     pub rollout_pods: Vec<u32>,
     /// Edits per gateway count.
     pub rollout_reps: usize,
+    /// Edits under the default rollout (each takes at least its 30 s verification).
+    pub default_rollout_reps: usize,
     /// Policy counts of the scale part.
     pub policy_levels: Vec<usize>,
     /// How long the operator is measured at each policy count.
@@ -63,6 +65,7 @@ impl Plan {
                 crowd: Duration::from_secs(30),
                 rollout_pods: vec![3, 10],
                 rollout_reps: 2,
+                default_rollout_reps: 1,
                 policy_levels: vec![1, 20],
                 scale_window: Duration::from_secs(15),
                 binaries,
@@ -73,6 +76,7 @@ impl Plan {
                 crowd: Duration::from_secs(60),
                 rollout_pods: vec![3, 10, 30],
                 rollout_reps: 5,
+                default_rollout_reps: 3,
                 policy_levels: vec![1, 20, 50, 200],
                 scale_window: Duration::from_secs(30),
                 binaries,
