@@ -584,11 +584,14 @@ impl Gateway {
         }
         let registry = self.inner.registry.lock();
         let mut by_label: HashMap<Arc<str>, u32> = HashMap::new();
+        let mut tracked = 0;
         for limiter in registry.limiters.values() {
             for (label, n) in limiter.inflight_by_label() {
                 *by_label.entry(label).or_default() += n;
             }
+            tracked += limiter.tracked_clients();
         }
+        m.set_clients_tracked(tracked);
         for (label, n) in by_label {
             m.set_client_inflight(&label, n);
         }

@@ -50,7 +50,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -118,13 +117,10 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
             "the admin listener is plain HTTP off loopback: its bearer token crosses the network in clear text (set adminTls)"
         );
     }
-    let bind = |addr: SocketAddr| async move {
-        TcpListener::bind(addr)
-            .await
-            .map_err(|source| StartError::Bind { addr, source })
-    };
-    let proxy = bind(config.listeners.proxy).await?;
-    let admin = bind(config.listeners.admin).await?;
+    let bind =
+        |addr: SocketAddr| server::bind(addr).map_err(|source| StartError::Bind { addr, source });
+    let proxy = bind(config.listeners.proxy)?;
+    let admin = bind(config.listeners.admin)?;
     let proxy_addr = proxy.local_addr().map_err(|source| StartError::Bind {
         addr: config.listeners.proxy,
         source,

@@ -413,7 +413,7 @@ impl ClientLimiter {
         state.compact_idle();
     }
 
-    /// Entries held (for tests of the memory bound).
+    /// Entries held (the `poolpilot_clients_tracked` gauge, and tests of the memory bound).
     pub fn tracked_clients(&self) -> usize {
         self.inner.state.lock().clients.len()
     }

@@ -251,6 +251,7 @@ pub struct Metrics {
     downstream_rejected: Family<RefusalLabel, Counter>,
     downstream_timeouts: Family<DownstreamTimeoutLabel, Counter>,
     client_evictions: Counter,
+    clients_tracked: Gauge,
     route_buffer_bytes: Gauge,
     route_buffer_rejected: Counter,
     admin_connections_refused: Counter,
@@ -347,6 +348,7 @@ impl Metrics {
             downstream_rejected: Family::default(),
             downstream_timeouts: Family::default(),
             client_evictions: Counter::default(),
+            clients_tracked: Gauge::default(),
             route_buffer_bytes: Gauge::default(),
             route_buffer_rejected: Counter::default(),
             admin_connections_refused: Counter::default(),
@@ -505,6 +507,11 @@ impl Metrics {
             "poolpilot_client_evictions",
             "Idle clients forgotten to make room in a full client table",
             m.client_evictions.clone(),
+        );
+        r.register(
+            "poolpilot_clients_tracked",
+            "Entries of the client tables (clients with calls in flight or queued, or history)",
+            m.clients_tracked.clone(),
         );
         r.register_with_unit(
             "poolpilot_route_buffer",
@@ -797,6 +804,10 @@ impl Metrics {
 
     pub(crate) fn route_buffer_rejected(&self) {
         self.route_buffer_rejected.inc();
+    }
+
+    pub(crate) fn set_clients_tracked(&self, n: usize) {
+        self.clients_tracked.set(n as i64);
     }
 
     pub(crate) fn set_route_buffer_bytes(&self, bytes: u64) {

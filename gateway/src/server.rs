@@ -25,7 +25,7 @@ use hyper_util::server::conn::auto;
 use parking_lot::Mutex;
 use poolpilot_api::limits::ProxyProtocol;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, Sleep};
 
@@ -55,6 +55,37 @@ pub const REFUSAL_ANSWER_BURST: f64 = 1000.0;
 
 /// The longest a refused connection is kept to read its request and take its answer.
 pub const REFUSAL_GRACE: Duration = Duration::from_secs(2);
+
+/// The listen backlog where the kernel's cap cannot be read: Linux's `net.core.somaxconn`
+/// default since 5.4.
+pub const DEFAULT_BACKLOG: u32 = 4096;
+
+/// The listen backlog of the gateway's listeners: the kernel's cap, `net.core.somaxconn`, as
+/// Envoy (`tcp_backlog_size` unset) and Go's `net` package use; [`DEFAULT_BACKLOG`] where it
+/// cannot be read. tokio's `TcpListener::bind` listens with 128 (std's value): a burst of more
+/// connections than that while the accept loop was busy, or paused at `maxConnections`,
+/// overflowed the accept queue, and a connection whose handshake the kernel had then completed
+/// with a SYN cookie was reset once its data arrived, without an answer.
+pub fn listen_backlog() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(DEFAULT_BACKLOG)
+}
+
+/// Binds a listener on `addr` with [`listen_backlog`] (and `SO_REUSEADDR`, as tokio's
+/// `TcpListener::bind` sets it).
+pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(listen_backlog())
+}
 
 /// Open client connections, in total and per source (an IPv4 address or an IPv6 /64).
 #[derive(Debug, Default)]

@@ -105,6 +105,81 @@ async fn a_body_that_never_finishes_on_a_model_route_gets_408() {
     assert_eq!(metric(&text, "poolpilot_route_buffer_bytes"), Some(0.0));
 }
 
+/// More unfinished bodies than tokio's listen backlog (128) arrive at once while the accept
+/// loop is paused at `maxConnections`: the kernel queues every one (the listener's backlog is
+/// `net.core.somaxconn`), and each gets its 408 once accepted. With a backlog of 128 the
+/// connections beyond it waited for SYN retransmits, and some, completed by SYN cookie, were
+/// reset once their bytes arrived, without an answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_bodies_queued_behind_a_paused_accept_loop_are_all_answered_408() {
+    const BODIES: usize = 300;
+    let backend = Backend::start().await;
+    let listener = |max_connections: u32| {
+        serde_json::json!({
+            "maxConnections": max_connections, "bodyReadTimeout": "1s", "minBodyRate": 0
+        })
+    };
+    let gw = Gw::start(body_limits(
+        backend.addr,
+        true,
+        listener(1),
+        default_timeouts(),
+    ))
+    .await;
+    // The one connection the accept loop takes; the rest wait in the kernel's queue.
+    let mut held = connect(gw.proxy).await;
+    assert_eq!(
+        held.call(request("GET", "/v1/models", &[], "")).await.0,
+        200
+    );
+    let started = Instant::now();
+    let mut bodies = tokio::task::JoinSet::new();
+    for _ in 0..BODIES {
+        let proxy = gw.proxy;
+        bodies.spawn(async move {
+            let mut s = partial_post(proxy, 60 * 1024, 60_000).await;
+            let queued = started.elapsed();
+            let mut answer = Vec::new();
+            let end =
+                tokio::time::timeout(Duration::from_secs(15), s.read_to_end(&mut answer)).await;
+            let line = String::from_utf8_lossy(&answer)
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            let outcome = match end {
+                Ok(Ok(_)) if !line.is_empty() => line,
+                Ok(Ok(_)) => "closed without an answer".to_owned(),
+                Ok(Err(e)) => format!("{:?} without an answer", e.kind()),
+                Err(_) => "no answer".to_owned(),
+            };
+            (queued, outcome)
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut raised = body_limits(backend.addr, true, listener(1024), default_timeouts());
+    raised.generation += 1;
+    gw.apply(raised);
+    let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
+    let mut slowest_queue = Duration::ZERO;
+    while let Some(done) = bodies.join_next().await {
+        let (queued, outcome) = done.unwrap();
+        slowest_queue = slowest_queue.max(queued);
+        *outcomes.entry(outcome).or_default() += 1;
+    }
+    assert_eq!(
+        outcomes.get("HTTP/1.1 408 Request Timeout"),
+        Some(&BODIES),
+        "{outcomes:?}"
+    );
+    assert!(
+        slowest_queue < Duration::from_millis(700),
+        "every connection and its bytes were taken by the kernel while the accept loop was \
+         paused (no SYN retransmit): the slowest took {slowest_queue:?}"
+    );
+    drop(held);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_trickling_below_the_minimum_rate_gets_408() {
     let backend = Backend::start().await;

@@ -1,5 +1,6 @@
 //! Loopback tests of the per-client limiter through the real gateway: 429 with Retry-After
-//! for one client while another is unaffected, the allowlist, and slow-call demotion.
+//! for one client while another is unaffected, the allowlist, slow-call demotion, and the
+//! client table of a client rotating its key.
 
 mod support;
 
@@ -191,4 +192,51 @@ async fn a_slow_client_is_demoted_then_restored_after_the_cooldown() {
             "restored to two concurrent calls after the cooldown"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_rotating_its_key_holds_table_entries_only_for_calls_in_flight() {
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(400, Ordering::SeqCst);
+    let mut policy = policy();
+    policy["maxClients"] = 8.into();
+    let gw = Gw::start(with_policy(backend.addr, policy)).await;
+
+    // 20 new keys at once: 8 entries, each with its call in flight; the other 12 find the
+    // table full of busy clients.
+    let mut calls = Vec::new();
+    for i in 0..20 {
+        let proxy = gw.proxy;
+        let key = format!("rotating-{i}");
+        calls.push(tokio::spawn(async move {
+            post(proxy, "/v1/x", &[("x-api-key", &key)], "{}").await.0
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        metric(&gw.metrics().await, "poolpilot_clients_tracked"),
+        Some(8.0)
+    );
+    let mut statuses = Vec::new();
+    for c in calls {
+        statuses.push(c.await.unwrap().as_u16());
+    }
+    statuses.sort_unstable();
+    assert_eq!(statuses, [[200; 8].as_slice(), &[503; 12]].concat());
+
+    // Keys with nothing to remember are forgotten as their call ends: 50 more, one after the
+    // other, leave the table empty and evict nobody.
+    backend.script.delay_ms.store(0, Ordering::SeqCst);
+    for i in 20..70 {
+        let key = format!("rotating-{i}");
+        assert_eq!(
+            post(gw.proxy, "/v1/x", &[("x-api-key", &key)], "{}")
+                .await
+                .0,
+            200
+        );
+    }
+    let text = gw.metrics().await;
+    assert_eq!(metric(&text, "poolpilot_clients_tracked"), Some(0.0));
+    assert_eq!(metric(&text, "poolpilot_client_evictions_total"), Some(0.0));
 }
