@@ -77,15 +77,19 @@ $(CLUSTER_BIN): $(CLUSTER_SOURCES)
 	cd e2e/cluster && CGO_ENABLED=0 go build -trimpath -ldflags '$(GO_LDFLAGS)' -o $(CLUSTER_BIN) .
 	@ln -sf cluster $(BIN)/kubectl
 
+# A static Go binary of a tool pinned by a module in e2e/ (stripped, its version stamped in):
+# $(call go_tool,<module dir>,<package>,<output>,<version variable>=<value>,<more go build flags>).
+go_tool = cd $(1) && CGO_ENABLED=0 go build -trimpath $(5) -ldflags '-s -w -X $(4)' -o $(3) $(2)
+PROMETHEUS_VERSION_X := github.com/prometheus/common/version.Version=$(PROMETHEUS_VERSION)
+PROMETHEUS_TAGS      := remove_all_sd,enable_kubernetes_sd
+
 # Prometheus with Kubernetes service discovery, from its Go module (pinned in e2e/prometheus/go.mod).
 # The build tags keep Kubernetes discovery and leave out the cloud providers' (AWS, Azure, GCE...),
 # which are most of its compile time.
 $(PROMETHEUS_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
 	@mkdir -p $(BIN)
 	@echo ">> building Prometheus $(PROMETHEUS_VERSION) from its Go module (cold: ~10 min on 2 cores)"
-	cd e2e/prometheus && CGO_ENABLED=0 go build -trimpath -tags remove_all_sd,enable_kubernetes_sd \
-		-ldflags '-s -w -X github.com/prometheus/common/version.Version=$(PROMETHEUS_VERSION)' \
-		-o $(PROMETHEUS_BIN) github.com/prometheus/prometheus/cmd/prometheus
+	$(call go_tool,e2e/prometheus,github.com/prometheus/prometheus/cmd/prometheus,$(PROMETHEUS_BIN),$(PROMETHEUS_VERSION_X),-tags $(PROMETHEUS_TAGS))
 
 # Helm v3 from its Go module (pinned in e2e/helm/go.mod): lints the chart, renders it for the
 # server-side dry run, installs it in the e2e tests.
@@ -95,17 +99,13 @@ export POOLPILOT_HELM_BIN := $(HELM_BIN)
 $(HELM_BIN): e2e/helm/go.mod e2e/helm/go.sum
 	@mkdir -p $(BIN)
 	@echo ">> building helm $(HELM_VERSION) from its Go module (cold: ~3 min on 2 cores)"
-	cd e2e/helm && CGO_ENABLED=0 go build -trimpath \
-		-ldflags '-s -w -X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION)' \
-		-o $(HELM_BIN) helm.sh/helm/v3/cmd/helm
+	$(call go_tool,e2e/helm,helm.sh/helm/v3/cmd/helm,$(HELM_BIN),helm.sh/helm/v3/internal/version.version=$(HELM_VERSION))
 
 # promtool from the same Prometheus module: checks and unit-tests the alerting rules.
 $(PROMTOOL_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
 	@mkdir -p $(BIN)
 	@echo ">> building promtool $(PROMETHEUS_VERSION) from its Go module"
-	cd e2e/prometheus && CGO_ENABLED=0 go build -trimpath \
-		-ldflags '-s -w -X github.com/prometheus/common/version.Version=$(PROMETHEUS_VERSION)' \
-		-o $(PROMTOOL_BIN) github.com/prometheus/prometheus/cmd/promtool
+	$(call go_tool,e2e/prometheus,github.com/prometheus/prometheus/cmd/promtool,$(PROMTOOL_BIN),$(PROMETHEUS_VERSION_X))
 
 ##@ Checks
 

@@ -51,10 +51,6 @@ func serial() *big.Int {
 
 // newCA creates a self-signed certificate authority (a real CA: rustls rejects a leaf used as one).
 func newCA(cn string) (*keyPair, error) {
-	key, keyPEM, err := newKey()
-	if err != nil {
-		return nil, err
-	}
 	now := time.Now()
 	tmpl := &x509.Certificate{
 		SerialNumber:          serial(),
@@ -65,7 +61,21 @@ func newCA(cn string) (*keyPair, error) {
 		BasicConstraintsValid: true,
 		IsCA:                  true,
 	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	return signed(tmpl, nil)
+}
+
+// signed creates the certificate tmpl describes for a new key, signed by issuer (by the new key
+// itself when issuer is nil: a self-signed CA).
+func signed(tmpl *x509.Certificate, issuer *keyPair) (*keyPair, error) {
+	key, keyPEM, err := newKey()
+	if err != nil {
+		return nil, err
+	}
+	parent, signer := tmpl, crypto.Signer(key)
+	if issuer != nil {
+		parent, signer = issuer.cert, issuer.key
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, key.Public(), signer)
 	if err != nil {
 		return nil, err
 	}
@@ -86,10 +96,6 @@ type certSpec struct {
 }
 
 func (ca *keyPair) issue(spec certSpec) (*keyPair, error) {
-	key, keyPEM, err := newKey()
-	if err != nil {
-		return nil, err
-	}
 	now := time.Now()
 	usage := x509.ExtKeyUsageClientAuth
 	if spec.server {
@@ -105,15 +111,7 @@ func (ca *keyPair) issue(spec certSpec) (*keyPair, error) {
 		DNSNames:     spec.dnsNames,
 		IPAddresses:  spec.ips,
 	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, key.Public(), ca.key)
-	if err != nil {
-		return nil, err
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		return nil, err
-	}
-	return &keyPair{cert: cert, key: key, certPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), keyPEM: keyPEM}, nil
+	return signed(tmpl, ca)
 }
 
 // pki is every credential the control plane needs, written under dir/pki.

@@ -252,7 +252,7 @@ mod tests {
             "manifests/overlays/local",
             ".ci",
         ];
-        let mut files = vec![root.join("Makefile")];
+        let mut files = vec![root.join("Makefile"), root.join("Dockerfile")];
         for dir in scanned {
             for entry in walkdir::WalkDir::new(root.join(dir)) {
                 let entry = entry.expect("walk the sources");

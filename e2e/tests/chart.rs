@@ -12,7 +12,7 @@ use kube::api::{Api, DeleteParams, ListParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::paths::{helm_bin, workspace_root};
-use poolpilot_e2e::stack::{PROXY_PORT, Stack, is_ready, pod_ip, set};
+use poolpilot_e2e::stack::{PROXY_PORT, is_ready, pod_ip, quick_policy, set};
 use poolpilot_e2e::{Cluster, TestNamespace, eventually, with_namespace};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
@@ -268,7 +268,7 @@ async fn the_chart_installs_serves_upgrades_and_uninstalls_cleanly() -> anyhow::
         .await?;
         ready_pods(ns, "app.kubernetes.io/name=poolpilot-operator", 1).await?;
         ready_pods(ns, "app.kubernetes.io/name=model-a", 2).await?;
-        let mut policy = Stack::quick_policy()?;
+        let mut policy = quick_policy()?;
         set(&mut policy, "/metadata/namespace", json!(ns.name()))?;
         apply(ns, &policy).await?;
         wait_policy_ready(ns, 2).await?;

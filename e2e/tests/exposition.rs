@@ -10,7 +10,9 @@ use anyhow::Context as _;
 use poolpilot_e2e::Cluster;
 use poolpilot_e2e::credentials::server_name;
 use poolpilot_e2e::paths::cache_dir;
-use poolpilot_e2e::stack::{ADMIN_PORT, BackendSpec, Stack, StackSpec, WAIT, with_stack};
+use poolpilot_e2e::stack::{
+    ADMIN_PORT, BackendSpec, StackSpec, WAIT, one_backend_policy, with_stack,
+};
 use tokio::io::AsyncWriteExt as _;
 
 /// `curl -s [args] URL`: the body, with the `Content-Type` it came with.
@@ -72,7 +74,7 @@ async fn both_binaries_answer_curl_and_promtool_in_the_text_format_and_prometheu
     with_stack("exposition", spec, async |stack| {
         // A gateway turns Ready once the operator sent it the limits of a policy.
         stack
-            .apply(&Stack::one_backend_policy(
+            .apply(&one_backend_policy(
                 "model-a",
                 std::time::Duration::from_secs(10),
                 4,

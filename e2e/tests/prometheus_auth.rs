@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use poolpilot_e2e::auth_proxy::{AuthProxy, Requirements};
 use poolpilot_e2e::credentials::Pki;
-use poolpilot_e2e::stack::{BackendSpec, OperatorSecret, POLICY, Stack, StackSpec, with_stack};
+use poolpilot_e2e::stack::{
+    BackendSpec, OperatorSecret, POLICY, Stack, StackSpec, one_backend_policy, with_stack,
+};
 use poolpilot_e2e::{Cluster, install_crypto_provider};
 use poolpilot_operator::prom::{Queries, query_round};
 use poolpilot_operator::prom_connection::{Auth, Connection, ConnectionSpec, Trust};
@@ -183,7 +185,7 @@ async fn the_operator_reads_through_a_proxy_that_demands_a_token_and_a_tenant() 
         ..StackSpec::default()
     };
     with_stack("prom-auth", spec, async |stack: &Stack<'_>| {
-        let policy = Stack::one_backend_policy("model-a", Duration::from_secs(5), 2, 8)?;
+        let policy = one_backend_policy("model-a", Duration::from_secs(5), 2, 8)?;
         stack.apply(&policy).await?;
         stack
             .wait_condition(POLICY, "MetricsAvailable", "True", Duration::from_secs(120))

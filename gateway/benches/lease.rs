@@ -6,7 +6,6 @@ use std::io;
 use std::net::SocketAddr;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use poolpilot_api::Duration;
 use poolpilot_api::limits::{Endpoint, PoolLimits};
 use poolpilot_gateway::Metrics;
 use poolpilot_gateway::pool::{Connect, Pool, Poolable};
@@ -32,17 +31,14 @@ impl Connect for Connector {
     }
 }
 
+/// The pool limits of the example limits document's first backend (the numbers people start
+/// from: 64 per endpoint, queue 128, 300 ms lease timeout).
 fn limits() -> PoolLimits {
-    PoolLimits {
-        max_connections_per_endpoint: 64,
-        max_pending: 128,
-        lease_timeout: Duration::from_millis(300),
-        idle_timeout: Duration::from_secs(30),
-        max_lifetime: Duration::from_secs(600),
-        connect_timeout: Duration::from_secs(1),
-        validate_after_idle: Duration::from_secs(2),
-        soft_throttle: None,
-    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.yaml");
+    let text = std::fs::read(path).expect("read the example limits document");
+    let doc = poolpilot_gateway::reload::parse(std::path::Path::new(path), &text)
+        .expect("the example limits document parses");
+    doc.backends[0].pool.clone()
 }
 
 fn endpoints(n: u16) -> Vec<Endpoint> {

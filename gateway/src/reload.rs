@@ -79,13 +79,10 @@ pub async fn watch_file(
     gw: Gateway,
     path: PathBuf,
     interval: Duration,
-    mut file: FileWatch,
+    file: FileWatch,
     shutdown: watch::Receiver<bool>,
 ) {
-    poll(interval, shutdown, || {
-        let Some(contents) = file.changed() else {
-            return;
-        };
+    file.poll(interval, shutdown, |contents| {
         if gw.managed_by_api() {
             tracing::info!(
                 path = %path.display(),
@@ -146,6 +143,22 @@ impl FileWatch {
         self.seen = Some(digest);
         Some(contents)
     }
+
+    /// Reads the files every `interval` until `shutdown`, handing their contents to `apply`
+    /// whenever they changed (see [`FileWatch::changed`]).
+    pub async fn poll(
+        mut self,
+        interval: Duration,
+        shutdown: watch::Receiver<bool>,
+        mut apply: impl FnMut(Vec<Vec<u8>>),
+    ) {
+        poll(interval, shutdown, || {
+            if let Some(contents) = self.changed() {
+                apply(contents);
+            }
+        })
+        .await;
+    }
 }
 
 /// One digest of several files' contents (each prefixed by its length, so that bytes moving from
@@ -160,11 +173,7 @@ fn digest(contents: &[Vec<u8>]) -> [u8; 32] {
 }
 
 /// Runs `check` every `interval` until `shutdown` turns true.
-pub async fn poll(
-    interval: Duration,
-    mut shutdown: watch::Receiver<bool>,
-    mut check: impl FnMut(),
-) {
+async fn poll(interval: Duration, mut shutdown: watch::Receiver<bool>, mut check: impl FnMut()) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

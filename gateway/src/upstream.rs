@@ -328,21 +328,27 @@ mod tests {
         assert!(!socket.keepalive().unwrap(), "off unless configured");
     }
 
-    #[tokio::test]
-    async fn validation_asks_the_kernel_about_a_fin_or_a_reset() {
-        let (conn, peer) = pair(HttpConnector::default()).await;
-        assert_eq!(peek(&conn.stream), Peek::Quiet);
-        drop(peer);
-        // The FIN is in the kernel at once; the runtime may not have seen it yet.
+    /// What a peek finds once the peer's FIN or reset has reached the socket (it is in the kernel
+    /// at once; the runtime may not have seen it yet): the first answer that is not quiet, within
+    /// half a second.
+    async fn settled_peek(stream: &TcpStream) -> Peek {
         let mut seen = Peek::Quiet;
         for _ in 0..100 {
-            seen = peek(&conn.stream);
+            seen = peek(stream);
             if seen != Peek::Quiet {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(seen, Peek::Closed);
+        seen
+    }
+
+    #[tokio::test]
+    async fn validation_asks_the_kernel_about_a_fin_or_a_reset() {
+        let (conn, peer) = pair(HttpConnector::default()).await;
+        assert_eq!(peek(&conn.stream), Peek::Quiet);
+        drop(peer);
+        assert_eq!(settled_peek(&conn.stream).await, Peek::Closed);
 
         let (mut conn, peer) = pair(HttpConnector::default()).await;
         assert!(conn.validate(), "a quiet connection is fine");
@@ -351,15 +357,7 @@ mod tests {
             .set_linger(Some(Duration::ZERO))
             .unwrap();
         drop(peer);
-        let mut seen = Peek::Quiet;
-        for _ in 0..100 {
-            seen = peek(&conn.stream);
-            if seen != Peek::Quiet {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        assert_eq!(seen, Peek::Failed);
+        assert_eq!(settled_peek(&conn.stream).await, Peek::Failed);
         assert!(!conn.validate());
 
         let (mut conn, mut peer) = pair(HttpConnector::default()).await;

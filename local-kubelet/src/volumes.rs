@@ -122,23 +122,26 @@ impl PodVolumes {
         ns: &str,
         sources: &VolumeSources,
     ) -> Result<Files, VolumeError> {
+        // A ConfigMap or Secret reference, as a volume or a projected source holds it.
+        let keyed = |kind, name: &str, items: &Option<Vec<KeyToPath>>, optional: Option<bool>| {
+            keyed_files(
+                sources,
+                ns,
+                kind,
+                name,
+                items.as_deref(),
+                optional.unwrap_or(false),
+            )
+        };
         if let Some(cm) = &volume.config_map {
-            return configmap_files(
-                sources,
-                ns,
-                &cm.name,
-                cm.items.as_deref(),
-                cm.optional.unwrap_or(false),
-            );
+            return keyed(Keyed::ConfigMap, &cm.name, &cm.items, cm.optional);
         }
-        if let Some(secret) = &volume.secret {
-            let name = secret.secret_name.clone().unwrap_or_default();
-            return secret_files(
-                sources,
-                ns,
-                &name,
-                secret.items.as_deref(),
-                secret.optional.unwrap_or(false),
+        if let Some(s) = &volume.secret {
+            return keyed(
+                Keyed::Secret,
+                s.secret_name.as_deref().unwrap_or_default(),
+                &s.items,
+                s.optional,
             );
         }
         if let Some(downward) = &volume.downward_api {
@@ -148,22 +151,10 @@ impl PodVolumes {
             let mut files = Files::new();
             for source in projected.sources.clone().unwrap_or_default() {
                 if let Some(cm) = &source.config_map {
-                    files.extend(configmap_files(
-                        sources,
-                        ns,
-                        &cm.name,
-                        cm.items.as_deref(),
-                        cm.optional.unwrap_or(false),
-                    )?);
+                    files.extend(keyed(Keyed::ConfigMap, &cm.name, &cm.items, cm.optional)?);
                 }
-                if let Some(secret) = &source.secret {
-                    files.extend(secret_files(
-                        sources,
-                        ns,
-                        &secret.name,
-                        secret.items.as_deref(),
-                        secret.optional.unwrap_or(false),
-                    )?);
+                if let Some(s) = &source.secret {
+                    files.extend(keyed(Keyed::Secret, &s.name, &s.items, s.optional)?);
                 }
                 if let Some(downward) = &source.downward_api {
                     files.extend(downward_files(
@@ -230,37 +221,43 @@ impl PodVolumes {
     }
 }
 
-fn configmap_files(
-    sources: &VolumeSources,
-    ns: &str,
-    name: &str,
-    items: Option<&[KeyToPath]>,
-    optional: bool,
-) -> Result<Files, VolumeError> {
-    let data = sources
-        .configmaps
-        .get(&ObjectRef::new(name).within(ns))
-        .map(|cm| key_files(cm.data.clone(), cm.binary_data.clone()));
-    source_files("ConfigMap", name, data, items, optional)
+/// Where a volume's keyed files come from.
+#[derive(Clone, Copy, Debug)]
+enum Keyed {
+    ConfigMap,
+    Secret,
 }
 
-fn secret_files(
+/// The files of ConfigMap or Secret `name` in `ns` (`items` picks and renames keys; `optional`:
+/// a missing object gives no files).
+fn keyed_files(
     sources: &VolumeSources,
     ns: &str,
+    kind: Keyed,
     name: &str,
     items: Option<&[KeyToPath]>,
     optional: bool,
 ) -> Result<Files, VolumeError> {
-    let data = sources
-        .secrets
-        .get(&ObjectRef::new(name).within(ns))
-        .map(|secret| {
-            // `stringData` is written over `data`, as the apiserver merges them.
-            let mut files = key_files(None, secret.data.clone());
-            files.extend(key_files(secret.string_data.clone(), None));
-            files
-        });
-    source_files("Secret", name, data, items, optional)
+    let data = match kind {
+        Keyed::ConfigMap => sources
+            .configmaps
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|cm| key_files(cm.data.clone(), cm.binary_data.clone())),
+        Keyed::Secret => sources
+            .secrets
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|secret| {
+                // `stringData` is written over `data`, as the apiserver merges them.
+                let mut files = key_files(None, secret.data.clone());
+                files.extend(key_files(secret.string_data.clone(), None));
+                files
+            }),
+    };
+    let kind = match kind {
+        Keyed::ConfigMap => "ConfigMap",
+        Keyed::Secret => "Secret",
+    };
+    source_files(kind, name, data, items, optional)
 }
 
 /// The keys of a ConfigMap or Secret as files: the text values, then the binary ones (which win

@@ -1177,39 +1177,27 @@ async fn graceful_shutdown_finishes_requests_in_progress() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_honours_env_and_stops_on_sigterm() {
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_modelsim"))
-        .env("POD_IP", "127.0.0.1")
-        .env("POD_NAME", "modelsim-7f9c-abcde")
-        .env("MODELSIM_PORT", "0")
-        .env("MODELSIM_ADMIN_PORT", "0")
-        .env("MODELSIM_MODELS", "llama,mistral")
-        .env("MODELSIM_MAX_CONCURRENCY", "3")
-        .env("RUST_LOG", "warn")
-        .args([
-            "--per-token-ms",
-            "1",
-            "--base-latency-ms",
-            "1",
-            "--max-queue",
-            "5",
-            "--fault-error-ratio",
-            "1",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn modelsim");
-    let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = timeout(WAIT, stdout.next_line())
-        .await
-        .expect("modelsim starts")
-        .unwrap()
-        .expect("a first line");
-    // "modelsim listening on ADDR admin ADDR"
-    let words: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(words[..3], ["modelsim", "listening", "on"], "{line}");
-    let addr: SocketAddr = words[3].parse().unwrap();
-    let admin: SocketAddr = words[5].parse().unwrap();
+    let (mut child, addr, admin) = start_process(
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_modelsim"))
+            .env("POD_IP", "127.0.0.1")
+            .env("POD_NAME", "modelsim-7f9c-abcde")
+            .env("MODELSIM_PORT", "0")
+            .env("MODELSIM_ADMIN_PORT", "0")
+            .env("MODELSIM_MODELS", "llama,mistral")
+            .env("MODELSIM_MAX_CONCURRENCY", "3")
+            .env("RUST_LOG", "warn")
+            .args([
+                "--per-token-ms",
+                "1",
+                "--base-latency-ms",
+                "1",
+                "--max-queue",
+                "5",
+                "--fault-error-ratio",
+                "1",
+            ]),
+    )
+    .await;
     assert!(addr.ip().is_loopback() && admin.ip().is_loopback() && addr.port() != admin.port());
 
     let models = call(addr, Method::GET, "/v1/models", None).await.json();
@@ -1274,13 +1262,24 @@ async fn binary_honours_env_and_stops_on_sigterm() {
 /// Starts the binary under `sh -c 'ulimit -n LIMIT; exec modelsim …'`; returns it with its
 /// serving and admin addresses.
 async fn spawn_binary_with_fd_limit(limit: u32) -> (tokio::process::Child, SocketAddr, SocketAddr) {
-    let mut child = tokio::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!("ulimit -n {limit} && exec \"$0\" \"$@\""))
-        .arg(env!("CARGO_BIN_EXE_modelsim"))
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--base-latency-ms", "1", "--per-token-ms", "1"])
-        .env("RUST_LOG", "error")
+    start_process(
+        tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("ulimit -n {limit} && exec \"$0\" \"$@\""))
+            .arg(env!("CARGO_BIN_EXE_modelsim"))
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--base-latency-ms", "1", "--per-token-ms", "1"])
+            .env("RUST_LOG", "error"),
+    )
+    .await
+}
+
+/// Starts `command` (the modelsim binary) and reads its first line, `modelsim listening on ADDR
+/// admin ADDR`: the process (killed when dropped), its serving and its admin address.
+async fn start_process(
+    command: &mut tokio::process::Command,
+) -> (tokio::process::Child, SocketAddr, SocketAddr) {
+    let mut child = command
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -1292,6 +1291,7 @@ async fn spawn_binary_with_fd_limit(limit: u32) -> (tokio::process::Child, Socke
         .unwrap()
         .expect("a first line");
     let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(words[..3], ["modelsim", "listening", "on"], "{line}");
     (child, words[3].parse().unwrap(), words[5].parse().unwrap())
 }
 

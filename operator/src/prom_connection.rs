@@ -5,14 +5,12 @@
 //! with ring, the process's one TLS stack.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue};
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::RootCertStore;
+use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject as _;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 
 /// Why the connection to Prometheus could not be set up or a round's credentials not read.
 #[derive(Debug, thiserror::Error)]
@@ -129,7 +127,9 @@ impl Connection {
             Trust::System => {}
             Trust::CaFile(path) => builder = builder.use_preconfigured_tls(ca_config(path)?),
             Trust::InsecureSkipVerify => {
-                builder = builder.use_preconfigured_tls(insecure_config()?)
+                builder = builder.use_preconfigured_tls(
+                    poolpilot_tls::any_server_config().map_err(ConnectionError::Tls)?,
+                )
             }
         }
         let http = builder.build().map_err(ConnectionError::Client)?;
@@ -201,10 +201,6 @@ fn parse_headers(pairs: &[String]) -> Result<HeaderMap, ConnectionError> {
     Ok(map)
 }
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
 /// A TLS client configuration trusting only the CAs of `path`.
 fn ca_config(path: &Path) -> Result<rustls::ClientConfig, ConnectionError> {
     let pem = std::fs::read(path).map_err(|source| ConnectionError::Read {
@@ -218,74 +214,13 @@ fn ca_config(path: &Path) -> Result<rustls::ClientConfig, ConnectionError> {
     if roots.is_empty() {
         return Err(ConnectionError::NoCertificate { path: path.into() });
     }
-    Ok(rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(ConnectionError::Tls)?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
-}
-
-/// A TLS client configuration that accepts any server certificate (signatures are still
-/// checked, so the handshake is real TLS; only the identity goes unchecked).
-fn insecure_config() -> Result<rustls::ClientConfig, ConnectionError> {
-    let provider = provider();
     Ok(
-        rustls::ClientConfig::builder_with_provider(provider.clone())
+        rustls::ClientConfig::builder_with_provider(poolpilot_tls::provider())
             .with_safe_default_protocol_versions()
             .map_err(ConnectionError::Tls)?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AnyServer(provider)))
+            .with_root_certificates(roots)
             .with_no_client_auth(),
     )
-}
-
-/// Accepts every server certificate, checks the handshake's signatures.
-#[derive(Debug)]
-struct AnyServer(Arc<rustls::crypto::CryptoProvider>);
-
-impl ServerCertVerifier for AnyServer {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
 }
 
 #[cfg(test)]

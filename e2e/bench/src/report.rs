@@ -284,6 +284,11 @@ fn render_targets(w: &mut String, r: &Results<'_>) {
     );
 }
 
+/// A Markdown table's header row and its alignment row.
+fn table_head(w: &mut String, header: &str, align: &str) {
+    let _ = writeln!(w, "{header}\n{align}");
+}
+
 fn render_part1(w: &mut String, r: &Results<'_>) {
     let plan = &r.bench.plan;
     let _ = writeln!(w, "## 1. Proxy overhead and throughput\n");
@@ -308,11 +313,11 @@ fn render_part1(w: &mut String, r: &Results<'_>) {
         secs = plan.secs,
         rounds = plan.rounds,
     );
-    let _ = writeln!(
+    table_head(
         w,
-        "| load | target | req/s | p50 | p99 | p99.9 | added p50 | added p99 | CPU s / 10k req | peak RSS MiB | errors |"
+        "| load | target | req/s | p50 | p99 | p99.9 | added p50 | added p99 | CPU s / 10k req | peak RSS MiB | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     );
-    let _ = writeln!(w, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for row in rows(&r.samples) {
         let d = cell(&r.samples, row, Target::Direct);
         for t in ALL {
@@ -344,11 +349,11 @@ fn render_part1(w: &mut String, r: &Results<'_>) {
         "\nRatios per row (poolpilot ÷ peer; req/s above 1 is better, latency and CPU below 1 \
          are better):\n"
     );
-    let _ = writeln!(
+    table_head(
         w,
-        "| load | req/s ÷ HAProxy | req/s ÷ nginx | p99 ÷ HAProxy | p99 ÷ nginx | CPU ÷ HAProxy | CPU ÷ nginx |"
+        "| load | req/s ÷ HAProxy | req/s ÷ nginx | p99 ÷ HAProxy | p99 ÷ nginx | CPU ÷ HAProxy | CPU ÷ nginx |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     );
-    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|");
     for row in rows(&r.samples) {
         let p = cell(&r.samples, row, Target::Poolpilot);
         let h = cell(&r.samples, row, Target::Haproxy);
@@ -488,11 +493,11 @@ fn render_part2(w: &mut String, r: &Results<'_>) {
         secs = plan.contention_secs,
         rounds = plan.contention_rounds,
     );
-    let _ = writeln!(
+    table_head(
         w,
-        "| proxy | completed/s | queue wait p50 ms | queue wait p99 ms | latency p99 ms | error rate | share deviation | per-client completions (last round) |"
+        "| proxy | completed/s | queue wait p50 ms | queue wait p99 ms | latency p99 ms | error rate | share deviation | per-client completions (last round) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     );
-    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---|");
     for t in [Target::Poolpilot, Target::Haproxy] {
         let runs: Vec<&ContentionRun> = r.contention.iter().filter(|c| c.target == t).collect();
         let m = |f: &dyn Fn(&ContentionRun) -> f64| {
@@ -535,11 +540,11 @@ fn render_part3(w: &mut String, r: &Results<'_>) {
         every = plan.sse_every_ms,
         rounds = plan.sse_rounds,
     );
-    let _ = writeln!(
+    table_head(
         w,
-        "| target | TTFB p50 | TTFB max | added TTFB p50 | transit p50 | transit p99 | transit p99.9 | added transit p50 | added transit p99 | complete streams |"
+        "| target | TTFB p50 | TTFB max | added TTFB p50 | transit p50 | transit p99 | transit p99.9 | added transit p50 | added transit p99 | complete streams |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     );
-    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let med = |t: Target, f: &dyn Fn(&SseRun) -> f64| {
         median(
             &r.sse
@@ -600,12 +605,14 @@ fn render_part4(w: &mut String, r: &Results<'_>) {
         n = plan.idle_conns,
         rounds = plan.idle_rounds,
     );
-    let _ = writeln!(
+    table_head(
         w,
-        "| proxy | RSS before MiB | RSS with {} idle MiB | bytes per idle connection | still open when read |",
-        plan.idle_conns
+        &format!(
+            "| proxy | RSS before MiB | RSS with {} idle MiB | bytes per idle connection | still open when read |",
+            plan.idle_conns
+        ),
+        "|---|---:|---:|---:|---:|",
     );
-    let _ = writeln!(w, "|---|---:|---:|---:|---:|");
     for t in PROXIES {
         let runs: Vec<&IdleRun> = r.idle.iter().filter(|i| i.target == t).collect();
         let m =

@@ -28,7 +28,10 @@ mod prom_text;
 
 pub use gateway_pod::{ADMIN_PORT, GatewayPod, PROXY_PORT};
 pub use pods::{is_ready, pod_ip};
-pub use policies::{client_max_concurrency, only_backend, set, share};
+pub use policies::{
+    client_max_concurrency, one_backend_policy, only_backend, quick_policy, sample_policy, set,
+    share,
+};
 pub use prom_text::{decisions_by_kind, metric_sum, operator_decisions, operator_metrics};
 
 use std::collections::BTreeMap;
@@ -402,26 +405,6 @@ impl<'a> Stack<'a> {
                     .await;
             }
         }
-    }
-
-    /// The sample policy (`manifests/samples/connectionpolicy.yaml`) as JSON: [`policies::sample_policy`].
-    pub fn sample_policy() -> anyhow::Result<Value> {
-        policies::sample_policy()
-    }
-
-    /// [`policies::one_backend_policy`].
-    pub fn one_backend_policy(
-        backend: &str,
-        interval: Duration,
-        min: u32,
-        max: u32,
-    ) -> anyhow::Result<Value> {
-        policies::one_backend_policy(backend, interval, min, max)
-    }
-
-    /// The sample policy paced for tests: [`policies::quick_policy`].
-    pub fn quick_policy() -> anyhow::Result<Value> {
-        policies::quick_policy()
     }
 
     /// `kubectl apply` of a policy (or any object) into this namespace; the output on success.

@@ -18,7 +18,9 @@ use kube::api::Api;
 use poolpilot_e2e::cluster::output;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::scenario::{figure, serial};
-use poolpilot_e2e::stack::{BackendSpec, POLICY, Stack, StackSpec, WAIT, set, with_stack};
+use poolpilot_e2e::stack::{
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, quick_policy, sample_policy, set, with_stack,
+};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -47,7 +49,7 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
     with_stack("badinput", spec, async |stack| {
         // === (a) the schema refuses an invalid policy ===
         // A CEL rule: validateAfterIdle above idleTimeout.
-        let mut invalid = Stack::sample_policy()?;
+        let mut invalid = sample_policy()?;
         set(&mut invalid, "/metadata/name", json!("stale-checks"))?;
         set(&mut invalid, "/spec/backends/0/pool/validateAfterIdle", json!("45s"))?;
         set(&mut invalid, "/spec/backends/0/pool/idleTimeout", json!("30s"))?;
@@ -61,7 +63,7 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
         )
         .await?;
         // A range: headroom above 0.9.
-        let mut invalid = Stack::sample_policy()?;
+        let mut invalid = sample_policy()?;
         set(&mut invalid, "/metadata/name", json!("no-headroom"))?;
         set(&mut invalid, "/spec/backends/1/capacity/headroom", json!(0.95))?;
         refused(
@@ -77,7 +79,7 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
 
         // Priority classes: an aging bound the pool queue never reaches, a trusted header
         // that is not named.
-        let mut invalid = Stack::sample_policy()?;
+        let mut invalid = sample_policy()?;
         set(&mut invalid, "/metadata/name", json!("never-ages"))?;
         set(
             &mut invalid,
@@ -100,7 +102,7 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
             ("to-metadata", "169.254.169.254:80"), // hermetic: not a destination (refused by the schema)
             ("to-itself", "127.0.0.1:9901"),
         ] {
-            let mut invalid = Stack::sample_policy()?;
+            let mut invalid = sample_policy()?;
             set(&mut invalid, "/metadata/name", json!(name))?;
             set(
                 &mut invalid,
@@ -132,7 +134,7 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
         );
 
         // === (b) a backend whose Service has no endpoints ===
-        let policy = Stack::quick_policy()?;
+        let policy = quick_policy()?;
         let applied = Instant::now();
         stack.apply(&policy).await?;
         stack.wait_gateways(2).await?;
@@ -207,7 +209,7 @@ async fn bad_input_is_refused_or_reported_with_clear_conditions() -> anyhow::Res
         stack.wait_condition(POLICY, "Ready", "True", WAIT).await?;
 
         // === (c) a newer policy defining the same backend on the same pods ===
-        let mut duplicate = Stack::quick_policy()?;
+        let mut duplicate = quick_policy()?;
         set(&mut duplicate, "/metadata/name", json!(DUPLICATE))?;
         duplicate
             .pointer_mut("/spec/backends")
@@ -343,7 +345,7 @@ async fn create_from_a_newer_crd(stack: &Stack<'_>) -> anyhow::Result<()> {
         .and_then(Value::as_array_mut)
         .context("the rollout strategy enum in the CRD")?;
     strategies.push(json!("BlueGreen"));
-    let mut policy = Stack::sample_policy()?;
+    let mut policy = sample_policy()?;
     set(&mut policy, "/metadata/name", json!(FROM_THE_FUTURE))?;
     set(&mut policy, "/spec/rollout/strategy", json!("BlueGreen"))?;
     let replace = |object: Value| async move {

@@ -12,7 +12,9 @@ use anyhow::Context as _;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
-use poolpilot_e2e::stack::{BackendSpec, POLICY, Stack, StackSpec, WAIT, set, with_stack};
+use poolpilot_e2e::stack::{
+    BackendSpec, POLICY, StackSpec, WAIT, one_backend_policy, set, with_stack,
+};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -40,7 +42,7 @@ async fn a_canary_answering_5xx_is_rolled_back_and_the_rest_never_get_its_docume
     };
     with_stack("canary", spec, async |stack| {
         // Static targets (no autoscale), so that only the edit makes a new revision.
-        let mut policy = Stack::one_backend_policy("model-a", INTERVAL, 4, 24)?;
+        let mut policy = one_backend_policy("model-a", INTERVAL, 4, 24)?;
         set(&mut policy, "/spec/autoscale/enabled", json!(false))?;
         set(
             &mut policy,

@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, POLICY, Stack, StackSpec, WAIT, metric_sum, set, with_stack,
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, metric_sum, quick_policy, set, with_stack,
 };
 use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -46,7 +46,7 @@ async fn greedy_and_leaking_clients_are_throttled_and_reclaimed_while_a_good_cli
 }
 
 async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
-    let mut policy = Stack::quick_policy()?;
+    let mut policy = quick_policy()?;
     // model-a only, with plenty of pooled connections: the clients are the only limit here.
     let backends = policy["spec"]["backends"]
         .as_array_mut()

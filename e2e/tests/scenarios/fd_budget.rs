@@ -16,7 +16,8 @@ use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, GATEWAY_DEPLOYMENT, POLICY, Stack, StackSpec, WAIT, metric_sum, set, with_stack,
+    BackendSpec, GATEWAY_DEPLOYMENT, POLICY, Stack, StackSpec, WAIT, metric_sum, quick_policy, set,
+    with_stack,
 };
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -40,7 +41,7 @@ const NEEDED_CLAMPED: u64 = (LISTENER + RESERVE + CLAMPED * ENDPOINTS) as u64;
 /// The quick sample with model-a only, autoscale off (the target sits at `max`), and the
 /// listener and reserve above.
 fn policy() -> anyhow::Result<Value> {
-    let mut p = Stack::quick_policy()?;
+    let mut p = quick_policy()?;
     let backends: Vec<Value> = p["spec"]["backends"]
         .as_array()
         .context("backends")?

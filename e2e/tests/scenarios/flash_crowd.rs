@@ -37,7 +37,7 @@ use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::pool_view::{PoolRecorder, plot_path, pool_view};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, POLICY, Stack, StackSpec, WAIT, operator_decisions, share, with_stack,
+    BackendSpec, POLICY, StackSpec, WAIT, one_backend_policy, operator_decisions, share, with_stack,
 };
 use tokio::time::Instant;
 
@@ -76,7 +76,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
         ..StackSpec::default()
     };
     with_stack("flash", spec, async |stack| {
-        stack.apply(&Stack::one_backend_policy("model-a", INTERVAL, MIN, MAX)?).await?;
+        stack.apply(&one_backend_policy("model-a", INTERVAL, MIN, MAX)?).await?;
         let gateways = stack.wait_gateways(3).await?;
         let load = Load::start(
             LoadSpec::one_client_per_worker(gateways.iter().map(|g| g.proxy()).collect(), "model-a", 4, CROWD, Duration::from_secs(30)),

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::scenario::{figure, serial};
-use poolpilot_e2e::stack::{BackendSpec, POLICY, Stack, StackSpec, WAIT, with_stack};
+use poolpilot_e2e::stack::{BackendSpec, POLICY, StackSpec, WAIT, sample_policy, with_stack};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -28,7 +28,7 @@ async fn happy_path_policy_ready_and_rolled_out_to_every_gateway() -> anyhow::Re
     with_stack("happy", spec, async |stack| {
         let started = Instant::now();
         // The sample as shipped: a new policy starts at its upper bound, autoscale.max = 25.
-        let policy = Stack::sample_policy()?;
+        let policy = sample_policy()?;
         stack.apply(&policy).await?;
         let applied = Instant::now();
 

@@ -34,7 +34,8 @@ use parking_lot::Mutex;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, GatewayPod, POLICY, Stack, StackSpec, WAIT, metric_sum, set, with_stack,
+    BackendSpec, GatewayPod, POLICY, Stack, StackSpec, WAIT, metric_sum, quick_policy, set,
+    with_stack,
 };
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -104,7 +105,7 @@ async fn hostile_clients_get_cut_answered_or_refused_in_time_while_a_good_load_i
 /// connections would blur the backends' connection counts), autoscale off and every pod updated
 /// at once.
 fn policy() -> anyhow::Result<Value> {
-    let mut p = Stack::quick_policy()?;
+    let mut p = quick_policy()?;
     for b in p["spec"]["backends"]
         .as_array_mut()
         .context("backends")?

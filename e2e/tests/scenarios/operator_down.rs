@@ -20,7 +20,7 @@ use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
     BackendSpec, OPERATOR_DEPLOYMENT, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, metric_sum,
-    pod_ip, set, with_stack,
+    pod_ip, quick_policy, set, with_stack,
 };
 use serde_json::json;
 use tokio::time::Instant;
@@ -48,7 +48,7 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
     };
     with_stack("opdown", spec, async |stack| {
         // model-a only; shrink in one step once a 10 s window has passed.
-        let mut policy = Stack::quick_policy()?;
+        let mut policy = quick_policy()?;
         policy
             .pointer_mut("/spec/backends")
             .and_then(|b| b.as_array_mut())

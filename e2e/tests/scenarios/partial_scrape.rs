@@ -14,7 +14,9 @@ use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
-use poolpilot_e2e::stack::{BackendSpec, POLICY, Stack, StackSpec, WAIT, with_stack};
+use poolpilot_e2e::stack::{
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, one_backend_policy, with_stack,
+};
 use tokio::time::Instant;
 
 const SCENARIO: &str = "partial-scrape";
@@ -39,7 +41,7 @@ async fn partial_scrape_makes_demand_missing_never_smaller() -> anyhow::Result<(
     };
     with_stack("partial", spec, async |stack| {
         // Shrinks in one step after 10 s: a demand read as zero would take the target to MIN.
-        let policy = Stack::one_backend_policy("model-a", INTERVAL, MIN, MAX)?;
+        let policy = one_backend_policy("model-a", INTERVAL, MIN, MAX)?;
         stack.apply(&policy).await?;
         let mut gateways = stack.wait_gateways(3).await?;
         gateways.sort_by(|a, b| a.name.cmp(&b.name));

@@ -13,7 +13,7 @@ use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, GatewayPod, POLICY, Stack, StackSpec, WAIT, client_max_concurrency, set,
+    BackendSpec, GatewayPod, POLICY, StackSpec, WAIT, client_max_concurrency, quick_policy, set,
     with_stack,
 };
 use serde_json::{Value, json};
@@ -28,7 +28,7 @@ const APPLY_BUDGET: Duration = Duration::from_secs(10);
 /// A policy of the quick sample with one backend of the sample, autoscale off (targets at their
 /// upper bound, so that only the edit changes the documents).
 fn policy(name: &str, backend: &str) -> anyhow::Result<Value> {
-    let mut p = Stack::quick_policy()?;
+    let mut p = quick_policy()?;
     set(&mut p, "/metadata/name", json!(name))?;
     let backends: Vec<Value> = p["spec"]["backends"]
         .as_array()

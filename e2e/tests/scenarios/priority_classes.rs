@@ -21,7 +21,9 @@ use anyhow::Context as _;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
 use poolpilot_e2e::scenario::{figure, serial};
-use poolpilot_e2e::stack::{BackendSpec, Stack, StackSpec, WAIT, set, share, with_stack};
+use poolpilot_e2e::stack::{
+    BackendSpec, Stack, StackSpec, WAIT, one_backend_policy, set, share, with_stack,
+};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -62,7 +64,7 @@ async fn interactive_calls_are_served_first_while_batch_takes_the_wait_and_still
 }
 
 async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
-    let mut policy = Stack::one_backend_policy("model-a", INTERVAL, TARGET, TARGET)?;
+    let mut policy = one_backend_policy("model-a", INTERVAL, TARGET, TARGET)?;
     let batch_key = "batch-0";
     set(
         &mut policy,

@@ -16,8 +16,8 @@ use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::relay::Relay;
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, operator_decisions, pod_ip, set,
-    with_stack,
+    BackendSpec, OPERATOR_LABELS, POLICY, Stack, StackSpec, WAIT, operator_decisions, pod_ip,
+    quick_policy, set, with_stack,
 };
 use poolpilot_e2e::{Cluster, eventually};
 use serde_json::json;
@@ -54,7 +54,7 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
     with_stack("promdown", spec, async |stack| {
         // The quick policy, model-a only (model-b has no instance here), no shrinking for ten
         // minutes (so that the light load before the outage leaves the target alone).
-        let mut policy = Stack::quick_policy()?;
+        let mut policy = quick_policy()?;
         let backends = policy
             .pointer_mut("/spec/backends")
             .and_then(|b| b.as_array_mut())

@@ -23,7 +23,8 @@ use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, POLICY, Stack, StackSpec, WAIT, operator_decisions, set, share, with_stack,
+    BackendSpec, POLICY, StackSpec, WAIT, one_backend_policy, operator_decisions, set, share,
+    with_stack,
 };
 use serde_json::json;
 use tokio::time::Instant;
@@ -55,7 +56,7 @@ async fn saturated_backend_blocks_growth_and_clients_get_retry_after() -> anyhow
         ..StackSpec::default()
     };
     with_stack("saturated", spec, async |stack| {
-        let mut policy = Stack::one_backend_policy("model-a", INTERVAL, MIN, MAX)?;
+        let mut policy = one_backend_policy("model-a", INTERVAL, MIN, MAX)?;
         let query = format!(
             "max(avg_over_time(modelsim_requests_queued{{namespace=\"{}\", app=\"model-a\"}}[4s]))",
             stack.name()

@@ -17,8 +17,8 @@ use anyhow::Context as _;
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, GATEWAY_DEPLOYMENT, GatewayPod, POLICY, Stack, StackSpec, WAIT, metric_sum, set,
-    with_stack,
+    BackendSpec, GATEWAY_DEPLOYMENT, GatewayPod, POLICY, Stack, StackSpec, WAIT, metric_sum,
+    quick_policy, set, with_stack,
 };
 use poolpilot_modelsim::{ConnectionAtPeak, Remote};
 use serde_json::{Value, json};
@@ -48,7 +48,7 @@ const STEADY: Duration = Duration::from_secs(5);
 /// probe connections would blur the connection count), autoscale off and every pod updated at
 /// once.
 fn policy() -> anyhow::Result<Value> {
-    let mut p = Stack::quick_policy()?;
+    let mut p = quick_policy()?;
     let mut backends: Vec<Value> = p["spec"]["backends"]
         .as_array()
         .context("backends")?

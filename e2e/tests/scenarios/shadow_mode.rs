@@ -14,7 +14,9 @@ use poolpilot_api::ConnectionPolicyStatus;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
-use poolpilot_e2e::stack::{BackendSpec, POLICY, Stack, StackSpec, WAIT, set, share, with_stack};
+use poolpilot_e2e::stack::{
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, one_backend_policy, set, share, with_stack,
+};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -39,7 +41,7 @@ async fn shadow_mode_publishes_the_decision_and_changes_nothing_until_enforced()
     };
     with_stack("shadow", spec, async |stack| {
         // Enforced first, starting at the minimum: every gateway runs a share of 4.
-        let mut policy = Stack::one_backend_policy("model-a", INTERVAL, MIN, MAX)?;
+        let mut policy = one_backend_policy("model-a", INTERVAL, MIN, MAX)?;
         set(&mut policy, "/spec/autoscale/startFrom", json!("Min"))?;
         stack.apply(&policy).await?;
         stack.wait_gateways(2).await?;

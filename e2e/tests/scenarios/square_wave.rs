@@ -32,7 +32,9 @@ use poolpilot_api::policy::{BackendStatus, DecisionAction};
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
-use poolpilot_e2e::stack::{BackendSpec, POLICY, Stack, StackSpec, WAIT, set, share, with_stack};
+use poolpilot_e2e::stack::{
+    BackendSpec, POLICY, Stack, StackSpec, WAIT, quick_policy, set, share, with_stack,
+};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -103,7 +105,7 @@ async fn a_square_wave_changes_each_target_once_per_transition_and_holds_the_bac
         ..StackSpec::default()
     };
     with_stack("square", spec, async |stack| {
-        let mut policy = Stack::quick_policy()?;
+        let mut policy = quick_policy()?;
         set(&mut policy, "/spec/autoscale/min", json!(MIN))?;
         set(&mut policy, "/spec/autoscale/max", json!(MAX))?;
         set(&mut policy, "/spec/autoscale/margin", json!(MARGIN))?;

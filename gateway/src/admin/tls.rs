@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::RwLock;
-use rustls::crypto::CryptoProvider;
+use poolpilot_tls::provider;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
@@ -102,10 +102,6 @@ impl ResolvesServerCert for CurrentCertificate {
     }
 }
 
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
 impl AdminTls {
     /// Loads the certificate and key; also returns a watch of the two files that has seen them
     /// (for [`watch`]).
@@ -186,15 +182,12 @@ fn certified_key(
 /// the pair in force stays. `file` is the watch [`AdminTls::load`] returned.
 pub async fn watch(
     tls: AdminTls,
-    mut file: FileWatch,
+    file: FileWatch,
     interval: Duration,
     metrics: Metrics,
     shutdown: watch::Receiver<bool>,
 ) {
-    crate::reload::poll(interval, shutdown, || {
-        let Some(contents) = file.changed() else {
-            return;
-        };
+    file.poll(interval, shutdown, |contents| {
         match tls.replace(&contents[0], &contents[1]) {
             Ok(()) => {
                 metrics.admin_file_reloaded(AdminFile::Certificate, true);

@@ -218,15 +218,12 @@ impl AdminTokens {
 pub async fn watch(
     tokens: Arc<AdminTokens>,
     path: PathBuf,
-    mut file: FileWatch,
+    file: FileWatch,
     interval: Duration,
     metrics: Metrics,
     shutdown: watch::Receiver<bool>,
 ) {
-    crate::reload::poll(interval, shutdown, || {
-        let Some(contents) = file.changed() else {
-            return;
-        };
+    file.poll(interval, shutdown, |contents| {
         match parse_token(&path, &contents[0]) {
             Ok(token) => {
                 if tokens.rotate(token) {

@@ -402,12 +402,7 @@ pub struct ProbeSlot<C: Connect> {
 
 impl<C: Connect> Drop for ProbeSlot<C> {
     fn drop(&mut self) {
-        let now = Instant::now();
-        let mut state = self.pool.state.lock();
-        if let Some(ep) = state.endpoint_mut(self.endpoint) {
-            ep.probing -= 1;
-        }
-        self.pool.freed(state, now);
+        self.pool.give_back(self.endpoint, |ep| &mut ep.probing);
     }
 }
 
@@ -1325,10 +1320,20 @@ impl<C: Connect> Inner<C> {
 
     /// Frees the slot of a closed connection whose peer let go of it (or whose grace ran out).
     fn close_done(self: &Arc<Self>, endpoint: u64) {
+        self.give_back(endpoint, |ep| &mut ep.closing);
+    }
+
+    /// Gives back one slot of `endpoint`'s cap, of those `slots` counts (connects in progress,
+    /// probes, closes waiting for the peer), then [`Self::freed`].
+    fn give_back(
+        self: &Arc<Self>,
+        endpoint: u64,
+        slots: fn(&mut EndpointState<C::Conn>) -> &mut u32,
+    ) {
         let now = Instant::now();
         let mut state = self.state.lock();
         if let Some(ep) = state.endpoint_mut(endpoint) {
-            ep.closing -= 1;
+            *slots(ep) -= 1;
         }
         self.freed(state, now);
     }

@@ -12,12 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rustls::client::WebPkiServerVerifier;
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::CryptoProvider;
+use rustls::RootCertStore;
 use rustls::pki_types::pem::PemObject as _;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::pki_types::{CertificateDer, ServerName};
 use tracing::warn;
 
 /// The placeholder of `--gateway-server-name` replaced by the pod's namespace.
@@ -55,12 +52,9 @@ pub enum TrustError {
         "--gateway-server-name {0:?} does not give a DNS name (use {NAMESPACE_PLACEHOLDER} for the namespace)"
     )]
     ServerName(String),
-    /// The verifier could not be built (never expected with roots present).
-    #[error("building the certificate verifier failed")]
-    Verifier(#[source] rustls::client::VerifierBuilderError),
-    /// The TLS configuration could not be built (never expected with the ring provider).
+    /// The TLS configuration could not be built.
     #[error("building the TLS configuration failed")]
-    Config(#[source] rustls::Error),
+    Tls(#[source] poolpilot_tls::Error),
     /// The HTTP client could not be built.
     #[error("building the HTTPS client failed")]
     Client(#[source] reqwest::Error),
@@ -82,10 +76,6 @@ struct TrustState {
     pem: Vec<u8>,
     roots: Arc<RootCertStore>,
     clients: BTreeMap<String, reqwest::Client>,
-}
-
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
 }
 
 impl GatewayTrust {
@@ -159,16 +149,8 @@ impl GatewayTrust {
     ) -> Result<reqwest::Client, TrustError> {
         let name = self.server_name(namespace);
         let name = ServerName::try_from(name.clone()).map_err(|_| TrustError::ServerName(name))?;
-        let inner = WebPkiServerVerifier::builder_with_provider(roots.clone(), provider())
-            .build()
-            .map_err(TrustError::Verifier)?;
-        let verifier = Arc::new(NamedServer { inner, name });
-        let mut config = rustls::ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(TrustError::Config)?
-            .dangerous()
-            .with_custom_certificate_verifier(verifier)
-            .with_no_client_auth();
+        let mut config =
+            poolpilot_tls::named_server_config(roots.clone(), name).map_err(TrustError::Tls)?;
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         crate::http_client()
             .timeout(self.timeout)
@@ -198,50 +180,6 @@ fn roots(path: &Path, pem: &[u8]) -> Result<Arc<RootCertStore>, TrustError> {
         return Err(TrustError::NoRoots { path: path.into() });
     }
     Ok(Arc::new(roots))
-}
-
-/// WebPKI verification of the chain against the bundle, for `name` whatever address the
-/// connection went to.
-#[derive(Debug)]
-struct NamedServer {
-    inner: Arc<WebPkiServerVerifier>,
-    name: ServerName<'static>,
-}
-
-impl ServerCertVerifier for NamedServer {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        _dialed: &ServerName<'_>,
-        ocsp_response: &[u8],
-        now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        self.inner
-            .verify_server_cert(end_entity, intermediates, &self.name, ocsp_response, now)
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner.supported_verify_schemes()
-    }
 }
 
 #[cfg(test)]

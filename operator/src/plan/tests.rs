@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use poolpilot_api::limits::Endpoint;
 use poolpilot_api::policy::{Mode, StartFrom};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
@@ -97,6 +97,57 @@ fn fds(pods: &[GatewayPod], max: u64) -> BTreeMap<String, PodSample> {
         .collect()
 }
 
+/// The fleet of `policies` on `pods`, with no samples yet.
+fn input_of(policies: Vec<PolicyInput>, pods: Vec<GatewayPod>) -> FleetInput {
+    FleetInput {
+        policies,
+        pods,
+        ..FleetInput::default()
+    }
+}
+
+/// The fleet of `policies` on `pods`, each pod sampled with a `process_max_fds` of `max_fds`.
+fn input_with_fds(policies: Vec<PolicyInput>, pods: Vec<GatewayPod>, max_fds: u64) -> FleetInput {
+    let samples = Samples {
+        pods: fds(&pods, max_fds),
+        ..Samples::default()
+    };
+    FleetInput {
+        samples,
+        ..input_of(policies, pods)
+    }
+}
+
+/// One planning run of `input` at [`at`]`(0)`, from an empty memory.
+fn plan_once(input: &FleetInput) -> FleetPlan {
+    plan(input, &mut Memory::default(), at(0))
+}
+
+/// The first policy's status after `fleet`, with nothing rolled out.
+fn status_now(
+    input: &FleetInput,
+    fleet: &FleetPlan,
+    memory: &Memory,
+    now: Timestamp,
+) -> ConnectionPolicyStatus {
+    compute(
+        &input.policies[0],
+        &fleet.policies[0],
+        memory,
+        &RolloutReport::default(),
+        now,
+    )
+}
+
+/// Condition `kind` of `status`.
+fn condition<'a>(status: &'a ConnectionPolicyStatus, kind: &str) -> &'a Condition {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == kind)
+        .unwrap_or_else(|| panic!("no {kind} condition in {status:?}"))
+}
+
 #[test]
 fn fleet_budget_is_divided_across_every_pod_that_may_hold_connections() {
     // 64 × 0.8 = 51 per endpoint for the fleet; autoscale off runs at that bound.
@@ -112,12 +163,8 @@ fn fleet_budget_is_divided_across_every_pod_that_may_hold_connections() {
     pods[3].terminating = true; // draining: it holds its connections until it is gone
     pods[4].ready = false;
     pods[4].stopped = true; // its containers exited for good: it holds nothing
-    let input = FleetInput {
-        policies: vec![p],
-        pods,
-        ..FleetInput::default()
-    };
-    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![p], pods);
+    let fleet = plan_once(&input);
     let pp = &fleet.policies[0];
     let b = &pp.backends[0];
     assert_eq!((b.target, b.per_pod), (51, 12), "51 over 4 holders");
@@ -152,12 +199,8 @@ fn the_configmap_document_holds_the_smallest_share_and_no_later_generation() {
     // 51 over 4 pods: 13, 13, 13, 12. A pod that starts from the ConfigMap takes 12, and the
     // document the operator then sends it is never "older" than the file it started from.
     let p = policy("a", 0, &spec("m", 64, "autoscale: {enabled: false}\n"), 1);
-    let input = FleetInput {
-        policies: vec![p],
-        pods: pods(4),
-        ..FleetInput::default()
-    };
-    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![p], pods(4));
+    let fleet = plan_once(&input);
     let doc = fleet.policies[0]
         .document
         .as_ref()
@@ -192,12 +235,8 @@ fn policies_on_the_same_pods_share_one_configmap_document() {
             )
         })
         .collect();
-    let input = FleetInput {
-        policies,
-        pods: pods(3),
-        ..FleetInput::default()
-    };
-    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(policies, pods(3));
+    let fleet = plan_once(&input);
     let first = fleet.policies[0].document.clone().expect("a document");
     assert_eq!(
         first.backends.len(),
@@ -218,12 +257,8 @@ fn shares_over(target: u32, names: &[String]) -> BTreeMap<String, u32> {
     for (pod, name) in pods.iter_mut().zip(names) {
         pod.name.clone_from(name);
     }
-    let input = FleetInput {
-        policies: vec![p],
-        pods,
-        ..FleetInput::default()
-    };
-    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![p], pods);
+    let fleet = plan_once(&input);
     fleet
         .documents
         .iter()
@@ -286,12 +321,8 @@ fn the_remainder_of_the_division_goes_to_the_first_pods_so_shares_add_up_to_the_
         (4, vec![13, 13, 13, 12]),
         (5, vec![11, 10, 10, 10, 10]),
     ] {
-        let input = FleetInput {
-            policies: vec![p.clone()],
-            pods: pods(n),
-            ..FleetInput::default()
-        };
-        let fleet = plan(&input, &mut Memory::default(), at(0));
+        let input = input_of(vec![p.clone()], pods(n));
+        let fleet = plan_once(&input);
         let shares: Vec<u32> = fleet
             .documents
             .values()
@@ -326,12 +357,8 @@ fn pods_three_to_six_grow_the_fleet_total_by_at_most_five_percent() {
             1,
         );
         let total = |n: usize| {
-            let input = FleetInput {
-                policies: vec![p.clone()],
-                pods: pods(n),
-                ..FleetInput::default()
-            };
-            let plan = plan(&input, &mut Memory::default(), at(0));
+            let input = input_of(vec![p.clone()], pods(n));
+            let plan = plan_once(&input);
             plan.documents
                 .values()
                 .map(|d| f64::from(d.backends[0].pool.max_connections_per_endpoint))
@@ -356,17 +383,8 @@ fn a_pod_wide_upstream_cap_counts_instead_of_the_pools_and_reaches_the_gateway()
     let extra = "listener: {maxConnections: 512, maxUpstreamConnections: 200}\nfileDescriptors: {reserve: 256}\nautoscale: {enabled: false, max: 82}\n";
     let p = policy("a", 0, &spec("model-a", 200, extra), 7);
     let pods = pods(1);
-    let samples = Samples {
-        pods: fds(&pods, 2048),
-        ..Samples::default()
-    };
-    let input = FleetInput {
-        policies: vec![p],
-        pods,
-        samples,
-        ..FleetInput::default()
-    };
-    let capped = plan(&input, &mut Memory::default(), at(0));
+    let input = input_with_fds(vec![p], pods, 2048);
+    let capped = plan_once(&input);
     let pp = &capped.policies[0];
     assert_eq!(pp.backends[0].per_pod, 82, "not clamped");
     assert_eq!(pp.fds.within(), Some(true));
@@ -385,7 +403,7 @@ fn a_pod_wide_upstream_cap_counts_instead_of_the_pools_and_reaches_the_gateway()
         policies: vec![policy("a", 0, &spec("model-a", 200, extra), 7)],
         ..input
     };
-    let too_large = plan(&input, &mut Memory::default(), at(0));
+    let too_large = plan_once(&input);
     assert_eq!(too_large.policies[0].backends[0].per_pod, 36);
     assert_eq!(
         too_large.policies[0].fds.message(),
@@ -400,17 +418,8 @@ fn fd_check_clamps_with_the_exact_numbers() {
     let extra = "listener: {maxConnections: 512}\nfileDescriptors: {reserve: 256}\nautoscale: {enabled: false, max: 82}\n";
     let p = policy("a", 0, &spec("model-a", 200, extra), 7);
     let pods = pods(1);
-    let samples = Samples {
-        pods: fds(&pods, 2048),
-        ..Samples::default()
-    };
-    let input = FleetInput {
-        policies: vec![p],
-        pods,
-        samples,
-        ..FleetInput::default()
-    };
-    let plan = plan(&input, &mut Memory::default(), at(0));
+    let input = input_with_fds(vec![p], pods, 2048);
+    let plan = plan_once(&input);
     let pp = &plan.policies[0];
     assert_eq!(pp.backends[0].target, 82);
     assert_eq!(pp.backends[0].per_pod, 36, "82 × 256/574, rounded down");
@@ -437,17 +446,8 @@ fn fd_check_spans_every_policy_on_the_same_pods_and_respects_min() {
     let a = policy("a", 0, &spec("model-a", 200, &extra(80)), 2);
     let b = policy("b", 10, &spec("model-b", 200, &extra(1)), 2);
     let pods = pods(1);
-    let samples = Samples {
-        pods: fds(&pods, 1000),
-        ..Samples::default()
-    };
-    let input = FleetInput {
-        policies: vec![a, b],
-        pods,
-        samples,
-        ..FleetInput::default()
-    };
-    let plan = plan(&input, &mut Memory::default(), at(0));
+    let input = input_with_fds(vec![a, b], pods, 1000);
+    let plan = plan_once(&input);
     // Needs 2×100 + 2×100 + 100 + 100 = 600 > 500: 300 fds for the pools, 75 per endpoint each.
     // model-a cannot go below its min of 80 (160 fds), so model-b gets the remaining 140 fds.
     let shares: Vec<u32> = plan
@@ -477,17 +477,8 @@ fn fd_check_reports_when_even_the_minimum_does_not_fit() {
     let extra = "listener: {maxConnections: 400}\nfileDescriptors: {reserve: 100}\nautoscale: {enabled: false, min: 50, max: 100}\n";
     let p = policy("a", 0, &spec("model-a", 200, extra), 2);
     let pods = pods(1);
-    let samples = Samples {
-        pods: fds(&pods, 1000),
-        ..Samples::default()
-    };
-    let input = FleetInput {
-        policies: vec![p],
-        pods,
-        samples,
-        ..FleetInput::default()
-    };
-    let plan = plan(&input, &mut Memory::default(), at(0));
+    let input = input_with_fds(vec![p], pods, 1000);
+    let plan = plan_once(&input);
     assert_eq!(plan.policies[0].backends[0].per_pod, 50, "never below min");
     assert_eq!(
         plan.policies[0].fds.message(),
@@ -532,12 +523,8 @@ fn fd_limit_is_remembered_while_its_sample_is_missing_and_rechecked_when_it_chan
 #[test]
 fn unknown_fd_limit_renders_unclamped_and_says_so() {
     let p = policy("a", 0, &spec("model-a", 64, ""), 1);
-    let input = FleetInput {
-        policies: vec![p],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
-    let plan = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![p], pods(1));
+    let plan = plan_once(&input);
     assert_eq!(plan.policies[0].fds.within(), None);
     assert_eq!(
         plan.policies[0].fds.message(),
@@ -549,12 +536,8 @@ fn unknown_fd_limit_renders_unclamped_and_says_so() {
 fn duplicate_backend_on_shared_pods_conflicts_and_the_oldest_wins() {
     let older = policy("older", 0, &spec("model-a", 64, ""), 1);
     let newer = policy("newer", 10, &spec("model-a", 64, ""), 1);
-    let input = FleetInput {
-        policies: vec![newer, older],
-        pods: pods(2),
-        ..FleetInput::default()
-    };
-    let plan = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![newer, older], pods(2));
+    let plan = plan_once(&input);
     assert!(plan.policy(&key("older")).unwrap().acceptance.is_accepted());
     assert_eq!(
         plan.policy(&key("newer")).unwrap().acceptance,
@@ -575,12 +558,8 @@ fn conflicts_need_shared_pods_or_the_same_selector() {
     let other = "gatewaySelector: {matchLabels: {app: other}}\nbackends:\n- name: model-a\n  endpoints: {service: {name: a, port: 80}}\n  capacity: {maxConnectionsPerEndpoint: 10}\n";
     let a = policy("a", 0, &spec("model-a", 64, ""), 1);
     let b = policy("b", 10, other, 1);
-    let input = FleetInput {
-        policies: vec![a.clone(), b],
-        pods: pods(2),
-        ..FleetInput::default()
-    };
-    let plan1 = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![a.clone(), b], pods(2));
+    let plan1 = plan_once(&input);
     assert!(
         plan1.policies.iter().all(|p| p.acceptance.is_accepted()),
         "disjoint pods do not conflict"
@@ -588,12 +567,8 @@ fn conflicts_need_shared_pods_or_the_same_selector() {
 
     // No pods at all: the same selector is enough.
     let c = policy("c", 5, &spec("model-a", 64, ""), 1);
-    let input = FleetInput {
-        policies: vec![a, c],
-        pods: vec![],
-        ..FleetInput::default()
-    };
-    let plan2 = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![a, c], vec![]);
+    let plan2 = plan_once(&input);
     assert!(matches!(&plan2.policy(&key("c")).unwrap().acceptance,
         validate::Acceptance::Conflicted(m) if m.ends_with("on the same gateway selector")));
 }
@@ -602,12 +577,8 @@ fn conflicts_need_shared_pods_or_the_same_selector() {
 fn conflict_ties_are_broken_by_name() {
     let b = policy("b", 0, &spec("model-a", 64, ""), 1);
     let a = policy("a", 0, &spec("model-a", 64, ""), 1);
-    let input = FleetInput {
-        policies: vec![b, a],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
-    let plan = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![b, a], pods(1));
+    let plan = plan_once(&input);
     assert!(plan.policy(&key("a")).unwrap().acceptance.is_accepted());
     assert!(!plan.policy(&key("b")).unwrap().acceptance.is_accepted());
 }
@@ -728,12 +699,8 @@ fn generations_only_increase() {
         &spec("model-a", 64, "autoscale: {enabled: false}\n"),
         1,
     );
-    let mut input = FleetInput {
-        policies: vec![p],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
-    let first = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+    let mut input = input_of(vec![p], pods(1));
+    let first = plan_once(&input).documents["gw-0"].clone();
     assert_eq!(first.generation, 1);
     assert_eq!(first.revision, first.content_revision());
 
@@ -774,11 +741,7 @@ fn implausible_generations_are_ignored_never_wrapped_and_listed() {
         &spec("model-a", 64, "autoscale: {enabled: false}\n"),
         1,
     );
-    let mut input = FleetInput {
-        policies: vec![p],
-        pods: pods(2),
-        ..FleetInput::default()
-    };
+    let mut input = input_of(vec![p], pods(2));
     // Plausible history: generation 7 published. Implausible: an annotation edited to u64::MAX,
     // a pod claiming 2^60, a status recording MAX_GENERATION + 1, and a 409 floor of u64::MAX.
     input.published = vec![
@@ -801,7 +764,7 @@ fn implausible_generations_are_ignored_never_wrapped_and_listed() {
         ..Default::default()
     });
     input.generation_floor = u64::MAX;
-    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let fleet = plan_once(&input);
     let mut generations: Vec<u64> = fleet.documents.values().map(|d| d.generation).collect();
     generations.sort_unstable();
     assert_eq!(
@@ -863,7 +826,7 @@ proptest! {
             .filter(|g| *g < poolpilot_api::limits::MAX_GENERATION)
             .max()
             .unwrap_or(0);
-        let doc = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+        let doc = plan_once(&input).documents["gw-0"].clone();
         prop_assert!(doc.generation <= poolpilot_api::limits::MAX_GENERATION);
         prop_assert!(doc.generation > plausible_max, "{} <= {plausible_max}", doc.generation);
     }
@@ -871,12 +834,8 @@ proptest! {
 
 #[test]
 fn pods_without_an_accepted_policy_get_an_empty_document() {
-    let input = FleetInput {
-        policies: vec![],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
-    let plan = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![], pods(1));
+    let plan = plan_once(&input);
     assert!(
         plan.documents["gw-0"].backends.is_empty(),
         "a deleted policy's backends are removed"
@@ -887,12 +846,8 @@ fn pods_without_an_accepted_policy_get_an_empty_document() {
 fn clients_become_a_named_client_policy() {
     let extra = "clients:\n  identity: {header: x-api-key}\n  maxConcurrency: 8\n  maxQueue: 32\n  maxConnectionsPerClient: 64\n  overrides:\n  - {name: batch, match: {keySha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08}, maxConcurrency: 40}\n";
     let p = policy("team-a", 0, &spec("model-a", 64, extra), 1);
-    let input = FleetInput {
-        policies: vec![p],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
-    let doc = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+    let input = input_of(vec![p], pods(1));
+    let doc = plan_once(&input).documents["gw-0"].clone();
     assert_eq!(doc.client_policies[0].name, "team-a");
     assert_eq!(doc.client_policies[0].overrides[0].max_concurrency, 40);
     assert_eq!(doc.backends[0].client_policy.as_deref(), Some("team-a"));
@@ -922,12 +877,8 @@ fn listener_settings_take_the_most_permissive_and_the_oldest_policys_proxies() {
         ),
         1,
     );
-    let input = FleetInput {
-        policies: vec![a, b],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
-    let doc = plan(&input, &mut Memory::default(), at(0)).documents["gw-0"].clone();
+    let input = input_of(vec![a, b], pods(1));
+    let doc = plan_once(&input).documents["gw-0"].clone();
     let l = &doc.listener;
     assert_eq!(l.send_timeout, poolpilot_api::Duration::from_secs(30));
     assert_eq!(l.body_read_timeout, poolpilot_api::Duration::from_secs(90));
@@ -948,11 +899,7 @@ fn autoscale_runs_once_per_interval_inside_the_plan() {
     let p = policy("a", 0, &spec("model-a", 700, "autoscale: {min: 16}\n"), 1);
     let k = (key("a"), "model-a".to_owned());
     let mut memory = Memory::default();
-    let mut input = FleetInput {
-        policies: vec![p],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
+    let mut input = input_of(vec![p], pods(1));
     input.policies[0].status = Some(ConnectionPolicyStatus {
         backends: vec![poolpilot_api::policy::BackendStatus {
             name: "model-a".into(),
@@ -1096,11 +1043,7 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
 #[test]
 fn metrics_availability_names_the_backend_it_is_about() {
     let two = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: model-a\n  endpoints: {service: {name: model-a, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 64}\n- name: model-b\n  endpoints: {service: {name: model-b, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 32}\n";
-    let mut input = FleetInput {
-        policies: vec![policy("a", 0, two, 2)],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
+    let mut input = input_of(vec![policy("a", 0, two, 2)], pods(1));
     let idle = BackendSample {
         leased: Some(0.0),
         pending: Some(0.0),
@@ -1169,16 +1112,7 @@ fn status_reports_conditions_targets_and_pods() {
         2,
     );
     let pods = pods(2);
-    let samples = Samples {
-        pods: fds(&pods, 4096),
-        ..Samples::default()
-    };
-    let mut input = FleetInput {
-        policies: vec![p],
-        pods,
-        samples,
-        ..FleetInput::default()
-    };
+    let mut input = input_with_fds(vec![p], pods, 4096);
     let mut memory = Memory::default();
     let fleet = plan(&input, &mut memory, at(0));
     let pp = &fleet.policies[0];
@@ -1237,11 +1171,7 @@ fn status_reports_conditions_targets_and_pods() {
 fn status_of_a_conflicted_policy_says_why() {
     let older = policy("older", 0, &spec("model-a", 64, ""), 1);
     let newer = policy("newer", 10, &spec("model-a", 64, ""), 1);
-    let input = FleetInput {
-        policies: vec![older, newer],
-        pods: pods(1),
-        ..FleetInput::default()
-    };
+    let input = input_of(vec![older, newer], pods(1));
     let memory = Memory::default();
     let fleet = plan(&input, &mut memory.clone(), at(0));
     let s = compute(
@@ -1315,7 +1245,7 @@ proptest! {
         let pods = pods(n_pods);
         let samples = Samples { pods: fds(&pods, fd_limit), ..Samples::default() };
         let input = FleetInput { policies: policies.clone(), pods, samples, ..FleetInput::default() };
-        let fleet = plan(&input, &mut Memory::default(), at(0));
+        let fleet = plan_once(&input);
         let allowed = budget::allowed(fd_limit);
         let fixed = u64::from(listener) + 64;
         let minima: u64 = policies.iter().zip(&fleet.policies).map(|(p, pp)| {
@@ -1410,26 +1340,12 @@ fn a_backend_without_endpoints_is_reported_saturated_naming_its_service() {
         &spec("model-b", 32, "autoscale: {enabled: false}\n"),
         0,
     );
-    let input = FleetInput {
-        policies: vec![p],
-        pods: pods(2),
-        ..FleetInput::default()
-    };
+    let input = input_of(vec![p], pods(2));
     let mut memory = Memory::default();
     let fleet = plan(&input, &mut memory, at(0));
-    let s = compute(
-        &input.policies[0],
-        &fleet.policies[0],
-        &memory,
-        &RolloutReport::default(),
-        at(0),
-    );
+    let s = status_now(&input, &fleet, &memory, at(0));
     assert_eq!(s.backends[0].endpoints, 0);
-    let saturated = s
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Saturated")
-        .unwrap();
+    let saturated = condition(&s, "Saturated");
     assert_eq!(
         (saturated.status.as_str(), saturated.reason.as_str()),
         ("True", "Saturated")
@@ -1447,24 +1363,10 @@ fn a_backend_without_endpoints_is_reported_saturated_naming_its_service() {
         &spec("model-b", 32, "autoscale: {enabled: false}\n"),
         1,
     );
-    let input = FleetInput {
-        policies: vec![p],
-        pods: pods(2),
-        ..FleetInput::default()
-    };
+    let input = input_of(vec![p], pods(2));
     let fleet = plan(&input, &mut memory, at(0));
-    let s = compute(
-        &input.policies[0],
-        &fleet.policies[0],
-        &memory,
-        &RolloutReport::default(),
-        at(0),
-    );
-    let saturated = s
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Saturated")
-        .unwrap();
+    let s = status_now(&input, &fleet, &memory, at(0));
+    let saturated = condition(&s, "Saturated");
     assert_eq!(saturated.status, "False", "{saturated:?}");
 }
 
@@ -1477,28 +1379,14 @@ fn a_share_floor_over_the_backend_budget_is_named_with_the_numbers() {
         &spec("model-a", 10, "autoscale: {enabled: false}\n"),
         1,
     );
-    let input = FleetInput {
-        policies: vec![p],
-        pods: pods(10),
-        ..FleetInput::default()
-    };
+    let input = input_of(vec![p], pods(10));
     let mut memory = Memory::default();
     let fleet = plan(&input, &mut memory, at(0));
     let b = &fleet.policies[0].backends[0];
     assert_eq!((b.target, b.per_pod), (8, 1));
     assert_eq!(b.overcommit(10), Some((10, 8)));
-    let s = compute(
-        &input.policies[0],
-        &fleet.policies[0],
-        &memory,
-        &RolloutReport::default(),
-        at(0),
-    );
-    let c = s
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Saturated")
-        .unwrap();
+    let s = status_now(&input, &fleet, &memory, at(0));
+    let c = condition(&s, "Saturated");
     assert_eq!(
         (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
         (
@@ -1517,18 +1405,8 @@ fn a_share_floor_over_the_backend_budget_is_named_with_the_numbers() {
     };
     let fleet = plan(&input, &mut memory, at(15));
     assert_eq!(fleet.policies[0].backends[0].overcommit(8), None);
-    let s = compute(
-        &input.policies[0],
-        &fleet.policies[0],
-        &memory,
-        &RolloutReport::default(),
-        at(15),
-    );
-    let c = s
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Saturated")
-        .unwrap();
+    let s = status_now(&input, &fleet, &memory, at(15));
+    let c = condition(&s, "Saturated");
     assert_eq!(c.status, "False", "{c:?}");
 }
 
@@ -1711,12 +1589,8 @@ fn a_recommend_policy_on_pods_an_enforce_policy_selects_is_conflicted() {
     let a = policy("a", 0, &spec("model-a", 64, ""), 1);
     let mut b = policy("b", 1, &spec("model-b", 64, ""), 1);
     b.spec.mode = Mode::Recommend;
-    let input = FleetInput {
-        policies: vec![a.clone(), b.clone()],
-        pods: pods(2),
-        ..FleetInput::default()
-    };
-    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![a.clone(), b.clone()], pods(2));
+    let fleet = plan_once(&input);
     assert!(fleet.policies[0].acceptance.is_accepted());
     match &fleet.policies[1].acceptance {
         validate::Acceptance::Conflicted(why) => assert_eq!(
@@ -1736,12 +1610,8 @@ fn a_recommend_policy_on_pods_an_enforce_policy_selects_is_conflicted() {
     // Both in Recommend: both accepted.
     let mut a = a;
     a.spec.mode = Mode::Recommend;
-    let input = FleetInput {
-        policies: vec![a, b],
-        pods: pods(2),
-        ..FleetInput::default()
-    };
-    let fleet = plan(&input, &mut Memory::default(), at(0));
+    let input = input_of(vec![a, b], pods(2));
+    let fleet = plan_once(&input);
     assert!(fleet.policies.iter().all(|p| p.acceptance.is_accepted()));
 }
 
@@ -1753,11 +1623,7 @@ fn status_lists_what_each_pod_runs_since_when_and_its_last_error_bounded_to_fift
         &spec("model-a", 2000, "autoscale: {enabled: false}\n"),
         1,
     );
-    let mut input = FleetInput {
-        policies: vec![p],
-        pods: pods(60),
-        ..FleetInput::default()
-    };
+    let mut input = input_of(vec![p], pods(60));
     let mut memory = Memory::default();
     let fleet = plan(&input, &mut memory, at(0));
     let pp = &fleet.policies[0];
@@ -1857,7 +1723,7 @@ proptest! {
             pod.stopped = *s == 2;
         }
         let input = FleetInput { policies: vec![p], pods, ..FleetInput::default() };
-        let fleet = plan(&input, &mut Memory::default(), at(0));
+        let fleet = plan_once(&input);
         let pp = &fleet.policies[0];
         prop_assert!(pp.acceptance.is_accepted(), "{:?}", pp.acceptance);
         let parts: Vec<(u32, u32, u32)> = pp

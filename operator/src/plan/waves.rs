@@ -86,6 +86,10 @@ pub const P90_RATIO: f64 = 1.5;
 /// ... plus this many seconds (so that short calls' jitter is no regression).
 pub const P90_SLACK_SECONDS: f64 = 0.1;
 
+/// A failure rate the canaries are compared on: its name, how to read it from a pod's rates,
+/// and how far above the other pods' it may be.
+type FailureRate = (&'static str, fn(&PodRates) -> f64, f64);
+
 /// Judges the canaries against the other pods on the signals users watch, each with its
 /// margin: lease timeouts per call, upstream 5xx per call, and p90 latency (the slowest
 /// canary's against the slowest other pod's; judged only when both served calls). The verdict
@@ -101,27 +105,19 @@ pub fn judge(canaries: &[Option<PodRates>], others: &[Option<PodRates>]) -> Verd
             .fold((0.0, 0.0), |(c, b), r| (c + r.requests, b + of(r)));
         if calls > 0.0 { bad / calls } else { 0.0 }
     };
-    let (canary, rest) = (
-        share(canaries, |r| r.lease_timeouts),
-        share(others, |r| r.lease_timeouts),
-    );
-    if canary > rest + REGRESSION_MARGIN {
-        return Verdict::Regressed(format!(
-            "lease timeouts on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
-            canary * 100.0,
-            rest * 100.0
-        ));
-    }
-    let (canary, rest) = (
-        share(canaries, |r| r.upstream_5xx),
-        share(others, |r| r.upstream_5xx),
-    );
-    if canary > rest + UPSTREAM_5XX_MARGIN {
-        return Verdict::Regressed(format!(
-            "upstream 5xx on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
-            canary * 100.0,
-            rest * 100.0
-        ));
+    let failures: [FailureRate; 2] = [
+        ("lease timeouts", |r| r.lease_timeouts, REGRESSION_MARGIN),
+        ("upstream 5xx", |r| r.upstream_5xx, UPSTREAM_5XX_MARGIN),
+    ];
+    for (what, of, margin) in failures {
+        let (canary, rest) = (share(canaries, of), share(others, of));
+        if canary > rest + margin {
+            return Verdict::Regressed(format!(
+                "{what} on {:.1}% of the canaries' calls vs {:.1}% on the other pods",
+                canary * 100.0,
+                rest * 100.0
+            ));
+        }
     }
     let slowest = |pods: &[Option<PodRates>]| {
         pods.iter()

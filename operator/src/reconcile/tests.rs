@@ -264,6 +264,18 @@ fn condition(status: &Value, kind: &str) -> Value {
         .clone()
 }
 
+/// The creation of an Event; returns the Event sent.
+async fn expect_event(api: &mut ApiHandle) -> Value {
+    let path = "/apis/events.k8s.io/v1/namespaces/ns/events";
+    with_timeout(expect(api, Method::POST, path, json!({}))).await
+}
+
+/// The server-side apply of ConfigMap `name`; returns the ConfigMap sent.
+async fn expect_configmap_apply(api: &mut ApiHandle, name: &str) -> Value {
+    let path = format!("/api/v1/namespaces/ns/configmaps/{name}");
+    with_timeout(expect(api, Method::PATCH, &path, json!({}))).await
+}
+
 async fn with_timeout<T>(f: impl Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(5), f)
         .await
@@ -317,8 +329,8 @@ impl Scenario {
 
     /// The server-side apply of the policy's limits ConfigMap; returns the ConfigMap sent.
     async fn configmap_apply(&mut self) -> Value {
-        let path = format!("/api/v1/namespaces/ns/configmaps/{}-limits", self.name());
-        with_timeout(expect(&mut self.api, Method::PATCH, &path, json!({}))).await
+        let name = format!("{}-limits", self.name());
+        expect_configmap_apply(&mut self.api, &name).await
     }
 
     /// The GET of the gateways' admin token Secret.
@@ -348,13 +360,7 @@ impl Scenario {
 
     /// The creation of an Event; returns the Event sent.
     async fn event(&mut self) -> Value {
-        with_timeout(expect(
-            &mut self.api,
-            Method::POST,
-            "/apis/events.k8s.io/v1/namespaces/ns/events",
-            json!({}),
-        ))
-        .await
+        expect_event(&mut self.api).await
     }
 
     /// Waits for the reconcile to end; its outcome.
@@ -692,13 +698,7 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
         FakeGateways::default(),
     );
     let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
-    let event = with_timeout(expect(
-        &mut api,
-        Method::POST,
-        "/apis/events.k8s.io/v1/namespaces/ns/events",
-        json!({}),
-    ))
-    .await;
+    let event = expect_event(&mut api).await;
     assert_eq!(event["reason"], "ImplausibleGeneration", "{event}");
     assert_eq!(event["type"], "Warning");
     let note = event["note"].as_str().unwrap();
@@ -708,13 +708,7 @@ async fn an_implausible_generation_is_reported_and_the_next_document_goes_above_
     );
     // The ConfigMap exists: it is rewritten once the pod runs the new document.
     expect_token_secret(&mut api).await;
-    let cm = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/api/v1/namespaces/ns/configmaps/models-limits",
-        json!({}),
-    ))
-    .await;
+    let cm = expect_configmap_apply(&mut api, "models-limits").await;
     assert_eq!(
         cm["metadata"]["annotations"]["poolpilot.io/generation"],
         "1"
@@ -781,13 +775,7 @@ async fn a_policy_this_operator_cannot_read_is_reported_and_skipped_while_the_ot
         FakeGateways::default(),
     );
     let skipped = tokio::spawn(reconcile_object(Arc::new(unreadable), ctx.clone()));
-    let event = with_timeout(expect(
-        &mut api,
-        Method::POST,
-        "/apis/events.k8s.io/v1/namespaces/ns/events",
-        json!({}),
-    ))
-    .await;
+    let event = expect_event(&mut api).await;
     assert_eq!(event["reason"], "InvalidPolicy", "{event}");
     assert_eq!(event["type"], "Warning");
     assert_eq!(event["regarding"]["name"], "from-the-future");
@@ -825,13 +813,7 @@ async fn an_unreadable_policy_being_deleted_loses_only_the_operators_finalizer()
     let unreadable = from_a_newer_crd("from-the-future", true);
     let (ctx, mut api, _) = context_full(vec![], vec![], vec![], FakeGateways::default());
     let skipped = tokio::spawn(reconcile_object(Arc::new(unreadable), ctx.clone()));
-    with_timeout(expect(
-        &mut api,
-        Method::POST,
-        "/apis/events.k8s.io/v1/namespaces/ns/events",
-        json!({}),
-    ))
-    .await;
+    expect_event(&mut api).await;
     let patch = with_timeout(expect(
         &mut api,
         Method::PATCH,
@@ -1155,13 +1137,7 @@ async fn a_recommend_policy_publishes_its_document_and_sends_nothing_to_the_pods
     let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
 
     // The recommended document, never the limits ConfigMap nor the admin token (no PUT).
-    let cm = with_timeout(expect(
-        &mut api,
-        Method::PATCH,
-        "/api/v1/namespaces/ns/configmaps/models-recommended",
-        json!({}),
-    ))
-    .await;
+    let cm = expect_configmap_apply(&mut api, "models-recommended").await;
     assert_eq!(cm["metadata"]["labels"]["poolpilot.io/policy"], "models");
     let doc: GatewayLimits =
         serde_json::from_str(cm["data"]["limits.json"].as_str().unwrap()).unwrap();

@@ -7,6 +7,7 @@ use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use poolpilot_api::GatewayLimits;
+use poolpilot_tls::provider;
 use tokio::net::TcpListener;
 
 use super::*;

@@ -15,7 +15,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
-use poolpilot_e2e::stack::{Stack, WAIT, set, share};
+use poolpilot_e2e::stack::{Stack, WAIT, one_backend_policy, set, share};
 use serde_json::{Value, json};
 
 use super::Plan;
@@ -129,7 +129,7 @@ pub fn policy(mode: Mode) -> anyhow::Result<Value> {
         Mode::StaticStart => (false, MIN, MIN),
         Mode::StaticMax => (false, MIN, MAX),
     };
-    let mut p = Stack::one_backend_policy("model-a", INTERVAL, min, max)?;
+    let mut p = one_backend_policy("model-a", INTERVAL, min, max)?;
     set(&mut p, "/spec/autoscale/enabled", json!(enabled))?;
     Ok(p)
 }

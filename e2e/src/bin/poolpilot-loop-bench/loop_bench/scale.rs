@@ -19,7 +19,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_e2e::eventually;
-use poolpilot_e2e::stack::{OPERATOR_LABELS, Stack, StackSpec, metric_sum, operator_metrics, set};
+use poolpilot_e2e::stack::{
+    OPERATOR_LABELS, Stack, StackSpec, metric_sum, operator_metrics, quick_policy, set,
+};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -98,7 +100,7 @@ impl ScaleRow {
 
 /// One policy of this part.
 pub fn policy(i: usize) -> anyhow::Result<Value> {
-    let mut p = Stack::quick_policy()?;
+    let mut p = quick_policy()?;
     let name = format!("b-{i:03}");
     // The first keeps the sample's name: the gateway Deployment mounts its ConfigMap
     // `models-limits`, and a gateway is Ready once it runs a limits document.
