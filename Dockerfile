@@ -9,8 +9,8 @@
 # controller (/metrics and /healthz on 8080). modelsim: the simulated OpenAI-style model server of
 # manifests/samples (serving 8000, admin 8001).
 # A fully static musl binary (rustls, no OpenSSL) on distroless/static, running as non-root
-# 65532, as /usr/local/bin/entrypoint. Works with readOnlyRootFilesystem: the binaries write
-# nothing to disk.
+# 65532, as /usr/local/bin/BIN (and /usr/local/bin/entrypoint, a link to it). Works with
+# readOnlyRootFilesystem: the binaries write nothing to disk.
 
 FROM rust:1.95.0-alpine AS build
 ARG BIN
@@ -24,14 +24,17 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     test -n "$BIN" || { echo "--build-arg BIN=<binary> is required" >&2; exit 1; } \
  && cargo build --release --locked --bin "$BIN" \
- && install -D -m 0755 "target/release/$BIN" /out/entrypoint \
- && ! ldd /out/entrypoint 2>/dev/null | grep -q '=>'
+ && install -D -m 0755 "target/release/$BIN" "/out/bin/$BIN" \
+ && ln -s "$BIN" /out/bin/entrypoint \
+ && ! ldd "/out/bin/$BIN" 2>/dev/null | grep -q '=>'
 
 FROM gcr.io/distroless/static-debian12:nonroot
 ARG BIN
 ARG PORTS
 LABEL org.opencontainers.image.title="$BIN"
-COPY --from=build /out/entrypoint /usr/local/bin/entrypoint
+# The binary under its own name (`kubectl exec ... -- poolpilot-gateway validate ...` works) and
+# `entrypoint`, a link to it: an exec-form ENTRYPOINT cannot expand a build argument.
+COPY --from=build /out/bin/ /usr/local/bin/
 USER 65532:65532
 EXPOSE $PORTS
 ENTRYPOINT ["/usr/local/bin/entrypoint"]

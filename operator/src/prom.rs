@@ -267,53 +267,52 @@ pub struct Snapshot {
     pub p90: Option<BTreeMap<(String, String), f64>>,
 }
 
+/// The finite samples of `rows` by the key `key` reads from their labels; rows without it, and
+/// NaN or infinite values (missing data), are left out.
+fn keyed<K: Ord>(
+    rows: Rows,
+    key: impl Fn(&HashMap<String, String>) -> Option<K>,
+) -> Option<BTreeMap<K, f64>> {
+    rows.map(|r| {
+        r.into_iter()
+            .filter(|(_, v)| v.is_finite())
+            .filter_map(|(l, v)| Some((key(&l)?, v)))
+            .collect()
+    })
+}
+
+/// The value of one label.
+fn label(labels: &HashMap<String, String>, name: &str) -> Option<String> {
+    labels.get(name).cloned()
+}
+
 impl Snapshot {
     /// Folds the rows of one round (in [`Queries::all`] order, by name) into a snapshot. NaN
     /// and infinite values are dropped: they are missing data.
     pub fn fold(at: Timestamp, window: Duration, rows: &BTreeMap<&'static str, Rows>) -> Self {
         let get = |name: &str| rows.get(name).cloned().flatten();
-        let finite =
-            |r: Vec<(HashMap<String, String>, f64)>| r.into_iter().filter(|(_, v)| v.is_finite());
         let by_pod_backend = |name: &str| {
-            get(name).map(|r| {
-                finite(r)
-                    .filter_map(|(l, v)| {
-                        Some((
-                            (
-                                l.get("namespace")?.clone(),
-                                l.get("pod")?.clone(),
-                                l.get("backend")?.clone(),
-                            ),
-                            v,
-                        ))
-                    })
-                    .collect()
+            keyed(get(name), |l| {
+                Some((
+                    label(l, "namespace")?,
+                    label(l, "pod")?,
+                    label(l, "backend")?,
+                ))
             })
         };
         let by_class = |name: &str| {
-            get(name).map(|r| {
-                finite(r)
-                    .filter_map(|(l, v)| {
-                        Some((
-                            (
-                                l.get("namespace")?.clone(),
-                                l.get("pod")?.clone(),
-                                l.get("backend")?.clone(),
-                                l.get("class")?.clone(),
-                            ),
-                            v,
-                        ))
-                    })
-                    .collect()
+            keyed(get(name), |l| {
+                Some((
+                    label(l, "namespace")?,
+                    label(l, "pod")?,
+                    label(l, "backend")?,
+                    label(l, "class")?,
+                ))
             })
         };
         let by = |name: &str, key: &str| {
-            get(name).map(|r| {
-                finite(r)
-                    .filter_map(|(l, v)| {
-                        Some(((l.get("namespace")?.clone(), l.get(key)?.clone()), v))
-                    })
-                    .collect()
+            keyed(get(name), |l| {
+                Some((label(l, "namespace")?, label(l, key)?))
             })
         };
         let limits_info = get("limits_info")
