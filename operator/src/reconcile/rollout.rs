@@ -155,10 +155,13 @@ pub async fn roll_out<G: Gateways>(
     }
     let mut wave = waves::next_wave(strategy, &states, since, &verdict, now);
     let mut unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
-    if strategy.verify.is_zero() && !wave.push.is_empty() && wave.halted.is_none() {
+    let after = pod_states(ctx, observed, fleet, &plan.live);
+    let took_it = after
+        .iter()
+        .any(|p| wave.push.contains(&p.name) && p.acked.as_deref() == Some(p.desired.as_str()));
+    if strategy.verify.is_zero() && took_it && wave.halted.is_none() {
         // Without verification the rest follow the canaries as soon as they acknowledged: in
-        // this reconcile, not the next.
-        let after = pod_states(ctx, observed, fleet, &plan.live);
+        // this reconcile, not the next (a canary that did not take it is not tried twice).
         let since = ctx
             .rollouts
             .lock()

@@ -558,6 +558,32 @@ async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_sam
 }
 
 #[tokio::test]
+async fn without_verification_a_canary_that_did_not_take_it_holds_the_rest_and_is_tried_once() {
+    let mut p = policy("models", 0);
+    p.spec.rollout.strategy = poolpilot_api::policy::RolloutStrategy::Progressive;
+    p.spec.rollout.canary_pods = 1;
+    p.spec.rollout.verify_intervals = 0;
+    let pods = vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
+    let gateways = FakeGateways {
+        starting: vec!["127.0.0.7:9901".parse().unwrap()],
+        ..FakeGateways::default()
+    };
+    let mut run = Scenario::start_with(p.clone(), vec![p], pods, gateways);
+
+    run.configmap_apply().await;
+    run.token_secret().await;
+    let status = run.status_patch().await;
+    assert_eq!(status["status"]["updated"], "0/2", "{status}");
+    run.outcome().await.expect("the reconcile succeeded");
+    let tried: Vec<SocketAddr> = run.puts().iter().map(|(addr, _, _)| *addr).collect();
+    assert_eq!(
+        tried,
+        vec!["127.0.0.7:9901".parse::<SocketAddr>().unwrap()],
+        "one try of the canary, none of the rest"
+    );
+}
+
+#[tokio::test]
 async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
     let p = policy("models", 0);
     let gateways = FakeGateways {
