@@ -26,7 +26,8 @@ pub struct PodState {
 }
 
 impl PodState {
-    fn current(&self) -> bool {
+    /// Whether it runs the revision it should.
+    pub fn current(&self) -> bool {
         self.acked.as_deref() == Some(self.desired.as_str())
     }
 }

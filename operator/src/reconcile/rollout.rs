@@ -121,9 +121,7 @@ pub async fn roll_out<G: Gateways>(
         ns,
         &policy.name_any(),
         &desired,
-        states
-            .iter()
-            .any(|p| p.acked.as_deref() == Some(p.desired.as_str())),
+        states.iter().any(PodState::current),
         now,
     );
     let verdict = {
@@ -132,7 +130,7 @@ pub async fn roll_out<G: Gateways>(
         let rates = |current: bool| -> Vec<_> {
             states
                 .iter()
-                .filter(|p| (p.acked.as_deref() == Some(p.desired.as_str())) == current)
+                .filter(|p| p.current() == current)
                 .map(|p| snapshot.rates(ns, &p.name, now, max_age))
                 .collect()
         };
@@ -155,27 +153,23 @@ pub async fn roll_out<G: Gateways>(
     }
     let mut wave = waves::next_wave(strategy, &states, since, &verdict, now);
     let mut unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
-    let after = pod_states(ctx, observed, fleet, &plan.live);
-    let took_it = after
-        .iter()
-        .any(|p| wave.push.contains(&p.name) && p.acked.as_deref() == Some(p.desired.as_str()));
-    if strategy.verify.is_zero() && took_it && wave.halted.is_none() {
+    if strategy.verify.is_zero() && !wave.push.is_empty() && wave.halted.is_none() {
         // Without verification the rest follow the canaries as soon as they acknowledged: in
-        // this reconcile, not the next (a canary that did not take it is not tried twice).
-        let since = ctx
-            .rollouts
-            .lock()
-            .canary_since
-            .get(&(ns.clone(), desired.clone()))
-            .copied();
-        let rest = waves::next_wave(strategy, &after, since, &verdict, now);
-        unreachable.extend(push(ctx, observed, fleet, &rest.push, now).await?);
-        wave = rest;
+        // this reconcile, not the next. A canary that did not take it is not tried twice.
+        let after = pod_states(ctx, observed, fleet, &plan.live);
+        if after
+            .iter()
+            .any(|p| wave.push.contains(&p.name) && p.current())
+        {
+            let rest = waves::next_wave(strategy, &after, since, &verdict, now);
+            unreachable.extend(push(ctx, observed, fleet, &rest.push, now).await?);
+            wave = rest;
+        }
     }
     if let (waves::Verdict::Regressed(why), Some(_)) = (&verdict, &wave.halted) {
         let canaries: Vec<String> = states
             .iter()
-            .filter(|p| p.acked.as_deref() == Some(p.desired.as_str()))
+            .filter(|p| p.current())
             .map(|p| p.name.clone())
             .collect();
         let (back, failed) = roll_back(ctx, observed, &canaries, now).await?;
@@ -198,9 +192,7 @@ pub async fn roll_out<G: Gateways>(
             .next()
             .map(|(pod, why)| format!("pod {pod} refused revision {desired}: {why}"))
     });
-    let complete = states
-        .iter()
-        .all(|p| p.acked.as_deref() == Some(p.desired.as_str()));
+    let complete = states.iter().all(PodState::current);
     if published
         && !first
         && halted.is_none()
