@@ -163,19 +163,23 @@ fn identity_needs_exactly_one_kind() {
     }
 }
 
+/// The fields a document's validation names, in order.
+fn violated_fields(doc: &GatewayLimits) -> Vec<String> {
+    doc.validate()
+        .unwrap_err()
+        .violations
+        .into_iter()
+        .map(|v| v.field)
+        .collect()
+}
+
 #[test]
 fn header_names_and_label_names_are_checked() {
     let mut doc = example();
     doc.client_policies[0].identity = ClientIdentity::Header("x api key".into());
     doc.backends[0].name = "model a".into();
     doc.backends[0].client_policy = None;
-    let fields: Vec<String> = doc
-        .validate()
-        .unwrap_err()
-        .violations
-        .into_iter()
-        .map(|v| v.field)
-        .collect();
+    let fields = violated_fields(&doc);
     assert_eq!(
         fields,
         ["clientPolicies[0].identity.header", "backends[0].name"]
@@ -191,13 +195,7 @@ fn priority_rules_are_checked_and_classes_are_picked_as_documented() {
         batch_max_percent: Some(101),
         ..Priority::default()
     });
-    let fields: Vec<String> = doc
-        .validate()
-        .unwrap_err()
-        .violations
-        .into_iter()
-        .map(|v| v.field)
-        .collect();
+    let fields = violated_fields(&doc);
     assert_eq!(
         fields,
         [

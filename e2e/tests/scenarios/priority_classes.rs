@@ -168,17 +168,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     waits.report("classes", &i_tally, &b_tally);
     // An interactive call waits at most for the next connection to come back (the closed-loop
     // calls end in bursts: about one call's time), batch calls for the interactive ones too.
-    assert!(
-        waits.interactive_p99 < LEASE_TIMEOUT / 2.0,
-        "interactive p99 {}s must stay well below the lease timeout",
-        waits.interactive_p99
-    );
-    assert!(
-        waits.batch_mean > 2.0 * waits.interactive_mean,
-        "batch takes the wait: mean {}s vs interactive {}s",
-        waits.batch_mean,
-        waits.interactive_mean
-    );
+    waits.assert_interactive_first("classes");
     assert!(
         waits.interactive_mean < 0.6 * fifo.interactive_mean,
         "interactive waits less than first come, first served: {}s vs {}s",
@@ -279,17 +269,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         batch_held_peak <= BATCH_CAP,
         "batch held {batch_held_peak} connections on a gateway, cap {BATCH_CAP}"
     );
-    assert!(
-        waits.interactive_p99 < LEASE_TIMEOUT / 2.0,
-        "interactive p99 {}s",
-        waits.interactive_p99
-    );
-    assert!(
-        waits.batch_mean > 2.0 * waits.interactive_mean,
-        "batch takes the wait: mean {}s vs interactive {}s",
-        waits.batch_mean,
-        waits.interactive_mean
-    );
+    waits.assert_interactive_first("classes + batch cap");
     assert_eq!(i_tally.failed(), 0, "no interactive call fails: {i_tally}");
     let per_second = progress(&batch, from, to);
     assert!(
@@ -337,6 +317,21 @@ impl Waits {
             batch_p50: prom_value(stack, &quantile(0.5, "batch")).await?,
             batch_p99: prom_value(stack, &quantile(0.99, "batch")).await?,
         })
+    }
+
+    /// Interactive calls wait well below the lease timeout while batch takes the wait.
+    fn assert_interactive_first(&self, phase: &str) {
+        assert!(
+            self.interactive_p99 < LEASE_TIMEOUT / 2.0,
+            "{phase}: interactive p99 {}s must stay well below the lease timeout",
+            self.interactive_p99
+        );
+        assert!(
+            self.batch_mean > 2.0 * self.interactive_mean,
+            "{phase}: batch takes the wait: mean {}s vs interactive {}s",
+            self.batch_mean,
+            self.interactive_mean
+        );
     }
 
     fn report(&self, phase: &str, interactive: &Tally, batch: &Tally) {

@@ -522,12 +522,18 @@ async fn a_refused_canary_halts_a_progressive_rollout() {
     assert_eq!(puts[0].0, "127.0.0.7:9901".parse().unwrap());
 }
 
-#[tokio::test]
-async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_same_reconcile() {
+/// A policy rolled out to one canary, then to the rest as soon as it acknowledged.
+fn progressive_without_verification() -> ConnectionPolicy {
     let mut p = policy("models", 0);
     p.spec.rollout.strategy = poolpilot_api::policy::RolloutStrategy::Progressive;
     p.spec.rollout.canary_pods = 1;
     p.spec.rollout.verify_intervals = 0;
+    p
+}
+
+#[tokio::test]
+async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_same_reconcile() {
+    let p = progressive_without_verification();
     let pods = vec![
         pod("gw-0", "127.0.0.7"),
         pod("gw-1", "127.0.0.8"),
@@ -559,10 +565,7 @@ async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_sam
 
 #[tokio::test]
 async fn without_verification_a_canary_that_did_not_take_it_holds_the_rest_and_is_tried_once() {
-    let mut p = policy("models", 0);
-    p.spec.rollout.strategy = poolpilot_api::policy::RolloutStrategy::Progressive;
-    p.spec.rollout.canary_pods = 1;
-    p.spec.rollout.verify_intervals = 0;
+    let p = progressive_without_verification();
     let pods = vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
     let gateways = FakeGateways {
         starting: vec!["127.0.0.7:9901".parse().unwrap()],
