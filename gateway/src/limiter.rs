@@ -131,9 +131,7 @@ struct Inner {
 #[derive(Debug)]
 struct State {
     policy: ClientPolicy,
-    overrides: HashMap<ClientKey, (Arc<str>, u32)>,
-    /// The overrides that pin their client's priority class.
-    override_classes: HashMap<ClientKey, PriorityClass>,
+    overrides: HashMap<ClientKey, Override>,
     clients: HashMap<ClientKey, Client>,
     /// Clients kept while idle (they have history), in the order they went idle, with the
     /// `last_seen` they had then: a record whose client was busy since is stale and skipped.
@@ -176,14 +174,12 @@ impl ClientLimiter {
     /// A limiter enforcing `policy`.
     pub fn new(policy: ClientPolicy, metrics: Metrics) -> Self {
         let overrides = overrides_of(&policy);
-        let override_classes = override_classes_of(&policy);
         Self {
             inner: Arc::new(Inner {
                 metrics,
                 state: Mutex::new(State {
                     policy,
                     overrides,
-                    override_classes,
                     clients: HashMap::new(),
                     idle: VecDeque::new(),
                     next_waiter: 0,
@@ -197,13 +193,12 @@ impl ClientLimiter {
     pub fn set_policy(&self, policy: ClientPolicy) {
         let mut state = self.inner.state.lock();
         state.overrides = overrides_of(&policy);
-        state.override_classes = override_classes_of(&policy);
         state.policy = policy;
         let overrides = state.overrides.clone();
         for (key, client) in &mut state.clients {
             client.label = overrides
                 .get(key)
-                .map_or_else(|| OTHER.into(), |(name, _)| name.clone());
+                .map_or_else(|| OTHER.into(), |o| o.name.clone());
         }
         let keys: Vec<ClientKey> = state.clients.keys().copied().collect();
         let now = Instant::now();
@@ -222,7 +217,7 @@ impl ClientLimiter {
     /// `batch` always, `interactive` only when trusted), else the policy's default ([`poolpilot_api::limits::Priority::class_of`]).
     pub fn classify(&self, key: ClientKey, headers: &HeaderMap) -> PriorityClass {
         let state = self.inner.state.lock();
-        let pinned = state.override_classes.get(&key).copied();
+        let pinned = state.overrides.get(&key).and_then(|o| o.class);
         let Some(priority) = &state.policy.priority else {
             return pinned.unwrap_or_default();
         };
@@ -348,7 +343,7 @@ impl ClientLimiter {
             .filter(|(_, c)| c.inflight > 0 || !c.queue.is_empty())
             .map(|(key, c)| ClientStats {
                 client: match state.overrides.get(key) {
-                    Some((name, _)) => name.to_string(),
+                    Some(o) => o.name.to_string(),
                     None => key.short(),
                 },
                 inflight: c.inflight,
@@ -370,8 +365,8 @@ impl ClientLimiter {
     pub fn inflight_by_label(&self) -> HashMap<Arc<str>, u32> {
         let state = self.inner.state.lock();
         let mut out: HashMap<Arc<str>, u32> = HashMap::new();
-        for (name, _) in state.overrides.values() {
-            out.entry(name.clone()).or_default();
+        for o in state.overrides.values() {
+            out.entry(o.name.clone()).or_default();
         }
         out.entry(OTHER.into()).or_default();
         for c in state.clients.values() {
@@ -419,27 +414,30 @@ impl ClientLimiter {
     }
 }
 
-fn overrides_of(policy: &ClientPolicy) -> HashMap<ClientKey, (Arc<str>, u32)> {
-    policy
-        .overrides
-        .iter()
-        .filter_map(|o| {
-            let mut key = [0u8; 32];
-            hex::decode_to_slice(&o.key_sha256, &mut key).ok()?;
-            Some((ClientKey(key), (o.name.as_str().into(), o.max_concurrency)))
-        })
-        .collect()
+/// What an override says of its client.
+#[derive(Clone, Debug)]
+struct Override {
+    /// Its name, the client's label.
+    name: Arc<str>,
+    /// Its concurrency limit.
+    max_concurrency: u32,
+    /// The priority class it pins, if it does.
+    class: Option<PriorityClass>,
 }
 
-fn override_classes_of(policy: &ClientPolicy) -> HashMap<ClientKey, PriorityClass> {
+fn overrides_of(policy: &ClientPolicy) -> HashMap<ClientKey, Override> {
     policy
         .overrides
         .iter()
         .filter_map(|o| {
-            let class = o.class?;
             let mut key = [0u8; 32];
             hex::decode_to_slice(&o.key_sha256, &mut key).ok()?;
-            Some((ClientKey(key), class))
+            let entry = Override {
+                name: o.name.as_str().into(),
+                max_concurrency: o.max_concurrency,
+                class: o.class,
+            };
+            Some((ClientKey(key), entry))
         })
         .collect()
 }
@@ -450,7 +448,7 @@ impl State {
     fn label(&self, key: &ClientKey) -> Arc<str> {
         self.overrides
             .get(key)
-            .map_or_else(|| OTHER.into(), |(name, _)| name.clone())
+            .map_or_else(|| OTHER.into(), |o| o.name.clone())
     }
 
     /// Makes room for one more client: true when the table has room, or had once the
@@ -521,7 +519,7 @@ impl State {
         let base = self
             .overrides
             .get(key)
-            .map_or(self.policy.max_concurrency, |(_, max)| *max);
+            .map_or(self.policy.max_concurrency, |o| o.max_concurrency);
         let demoted = self
             .clients
             .get(key)
