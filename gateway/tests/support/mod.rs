@@ -105,6 +105,11 @@ impl Backend {
         backend
     }
 
+    /// How many model calls (everything but `/health`) the backend has received so far.
+    pub fn requests(&self) -> usize {
+        self.seen.requests.load(Ordering::SeqCst)
+    }
+
     async fn serve(self, stream: TcpStream) {
         let seen = self.seen.clone();
         let now = seen.connections.fetch_add(1, Ordering::SeqCst) + 1;
@@ -324,6 +329,11 @@ impl Gw {
         &self.running.as_ref().unwrap().gateway
     }
 
+    /// How many client connections the gateway's proxy listener counts as open.
+    pub fn open_connections(&self) -> usize {
+        self.running.as_ref().unwrap().open_connections()
+    }
+
     /// Applies limits directly (as a PUT would).
     pub fn apply(&self, limits: GatewayLimits) {
         self.gateway()
@@ -387,6 +397,14 @@ pub fn limits(name: &str, endpoints: &[SocketAddr], max_per_endpoint: u32) -> Ga
     serde_json::from_value(doc).expect("valid test limits")
 }
 
+/// [`limits`] for one backend with 4 connections per endpoint, and `listener` as the
+/// listener's limits.
+pub fn with_listener(backend: SocketAddr, listener: serde_json::Value) -> GatewayLimits {
+    let mut doc = serde_json::to_value(limits("model-a", &[backend], 4)).unwrap();
+    doc["listener"] = listener;
+    from_json(doc)
+}
+
 /// One backend's limits as JSON, with short timeouts suited to tests.
 pub fn backend_json(
     name: &str,
@@ -412,6 +430,31 @@ pub fn backend_json(
         },
         "timeouts": {"firstByte": "5s", "total": "30s", "streamIdle": "5s"}
     })
+}
+
+/// The client policy `default`, telling clients apart by their `x-api-key` header: each may make
+/// `max_concurrency` calls at once and queue `max_queue` more for up to `queue_timeout`, but for
+/// the `overrides` (see [`client_override`]).
+pub fn client_policy(
+    max_concurrency: u32,
+    max_queue: u32,
+    queue_timeout: &str,
+    overrides: &[serde_json::Value],
+) -> serde_json::Value {
+    serde_json::json!({
+        "name": "default",
+        "identity": {"header": "x-api-key"},
+        "maxConcurrency": max_concurrency,
+        "maxQueue": max_queue,
+        "queueTimeout": queue_timeout,
+        "overrides": overrides,
+    })
+}
+
+/// An override of a client policy: the client `name`, known by the `x-api-key` value `key`, may
+/// make `max_concurrency` calls at once.
+pub fn client_override(name: &str, key: &str, max_concurrency: u32) -> serde_json::Value {
+    serde_json::json!({"name": name, "keySha256": sha256_hex(key), "maxConcurrency": max_concurrency})
 }
 
 /// Turns edited JSON back into limits.
@@ -504,6 +547,28 @@ pub async fn post(
         .await
 }
 
+/// A POST of `body` to `path` with `headers` on a fresh connection, in a task of its own that
+/// yields the response's status.
+pub fn spawn_post(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> tokio::task::JoinHandle<StatusCode> {
+    let (path, body) = (path.to_owned(), body.to_owned());
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    tokio::spawn(async move {
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        post(addr, &path, &headers, &body).await.0
+    })
+}
+
 /// A metric's value: the first sample line starting with `series` (name and labels).
 pub fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
@@ -512,6 +577,26 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
         .next()?
         .parse()
         .ok()
+}
+
+/// The pool's `poolpilot_pool_connections_closed_total` for endpoint `model-a-0` of backend
+/// `model-a` and `reason`, in the metrics `text`.
+pub fn closed_connections(text: &str, reason: &str) -> Option<f64> {
+    metric(
+        text,
+        &format!(
+            r#"poolpilot_pool_connections_closed_total{{backend="model-a",endpoint="model-a-0",reason="{reason}"}}"#
+        ),
+    )
+}
+
+/// The gateway's `poolpilot_upstream_timeouts_total` of backend `model-a` for `kind`
+/// (`first_byte`, `stream_idle`, `total`), in the metrics `text`.
+pub fn upstream_timeouts(text: &str, kind: &str) -> Option<f64> {
+    metric(
+        text,
+        &format!(r#"poolpilot_upstream_timeouts_total{{backend="model-a",kind="{kind}"}}"#),
+    )
 }
 
 /// A GET that reports failure instead of panicking, for polling.
