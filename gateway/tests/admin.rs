@@ -29,6 +29,31 @@ async fn limits_in_force(gw: &Gw) -> serde_json::Value {
     serde_json::from_str(&gw.admin_get("/v1/limits").await.2).unwrap()
 }
 
+/// A backend, a limits document of generation 3 for it (JSON, for the test to edit), and a
+/// gateway started with that document as its limits file, waiting up to `await_operator` for a
+/// PUT before it turns ready; the file's limits are checked to be in force.
+async fn started_from_a_limits_file(await_operator: Duration) -> (Backend, serde_json::Value, Gw) {
+    let backend = Backend::start().await;
+    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
+    doc["generation"] = 3.into();
+    let file = serde_norway::to_string(&doc).unwrap();
+    let gw = Gw::start_configured(Some(&file), Duration::from_secs(1), await_operator).await;
+    assert_eq!(
+        limits_in_force(&gw).await["generation"],
+        3,
+        "started from the file"
+    );
+    (backend, doc, gw)
+}
+
+/// How many limits files the gateway has refused (`None`: none yet).
+async fn file_refusals(gw: &Gw) -> Option<f64> {
+    metric(
+        &gw.metrics().await,
+        "poolpilot_limits_rejected_total{source=\"file\"}",
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn put_limits_needs_the_token_and_keeps_the_old_limits_on_error() {
     let backend = Backend::start().await;
@@ -173,19 +198,7 @@ async fn metrics_follow_the_contract() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_limits_file_is_loaded_at_start_and_reapplied_when_it_changes() {
-    let backend = Backend::start().await;
-    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
-    doc["generation"] = 3.into();
-    let gw = Gw::start_with(
-        Some(&serde_norway::to_string(&doc).unwrap()),
-        Duration::from_secs(1),
-    )
-    .await;
-    assert_eq!(
-        limits_in_force(&gw).await["generation"],
-        3,
-        "started from the file"
-    );
+    let (_backend, mut doc, gw) = started_from_a_limits_file(Duration::ZERO).await;
     assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
     let path = gw.dir.path().join("limits.yaml");
 
@@ -204,20 +217,14 @@ async fn the_limits_file_is_loaded_at_start_and_reapplied_when_it_changes() {
 
     std::fs::write(&path, "backends: [{name: broken}]\n").unwrap();
     assert_eventually!(
-        metric(
-            &gw.metrics().await,
-            "poolpilot_limits_rejected_total{source=\"file\"}"
-        ) == Some(1.0),
+        file_refusals(&gw).await == Some(1.0),
         Duration::from_secs(2),
         "a broken file is refused"
     );
     doc["generation"] = 2.into();
     std::fs::write(&path, serde_norway::to_string(&doc).unwrap()).unwrap();
     assert_eventually!(
-        metric(
-            &gw.metrics().await,
-            "poolpilot_limits_rejected_total{source=\"file\"}"
-        ) == Some(2.0),
+        file_refusals(&gw).await == Some(2.0),
         Duration::from_secs(2),
         "an older generation is refused"
     );
@@ -232,19 +239,7 @@ async fn the_limits_file_is_loaded_at_start_and_reapplied_when_it_changes() {
 async fn after_a_put_the_limits_file_is_only_for_restarts() {
     // The operator writes one ConfigMap for every pod and PUTs each pod its own document (its
     // share, its rollout wave): once a PUT arrived, file changes must not override it.
-    let backend = Backend::start().await;
-    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
-    doc["generation"] = 3.into();
-    let gw = Gw::start_with(
-        Some(&serde_norway::to_string(&doc).unwrap()),
-        Duration::from_secs(1),
-    )
-    .await;
-    assert_eq!(
-        limits_in_force(&gw).await["generation"],
-        3,
-        "started from the file"
-    );
+    let (_backend, mut doc, gw) = started_from_a_limits_file(Duration::ZERO).await;
 
     doc["generation"] = 4.into();
     doc["backends"][0]["pool"]["maxConnectionsPerEndpoint"] = 6.into();
@@ -267,31 +262,14 @@ async fn after_a_put_the_limits_file_is_only_for_restarts() {
         (Some(4), Some(6)),
         "the PUT's document stays in force"
     );
-    assert_eq!(
-        metric(
-            &gw.metrics().await,
-            "poolpilot_limits_rejected_total{source=\"file\"}"
-        ),
-        None,
-        "ignored, not refused"
-    );
+    assert_eq!(file_refusals(&gw).await, None, "ignored, not refused");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_started_from_the_file_stays_unready_until_the_operator_sends_its_share() {
     // The ConfigMap's share was divided before this pod existed: serving from it could push a
     // backend past its budget. The operator confirming the very same document is enough.
-    let backend = Backend::start().await;
-    let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
-    doc["generation"] = 3.into();
-    let file = serde_norway::to_string(&doc).unwrap();
-    let gw =
-        Gw::start_configured(Some(&file), Duration::from_secs(1), Duration::from_secs(60)).await;
-    assert_eq!(
-        limits_in_force(&gw).await["generation"],
-        3,
-        "the file is loaded"
-    );
+    let (_backend, doc, gw) = started_from_a_limits_file(Duration::from_secs(60)).await;
     let (status, _, text) = get(gw.admin, "/readyz", &[]).await;
     assert_eq!(
         (status.as_u16(), text.as_str()),
@@ -306,7 +284,7 @@ async fn a_pod_started_from_the_file_stays_unready_until_the_operator_sends_its_
 
     // Without an operator the file's limits serve alone once the wait is over.
     let alone = Gw::start_configured(
-        Some(&file),
+        Some(&serde_norway::to_string(&doc).unwrap()),
         Duration::from_secs(1),
         Duration::from_millis(300),
     )
