@@ -20,14 +20,12 @@ fn with_policy(
 }
 
 fn policy() -> serde_json::Value {
-    serde_json::json!({
-        "name": "default",
-        "identity": {"header": "x-api-key"},
-        "maxConcurrency": 2,
-        "maxQueue": 1,
-        "queueTimeout": "300ms",
-        "overrides": [{"name": "batch-team", "keySha256": sha256_hex("batch-key"), "maxConcurrency": 6}]
-    })
+    client_policy(
+        2,
+        1,
+        "300ms",
+        &[client_override("batch-team", "batch-key", 6)],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,15 +120,9 @@ async fn an_allowlisted_client_gets_its_higher_limit() {
     let backend = Backend::start().await;
     backend.script.delay_ms.store(300, Ordering::SeqCst);
     let gw = Gw::start(with_policy(backend.addr, policy())).await;
-    let mut batch = Vec::new();
-    for _ in 0..6 {
-        let proxy = gw.proxy;
-        batch.push(tokio::spawn(async move {
-            post(proxy, "/v1/x", &[("x-api-key", "batch-key")], "{}")
-                .await
-                .0
-        }));
-    }
+    let batch: Vec<_> = (0..6)
+        .map(|_| spawn_post(gw.proxy, "/v1/x", &[("x-api-key", "batch-key")], "{}"))
+        .collect();
     tokio::time::sleep(Duration::from_millis(100)).await;
     let stats: serde_json::Value =
         serde_json::from_str(&gw.admin_get("/v1/stats").await.2).unwrap();
@@ -163,10 +155,7 @@ async fn a_slow_client_is_demoted_then_restored_after_the_cooldown() {
     }
     // Demoted: a second concurrent call is refused, with the cooldown as Retry-After.
     backend.script.delay_ms.store(300, Ordering::SeqCst);
-    let first = {
-        let proxy = gw.proxy;
-        tokio::spawn(async move { post(proxy, "/v1/x", &key, "{}").await.0 })
-    };
+    let first = spawn_post(gw.proxy, "/v1/x", &key, "{}");
     tokio::time::sleep(Duration::from_millis(50)).await;
     let (status, headers, body) = post(gw.proxy, "/v1/x", &key, "{}").await;
     assert_eq!(status, 429, "{body}");
@@ -204,14 +193,12 @@ async fn a_client_rotating_its_key_holds_table_entries_only_for_calls_in_flight(
 
     // 20 new keys at once: 8 entries, each with its call in flight; the other 12 find the
     // table full of busy clients.
-    let mut calls = Vec::new();
-    for i in 0..20 {
-        let proxy = gw.proxy;
-        let key = format!("rotating-{i}");
-        calls.push(tokio::spawn(async move {
-            post(proxy, "/v1/x", &[("x-api-key", &key)], "{}").await.0
-        }));
-    }
+    let calls: Vec<_> = (0..20)
+        .map(|i| {
+            let key = format!("rotating-{i}");
+            spawn_post(gw.proxy, "/v1/x", &[("x-api-key", &key)], "{}")
+        })
+        .collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         metric(&gw.metrics().await, "poolpilot_clients_tracked"),

@@ -25,14 +25,9 @@ fn model_limits(a: std::net::SocketAddr, b: std::net::SocketAddr) -> poolpilot_a
     from_json(serde_json::json!({
         "generation": 1,
         "listener": {"idleTimeout": "30s", "headerReadTimeout": "2s"},
-        "clientPolicies": [{
-            "name": "default",
-            "identity": {"header": "x-api-key"},
-            "maxConcurrency": 1,
-            "maxQueue": 0,
-            "queueTimeout": "100ms",
-            "overrides": [{"name": "team-a", "keySha256": sha256_hex("secret-key-a"), "maxConcurrency": 1}]
-        }],
+        "clientPolicies": [
+            client_policy(1, 0, "100ms", &[client_override("team-a", "secret-key-a", 1)]),
+        ],
         "backends": [first, mini, second],
     }))
 }

@@ -27,20 +27,11 @@ fn prioritized(
     if let Some(pct) = batch_max_percent {
         priority["batchMaxPercent"] = pct.into();
     }
-    doc["clientPolicies"] = serde_json::json!([{
-        "name": "default",
-        "identity": {"header": "x-api-key"},
-        "maxConcurrency": 100,
-        "maxQueue": 100,
-        "queueTimeout": "10s",
-        "overrides": [{
-            "name": "nightly",
-            "keySha256": sha256_hex("batch-key"),
-            "maxConcurrency": 100,
-            "class": "batch"
-        }],
-        "priority": priority
-    }]);
+    let mut nightly = client_override("nightly", "batch-key", 100);
+    nightly["class"] = "batch".into();
+    let mut policy = client_policy(100, 100, "10s", &[nightly]);
+    policy["priority"] = priority;
+    doc["clientPolicies"] = serde_json::json!([policy]);
     doc["backends"][0]["clientPolicy"] = "default".into();
     from_json(doc)
 }
@@ -53,21 +44,13 @@ async fn a_saturated_pool_serves_interactive_calls_before_the_batch_calls_queued
 
     // Eight batch calls fill the pool (2) and queue (6); the hostile one says it is
     // interactive, which the policy does not let it be.
-    let mut batch = Vec::new();
-    for i in 0..8 {
-        let proxy = gw.proxy;
-        let claim = if i == 7 { "interactive" } else { "batch" };
-        batch.push(tokio::spawn(async move {
-            post(
-                proxy,
-                "/v1/x",
-                &[("x-api-key", "batch-key"), (HEADER, claim)],
-                "{}",
-            )
-            .await
-            .0
-        }));
-    }
+    let batch: Vec<_> = (0..8)
+        .map(|i| {
+            let claim = if i == 7 { "interactive" } else { "batch" };
+            let headers = [("x-api-key", "batch-key"), (HEADER, claim)];
+            spawn_post(gw.proxy, "/v1/x", &headers, "{}")
+        })
+        .collect();
     tokio::time::sleep(Duration::from_millis(40)).await;
     let text = gw.metrics().await;
     let pending = |class: &str| {
@@ -80,15 +63,12 @@ async fn a_saturated_pool_serves_interactive_calls_before_the_batch_calls_queued
     assert_eq!(pending("interactive"), Some(0.0));
 
     // Four interactive clients arrive after them, and a caller that lowers itself to batch.
-    let mut interactive = Vec::new();
-    for i in 0..4 {
-        let proxy = gw.proxy;
-        interactive.push(tokio::spawn(async move {
-            post(proxy, "/v1/x", &[("x-api-key", &format!("user-{i}"))], "{}")
-                .await
-                .0
-        }));
-    }
+    let interactive: Vec<_> = (0..4)
+        .map(|i| {
+            let key = format!("user-{i}");
+            spawn_post(gw.proxy, "/v1/x", &[("x-api-key", &key)], "{}")
+        })
+        .collect();
     let lowered = post(
         gw.proxy,
         "/v1/x",
@@ -164,15 +144,9 @@ async fn batch_holds_at_most_its_share_of_the_connections_while_interactive_uses
     // 4 connections; batch may hold 50%: 2.
     let gw = Gw::start(prioritized(backend.addr, 4, Some(50))).await;
 
-    let mut batch = Vec::new();
-    for _ in 0..6 {
-        let proxy = gw.proxy;
-        batch.push(tokio::spawn(async move {
-            post(proxy, "/v1/x", &[("x-api-key", "batch-key")], "{}")
-                .await
-                .0
-        }));
-    }
+    let batch: Vec<_> = (0..6)
+        .map(|_| spawn_post(gw.proxy, "/v1/x", &[("x-api-key", "batch-key")], "{}"))
+        .collect();
     tokio::time::sleep(Duration::from_millis(60)).await;
     let text = gw.metrics().await;
     let series = |name: &str, class: &str| {

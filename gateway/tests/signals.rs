@@ -96,11 +96,12 @@ async fn holds_reclaims_and_connection_ages_are_measured() {
     let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
     doc["listener"]["idleTimeout"] = "300ms".into();
     doc["listener"]["headerReadTimeout"] = "300ms".into();
-    doc["clientPolicies"] = serde_json::json!([{
-        "name": "default", "identity": {"header": "x-api-key"},
-        "maxConcurrency": 4, "maxQueue": 0, "queueTimeout": "1s",
-        "overrides": [{"name": "team-a", "keySha256": sha256_hex("key-a"), "maxConcurrency": 4}]
-    }]);
+    doc["clientPolicies"] = serde_json::json!([client_policy(
+        4,
+        0,
+        "1s",
+        &[client_override("team-a", "key-a", 4)]
+    )]);
     doc["backends"][0]["clientPolicy"] = "default".into();
     let gw = Gw::start(from_json(doc)).await;
     backend
@@ -285,11 +286,12 @@ async fn clients_coming_back_before_their_retry_after_are_counted_and_can_be_tol
     })
     .await;
     let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 4)).unwrap();
-    doc["clientPolicies"] = serde_json::json!([{
-        "name": "default", "identity": {"header": "x-api-key"},
-        "maxConcurrency": 1, "maxQueue": 0, "queueTimeout": "1s",
-        "overrides": [{"name": "team-a", "keySha256": sha256_hex("key-a"), "maxConcurrency": 1}]
-    }]);
+    doc["clientPolicies"] = serde_json::json!([client_policy(
+        1,
+        0,
+        "1s",
+        &[client_override("team-a", "key-a", 1)]
+    )]);
     doc["backends"][0]["clientPolicy"] = "default".into();
     gw.apply(from_json(doc));
 
@@ -369,11 +371,12 @@ async fn the_concurrency_clients_ask_for_is_a_distribution_and_the_top_clients_a
     let backend = Backend::start().await;
     backend.script.delay_ms.store(400, Ordering::SeqCst);
     let mut doc = serde_json::to_value(limits("model-a", &[backend.addr], 16)).unwrap();
-    doc["clientPolicies"] = serde_json::json!([{
-        "name": "default", "identity": {"header": "x-api-key"},
-        "maxConcurrency": 2, "maxQueue": 8, "queueTimeout": "5s",
-        "overrides": [{"name": "team-a", "keySha256": sha256_hex("key-a"), "maxConcurrency": 2}]
-    }]);
+    doc["clientPolicies"] = serde_json::json!([client_policy(
+        2,
+        8,
+        "5s",
+        &[client_override("team-a", "key-a", 2)]
+    )]);
     doc["backends"][0]["clientPolicy"] = "default".into();
     let gw = Gw::start(from_json(doc)).await;
 
