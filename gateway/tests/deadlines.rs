@@ -118,13 +118,7 @@ async fn a_client_that_stops_reading_is_cut_at_total_and_frees_its_lease_and_per
         "a cut response has no last chunk"
     );
     let text = gw.metrics().await;
-    assert_eq!(
-        metric(
-            &text,
-            "poolpilot_pool_connections_closed_total{backend=\"model-a\",endpoint=\"model-a-0\",reason=\"timeout\"}"
-        ),
-        Some(1.0)
-    );
+    assert_eq!(closed_connections(&text, "timeout"), Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,12 +172,7 @@ async fn a_client_that_stops_reading_is_cut_at_the_send_timeout_without_blaming_
     );
     for kind in ["total", "stream_idle", "first_byte"] {
         assert_eq!(
-            metric(
-                &text,
-                &format!(
-                    "poolpilot_upstream_timeouts_total{{backend=\"model-a\",kind=\"{kind}\"}}"
-                )
-            ),
+            upstream_timeouts(&text, kind),
             None,
             "a client's stall is no upstream timeout ({kind})"
         );
@@ -291,7 +280,7 @@ async fn an_answer_without_window_is_reset_and_its_connection_then_closes_idle_d
     assert!(end.is_err(), "it is reset at the send timeout");
     assert!(start.elapsed() >= Duration::from_millis(900));
     assert_eventually!(
-        gw.running.as_ref().unwrap().open_connections() == 0,
+        gw.open_connections() == 0,
         Duration::from_secs(5),
         "then the connection closes at its idle timeout; pings are no activity"
     );
@@ -356,12 +345,12 @@ async fn an_h2_connection_that_answers_no_ping_is_closed() {
         .unwrap();
     let start = Instant::now();
     assert_eventually!(
-        gw.running.as_ref().unwrap().open_connections() == 1,
+        gw.open_connections() == 1,
         Duration::from_secs(2),
         "the gateway accepted the connection"
     );
     assert_eventually!(
-        gw.running.as_ref().unwrap().open_connections() == 0,
+        gw.open_connections() == 0,
         Duration::from_secs(5),
         "the silent h2 connection is closed after its keep-alive ping times out"
     );

@@ -24,12 +24,6 @@ async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn with_listener(backend: SocketAddr, listener: serde_json::Value) -> poolpilot_api::GatewayLimits {
-    let mut doc = serde_json::to_value(limits("model-a", &[backend], 4)).unwrap();
-    doc["listener"] = listener;
-    from_json(doc)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_oversized_requests_get_4xx_and_the_gateway_carries_on() {
     let backend = Backend::start().await;
@@ -277,7 +271,7 @@ async fn idle_client_keep_alive_connections_are_closed() {
         "{idle:?}"
     );
     assert_eventually!(
-        gw.running.as_ref().unwrap().open_connections() == 0,
+        gw.open_connections() == 0,
         Duration::from_secs(1),
         "the connection is uncounted"
     );

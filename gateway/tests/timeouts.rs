@@ -42,20 +42,8 @@ async fn a_stalled_backend_gets_504_at_first_byte_and_its_connection_discarded()
         "the timed-out upstream connection is closed, not pooled"
     );
     let text = gw.metrics().await;
-    assert_eq!(
-        metric(
-            &text,
-            "poolpilot_upstream_timeouts_total{backend=\"model-a\",kind=\"first_byte\"}"
-        ),
-        Some(1.0)
-    );
-    assert_eq!(
-        metric(
-            &text,
-            "poolpilot_pool_connections_closed_total{backend=\"model-a\",endpoint=\"model-a-0\",reason=\"timeout\"}"
-        ),
-        Some(1.0)
-    );
+    assert_eq!(upstream_timeouts(&text, "first_byte"), Some(1.0));
+    assert_eq!(closed_connections(&text, "timeout"), Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,13 +183,7 @@ async fn a_stream_stalling_midway_is_cut_at_stream_idle() {
         "the stalled upstream connection is discarded"
     );
     let text = gw.metrics().await;
-    assert_eq!(
-        metric(
-            &text,
-            "poolpilot_upstream_timeouts_total{backend=\"model-a\",kind=\"stream_idle\"}"
-        ),
-        Some(1.0)
-    );
+    assert_eq!(upstream_timeouts(&text, "stream_idle"), Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -233,13 +215,7 @@ async fn a_stream_longer_than_the_total_timeout_is_cut_there() {
         "{took:?}"
     );
     let text = gw.metrics().await;
-    assert_eq!(
-        metric(
-            &text,
-            "poolpilot_upstream_timeouts_total{backend=\"model-a\",kind=\"total\"}"
-        ),
-        Some(1.0)
-    );
+    assert_eq!(upstream_timeouts(&text, "total"), Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
