@@ -129,6 +129,31 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no sample {name} in\n{text}"))
 }
 
+/// A non-streaming chat completion request for `max_tokens` tokens.
+fn chat_request(max_tokens: u32) -> Request<Full<Bytes>> {
+    request(
+        Method::POST,
+        "/v1/chat/completions",
+        Some(&chat(Some(max_tokens), false)),
+    )
+}
+
+/// A non-streaming chat completion of `max_tokens` tokens on a fresh connection.
+async fn call_chat(addr: SocketAddr, max_tokens: u32) -> Reply {
+    call(
+        addr,
+        Method::POST,
+        "/v1/chat/completions",
+        Some(&chat(Some(max_tokens), false)),
+    )
+    .await
+}
+
+/// The stats once `condition` holds; fails the test, naming `what`, if that takes over [`WAIT`].
+async fn wait_until(sim: &Modelsim, what: &str, condition: impl Fn(&Stats) -> bool) -> Stats {
+    sim.wait_for(what, WAIT, condition).await.unwrap()
+}
+
 async fn start(config: Config) -> Modelsim {
     Modelsim::start(config).await.expect("modelsim starts")
 }
@@ -148,13 +173,7 @@ async fn serves_openai_shapes() {
     .await;
     let addr = sim.addr();
 
-    let reply = call(
-        addr,
-        Method::POST,
-        "/v1/chat/completions",
-        Some(&chat(Some(3), false)),
-    )
-    .await;
+    let reply = call_chat(addr, 3).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.headers["x-modelsim-instance"], "pod-a");
     assert_eq!(reply.headers["content-type"], "application/json");
@@ -299,6 +318,17 @@ async fn alone(addr: SocketAddr) -> Duration {
     alone[1]
 }
 
+/// Sends a [`burst`] of `n` calls, asserts that every one was served (`when` names the moment in
+/// the failure message) and returns their latencies.
+async fn served_burst(addr: SocketAddr, n: usize, when: &str) -> Vec<Duration> {
+    let replies = burst(addr, n).await;
+    assert!(
+        replies.iter().all(|r| r.0 == StatusCode::OK),
+        "{when}: {replies:?}"
+    );
+    replies.iter().map(|r| r.1).collect()
+}
+
 fn mean(latencies: &[Duration]) -> Duration {
     latencies.iter().sum::<Duration>() / u32::try_from(latencies.len()).unwrap()
 }
@@ -333,24 +363,14 @@ async fn overload_raises_latency_then_refuses_and_metrics_say_so() {
     );
 
     // At the concurrency limit: no queue, but decoding slows down.
-    let at_limit = burst(addr, 4).await;
-    assert!(
-        at_limit.iter().all(|r| r.0 == StatusCode::OK),
-        "{at_limit:?}"
-    );
-    let at_limit: Vec<Duration> = at_limit.iter().map(|r| r.1).collect();
+    let at_limit = served_burst(addr, 4, "at the concurrency limit").await;
     assert!(
         mean(&at_limit) > alone.mul_f64(1.3),
         "saturated {at_limit:?} vs alone {alone:?}"
     );
 
     // Concurrency + full queue: everyone is served, the queued ones much later.
-    let queued = burst(addr, 12).await;
-    assert!(
-        queued.iter().all(|r| r.0 == StatusCode::OK),
-        "nobody beyond the queue yet: {queued:?}"
-    );
-    let queued: Vec<Duration> = queued.iter().map(|r| r.1).collect();
+    let queued = served_burst(addr, 12, "nobody beyond the queue yet").await;
     let slowest = *queued.iter().max().unwrap();
     assert!(
         mean(&queued) > mean(&at_limit).mul_f64(1.4),
@@ -460,9 +480,7 @@ async fn batching_slows_calls_down_long_before_the_slots_run_out() {
     .await;
     let addr = sim.addr();
     let alone = alone(addr).await;
-    let half = burst(addr, 16).await;
-    assert!(half.iter().all(|r| r.0 == StatusCode::OK), "{half:?}");
-    let half: Vec<Duration> = half.iter().map(|r| r.1).collect();
+    let half = served_burst(addr, 16, "16 of 32 slots busy").await;
     assert!(
         mean(&half) > alone.mul_f64(1.25),
         "16 of 32 slots busy: {half:?} vs alone {alone:?}"
@@ -573,14 +591,7 @@ async fn streaming_responses_arrive_chunk_by_chunk() {
     assert!(separate >= 3, "inter-chunk gaps {gaps:?}");
 
     // The same text as a complete answer; the legacy completions endpoint streams too.
-    let full = call(
-        addr,
-        Method::POST,
-        "/v1/chat/completions",
-        Some(&chat(Some(6), false)),
-    )
-    .await
-    .json();
+    let full = call_chat(addr, 6).await.json();
     assert_eq!(full["choices"][0]["message"]["content"], content.as_str());
     let (status, _, _, events) = stream(
         addr,
@@ -730,12 +741,10 @@ async fn fault_reset_sends_a_tcp_reset() {
         .expect("the server acts");
     let err = read.expect_err("a reset, not an answer or a clean close");
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset);
-    let stats = sim
-        .wait_for("the reset connection is gone", WAIT, |s| {
-            s.connections_open == 0
-        })
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "the reset connection is gone", |s| {
+        s.connections_open == 0
+    })
+    .await;
     assert_eq!(
         (stats.resets_injected, stats.connections_reset, stats.served),
         (1, 1, 0)
@@ -743,13 +752,7 @@ async fn fault_reset_sends_a_tcp_reset() {
 
     // Cleared: answers again.
     sim.set_faults(Faults::default()).unwrap();
-    let reply = call(
-        sim.addr(),
-        Method::POST,
-        "/v1/chat/completions",
-        Some(&chat(Some(2), false)),
-    )
-    .await;
+    let reply = call_chat(sim.addr(), 2).await;
     assert_eq!(reply.status, StatusCode::OK);
 }
 
@@ -771,10 +774,7 @@ async fn fault_stall_hangs_until_the_client_gives_up() {
     raw.write_all(raw_request("/v1/chat/completions", &chat(Some(2), false)).as_bytes())
         .await
         .unwrap();
-    let stats = sim
-        .wait_for("one stalled request", WAIT, |s| s.stalled == 1)
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "one stalled request", |s| s.stalled == 1).await;
     assert_eq!(
         (
             stats.in_flight,
@@ -792,14 +792,12 @@ async fn fault_stall_hangs_until_the_client_gives_up() {
     );
     assert_eq!(sim.stats().stalled, 1);
     drop(raw);
-    let stats = sim
-        .wait_for(
-            "the stalled request dropped with its connection",
-            WAIT,
-            |s| s.stalled == 0 && s.connections_open == 0,
-        )
-        .await
-        .unwrap();
+    let stats = wait_until(
+        &sim,
+        "the stalled request dropped with its connection",
+        |s| s.stalled == 0 && s.connections_open == 0,
+    )
+    .await;
     assert_eq!(stats.cancelled, 1);
 
     // Mid-stream: two tokens, then silence while holding the slot.
@@ -842,12 +840,10 @@ async fn fault_stall_hangs_until_the_client_gives_up() {
     );
     drop(body);
     drop(conn);
-    let stats = sim
-        .wait_for("the hung stream released", WAIT, |s| {
-            s.in_flight == 0 && s.connections_open == 0
-        })
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "the hung stream released", |s| {
+        s.in_flight == 0 && s.connections_open == 0
+    })
+    .await;
     assert_eq!(
         (stats.stalls_injected, stats.cancelled, stats.served),
         (2, 2, 0)
@@ -905,14 +901,7 @@ async fn fault_idle_close_drops_idle_keep_alive_connections_only() {
 
     // A request longer than the idle timeout is not cut, and the connection closes after it.
     let mut conn = connect(addr).await;
-    let reply = conn
-        .send(request(
-            Method::POST,
-            "/v1/chat/completions",
-            Some(&chat(Some(1), false)),
-        ))
-        .await
-        .unwrap();
+    let reply = conn.send(chat_request(1)).await.unwrap();
     assert_eq!(reply.status, StatusCode::OK);
     let ended = timeout(WAIT, conn.task)
         .await
@@ -926,18 +915,13 @@ async fn fault_idle_close_drops_idle_keep_alive_connections_only() {
         .expect("closed by the server")
         .unwrap();
     assert_eq!(n, 0, "a clean close (FIN)");
-    let stats = sim
-        .wait_for("both connections closed", WAIT, |s| s.connections_open == 0)
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "both connections closed", |s| s.connections_open == 0).await;
     assert_eq!((stats.connections_closed_idle, stats.served), (2, 1));
 
     // Without the fault, idle connections stay.
     sim.set_faults(Faults::default()).unwrap();
     let _raw = TcpStream::connect(addr).await.unwrap();
-    sim.wait_for("a new connection", WAIT, |s| s.connections_open == 1)
-        .await
-        .unwrap();
+    wait_until(&sim, "a new connection", |s| s.connections_open == 1).await;
     sleep(Duration::from_millis(400)).await;
     assert_eq!(sim.stats().connections_open, 1);
 }
@@ -957,10 +941,7 @@ async fn connection_count_is_exact() {
     for _ in 0..30 {
         raw.push(TcpStream::connect(addr).await.unwrap());
     }
-    let stats = sim
-        .wait_for("30 connections", WAIT, |s| s.connections_open == 30)
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "30 connections", |s| s.connections_open == 30).await;
     assert_eq!(
         (stats.connections_peak, stats.connections_accepted),
         (30, 30)
@@ -971,22 +952,12 @@ async fn connection_count_is_exact() {
     for _ in 0..5 {
         let mut conn = connect(addr).await;
         for _ in 0..3 {
-            let reply = conn
-                .send(request(
-                    Method::POST,
-                    "/v1/chat/completions",
-                    Some(&chat(Some(1), false)),
-                ))
-                .await
-                .unwrap();
+            let reply = conn.send(chat_request(1)).await.unwrap();
             assert_eq!(reply.status, StatusCode::OK);
         }
         http.push(conn);
     }
-    let stats = sim
-        .wait_for("35 connections", WAIT, |s| s.connections_open == 35)
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "35 connections", |s| s.connections_open == 35).await;
     assert_eq!(
         (
             stats.connections_peak,
@@ -1010,17 +981,13 @@ async fn connection_count_is_exact() {
     );
 
     raw.truncate(20);
-    sim.wait_for("25 connections", WAIT, |s| s.connections_open == 25)
-        .await
-        .unwrap();
+    wait_until(&sim, "25 connections", |s| s.connections_open == 25).await;
     drop(http);
     drop(raw);
-    let stats = sim
-        .wait_for("no connection", WAIT, |s| {
-            s.connections_open == 0 && s.admin_connections_open == 0
-        })
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "no connection", |s| {
+        s.connections_open == 0 && s.admin_connections_open == 0
+    })
+    .await;
     assert_eq!(
         (stats.connections_peak, stats.connections_accepted),
         (35, 35)
@@ -1085,20 +1052,13 @@ async fn the_connection_peak_names_who_held_it() {
     proxied.read_exact(&mut head).await.unwrap();
     assert_eq!(&head, b"HTTP/1.1 200");
     let mut second = vec![proxied, connect_from([127, 0, 0, 2], addr).await];
-    sim.wait_for("5 connections", WAIT, |s| s.connections_open == 5)
-        .await
-        .unwrap();
+    wait_until(&sim, "5 connections", |s| s.connections_open == 5).await;
 
     // Fewer connections than the peak: the detail stays the peak's.
     first.truncate(1);
-    sim.wait_for("3 connections", WAIT, |s| s.connections_open == 3)
-        .await
-        .unwrap();
+    wait_until(&sim, "3 connections", |s| s.connections_open == 3).await;
     second.push(connect_from([127, 0, 0, 2], addr).await);
-    let stats = sim
-        .wait_for("4 connections", WAIT, |s| s.connections_open == 4)
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "4 connections", |s| s.connections_open == 4).await;
     assert_eq!(stats.connections_peak, 5);
     assert_eq!(
         peers(&stats),
@@ -1119,10 +1079,7 @@ async fn the_connection_peak_names_who_held_it() {
         BTreeMap::from([("127.0.0.1".to_owned(), 1), ("127.0.0.2".to_owned(), 3)])
     );
     second.push(connect_from([127, 0, 0, 3], addr).await);
-    let stats = sim
-        .wait_for("5 connections", WAIT, |s| s.connections_open == 5)
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "5 connections", |s| s.connections_open == 5).await;
     assert_eq!(stats.connections_peak, 5);
     assert_eq!(
         peers(&stats),
@@ -1144,22 +1101,10 @@ async fn graceful_shutdown_finishes_requests_in_progress() {
     .await;
     let addr = sim.addr();
     let requests: Vec<_> = (0..2)
-        .map(|_| {
-            tokio::spawn(async move {
-                call(
-                    addr,
-                    Method::POST,
-                    "/v1/chat/completions",
-                    Some(&chat(Some(1), false)),
-                )
-                .await
-            })
-        })
+        .map(|_| tokio::spawn(async move { call_chat(addr, 1).await }))
         .collect();
     let idle = TcpStream::connect(addr).await.unwrap();
-    sim.wait_for("2 requests in flight", WAIT, |s| s.in_flight == 2)
-        .await
-        .unwrap();
+    wait_until(&sim, "2 requests in flight", |s| s.in_flight == 2).await;
     let stats = timeout(WAIT, sim.shutdown(Duration::from_secs(5)))
         .await
         .expect("drains in time");
@@ -1324,13 +1269,7 @@ async fn binary_reports_its_fd_limit_and_survives_running_out() {
     };
     assert!(stats.accept_errors >= 1, "{stats:?}");
     assert!(stats.connections_peak < 48, "{stats:?}");
-    let reply = call(
-        addr,
-        Method::POST,
-        "/v1/chat/completions",
-        Some(&chat(Some(2), false)),
-    )
-    .await;
+    let reply = call_chat(addr, 2).await;
     assert_eq!(reply.status, StatusCode::OK);
     child.kill().await.unwrap();
 }
@@ -1365,18 +1304,14 @@ async fn serves_http2_with_prior_knowledge_on_one_connection() {
             })
         })
         .collect();
-    let stats = sim
-        .wait_for("3 concurrent h2 streams", WAIT, |s| s.in_flight == 3)
-        .await
-        .unwrap();
+    let stats = wait_until(&sim, "3 concurrent h2 streams", |s| s.in_flight == 3).await;
     assert_eq!(stats.connections_open, 1, "three streams, one connection");
     for request in requests {
         assert_eq!(request.await.unwrap(), StatusCode::OK);
     }
     drop(sender);
-    sim.wait_for("the h2 connection closed", WAIT, |s| {
+    wait_until(&sim, "the h2 connection closed", |s| {
         s.connections_open == 0
     })
-    .await
-    .unwrap();
+    .await;
 }
