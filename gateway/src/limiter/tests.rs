@@ -28,17 +28,25 @@ fn limiter(max: u32, queue: u32) -> ClientLimiter {
     ClientLimiter::new(policy(max, queue), Metrics::new())
 }
 
+/// Starts a call of `key` and lets it reach its place in the queue; the task ends when the call
+/// is admitted (`Ok`) or refused.
+async fn queued_call(
+    l: &ClientLimiter,
+    key: ClientKey,
+) -> tokio::task::JoinHandle<Result<(), ClientRejection>> {
+    let l = l.clone();
+    let call = tokio::spawn(async move { l.acquire(key).await.map(|_| ()) });
+    tokio::task::yield_now().await;
+    call
+}
+
 #[tokio::test(start_paused = true)]
 async fn over_the_limit_queues_then_refuses_while_others_pass() {
     let l = limiter(2, 1);
     let alice = ClientKey::of(b"alice");
     let _a1 = l.acquire(alice).await.unwrap();
     let _a2 = l.acquire(alice).await.unwrap();
-    let queued = {
-        let l = l.clone();
-        tokio::spawn(async move { l.acquire(alice).await.map(|_| ()) })
-    };
-    tokio::task::yield_now().await;
+    let queued = queued_call(&l, alice).await;
     match l.acquire(alice).await {
         Err(ClientRejection::Concurrency {
             client,
@@ -125,11 +133,7 @@ async fn retry_after_follows_the_clients_pace() {
         drop(p);
     }
     let _p2 = l.acquire(key).await.unwrap();
-    let _queued = {
-        let l = l.clone();
-        tokio::spawn(async move { l.acquire(key).await.map(|_| ()) })
-    };
-    tokio::task::yield_now().await;
+    let _queued = queued_call(&l, key).await;
     match l.acquire(key).await {
         // Two calls to drain (the queued one and this one) at 2 per 3s: 3s.
         Err(ClientRejection::Concurrency { retry_after, .. }) => {
@@ -142,13 +146,7 @@ async fn retry_after_follows_the_clients_pace() {
 #[tokio::test(start_paused = true)]
 async fn slow_clients_are_demoted_then_restored() {
     let mut p = policy(4, 0);
-    p.slow_calls = Some(SlowCalls {
-        threshold: ApiDuration::from_secs(1),
-        max_ratio: 0.5,
-        demoted_concurrency: 1,
-        cooldown: ApiDuration::from_secs(30),
-        min_calls: 4,
-    });
+    p.slow_calls = Some(slow_calls(4));
     let l = ClientLimiter::new(p, Metrics::new());
     let key = ClientKey::of(b"slowpoke");
     for _ in 0..4 {
@@ -192,11 +190,7 @@ async fn raising_the_limit_admits_queued_calls() {
     let l = limiter(1, 4);
     let key = ClientKey::of(b"alice");
     let _first = l.acquire(key).await.unwrap();
-    let queued = {
-        let l = l.clone();
-        tokio::spawn(async move { l.acquire(key).await.map(|_| ()) })
-    };
-    tokio::task::yield_now().await;
+    let queued = queued_call(&l, key).await;
     l.set_policy(policy(2, 4));
     queued
         .await
@@ -204,16 +198,22 @@ async fn raising_the_limit_admits_queued_calls() {
         .expect("admitted by the raise, before the queue timeout");
 }
 
-fn slow_policy(max_clients: u32) -> ClientPolicy {
-    let mut p = policy(1, 1);
-    p.max_clients = max_clients;
-    p.slow_calls = Some(SlowCalls {
+/// Slow-call detection: a call over 1 s is slow; once a client made `min_calls` calls, more than
+/// half of them slow demotes it to one call at a time for 30 s.
+fn slow_calls(min_calls: u32) -> SlowCalls {
+    SlowCalls {
         threshold: ApiDuration::from_secs(1),
         max_ratio: 0.5,
         demoted_concurrency: 1,
         cooldown: ApiDuration::from_secs(30),
-        min_calls: 4,
-    });
+        min_calls,
+    }
+}
+
+fn slow_policy(max_clients: u32) -> ClientPolicy {
+    let mut p = policy(1, 1);
+    p.max_clients = max_clients;
+    p.slow_calls = Some(slow_calls(4));
     p
 }
 
@@ -294,13 +294,7 @@ fn keys_are_never_shown_raw() {
 #[tokio::test(start_paused = true)]
 async fn a_long_stream_that_flows_is_not_slow_but_a_late_first_byte_or_a_stall_is() {
     let mut p = policy(4, 0);
-    p.slow_calls = Some(SlowCalls {
-        threshold: ApiDuration::from_secs(1),
-        max_ratio: 0.5,
-        demoted_concurrency: 1,
-        cooldown: ApiDuration::from_secs(30),
-        min_calls: 2,
-    });
+    p.slow_calls = Some(slow_calls(2));
     let l = ClientLimiter::new(p, Metrics::new());
     // A 10 s stream with a chunk every 500 ms: its first byte and every gap are quick.
     let streamer = ClientKey::of(b"streamer");

@@ -113,6 +113,12 @@ fn pool(max: u32, n: usize) -> (Pool<Arc<FakeConnector>>, Arc<FakeConnector>) {
     (pool, connector)
 }
 
+/// Leases a connection and gives it back kept: the pool holds it idle afterwards.
+async fn lease_and_keep(pool: &Pool<Arc<FakeConnector>>) {
+    let mut lease = pool.lease().await.unwrap();
+    lease.keep();
+}
+
 fn open_total(pool: &Pool<Arc<FakeConnector>>) -> u32 {
     pool.stats()
         .endpoints
@@ -331,9 +337,7 @@ async fn shrinking_closes_excess_idle_connections_now() {
 #[tokio::test(start_paused = true)]
 async fn idle_connections_are_reaped_after_the_idle_timeout() {
     let (pool, connector) = pool(2, 1);
-    let mut lease = pool.lease().await.unwrap();
-    lease.keep();
-    drop(lease);
+    lease_and_keep(&pool).await;
     tokio::time::sleep(Duration::from_secs(29)).await;
     pool.reap();
     assert_eq!(pool.stats().endpoints[0].idle, 1);
@@ -346,9 +350,7 @@ async fn idle_connections_are_reaped_after_the_idle_timeout() {
 #[tokio::test(start_paused = true)]
 async fn a_connection_closed_by_the_peer_is_not_reused() {
     let (pool, connector) = pool(2, 1);
-    let mut lease = pool.lease().await.unwrap();
-    lease.keep();
-    drop(lease);
+    lease_and_keep(&pool).await;
     connector.handles.lock()[0].0.store(false, Ordering::SeqCst);
     let lease = pool.lease().await.unwrap();
     assert!(
@@ -361,9 +363,7 @@ async fn a_connection_closed_by_the_peer_is_not_reused() {
 #[tokio::test(start_paused = true)]
 async fn validates_only_after_the_validate_after_idle_period() {
     let (pool, connector) = pool(2, 1);
-    let mut lease = pool.lease().await.unwrap();
-    lease.keep();
-    drop(lease);
+    lease_and_keep(&pool).await;
     connector.handles.lock()[0].1.store(false, Ordering::SeqCst);
     // Idle 1s (< validateAfterIdle 2s): reused without validation.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -738,9 +738,7 @@ async fn shrinking_keeps_the_slots_of_closing_connections() {
 #[tokio::test(start_paused = true)]
 async fn close_all_returns_once_the_peers_have_let_go() {
     let (pool, connector, peer_closes) = pool_with_lingering_peer(2);
-    let mut lease = pool.lease().await.unwrap();
-    lease.keep();
-    drop(lease);
+    lease_and_keep(&pool).await;
     let closing = {
         let pool = pool.clone();
         tokio::spawn(async move { pool.close_all().await })
@@ -756,9 +754,7 @@ async fn close_all_returns_once_the_peers_have_let_go() {
 
     // A peer that never lets go: close_all gives up after the grace.
     let (pool, _connector, _peer_closes) = pool_with_lingering_peer(2);
-    let mut lease = pool.lease().await.unwrap();
-    lease.keep();
-    drop(lease);
+    lease_and_keep(&pool).await;
     let start = Instant::now();
     assert!(!pool.close_all().await);
     assert_eq!(start.elapsed(), CLOSE_GRACE);
@@ -839,6 +835,19 @@ fn priority(aging_ms: u64, batch_max_percent: Option<u32>) -> Option<Priority> {
     })
 }
 
+/// A pool of `n` endpoints of `max` connections each that queues up to 16 calls for up to 10 s,
+/// ordered by `priority`.
+fn prioritized_pool(max: u32, n: usize, priority: Option<Priority>) -> Pool<Arc<FakeConnector>> {
+    let (pool, _) = pool(max, n);
+    pool.set_limits(PoolLimits {
+        max_pending: 16,
+        lease_timeout: ApiDuration::from_secs(10),
+        ..limits(max)
+    });
+    pool.set_priority(priority);
+    pool
+}
+
 /// Queues one waiter of `class` that reports `(tag, class)` once it holds a connection, keeps
 /// it for `hold`, then returns it.
 fn queue_waiter(
@@ -862,13 +871,7 @@ fn queue_waiter(
 
 #[tokio::test(start_paused = true)]
 async fn interactive_waiters_are_served_before_batch_waiters_that_came_first() {
-    let (pool, _) = pool(1, 1);
-    pool.set_limits(PoolLimits {
-        max_pending: 16,
-        lease_timeout: ApiDuration::from_secs(10),
-        ..limits(1)
-    });
-    pool.set_priority(priority(1000, None));
+    let pool = prioritized_pool(1, 1, priority(1000, None));
     let held = pool.lease().await.unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let hold = Duration::from_millis(10);
@@ -901,13 +904,7 @@ async fn interactive_waiters_are_served_before_batch_waiters_that_came_first() {
 
 #[tokio::test(start_paused = true)]
 async fn a_batch_waiter_past_its_aging_bound_goes_before_later_interactive_ones() {
-    let (pool, _) = pool(1, 1);
-    pool.set_limits(PoolLimits {
-        max_pending: 16,
-        lease_timeout: ApiDuration::from_secs(10),
-        ..limits(1)
-    });
-    pool.set_priority(priority(100, None));
+    let pool = prioritized_pool(1, 1, priority(100, None));
     let held = pool.lease().await.unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let hold = Duration::from_millis(10);
@@ -934,13 +931,7 @@ async fn a_batch_waiter_past_its_aging_bound_goes_before_later_interactive_ones(
 #[tokio::test(start_paused = true)]
 async fn batch_waits_at_its_share_cap_while_interactive_takes_every_connection() {
     // 2 endpoints × 4 = 8 connections; batch may hold 50%: 4.
-    let (pool, _) = pool(4, 2);
-    pool.set_limits(PoolLimits {
-        max_pending: 16,
-        lease_timeout: ApiDuration::from_secs(10),
-        ..limits(4)
-    });
-    pool.set_priority(priority(50, Some(50)));
+    let pool = prioritized_pool(4, 2, priority(50, Some(50)));
     assert_eq!(pool.stats().batch_cap, Some(4));
     let mut batch = Vec::new();
     for _ in 0..4 {
