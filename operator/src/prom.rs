@@ -1054,37 +1054,28 @@ mod tests {
 
     #[test]
     fn demand_per_class_is_summed_over_the_selected_pods_and_missing_when_a_pod_lacks_it() {
-        let pbc = |pod, class, v| {
-            row(
-                &[
-                    ("namespace", "ns"),
-                    ("pod", pod),
-                    ("backend", "model-a"),
-                    ("class", class),
-                ],
-                v,
-            )
-        };
+        // Per pod and class: connections leased, and calls pending (none reported by gw-9).
+        let samples = [
+            ("gw-0", "interactive", 6.0, Some(0.0)),
+            ("gw-0", "batch", 4.0, Some(2.0)),
+            ("gw-1", "interactive", 1.0, Some(0.5)),
+            ("gw-1", "batch", 9.0, Some(3.0)),
+            ("gw-9", "batch", 500.0, None),
+        ];
+        let (mut leased, mut pending) = (Vec::new(), Vec::new());
+        for (pod, class, leased_now, pending_now) in samples {
+            let labels = [
+                ("namespace", "ns"),
+                ("pod", pod),
+                ("backend", "model-a"),
+                ("class", class),
+            ];
+            leased.push(row(&labels, leased_now));
+            pending.extend(pending_now.map(|v| row(&labels, v)));
+        }
         let mut r = round();
-        r.insert(
-            "class_leased",
-            Some(vec![
-                pbc("gw-0", "interactive", 6.0),
-                pbc("gw-0", "batch", 4.0),
-                pbc("gw-1", "interactive", 1.0),
-                pbc("gw-1", "batch", 9.0),
-                pbc("gw-9", "batch", 500.0),
-            ]),
-        );
-        r.insert(
-            "class_pending",
-            Some(vec![
-                pbc("gw-0", "interactive", 0.0),
-                pbc("gw-0", "batch", 2.0),
-                pbc("gw-1", "interactive", 0.5),
-                pbc("gw-1", "batch", 3.0),
-            ]),
-        );
+        r.insert("class_leased", Some(leased));
+        r.insert("class_pending", Some(pending));
         let samples = fold(&r).samples("ns", &selection(), at(0), Duration::from_secs(60));
         let classes = samples.backends[&(key(), "model-a".to_owned())].classes;
         assert_eq!(

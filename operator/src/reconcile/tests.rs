@@ -296,13 +296,13 @@ struct Scenario {
 impl Scenario {
     /// Reconciles `policy`, the only policy, on one ready gateway pod that takes every document.
     fn start(policy: ConnectionPolicy) -> Self {
+        Self::start_alone(policy, vec![gateway_pod()], FakeGateways::default())
+    }
+
+    /// Reconciles `policy`, the only policy, on `pods` answered by `gateways`.
+    fn start_alone(policy: ConnectionPolicy, pods: Vec<Pod>, gateways: FakeGateways) -> Self {
         let policies = vec![policy.clone()];
-        Self::start_with(
-            policy,
-            policies,
-            vec![gateway_pod()],
-            FakeGateways::default(),
-        )
+        Self::start_with(policy, policies, pods, gateways)
     }
 
     /// Reconciles `policy` with `policies` in the store, `pods` and `gateways`.
@@ -336,6 +336,14 @@ impl Scenario {
     /// The GET of the gateways' admin token Secret.
     async fn token_secret(&mut self) {
         expect_token_secret(&mut self.api).await;
+    }
+
+    /// The limits ConfigMap apply and the token Secret read of a reconcile that rolls out in
+    /// one wave, then its status patch; returns the patch sent.
+    async fn status_after_one_wave(&mut self) -> Value {
+        self.configmap_apply().await;
+        self.token_secret().await;
+        self.status_patch().await
     }
 
     /// The status patch of the policy, answered with the policy; returns the patch sent.
@@ -495,11 +503,9 @@ async fn a_refused_canary_halts_a_progressive_rollout() {
         ..FakeGateways::default()
     };
     let pods = vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
-    let mut run = Scenario::start_with(p.clone(), vec![p], pods, gateways);
+    let mut run = Scenario::start_alone(p, pods, gateways);
 
-    run.configmap_apply().await;
-    run.token_secret().await;
-    let status = run.status_patch().await;
+    let status = run.status_after_one_wave().await;
     let s = &status["status"];
     let rolled = condition(s, "RolledOut");
     assert_eq!(rolled["reason"], "Halted");
@@ -539,7 +545,7 @@ async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_sam
         pod("gw-1", "127.0.0.8"),
         pod("gw-2", "127.0.0.9"),
     ];
-    let mut run = Scenario::start_with(p.clone(), vec![p], pods, FakeGateways::default());
+    let mut run = Scenario::start_alone(p, pods, FakeGateways::default());
 
     run.configmap_apply().await;
     // The token is read for each wave: the canary's, then the rest's.
@@ -571,11 +577,9 @@ async fn without_verification_a_canary_that_did_not_take_it_holds_the_rest_and_i
         starting: vec!["127.0.0.7:9901".parse().unwrap()],
         ..FakeGateways::default()
     };
-    let mut run = Scenario::start_with(p.clone(), vec![p], pods, gateways);
+    let mut run = Scenario::start_alone(p, pods, gateways);
 
-    run.configmap_apply().await;
-    run.token_secret().await;
-    let status = run.status_patch().await;
+    let status = run.status_after_one_wave().await;
     assert_eq!(status["status"]["updated"], "0/2", "{status}");
     run.outcome().await.expect("the reconcile succeeded");
     let tried: Vec<SocketAddr> = run.puts().iter().map(|(addr, _, _)| *addr).collect();
@@ -594,11 +598,9 @@ async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
         ..FakeGateways::default()
     };
     let pods = vec![pod("gw-0", "127.0.0.7")];
-    let mut run = Scenario::start_with(p.clone(), vec![p], pods, gateways);
+    let mut run = Scenario::start_alone(p, pods, gateways);
 
-    run.configmap_apply().await;
-    run.token_secret().await;
-    let status = run.status_patch().await;
+    let status = run.status_after_one_wave().await;
     let s = &status["status"];
     let rolled = condition(s, "RolledOut");
     assert_eq!(rolled["status"], "False");
@@ -884,7 +886,7 @@ async fn starting_pods_get_their_share_and_terminating_pods_keep_theirs_until_go
         ..FakeGateways::default()
     };
     let pods = vec![pod("gw-0", "127.0.0.7"), starting, terminating];
-    let mut run = Scenario::start_with(p.clone(), vec![p], pods, gateways);
+    let mut run = Scenario::start_alone(p, pods, gateways);
 
     let cm = run.configmap_apply().await;
     let doc: GatewayLimits =
