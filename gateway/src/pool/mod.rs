@@ -323,6 +323,22 @@ struct IdleConn<T> {
     idle_since: Instant,
 }
 
+impl<T: Poolable> IdleConn<T> {
+    /// Why this idle connection must be closed, of what is known without a request: past its
+    /// `maxLifetime`, idle past its `idleTimeout`, or closed by the peer. `None`: it may serve.
+    fn expired(&mut self, limits: &PoolLimits, now: Instant) -> Option<CloseReason> {
+        if now.duration_since(self.created_at) >= limits.max_lifetime.get() {
+            Some(CloseReason::Lifetime)
+        } else if now.duration_since(self.idle_since) >= limits.idle_timeout.get() {
+            Some(CloseReason::Idle)
+        } else if !self.conn.is_open() {
+            Some(CloseReason::PeerClosed)
+        } else {
+            None
+        }
+    }
+}
+
 /// What a waiter is handed.
 #[derive(Debug)]
 enum Grant<T> {
@@ -338,57 +354,65 @@ enum Step<T> {
     Wait(oneshot::Receiver<Grant<T>>, u64),
 }
 
-/// A place in the waiter queue, while `lease()` waits. If the lease is dropped meanwhile (its
-/// client went away), the place leaves the queue, or a grant already sent to it is given back:
-/// a grant lost with its channel would keep a slot (or a connection) taken for good.
-struct Waiting<C: Connect> {
+/// What a lease in progress holds while `lease()` waits or connects: given back if the lease is
+/// dropped meanwhile (its client went away) before it was settled, because a grant lost with
+/// its channel, or a reservation lost with its connect, would keep a slot (or a connection)
+/// taken for good.
+struct Unsettled<C: Connect, H: Holding<C::Conn>> {
     pool: Arc<Inner<C>>,
-    rx: oneshot::Receiver<Grant<C::Conn>>,
-    id: u64,
     class: PriorityClass,
-    /// The wait ended and `lease()` took over.
+    held: H,
+    /// The wait or the connect ended and `lease()` (or `complete()`) took over.
     settled: bool,
 }
 
-impl<C: Connect> Drop for Waiting<C> {
-    fn drop(&mut self) {
-        if self.settled {
-            return;
-        }
-        let now = Instant::now();
-        let mut state = self.pool.state.lock();
+/// What an [`Unsettled`] lease may hold.
+trait Holding<T> {
+    /// Once the lease was dropped unsettled (under the pool's lock): the grant to give back,
+    /// if it holds one.
+    fn grant_to_undo(&mut self, state: &mut State<T>) -> Option<Grant<T>>;
+}
+
+/// A place in the waiter queue: the place leaves the queue, or a grant already sent to it is
+/// given back.
+struct QueuePlace<T> {
+    rx: oneshot::Receiver<Grant<T>>,
+    id: u64,
+}
+
+impl<T> Holding<T> for QueuePlace<T> {
+    fn grant_to_undo(&mut self, state: &mut State<T>) -> Option<Grant<T>> {
         if state.waiters.remove(self.id).is_some() {
-            return;
+            return None;
         }
-        if let Ok(grant) = self.rx.try_recv() {
-            self.pool.undo(&mut state, grant, self.class);
-            self.pool.freed(state, now);
-        }
+        self.rx.try_recv().ok()
     }
 }
 
-/// A slot reserved for a connect: given back if the lease is dropped (its client went away)
-/// before the connect finished, so that an abandoned connect cannot shrink the pool for good.
-struct Reservation<C: Connect> {
-    pool: Arc<Inner<C>>,
+/// A slot of `endpoint` reserved for a connect.
+struct ReservedSlot {
     endpoint: u64,
-    class: PriorityClass,
-    /// The connect finished and `complete()` took over.
-    settled: bool,
 }
 
-impl<C: Connect> Drop for Reservation<C> {
+impl<T> Holding<T> for ReservedSlot {
+    fn grant_to_undo(&mut self, _: &mut State<T>) -> Option<Grant<T>> {
+        Some(Grant::Slot {
+            endpoint: self.endpoint,
+        })
+    }
+}
+
+impl<C: Connect, H: Holding<C::Conn>> Drop for Unsettled<C, H> {
     fn drop(&mut self) {
         if self.settled {
             return;
         }
         let now = Instant::now();
         let mut state = self.pool.state.lock();
-        if let Some(ep) = state.endpoint_mut(self.endpoint) {
-            ep.connecting -= 1;
+        if let Some(grant) = self.held.grant_to_undo(&mut state) {
+            self.pool.undo(&mut state, grant, self.class);
+            self.pool.freed(state, now);
         }
-        state.held[self.class.index()] -= 1;
-        self.pool.freed(state, now);
     }
 }
 
@@ -498,17 +522,17 @@ impl<C: Connect> Pool<C> {
         let grant = match step {
             Step::Ready(grant) => grant,
             Step::Wait(rx, id) => {
-                let mut waiting = Waiting {
+                let mut waiting = Unsettled {
                     pool: Arc::clone(&self.inner),
-                    rx,
-                    id,
                     class,
+                    held: QueuePlace { rx, id },
                     settled: false,
                 };
-                let waited = tokio::time::timeout_at(start + lease_timeout, &mut waiting.rx).await;
+                let waited =
+                    tokio::time::timeout_at(start + lease_timeout, &mut waiting.held.rx).await;
                 // From here on this function settles its place in the queue itself.
                 waiting.settled = true;
-                let rx = &mut waiting.rx;
+                let rx = &mut waiting.held.rx;
                 match waited {
                     Ok(Ok(grant)) => grant,
                     // The sender is dropped when the pool is retired, or when an interactive
@@ -742,11 +766,7 @@ impl<C: Connect> Pool<C> {
         let Some(check) = state.health_check.clone() else {
             return;
         };
-        let Some(ep) = state
-            .endpoints
-            .iter_mut()
-            .find(|ep| !ep.removed && *ep.name == *endpoint)
-        else {
+        let Some(ep) = state.listed_endpoint_mut(endpoint) else {
             return;
         };
         let h = &mut ep.health;
@@ -787,11 +807,7 @@ impl<C: Connect> Pool<C> {
             .iter()
             .filter(|ep| !ep.removed && ep.health.is_ejected(now))
             .count() as u64;
-        let Some(ep) = state
-            .endpoints
-            .iter_mut()
-            .find(|ep| !ep.removed && *ep.name == *endpoint)
-        else {
+        let Some(ep) = state.listed_endpoint_mut(endpoint) else {
             return;
         };
         if ep.health.is_ejected(now) {
@@ -1031,19 +1047,11 @@ impl<C: Connect> Inner<C> {
             let limits = state.limits.clone();
             let ep = &mut state.endpoints[chosen];
             if let Some(mut idle) = ep.idle.pop() {
-                let reason = if now.duration_since(idle.created_at) >= limits.max_lifetime.get() {
-                    Some(CloseReason::Lifetime)
-                } else if now.duration_since(idle.idle_since) >= limits.idle_timeout.get() {
-                    Some(CloseReason::Idle)
-                } else if !idle.conn.is_open() {
-                    Some(CloseReason::PeerClosed)
-                } else if now.duration_since(idle.idle_since) > limits.validate_after_idle.get()
-                    && !idle.conn.validate()
-                {
-                    Some(CloseReason::ValidateFailed)
-                } else {
-                    None
-                };
+                let reason = idle.expired(&limits, now).or_else(|| {
+                    let check =
+                        now.duration_since(idle.idle_since) > limits.validate_after_idle.get();
+                    (check && !idle.conn.validate()).then_some(CloseReason::ValidateFailed)
+                });
                 match reason {
                     Some(reason) => {
                         self.closed(ep, reason, idle.conn);
@@ -1154,10 +1162,10 @@ impl<C: Connect> Inner<C> {
                         state.limits.connect_timeout.get(),
                     )
                 };
-                let mut reservation = Reservation {
+                let mut reservation = Unsettled {
                     pool: Arc::clone(&self),
-                    endpoint,
                     class,
+                    held: ReservedSlot { endpoint },
                     settled: false,
                 };
                 let result = tokio::time::timeout(timeout, self.connector.connect(address)).await;
@@ -1263,15 +1271,7 @@ impl<C: Connect> Inner<C> {
             let mut i = 0;
             while i < ep.idle.len() {
                 let idle = &mut ep.idle[i];
-                let reason = if now.duration_since(idle.created_at) >= limits.max_lifetime.get() {
-                    Some(CloseReason::Lifetime)
-                } else if now.duration_since(idle.idle_since) >= limits.idle_timeout.get() {
-                    Some(CloseReason::Idle)
-                } else if !idle.conn.is_open() {
-                    Some(CloseReason::PeerClosed)
-                } else {
-                    None
-                };
+                let reason = idle.expired(&limits, now);
                 match reason {
                     Some(reason) => {
                         let idle = ep.idle.remove(i);
@@ -1365,6 +1365,13 @@ impl<T: Poolable> State<T> {
 
     fn endpoint_mut(&mut self, id: u64) -> Option<&mut EndpointState<T>> {
         self.endpoints.iter_mut().find(|ep| ep.id == id)
+    }
+
+    /// The listed (not removed) endpoint named `name`.
+    fn listed_endpoint_mut(&mut self, name: &str) -> Option<&mut EndpointState<T>> {
+        self.endpoints
+            .iter_mut()
+            .find(|ep| !ep.removed && *ep.name == *name)
     }
 
     /// Whether new leases may go to `ep`: listed, probes pass, not ejected (or back from
