@@ -21,6 +21,9 @@ use crate::budget::Reservation;
 /// A boxed, thread-safe error.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// What `poll_frame` of the gateway's own bodies returns: the next frame, an error, or the end.
+pub type PolledFrame = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
+
 /// What the gateway sends back to clients.
 pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
 
@@ -160,7 +163,7 @@ impl ClientBody {
         self.progress.clone()
     }
 
-    fn fail(&mut self, failure: BodyFailure) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn fail(&mut self, failure: BodyFailure) -> PolledFrame {
         self.rest = None;
         self.timer = None;
         let mut progress = self.progress.0.lock();
@@ -182,10 +185,7 @@ impl Body for ClientBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> PolledFrame {
         if let Some(prefix) = self.prefix.take() {
             self._reserved = None;
             if self.rest.as_ref().is_none_or(|r| r.is_end_stream()) {

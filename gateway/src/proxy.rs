@@ -26,7 +26,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version};
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use poolpilot_api::limits::{
@@ -37,7 +37,8 @@ use tokio::time::Instant;
 
 use crate::access::Record;
 use crate::body::{
-    BodyFailure, BodyPace, BodyProgress, BoxError, ClientBody, RequestBody, ResponseBody,
+    BodyFailure, BodyPace, BodyProgress, BoxError, ClientBody, PolledFrame, RequestBody,
+    ResponseBody,
 };
 use crate::deadline::{Cut, DeadlineSlot, ResponseDeadline};
 use crate::error::ProxyError;
@@ -849,10 +850,7 @@ impl Body for UpstreamBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> PolledFrame {
         let this = &mut *self;
         let Some(call) = this.call.as_mut() else {
             return Poll::Ready(None);

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
@@ -29,7 +29,7 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, Sleep};
 
-use crate::body::{BoxError, ResponseBody};
+use crate::body::{BoxError, PolledFrame, ResponseBody};
 use crate::deadline::{Cut, Cuttable, DeadlineSlot, ResponseDeadline, Watcher};
 use crate::error::ProxyError;
 use crate::gateway::Gateway;
@@ -1242,10 +1242,7 @@ impl Body for Tracked {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> PolledFrame {
         let frame = Pin::new(&mut self.inner).poll_frame(cx);
         if let Some(access) = &mut self.access {
             match &frame {
