@@ -150,6 +150,15 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         gw.spawn_maintenance(),
         signals::spawn_lag_probe(gw.metrics().signals().clone()),
     ];
+    let poll = config.limits_poll_interval.get();
+    // Each followed file is read every `poll` until shutdown; a change goes to its `on_change`.
+    let mut follow = |file: reload::FileWatch, on_change: reload::OnChange| {
+        tasks.push(tokio::spawn(file.poll(
+            poll,
+            shutdown_rx.clone(),
+            on_change,
+        )));
+    };
     if let Some(path) = &config.limits_file {
         gw.await_operator(config.await_operator.get());
         let seen = match reload::load_once(&gw, path) {
@@ -159,33 +168,21 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
                 reload::FileWatch::new(vec![path.clone()])
             }
         };
-        tasks.push(tokio::spawn(reload::watch_file(
-            gw.clone(),
-            path.clone(),
-            config.limits_poll_interval.get(),
-            seen,
-            shutdown_rx.clone(),
-        )));
+        follow(seen, reload::on_limits_change(gw.clone(), path.clone()));
     }
-    let poll = config.limits_poll_interval.get();
     if let Some(path) = &config.admin_token_file {
-        tasks.push(tokio::spawn(admin::token::watch(
-            tokens.clone(),
-            path.clone(),
+        let metrics = gw.metrics().clone();
+        follow(
             token_file,
-            poll,
-            gw.metrics().clone(),
-            shutdown_rx.clone(),
-        )));
+            admin::token::on_token_change(tokens.clone(), path.clone(), metrics),
+        );
     }
     let tls = tls.map(|(tls, files)| {
-        tasks.push(tokio::spawn(admin::tls::watch(
-            tls.clone(),
+        let metrics = gw.metrics().clone();
+        follow(
             files,
-            poll,
-            gw.metrics().clone(),
-            shutdown_rx.clone(),
-        )));
+            admin::tls::on_certificate_change(tls.clone(), metrics),
+        );
         tls
     });
     let admin_listener = admin::AdminListener {

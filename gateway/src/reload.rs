@@ -53,36 +53,35 @@ pub fn parse(path: &Path, text: &[u8]) -> Result<GatewayLimits, LimitsFileError>
 }
 
 /// Reads and applies the file once. Returns a watch that has seen this content, whether or not
-/// it was applied, for [`watch_file`].
+/// it was applied, for [`on_limits_change`].
 pub fn load_once(gw: &Gateway, path: &Path) -> Result<FileWatch, LimitsFileError> {
     let text = fs::read(path).map_err(|source| LimitsFileError::Read {
         path: path.into(),
         source,
     })?;
     let watch = FileWatch::having_seen(vec![path.into()], std::slice::from_ref(&text));
-    match parse(path, &text) {
+    apply_file(gw, path, &text);
+    Ok(watch)
+}
+
+/// Applies `text`, the content of the limits file `path`; a document that does not parse is
+/// counted and logged here, one that `apply` refuses is counted and logged by it.
+fn apply_file(gw: &Gateway, path: &Path, text: &[u8]) {
+    match parse(path, text) {
         Ok(doc) => {
-            // Refusals are logged and counted by `apply`.
             let _ = gw.apply(doc, LimitsSource::File);
         }
         Err(error) => {
             gw.metrics().limits_rejected("file");
-            tracing::warn!(error = %error, source = ?std::error::Error::source(&error), "limits file refused");
+            tracing::warn!(%error, source = ?std::error::Error::source(&error), "limits file refused");
         }
     }
-    Ok(watch)
 }
 
-/// Polls `path` every `interval` until `shutdown`, applying it whenever its content changes
-/// from what `file` (a watch of `path`) has seen.
-pub async fn watch_file(
-    gw: Gateway,
-    path: PathBuf,
-    interval: Duration,
-    file: FileWatch,
-    shutdown: watch::Receiver<bool>,
-) {
-    file.poll(interval, shutdown, |contents| {
+/// What a change of the limits file `path` does (for [`FileWatch::poll`]): it is applied, until
+/// the pod's limits come by PUT; from then on it is only logged.
+pub fn on_limits_change(gw: Gateway, path: PathBuf) -> OnChange {
+    Box::new(move |contents| {
         if gw.managed_by_api() {
             tracing::info!(
                 path = %path.display(),
@@ -91,18 +90,12 @@ pub async fn watch_file(
             return;
         }
         tracing::info!(path = %path.display(), "limits file changed");
-        match parse(&path, &contents[0]) {
-            Ok(doc) => {
-                let _ = gw.apply(doc, LimitsSource::File);
-            }
-            Err(error) => {
-                gw.metrics().limits_rejected("file");
-                tracing::warn!(%error, source = ?std::error::Error::source(&error), "limits file refused");
-            }
-        }
+        apply_file(&gw, &path, &contents[0]);
     })
-    .await;
 }
+
+/// What a [`FileWatch`] does with its files' new contents (in the order of its paths).
+pub type OnChange = Box<dyn FnMut(Vec<Vec<u8>>) + Send>;
 
 /// Notices when a set of files changes, by the digest of their contents: a mounted ConfigMap's
 /// or Secret's symlink swap, an editor's rename or an in-place write look the same.

@@ -8,7 +8,6 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use parking_lot::RwLock;
 use poolpilot_tls::provider;
@@ -16,12 +15,11 @@ use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::AdminTlsFiles;
 use crate::metrics::{AdminFile, Metrics};
-use crate::reload::FileWatch;
+use crate::reload::{FileWatch, OnChange};
 
 /// Why the admin certificate could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -104,7 +102,7 @@ impl ResolvesServerCert for CurrentCertificate {
 
 impl AdminTls {
     /// Loads the certificate and key; also returns a watch of the two files that has seen them
-    /// (for [`watch`]).
+    /// (for [`on_certificate_change`]).
     pub fn load(files: &AdminTlsFiles) -> Result<(Self, FileWatch), TlsError> {
         let read = |path: &PathBuf| {
             std::fs::read(path).map_err(|source| TlsError::Read {
@@ -177,18 +175,12 @@ fn certified_key(
     Ok(key)
 }
 
-/// Re-reads the certificate and key every `interval` until `shutdown`; a changed pair that loads
-/// is served from the next handshake on, one that does not is refused (logged and counted) and
-/// the pair in force stays. `file` is the watch [`AdminTls::load`] returned.
-pub async fn watch(
-    tls: AdminTls,
-    file: FileWatch,
-    interval: Duration,
-    metrics: Metrics,
-    shutdown: watch::Receiver<bool>,
-) {
-    file.poll(interval, shutdown, |contents| {
-        match tls.replace(&contents[0], &contents[1]) {
+/// What a change of the certificate or key file does (for [`FileWatch::poll`] of the watch
+/// [`AdminTls::load`] returned): a pair that loads is served from the next handshake on, one that
+/// does not is refused (logged and counted) and the pair in force stays.
+pub fn on_certificate_change(tls: AdminTls, metrics: Metrics) -> OnChange {
+    Box::new(
+        move |contents| match tls.replace(&contents[0], &contents[1]) {
             Ok(()) => {
                 metrics.admin_file_reloaded(AdminFile::Certificate, true);
                 tracing::info!(cert = %tls.files.cert_file.display(), "admin certificate changed");
@@ -197,7 +189,6 @@ pub async fn watch(
                 metrics.admin_file_reloaded(AdminFile::Certificate, false);
                 tracing::warn!(%error, source = ?std::error::Error::source(&error), "admin certificate refused; the one in force stays");
             }
-        }
-    })
-    .await;
+        },
+    )
 }

@@ -14,11 +14,10 @@ use std::time::Duration;
 use http::HeaderValue;
 use parking_lot::RwLock;
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::metrics::{AdminFile, Metrics};
-use crate::reload::FileWatch;
+use crate::reload::{FileWatch, OnChange};
 
 /// The shortest token accepted, in bytes: 256 bits, as `head -c 32 /dev/urandom | base64`
 /// gives (44 characters).
@@ -84,7 +83,7 @@ pub enum TokenError {
 }
 
 /// Reads and checks the token in `adminTokenFile` at start: the token, and a watch of the file
-/// that has seen it (for [`watch`]).
+/// that has seen it (for [`on_token_change`]).
 pub fn load(path: Option<&Path>) -> Result<(String, FileWatch), TokenError> {
     let path = path.ok_or(TokenError::NotConfigured)?;
     let text = std::fs::read(path).map_err(|source| TokenError::Read {
@@ -212,36 +211,26 @@ impl AdminTokens {
     }
 }
 
-/// Re-reads the token file `path` every `interval` until `shutdown`; a changed, valid token
-/// becomes the current one, an invalid one is refused (logged and counted) and the tokens in
-/// force stay. `file` is the watch [`load`] returned.
-pub async fn watch(
-    tokens: Arc<AdminTokens>,
-    path: PathBuf,
-    file: FileWatch,
-    interval: Duration,
-    metrics: Metrics,
-    shutdown: watch::Receiver<bool>,
-) {
-    file.poll(interval, shutdown, |contents| {
-        match parse_token(&path, &contents[0]) {
-            Ok(token) => {
-                if tokens.rotate(token) {
-                    metrics.admin_file_reloaded(AdminFile::Token, true);
-                    tracing::info!(
-                        path = %path.display(),
-                        overlap = ?tokens.overlap,
-                        "admin token changed; the previous one stays accepted during the overlap"
-                    );
-                }
-            }
-            Err(error) => {
-                metrics.admin_file_reloaded(AdminFile::Token, false);
-                tracing::warn!(%error, "admin token file refused; the tokens in force stay");
+/// What a change of the token file `path` does (for [`FileWatch::poll`] of the watch [`load`]
+/// returned): a valid token becomes the current one, an invalid one is refused (logged and
+/// counted) and the tokens in force stay.
+pub fn on_token_change(tokens: Arc<AdminTokens>, path: PathBuf, metrics: Metrics) -> OnChange {
+    Box::new(move |contents| match parse_token(&path, &contents[0]) {
+        Ok(token) => {
+            if tokens.rotate(token) {
+                metrics.admin_file_reloaded(AdminFile::Token, true);
+                tracing::info!(
+                    path = %path.display(),
+                    overlap = ?tokens.overlap,
+                    "admin token changed; the previous one stays accepted during the overlap"
+                );
             }
         }
+        Err(error) => {
+            metrics.admin_file_reloaded(AdminFile::Token, false);
+            tracing::warn!(%error, "admin token file refused; the tokens in force stay");
+        }
     })
-    .await;
 }
 
 #[cfg(test)]
