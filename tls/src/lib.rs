@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::CryptoProvider;
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
@@ -76,6 +76,14 @@ struct Verifier {
     provider: Arc<CryptoProvider>,
 }
 
+impl Verifier {
+    /// The provider's signature algorithms: every handshake signature is checked with them,
+    /// whatever the server's identity must be.
+    fn algorithms(&self) -> &WebPkiSupportedAlgorithms {
+        &self.provider.signature_verification_algorithms
+    }
+}
+
 impl ServerCertVerifier for Verifier {
     fn verify_server_cert(
         &self,
@@ -99,8 +107,7 @@ impl ServerCertVerifier for Verifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        let algorithms = &self.provider.signature_verification_algorithms;
-        rustls::crypto::verify_tls12_signature(message, cert, dss, algorithms)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, self.algorithms())
     }
 
     fn verify_tls13_signature(
@@ -109,13 +116,10 @@ impl ServerCertVerifier for Verifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        let algorithms = &self.provider.signature_verification_algorithms;
-        rustls::crypto::verify_tls13_signature(message, cert, dss, algorithms)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, self.algorithms())
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
+        self.algorithms().supported_schemes()
     }
 }
