@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use poolpilot_bench::machine::{loadavg, utc_now};
 
-use crate::parts::{Bench, ContentionRun, IdleRun, Profile, Row, Sample, SseRun};
+use crate::parts::{Bench, ContentionRun, IdleRun, Plan, Profile, Row, Sample, SseRun};
 use crate::peers::{self, Target};
 use crate::procs::first_line;
 use crate::stats::{median, ms, ms_signed, num, ratio};
@@ -284,37 +284,46 @@ fn render_targets(w: &mut String, r: &Results<'_>) {
     );
 }
 
+/// A part of the report: its `## ` heading, the paragraph that says how it was measured, and
+/// its table's header and alignment rows.
+fn part_head(w: &mut String, title: &str, description: &str, header: &str, align: &str) {
+    let _ = writeln!(w, "## {title}\n");
+    let _ = writeln!(w, "{description}");
+    table_head(w, header, align);
+}
+
 /// A Markdown table's header row and its alignment row.
 fn table_head(w: &mut String, header: &str, align: &str) {
     let _ = writeln!(w, "{header}\n{align}");
 }
 
 fn render_part1(w: &mut String, r: &Results<'_>) {
-    let plan = &r.bench.plan;
-    let _ = writeln!(w, "## 1. Proxy overhead and throughput\n");
-    let _ = writeln!(
+    let Plan {
+        rate,
+        rate_conns,
+        warmup_secs,
+        secs,
+        rounds,
+        ..
+    } = &r.bench.plan;
+    part_head(
         w,
-        "One upstream (`poolpilot-bench upstream`: hyper HTTP/1.1 on one thread, 64-byte JSON \
-         body, no service time), `GET /v1/fast`. Connection cap 256 for every proxy (no row \
-         queues). Closed loop rows: `wrk -t1 -cN`; the fixed-rate row: {rate} req/s open loop over {rc} \
-         keep-alive connections from the driver's own generator (`load::fixed_rate`: latency \
-         counted from a request's due time whenever its connection was still busy then, so \
-         stalls are not hidden by coordinated omission). Each run: a fresh \
-         proxy, {warm} s warm-up, {secs} s measured; {rounds} round(s), proxies in alternating \
-         order (reversed every round); medians over rounds. *Added* = the proxy's percentile \
-         minus direct-to-upstream's in the same row. CPU = the proxy's user + system time \
-         (`/proc/<pid>/stat`) over the measured run, per 10,000 completed requests. Peak RSS = \
-         `VmHWM` at the end of the run. Latencies in ms. Direct-to-upstream runs on one core \
-         (load generator and upstream share CPU 1), so at `c=1` it has no cross-core wake-up \
-         at all; every proxy adds two (to CPU 0 and back), which is most of their `c=1` cost.\n",
-        rate = plan.rate,
-        rc = plan.rate_conns,
-        warm = plan.warmup_secs,
-        secs = plan.secs,
-        rounds = plan.rounds,
-    );
-    table_head(
-        w,
+        "1. Proxy overhead and throughput",
+        &format!(
+            "One upstream (`poolpilot-bench upstream`: hyper HTTP/1.1 on one thread, 64-byte JSON \
+             body, no service time), `GET /v1/fast`. Connection cap 256 for every proxy (no row \
+             queues). Closed loop rows: `wrk -t1 -cN`; the fixed-rate row: {rate} req/s open loop over {rate_conns} \
+             keep-alive connections from the driver's own generator (`load::fixed_rate`: latency \
+             counted from a request's due time whenever its connection was still busy then, so \
+             stalls are not hidden by coordinated omission). Each run: a fresh \
+             proxy, {warmup_secs} s warm-up, {secs} s measured; {rounds} round(s), proxies in alternating \
+             order (reversed every round); medians over rounds. *Added* = the proxy's percentile \
+             minus direct-to-upstream's in the same row. CPU = the proxy's user + system time \
+             (`/proc/<pid>/stat`) over the measured run, per 10,000 completed requests. Peak RSS = \
+             `VmHWM` at the end of the run. Latencies in ms. Direct-to-upstream runs on one core \
+             (load generator and upstream share CPU 1), so at `c=1` it has no cross-core wake-up \
+             at all; every proxy adds two (to CPU 0 and back), which is most of their `c=1` cost.\n",
+        ),
         "| load | target | req/s | p50 | p99 | p99.9 | added p50 | added p99 | CPU s / 10k req | peak RSS MiB | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     );
@@ -477,24 +486,25 @@ pub fn plot_part1(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<
 }
 
 fn render_part2(w: &mut String, r: &Results<'_>) {
-    let plan = &r.bench.plan;
-    let _ = writeln!(w, "## 2. Pool under contention\n");
-    let _ = writeln!(
+    let Plan {
+        contention_secs,
+        contention_rounds,
+        ..
+    } = &r.bench.plan;
+    part_head(
         w,
-        "Upstream service time 50 ms (`GET /v1/slow?ms=50`), connection cap 32 (poolpilot \
-         `maxConnectionsPerEndpoint: 32`, `leaseTimeout: 5s`; HAProxy `server ... maxconn 32`, \
-         `timeout queue 5s`), offered concurrency 128: 4 clients × 32 keep-alive connections, \
-         closed loop, {secs} s per run, {rounds} round(s), medians. The ceiling is 32 / 50 ms = \
-         640 completed/s. *Queue wait* = from the client sending a request to the upstream \
-         receiving it (both read `CLOCK_MONOTONIC`; the upstream returns its time in \
-         `x-recv-us`). *Share deviation* = the largest |client share − 1/4| ÷ 1/4. nginx is \
-         left out: open-source nginx has no upstream queue (a request over `max_conns` gets \
-         502 at once).\n",
-        secs = plan.contention_secs,
-        rounds = plan.contention_rounds,
-    );
-    table_head(
-        w,
+        "2. Pool under contention",
+        &format!(
+            "Upstream service time 50 ms (`GET /v1/slow?ms=50`), connection cap 32 (poolpilot \
+             `maxConnectionsPerEndpoint: 32`, `leaseTimeout: 5s`; HAProxy `server ... maxconn 32`, \
+             `timeout queue 5s`), offered concurrency 128: 4 clients × 32 keep-alive connections, \
+             closed loop, {contention_secs} s per run, {contention_rounds} round(s), medians. The ceiling is 32 / 50 ms = \
+             640 completed/s. *Queue wait* = from the client sending a request to the upstream \
+             receiving it (both read `CLOCK_MONOTONIC`; the upstream returns its time in \
+             `x-recv-us`). *Share deviation* = the largest |client share − 1/4| ÷ 1/4. nginx is \
+             left out: open-source nginx has no upstream queue (a request over `max_conns` gets \
+             502 at once).\n",
+        ),
         "| proxy | completed/s | queue wait p50 ms | queue wait p99 ms | latency p99 ms | error rate | share deviation | per-client completions (last round) |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     );
@@ -522,26 +532,27 @@ fn render_part2(w: &mut String, r: &Results<'_>) {
 }
 
 fn render_part3(w: &mut String, r: &Results<'_>) {
-    let plan = &r.bench.plan;
-    let _ = writeln!(w, "## 3. Streaming (SSE)\n");
-    let _ = writeln!(
+    let Plan {
+        sse_streams,
+        sse_events,
+        sse_every_ms,
+        sse_rounds,
+        ..
+    } = &r.bench.plan;
+    part_head(
         w,
-        "{streams} concurrent streams of {n} events, one every {every} ms \
-         (`GET /v1/sse?n={n}&ms={every}`), connection cap 64, {rounds} round(s), medians. \
-         *Transit* = when the client read an event minus when the upstream wrote it (the event \
-         carries its `CLOCK_MONOTONIC` write time), over every event of every stream; *added* = \
-         minus direct's. TTFB = from sending the request to the first complete event. As one \
-         configures them for SSE, nginx has `proxy_buffering off` for `/v1/sse` and HAProxy \
-         routes it to a backend with `option http-no-delay` (without it HAProxy sends with \
-         `MSG_MORE` and events wait in the kernel for tens of milliseconds). \
-         Latencies in ms.\n",
-        streams = plan.sse_streams,
-        n = plan.sse_events,
-        every = plan.sse_every_ms,
-        rounds = plan.sse_rounds,
-    );
-    table_head(
-        w,
+        "3. Streaming (SSE)",
+        &format!(
+            "{sse_streams} concurrent streams of {sse_events} events, one every {sse_every_ms} ms \
+             (`GET /v1/sse?n={sse_events}&ms={sse_every_ms}`), connection cap 64, {sse_rounds} round(s), medians. \
+             *Transit* = when the client read an event minus when the upstream wrote it (the event \
+             carries its `CLOCK_MONOTONIC` write time), over every event of every stream; *added* = \
+             minus direct's. TTFB = from sending the request to the first complete event. As one \
+             configures them for SSE, nginx has `proxy_buffering off` for `/v1/sse` and HAProxy \
+             routes it to a backend with `option http-no-delay` (without it HAProxy sends with \
+             `MSG_MORE` and events wait in the kernel for tens of milliseconds). \
+             Latencies in ms.\n",
+        ),
         "| target | TTFB p50 | TTFB max | added TTFB p50 | transit p50 | transit p99 | transit p99.9 | added transit p50 | added transit p99 | complete streams |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     );
@@ -591,25 +602,26 @@ fn render_part3(w: &mut String, r: &Results<'_>) {
 }
 
 fn render_part4(w: &mut String, r: &Results<'_>) {
-    let plan = &r.bench.plan;
-    let _ = writeln!(w, "## 4. Idle client connections\n");
-    let _ = writeln!(
+    let Plan {
+        idle_conns,
+        idle_rounds,
+        ..
+    } = &r.bench.plan;
+    part_head(
         w,
-        "A fresh proxy serves one request, then {n} client connections are opened (128 at a \
-         time, from their own loopback source address), each sends one keep-alive request, reads \
-         the response and stays open; 2 s later the proxy's `VmRSS` is read. Per connection = \
-         (RSS with them − RSS before) ÷ {n}. {rounds} round(s), medians. Soft fd limits are \
-         raised to the hard limit (20,000 here) for every process. Why {n} and not 10,000: HAProxy \
-         reserves two fds per connection under its global `maxconn` and refuses to start when \
-         they do not fit the hard limit, so 9,990 is the most it can hold here.\n",
-        n = plan.idle_conns,
-        rounds = plan.idle_rounds,
-    );
-    table_head(
-        w,
+        "4. Idle client connections",
+        &format!(
+            "A fresh proxy serves one request, then {idle_conns} client connections are opened (128 at a \
+             time, from their own loopback source address), each sends one keep-alive request, reads \
+             the response and stays open; 2 s later the proxy's `VmRSS` is read. Per connection = \
+             (RSS with them − RSS before) ÷ {idle_conns}. {idle_rounds} round(s), medians. Soft fd limits are \
+             raised to the hard limit (20,000 here) for every process. Why {idle_conns} and not 10,000: HAProxy \
+             reserves two fds per connection under its global `maxconn` and refuses to start when \
+             they do not fit the hard limit, so 9,990 is the most it can hold here.\n",
+        ),
         &format!(
             "| proxy | RSS before MiB | RSS with {} idle MiB | bytes per idle connection | still open when read |",
-            plan.idle_conns
+            idle_conns
         ),
         "|---|---:|---:|---:|---:|",
     );
