@@ -6,6 +6,7 @@ use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 
 use futures::FutureExt as _;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use kube::Resource;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
@@ -56,6 +57,32 @@ impl TestNamespace {
         <K as Resource>::DynamicType: Default,
     {
         Api::namespaced(self.client.clone(), &self.name)
+    }
+
+    /// Creates the Deployment `name` of `replicas` pods labelled `app: <name>` and running
+    /// `pod_spec` (a PodSpec as JSON) in this namespace; returns it as the API server stored it.
+    pub async fn create_deployment(
+        &self,
+        name: &str,
+        replicas: u32,
+        pod_spec: serde_json::Value,
+    ) -> anyhow::Result<Deployment> {
+        let deployment: Deployment = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": {"app": name}},
+                "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": pod_spec,
+                }
+            }
+        }))?;
+        let created = self
+            .api::<Deployment>()
+            .create(&PostParams::default(), &deployment)
+            .await?;
+        Ok(created)
     }
 
     /// Adds a file (an operator's log, say) to what is printed if the test fails.

@@ -20,24 +20,12 @@ async fn deployment_creates_pods_and_garbage_collection_removes_them() -> anyhow
         let deployments: Api<Deployment> = ns.api();
         let replicasets: Api<ReplicaSet> = ns.api();
         let pods: Api<Pod> = ns.api();
-        let deployment: Deployment = serde_json::from_value(json!({
-            "metadata": {"name": "web"},
-            "spec": {
-                "replicas": 2,
-                "selector": {"matchLabels": {"app": "web"}},
-                "template": {
-                    "metadata": {"labels": {"app": "web"}},
-                    // No node carries this label, so the pods stay unscheduled and Pending.
-                    "spec": {
-                        "nodeSelector": {"poolpilot.io/e2e-no-such-node": "true"},
-                        "containers": [{"name": "web", "image": "poolpilot/modelsim"}]
-                    }
-                }
-            }
-        }))?;
-        let created = deployments
-            .create(&PostParams::default(), &deployment)
-            .await?;
+        // No node carries the selected label, so the pods stay unscheduled and Pending.
+        let pod_spec = json!({
+            "nodeSelector": {"poolpilot.io/e2e-no-such-node": "true"},
+            "containers": [{"name": "web", "image": "poolpilot/modelsim"}]
+        });
+        let created = ns.create_deployment("web", 2, pod_spec).await?;
         let deployment_uid = created.uid().expect("created objects have a uid");
 
         // The deployment controller creates a ReplicaSet owned by the Deployment ...

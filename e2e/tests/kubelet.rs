@@ -55,26 +55,16 @@ async fn deployment_pods_run_on_their_own_ips_behind_a_service_and_stop_when_del
         let deployments: Api<Deployment> = ns.api();
         let pods: Api<Pod> = ns.api();
         // Each replica serves its own pod name on port 8000 of its pod IP.
-        let deployment: Deployment = serde_json::from_value(json!({
-            "metadata": {"name": "web"},
-            "spec": {
-                "replicas": 2,
-                "selector": {"matchLabels": {"app": "web"}},
-                "template": {
-                    "metadata": {"labels": {"app": "web"}},
-                    "spec": {
-                        "terminationGracePeriodSeconds": 5,
-                        "containers": [{
-                            "name": "web", "image": "python",
-                            "command": ["python3", "-c",
-                                "import http.server, os\nclass H(http.server.BaseHTTPRequestHandler):\n def do_GET(self):\n  self.send_response(200); self.end_headers(); self.wfile.write(os.environ['POD_NAME'].encode())\nhttp.server.HTTPServer((os.environ['POD_IP'], 8000), H).serve_forever()"],
-                            "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
-                        }]
-                    }
-                }
-            }
-        }))?;
-        deployments.create(&PostParams::default(), &deployment).await?;
+        let pod_spec = json!({
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{
+                "name": "web", "image": "python",
+                "command": ["python3", "-c",
+                    "import http.server, os\nclass H(http.server.BaseHTTPRequestHandler):\n def do_GET(self):\n  self.send_response(200); self.end_headers(); self.wfile.write(os.environ['POD_NAME'].encode())\nhttp.server.HTTPServer((os.environ['POD_IP'], 8000), H).serve_forever()"],
+                "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
+            }]
+        });
+        ns.create_deployment("web", 2, pod_spec).await?;
         let ready = eventually("two Ready pods", WAIT, || async {
             let list = pods.list(&ListParams::default().labels("app=web")).await?;
             let ready: Vec<Pod> = list.items.into_iter().filter(is_ready).collect();

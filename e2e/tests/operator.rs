@@ -294,6 +294,21 @@ async fn teardown(ns: &TestNamespace, created: &ClusterScoped) {
     }
 }
 
+/// Runs `scenario` in a fresh namespace named after `prefix`, then deletes the cluster-scoped
+/// objects it recorded in its [`ClusterScoped`] (see [`teardown`]), whether it failed or not.
+async fn with_cluster_scoped(
+    prefix: &str,
+    scenario: impl AsyncFnOnce(&TestNamespace, &mut ClusterScoped) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    with_namespace(prefix, async |ns| {
+        let mut created = ClusterScoped::default();
+        let result = scenario(ns, &mut created).await;
+        teardown(ns, &created).await;
+        result
+    })
+    .await
+}
+
 /// Collapses every run of whitespace into one space (`kubectl explain` wraps long lines).
 fn words(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
@@ -302,13 +317,7 @@ fn words(text: &str) -> String {
 #[tokio::test]
 async fn the_operator_accepts_a_policy_under_its_cluster_role_without_rbac_denials()
 -> anyhow::Result<()> {
-    with_namespace("op-accept", async |ns| {
-        let mut created = ClusterScoped::default();
-        let result = accept_scenario(ns, &mut created).await;
-        teardown(ns, &created).await;
-        result
-    })
-    .await
+    with_cluster_scoped("op-accept", accept_scenario).await
 }
 
 /// `kubectl apply` of `yaml` in `ns`, which the API server must refuse: its stderr.
@@ -667,13 +676,7 @@ async fn kubectl_logs_works_as_on_any_cluster(
 
 #[tokio::test]
 async fn without_create_on_configmaps_the_operator_fails_visibly() -> anyhow::Result<()> {
-    with_namespace("op-rbac", async |ns| {
-        let mut created = ClusterScoped::default();
-        let result = missing_verb_scenario(ns, &mut created).await;
-        teardown(ns, &created).await;
-        result
-    })
-    .await
+    with_cluster_scoped("op-rbac", missing_verb_scenario).await
 }
 
 async fn missing_verb_scenario(
@@ -869,13 +872,7 @@ fn limits_configmap(name: &str, policy: &str, uid: Option<&str>) -> Value {
 #[tokio::test]
 async fn the_operators_identity_may_write_only_the_limits_configmaps_it_manages()
 -> anyhow::Result<()> {
-    with_namespace("op-configmaps", async |ns| {
-        let mut created = ClusterScoped::default();
-        let result = configmap_scenario(ns, &mut created).await;
-        teardown(ns, &created).await;
-        result
-    })
-    .await
+    with_cluster_scoped("op-configmaps", configmap_scenario).await
 }
 
 async fn configmap_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> anyhow::Result<()> {
@@ -969,17 +966,18 @@ async fn configmap_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> 
     .await?;
 
     // Everything else is refused by the admission policy, naming the rule.
+    let apply_as_operator = vec![
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "--field-manager=poolpilot-operator",
+        "-n",
+        name,
+    ];
     let refusals: [(&str, Vec<&str>, Option<Value>, &str); 5] = [
         (
             "a change of a ConfigMap it does not manage",
-            vec![
-                "apply",
-                "--server-side",
-                "--force-conflicts",
-                "--field-manager=poolpilot-operator",
-                "-n",
-                name,
-            ],
+            apply_as_operator.clone(),
             Some(
                 json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app-settings"}, "data": {"mode": "debug"}}),
             ),
@@ -1007,14 +1005,7 @@ async fn configmap_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> 
         ),
         (
             "taking over a ConfigMap by labelling it",
-            vec![
-                "apply",
-                "--server-side",
-                "--force-conflicts",
-                "--field-manager=poolpilot-operator",
-                "-n",
-                name,
-            ],
+            apply_as_operator.clone(),
             Some(limits_configmap("team-limits", "team", Some(&uid))),
             "may not take over ConfigMap team-limits",
         ),
