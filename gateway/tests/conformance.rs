@@ -9,8 +9,6 @@ use std::fmt;
 use std::time::Duration;
 
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 /// How long a test waits for the gateway to close a connection.
 const WAIT: Duration = Duration::from_secs(3);
@@ -38,16 +36,8 @@ impl fmt::Display for Answer {
 
 /// Sends the raw bytes of `request` on a fresh connection to the gateway's proxy listener.
 async fn send(gw: &Gw, request: impl AsRef<[u8]>) -> Answer {
-    let mut s = TcpStream::connect(gw.proxy).await.unwrap();
-    s.write_all(request.as_ref()).await.unwrap();
-    let mut out = Vec::new();
-    let closed = tokio::time::timeout(WAIT, s.read_to_end(&mut out))
-        .await
-        .is_ok();
-    Answer {
-        text: String::from_utf8_lossy(&out).into_owned(),
-        closed,
-    }
+    let (text, closed) = raw_exchange(gw.proxy, request.as_ref(), WAIT).await;
+    Answer { text, closed }
 }
 
 /// Whether a test also requires the gateway to close the connection after its answer.

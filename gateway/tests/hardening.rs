@@ -15,13 +15,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-/// Sends raw bytes and reads until the gateway closes or `wait` passes.
+/// Sends raw bytes and reads until the gateway closes or `wait` passes (see [`raw_exchange`]).
 async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(bytes).await.unwrap();
-    let mut out = Vec::new();
-    let _ = tokio::time::timeout(wait, s.read_to_end(&mut out)).await;
-    String::from_utf8_lossy(&out).into_owned()
+    raw_exchange(addr, bytes, wait).await.0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

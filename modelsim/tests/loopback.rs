@@ -162,6 +162,15 @@ fn fast() -> ServiceTime {
     ServiceTime::fixed(Duration::from_millis(1), Duration::from_millis(1), 4)
 }
 
+/// Modelsim with the default configuration but the [`fast`] service time.
+async fn start_fast() -> Modelsim {
+    start(Config {
+        service: fast(),
+        ..Config::default()
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_openai_shapes() {
     let sim = start(Config {
@@ -721,11 +730,7 @@ async fn faults_flip_at_runtime_through_the_admin_api() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_reset_sends_a_tcp_reset() {
-    let sim = start(Config {
-        service: fast(),
-        ..Config::default()
-    })
-    .await;
+    let sim = start_fast().await;
     sim.set_faults(Faults {
         reset_ratio: 1.0,
         ..Faults::default()
@@ -852,11 +857,7 @@ async fn fault_stall_hangs_until_the_client_gives_up() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_slow_headers_delays_the_response_head() {
-    let sim = start(Config {
-        service: fast(),
-        ..Config::default()
-    })
-    .await;
+    let sim = start_fast().await;
     let addr = sim.addr();
     sim.set_faults(Faults {
         slow_headers_ms: 400,
@@ -1021,11 +1022,7 @@ async fn connect_from(from: [u8; 4], addr: SocketAddr) -> TcpStream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_connection_peak_names_who_held_it() {
-    let sim = start(Config {
-        service: fast(),
-        ..Config::default()
-    })
-    .await;
+    let sim = start_fast().await;
     let addr = sim.addr();
     let peers = |s: &Stats| -> BTreeMap<String, usize> {
         let mut by_ip = BTreeMap::new();

@@ -569,6 +569,19 @@ pub fn spawn_post(
     })
 }
 
+/// Sends the raw `bytes` on a fresh connection to `addr` and reads until the peer closes it or
+/// `wait` passes: what arrived (as lossy UTF-8), and whether the peer closed the connection.
+pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8], wait: Duration) -> (String, bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    let closed = tokio::time::timeout(wait, s.read_to_end(&mut out))
+        .await
+        .is_ok();
+    (String::from_utf8_lossy(&out).into_owned(), closed)
+}
+
 /// A metric's value: the first sample line starting with `series` (name and labels).
 pub fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
