@@ -122,12 +122,12 @@ lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
 # `make test`: promtool is built from Go, which this tier does not need for them.
 unit: chart-lint sdk ## Unit and loopback integration tests, doc tests, chart lint, the OpenAI SDK against the gateway (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
-	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test -p poolpilot-gateway --test openai_sdk -- --ignored
+	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test -p poolpilot-gateway --test loopback -- --ignored openai_sdk::
 	cargo test -p poolpilot-e2e --lib --bins
 	cd e2e/cluster && go test ./hostnet/
 
 # The official OpenAI Python SDK, for the gateway's loopback test of what a real client does with
-# its answers (gateway/tests/openai_sdk.rs), in a virtualenv of the cache.
+# its answers (gateway/tests/loopback/openai_sdk.rs), in a virtualenv of the cache.
 OPENAI_SDK_VERSION := 3.57.0
 SDK_VENV         := $(CACHE)/venv-openai-$(OPENAI_SDK_VERSION)
 SDK_PYTHON       := $(SDK_VENV)/bin/python
@@ -230,7 +230,7 @@ bench: bench-peers cluster-up ## Proxy benchmarks beside HAProxy and nginx, cont
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-bench
 	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT) --bin-dir $(BENCH_BIN)
 	POOLPILOT_BENCH_FRAGMENT=$(CURDIR)/$(SOFT_THROTTLE_OUT) CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) \
-		cargo test --release -p poolpilot-gateway --test soft_throttle -- --ignored
+		cargo test --release -p poolpilot-gateway --test loopback -- --ignored soft_throttle::
 	$(BENCH_BIN)/poolpilot-bench run --gateway-bin $(BENCH_BIN)/poolpilot-gateway \
 		--run-dir $(CACHE)/bench-run --out BENCHMARKS.md --analysis e2e/bench/analysis.md \
 		--include $(LOOP_BENCH_OUT) --include $(SOFT_THROTTLE_OUT)

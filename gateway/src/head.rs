@@ -10,7 +10,7 @@
 //! colon, obs-fold, bare CR, `Content-Length` values, transfer codings, `Transfer-Encoding`
 //! beside `Content-Length` (framed by the former, the latter removed, the connection closed
 //! after the response), `Connection: close`, HEAD, HTTP/1.0 framing) are listed with these in gateway/README.md and tested in
-//! `tests/conformance.rs`.
+//! `tests/loopback/conformance.rs`.
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::Authority;

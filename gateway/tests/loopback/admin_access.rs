@@ -4,20 +4,18 @@
 //! timeouts on silent, slow and non-reading clients; HTTPS from a certificate that is re-read
 //! when it changes.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::*;
 use http_body_util::BodyExt as _;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use poolpilot_gateway::config::{AdminTlsFiles, GatewayConfig, Listeners};
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, ServerName};
-use support::*;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::time::Instant;

@@ -1,12 +1,10 @@
 //! Loopback tests of health: an endpoint that starts failing is ejected and gets no traffic,
 //! and returns once its probes pass.
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_endpoint_is_ejected_and_returns_after_probes_pass() {

@@ -5,12 +5,10 @@
 //! access log and the per-class metrics, a header sent twice counts as its lowest value, and
 //! bad priority rules on `PUT /v1/limits` get a 422 that names each.
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 const HEADER: &str = "x-poolpilot-priority";
 

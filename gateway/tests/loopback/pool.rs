@@ -3,14 +3,12 @@
 //! closed connection held until the backend lets go of it, and the pod-wide cap shared across
 //! backends.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::time::Instant;
 

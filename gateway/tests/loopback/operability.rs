@@ -4,13 +4,11 @@
 //! takes, `validate` (the real binary), the log level changed at run time, and draining one
 //! endpoint by hand.
 
-mod support;
-
 use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// One backend `model-a` serving models `m-a` and `m-a-mini` (two routes), `model-b` serving
 /// `m-b`, the first behind a client policy with an override and a concurrency of 1.
@@ -411,6 +409,9 @@ fn validate_checks_a_configuration_like_nginx_t() {
     assert!(out.contains("--config"), "{out}");
 }
 
+/// The request ids of the log-level test's calls.
+const ID_PREFIX: &str = "log-level-test-";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_log_level_changes_at_run_time_through_the_admin_api() {
     let dir = tempfile::tempdir().unwrap();
@@ -424,18 +425,28 @@ async fn the_log_level_changes_at_run_time_through_the_admin_api() {
     );
     let backend = Backend::start().await;
     let gw = Gw::start(limits("model-a", &[backend.addr], 4)).await;
+    // The logger is the process's: the gateways of tests running beside this one log through
+    // it too, so only the debug lines of this test's own calls (told by request id) count.
     let debug_lines = || {
         std::fs::read_to_string(&log)
             .unwrap()
             .lines()
-            .filter(|l| l.contains("request not proxied"))
+            .filter(|l| l.contains("request not proxied") && l.contains(ID_PREFIX))
             .count()
+    };
+    let refused = |n: &str| {
+        let id = format!("{ID_PREFIX}{n}");
+        async move {
+            get(gw.proxy, "/v1/a%2Fb", &[("x-request-id", id.as_str())])
+                .await
+                .0
+        }
     };
 
     let (status, body) = gw.admin_call("GET", "/v1/log-level", "").await;
     assert_eq!(status, 200);
     assert_eq!(body, r#"{"level":"info"}"#);
-    assert_eq!(get(gw.proxy, "/v1/a%2Fb", &[]).await.0, 400);
+    assert_eq!(refused("info").await, 400);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(debug_lines(), 0, "refusals are debug lines");
 
@@ -444,19 +455,16 @@ async fn the_log_level_changes_at_run_time_through_the_admin_api() {
         .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body, r#"{"level":"debug","previous":"info"}"#);
-    assert_eq!(
-        get(gw.proxy, "/v1/a%2Fb", &[("x-request-id", "dbg-1")])
-            .await
-            .0,
-        400
-    );
+    assert_eq!(refused("debug").await, 400);
     assert_eventually!(
         debug_lines() == 1,
         Duration::from_secs(2),
         "the debug line appears"
     );
     assert!(
-        std::fs::read_to_string(&log).unwrap().contains("dbg-1"),
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains(&format!("{ID_PREFIX}debug")),
         "with its request id"
     );
 
@@ -465,7 +473,7 @@ async fn the_log_level_changes_at_run_time_through_the_admin_api() {
         .admin_call("PUT", "/v1/log-level", "info,poolpilot_gateway::pool=trace")
         .await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(get(gw.proxy, "/v1/a%2Fb", &[]).await.0, 400);
+    assert_eq!(refused("trace").await, 400);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(debug_lines(), 1, "proxy debug lines are off again");
 
@@ -480,6 +488,13 @@ async fn the_log_level_changes_at_run_time_through_the_admin_api() {
     );
     let (status, ..) = get(gw.admin, "/v1/log-level", &[]).await;
     assert_eq!(status, 401, "behind the token");
+
+    // The logger stays installed for the rest of the test process, where it would format the
+    // lines of every other test's gateway into a file already deleted: quiet, as before it.
+    let (status, body) = gw
+        .admin_call("PUT", "/v1/log-level", r#"{"level":"off"}"#)
+        .await;
+    assert_eq!(status, 200, "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,12 +2,10 @@
 //! for one client while another is unaffected, the allowlist, slow-call demotion, and the
 //! client table of a client rotating its key.
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn with_policy(
     backend: std::net::SocketAddr,

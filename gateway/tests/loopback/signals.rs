@@ -3,11 +3,9 @@
 //! times by client class, connections reclaimed from idle clients and slow heads, and the age of
 //! upstream connections at their close.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tokio::io::AsyncWriteExt as _;
 
 /// The count of a histogram series (`name_count{labels}`), 0 when absent.

@@ -1,13 +1,11 @@
 //! Loopback tests of the admin API (limits PUT/GET, readiness, stats, the metric contract),
 //! hot reload of the limits file, and routing by path, header and JSON `model`.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use http::header::CONTENT_TYPE;
 use http_body_util::BodyExt;
-use support::*;
 
 async fn put(gw: &Gw, token: Option<&str>, body: &str) -> (u16, serde_json::Value) {
     let bearer = token.map(|t| format!("Bearer {t}"));

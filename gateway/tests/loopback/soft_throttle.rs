@@ -2,12 +2,10 @@
 //! are delayed `min(max, pending × perPending)` before joining them; and (ignored, run by hand
 //! for BENCHMARKS.md) the plain queue and the soft throttle side by side under the same load.
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tokio::time::Instant;
 
 fn throttled_limits(
@@ -175,7 +173,7 @@ async fn soft_throttle_beside_the_plain_queue() {
              `pool.softThrottle` delays a lease request `min(max, pending × perPending)` before it \
              joins the queue (the lease-timeout incident's client slept `min(10, pending × 2)` ms \
              before asking for a lease). Measured in-process on loopback by `make bench` (`cargo \
-             test --release -p poolpilot-gateway --test soft_throttle -- --ignored`, which writes \
+             test --release -p poolpilot-gateway --test loopback -- --ignored soft_throttle::`, which writes \
              this section) with {build} build: one backend answering in 20 ms, \
              `maxConnectionsPerEndpoint: 8` (ceiling 400 completed/s), `leaseTimeout: 150ms`, \
              closed-loop clients on keep-alive connections for {} s each (a 503 is retried after \

@@ -5,13 +5,11 @@
 //! starts once the body is sent; and nothing the client does to its body is held against the
 //! backend (no outlier ejection, no upstream timeout or duration).
 
-mod support;
-
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;

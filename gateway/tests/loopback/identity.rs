@@ -2,13 +2,11 @@
 //! OpenAI SDKs send), and a client's address taken from a trusted proxy, by PROXY protocol v2
 //! (per-source connection caps then count the real client) or by `X-Forwarded-For`.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

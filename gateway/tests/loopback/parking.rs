@@ -3,13 +3,11 @@
 //! with half a head pipelined), stays counted in the connection metrics, and is closed by
 //! the idle timeout and by drain; many connections park eagerly and are all served again.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::support::*;
 use poolpilot_gateway::server::{PARK_AFTER, PARK_EAGERLY_ABOVE};
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;

@@ -5,12 +5,10 @@
 //! Needs a Python with the `openai` package: `POOLPILOT_PYTHON` names it (`make sdk` installs
 //! one in a virtualenv of the cache, and `make unit` runs this test with it). Ignored without.
 
-mod support;
-
 use std::process::Command;
 use std::sync::atomic::Ordering;
 
-use support::*;
+use crate::support::*;
 
 /// A burst of `calls` chat calls at once from one `AsyncOpenAI` client (3 retries), printing
 /// the outcomes as JSON: `ok`, `429` (a RateLimitError after its retries), `connection_error`,

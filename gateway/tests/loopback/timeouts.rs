@@ -2,13 +2,11 @@
 //! connection discarded, a stalled SSE stream cut at streamIdle (an error, not a clean end),
 //! SSE chunks forwarded as they are produced, a stream timed to its first byte.
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::support::*;
 use http_body_util::BodyExt;
-use support::*;
 use tokio::time::Instant;
 
 fn with_timeouts(

@@ -3,12 +3,10 @@
 //! the sections is in gateway/README.md ("HTTP conformance"). Where the RFC lets a server
 //! choose (reject or repair), the test names the gateway's choice.
 
-mod support;
-
 use std::fmt;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// How long a test waits for the gateway to close a connection.
 const WAIT: Duration = Duration::from_secs(3);
