@@ -263,7 +263,7 @@ impl<'a> Stack<'a> {
             file.path(),
             serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
         )?;
-        run(self.kubectl().args(["apply", "-f"]).arg(file.path())).await?;
+        cluster.apply(file.path()).await?;
         Ok(())
     }
 
