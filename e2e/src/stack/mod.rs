@@ -4,7 +4,7 @@
 //! ServiceAccount, bound to the shipped ClusterRole in this namespace only, never
 //! cluster-admin), the gateway Deployment, the sample modelsim backends, and then the policies a
 //! scenario applies with `kubectl apply`. The local kubelet runs every pod; the cluster's
-//! Prometheus discovers and scrapes them. The scenarios (`e2e/tests/scenarios_*.rs`) and the demo
+//! Prometheus discovers and scrapes them. The scenarios (`e2e/tests/scenarios/`) and the demo
 //! drive it through processes, kubectl and the Kubernetes API only.
 //!
 //! ```text
