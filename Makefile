@@ -120,9 +120,13 @@ lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
 # modelsim's in modelsim/tests, the local kubelet's); of poolpilot-e2e only the unit tests (its
 # tests/ need the cluster). The alert rules' promtool tests are `make monitoring-test`, part of
 # `make test`: promtool is built from Go, which this tier does not need for them.
+# The SDK test selects the same packages as the line before it: cargo unifies the dependencies'
+# features over the packages a command selects, and `-p poolpilot-gateway` alone would build
+# tokio, hyper and the rest again with fewer features (a minute of a cold run).
+# `--test loopback` also selects modelsim's tests/loopback.rs, which has no `openai_sdk::` test.
 unit: chart-lint sdk ## Unit and loopback integration tests, doc tests, chart lint, the OpenAI SDK against the gateway (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
-	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test -p poolpilot-gateway --test loopback -- --ignored openai_sdk::
+	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored openai_sdk::
 	cargo test -p poolpilot-e2e --lib --bins
 	cd e2e/cluster && go test ./hostnet/
 

@@ -40,6 +40,9 @@ pub struct Cluster {
 /// How long a cold `cluster up` may take on a loaded 2-core machine.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(240);
 
+/// How many times [`Cluster::apply`] applies a manifest that lost a race to another apply.
+pub const APPLY_ATTEMPTS: u32 = 5;
+
 static SHARED: OnceCell<Cluster> = OnceCell::const_new();
 
 impl Cluster {
@@ -284,6 +287,40 @@ impl Cluster {
         ]))
         .await?;
         Ok(())
+    }
+
+    /// `kubectl apply -f manifest`, as a user applies it (client-side apply), safe when several
+    /// tests apply the same cluster-scoped objects at once (the operator's ClusterRole, its
+    /// ValidatingAdmissionPolicy and binding): kubectl reads each object and creates it when it is
+    /// absent, so of two applies that find a new object absent at the same moment, the slower
+    /// one's create fails with `AlreadyExists` (8 applies at once of one new ClusterRole, 15
+    /// times: 7 of the 120 failed so). That answer, or a `Conflict`, means another apply got there
+    /// first: the apply runs again, now an update of what the other created (idempotent), up to
+    /// [`APPLY_ATTEMPTS`] times. Any other failure fails at once. Returns kubectl's output.
+    /// (The shared objects are never deleted by a test, which would race an apply's patch.)
+    ///
+    /// (`kubectl apply --server-side` had no such race in the same trial, 120 of 120 applied,
+    /// but it is not how the manifests are documented to be applied, and it refuses to take
+    /// over fields another manager set to other values.)
+    pub async fn apply(&self, manifest: &Path) -> anyhow::Result<String> {
+        let mut attempt = 1;
+        loop {
+            let out = output(self.kubectl().args(["apply", "-f"]).arg(manifest)).await?;
+            if out.status.success() {
+                return Ok(String::from_utf8(out.stdout)?);
+            }
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let lost_a_race = stderr.contains("(AlreadyExists)") || stderr.contains("(Conflict)");
+            if !lost_a_race || attempt == APPLY_ATTEMPTS {
+                bail!(
+                    "kubectl apply -f {} failed ({}, attempt {attempt} of {APPLY_ATTEMPTS}):\n{stderr}",
+                    manifest.display(),
+                    out.status
+                );
+            }
+            attempt += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// A `kubectl` command (the bundled, version-matched one) using the admin kubeconfig.

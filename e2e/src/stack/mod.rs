@@ -4,7 +4,7 @@
 //! ServiceAccount, bound to the shipped ClusterRole in this namespace only, never
 //! cluster-admin), the gateway Deployment, the sample modelsim backends, and then the policies a
 //! scenario applies with `kubectl apply`. The local kubelet runs every pod; the cluster's
-//! Prometheus discovers and scrapes them. The scenarios (`e2e/tests/scenarios_*.rs`) and the demo
+//! Prometheus discovers and scrapes them. The scenarios (`e2e/tests/scenarios/`) and the demo
 //! drive it through processes, kubectl and the Kubernetes API only.
 //!
 //! ```text
@@ -147,6 +147,9 @@ pub struct StackSpec {
     /// Secrets created in the namespace and mounted into the operator (credentials for a
     /// Prometheus behind authentication, say).
     pub operator_secrets: Vec<OperatorSecret>,
+    /// Top-level settings of the gateways' configuration file (`manifests/gateway/gateway.yaml`)
+    /// that this stack replaces, as key and YAML value: `("awaitOperator", "5s")`.
+    pub gateway_settings: Vec<(&'static str, String)>,
 }
 
 /// A Secret of the test mounted read-only into the operator's container.
@@ -173,6 +176,7 @@ impl Default for StackSpec {
             operator_args: Vec::new(),
             binaries: None,
             operator_secrets: Vec::new(),
+            gateway_settings: Vec::new(),
         }
     }
 }
@@ -263,7 +267,7 @@ impl<'a> Stack<'a> {
             file.path(),
             serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
         )?;
-        run(self.kubectl().args(["apply", "-f"]).arg(file.path())).await?;
+        cluster.apply(file.path()).await?;
         Ok(())
     }
 
@@ -285,6 +289,16 @@ impl<'a> Stack<'a> {
             // kubelet, kept right for the record).
             let text = serde_json::to_string(object)?.replace("poolpilot-system", ns);
             *object = serde_json::from_str(&text)?;
+        }
+        if kind == "ConfigMap"
+            && let Some(text) = object["data"]["gateway.yaml"].as_str()
+            && !spec.gateway_settings.is_empty()
+        {
+            let mut config: Value = serde_norway::from_str(text)?;
+            for (key, value) in &spec.gateway_settings {
+                config[*key] = serde_norway::from_str(value)?;
+            }
+            object["data"]["gateway.yaml"] = json!(serde_norway::to_string(&config)?);
         }
         if kind != "Deployment" {
             return Ok(());
@@ -416,6 +430,27 @@ impl<'a> Stack<'a> {
             .args(["apply", "-n", self.name(), "-f"])
             .arg(file.path()))
         .await
+    }
+
+    /// Applies `policy` (named [`POLICY`]) so that its targets start at `autoscale.min` instead
+    /// of the upper bound a new policy starts at: first with `autoscale.max` lowered to the
+    /// minimum, then, once that is rolled out, as given (raising a bound leaves a target where
+    /// it is until demand asks for more). A scenario whose load must find the pool at its
+    /// minimum is spared the shrinking there, a scale-down stabilization window and more.
+    pub async fn apply_starting_at_min(&self, policy: &Value) -> anyhow::Result<()> {
+        let min = policy
+            .pointer("/spec/autoscale/min")
+            .cloned()
+            .context("the policy has no spec.autoscale.min")?;
+        let mut at_min = policy.clone();
+        set(&mut at_min, "/spec/autoscale/max", min)?;
+        self.apply(&at_min).await?;
+        self.wait_condition(POLICY, "RolledOut", "True", WAIT)
+            .await?;
+        self.apply(policy).await?;
+        self.wait_condition(POLICY, "RolledOut", "True", WAIT)
+            .await?;
+        Ok(())
     }
 
     /// The policy `name`.

@@ -44,19 +44,23 @@ async fn a_canary_answering_5xx_is_rolled_back_and_the_rest_never_get_its_docume
         // Static targets (no autoscale), so that only the edit makes a new revision.
         let mut policy = one_backend_policy("model-a", INTERVAL, 4, 24)?;
         set(&mut policy, "/spec/autoscale/enabled", json!(false))?;
-        set(
-            &mut policy,
-            "/spec/rollout",
-            json!({"strategy": "Progressive", "canaryPods": 1, "verifyIntervals": VERIFY_INTERVALS}),
-        )?;
         // One failing call must not eject the endpoint: the canary keeps calling it.
         if let Some(b) = policy.pointer_mut("/spec/backends/0") {
             b.as_object_mut().map(|o| o.remove("outlierDetection"));
             b.as_object_mut().map(|o| o.remove("healthCheck"));
         }
+        // The first document reaches every pod at once (the quick policy's rollout verifies
+        // nothing); then the rollout verifies, which leaves the document as it is.
         stack.apply(&policy).await?;
         let mut gateways = stack.wait_gateways(3).await?;
         gateways.sort_by(|a, b| a.name.cmp(&b.name));
+        stack.wait_condition(POLICY, "Ready", "True", WAIT).await?;
+        set(
+            &mut policy,
+            "/spec/rollout",
+            json!({"strategy": "Progressive", "canaryPods": 1, "verifyIntervals": VERIFY_INTERVALS}),
+        )?;
+        stack.apply(&policy).await?;
         stack.wait_condition(POLICY, "Ready", "True", WAIT).await?;
         let before: Vec<String> = {
             let mut v = Vec::new();
@@ -75,7 +79,8 @@ async fn a_canary_answering_5xx_is_rolled_back_and_the_rest_never_get_its_docume
             ),
             6,
         )?;
-        tokio::time::sleep(INTERVAL * 2).await;
+        // Calls of every pod in Prometheus before the edit.
+        tokio::time::sleep(INTERVAL).await;
 
         // === the regressing edit ===
         set(

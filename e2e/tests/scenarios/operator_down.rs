@@ -3,8 +3,9 @@
 //! `autoscale.min`). (a) With the operator scaled to 0 the gateways keep their limits and serve;
 //! (b) a gateway pod deleted meanwhile is replaced by one that starts from the durable ConfigMap
 //! `models-limits` (its revision, generation and tuned shares, not defaults) and turns Ready
-//! without the operator (once its `awaitOperator` wait, 15 s, is over); (c) back at 2 replicas, deleting the leader hands the Lease to the
-//! standby, which resumes without resetting the targets.
+//! without the operator (once its `awaitOperator` wait is over: 5 s here, 15 s as shipped); (c)
+//! back at 2 replicas, deleting the leader hands the Lease to the standby, which resumes without
+//! resetting the targets.
 
 use std::time::Duration;
 
@@ -32,6 +33,9 @@ const INTERVAL: Duration = Duration::from_secs(5);
 const MIN: u32 = 6;
 const MAX: u32 = 25;
 const GATEWAYS: usize = 3;
+/// The gateways' `awaitOperator`: how long a started pod waits for the operator's share before
+/// it serves the ConfigMap's limits alone (shortened from the shipped 15 s).
+const AWAIT_OPERATOR: Duration = Duration::from_secs(5);
 /// The leader-election Lease (`--lease-name`, in the operator's namespace).
 const LEASE: &str = "poolpilot-operator";
 /// The operator's own metrics port (`--listen=$(POD_IP):8080` in the overlay).
@@ -44,6 +48,7 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
         gateways: GATEWAYS as u32,
         operators: 2,
         backends: vec![BackendSpec::new("model-a", 2, 64).service_ms(100)],
+        gateway_settings: vec![("awaitOperator", format!("{}s", AWAIT_OPERATOR.as_secs()))],
         ..StackSpec::default()
     };
     with_stack("opdown", spec, async |stack| {
@@ -181,6 +186,10 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
         )
         .await?;
         let replaced_after = deleted.elapsed();
+        assert!(
+            replaced_after >= AWAIT_OPERATOR,
+            "the replacement waits {AWAIT_OPERATOR:?} for the operator before it serves alone: Ready after {replaced_after:?}"
+        );
         anyhow::ensure!(
             stack.ready_pods(OPERATOR_LABELS).await?.is_empty(),
             "the operator is still down"

@@ -24,8 +24,9 @@ const SCENARIO: &str = "partial-scrape";
 const INTERVAL: Duration = Duration::from_secs(5);
 /// Closed-loop workers, all through the pod that drops out of the scrape.
 const WORKERS: usize = 12;
-/// How long the pod stays unscraped: the 10 s scale-down stabilization and six decisions more.
-const HIDDEN: Duration = Duration::from_secs(40);
+/// How long the pod stays unscraped: the 10 s scale-down stabilization and four decisions more
+/// (`MetricsAvailable` turns False after three missed ones, 15–20 s in).
+const HIDDEN: Duration = Duration::from_secs(30);
 /// The bounds of the target.
 const MIN: u32 = 2;
 const MAX: u32 = 40;

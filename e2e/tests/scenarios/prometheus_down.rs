@@ -75,9 +75,9 @@ async fn prometheus_down_holds_targets_then_resumes_after_two_fresh_samples() ->
             LIGHT,
         )?;
         stack.wait_condition(POLICY, "Ready", "True", WAIT).await?;
-        wait_fresh(stack).await?;
 
-        // Raise the upper bound: the target stays at 10 (nothing asks for more yet).
+        // Raise the upper bound: the target stays at 10 (nothing asks for more yet), over two
+        // decisions on fresh samples.
         set(&mut policy, "/spec/autoscale/max", json!(30))?;
         stack.apply(&policy).await?;
         stack.wait_condition(POLICY, "Ready", "True", WAIT).await?;

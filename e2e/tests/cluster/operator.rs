@@ -90,7 +90,8 @@ struct ClusterScoped {
 /// Deploys the operator's objects into the test namespace, with the CA bundle an install gives
 /// it: namespaced objects move there, the RoleBinding binds the ClusterRole to the namespace's
 /// ServiceAccount in this namespace only, the operator watches only this namespace. The shipped
-/// ClusterRole and admission policy are applied as they are (shared, idempotent).
+/// ClusterRole and admission policy are applied as they are (shared with concurrent tests:
+/// [`poolpilot_e2e::Cluster::apply`]).
 async fn deploy_operator(
     ns: &TestNamespace,
     how: Deploy<'_>,
@@ -158,12 +159,8 @@ async fn deploy_operator(
         file.path(),
         serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
     )?;
-    run(ns
-        .cluster()
-        .kubectl()
-        .args(["apply", "-f"])
-        .arg(file.path()))
-    .await?;
+    // Shared with the other tests' applies: a create may lose a race (see `Cluster::apply`).
+    ns.cluster().apply(file.path()).await?;
     Ok(())
 }
 
@@ -917,7 +914,7 @@ async fn configmap_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> 
         file.path(),
         serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
     )?;
-    run(cluster.kubectl().args(["apply", "-f"]).arg(file.path())).await?;
+    cluster.apply(file.path()).await?;
     apply_sample(ns).await?;
     let policies: Api<ConnectionPolicy> = ns.api();
     let uid = policies

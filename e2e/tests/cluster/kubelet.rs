@@ -124,7 +124,7 @@ async fn deployment_pods_run_on_their_own_ips_behind_a_service_and_stop_when_del
         })
         .await?;
         // The processes are gone with their addresses (a connect now fails with "No route to
-        // host", as e2e/tests/hermetic.rs shows; the interface tells which).
+        // host", as e2e/tests/cluster/hermetic.rs shows; the interface tells which).
         for ip in &ips {
             let addr: std::net::IpAddr = ip.parse()?;
             assert!(!poolpilot_local_kubelet::host_has_address(addr), "{ip} must be released from lo");

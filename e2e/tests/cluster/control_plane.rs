@@ -1,6 +1,7 @@
 //! The embedded control plane is a real Kubernetes: kube-controller-manager drives Deployments
 //! and garbage collection, kubectl applies CRDs, RBAC refuses what an identity may not do, and
-//! the version is the real one.
+//! the version is the real one. And the tests' shared apply (`Cluster::apply`) holds when
+//! several tests apply one new cluster-scoped object at once, as they do on a fresh cluster.
 
 use std::time::Duration;
 
@@ -244,6 +245,51 @@ async fn rbac_refuses_a_service_account_without_rights() -> anyhow::Result<()> {
         Ok(())
     })
     .await
+}
+
+#[tokio::test]
+async fn applies_of_one_new_cluster_scoped_object_at_once_all_succeed_and_one_creates_it()
+-> anyhow::Result<()> {
+    // As the tests of this binary apply the operator's ClusterRole on a fresh cluster; a plain
+    // `kubectl apply` of a new object by 8 at once fails for some with AlreadyExists.
+    const APPLIES: usize = 8;
+    const ROUNDS: usize = 5;
+    let cluster = Cluster::shared().await?;
+    let dir = tempfile::tempdir()?;
+    let mut names = Vec::new();
+    let mut outcomes = Vec::new();
+    for round in 0..ROUNDS {
+        let name = format!("e2e-apply-race-{}-{round}", std::process::id());
+        let manifest = dir.path().join(format!("{name}.json"));
+        std::fs::write(
+            &manifest,
+            serde_json::to_vec(&json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                "metadata": {"name": name},
+                "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}],
+            }))?,
+        )?;
+        names.push(format!("clusterrole/{name}"));
+        let applies = (0..APPLIES).map(|_| cluster.apply(&manifest));
+        outcomes.push(futures::future::join_all(applies).await);
+    }
+    run(cluster
+        .kubectl()
+        .args(["delete", "--ignore-not-found"])
+        .args(&names))
+    .await?;
+    for (round, results) in outcomes.into_iter().enumerate() {
+        let said: Vec<String> = results.into_iter().collect::<anyhow::Result<_>>()?;
+        let created = said
+            .iter()
+            .filter(|s| s.trim_end().ends_with(" created"))
+            .count();
+        assert_eq!(
+            created, 1,
+            "round {round}: one apply creates, the others update: {said:?}"
+        );
+    }
+    Ok(())
 }
 
 #[tokio::test]

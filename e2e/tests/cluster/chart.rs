@@ -17,6 +17,8 @@ use poolpilot_e2e::{Cluster, TestNamespace, eventually, with_namespace};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
 
+use crate::exclusive::BUILT_IN_ROLE_AGGREGATION;
+
 const WAIT: Duration = Duration::from_secs(180);
 
 /// `helm` with the cluster's admin kubeconfig.
@@ -259,6 +261,9 @@ async fn the_chart_installs_serves_upgrades_and_uninstalls_cleanly() -> anyhow::
         .await?;
 
         // Install: the operator and two gateways run, the sample policy is served end to end.
+        // The release's roles aggregated into the built-in ones have the rules of the
+        // manifests' (see `exclusive`): held until the uninstall has removed them.
+        let _aggregation = BUILT_IN_ROLE_AGGREGATION.lock().await;
         deploy_backends(ns).await?;
         run(helm(cluster)
             .args(["install", &release])

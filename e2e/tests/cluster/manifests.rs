@@ -10,6 +10,8 @@ use anyhow::Context as _;
 use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::paths::workspace_root;
 use poolpilot_e2e::{Cluster, with_namespace};
+
+use crate::exclusive::BUILT_IN_ROLE_AGGREGATION;
 use serde::Deserialize as _;
 use serde_json::Value;
 
@@ -371,8 +373,11 @@ async fn namespace_users_get_policies_through_the_built_in_view_and_edit_roles()
     with_namespace("aggregate", async |ns| {
         let cluster = ns.cluster();
         cluster.install_crd().await?;
+        // No chart release's aggregated roles (the same rules) while this test looks.
+        let _alone = BUILT_IN_ROLE_AGGREGATION.lock().await;
         let roles = workspace_root().join("manifests/operator/rbac-aggregate.yaml");
-        run(cluster.kubectl().arg("apply").arg("-f").arg(&roles)).await?;
+        // The stacks of other tests apply the same roles (the operator base has them).
+        cluster.apply(&roles).await?;
         let checked = async {
             for (user, role) in [("jane", "view"), ("joe", "edit")] {
                 run(cluster.kubectl().args([
@@ -428,12 +433,9 @@ async fn namespace_users_get_policies_through_the_built_in_view_and_edit_roles()
             anyhow::Ok(())
         }
         .await;
-        // Cluster-scoped: gone again whatever happened (the chart test installs its own).
-        run(cluster
-            .kubectl()
-            .args(["delete", "--ignore-not-found", "-f"])
-            .arg(&roles))
-        .await?;
+        // The roles stay, as every stack of the other tests leaves them (the operator base
+        // has them): a delete here would pull them from under those tests' concurrent applies
+        // and the overlay's dry run. The chart's release has roles of its own names.
         checked
     })
     .await

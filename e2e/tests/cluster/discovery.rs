@@ -151,7 +151,7 @@ async fn prometheus_discovers_modelsim_pods_through_the_apiserver() -> anyhow::R
         })
         .await?;
         // The pods' addresses are released with their processes (a connect would now fail
-        // with "No route to host", as e2e/tests/hermetic.rs shows; the interface tells which).
+        // with "No route to host", as e2e/tests/cluster/hermetic.rs shows; the interface tells which).
         for ip in &all_ips {
             let addr: std::net::IpAddr = ip.parse()?;
             assert!(
