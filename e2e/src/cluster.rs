@@ -323,6 +323,14 @@ impl Cluster {
         }
     }
 
+    /// [`Cluster::apply`] of `objects` as one `List`, in their order.
+    pub async fn apply_list(&self, objects: &[serde_json::Value]) -> anyhow::Result<String> {
+        let file = tempfile::NamedTempFile::new()?;
+        let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
+        std::fs::write(file.path(), serde_json::to_vec(&list)?)?;
+        self.apply(file.path()).await
+    }
+
     /// A `kubectl` command (the bundled, version-matched one) using the admin kubeconfig.
     pub fn kubectl(&self) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(&self.bin);

@@ -262,12 +262,7 @@ impl<'a> Stack<'a> {
             self.adapt(&mut object, &kind, spec)?;
             objects.push(object);
         }
-        let file = tempfile::NamedTempFile::new()?;
-        std::fs::write(
-            file.path(),
-            serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
-        )?;
-        cluster.apply(file.path()).await?;
+        cluster.apply_list(&objects).await?;
         Ok(())
     }
 

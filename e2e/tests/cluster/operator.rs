@@ -154,13 +154,8 @@ async fn deploy_operator(
     }
     // The reduced role is applied before the binding that refers to it (order of the list).
     objects.sort_by_key(|o| o["kind"] != "ClusterRole");
-    let file = tempfile::NamedTempFile::new()?;
-    std::fs::write(
-        file.path(),
-        serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
-    )?;
     // Shared with the other tests' applies: a create may lose a race (see `Cluster::apply`).
-    ns.cluster().apply(file.path()).await?;
+    ns.cluster().apply_list(&objects).await?;
     Ok(())
 }
 
@@ -909,12 +904,7 @@ async fn configmap_scenario(ns: &TestNamespace, created: &mut ClusterScoped) -> 
     objects.push(json!({"apiVersion": "v1", "kind": "ConfigMap",
                         "metadata": {"name": "team-limits", "namespace": name},
                         "data": {"quota": "10"}}));
-    let file = tempfile::NamedTempFile::new()?;
-    std::fs::write(
-        file.path(),
-        serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "List", "items": objects}))?,
-    )?;
-    cluster.apply(file.path()).await?;
+    cluster.apply_list(&objects).await?;
     apply_sample(ns).await?;
     let policies: Api<ConnectionPolicy> = ns.api();
     let uid = policies
