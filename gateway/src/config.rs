@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use poolpilot_api::Duration;
 use serde::Deserialize;
 
-use crate::access::AccessLogConfig;
+pub use crate::observe::access::AccessLogConfig;
 
 /// Command line of `poolpilot-gateway`.
 #[derive(Clone, Debug, clap::Parser)]
@@ -144,7 +144,7 @@ pub struct GatewayConfig {
     /// default, serves the file at once (a gateway without operator).
     #[serde(default)]
     pub await_operator: Duration,
-    /// The access log: one JSON line per call (see [`crate::access`]).
+    /// The access log: one JSON line per call (see [`crate::observe::access`]).
     #[serde(default)]
     pub access_log: AccessLogConfig,
     /// How some metrics are measured.
@@ -234,7 +234,7 @@ impl MetricsConfig {
     pub fn lease_wait_buckets(&self) -> Vec<f64> {
         match &self.lease_wait_buckets {
             Some(buckets) => buckets.iter().map(|d| d.get().as_secs_f64()).collect(),
-            None => crate::metrics::default_lease_wait_buckets(),
+            None => crate::observe::metrics::default_lease_wait_buckets(),
         }
     }
 }

@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Full};
 
 use crate::body::ResponseBody;
 use crate::limiter::ClientRejection;
-use crate::metrics::TimeoutKind;
+use crate::observe::TimeoutKind;
 use crate::pool::PoolError;
 
 /// `Retry-After` of failures whose cause passes quickly (a stale connection, an endpoint about

@@ -16,11 +16,11 @@ use poolpilot_api::limits::{HealthCheck, InvalidLimits, RouteMatch, Timeouts};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::access::AccessLog;
 use crate::budget::ByteBudget;
 use crate::health;
 use crate::limiter::{ClientLimiter, ClientStats};
-use crate::metrics::Metrics;
+use crate::observe::Metrics;
+use crate::observe::access::AccessLog;
 use crate::pool::{EndpointStats, Pool, PoolStats};
 use crate::retry::RetryMemory;
 use crate::upstream::HttpConnector;
@@ -571,7 +571,7 @@ impl Gateway {
             for ep in &stats.endpoints {
                 m.set_endpoint_gauges(
                     &r.backend.name,
-                    crate::metrics::EndpointGauges {
+                    crate::observe::metrics::EndpointGauges {
                         endpoint: &ep.name,
                         max: ep.max,
                         healthy: ep.healthy,
@@ -603,7 +603,7 @@ impl Gateway {
         }
         m.set_client_classes_queued(queued);
         m.set_route_buffer_bytes(self.inner.route_budget.held());
-        m.signals().refresh_runtime();
+        m.incidents().refresh_runtime();
     }
 
     /// Forgets idle clients periodically, for as long as the gateway lives.

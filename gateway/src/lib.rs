@@ -18,7 +18,6 @@
 //!
 //! Every failure of a request is typed and becomes a response in one place: [`error`].
 
-pub mod access;
 pub mod admin;
 pub mod body;
 pub mod budget;
@@ -28,11 +27,9 @@ pub mod error;
 pub mod gateway;
 pub mod head;
 pub mod health;
-pub mod labels;
 pub mod limiter;
-pub mod logging;
-pub mod metrics;
 pub mod models;
+pub mod observe;
 pub mod pool;
 pub mod proxy;
 pub mod queue;
@@ -41,7 +38,6 @@ pub mod retry;
 pub mod route;
 pub mod server;
 pub mod share;
-pub mod signals;
 pub mod source;
 pub mod upstream;
 pub mod validate;
@@ -55,7 +51,7 @@ use tokio::task::JoinHandle;
 
 pub use config::GatewayConfig;
 pub use gateway::Gateway;
-pub use metrics::Metrics;
+pub use observe::Metrics;
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +129,8 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         source,
     })?;
 
-    let access_log = access::AccessLog::open(&config.access_log).map_err(StartError::AccessLog)?;
+    let access_log =
+        observe::access::AccessLog::open(&config.access_log).map_err(StartError::AccessLog)?;
     let metrics = Metrics::with_lease_wait_buckets(config.metrics.lease_wait_buckets());
     let connector = upstream::HttpConnector {
         keepalive: config.upstream_keepalive.settings(),
@@ -148,7 +145,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     let conns = Arc::new(server::Connections::default());
     let mut tasks = vec![
         gw.spawn_maintenance(),
-        signals::spawn_lag_probe(gw.metrics().signals().clone()),
+        observe::incidents::spawn_lag_probe(gw.metrics().incidents().clone()),
     ];
     let poll = config.limits_poll_interval.get();
     // Each followed file is read every `poll` until shutdown; a change goes to its `on_change`.

@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::metrics::Metrics;
+use crate::observe::Metrics;
 use crate::pool::rate_whole_seconds;
 use crate::queue::{ClassQueue, Entry};
 
@@ -262,7 +262,7 @@ impl ClientLimiter {
             let demand = client.inflight + client.queue.len() as u32 + 1;
             self.inner
                 .metrics
-                .signals()
+                .incidents()
                 .client_concurrency(&policy, demand);
             if client.inflight < limit && client.queue.is_empty() {
                 client.inflight += 1;

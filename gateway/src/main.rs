@@ -16,7 +16,7 @@ fn main() -> anyhow::Result<()> {
             poolpilot_gateway::validate::run(config, limits.as_deref(), &mut std::io::stderr());
         std::process::exit(if ok { 0 } else { 1 });
     }
-    poolpilot_gateway::logging::init(args.log_format);
+    poolpilot_gateway::observe::logging::init(args.log_format);
     let config = args.load_config()?;
     args.runtime()?.block_on(poolpilot_gateway::run(config))?;
     Ok(())

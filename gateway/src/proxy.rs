@@ -35,7 +35,6 @@ use poolpilot_api::limits::{
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
-use crate::access::Record;
 use crate::body::{
     BodyFailure, BodyPace, BodyProgress, BoxError, ClientBody, PolledFrame, RequestBody,
     ResponseBody,
@@ -44,10 +43,11 @@ use crate::deadline::{Cut, DeadlineSlot, ResponseDeadline};
 use crate::error::ProxyError;
 use crate::gateway::{Backend, Gateway, Route};
 use crate::limiter::{ClientKey, ClientPermit};
-use crate::metrics::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
+use crate::observe::access::Record;
+use crate::observe::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
+use crate::observe::{NO_CLIENT, Reclaim};
 use crate::pool::Lease;
 use crate::route::BodyModel;
-use crate::signals::{NO_CLIENT, Reclaim};
 use crate::upstream::HttpConnector;
 use crate::{head, route};
 
@@ -163,7 +163,7 @@ async fn proxy(
     record.key(key);
     if let Some((timing, class)) = gw.retries().arrived(&key, Instant::now()) {
         record.retry(timing);
-        gw.metrics().signals().retried(&class, timing);
+        gw.metrics().incidents().retried(&class, timing);
     }
     // Its priority class, by its policy's rules (an override's class, the header when the
     // policy takes it); a call without a client policy is interactive.
@@ -227,7 +227,7 @@ fn remember_refusal(
     }
     let class = record
         .client_name()
-        .unwrap_or_else(|| crate::signals::NO_CLIENT.into());
+        .unwrap_or_else(|| crate::observe::NO_CLIENT.into());
     gw.retries()
         .refused(key, class, Duration::from_secs(secs), Instant::now());
 }
@@ -301,7 +301,7 @@ async fn buffer_for_model(
         let Ok(frame) = tokio::time::timeout_at(deadline, incoming.frame()).await else {
             gw.metrics().downstream_timeout(DownstreamTimeout::BodyRead);
             gw.metrics()
-                .signals()
+                .incidents()
                 .reclaimed(Reclaim::BodyTimeout, NO_CLIENT);
             return Err(ProxyError::BodyTimeout);
         };
@@ -521,7 +521,7 @@ async fn forward(
     // The soft throttle: a short delay while others wait, before joining them.
     let delay = backend.pool.throttle_delay();
     if !delay.is_zero() {
-        metrics.signals().throttled(&backend.name, delay);
+        metrics.incidents().throttled(&backend.name, delay);
         tokio::time::sleep(delay).await;
     }
     loop {
@@ -573,7 +573,7 @@ async fn forward(
                 lease.discard(CloseReason::Error);
                 if body.failed() == Some(BodyFailure::Timeout) {
                     let client = permit.as_ref().map_or(NO_CLIENT, |p| p.label());
-                    metrics.signals().reclaimed(Reclaim::BodyTimeout, client);
+                    metrics.incidents().reclaimed(Reclaim::BodyTimeout, client);
                 }
                 return Err(client_failed(metrics, body.failed()));
             }
@@ -763,7 +763,7 @@ impl Call {
         let name = &self.backend.name;
         let client = self.permit.as_ref().map_or(NO_CLIENT, |p| p.label());
         self.metrics
-            .signals()
+            .incidents()
             .lease_held(name, client, self.sent_at.elapsed());
         if !self.first_byte && matches!(end, End::Complete) {
             // A response without a body: its end is its first byte.
@@ -799,12 +799,14 @@ impl Call {
                     }
                     Cut::Send => {
                         self.metrics.downstream_timeout(DownstreamTimeout::Send);
-                        self.metrics.signals().reclaimed(Reclaim::SendStall, client);
+                        self.metrics
+                            .incidents()
+                            .reclaimed(Reclaim::SendStall, client);
                     }
                     Cut::TotalClientStalled => {
                         self.metrics.downstream_timeout(DownstreamTimeout::Total);
                         self.metrics
-                            .signals()
+                            .incidents()
                             .reclaimed(Reclaim::ClientStalled, client);
                     }
                 }

@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-pub use crate::labels::Timing;
 use crate::limiter::ClientKey;
+use crate::observe::Timing;
 
 /// Refusals remembered at most; beyond it the oldest is forgotten.
 pub const MEMORY: usize = 10_000;

@@ -33,9 +33,9 @@ use crate::body::{BoxError, PolledFrame, ResponseBody};
 use crate::deadline::{Cut, Cuttable, DeadlineSlot, ResponseDeadline, Watcher};
 use crate::error::ProxyError;
 use crate::gateway::Gateway;
-use crate::metrics::{DownstreamTimeout, Refusal};
+use crate::observe::{DownstreamTimeout, Refusal};
+use crate::observe::{NO_CLIENT, Reclaim};
 use crate::proxy::Peer;
-use crate::signals::{NO_CLIENT, Reclaim};
 
 /// hyper's smallest HTTP/1 read buffer; smaller head limits are enforced per request.
 const MIN_BUF: usize = 8192;
@@ -166,7 +166,7 @@ impl Drop for ConnGuard {
         self.gw.metrics().downstream_connections().dec();
         self.gw
             .metrics()
-            .signals()
+            .incidents()
             .downstream_closed(self.opened.elapsed());
         self.conns.closed.notify_waiters();
     }
@@ -510,7 +510,7 @@ async fn serve_connection(
                 _ => {
                     tracing::debug!("read header from client timeout");
                     gw.metrics()
-                        .signals()
+                        .incidents()
                         .reclaimed(Reclaim::HeaderTimeout, NO_CLIENT);
                     break;
                 }
@@ -571,7 +571,7 @@ impl Parked {
             readable = self.stream.readable() => readable.is_ok(),
             _ = timer => {
                 tracing::debug!("closing an idle client connection");
-                gw.metrics().signals().reclaimed(Reclaim::IdleTimeout, NO_CLIENT);
+                gw.metrics().incidents().reclaimed(Reclaim::IdleTimeout, NO_CLIENT);
                 false
             }
             _ = shutdown.wait_for(|s| *s) => false,
@@ -682,7 +682,7 @@ async fn serve_h1(
                         };
                         let client = activity.client.lock().clone();
                         gw.metrics()
-                            .signals()
+                            .incidents()
                             .reclaimed(reason, client.as_deref().unwrap_or(NO_CLIENT));
                     }
                     return None;
@@ -700,7 +700,7 @@ async fn serve_h1(
                     tracing::debug!("closing an idle client connection");
                     let client = activity.client.lock().clone();
                     gw.metrics()
-                        .signals()
+                        .incidents()
                         .reclaimed(Reclaim::IdleTimeout, client.as_deref().unwrap_or(NO_CLIENT));
                     Pin::new(&mut *conn).graceful_shutdown();
                     draining.store(true, Ordering::Relaxed);
@@ -807,7 +807,7 @@ async fn serve_auto(
                     tracing::debug!("closing an idle client connection");
                     let client = activity.client.lock().clone();
                     gw.metrics()
-                        .signals()
+                        .incidents()
                         .reclaimed(Reclaim::IdleTimeout, client.as_deref().unwrap_or(NO_CLIENT));
                     conn.as_mut().graceful_shutdown();
                     draining = true;
@@ -856,10 +856,13 @@ impl hyper::service::Service<Request<Incoming>> for Service {
     fn call(&self, mut req: Request<Incoming>) -> ServiceFuture {
         let gw = self.gw.clone();
         // The request id goes to the backend, back to the client, and into the access log.
-        let request_id = crate::access::request_id(req.headers());
+        let request_id = crate::observe::access::request_id(req.headers());
         req.headers_mut()
-            .insert(crate::access::X_REQUEST_ID, request_id.clone());
-        let record = Arc::new(crate::access::Record::new(request_id.clone(), &req));
+            .insert(crate::observe::access::X_REQUEST_ID, request_id.clone());
+        let record = Arc::new(crate::observe::access::Record::new(
+            request_id.clone(),
+            &req,
+        ));
         let peer = self.peer.clone();
         let slot = Arc::new(DeadlineSlot::default());
         if req.version() == http::Version::HTTP_2 {
@@ -874,7 +877,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             let mut response = crate::proxy::handle(gw.clone(), &peer, req, &slot, &record).await;
             response
                 .headers_mut()
-                .insert(crate::access::X_REQUEST_ID, request_id);
+                .insert(crate::observe::access::X_REQUEST_ID, request_id);
             record.status(response.status());
             if let Some(client) = record.client_name() {
                 *activity_of_call.client.lock() = Some(client);
@@ -882,7 +885,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             let access = gw
                 .access_log()
                 .enabled()
-                .then(|| crate::access::Finisher::new(gw.access_log().clone(), record));
+                .then(|| crate::observe::access::Finisher::new(gw.access_log().clone(), record));
             // An answer of the gateway's own (no backend body reports to the slot): the send
             // timeout alone applies to it.
             let own = (!slot.is_armed()).then(|| {
@@ -940,7 +943,7 @@ impl H1Cut {
                 gw.metrics().downstream_timeout(DownstreamTimeout::Send);
                 let client = activity.client.lock().clone();
                 gw.metrics()
-                    .signals()
+                    .incidents()
                     .reclaimed(Reclaim::SendStall, client.as_deref().unwrap_or(NO_CLIENT));
             }
         }
@@ -1234,7 +1237,7 @@ struct Tracked {
     inner: ResponseBody,
     own: Option<Arc<ResponseDeadline>>,
     /// Writes the call's access log line when the body ends or is dropped.
-    access: Option<crate::access::Finisher>,
+    access: Option<crate::observe::access::Finisher>,
     _active: ActiveRequest,
 }
 

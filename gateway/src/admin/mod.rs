@@ -80,7 +80,7 @@ pub async fn route(
         }
         (&Method::PUT, "/v1/limits") => put_limits(gw, body_timeout, req).await,
         (&Method::GET, "/v1/stats") => json_response(StatusCode::OK, &gw.stats()),
-        (&Method::GET, "/v1/log-level") => match crate::logging::level() {
+        (&Method::GET, "/v1/log-level") => match crate::observe::logging::level() {
             Ok(level) => json_response(StatusCode::OK, &serde_json::json!({ "level": level })),
             Err(e) => error(StatusCode::CONFLICT, &e.to_string()),
         },
@@ -153,12 +153,12 @@ async fn put_log_level(body_timeout: Duration, req: Request<Incoming>) -> Respon
         },
         _ => String::from_utf8_lossy(&bytes).into_owned(),
     };
-    match crate::logging::set_level(&asked) {
+    match crate::observe::logging::set_level(&asked) {
         Ok(previous) => json_response(
             StatusCode::OK,
             &serde_json::json!({ "level": asked.trim(), "previous": previous }),
         ),
-        Err(e @ crate::logging::LogLevelError::Invalid { .. }) => {
+        Err(e @ crate::observe::logging::LogLevelError::Invalid { .. }) => {
             error(StatusCode::UNPROCESSABLE_ENTITY, &e.to_string())
         }
         Err(e) => error(StatusCode::CONFLICT, &e.to_string()),

@@ -18,7 +18,7 @@ use rustls::sign::CertifiedKey;
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::AdminTlsFiles;
-use crate::metrics::{AdminFile, Metrics};
+use crate::observe::{AdminFile, Metrics};
 use crate::reload::{FileWatch, OnChange};
 
 /// Why the admin certificate could not be used.

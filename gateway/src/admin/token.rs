@@ -16,7 +16,7 @@ use parking_lot::RwLock;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-use crate::metrics::{AdminFile, Metrics};
+use crate::observe::{AdminFile, Metrics};
 use crate::reload::{FileWatch, OnChange};
 
 /// The shortest token accepted, in bytes: 256 bits, as `head -c 32 /dev/urandom | base64`

@@ -57,7 +57,7 @@ use rand::Rng;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::metrics::{CloseReason, Metrics};
+use crate::observe::{CloseReason, Metrics};
 use crate::queue::{ClassQueue, Entry};
 pub(crate) use rate::whole_seconds as rate_whole_seconds;
 use rate::{HoldTime, ReleaseRate};
@@ -1297,7 +1297,7 @@ impl<C: Connect> Inner<C> {
         if let Some(opened) = conn.opened_at() {
             let age = opened.elapsed();
             self.metrics
-                .signals()
+                .incidents()
                 .connection_aged(&self.backend, reason, age);
             tracing::debug!(backend = %self.backend, endpoint = %ep.name, reason = reason.as_str(), ?age, "upstream connection closed");
         }

@@ -417,7 +417,7 @@ async fn the_log_level_changes_at_run_time_through_the_admin_api() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("gateway.log");
     let file = std::fs::File::create(&log).unwrap();
-    poolpilot_gateway::logging::init_with(
+    poolpilot_gateway::observe::logging::init_with(
         poolpilot_gateway::config::LogFormat::Json,
         "info",
         move || file.try_clone().unwrap(),

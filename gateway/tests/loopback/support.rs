@@ -303,7 +303,7 @@ impl Gw {
             // Tests shut down at once unless they test the delay.
             shutdown_delay: poolpilot_api::Duration::ZERO,
             // Tests read the log of the calls they make from a file.
-            access_log: poolpilot_gateway::access::AccessLogConfig {
+            access_log: poolpilot_gateway::config::AccessLogConfig {
                 file: Some(dir.path().join("access.log")),
                 ..Default::default()
             },

@@ -23,9 +23,9 @@ use poolpilot_api::limits::PriorityClass;
 use serde::Deserialize;
 use tokio::time::Instant;
 
+use super::labels::Timing;
 use crate::body::BodyProgress;
 use crate::limiter::ClientKey;
-use crate::retry::Timing;
 
 /// `X-Request-Id`: taken from the client when it sends a usable one, else generated; sent to
 /// the backend and returned to the client.

@@ -1,5 +1,5 @@
-//! The signals on-call engineers looked for in the incidents poolpilot comes from, beyond the
-//! pool's own metrics: the health of the gateway's runtime (scheduling lag measured by a probe
+//! The incident signals: the metrics on-call engineers looked for in the incidents poolpilot
+//! comes from, beyond the pool's own metrics: the health of the gateway's runtime (scheduling lag measured by a probe
 //! task, busy workers), how long clients hold pool leases and their connections to the gateway,
 //! connections the gateway took back from clients that held them idle or stopped reading
 //! (reclaimed, by reason and client class), and the age of upstream connections when they close.
@@ -21,7 +21,7 @@ use prometheus_client::registry::{Registry, Unit};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::labels::{CloseReason, Timing};
+use super::labels::{CloseReason, Timing};
 
 /// The client class of calls on a route without client policy, and of connection-level reclaims.
 pub const NO_CLIENT: &str = "none";
@@ -94,7 +94,7 @@ fn long_histogram() -> Histogram {
 
 /// The families of this module, registered beside the others. Cheap to clone.
 #[derive(Clone, Debug)]
-pub struct Signals {
+pub struct Incidents {
     runtime_lag: Histogram,
     runtime_workers: Gauge,
     runtime_busy: Counter<f64, AtomicU64>,
@@ -136,7 +136,7 @@ struct RetryLabels {
     timing: &'static str,
 }
 
-impl Signals {
+impl Incidents {
     pub(crate) fn new() -> Self {
         Self {
             runtime_lag: lag_histogram(),
@@ -328,13 +328,15 @@ impl Signals {
 /// Measures the runtime's scheduling lag every [`LAG_PROBE_INTERVAL`] for as long as the
 /// gateway lives: a task that asks to wake at a deadline and notes how late it ran. A runtime
 /// whose workers are all busy (or blocked) runs it late, by as much as it runs every other task.
-pub fn spawn_lag_probe(signals: Signals) -> JoinHandle<()> {
-    let _ = signals.proxy_runtime.set(tokio::runtime::Handle::current());
+pub fn spawn_lag_probe(incidents: Incidents) -> JoinHandle<()> {
+    let _ = incidents
+        .proxy_runtime
+        .set(tokio::runtime::Handle::current());
     tokio::spawn(async move {
         loop {
             let due = Instant::now() + LAG_PROBE_INTERVAL;
             tokio::time::sleep_until(due).await;
-            signals.runtime_lag(Instant::now().saturating_duration_since(due));
+            incidents.runtime_lag(Instant::now().saturating_duration_since(due));
         }
     })
 }

@@ -16,8 +16,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-pub use crate::labels::CloseReason;
-use crate::signals::Signals;
+use super::incidents::Incidents;
+pub use super::labels::CloseReason;
 
 /// Kinds of upstream timeout (`kind` label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -256,7 +256,7 @@ pub struct Metrics {
     route_buffer_rejected: Counter,
     admin_connections_refused: Counter,
     admin_reloads: Family<AdminReloadLabels, Counter>,
-    signals: Signals,
+    incidents: Incidents,
 }
 
 impl fmt::Debug for Metrics {
@@ -353,9 +353,9 @@ impl Metrics {
             route_buffer_rejected: Counter::default(),
             admin_connections_refused: Counter::default(),
             admin_reloads: Family::default(),
-            signals: Signals::new(),
+            incidents: Incidents::new(),
         };
-        m.signals.register(&mut r);
+        m.incidents.register(&mut r);
         r.register(
             "poolpilot_pool_connections",
             "Open upstream connections by state (leased, idle, closing: closed by the pool, not yet by the backend)",
@@ -541,9 +541,9 @@ impl Metrics {
         m
     }
 
-    /// The incident signals (runtime, holds, reclaims, connection ages).
-    pub fn signals(&self) -> &Signals {
-        &self.signals
+    /// The incident signals (runtime, holds, reclaims, connection ages): [`super::incidents`].
+    pub fn incidents(&self) -> &Incidents {
+        &self.incidents
     }
 
     /// The OpenMetrics exposition of every family.
