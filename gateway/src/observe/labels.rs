@@ -1,7 +1,9 @@
 //! Label values shared by the metrics and the modules that report them: why a pooled
-//! connection closed, and how a call came back after a refusal. A leaf: it imports nothing of the
-//! crate, so that the pool, the signals and the metrics can all name them without importing each
-//! other.
+//! connection closed, how a call came back after a refusal, which timeout cut a call (the
+//! backend's or the client's), what became of a connection over its source's cap, and which
+//! admin file changed. A leaf: it imports nothing of the crate, so that the pool, the listener,
+//! the proxy, the incident signals and the metrics can all name them without importing each
+//! other (`e2e/src/module_graph.rs` holds it to that).
 
 use std::fmt;
 
@@ -69,5 +71,103 @@ impl Timing {
             Self::Early => "early",
             Self::OnTime => "on_time",
         }
+    }
+}
+
+/// Kinds of upstream timeout (`kind` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TimeoutKind {
+    /// `connectTimeout`.
+    Connect,
+    /// `timeouts.firstByte`.
+    FirstByte,
+    /// `timeouts.total`.
+    Total,
+    /// `timeouts.streamIdle`.
+    StreamIdle,
+}
+
+impl TimeoutKind {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::FirstByte => "first_byte",
+            Self::Total => "total",
+            Self::StreamIdle => "stream_idle",
+        }
+    }
+}
+
+impl EncodeLabelValue for TimeoutKind {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        self.as_str().encode(encoder)
+    }
+}
+
+/// Client-caused deadlines (`kind` label of `poolpilot_downstream_timeouts_total`): never
+/// counted as upstream timeouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DownstreamTimeout {
+    /// The client accepted nothing of a response for `sendTimeout`.
+    Send,
+    /// A response reached `timeouts.total` while its client was not reading.
+    Total,
+    /// A request body stalled past `bodyReadTimeout` or arrived slower than `minBodyRate`.
+    BodyRead,
+}
+
+impl DownstreamTimeout {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Send => "send",
+            Self::Total => "total",
+            Self::BodyRead => "body_read",
+        }
+    }
+}
+
+impl EncodeLabelValue for DownstreamTimeout {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        self.as_str().encode(encoder)
+    }
+}
+
+/// What happened to a connection over its source's cap (`outcome` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// Answered `429` with `Retry-After` and `Connection: close`.
+    Answered,
+    /// Closed at once: more refusals than the answer rate allows.
+    Dropped,
+}
+
+impl EncodeLabelValue for Refusal {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        match self {
+            Self::Answered => "answered",
+            Self::Dropped => "dropped",
+        }
+        .encode(encoder)
+    }
+}
+
+/// A file of the admin API that the gateway follows (`file` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AdminFile {
+    /// `adminTokenFile`.
+    Token,
+    /// `adminTls.certFile` with its `keyFile`.
+    Certificate,
+}
+
+impl EncodeLabelValue for AdminFile {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        match self {
+            Self::Token => "token",
+            Self::Certificate => "certificate",
+        }
+        .encode(encoder)
     }
 }

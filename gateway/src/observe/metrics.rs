@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use poolpilot_api::limits::PriorityClass;
 use poolpilot_telemetry::Format;
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -17,86 +17,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use super::incidents::Incidents;
-pub use super::labels::CloseReason;
-
-/// Kinds of upstream timeout (`kind` label).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TimeoutKind {
-    /// `connectTimeout`.
-    Connect,
-    /// `timeouts.firstByte`.
-    FirstByte,
-    /// `timeouts.total`.
-    Total,
-    /// `timeouts.streamIdle`.
-    StreamIdle,
-}
-
-impl TimeoutKind {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Connect => "connect",
-            Self::FirstByte => "first_byte",
-            Self::Total => "total",
-            Self::StreamIdle => "stream_idle",
-        }
-    }
-}
-
-impl EncodeLabelValue for TimeoutKind {
-    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
-        self.as_str().encode(encoder)
-    }
-}
-
-/// Client-caused deadlines (`kind` label of `poolpilot_downstream_timeouts_total`): never
-/// counted as upstream timeouts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DownstreamTimeout {
-    /// The client accepted nothing of a response for `sendTimeout`.
-    Send,
-    /// A response reached `timeouts.total` while its client was not reading.
-    Total,
-    /// A request body stalled past `bodyReadTimeout` or arrived slower than `minBodyRate`.
-    BodyRead,
-}
-
-impl DownstreamTimeout {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Send => "send",
-            Self::Total => "total",
-            Self::BodyRead => "body_read",
-        }
-    }
-}
-
-impl EncodeLabelValue for DownstreamTimeout {
-    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
-        self.as_str().encode(encoder)
-    }
-}
-
-/// What happened to a connection over its source's cap (`outcome` label).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Refusal {
-    /// Answered `429` with `Retry-After` and `Connection: close`.
-    Answered,
-    /// Closed at once: more refusals than the answer rate allows.
-    Dropped,
-}
-
-impl EncodeLabelValue for Refusal {
-    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
-        match self {
-            Self::Answered => "answered",
-            Self::Dropped => "dropped",
-        }
-        .encode(encoder)
-    }
-}
+use super::labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, TimeoutKind};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct DownstreamTimeoutLabel {
@@ -176,25 +97,6 @@ struct LimitsLabels {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct SourceLabel {
     source: &'static str,
-}
-
-/// A file of the admin API that the gateway follows (`file` label).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum AdminFile {
-    /// `adminTokenFile`.
-    Token,
-    /// `adminTls.certFile` with its `keyFile`.
-    Certificate,
-}
-
-impl EncodeLabelValue for AdminFile {
-    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
-        match self {
-            Self::Token => "token",
-            Self::Certificate => "certificate",
-        }
-        .encode(encoder)
-    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]

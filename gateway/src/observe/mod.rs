@@ -10,6 +10,5 @@ pub mod logging;
 pub mod metrics;
 
 pub use incidents::{Incidents, NO_CLIENT, Reclaim};
-pub use labels::{CloseReason, Timing};
+pub use labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, TimeoutKind, Timing};
 pub use metrics::Metrics;
-pub use metrics::{AdminFile, DownstreamTimeout, Refusal, TimeoutKind};
