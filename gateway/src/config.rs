@@ -155,7 +155,7 @@ pub struct GatewayConfig {
     pub upstream_keepalive: KeepaliveConfig,
     /// What happens to calls that come back before their `Retry-After`.
     #[serde(default)]
-    pub early_retries: crate::retry::EarlyRetryConfig,
+    pub early_retries: crate::limits::refusals::EarlyRetryConfig,
 }
 
 /// The `upstreamKeepalive` section: TCP keepalive probes on idle upstream connections, so that a

@@ -14,7 +14,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 
 use crate::body::ResponseBody;
-use crate::limiter::ClientRejection;
+use crate::limits::limiter::ClientRejection;
 use crate::observe::TimeoutKind;
 use crate::pool::PoolError;
 

@@ -18,11 +18,11 @@ use tokio::time::Instant;
 
 use crate::budget::ByteBudget;
 use crate::health;
-use crate::limiter::{ClientLimiter, ClientStats};
+use crate::limits::limiter::{ClientLimiter, ClientStats};
+use crate::limits::refusals::RefusalMemory;
 use crate::observe::Metrics;
 use crate::observe::access::AccessLog;
 use crate::pool::{EndpointStats, Pool, PoolStats};
-use crate::retry::RetryMemory;
 use crate::upstream::HttpConnector;
 
 /// Where a limits document came from (metric label, logs).
@@ -113,7 +113,7 @@ struct Inner {
     /// Opens the backends' connections.
     connector: HttpConnector,
     /// Recent refusals, to tell early retries.
-    retries: RetryMemory,
+    refusals: RefusalMemory,
     /// The factor on the `Retry-After` of an early retry refused again.
     early_retry_penalty: u32,
 }
@@ -188,7 +188,7 @@ impl Gateway {
                 scrape: Mutex::new(()),
                 access_log,
                 connector,
-                retries: RetryMemory::default(),
+                refusals: RefusalMemory::default(),
                 early_retry_penalty: early_retry_penalty.max(1),
             }),
         }
@@ -210,8 +210,8 @@ impl Gateway {
     }
 
     /// Recent refusals, to tell which clients come back before their `Retry-After`.
-    pub fn retries(&self) -> &RetryMemory {
-        &self.inner.retries
+    pub fn refusals(&self) -> &RefusalMemory {
+        &self.inner.refusals
     }
 
     /// The factor on the `Retry-After` of an early retry refused again (1: none).
@@ -394,7 +394,8 @@ impl Gateway {
                 )
             })
             .collect();
-        let caps = crate::share::per_endpoint_caps(doc.listener.max_upstream_connections, &pools);
+        let caps =
+            crate::limits::share::per_endpoint_caps(doc.listener.max_upstream_connections, &pools);
         let mut backends = HashMap::new();
         let mut routes = Vec::with_capacity(doc.backends.len());
         for (b, cap) in doc.backends.iter().zip(caps) {
@@ -511,7 +512,7 @@ impl Gateway {
             "revision": snapshot.limits.revision,
             "generation": snapshot.limits.generation,
             "upstreamConnections": upstream,
-            "retryAfterCompliance": self.inner.retries.compliance().into_iter().map(|(client, c)| {
+            "retryAfterCompliance": self.inner.refusals.compliance().into_iter().map(|(client, c)| {
                 let total = c.early + c.on_time;
                 serde_json::json!({
                     "client": client.as_ref(),

@@ -42,7 +42,7 @@ use crate::body::{
 use crate::deadline::{Cut, DeadlineSlot, ResponseDeadline};
 use crate::error::ProxyError;
 use crate::gateway::{Backend, Gateway, Route};
-use crate::limiter::{ClientKey, ClientPermit};
+use crate::limits::limiter::{ClientKey, ClientPermit};
 use crate::observe::access::Record;
 use crate::observe::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
 use crate::observe::{NO_CLIENT, Reclaim};
@@ -161,7 +161,7 @@ async fn proxy(
         None => ClientKey::of(crate::source::key_text(peer.source).as_bytes()),
     };
     record.key(key);
-    if let Some((timing, class)) = gw.retries().arrived(&key, Instant::now()) {
+    if let Some((timing, class)) = gw.refusals().arrived(&key, Instant::now()) {
         record.retry(timing);
         gw.metrics().incidents().retried(&class, timing);
     }
@@ -228,7 +228,7 @@ fn remember_refusal(
     let class = record
         .client_name()
         .unwrap_or_else(|| crate::observe::NO_CLIENT.into());
-    gw.retries()
+    gw.refusals()
         .refused(key, class, Duration::from_secs(secs), Instant::now());
 }
 

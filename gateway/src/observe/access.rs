@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use super::labels::Timing;
 use crate::body::BodyProgress;
-use crate::limiter::ClientKey;
+use crate::limits::limiter::ClientKey;
 
 /// `X-Request-Id`: taken from the client when it sends a usable one, else generated; sent to
 /// the backend and returned to the client.

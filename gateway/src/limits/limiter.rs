@@ -1,8 +1,9 @@
 //! The per-client limiter of one client policy: max concurrency per client (with named
 //! overrides, an allowlist for batch callers), a bounded per-client queue with a queue
 //! timeout (interactive calls before batch ones, FIFO within a class, batch aging:
-//! [`crate::queue`]), the priority class of each call, and slow-call demotion for a cooldown. Clients are known only by the SHA-256 of
-//! their identity (API key or source IP): raw keys are never stored, logged or exported.
+//! [`crate::limits::queue`]), the priority class of each call, and slow-call demotion for a
+//! cooldown. Clients are known only by the SHA-256 of their identity (API key or source IP):
+//! raw keys are never stored, logged or exported.
 //!
 //! Memory is bounded: a client has an entry only while it has calls in flight or queued, or
 //! something to remember (a demotion, slow calls in its recent window); a client with nothing
@@ -22,9 +23,9 @@ use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::limits::queue::{ClassQueue, Entry};
 use crate::observe::Metrics;
 use crate::pool::rate_whole_seconds;
-use crate::queue::{ClassQueue, Entry};
 
 /// The label of clients without an override.
 pub const OTHER: &str = "other";

@@ -1,8 +1,9 @@
-//! `Retry-After` compliance: which clients come back before the time a refusal told them. A
-//! bounded memory of recent refusals (429 and 503 with `Retry-After`) per client (the hashed
-//! identity of its client policy, or its source address on a route without one): the client's
-//! next call is counted as early (before `Retry-After` passed) or on time, per client class.
-//! Optionally, an early call that is refused again is told to wait longer.
+//! The memory of refusals ([`RefusalMemory`]), for `Retry-After` compliance: which clients come
+//! back before the time a refusal told them. A bounded memory of recent refusals (429 and 503
+//! with `Retry-After`) per client (the hashed identity of its client policy, or its source
+//! address on a route without one): the client's next call is counted as early (before
+//! `Retry-After` passed) or on time, per client class. Optionally, an early call that is
+//! refused again is told to wait longer.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use crate::limiter::ClientKey;
+use crate::limits::limiter::ClientKey;
 use crate::observe::Timing;
 
 /// Refusals remembered at most; beyond it the oldest is forgotten.
@@ -66,7 +67,7 @@ pub struct Compliance {
 
 /// The memory of recent refusals. Cheap to clone.
 #[derive(Clone, Debug, Default)]
-pub struct RetryMemory {
+pub struct RefusalMemory {
     inner: Arc<Mutex<State>>,
 }
 
@@ -80,7 +81,7 @@ struct State {
     by_class: HashMap<Arc<str>, Compliance>,
 }
 
-impl RetryMemory {
+impl RefusalMemory {
     /// A call of `key` arrived at `now`: whether it is a retry of a remembered refusal, early or
     /// on time, and its class then. The refusal is forgotten either way.
     pub fn arrived(&self, key: &ClientKey, now: Instant) -> Option<(Timing, Arc<str>)> {
@@ -150,7 +151,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_before_its_retry_after_is_early_and_after_it_on_time() {
-        let memory = RetryMemory::default();
+        let memory = RefusalMemory::default();
         let (alice, bob) = (ClientKey::of(b"alice"), ClientKey::of(b"bob"));
         let class: Arc<str> = "other".into();
         assert_eq!(
@@ -191,7 +192,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_memory_is_bounded_and_forgets_the_oldest_first() {
-        let memory = RetryMemory::default();
+        let memory = RefusalMemory::default();
         let class: Arc<str> = "other".into();
         let now = Instant::now();
         for i in 0..MEMORY + 10 {
@@ -207,7 +208,7 @@ mod tests {
         assert_eq!(memory.arrived(&last, now), Some((Timing::Early, class)));
         // One client refused again and again takes one entry.
         let again = ClientKey::of(b"again");
-        let memory = RetryMemory::default();
+        let memory = RefusalMemory::default();
         for _ in 0..3 * MEMORY {
             memory.refused(again, "other".into(), Duration::from_secs(5), now);
         }
