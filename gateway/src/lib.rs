@@ -24,10 +24,10 @@ pub mod budget;
 pub mod config;
 pub mod deadline;
 pub mod error;
-pub mod gateway;
 pub mod head;
 pub mod health;
 pub mod limits;
+pub mod live;
 pub mod models;
 pub mod observe;
 pub mod pool;
@@ -47,7 +47,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use config::GatewayConfig;
-pub use gateway::Gateway;
+pub use live::{Gateway, LimitsSource};
 pub use observe::Metrics;
 
 /// Why the gateway could not start.

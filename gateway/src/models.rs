@@ -7,7 +7,7 @@ use http::{Method, Request, StatusCode};
 
 use crate::body::ResponseBody;
 use crate::error::{error_response, json_response};
-use crate::gateway::Route;
+use crate::live::Route;
 
 /// The models the routes name, in route order (the first route of a model is the one that
 /// serves it), each with its backend.

@@ -41,8 +41,8 @@ use crate::body::{
 };
 use crate::deadline::{Cut, DeadlineSlot, ResponseDeadline};
 use crate::error::ProxyError;
-use crate::gateway::{Backend, Gateway, Route};
 use crate::limits::limiter::{ClientKey, ClientPermit};
+use crate::live::{Backend, Gateway, Route};
 use crate::observe::access::Record;
 use crate::observe::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
 use crate::observe::{NO_CLIENT, Reclaim};

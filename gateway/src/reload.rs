@@ -19,7 +19,7 @@ use poolpilot_api::GatewayLimits;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use crate::gateway::{Gateway, LimitsSource};
+use crate::live::{Gateway, LimitsSource};
 
 /// Why the limits file could not be read.
 #[derive(Debug, thiserror::Error)]

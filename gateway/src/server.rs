@@ -32,7 +32,7 @@ use tokio::time::{Instant, Sleep};
 use crate::body::{BoxError, PolledFrame, ResponseBody};
 use crate::deadline::{Cut, Cuttable, DeadlineSlot, ResponseDeadline, Watcher};
 use crate::error::ProxyError;
-use crate::gateway::Gateway;
+use crate::live::Gateway;
 use crate::observe::{DownstreamTimeout, Refusal};
 use crate::observe::{NO_CLIENT, Reclaim};
 use crate::proxy::Peer;

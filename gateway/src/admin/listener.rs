@@ -27,7 +27,7 @@ use tokio_io_timeout::TimeoutStream;
 
 use super::tls::AdminTls;
 use super::{AdminTokens, route};
-use crate::gateway::Gateway;
+use crate::live::Gateway;
 
 /// The largest request head the admin API reads (its requests are small; hyper's floor is 8 KiB).
 const MAX_HEAD_BYTES: usize = 16 * 1024;

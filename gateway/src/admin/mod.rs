@@ -26,7 +26,7 @@ pub use token::AdminTokens;
 
 use crate::body::ResponseBody;
 use crate::error::json_response;
-use crate::gateway::{ApplyError, Gateway, LimitsSource};
+use crate::live::{ApplyError, Gateway, LimitsSource};
 
 /// Largest limits document accepted.
 const MAX_DOCUMENT_BYTES: usize = 4 * 1024 * 1024;

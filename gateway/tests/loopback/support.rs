@@ -252,7 +252,7 @@ impl Gw {
             .as_ref()
             .unwrap()
             .gateway
-            .apply(limits, poolpilot_gateway::gateway::LimitsSource::Api)
+            .apply(limits, poolpilot_gateway::LimitsSource::Api)
             .expect("test limits are valid");
         gw
     }
@@ -334,7 +334,7 @@ impl Gw {
     /// Applies limits directly (as a PUT would).
     pub fn apply(&self, limits: GatewayLimits) {
         self.gateway()
-            .apply(limits, poolpilot_gateway::gateway::LimitsSource::Api)
+            .apply(limits, poolpilot_gateway::LimitsSource::Api)
             .expect("test limits are valid");
     }
 
