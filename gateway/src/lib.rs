@@ -25,7 +25,6 @@ pub mod config;
 pub mod deadline;
 pub mod error;
 pub mod head;
-pub mod health;
 pub mod limits;
 pub mod live;
 pub mod models;

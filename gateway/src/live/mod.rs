@@ -316,7 +316,7 @@ impl Backend {
             task.abort();
         }
         if let Some(check) = check {
-            let task = crate::health::spawn(self.pool.clone(), check.clone());
+            let task = crate::pool::health::spawn(self.pool.clone(), check.clone());
             *health = Some((check, task));
         }
     }

@@ -1,8 +1,11 @@
 //! State-machine tests of the pool with fake connections and paused time.
 
+use std::io;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use poolpilot_api::Duration as ApiDuration;
+use poolpilot_api::limits::{HealthCheck, OutlierDetection};
 
 use super::*;
 

@@ -1,0 +1,525 @@
+//! The lock-held core of the pool: every change of its state, made under the backend's lock and
+//! never across an `.await`. A lease begins ([`Inner::begin`]: an idle connection, a reserved
+//! slot, a place in the queue, or a refusal) and completes ([`Inner::complete`]: connecting on
+//! a reserved slot, outside the lock); returned connections come back ([`Inner::release`]);
+//! freed capacity goes to waiters in the queue's order ([`Inner::dispatch`]); idle connections
+//! expire ([`Inner::reap`]); closed ones keep their slot until the peer lets go
+//! ([`Inner::closed`]). A lease abandoned while it waits or connects gives back what it held
+//! ([`Unsettled`]).
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::MutexGuard;
+use poolpilot_api::limits::PriorityClass;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::connect::{CLOSE_GRACE, Connect, Poolable};
+use super::error::PoolError;
+use super::lease::{Lease, Outcome};
+use super::select;
+use super::state::{EndpointState, Grant, IdleConn, Inner, State};
+use crate::limits::queue::Entry;
+use crate::observe::CloseReason;
+
+/// What `lease()` does next, decided under the lock.
+pub(super) enum Step<T> {
+    Ready(Grant<T>),
+    Wait(oneshot::Receiver<Grant<T>>, u64),
+}
+
+/// What a lease in progress holds while `lease()` waits or connects: given back if the lease is
+/// dropped meanwhile (its client went away) before it was settled, because a grant lost with
+/// its channel, or a reservation lost with its connect, would keep a slot (or a connection)
+/// taken for good.
+pub(super) struct Unsettled<C: Connect, H: Holding<C::Conn>> {
+    pub(super) pool: Arc<Inner<C>>,
+    pub(super) class: PriorityClass,
+    pub(super) held: H,
+    /// The wait or the connect ended and `lease()` (or `complete()`) took over.
+    pub(super) settled: bool,
+}
+
+/// What an [`Unsettled`] lease may hold.
+pub(super) trait Holding<T> {
+    /// Once the lease was dropped unsettled (under the pool's lock): the grant to give back,
+    /// if it holds one.
+    fn grant_to_undo(&mut self, state: &mut State<T>) -> Option<Grant<T>>;
+}
+
+/// A place in the waiter queue: the place leaves the queue, or a grant already sent to it is
+/// given back.
+pub(super) struct QueuePlace<T> {
+    pub(super) rx: oneshot::Receiver<Grant<T>>,
+    pub(super) id: u64,
+}
+
+impl<T> Holding<T> for QueuePlace<T> {
+    fn grant_to_undo(&mut self, state: &mut State<T>) -> Option<Grant<T>> {
+        if state.waiters.remove(self.id).is_some() {
+            return None;
+        }
+        self.rx.try_recv().ok()
+    }
+}
+
+/// A slot of `endpoint` reserved for a connect.
+pub(super) struct ReservedSlot {
+    pub(super) endpoint: u64,
+}
+
+impl<T> Holding<T> for ReservedSlot {
+    fn grant_to_undo(&mut self, _: &mut State<T>) -> Option<Grant<T>> {
+        Some(Grant::Slot {
+            endpoint: self.endpoint,
+        })
+    }
+}
+
+impl<C: Connect, H: Holding<C::Conn>> Drop for Unsettled<C, H> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let now = Instant::now();
+        let mut state = self.pool.state.lock();
+        if let Some(grant) = self.held.grant_to_undo(&mut state) {
+            self.pool.undo(&mut state, grant, self.class);
+            self.pool.freed(state, now);
+        }
+    }
+}
+
+/// Reaps the pool every quarter of its idle timeout (10 ms to 1 s) until the pool is retired or
+/// dropped.
+pub(super) async fn reap_loop<C: Connect>(pool: Weak<Inner<C>>) {
+    loop {
+        let period = {
+            let Some(inner) = pool.upgrade() else { return };
+            let state = inner.state.lock();
+            if state.retired {
+                return;
+            }
+            (state.limits.idle_timeout.get() / 4)
+                .clamp(Duration::from_millis(10), Duration::from_secs(1))
+        };
+        tokio::time::sleep(period).await;
+        let Some(inner) = pool.upgrade() else { return };
+        inner.reap(Instant::now());
+    }
+}
+
+// === impl Inner ===
+
+impl<C: Connect> Inner<C> {
+    /// Decides under the lock: take an idle connection, reserve a slot, queue, or refuse.
+    pub(super) fn begin(
+        self: &Arc<Self>,
+        state: &mut State<C::Conn>,
+        now: Instant,
+        class: PriorityClass,
+    ) -> Result<Step<C::Conn>, PoolError> {
+        if state.retired {
+            return Err(PoolError::Retired {
+                backend: self.backend.clone(),
+            });
+        }
+        // Waiters go first: a newcomer must not overtake the queue.
+        if state.waiters.is_empty()
+            && state.may_serve(class)
+            && let Some(grant) = self.find_grant(state, now)
+        {
+            state.held[class.index()] += 1;
+            self.lease_wait.observe(0.0);
+            self.class_wait[class.index()].observe(0.0);
+            return Ok(Step::Ready(grant));
+        }
+        if !state.endpoints.iter().any(|ep| state.eligible(ep, now)) {
+            return Err(PoolError::NoHealthyEndpoint {
+                backend: self.backend.clone(),
+                retry_after: state.recovery_hint(now),
+            });
+        }
+        if state.waiters.len() >= state.limits.max_pending as usize {
+            // A full queue takes an interactive call in place of its newest batch waiter, which
+            // is refused as if it had found the queue full (its sender dropped: see `lease_as`):
+            // batch callers cannot fill the queue against interactive ones.
+            let bumped = class == PriorityClass::Interactive
+                && state.waiters.pop_back(PriorityClass::Batch).is_some();
+            if !bumped {
+                return Err(PoolError::QueueFull {
+                    backend: self.backend.clone(),
+                    pending: state.waiters.len(),
+                    retry_after: state.retry_after(now),
+                });
+            }
+        }
+        let (tx, mut rx) = oneshot::channel();
+        let id = state.next_waiter_id;
+        state.next_waiter_id += 1;
+        state.waiters.push(Entry {
+            id,
+            since: now,
+            class,
+            item: tx,
+        });
+        // The waiters ahead may be batch held by its share cap while a connection is free: an
+        // interactive newcomer is served at once.
+        self.dispatch(state, now);
+        match rx.try_recv() {
+            Ok(grant) => Ok(Step::Ready(grant)),
+            Err(_) => Ok(Step::Wait(rx, id)),
+        }
+    }
+
+    /// Finds a connection or a free slot on an eligible endpoint, choosing between two random
+    /// candidates the one with more spare capacity ([`super::select`]). Marks the result
+    /// leased/connecting.
+    pub(super) fn find_grant(
+        self: &Arc<Self>,
+        state: &mut State<C::Conn>,
+        now: Instant,
+    ) -> Option<Grant<C::Conn>> {
+        let max = state.limits.max_connections_per_endpoint;
+        loop {
+            // Candidates: eligible endpoints with an idle connection or room for a new one.
+            // Counted, then the k-th found again: no allocation on the lease path.
+            let candidate = |ep: &EndpointState<C::Conn>| {
+                state.eligible(ep, now) && (!ep.idle.is_empty() || ep.open() < max)
+            };
+            let nth = |k: usize| {
+                state
+                    .endpoints
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, ep)| candidate(ep))
+                    .nth(k)
+                    .map(|(i, _)| i)
+            };
+            let chosen = match state.endpoints.iter().filter(|ep| candidate(ep)).count() {
+                0 => return None,
+                1 => nth(0)?,
+                n => {
+                    let (i, j) = select::gen_pair(&mut rand::rng(), n);
+                    let (a, b) = (nth(i)?, nth(j)?);
+                    let spare = |k: usize| max.saturating_sub(state.endpoints[k].busy());
+                    select::more_spare((a, spare(a)), (b, spare(b)))
+                }
+            };
+            let limits = state.limits.clone();
+            let ep = &mut state.endpoints[chosen];
+            if let Some(mut idle) = ep.idle.pop() {
+                let reason = idle.expired(&limits, now).or_else(|| {
+                    let check =
+                        now.duration_since(idle.idle_since) > limits.validate_after_idle.get();
+                    (check && !idle.conn.validate()).then_some(CloseReason::ValidateFailed)
+                });
+                match reason {
+                    Some(reason) => {
+                        self.closed(ep, reason, idle.conn);
+                        continue;
+                    }
+                    None => {
+                        ep.leased += 1;
+                        ep.reused.inc();
+                        return Some(Grant::Conn {
+                            endpoint: ep.id,
+                            idle,
+                        });
+                    }
+                }
+            }
+            ep.connecting += 1;
+            return Some(Grant::Slot { endpoint: ep.id });
+        }
+    }
+
+    /// Hands idle connections and free slots to waiters, in the queue's order: interactive
+    /// first, FIFO within a class, aged batch as interactive (see [`crate::limits::queue`]); a batch
+    /// waiter only while batch is under its share cap.
+    pub(super) fn dispatch(self: &Arc<Self>, state: &mut State<C::Conn>, now: Instant) {
+        let aging = state.priority.aging_in(state.limits.lease_timeout.get());
+        loop {
+            let batch_allowed = state.may_serve(PriorityClass::Batch);
+            let Some(class) = state.waiters.next(aging, batch_allowed) else {
+                return;
+            };
+            if state
+                .waiters
+                .front(class)
+                .is_some_and(|w| w.item.is_closed())
+            {
+                state.waiters.pop(class);
+                continue;
+            }
+            let Some(grant) = self.find_grant(state, now) else {
+                return;
+            };
+            let Some(waiter) = state.waiters.pop(class) else {
+                return;
+            };
+            let wait = now.duration_since(waiter.since);
+            state.held[class.index()] += 1;
+            match waiter.item.send(grant) {
+                Ok(()) => {
+                    self.lease_wait.observe(wait.as_secs_f64());
+                    self.class_wait[class.index()].observe(wait.as_secs_f64());
+                }
+                Err(grant) => self.undo(state, grant, class),
+            }
+        }
+    }
+
+    /// Gives back a grant nobody took (given to a call of `class`).
+    pub(super) fn undo(
+        &self,
+        state: &mut State<C::Conn>,
+        grant: Grant<C::Conn>,
+        class: PriorityClass,
+    ) {
+        state.held[class.index()] -= 1;
+        match grant {
+            Grant::Conn { endpoint, idle } => {
+                if let Some(ep) = state.endpoint_mut(endpoint) {
+                    ep.leased -= 1;
+                    ep.idle.push(idle);
+                }
+            }
+            Grant::Slot { endpoint } => {
+                if let Some(ep) = state.endpoint_mut(endpoint) {
+                    ep.connecting -= 1;
+                }
+            }
+        }
+    }
+
+    /// Turns a grant into a lease, connecting when it is a slot.
+    pub(super) async fn complete(
+        self: Arc<Self>,
+        grant: Grant<C::Conn>,
+        start: Instant,
+        class: PriorityClass,
+    ) -> Result<Lease<C>, PoolError> {
+        let now = Instant::now();
+        match grant {
+            Grant::Conn { endpoint, idle } => {
+                let name = self.endpoint_name(endpoint);
+                Ok(Lease {
+                    pool: self,
+                    endpoint,
+                    endpoint_name: name,
+                    conn: Some(idle.conn),
+                    created_at: idle.created_at,
+                    leased_at: now,
+                    reused: true,
+                    wait: now.duration_since(start),
+                    class,
+                    outcome: Outcome::Close(CloseReason::Error),
+                })
+            }
+            Grant::Slot { endpoint } => {
+                let (name, address, timeout) = {
+                    let state = self.state.lock();
+                    let ep = state
+                        .endpoint(endpoint)
+                        .expect("a reserved endpoint stays listed");
+                    (
+                        ep.name.clone(),
+                        ep.address,
+                        state.limits.connect_timeout.get(),
+                    )
+                };
+                let mut reservation = Unsettled {
+                    pool: Arc::clone(&self),
+                    class,
+                    held: ReservedSlot { endpoint },
+                    settled: false,
+                };
+                let result = tokio::time::timeout(timeout, self.connector.connect(address)).await;
+                reservation.settled = true;
+                drop(reservation);
+                let mut state = self.state.lock();
+                let ep = state
+                    .endpoint_mut(endpoint)
+                    .expect("a reserved endpoint stays listed");
+                ep.connecting -= 1;
+                let error = match result {
+                    Ok(Ok(conn)) => {
+                        ep.leased += 1;
+                        ep.created.inc();
+                        drop(state);
+                        let leased_at = Instant::now();
+                        return Ok(Lease {
+                            pool: self,
+                            endpoint,
+                            endpoint_name: name,
+                            conn: Some(conn),
+                            created_at: leased_at,
+                            leased_at,
+                            reused: false,
+                            wait: now.duration_since(start),
+                            class,
+                            outcome: Outcome::Close(CloseReason::Error),
+                        });
+                    }
+                    Ok(Err(source)) => PoolError::Connect {
+                        endpoint: name,
+                        address,
+                        source,
+                    },
+                    Err(_elapsed) => PoolError::ConnectTimeout {
+                        endpoint: name,
+                        address,
+                        timeout,
+                    },
+                };
+                // The reserved slot is free again.
+                state.held[class.index()] -= 1;
+                self.freed(state, Instant::now());
+                Err(error)
+            }
+        }
+    }
+
+    /// Takes a leased connection back.
+    pub(super) fn release(
+        self: &Arc<Self>,
+        endpoint: u64,
+        conn: Option<C::Conn>,
+        outcome: Outcome,
+        created_at: Instant,
+        held: Duration,
+        class: PriorityClass,
+    ) {
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        state.held[class.index()] -= 1;
+        state.releases.record(now);
+        state.hold.record(held);
+        let max = state.limits.max_connections_per_endpoint;
+        let lifetime = state.limits.max_lifetime.get();
+        let retired = state.retired;
+        if let Some(ep) = state.endpoint_mut(endpoint) {
+            ep.leased -= 1;
+            if let Some(mut conn) = conn {
+                let reason = match outcome {
+                    Outcome::Close(reason) => Some(reason),
+                    Outcome::Keep if ep.removed || retired => Some(CloseReason::Removed),
+                    Outcome::Keep if ep.drained => Some(CloseReason::Drained),
+                    Outcome::Keep if ep.usable() >= max => Some(CloseReason::Shrink),
+                    Outcome::Keep if now.duration_since(created_at) >= lifetime => {
+                        Some(CloseReason::Lifetime)
+                    }
+                    Outcome::Keep if !conn.is_open() => Some(CloseReason::PeerClosed),
+                    Outcome::Keep => None,
+                };
+                match reason {
+                    Some(reason) => self.closed(ep, reason, conn),
+                    None => ep.idle.push(IdleConn {
+                        conn,
+                        created_at,
+                        idle_since: now,
+                    }),
+                }
+            }
+        }
+        state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
+        self.dispatch(&mut state, now);
+        drop(state);
+        if retired {
+            self.slot_freed.notify_waiters();
+        }
+    }
+
+    pub(super) fn reap(self: &Arc<Self>, now: Instant) {
+        let mut state = self.state.lock();
+        let limits = state.limits.clone();
+        for ep in &mut state.endpoints {
+            let mut i = 0;
+            while i < ep.idle.len() {
+                let idle = &mut ep.idle[i];
+                let reason = idle.expired(&limits, now);
+                match reason {
+                    Some(reason) => {
+                        let idle = ep.idle.remove(i);
+                        self.closed(ep, reason, idle.conn);
+                    }
+                    None => i += 1,
+                }
+            }
+        }
+        self.dispatch(&mut state, now);
+    }
+
+    /// Closes a connection and counts why. Its slot stays taken (`closing`) until the peer has
+    /// closed its side, at most [`CLOSE_GRACE`].
+    pub(super) fn closed(
+        self: &Arc<Self>,
+        ep: &mut EndpointState<C::Conn>,
+        reason: CloseReason,
+        conn: C::Conn,
+    ) {
+        self.metrics
+            .connection_closed(&self.backend, &ep.name, reason);
+        if let Some(opened) = conn.opened_at() {
+            let age = opened.elapsed();
+            self.metrics
+                .incidents()
+                .connection_aged(&self.backend, reason, age);
+            tracing::debug!(backend = %self.backend, endpoint = %ep.name, reason = reason.as_str(), ?age, "upstream connection closed");
+        }
+        let Some(peer_closed) = conn.close() else {
+            return;
+        };
+        // Outside a runtime (a pool dropped at exit) nothing can wait: the socket just closes.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        ep.closing += 1;
+        let (pool, endpoint) = (Arc::downgrade(self), ep.id);
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(CLOSE_GRACE, peer_closed).await;
+            if let Some(pool) = pool.upgrade() {
+                pool.close_done(endpoint);
+            }
+        });
+    }
+
+    /// Frees the slot of a closed connection whose peer let go of it (or whose grace ran out).
+    pub(super) fn close_done(self: &Arc<Self>, endpoint: u64) {
+        self.give_back(endpoint, |ep| &mut ep.closing);
+    }
+
+    /// Gives back one slot of `endpoint`'s cap, of those `slots` counts (connects in progress,
+    /// probes, closes waiting for the peer), then [`Self::freed`].
+    pub(super) fn give_back(
+        self: &Arc<Self>,
+        endpoint: u64,
+        slots: fn(&mut EndpointState<C::Conn>) -> &mut u32,
+    ) {
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        if let Some(ep) = state.endpoint_mut(endpoint) {
+            *slots(ep) -= 1;
+        }
+        self.freed(state, now);
+    }
+
+    /// After a slot freed other than by a lease returning: forgets removed endpoints left with
+    /// nothing open, hands the capacity to waiters, and wakes [`Pool::close_all`].
+    pub(super) fn freed(self: &Arc<Self>, mut state: MutexGuard<'_, State<C::Conn>>, now: Instant) {
+        state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
+        self.dispatch(&mut state, now);
+        drop(state);
+        self.slot_freed.notify_waiters();
+    }
+
+    pub(super) fn endpoint_name(&self, endpoint: u64) -> Arc<str> {
+        let state = self.state.lock();
+        state
+            .endpoint(endpoint)
+            .map(|ep| ep.name.clone())
+            .expect("a leased endpoint stays listed")
+    }
+}

@@ -1,0 +1,92 @@
+//! A connection on loan ([`Lease`]): what its call may ask of it, and what happens to the
+//! connection when the lease is dropped (back to the idle stack when kept, closed with a reason
+//! otherwise: [`super::dispatch`]'s `release`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use poolpilot_api::limits::PriorityClass;
+use tokio::time::Instant;
+
+use super::connect::Connect;
+use super::state::Inner;
+use crate::observe::CloseReason;
+
+/// A connection on loan. Dropping it returns the connection to the pool when [`Lease::keep`]
+/// was called and closes it otherwise.
+#[derive(Debug)]
+pub struct Lease<C: Connect> {
+    pub(super) pool: Arc<Inner<C>>,
+    pub(super) endpoint: u64,
+    pub(super) endpoint_name: Arc<str>,
+    pub(super) conn: Option<C::Conn>,
+    pub(super) created_at: Instant,
+    pub(super) leased_at: Instant,
+    pub(super) reused: bool,
+    pub(super) wait: Duration,
+    pub(super) class: PriorityClass,
+    pub(super) outcome: Outcome,
+}
+
+/// What happens to a lease's connection when it is dropped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Outcome {
+    Keep,
+    Close(CloseReason),
+}
+
+// === impl Lease ===
+
+impl<C: Connect> Lease<C> {
+    /// The connection.
+    pub fn conn(&mut self) -> &mut C::Conn {
+        self.conn
+            .as_mut()
+            .expect("a lease holds its connection until dropped")
+    }
+
+    /// Whether the connection was reused from the pool (not opened for this lease).
+    pub fn reused(&self) -> bool {
+        self.reused
+    }
+
+    /// How long the lease waited for a connection or a free slot.
+    pub fn wait(&self) -> Duration {
+        self.wait
+    }
+
+    /// The priority class it was leased for.
+    pub fn class(&self) -> PriorityClass {
+        self.class
+    }
+
+    /// The endpoint's name.
+    pub fn endpoint(&self) -> &Arc<str> {
+        &self.endpoint_name
+    }
+
+    /// Returns the connection to the pool when the lease is dropped (the exchange completed
+    /// and the connection can carry another request).
+    pub fn keep(&mut self) {
+        self.outcome = Outcome::Keep;
+    }
+
+    /// Closes the connection when the lease is dropped, counting `reason`.
+    pub fn discard(&mut self, reason: CloseReason) {
+        self.outcome = Outcome::Close(reason);
+    }
+}
+
+impl<C: Connect> Drop for Lease<C> {
+    fn drop(&mut self) {
+        let held = self.leased_at.elapsed();
+        self.pool.release(
+            self.endpoint,
+            self.conn.take(),
+            self.outcome,
+            self.created_at,
+            held,
+            self.class,
+        );
+    }
+}

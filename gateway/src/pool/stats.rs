@@ -1,0 +1,57 @@
+//! The pool's counts as `/v1/stats` shows them and the gauges are set from at each scrape
+//! ([`PoolStats`], per endpoint [`EndpointStats`], per priority class [`ClassStats`]).
+
+use std::net::SocketAddr;
+
+/// Counts of one endpoint, for `/v1/stats` and the gauges.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct EndpointStats {
+    /// Endpoint name.
+    pub name: String,
+    /// Its address.
+    pub address: SocketAddr,
+    /// Connections carrying a request.
+    pub leased: u32,
+    /// Connections idle in the pool.
+    pub idle: u32,
+    /// Connections being opened.
+    pub connecting: u32,
+    /// Connections closed by the pool that the peer has not closed yet (they keep their slot).
+    pub closing: u32,
+    /// The cap in force.
+    pub max: u32,
+    /// Whether requests may be sent to it (probes pass, not ejected).
+    pub healthy: bool,
+    /// Whether passive outlier detection has it ejected.
+    pub ejected: bool,
+    /// Whether an operator drained it by hand (`POST .../drain`).
+    pub drained: bool,
+}
+
+/// Counts of one backend's pool.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PoolStats {
+    /// Lease requests waiting.
+    pub pending: u32,
+    /// Per priority class, interactive first.
+    pub classes: [ClassStats; 2],
+    /// The most connections batch calls may hold (`batchMaxPercent` of the cap over the live
+    /// endpoints); none: no cap.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_cap: Option<u32>,
+    /// `maxPending` in force.
+    pub max_pending: u32,
+    /// Per endpoint.
+    pub endpoints: Vec<EndpointStats>,
+}
+
+/// Counts of one priority class in a pool.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ClassStats {
+    /// `interactive` or `batch`.
+    pub class: &'static str,
+    /// Its lease requests waiting.
+    pub pending: u32,
+    /// Connections its calls hold (leased, or being opened for them).
+    pub held: u32,
+}
