@@ -26,6 +26,7 @@ pub mod deadline;
 pub mod error;
 pub mod head;
 pub mod limits;
+pub mod listen;
 pub mod live;
 pub mod models;
 pub mod observe;
@@ -33,8 +34,6 @@ pub mod pool;
 pub mod proxy;
 pub mod reload;
 pub mod route;
-pub mod server;
-pub mod source;
 pub mod upstream;
 pub mod validate;
 
@@ -88,7 +87,7 @@ pub struct Running {
     /// The live state.
     pub gateway: Gateway,
     shutdown: watch::Sender<bool>,
-    conns: Arc<server::Connections>,
+    conns: Arc<listen::Connections>,
     tasks: Vec<JoinHandle<()>>,
     drain_grace: Duration,
     shutdown_delay: Duration,
@@ -113,7 +112,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         );
     }
     let bind =
-        |addr: SocketAddr| server::bind(addr).map_err(|source| StartError::Bind { addr, source });
+        |addr: SocketAddr| listen::bind(addr).map_err(|source| StartError::Bind { addr, source });
     let proxy = bind(config.listeners.proxy)?;
     let admin = bind(config.listeners.admin)?;
     let proxy_addr = proxy.local_addr().map_err(|source| StartError::Bind {
@@ -138,7 +137,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         config.early_retries.penalty_factor,
     );
     let (shutdown, shutdown_rx) = watch::channel(false);
-    let conns = Arc::new(server::Connections::default());
+    let conns = Arc::new(listen::Connections::default());
     let mut tasks = vec![
         gw.spawn_maintenance(),
         observe::incidents::spawn_lag_probe(gw.metrics().incidents().clone()),
@@ -205,7 +204,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
             }
         }
     }));
-    tasks.push(tokio::spawn(server::serve(
+    tasks.push(tokio::spawn(listen::serve(
         proxy,
         gw.clone(),
         conns.clone(),
@@ -244,7 +243,7 @@ impl Running {
         }
         self.gateway.set_draining();
         let _ = self.shutdown.send(true);
-        let left = server::drain(&self.conns, self.drain_grace).await;
+        let left = listen::drain(&self.conns, self.drain_grace).await;
         for task in &self.tasks {
             task.abort();
         }

@@ -158,7 +158,7 @@ async fn proxy(
             peer,
             listener.trusted_proxies.as_ref(),
         ),
-        None => ClientKey::of(crate::source::key_text(peer.source).as_bytes()),
+        None => ClientKey::of(crate::listen::source::key_text(peer.source).as_bytes()),
     };
     record.key(key);
     if let Some((timing, class)) = gw.refusals().arrived(&key, Instant::now()) {
@@ -342,7 +342,7 @@ async fn buffer_for_model(
 
 /// The client's identity, hashed: the configured header's value (for `authorization`, the
 /// bearer token without its scheme), or, without it or for a source-IP policy, the client's
-/// address ([`crate::source::key_text`]: an IPv6 client counts by its /64), taken from
+/// address ([`crate::listen::source::key_text`]: an IPv6 client counts by its /64), taken from
 /// `X-Forwarded-For` when the peer is a trusted proxy that passes it so.
 fn client_key(
     identity: &ClientIdentity,
@@ -362,11 +362,11 @@ fn client_key(
     }
     let ip = match trusted {
         Some(t) if t.protocol == ProxyProtocol::XForwardedFor => {
-            crate::source::forwarded_client(headers, peer.source, t)
+            crate::listen::source::forwarded_client(headers, peer.source, t)
         }
         _ => peer.source,
     };
-    ClientKey::of(crate::source::key_text(ip).as_bytes())
+    ClientKey::of(crate::listen::source::key_text(ip).as_bytes())
 }
 
 /// The token of an `Authorization: Bearer <token>` value (the scheme in any case).

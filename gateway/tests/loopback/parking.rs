@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::support::*;
-use poolpilot_gateway::server::{PARK_AFTER, PARK_EAGERLY_ABOVE};
+use poolpilot_gateway::listen::{PARK_AFTER, PARK_EAGERLY_ABOVE};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;

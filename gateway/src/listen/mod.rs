@@ -3,6 +3,8 @@
 //! connection per socket with the head limits and header-read timeout of the limits in force,
 //! the keep-alive idle timeout, and graceful drain on shutdown.
 
+pub mod source;
+
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::{Future, poll_fn};
@@ -285,18 +287,17 @@ async fn serve_proxied(
     shutdown: watch::Receiver<bool>,
 ) {
     let wait = gw.snapshot().limits.listener.header_read_timeout.get();
-    let source =
-        match tokio::time::timeout(wait, crate::source::read_proxy_header(&mut stream)).await {
-            Ok(Ok(client)) => client.map_or(peer.ip(), |c| c.ip()),
-            Ok(Err(error)) => {
-                tracing::debug!(%error, %peer, "closing a connection from a trusted proxy");
-                return;
-            }
-            Err(_) => {
-                tracing::debug!(%peer, "no PROXY protocol header in time; closing");
-                return;
-            }
-        };
+    let source = match tokio::time::timeout(wait, source::read_proxy_header(&mut stream)).await {
+        Ok(Ok(client)) => client.map_or(peer.ip(), |c| c.ip()),
+        Ok(Err(error)) => {
+            tracing::debug!(%error, %peer, "closing a connection from a trusted proxy");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "no PROXY protocol header in time; closing");
+            return;
+        }
+    };
     admit_and_serve(stream, peer, source, true, &gw, &conns, &shutdown);
 }
 
@@ -341,7 +342,7 @@ fn is_connection_error(e: &io::Error) -> bool {
     )
 }
 
-/// Counts a connection from `source` (by its [`crate::source::group`]), unless it would take
+/// Counts a connection from `source` (by its [`source::group`]), unless it would take
 /// the source over `maxConnectionsPerClient` (when `capped`).
 fn admit(
     gw: &Gateway,
@@ -349,7 +350,7 @@ fn admit(
     source: IpAddr,
     capped: bool,
 ) -> Option<ConnGuard> {
-    let ip = crate::source::group(source);
+    let ip = source::group(source);
     let per_client = gw
         .snapshot()
         .limits
