@@ -16,7 +16,6 @@
 //! never held against the backend.
 
 use std::future::{Future, poll_fn};
-use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::pin::pin;
 use std::sync::Arc;
@@ -42,6 +41,7 @@ use crate::body::{
 use crate::deadline::{Cut, DeadlineSlot, ResponseDeadline};
 use crate::error::ProxyError;
 use crate::limits::limiter::{ClientKey, ClientPermit};
+use crate::listen::source::Peer;
 use crate::live::{Backend, Gateway, Route};
 use crate::observe::access::Record;
 use crate::observe::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
@@ -54,34 +54,6 @@ use crate::{head, route};
 /// Re-sends after a reused connection failed before sending: enough to get past a few stale
 /// keep-alive connections, bounded so a dying backend cannot loop a request.
 const MAX_RETRIES: usize = 3;
-
-/// The client side of a call: the connection's peer and the client's address (the peer, or
-/// the source a trusted proxy's PROXY protocol header gave), the latter also as a header value
-/// (formatted once per connection, for `X-Forwarded-For`).
-#[derive(Clone, Debug)]
-pub struct Peer {
-    addr: SocketAddr,
-    source: IpAddr,
-    ip: HeaderValue,
-}
-
-impl Peer {
-    /// A client connected directly from `addr`.
-    pub fn new(addr: SocketAddr) -> Self {
-        Self::proxied(addr, addr.ip())
-    }
-
-    /// A connection from `addr` on behalf of the client at `source`.
-    pub fn proxied(addr: SocketAddr, source: IpAddr) -> Self {
-        let ip = HeaderValue::from_str(&source.to_string()).expect("an IP is a header value");
-        Self { addr, source, ip }
-    }
-
-    /// The connection's peer.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
 
 /// `X-Forwarded-For`.
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -158,7 +130,7 @@ async fn proxy(
             peer,
             listener.trusted_proxies.as_ref(),
         ),
-        None => ClientKey::of(crate::listen::source::key_text(peer.source).as_bytes()),
+        None => ClientKey::of(crate::listen::source::key_text(peer.source()).as_bytes()),
     };
     record.key(key);
     if let Some((timing, class)) = gw.refusals().arrived(&key, Instant::now()) {
@@ -362,9 +334,9 @@ fn client_key(
     }
     let ip = match trusted {
         Some(t) if t.protocol == ProxyProtocol::XForwardedFor => {
-            crate::listen::source::forwarded_client(headers, peer.source, t)
+            crate::listen::source::forwarded_client(headers, peer.source(), t)
         }
-        _ => peer.source,
+        _ => peer.source(),
     };
     ClientKey::of(crate::listen::source::key_text(ip).as_bytes())
 }
@@ -455,9 +427,9 @@ fn prepare_upstream_head(parts: &mut http::request::Parts, peer: &Peer) {
         .get(X_FORWARDED_FOR)
         .and_then(|v| v.to_str().ok())
     {
-        None => Some(peer.ip.clone()),
+        None => Some(peer.forwarded_for().clone()),
         Some(prior) => {
-            let ip = peer.ip.to_str().unwrap_or_default();
+            let ip = peer.forwarded_for().to_str().unwrap_or_default();
             HeaderValue::from_str(&format!("{prior}, {ip}")).ok()
         }
     };

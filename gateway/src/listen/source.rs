@@ -1,15 +1,54 @@
-//! Where a client comes from: its connection's peer, or what a trusted proxy says (a PROXY
-//! protocol v2 header opening the connection, or `X-Forwarded-For`), and the source key that
+//! Where a client comes from ([`Peer`]): its connection's peer, or what a trusted proxy says (a
+//! PROXY protocol v2 header opening the connection, or `X-Forwarded-For`), and the source key that
 //! per-source caps and source-IP client identities count by: an IPv4 address, or an IPv6 /64
 //! (one host commonly holds a whole /64, so counting single IPv6 addresses caps nothing).
 
 use std::io;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderValue};
 use poolpilot_api::limits::{TrustedProxies, canonical_ip};
 use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpStream;
+
+/// The client side of a call: the connection's peer and the client's address (the peer, or
+/// the source a trusted proxy's PROXY protocol header gave), the latter also as a header value
+/// (formatted once per connection, for `X-Forwarded-For`).
+#[derive(Clone, Debug)]
+pub struct Peer {
+    addr: SocketAddr,
+    source: IpAddr,
+    ip: HeaderValue,
+}
+
+impl Peer {
+    /// A client connected directly from `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        Self::proxied(addr, addr.ip())
+    }
+
+    /// A connection from `addr` on behalf of the client at `source`.
+    pub fn proxied(addr: SocketAddr, source: IpAddr) -> Self {
+        let ip = HeaderValue::from_str(&source.to_string()).expect("an IP is a header value");
+        Self { addr, source, ip }
+    }
+
+    /// The connection's peer.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The client's address: the peer, or the source a trusted proxy's PROXY protocol header
+    /// gave.
+    pub fn source(&self) -> IpAddr {
+        self.source
+    }
+
+    /// The client's address as the value `X-Forwarded-For` appends.
+    pub fn forwarded_for(&self) -> &HeaderValue {
+        &self.ip
+    }
+}
 
 /// The address per-source caps and identities count by: IPv4 as it is (an IPv4-mapped IPv6
 /// address as IPv4), IPv6 as its /64 network.

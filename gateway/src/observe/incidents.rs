@@ -1,8 +1,9 @@
 //! The incident signals: the metrics on-call engineers looked for in the incidents poolpilot
-//! comes from, beyond the pool's own metrics: the health of the gateway's runtime (scheduling lag measured by a probe
-//! task, busy workers), how long clients hold pool leases and their connections to the gateway,
-//! connections the gateway took back from clients that held them idle or stopped reading
-//! (reclaimed, by reason and client class), and the age of upstream connections when they close.
+//! comes from, beyond the pool's own metrics: the health of the gateway's runtime (scheduling
+//! lag measured by a probe task, busy workers), how long clients hold pool leases and their
+//! connections to the gateway, connections the gateway took back from clients that held them
+//! idle or stopped reading (reclaimed, by reason and client class), and the age of upstream
+//! connections when they close.
 //!
 //! Client classes are the bounded client labels of the limiter (override names, `other`) or
 //! `none` (no client policy on the route, or a connection-level reclaim that no call owns).

@@ -236,8 +236,8 @@ impl<C: Connect> Inner<C> {
     }
 
     /// Hands idle connections and free slots to waiters, in the queue's order: interactive
-    /// first, FIFO within a class, aged batch as interactive (see [`crate::limits::queue`]); a batch
-    /// waiter only while batch is under its share cap.
+    /// first, FIFO within a class, aged batch as interactive (see [`crate::limits::queue`]); a
+    /// batch waiter only while batch is under its share cap.
     pub(super) fn dispatch(self: &Arc<Self>, state: &mut State<C::Conn>, now: Instant) {
         let aging = state.priority.aging_in(state.limits.lease_timeout.get());
         loop {
