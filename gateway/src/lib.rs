@@ -16,24 +16,17 @@
 //!  admin port: /healthz /readyz /metrics /v1/limits /v1/stats
 //! ```
 //!
-//! Every failure of a request is typed and becomes a response in one place: [`error`].
+//! Every failure of a request is typed and becomes a response in one place: [`proxy::error`].
 
 pub mod admin;
-pub mod body;
-pub mod budget;
 pub mod config;
-pub mod deadline;
-pub mod error;
-pub mod head;
 pub mod limits;
 pub mod listen;
 pub mod live;
-pub mod models;
 pub mod observe;
 pub mod pool;
 pub mod proxy;
 pub mod reload;
-pub mod route;
 pub mod upstream;
 pub mod validate;
 

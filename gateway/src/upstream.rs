@@ -36,8 +36,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::body::RequestBody;
 use crate::pool::{Connect, Poolable};
+use crate::proxy::body::RequestBody;
 
 /// Opens plain-TCP HTTP/1.1 connections, with TCP keepalive when configured.
 #[derive(Clone, Copy, Debug, Default)]

@@ -24,9 +24,9 @@ use poolpilot_api::GatewayLimits;
 pub use listener::AdminListener;
 pub use token::AdminTokens;
 
-use crate::body::ResponseBody;
-use crate::error::json_response;
 use crate::live::{ApplyError, Gateway, LimitsSource};
+use crate::proxy::body::ResponseBody;
+use crate::proxy::error::json_response;
 
 /// Largest limits document accepted.
 const MAX_DOCUMENT_BYTES: usize = 4 * 1024 * 1024;

@@ -22,9 +22,9 @@ use tokio::sync::watch;
 
 use super::connection::serve_connection;
 use super::registry::{Connections, admit};
-use crate::error::ProxyError;
 use crate::live::Gateway;
 use crate::observe::Refusal;
+use crate::proxy::error::ProxyError;
 
 /// The longest a refused connection is kept to read its request and take its answer.
 pub const REFUSAL_GRACE: Duration = Duration::from_secs(2);

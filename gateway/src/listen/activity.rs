@@ -17,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::deadline::DeadlineSlot;
+use crate::proxy::deadline::DeadlineSlot;
 
 /// When a connection last moved bytes, how many of its requests are in flight, whether it
 /// carried one, and whether its last write had to wait for the socket.

@@ -23,9 +23,9 @@ use super::conn_limits::ConnLimits;
 use super::parking::{PARK_AFTER, PARK_EAGERLY_ABOVE, Parked, unparsed};
 use super::registry::Connections;
 use super::service::Service;
-use crate::deadline::{Cut, Watcher};
 use crate::live::Gateway;
 use crate::observe::{DownstreamTimeout, NO_CLIENT, Reclaim};
+use crate::proxy::deadline::{Cut, Watcher};
 
 /// Serves HTTP/1 requests with hyper until the connection closes (None) or has had no request
 /// in flight for [`PARK_AFTER`] (the parked connection).

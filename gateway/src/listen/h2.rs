@@ -22,9 +22,9 @@ use super::activity::{Activity, ConnIo};
 use super::conn_limits::ConnLimits;
 use super::h1::H1Watch;
 use super::service::Service;
-use crate::deadline::{Cuttable, DeadlineSlot};
 use crate::live::Gateway;
 use crate::observe::{NO_CLIENT, Reclaim};
+use crate::proxy::deadline::{Cuttable, DeadlineSlot};
 
 /// Serves an HTTP/2 (or undecided) connection with hyper-util's auto connection, as one
 /// piece: no parking.

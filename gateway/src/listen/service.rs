@@ -21,10 +21,10 @@ use parking_lot::Mutex;
 
 use super::activity::{ActiveRequest, Activity};
 use super::source::Peer;
-use crate::body::{BoxError, PolledFrame, ResponseBody};
-use crate::deadline::{DeadlineSlot, ResponseDeadline};
 use crate::live::Gateway;
 use crate::observe::access;
+use crate::proxy::body::{BoxError, PolledFrame, ResponseBody};
+use crate::proxy::deadline::{DeadlineSlot, ResponseDeadline};
 
 /// The hyper service of one connection: each request is proxied in its own boxed future (so
 /// that the connection can be taken apart between requests), with a [`DeadlineSlot`] for its

@@ -23,12 +23,12 @@ use poolpilot_api::limits::{HealthCheck, RouteMatch, Timeouts};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::budget::ByteBudget;
 use crate::limits::limiter::ClientLimiter;
 use crate::limits::refusals::RefusalMemory;
 use crate::observe::Metrics;
 use crate::observe::access::AccessLog;
 use crate::pool::{EndpointStats, Pool};
+use crate::proxy::route_budget::ByteBudget;
 use crate::upstream::HttpConnector;
 pub use apply::{Applied, ApplyError, LimitsSource};
 

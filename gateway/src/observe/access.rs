@@ -24,8 +24,8 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use super::labels::Timing;
-use crate::body::BodyProgress;
 use crate::limits::limiter::ClientKey;
+use crate::proxy::body::BodyProgress;
 
 /// `X-Request-Id`: taken from the client when it sends a usable one, else generated; sent to
 /// the backend and returned to the client.

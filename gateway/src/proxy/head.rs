@@ -17,8 +17,8 @@ use http::uri::Authority;
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, Empty};
 
-use crate::body::ResponseBody;
-use crate::error::ProxyError;
+use crate::proxy::body::ResponseBody;
+use crate::proxy::error::ProxyError;
 
 /// What to do with a request whose head passed the checks.
 #[derive(Debug)]

@@ -15,6 +15,14 @@
 //! the task serving it drops the body, which releases both at once. What the client causes is
 //! never held against the backend.
 
+pub mod body;
+pub mod deadline;
+pub mod error;
+pub mod head;
+pub mod models;
+pub mod route;
+pub mod route_budget;
+
 use std::future::{Future, poll_fn};
 use std::pin::Pin;
 use std::pin::pin;
@@ -34,12 +42,6 @@ use poolpilot_api::limits::{
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
-use crate::body::{
-    BodyFailure, BodyPace, BodyProgress, BoxError, ClientBody, PolledFrame, RequestBody,
-    ResponseBody,
-};
-use crate::deadline::{Cut, DeadlineSlot, ResponseDeadline};
-use crate::error::ProxyError;
 use crate::limits::limiter::{ClientKey, ClientPermit};
 use crate::listen::source::Peer;
 use crate::live::{Backend, Gateway, Route};
@@ -47,9 +49,14 @@ use crate::observe::access::Record;
 use crate::observe::{CloseReason, DownstreamTimeout, Metrics, TimeoutKind};
 use crate::observe::{NO_CLIENT, Reclaim};
 use crate::pool::Lease;
-use crate::route::BodyModel;
+use crate::proxy::body::{
+    BodyFailure, BodyPace, BodyProgress, BoxError, ClientBody, PolledFrame, RequestBody,
+    ResponseBody,
+};
+use crate::proxy::deadline::{Cut, DeadlineSlot, ResponseDeadline};
+use crate::proxy::error::ProxyError;
+use crate::proxy::route::BodyModel;
 use crate::upstream::HttpConnector;
-use crate::{head, route};
 
 /// Re-sends after a reused connection failed before sending: enough to get past a few stale
 /// keep-alive connections, bounded so a dying backend cannot loop a request.
@@ -95,7 +102,7 @@ async fn proxy(
     if let head::Verdict::Answer(response) = head::check(&mut req)? {
         return Ok(response);
     }
-    if let Some(response) = crate::models::answer(&req, &snapshot.routes) {
+    if let Some(response) = crate::proxy::models::answer(&req, &snapshot.routes) {
         return Ok(response);
     }
     let pace = BodyPace::new(Instant::now(), listener);
