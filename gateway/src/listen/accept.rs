@@ -123,9 +123,9 @@ pub async fn serve(
             Some(ProxyProtocol::XForwardedFor) => {
                 // X-Forwarded-For: the proxy carries many clients' connections; the
                 // per-source cap does not apply to it.
-                admit_and_serve(stream, peer, peer.ip(), false, &gw, &conns, &shutdown);
+                admit_and_serve(stream, peer.ip(), false, &gw, &conns, &shutdown);
             }
-            None => admit_and_serve(stream, peer, peer.ip(), true, &gw, &conns, &shutdown),
+            None => admit_and_serve(stream, peer.ip(), true, &gw, &conns, &shutdown),
         }
     }
 }
@@ -134,7 +134,6 @@ pub async fn serve(
 /// refuses it: an answer (429) while the answer rate allows, else a close.
 fn admit_and_serve(
     stream: TcpStream,
-    peer: SocketAddr,
     source: IpAddr,
     capped: bool,
     gw: &Gateway,
@@ -154,7 +153,6 @@ fn admit_and_serve(
     };
     tokio::spawn(serve_connection(
         stream,
-        peer,
         source,
         gw.clone(),
         guard,
@@ -185,7 +183,7 @@ async fn serve_proxied(
                 return;
             }
         };
-    admit_and_serve(stream, peer, source, true, &gw, &conns, &shutdown);
+    admit_and_serve(stream, source, true, &gw, &conns, &shutdown);
 }
 
 /// Answers every request of a connection over its source's cap with `429`, `Retry-After` and

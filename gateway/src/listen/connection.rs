@@ -4,7 +4,7 @@
 //! or drains at shutdown.
 
 use std::future::poll_fn;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::task::Poll;
 
 use bytes::Bytes;
@@ -42,7 +42,6 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// life.
 pub(super) async fn serve_connection(
     stream: TcpStream,
-    peer: SocketAddr,
     source: IpAddr,
     gw: Gateway,
     guard: ConnGuard,
@@ -77,7 +76,7 @@ pub(super) async fn serve_connection(
                     // task, idle HTTP/1 ones included.
                     Box::pin(serve_auto(
                         conn.stream,
-                        (peer, source),
+                        source,
                         gw,
                         &limits,
                         timer.as_mut(),
@@ -111,7 +110,7 @@ pub(super) async fn serve_connection(
         // needs, not the serving state (one allocation per return from parking).
         match Box::pin(serve_h1(
             conn,
-            (peer, source),
+            source,
             &gw,
             &guard.conns,
             &limits,

@@ -5,7 +5,7 @@
 //! bytes for `sendTimeout` ([`H1Watch`]).
 
 use std::future::{Future, poll_fn};
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,7 +32,7 @@ use crate::proxy::deadline::{Cut, Watcher};
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn serve_h1(
     parked: Parked,
-    peer: (SocketAddr, IpAddr),
+    source: IpAddr,
     gw: &Gateway,
     conns: &Connections,
     limits: &ConnLimits,
@@ -52,7 +52,7 @@ pub(super) async fn serve_h1(
         prefix: parked.prefix,
         activity: activity.clone(),
     });
-    let service = Service::new(gw.clone(), peer, activity.clone());
+    let service = Service::new(gw.clone(), source, activity.clone());
     let mut watch = H1Watch::default();
     let mut conn = Box::new(
         http1::Builder::new()

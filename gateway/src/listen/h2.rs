@@ -6,7 +6,7 @@
 //! ([`StreamExecutor`]).
 
 use std::future::{Future, poll_fn};
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -30,7 +30,7 @@ use crate::proxy::deadline::{Cuttable, DeadlineSlot};
 /// piece: no parking.
 pub(super) async fn serve_auto(
     stream: TcpStream,
-    peer: (SocketAddr, IpAddr),
+    source: IpAddr,
     gw: Gateway,
     limits: &ConnLimits,
     mut timer: Pin<&mut Sleep>,
@@ -42,7 +42,7 @@ pub(super) async fn serve_auto(
         prefix: Bytes::new(),
         activity: activity.clone(),
     });
-    let service = Service::new(gw.clone(), peer, activity.clone());
+    let service = Service::new(gw.clone(), source, activity.clone());
     let mut builder = auto::Builder::new(StreamExecutor {
         next: service.next_stream.clone(),
     });

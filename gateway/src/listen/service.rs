@@ -7,7 +7,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -25,6 +25,7 @@ use crate::live::Gateway;
 use crate::observe::access;
 use crate::proxy::body::{BoxError, PolledFrame, ResponseBody};
 use crate::proxy::deadline::{DeadlineSlot, ResponseDeadline};
+use crate::proxy::pipeline;
 
 /// The hyper service of one connection: each request is proxied in its own boxed future (so
 /// that the connection can be taken apart between requests), with a [`DeadlineSlot`] for its
@@ -40,14 +41,10 @@ pub(super) struct Service {
 }
 
 impl Service {
-    pub(super) fn new(
-        gw: Gateway,
-        (peer, source): (SocketAddr, IpAddr),
-        activity: Arc<Activity>,
-    ) -> Self {
+    pub(super) fn new(gw: Gateway, source: IpAddr, activity: Arc<Activity>) -> Self {
         Self {
             gw,
-            peer: Arc::new(Peer::proxied(peer, source)),
+            peer: Arc::new(Peer::new(source)),
             activity,
             next_stream: Arc::default(),
         }
@@ -80,7 +77,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         let active = ActiveRequest::new(self.activity.clone());
         let activity_of_call = self.activity.clone();
         Box::pin(async move {
-            let mut response = crate::proxy::handle(gw.clone(), &peer, req, &slot, &record).await;
+            let mut response = pipeline::handle(gw.clone(), &peer, req, &slot, &record).await;
             response
                 .headers_mut()
                 .insert(access::X_REQUEST_ID, request_id);

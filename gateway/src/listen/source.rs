@@ -11,31 +11,20 @@ use poolpilot_api::limits::{TrustedProxies, canonical_ip};
 use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpStream;
 
-/// The client side of a call: the connection's peer and the client's address (the peer, or
-/// the source a trusted proxy's PROXY protocol header gave), the latter also as a header value
-/// (formatted once per connection, for `X-Forwarded-For`).
+/// The client side of a call: the client's address (the connection's peer, or the source a
+/// trusted proxy's PROXY protocol header gave), also as a header value (formatted once per
+/// connection, for `X-Forwarded-For`).
 #[derive(Clone, Debug)]
 pub struct Peer {
-    addr: SocketAddr,
     source: IpAddr,
     ip: HeaderValue,
 }
 
 impl Peer {
-    /// A client connected directly from `addr`.
-    pub fn new(addr: SocketAddr) -> Self {
-        Self::proxied(addr, addr.ip())
-    }
-
-    /// A connection from `addr` on behalf of the client at `source`.
-    pub fn proxied(addr: SocketAddr, source: IpAddr) -> Self {
+    /// The client at `source`.
+    pub fn new(source: IpAddr) -> Self {
         let ip = HeaderValue::from_str(&source.to_string()).expect("an IP is a header value");
-        Self { addr, source, ip }
-    }
-
-    /// The connection's peer.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
+        Self { source, ip }
     }
 
     /// The client's address: the peer, or the source a trusted proxy's PROXY protocol header

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use poolpilot_api::limits::{BODY_RATE_GRACE, ListenerLimits};
 use tokio::time::{Instant, Sleep};
 
-use crate::proxy::route_budget::Reservation;
+use super::route_budget::Reservation;
 
 /// A boxed, thread-safe error.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -44,7 +44,9 @@ pub enum Cut {
 }
 
 impl Cut {
-    /// Whether the backend caused it (it then counts as an upstream timeout).
+    /// Whether the backend caused it (it then counts as an upstream timeout: the call's
+    /// accounting in `call.rs` counts `Total` and `StreamIdle` so).
+    #[cfg(test)]
     pub fn upstream(self) -> bool {
         matches!(self, Self::Total | Self::StreamIdle)
     }

@@ -13,10 +13,10 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 
+use super::body::ResponseBody;
 use crate::limits::limiter::ClientRejection;
 use crate::observe::TimeoutKind;
 use crate::pool::PoolError;
-use crate::proxy::body::ResponseBody;
 
 /// `Retry-After` of failures whose cause passes quickly (a stale connection, an endpoint about
 /// to be ejected, a pod going away behind its Service): come back in a second.
@@ -32,7 +32,7 @@ pub enum ProxyError {
     #[error(transparent)]
     Pool(#[from] PoolError),
     /// No backend's route matches (404); the text says what routing read of the body's
-    /// `model` when a route needs it ([`crate::proxy::route::BodyModel::miss`]).
+    /// `model` when a route needs it ([`super::route::BodyModel::miss`]).
     #[error("no backend route matches the request{0}")]
     NoRoute(String),
     /// The request head is larger than `maxHeaderBytes` or has more than `maxHeaders` (431).

@@ -1,6 +1,7 @@
-//! What a request head must be for the gateway to take it: the MUST requirements of RFC 9110
-//! and RFC 9112 that hyper leaves to the server (exactly one valid `Host` in HTTP/1.1,
-//! `Max-Forwards`, no `CONNECT` or `TRACE`), and
+//! What a request head must be for the gateway to take it: within the listener's head limits
+//! (`maxHeaders`, `maxHeaderBytes`: 431; a declared body over `maxBodyBytes`: 413), the MUST
+//! requirements of RFC 9110 and RFC 9112 that hyper leaves to the server (exactly one valid
+//! `Host` in HTTP/1.1, `Max-Forwards`, no `CONNECT` or `TRACE`), and
 //! the path check that keeps prefix routing honest: a target whose path holds `.` or `..`
 //! segments (also percent-encoded), empty segments (`//`), or encoded slashes or backslashes
 //! could mean another path to the backend than to the router, so it is refused (Envoy and nginx
@@ -14,11 +15,51 @@
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::Authority;
-use http::{Method, Request, Response, StatusCode, Version};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, Empty};
 
-use crate::proxy::body::ResponseBody;
-use crate::proxy::error::ProxyError;
+use poolpilot_api::limits::ListenerLimits;
+
+use super::body::ResponseBody;
+use super::error::ProxyError;
+
+/// 431 for too many or too large headers, 413 for a declared body over the limit. hyper
+/// enforces the same limits while parsing HTTP/1 heads; this covers HTTP/2 and limits below
+/// hyper's smallest read buffer.
+pub(super) fn check_limits<B>(req: &Request<B>, limits: &ListenerLimits) -> Result<(), ProxyError> {
+    if req.headers().len() > limits.max_headers as usize {
+        return Err(ProxyError::HeadersTooLarge("too many headers"));
+    }
+    let head_bytes: usize = uri_len(req.uri())
+        + req
+            .headers()
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len() + 4)
+            .sum::<usize>();
+    if head_bytes > limits.max_header_bytes as usize {
+        return Err(ProxyError::HeadersTooLarge("request head too large"));
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limits.max_body_bytes) {
+        return Err(ProxyError::BodyTooLarge {
+            limit: limits.max_body_bytes,
+        });
+    }
+    Ok(())
+}
+
+/// The length of the URI as written (`Uri`'s `Display`), without formatting it in the common
+/// origin-form case.
+fn uri_len(uri: &Uri) -> usize {
+    match (uri.scheme(), uri.authority(), uri.path_and_query()) {
+        (None, None, Some(pq)) => pq.as_str().len(),
+        _ => uri.to_string().len(),
+    }
+}
 
 /// What to do with a request whose head passed the checks.
 #[derive(Debug)]
@@ -193,5 +234,39 @@ mod tests {
         req.headers_mut()
             .insert("max-forwards", HeaderValue::from_static("x"));
         assert_eq!(check(&mut req).unwrap_err().status(), 400);
+    }
+
+    #[test]
+    fn head_limits_give_431_and_413() {
+        let limits = ListenerLimits {
+            max_headers: 3,
+            max_header_bytes: 1024,
+            max_body_bytes: 10,
+            ..Default::default()
+        };
+        let mut b = Request::builder().uri("/");
+        for i in 0..4 {
+            b = b.header(format!("x-h{i}"), "v");
+        }
+        let err = check_limits(&b.body(()).unwrap(), &limits).unwrap_err();
+        assert_eq!(err.status(), 431);
+        let big = Request::builder()
+            .uri("/")
+            .header("x-big", "v".repeat(2000))
+            .body(())
+            .unwrap();
+        assert_eq!(check_limits(&big, &limits).unwrap_err().status(), 431);
+        let body = Request::builder()
+            .uri("/")
+            .header("content-length", "11")
+            .body(())
+            .unwrap();
+        assert_eq!(check_limits(&body, &limits).unwrap_err().status(), 413);
+        let fine = Request::builder()
+            .uri("/")
+            .header("content-length", "10")
+            .body(())
+            .unwrap();
+        assert!(check_limits(&fine, &limits).is_ok());
     }
 }

@@ -5,9 +5,9 @@
 
 use http::{Method, Request, StatusCode};
 
+use super::body::ResponseBody;
+use super::error::{error_response, json_response};
 use crate::live::Route;
-use crate::proxy::body::ResponseBody;
-use crate::proxy::error::{error_response, json_response};
 
 /// The models the routes name, in route order (the first route of a model is the one that
 /// serves it), each with its backend.

@@ -1,8 +1,123 @@
 //! Request routing: which backend a request goes to, by path prefix, headers and the JSON
-//! body's top-level `model` field (read from a bounded buffer).
+//! body's top-level `model` field, read from a bounded buffer (`routeBodyBytes`) at the
+//! listener's body pace (408) and within the pod-wide budget of routing buffers (503:
+//! [`super::route_budget`]); nothing read is lost, the body is forwarded whole.
 
+use bytes::BytesMut;
 use http::request::Parts;
-use poolpilot_api::limits::RouteMatch;
+use http_body::Body;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use poolpilot_api::limits::{ListenerLimits, RouteMatch};
+use tokio::time::Instant;
+
+use super::body::{BodyPace, ClientBody};
+use super::error::ProxyError;
+use crate::live::{Gateway, Route, Snapshot};
+use crate::observe::{DownstreamTimeout, NO_CLIENT, Reclaim};
+
+/// Finds the route of a request: reads up to `routeBodyBytes` of its body first when a route
+/// needs its JSON `model` ([`buffer_for_model`]), and returns the route with the body to forward
+/// (what was read, then the rest). No route matches: 404, saying what was read of `model`.
+pub(super) async fn route<'a>(
+    gw: &Gateway,
+    snapshot: &'a Snapshot,
+    parts: &Parts,
+    incoming: Incoming,
+    pace: BodyPace,
+) -> Result<(&'a Route, ClientBody), ProxyError> {
+    let listener = &snapshot.limits.listener;
+    // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`.
+    let (model, body) = if snapshot.needs_model && !incoming.is_end_stream() {
+        buffer_for_model(gw, incoming, listener, pace).await?
+    } else {
+        let model = if snapshot.needs_model {
+            BodyModel::Absent
+        } else {
+            BodyModel::NotRead
+        };
+        (
+            model,
+            ClientBody::new(None, None, Some(incoming), listener.max_body_bytes, pace),
+        )
+    };
+    let route = snapshot
+        .routes
+        .iter()
+        .find(|r| matches(&r.matcher, parts, model.name()))
+        .ok_or_else(|| ProxyError::NoRoute(model.miss()))?;
+    Ok((route, body))
+}
+
+/// Reads up to `routeBodyBytes` of the body, at the listener's body pace and within the
+/// pod's routing budget. A body that ends within it is parsed for `model`; a longer one routes
+/// without a model. Either way nothing read is lost.
+async fn buffer_for_model(
+    gw: &Gateway,
+    mut incoming: Incoming,
+    limits: &ListenerLimits,
+    pace: BodyPace,
+) -> Result<(BodyModel, ClientBody), ProxyError> {
+    let cap = limits.route_body_bytes as usize;
+    let mut buf = BytesMut::new();
+    let mut reserved = gw.route_budget().reservation();
+    let mut last = Instant::now();
+    loop {
+        if buf.len() > cap {
+            let prefix = buf.freeze();
+            return Ok((
+                BodyModel::BeyondBuffer(limits.route_body_bytes),
+                ClientBody::new(
+                    Some(prefix),
+                    Some(reserved),
+                    Some(incoming),
+                    limits.max_body_bytes,
+                    pace,
+                ),
+            ));
+        }
+        let deadline = pace.deadline(buf.len() as u64, last);
+        let Ok(frame) = tokio::time::timeout_at(deadline, incoming.frame()).await else {
+            gw.metrics().downstream_timeout(DownstreamTimeout::BodyRead);
+            gw.metrics()
+                .incidents()
+                .reclaimed(Reclaim::BodyTimeout, NO_CLIENT);
+            return Err(ProxyError::BodyTimeout);
+        };
+        match frame {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    if (buf.len() + data.len()) as u64 > limits.max_body_bytes {
+                        return Err(ProxyError::BodyTooLarge {
+                            limit: limits.max_body_bytes,
+                        });
+                    }
+                    if !reserved.grow(data.len() as u64, limits.route_buffer_budget) {
+                        gw.metrics().route_buffer_rejected();
+                        return Err(ProxyError::RouteBufferFull);
+                    }
+                    buf.extend_from_slice(&data);
+                    last = Instant::now();
+                }
+            }
+            Some(Err(e)) => return Err(ProxyError::ClientBody(e.into())),
+            None => {
+                let body = buf.freeze();
+                let model = model_of(&body).map_or(BodyModel::Absent, BodyModel::Found);
+                return Ok((
+                    model,
+                    ClientBody::new(
+                        Some(body),
+                        Some(reserved),
+                        None,
+                        limits.max_body_bytes,
+                        pace,
+                    ),
+                ));
+            }
+        }
+    }
+}
 
 /// Whether `m` matches a request with head `parts` and body model `model` (`None` when the
 /// body was not read, is not JSON, is larger than the routing buffer, or has no `model`).

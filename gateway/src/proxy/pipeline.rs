@@ -1,0 +1,154 @@
+//! The pipeline of one proxied call, phase by phase: drain → head → the gateway's own answers →
+//! route → identity → class → admission → upstream head → forward; and the one place where a
+//! failed phase becomes the client's response (the rescue: [`super::error`]), remembered when
+//! it told the client when to come back.
+
+use std::time::Duration;
+
+use http::header::{self, HeaderValue};
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use poolpilot_api::limits::PriorityClass;
+use tokio::time::Instant;
+
+use super::body::{BodyPace, ResponseBody};
+use super::call::CallContext;
+use super::deadline::DeadlineSlot;
+use super::error::ProxyError;
+use super::{forward, head, headers, identity, models, route};
+use crate::listen::source::Peer;
+use crate::live::Gateway;
+use crate::observe::NO_CLIENT;
+use crate::observe::access::Record;
+
+/// Proxies one request; every failure becomes a response through [`ProxyError`]. The
+/// response's deadlines go into `slot` once its head has arrived (see [`super::deadline`]).
+pub async fn handle(
+    gw: Gateway,
+    peer: &Peer,
+    req: Request<Incoming>,
+    slot: &DeadlineSlot,
+    record: &Record,
+) -> Response<ResponseBody> {
+    match proxy(&gw, peer, req, slot, record).await {
+        Ok(response) => response,
+        Err(error) => {
+            tracing::debug!(%error, reason = error.reason(), request_id = ?record.request_id(), "request not proxied");
+            record.rejected(error.reason());
+            let mut response = error.to_response();
+            remember_refusal(&gw, record, &error, &mut response);
+            response
+        }
+    }
+}
+
+async fn proxy(
+    gw: &Gateway,
+    peer: &Peer,
+    mut req: Request<Incoming>,
+    slot: &DeadlineSlot,
+    record: &Record,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    // 0. drain: a gateway shutting down takes no new call (503)
+    if gw.is_draining() {
+        return Err(ProxyError::ShuttingDown);
+    }
+    let snapshot = gw.snapshot();
+    let listener = &snapshot.limits.listener;
+    // 1. head: its limits (431, 413), then the MUSTs of RFC 9110/9112 (400, 501); an
+    //    `OPTIONS` that `Max-Forwards` ends here is answered
+    head::check_limits(&req, listener)?;
+    if let head::Verdict::Answer(response) = head::check(&mut req)? {
+        return Ok(response);
+    }
+    // 2. the gateway's own answers: `GET /v1/models` from the routes in force
+    if let Some(response) = models::answer(&req, &snapshot.routes) {
+        return Ok(response);
+    }
+    // 3. route: path prefix, headers, and the body's JSON `model` when a route needs it (read
+    //    at the body pace, 408, within `routeBodyBytes` and the pod's budget, 503); no match 404
+    let pace = BodyPace::new(Instant::now(), listener);
+    let (mut parts, incoming) = req.into_parts();
+    let (route, body) = route::route(gw, &snapshot, &parts, incoming, pace).await?;
+    record.backend(&route.backend.name);
+    // 4. identity: its client policy's identity, or its source address without a policy; and
+    //    whether it comes back after a refusal, early or on time
+    let key = identity::client_key_of(
+        route.limiter.as_ref(),
+        &parts.headers,
+        peer,
+        listener.trusted_proxies.as_ref(),
+    );
+    record.key(key);
+    if let Some((timing, class)) = gw.refusals().arrived(&key, Instant::now()) {
+        record.retry(timing);
+        gw.metrics().incidents().retried(&class, timing);
+    }
+    // 5. class: by its policy's rules (an override's class, the header when the policy takes
+    //    it); a call without a client policy is interactive
+    let priority = route
+        .limiter
+        .as_ref()
+        .map_or(PriorityClass::Interactive, |l| {
+            l.classify(key, &parts.headers)
+        });
+    record.class(priority);
+    // 6. admission: the client's concurrency and queue (429; 503 when its table is full)
+    let permit = match &route.limiter {
+        Some(limiter) => {
+            let acquired = limiter.acquire_as(key, priority).await;
+            let name = match &acquired {
+                Ok(permit) => Some(permit.label()),
+                Err(rejection) => rejection.client(),
+            };
+            record.client(name, key.short());
+            Some(acquired?)
+        }
+        None => None,
+    };
+    // 7. upstream head: hop-by-hop headers dropped, `X-Forwarded-For` and `Via` added
+    headers::prepare_upstream_head(&mut parts, peer);
+    let progress = body.progress();
+    record.body(progress.clone());
+    let req = Request::from_parts(parts, body.boxed_unsync());
+    // 8. forward: lease (503), send (retried on a stale reused connection), the response head
+    //    within its timeouts (504, 502); the body then streams back under its deadlines
+    let call = CallContext {
+        metrics: gw.metrics(),
+        route,
+        priority,
+        body: &progress,
+        send_timeout: listener.send_timeout.get(),
+        slot,
+        record,
+    };
+    forward::forward(call, req, permit).await
+}
+
+/// Remembers a refusal that told the client when to come back (429, 503), for the next call of
+/// the same client to be counted early or on time; an early retry refused again is told to wait
+/// `earlyRetries.penaltyFactor` times longer.
+fn remember_refusal(
+    gw: &Gateway,
+    record: &Record,
+    error: &ProxyError,
+    response: &mut Response<ResponseBody>,
+) {
+    let (Some(key), Some(retry_after)) = (record.client_key(), error.retry_after()) else {
+        return;
+    };
+    if !matches!(error.status().as_u16(), 429 | 503) {
+        return;
+    }
+    let mut secs = retry_after.as_secs().max(1);
+    if record.early_retry() && gw.early_retry_penalty() > 1 {
+        secs *= u64::from(gw.early_retry_penalty());
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    let class = record.client_name().unwrap_or_else(|| NO_CLIENT.into());
+    gw.refusals()
+        .refused(key, class, Duration::from_secs(secs), Instant::now());
+}
