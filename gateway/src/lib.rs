@@ -3,31 +3,44 @@
 //! rejected clients when to come back, and exposes what the operator needs to tune it.
 //!
 //! ```text
-//!  client ──► server (accept caps, head limits, idle timeout, drain)
+//!  client ──► listen (accept caps, PROXY v2, h1/h2, parking, idle timeout, drain)
 //!               │
 //!               ▼
-//!             proxy: route (path / headers / JSON model) ──► limiter (per client: 429)
-//!               │                                               │
-//!               ▼                                               ▼
-//!             pool (per backend, per endpoint cap, FIFO waiters: 503) ──► backend
+//!             proxy: head → route (path / headers / JSON model) → identity → class
+//!               │      → limits (per-client limiter: 429) → headers → forward
+//!               ▼
+//!             pool (per backend, per endpoint cap, FIFO waiters: 503) ──► upstream ──► backend
 //!               ▲                 ▲
-//!     health (probes, ejection)   gateway (limits in force; applied by admin PUT or reload)
+//!     pool::health (probes,       live (limits in force; applied by admin PUT or reload)
+//!       ejection)
 //!
-//!  admin port: /healthz /readyz /metrics /v1/limits /v1/stats
+//!  admin port: /healthz /readyz /metrics /v1/limits /v1/stats        observe: metrics, logs
 //! ```
 //!
-//! Every failure of a request is typed and becomes a response in one place: [`proxy::error`].
+//! | module | owns |
+//! |---|---|
+//! | [`listen`] | the client-facing listener: accept, caps, HTTP/1 and h2 connections, parking, deadlines' cuts, drain |
+//! | `proxy` | one proxied call, phase by phase (`proxy/pipeline.rs`), and the one place failures become responses |
+//! | [`pool`] | the per-backend connection pool: cap, waiters, idle reuse, endpoint choice, health |
+//! | `upstream` | HTTP/1.1 connections to backends, the pooled unit |
+//! | `limits` | per-client limiter, the waiter queue, the pod-wide upstream share, the memory of refusals |
+//! | `live` | the limits in force, applied in place; `/v1/stats` and the scrape's gauges |
+//! | [`observe`] | metrics, label values, incident signals, the access log, logs |
+//! | `admin` | the admin API on its own port: routes, listener, token, TLS |
+//! | [`config`], [`reload`], [`validate`] | the gateway's config, the files it follows, `poolpilot-gateway validate` |
+//!
+//! Every failure of a request is typed and becomes a response in one place: `proxy/error.rs`.
 
-pub mod admin;
+mod admin;
 pub mod config;
-pub mod limits;
+mod limits;
 pub mod listen;
-pub mod live;
+mod live;
 pub mod observe;
 pub mod pool;
-pub mod proxy;
+mod proxy;
 pub mod reload;
-pub mod upstream;
+mod upstream;
 pub mod validate;
 
 use std::net::SocketAddr;

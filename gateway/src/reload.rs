@@ -54,7 +54,7 @@ pub fn parse(path: &Path, text: &[u8]) -> Result<GatewayLimits, LimitsFileError>
 
 /// Reads and applies the file once. Returns a watch that has seen this content, whether or not
 /// it was applied, for [`on_limits_change`].
-pub fn load_once(gw: &Gateway, path: &Path) -> Result<FileWatch, LimitsFileError> {
+pub(crate) fn load_once(gw: &Gateway, path: &Path) -> Result<FileWatch, LimitsFileError> {
     let text = fs::read(path).map_err(|source| LimitsFileError::Read {
         path: path.into(),
         source,
@@ -80,7 +80,7 @@ fn apply_file(gw: &Gateway, path: &Path, text: &[u8]) {
 
 /// What a change of the limits file `path` does (for [`FileWatch::poll`]): it is applied, until
 /// the pod's limits come by PUT; from then on it is only logged.
-pub fn on_limits_change(gw: Gateway, path: PathBuf) -> OnChange {
+pub(crate) fn on_limits_change(gw: Gateway, path: PathBuf) -> OnChange {
     Box::new(move |contents| {
         if gw.managed_by_api() {
             tracing::info!(
@@ -95,12 +95,12 @@ pub fn on_limits_change(gw: Gateway, path: PathBuf) -> OnChange {
 }
 
 /// What a [`FileWatch`] does with its files' new contents (in the order of its paths).
-pub type OnChange = Box<dyn FnMut(Vec<Vec<u8>>) + Send>;
+pub(crate) type OnChange = Box<dyn FnMut(Vec<Vec<u8>>) + Send>;
 
 /// Notices when a set of files changes, by the digest of their contents: a mounted ConfigMap's
 /// or Secret's symlink swap, an editor's rename or an in-place write look the same.
 #[derive(Debug)]
-pub struct FileWatch {
+pub(crate) struct FileWatch {
     paths: Vec<PathBuf>,
     seen: Option<[u8; 32]>,
 }

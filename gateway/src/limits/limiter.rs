@@ -230,6 +230,7 @@ impl ClientLimiter {
     }
 
     /// Admits an interactive call of `key` (see [`Self::acquire_as`]).
+    #[cfg(test)]
     pub async fn acquire(&self, key: ClientKey) -> Result<ClientPermit, ClientRejection> {
         self.acquire_as(key, PriorityClass::Interactive).await
     }
@@ -635,6 +636,7 @@ impl ClientPermit {
     }
 
     /// When the call was admitted.
+    #[cfg(test)]
     pub fn started(&self) -> Instant {
         self.started
     }

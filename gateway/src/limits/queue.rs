@@ -80,6 +80,7 @@ impl<T> ClassQueue<T> {
     }
 
     /// Whether the waiter `id` is still queued.
+    #[cfg(test)]
     pub fn contains(&self, id: u64) -> bool {
         self.fifo.iter().any(|f| f.iter().any(|e| e.id == id))
     }

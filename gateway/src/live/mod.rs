@@ -30,7 +30,7 @@ use crate::observe::access::AccessLog;
 use crate::pool::{EndpointStats, Pool};
 use crate::proxy::route_budget::ByteBudget;
 use crate::upstream::HttpConnector;
-pub use apply::{Applied, ApplyError, LimitsSource};
+pub use apply::{ApplyError, LimitsSource};
 
 /// The live gateway. Cheap to clone.
 #[derive(Clone, Debug)]

@@ -17,7 +17,7 @@ pub const DEFAULT_DIRECTIVES: &str = "info";
 
 /// Why the log level was not changed.
 #[derive(Debug, thiserror::Error)]
-pub enum LogLevelError {
+pub(crate) enum LogLevelError {
     /// The directives do not parse.
     #[error("not a log filter ({directives:?}): {message}")]
     Invalid {
@@ -88,14 +88,14 @@ where
 }
 
 /// The filter directives in force.
-pub fn level() -> Result<String, LogLevelError> {
+pub(crate) fn level() -> Result<String, LogLevelError> {
     let control = CONTROL.get().ok_or(LogLevelError::Unavailable)?;
     Ok(control.current.lock().clone())
 }
 
 /// Replaces the filter with `directives` (a level such as `debug`, or `RUST_LOG` syntax such as
 /// `info,poolpilot_gateway::pool=trace`); returns the directives it replaced.
-pub fn set_level(directives: &str) -> Result<String, LogLevelError> {
+pub(crate) fn set_level(directives: &str) -> Result<String, LogLevelError> {
     let control = CONTROL.get().ok_or(LogLevelError::Unavailable)?;
     let invalid = |message: String| LogLevelError::Invalid {
         directives: directives.to_owned(),

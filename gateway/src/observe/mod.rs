@@ -3,12 +3,12 @@
 //! contract ([`incidents`]), one access log line per call ([`access`]), and the logs with their
 //! run-time filter ([`logging`]).
 
-pub mod access;
-pub mod incidents;
-pub mod labels;
+pub(crate) mod access;
+pub(crate) mod incidents;
+pub(crate) mod labels;
 pub mod logging;
-pub mod metrics;
+pub(crate) mod metrics;
 
-pub use incidents::{Incidents, NO_CLIENT, Reclaim};
-pub use labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, TimeoutKind, Timing};
+pub(crate) use incidents::{NO_CLIENT, Reclaim};
+pub(crate) use labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, TimeoutKind, Timing};
 pub use metrics::Metrics;
