@@ -2,7 +2,8 @@
 //! crate target (library, binaries, test crates) the modules its `mod` declarations reach, and
 //! an edge `a → b` when module `a` names module `b` in a `use` or a path (`crate::b::…`,
 //! `super::…`, a child module by name). A unit test fails on a circle (a strongly connected set
-//! of two or more modules) and on a `#[path]` attribute; with `--nocapture` it lists every edge:
+//! of two or more modules), on a `#[path]` attribute, and on an import by a module its crate
+//! documents as a leaf ([`LEAVES`]); with `--nocapture` it lists every edge:
 //!
 //! ```sh
 //! cargo test -p poolpilot-e2e --lib module_graph -- --nocapture
@@ -413,6 +414,29 @@ pub fn crate_graph(name: String, root: &Path) -> CrateGraph {
     }
 }
 
+/// Modules their crates document as leaves, by crate target: they import nothing of their
+/// crate, so that every other module may name them without a circle.
+pub const LEAVES: &[(&str, &str)] = &[
+    // Label values shared by the metrics and the modules that report them.
+    ("gateway/src/lib.rs", "crate::observe::labels"),
+    // The power of two choices, pure: no state, no clock, no metrics.
+    ("gateway/src/lib.rs", "crate::pool::select"),
+];
+
+/// What `leaf` imports of its crate in `graph`: every module it has an edge to, or `None` when
+/// the graph has no such module.
+pub fn imports_of(graph: &CrateGraph, leaf: &str) -> Option<Vec<String>> {
+    let module = graph.modules.keys().find(|m| show(m) == leaf)?;
+    Some(
+        graph
+            .edges
+            .iter()
+            .filter(|(from, _)| from == module)
+            .map(|(_, to)| show(to))
+            .collect(),
+    )
+}
+
 /// The crate roots of the package in `dir`: library, binaries, tests, benches, examples.
 fn roots_of(dir: &Path) -> Vec<PathBuf> {
     let mut roots: Vec<PathBuf> = ["src/lib.rs", "src/main.rs", "build.rs"]
@@ -443,19 +467,8 @@ fn roots_of(dir: &Path) -> Vec<PathBuf> {
 
 /// Every crate target of the workspace at `root` (the packages its Cargo.toml lists).
 pub fn workspace_graphs(root: &Path) -> Vec<CrateGraph> {
-    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap_or_default();
-    let members: Vec<String> = manifest
-        .split_once("members")
-        .and_then(|(_, rest)| rest.split_once('[')?.1.split_once(']'))
-        .map(|(list, _)| {
-            list.split(',')
-                .map(|m| m.trim().trim_matches('"').to_owned())
-                .filter(|m| !m.is_empty())
-                .collect()
-        })
-        .unwrap_or_default();
     let mut graphs = Vec::new();
-    for member in members {
+    for member in crate::paths::workspace_members(root) {
         for crate_root in roots_of(&root.join(&member)) {
             let shown = crate_root
                 .strip_prefix(root)
@@ -647,6 +660,58 @@ mod tests {
         assert!(
             found.is_empty(),
             "modules that import each other (directly or around a circle):\n{}",
+            found.join("\n")
+        );
+    }
+
+    #[test]
+    fn a_module_its_crate_documents_as_a_leaf_imports_nothing_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        write(
+            dir.path(),
+            &[
+                ("lib.rs", "mod labels;\nmod metrics;\nmod pool;"),
+                ("labels.rs", "pub enum Reason { Idle }"),
+                ("metrics.rs", "use crate::labels::Reason;"),
+                (
+                    "pool.rs",
+                    "use crate::metrics::x; fn f() { crate::labels::Reason::Idle; }",
+                ),
+            ],
+        );
+        let graph = crate_graph("t".into(), &dir.path().join("lib.rs"));
+        assert_eq!(imports_of(&graph, "crate::labels"), Some(vec![]));
+        assert_eq!(
+            imports_of(&graph, "crate::pool"),
+            Some(vec![
+                "crate::labels".to_owned(),
+                "crate::metrics".to_owned()
+            ])
+        );
+        assert_eq!(imports_of(&graph, "crate::gone"), None);
+    }
+
+    #[test]
+    fn the_modules_documented_as_leaves_import_nothing_of_their_crate() {
+        let root = crate::paths::workspace_root();
+        let graphs = workspace_graphs(&root);
+        let mut found = Vec::new();
+        for (target, leaf) in LEAVES {
+            let graph = graphs
+                .iter()
+                .find(|g| g.name == *target)
+                .unwrap_or_else(|| panic!("no crate target {target}"));
+            match imports_of(graph, leaf) {
+                None => found.push(format!("{target}: no module {leaf}")),
+                Some(imports) if !imports.is_empty() => {
+                    found.push(format!("{target}: {leaf} imports {}", imports.join(", ")))
+                }
+                Some(_) => {}
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "leaves that are not:\n{}",
             found.join("\n")
         );
     }

@@ -26,6 +26,22 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or(compiled_in)
 }
 
+/// The package folders the workspace at `root` lists in its Cargo.toml (`members`), relative to
+/// it: `gateway`, `e2e/plot`, ...
+pub fn workspace_members(root: &Path) -> Vec<String> {
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap_or_default();
+    manifest
+        .split_once("members")
+        .and_then(|(_, rest)| rest.split_once('[')?.1.split_once(']'))
+        .map(|(list, _)| {
+            list.split(',')
+                .map(|m| m.trim().trim_matches('"').to_owned())
+                .filter(|m| !m.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Whether `dir` holds a poolpilot workspace: the e2e crate and the CRD manifests.
 fn is_workspace(dir: &Path) -> bool {
     dir.join("e2e/Cargo.toml").is_file() && dir.join("manifests/crds").is_dir()

@@ -1,7 +1,8 @@
 //! The repository stands alone: whoever clones it finds every reference inside it. A check over
 //! the sources and docs for citations of what only the team had (an internal design document's
 //! sections, issue numbers, the field reports by number or path); the design and the incidents
-//! are told in docs/design.md.
+//! are told in docs/design.md. And a check that every source path a doc or comment cites
+//! exists, so that a file that moves takes its citations with it.
 
 use std::path::{Path, PathBuf};
 
@@ -62,6 +63,56 @@ pub fn outside_citations(root: &Path) -> Vec<String> {
     found
 }
 
+/// The folders of a package whose files docs cite by path.
+const SOURCE_FOLDERS: [&str; 4] = ["src", "tests", "benches", "examples"];
+
+/// `file:line: path` of every source path cited in backticks that does not exist: anywhere,
+/// one that starts with a package's folder and then one of [`SOURCE_FOLDERS`]
+/// (`gateway/src/pool/mod.rs`, from the root); in a package's README.md, also one that starts
+/// with one of [`SOURCE_FOLDERS`] (`src/pool/mod.rs`, from the package).
+pub fn missing_source_paths(root: &Path) -> Vec<String> {
+    let cited = regex::Regex::new(r"`((?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]*)`")
+        .expect("the pattern compiles");
+    let packages = crate::paths::workspace_members(root);
+    let in_sources = |path: &str| {
+        SOURCE_FOLDERS
+            .iter()
+            .any(|f| path.starts_with(&format!("{f}/")))
+    };
+    let mut missing = Vec::new();
+    for file in readable_files(root) {
+        let Ok(text) = std::fs::read_to_string(&file) else {
+            continue;
+        };
+        let shown = file.strip_prefix(root).unwrap_or(&file);
+        let readme_of = shown
+            .parent()
+            .map(|dir| dir.display().to_string())
+            .filter(|dir| shown.ends_with("README.md") && packages.contains(dir));
+        for (n, line) in text.lines().enumerate() {
+            for found in cited.captures_iter(line) {
+                let path = &found[1];
+                let base = if packages.iter().any(|p| {
+                    path.strip_prefix(p.as_str())
+                        .and_then(|rest| rest.strip_prefix('/'))
+                        .is_some_and(in_sources)
+                }) {
+                    root.to_path_buf()
+                } else if let Some(package) = readme_of.as_ref().filter(|_| in_sources(path)) {
+                    root.join(package)
+                } else {
+                    continue;
+                };
+                if !base.join(path).exists() {
+                    missing.push(format!("{}:{}: {path}", shown.display(), n + 1));
+                }
+            }
+        }
+    }
+    missing.sort();
+    missing
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,6 +152,58 @@ mod tests {
             found.is_empty(),
             "cite docs/design.md (or say it in your own words) instead of:\n{}",
             found.join("\n")
+        );
+    }
+
+    #[test]
+    fn every_source_path_a_doc_cites_exists() {
+        let root = crate::paths::workspace_root();
+        let missing = missing_source_paths(&root);
+        assert!(
+            missing.is_empty(),
+            "cited source paths that do not exist (moved or renamed?):\n{}",
+            missing.join("\n")
+        );
+    }
+
+    #[test]
+    fn a_cited_source_path_is_checked_from_the_root_or_from_its_package() {
+        // Not a hidden folder (`.tmp…`): the walk skips those.
+        let dir = tempfile::Builder::new()
+            .prefix("standalone")
+            .tempdir()
+            .unwrap();
+        let root = dir.path();
+        for (path, text) in [
+            (
+                "Cargo.toml",
+                "[workspace]\nmembers = [\"gw\", \"x/plot\"]\n",
+            ),
+            (
+                "gw/src/lib.rs",
+                "//! See `gw/src/gone.rs` and `gw/src/lib.rs`.",
+            ),
+            (
+                "gw/README.md",
+                "`src/lib.rs` `src/old.rs` `tests/` `cluster/x.rs` `gw/benches/b.rs`",
+            ),
+            (
+                "docs/x.md",
+                "`x/plot/src/main.rs` and `plan/input.rs`, `src/lib.rs`",
+            ),
+        ] {
+            std::fs::create_dir_all(root.join(path).parent().unwrap()).unwrap();
+            std::fs::write(root.join(path), text).unwrap();
+        }
+        std::fs::create_dir_all(root.join("gw/tests")).unwrap();
+        assert_eq!(
+            missing_source_paths(root),
+            [
+                "docs/x.md:1: x/plot/src/main.rs",
+                "gw/README.md:1: gw/benches/b.rs",
+                "gw/README.md:1: src/old.rs",
+                "gw/src/lib.rs:1: gw/src/gone.rs",
+            ]
         );
     }
 }

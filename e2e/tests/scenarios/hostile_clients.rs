@@ -53,7 +53,8 @@ const TOTAL: Duration = Duration::from_secs(20);
 /// The listener's header-read timeout (default): a keep-alive connection that sends no next
 /// request is closed then.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the gateway keeps a refused connection to answer it (`server::REFUSAL_GRACE`).
+/// How long the gateway keeps a refused connection to answer it (`REFUSAL_GRACE` in
+/// `gateway/src/listen/accept.rs`).
 const REFUSAL_GRACE: Duration = Duration::from_secs(2);
 /// `clients.maxConcurrency` and the connection cap per source.
 const MAX_CONCURRENCY: u32 = 4;

@@ -1,10 +1,11 @@
-//! Endpoint choice, pure: the power of two choices (P2C) on spare capacity. Of the endpoints
-//! that may take a lease now (eligible, with an idle connection or room under the cap: see
-//! `dispatch`), two distinct ones are drawn uniformly at random and the one with more spare
-//! capacity (the cap minus its leased and connecting connections) wins, the first drawn on a
-//! tie. As linkerd2-proxy's balancer does: two random candidates spread load almost as well as
-//! scanning every endpoint for the least loaded, without its herding (every lease going to the
-//! same endpoint until its counts catch up) and at a constant cost.
+//! Endpoint choice, pure (no state, no clock, nothing of the crate imported: the module graph
+//! test in `e2e/src/module_graph.rs` holds it to that): the power of two choices (P2C) on spare
+//! capacity. Of the endpoints that may take a lease now (eligible, with an idle connection or
+//! room under the cap: see `dispatch`), two distinct ones are drawn uniformly at random and the
+//! one with more spare capacity (the cap minus its leased and connecting connections) wins, the
+//! first drawn on a tie. As linkerd2-proxy's balancer does: two random candidates spread load
+//! almost as well as scanning every endpoint for the least loaded, without its herding (every
+//! lease going to the same endpoint until its counts catch up) and at a constant cost.
 
 use rand::Rng;
 

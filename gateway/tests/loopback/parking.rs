@@ -1,7 +1,8 @@
-//! Loopback tests of idle keep-alive connections parked outside hyper (`server.rs`): a
-//! parked connection is served again when it sends its next request (also when it parked
-//! with half a head pipelined), stays counted in the connection metrics, and is closed by
-//! the idle timeout and by drain; many connections park eagerly and are all served again.
+//! Loopback tests of idle keep-alive connections parked outside hyper
+//! (`src/listen/parking.rs`): a parked connection is served again when it sends its next
+//! request (also when it parked with half a head pipelined), stays counted in the connection
+//! metrics, and is closed by the idle timeout and by drain; many connections park eagerly and
+//! are all served again.
 
 use std::net::SocketAddr;
 use std::time::Duration;
