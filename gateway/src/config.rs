@@ -108,7 +108,7 @@ pub struct GatewayConfig {
     /// Where to listen.
     pub listeners: Listeners,
     /// File holding the admin API's bearer token (required: at least 32 bytes; re-read when it
-    /// changes). See [`crate::admin::token`].
+    /// changes). See `crate::admin::token`.
     #[serde(default)]
     pub admin_token_file: Option<PathBuf>,
     /// How long the previous token stays accepted after the token file changed.
@@ -144,7 +144,7 @@ pub struct GatewayConfig {
     /// default, serves the file at once (a gateway without operator).
     #[serde(default)]
     pub await_operator: Duration,
-    /// The access log: one JSON line per call (see [`crate::observe::access`]).
+    /// The access log: one JSON line per call (see `crate::observe::access`).
     #[serde(default)]
     pub access_log: AccessLogConfig,
     /// How some metrics are measured.

@@ -1,5 +1,5 @@
-//! Files the gateway follows while it runs, polled by content ([`FileWatch`]): the durable limits
-//! path here, the admin token and certificate in [`crate::admin`].
+//! Files the gateway follows while it runs, polled by content (`FileWatch`): the durable limits
+//! path here, the admin token and certificate in `crate::admin`.
 //!
 //! The limits file (a mounted ConfigMap, or a hand-written file) is loaded at start and polled
 //! for changes; a changed file is applied under the same rules as `PUT /v1/limits`, until a

@@ -2,7 +2,7 @@
 //! serving each with hyper (HTTP/1.1, or h2 with prior knowledge) under the limits of its
 //! accept, parking idle HTTP/1 keep-alive connections outside hyper, cutting connections and h2
 //! streams at their deadlines, and the graceful drain on shutdown. Each request goes to
-//! [`crate::proxy`].
+//! `crate::proxy`.
 //!
 //! ```text
 //!  accept ─► PROXY v2 header (from a trusted proxy) ─► admit (per-source cap, else 429)
@@ -25,7 +25,7 @@
 //! | `parking.rs` | an idle keep-alive connection outside hyper |
 //! | `activity.rs` | what a connection's task knows of it: bytes moved, requests in flight, stalled writes |
 //! | `service.rs` | the hyper service: request id, access record, deadline slot, the proxy pipeline |
-//! | `source.rs` | where a client comes from: [`source::Peer`], PROXY v2, `X-Forwarded-For`, IPv6 /64 grouping |
+//! | `source.rs` | where a client comes from: `source::Peer`, PROXY v2, `X-Forwarded-For`, IPv6 /64 grouping |
 
 mod accept;
 mod activity;

@@ -19,7 +19,7 @@ use crate::observe::{NO_CLIENT, Reclaim};
 
 /// A keep-alive connection without a request in flight for this long leaves hyper: its
 /// buffers and connection state are dropped and it waits for its next request as a bare
-/// socket (see [`super::connection::serve_connection`]).
+/// socket (see `serve_connection` in `connection.rs`).
 pub const PARK_AFTER: Duration = Duration::from_millis(500);
 
 /// Above this many open client connections, a keep-alive connection leaves hyper as soon as

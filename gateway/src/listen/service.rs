@@ -30,7 +30,7 @@ use crate::proxy::pipeline;
 /// The hyper service of one connection: each request is proxied in its own boxed future (so
 /// that the connection can be taken apart between requests), with a [`DeadlineSlot`] for its
 /// response: an HTTP/1 request's is watched by the connection's task (through its
-/// [`Activity`]), an HTTP/2 request's by the task [`StreamExecutor`] spawns for its stream.
+/// [`Activity`]), an HTTP/2 request's by the task the `StreamExecutor` of `h2.rs` spawns for its stream.
 #[derive(Clone, Debug)]
 pub(super) struct Service {
     gw: Gateway,

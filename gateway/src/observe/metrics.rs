@@ -443,7 +443,7 @@ impl Metrics {
         m
     }
 
-    /// The incident signals (runtime, holds, reclaims, connection ages): [`super::incidents`].
+    /// The incident signals (runtime, holds, reclaims, connection ages): `observe/incidents.rs`.
     pub fn incidents(&self) -> &Incidents {
         &self.incidents
     }

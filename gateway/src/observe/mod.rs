@@ -1,6 +1,6 @@
 //! What the gateway tells its operators: the Prometheus metrics of the contract
-//! ([`metrics`]), the label values they share ([`labels`]), the incident signals beyond the
-//! contract ([`incidents`]), one access log line per call ([`access`]), and the logs with their
+//! (`metrics`), the label values they share (`labels`), the incident signals beyond the
+//! contract (`incidents`), one access log line per call (`access`), and the logs with their
 //! run-time filter ([`logging`]).
 
 pub(crate) mod access;

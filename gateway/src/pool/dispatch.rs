@@ -507,7 +507,7 @@ impl<C: Connect> Inner<C> {
     }
 
     /// After a slot freed other than by a lease returning: forgets removed endpoints left with
-    /// nothing open, hands the capacity to waiters, and wakes [`Pool::close_all`].
+    /// nothing open, hands the capacity to waiters, and wakes [`super::Pool::close_all`].
     pub(super) fn freed(self: &Arc<Self>, mut state: MutexGuard<'_, State<C::Conn>>, now: Instant) {
         state.endpoints.retain(|ep| !(ep.removed && ep.open() == 0));
         self.dispatch(&mut state, now);

@@ -1,6 +1,6 @@
 //! The per-backend connection pool: a hard cap on open connections per endpoint, waiters in
 //! two priority classes (interactive first, FIFO within a class, batch aging and an optional
-//! share cap on batch: [`crate::limits::queue`]) with a lease timeout, a bounded pending queue,
+//! share cap on batch: `crate::limits::queue`) with a lease timeout, a bounded pending queue,
 //! idle reuse, idle/lifetime expiry, validate-after-idle, runtime resizing, endpoint choice by
 //! spare capacity, and the health state (active probes, passive ejection) that decides which
 //! endpoints may be chosen.
@@ -155,7 +155,7 @@ impl<C: Connect> Pool<C> {
     /// Leases a connection for a call of `class`: an idle one if an eligible endpoint has one,
     /// a new one if an endpoint is below its cap, else waits up to `leaseTimeout`, served in
     /// the queue's order (interactive first, FIFO within a class, batch aging: see
-    /// [`crate::limits::queue`]). A batch call also waits while batch holds its share cap.
+    /// `crate::limits::queue`). A batch call also waits while batch holds its share cap.
     pub async fn lease_as(&self, class: PriorityClass) -> Result<Lease<C>, PoolError> {
         let start = Instant::now();
         let (step, lease_timeout) = {
