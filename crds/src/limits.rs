@@ -257,6 +257,21 @@ pub struct PoolLimits {
     /// Slow lease entry down while requests wait: omitted, none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub soft_throttle: Option<SoftThrottle>,
+    /// Connections per endpoint this pod may open beyond `maxConnectionsPerEndpoint` at once,
+    /// without waiting for the operator, while lease requests wait in its pool queue; each is
+    /// closed when it is returned with no request waiting. The operator sizes it so that the
+    /// whole fleet stays inside the backend's budget even when every pod bursts at once, and
+    /// gives none to a backend held at its knee. 0 or omitted: no burst. At most
+    /// [`MAX_BURST_PER_ENDPOINT`].
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub burst_per_endpoint: u32,
+}
+
+/// The largest `pool.burstPerEndpoint` a document may carry.
+pub const MAX_BURST_PER_ENDPOINT: u32 = 1_000_000;
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A short, bounded delay before a lease request, growing with the requests already waiting:
@@ -369,7 +384,30 @@ pub struct ClientPolicy {
     /// (a call is `interactive` unless its override names a class; no header is read).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
+    /// This pod's part of the fleet-wide limits of the clients whose calls arrive here, keyed
+    /// by the SHA-256 of their key: the operator divides a client's `maxConcurrency` and
+    /// `maxQueue` over the pods by where its calls arrive (from each pod's `GET /v1/clients`),
+    /// so that a client pinned to one pod by its load balancer gets its whole limit there. A
+    /// client not listed gets `maxConcurrency` and `maxQueue` (the even split). An override
+    /// still wins over a share.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub client_shares: Vec<ClientShare>,
 }
+
+/// One client's part of its fleet-wide limits in this pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClientShare {
+    /// Hex SHA-256 of the client's identity value (its API key, or its address as text).
+    pub key_sha256: String,
+    /// Calls it may have in flight in this pod.
+    pub max_concurrency: u32,
+    /// Calls it may have waiting in this pod beyond that.
+    pub max_queue: u32,
+}
+
+/// The most client shares one client policy may carry in a document.
+pub const MAX_CLIENT_SHARES: usize = 256;
 
 /// The priority class of a call. Two classes; there is no third.
 #[derive(
@@ -727,14 +765,35 @@ impl GatewayLimits {
                 if !override_names.insert(o.name.as_str()) {
                     v.push(at("name"), format!("duplicate override {:?}", o.name));
                 }
-                if o.key_sha256.len() != 64 || !o.key_sha256.bytes().all(|b| b.is_ascii_hexdigit())
-                {
+                if !is_sha256_hex(&o.key_sha256) {
                     v.push(
                         at("keySha256"),
                         "must be 64 hex digits (the SHA-256 of the client's key)",
                     );
                 }
                 v.positive_u64(&at("maxConcurrency"), o.max_concurrency.into());
+            }
+            if p.client_shares.len() > MAX_CLIENT_SHARES {
+                v.push(
+                    at("clientShares"),
+                    format!(
+                        "{} shares, at most {MAX_CLIENT_SHARES}",
+                        p.client_shares.len()
+                    ),
+                );
+            }
+            let mut share_keys = BTreeSet::new();
+            for (j, c) in p.client_shares.iter().enumerate() {
+                let at = |f: &str| format!("clientPolicies[{i}].clientShares[{j}].{f}");
+                if !is_sha256_hex(&c.key_sha256) {
+                    v.push(
+                        at("keySha256"),
+                        "must be 64 hex digits (the SHA-256 of the client's key)",
+                    );
+                } else if !share_keys.insert(c.key_sha256.to_ascii_lowercase()) {
+                    v.push(at("keySha256"), "duplicate client");
+                }
+                v.positive_u64(&at("maxConcurrency"), c.max_concurrency.into());
             }
             if let Some(prio) = &p.priority {
                 if let Some(h) = &prio.header
@@ -837,6 +896,15 @@ impl GatewayLimits {
             v.positive(&at("pool.idleTimeout"), p.idle_timeout);
             v.positive(&at("pool.maxLifetime"), p.max_lifetime);
             v.positive(&at("pool.connectTimeout"), p.connect_timeout);
+            if p.burst_per_endpoint > MAX_BURST_PER_ENDPOINT {
+                v.push(
+                    at("pool.burstPerEndpoint"),
+                    format!(
+                        "{} is above the largest, {MAX_BURST_PER_ENDPOINT}",
+                        p.burst_per_endpoint
+                    ),
+                );
+            }
             if let Some(throttle) = &p.soft_throttle {
                 v.positive(&at("pool.softThrottle.perPending"), throttle.per_pending);
                 if throttle.max.get() > std::time::Duration::from_secs(1) {
@@ -944,6 +1012,11 @@ impl Validator {
             })
         }
     }
+}
+
+/// Whether `s` is 64 hex digits, the form of a SHA-256 of a client's key.
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Whether `s` is a valid HTTP header name (an RFC 9110 token).

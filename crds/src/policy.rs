@@ -895,10 +895,19 @@ pub struct BackendStatus {
     /// Fleet-wide connection target per endpoint: connections all selected gateway pods together
     /// may hold to one endpoint.
     pub target: u32,
-    /// Each pod's share of the target (the pool size per endpoint in each pod), rounded down:
-    /// the first `target mod pods` pods in name order pool one more, so that the shares add up
-    /// to the target.
+    /// The smallest pod's share of the target (the pool size per endpoint in a pod). The target
+    /// is divided by demand: each pod's share is in `shares`, and they add up to at most the
+    /// target (more only when every pod is at its floor of 1).
     pub per_pod: u32,
+    /// Connections per endpoint each pod may open beyond its share while calls wait in its
+    /// pool queue, before the next decision re-divides the target (absent: no burst; none is
+    /// handed out while the backend is held at its knee or the fleet is saturated).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub burst: u32,
+    /// Each pod's share of the target and the demand it was divided by, in pod name order (at
+    /// most 50 pods are listed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<PodShare>,
     /// Leased connections, fleet sum, averaged over the last interval (absent: no data).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub leased: Option<f64>,
@@ -920,6 +929,20 @@ pub struct BackendStatus {
     /// no change), with its reason and numbers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_decision: Option<DecisionRecord>,
+}
+
+/// One pod's share of a backend's target.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodShare {
+    /// The gateway pod.
+    pub pod: String,
+    /// Its pool size per endpoint.
+    pub share: u32,
+    /// Its demand per endpoint (leased + pending, averaged over the interval) when the shares
+    /// were last divided (absent: no sample of the pod).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub demand: Option<f64>,
 }
 
 /// A backend's demand per priority class.
@@ -957,6 +980,9 @@ pub enum DecisionAction {
     /// No change was wanted: the recommendation equals the target or lies within the 10%
     /// deadband.
     NoChange,
+    /// The target stayed and its division over the pods changed: a pod queued while shares
+    /// elsewhere sat unused, or demand moved between pods past the deadband.
+    Rebalance,
 }
 
 /// One change of a target, with its reason.

@@ -92,6 +92,7 @@ fn limits(max: u32) -> PoolLimits {
         connect_timeout: ApiDuration::from_secs(1),
         validate_after_idle: ApiDuration::from_secs(2),
         soft_throttle: None,
+        burst_per_endpoint: 0,
     }
 }
 

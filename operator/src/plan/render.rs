@@ -321,6 +321,7 @@ fn document(
                 }),
                 max_clients: c.max_clients,
                 priority: super::priority::render(c),
+                client_shares: Vec::new(),
             });
             name
         });
@@ -369,6 +370,7 @@ fn backend(
                 per_pending: t.per_pending,
                 max: t.max,
             }),
+            burst_per_endpoint: 0,
         },
         timeouts: Timeouts {
             first_byte: b.timeouts.first_byte,

@@ -21,6 +21,7 @@ fn policy(max: u32, queue: u32) -> ClientPolicy {
         slow_calls: None,
         max_clients: ClientPolicy::DEFAULT_MAX_CLIENTS,
         priority: None,
+        client_shares: Vec::new(),
     }
 }
 
