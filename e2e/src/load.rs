@@ -59,6 +59,38 @@ impl LoadSpec {
     }
 }
 
+/// Gateway addresses for a skewed load ([`LoadSpec::gateways`], whose worker `i` calls entry
+/// `i % len`): `percent`% of the entries are `gateways[onto]`, the others take the rest in turn,
+/// spread evenly through the list so that any run of workers is skewed alike. What an L4 load
+/// balancer does to a few clients with long-lived connections: most land on one pod.
+pub fn skewed(gateways: &[SocketAddr], onto: usize, percent: u32) -> Vec<SocketAddr> {
+    let others: Vec<SocketAddr> = gateways
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != onto)
+        .map(|(_, g)| *g)
+        .collect();
+    let Some(&target) = gateways.get(onto) else {
+        return gateways.to_vec();
+    };
+    if others.is_empty() {
+        return vec![target];
+    }
+    let entries = 10 * others.len();
+    let spread = entries - (entries * percent.min(100) as usize).div_ceil(100);
+    (0..entries)
+        .scan(0, |given, j| {
+            let due = (j + 1) * spread / entries;
+            Some(if due > *given {
+                *given += 1;
+                others[(*given - 1) % others.len()]
+            } else {
+                target
+            })
+        })
+        .collect()
+}
+
 /// The outcomes of one second, or of a window of seconds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Tally {
@@ -380,5 +412,24 @@ mod tests {
         assert!((a.error_rate() - 0.2).abs() < 1e-9);
         assert_eq!(Tally::default().error_rate(), 0.0);
         assert!(a.to_string().starts_with("20 calls, 16 ok, 20.00% errors"));
+    }
+
+    #[test]
+    fn a_skewed_load_puts_its_share_on_one_gateway_in_any_run_of_workers() {
+        let g: Vec<SocketAddr> = (1..=3)
+            .map(|i| SocketAddr::from(([127, 0, 0, i], 8080)))
+            .collect();
+        let list = skewed(&g, 0, 80);
+        assert_eq!(list.len(), 20);
+        let on = |workers: usize, gw: usize| {
+            (0..workers)
+                .filter(|i| list[i % list.len()] == g[gw])
+                .count()
+        };
+        assert_eq!((on(30, 0), on(30, 1), on(30, 2)), (24, 3, 3));
+        assert_eq!((on(10, 0), on(10, 1), on(10, 2)), (8, 1, 1));
+        let moved = skewed(&g, 2, 80);
+        assert_eq!((0..30).filter(|i| moved[i % 20] == g[2]).count(), 24);
+        assert_eq!(skewed(&g[..1], 0, 80), [g[0]]);
     }
 }

@@ -16,8 +16,10 @@ pub struct PoolView {
     pub leased: f64,
     /// Calls waiting for a connection.
     pub pending: f64,
-    /// The pool's cap: the sum of every endpoint's `max_connections`.
+    /// The pool's cap: the sum of every endpoint's `max_connections` (the shares).
     pub pooled: f64,
+    /// Connections open beyond the shares, on the pods' burst allowance.
+    pub bursting: f64,
 }
 
 /// Reads `backend`'s pool from every gateway; `None` when a gateway did not answer (a partial
@@ -34,6 +36,7 @@ pub async fn pool_view(gateways: &[GatewayPod], backend: &str) -> Option<PoolVie
         );
         view.pending += metric_sum(&text, "poolpilot_pool_pending", &[&label]);
         view.pooled += metric_sum(&text, "poolpilot_pool_max_connections", &[&label]);
+        view.bursting += metric_sum(&text, "poolpilot_pool_burst_connections", &[&label]);
     }
     Some(view)
 }

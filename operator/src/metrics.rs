@@ -218,6 +218,13 @@ impl Metrics {
         }
     }
 
+    /// Counts one re-division of a target over the same pods (`kind="rebalance"`).
+    pub fn rebalance(&self) {
+        self.decisions
+            .get_or_create(&KindLabel { kind: "rebalance" })
+            .inc();
+    }
+
     /// Counts one decision.
     pub fn decision(&self, d: &Decision) {
         self.decisions

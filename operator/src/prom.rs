@@ -13,7 +13,7 @@ use prometheus_http_query::response::Data;
 
 use poolpilot_api::limits::PriorityClass;
 
-use crate::plan::input::ClassSample;
+use crate::plan::input::{ClassSample, PodPool};
 use crate::plan::time::{Timestamp, elapsed};
 use crate::plan::waves::PodRates;
 use crate::plan::{Acked, BackendSample, PodSample, PolicyKey, Samples, SaturationSignal};
@@ -487,6 +487,28 @@ impl Snapshot {
                         classes,
                     },
                 );
+            }
+            // Each scraped pod's own pool, for the division: a series it does not report (no
+            // pool for the backend yet) is zero, since the pod is scraped.
+            for pod in pods.iter().filter(|p| is_scraped(p)) {
+                for (backend, _) in backends {
+                    let at = (ns.clone(), pod.clone(), backend.clone());
+                    let get = |m: &Option<BTreeMap<(String, String, String), f64>>| {
+                        m.as_ref().map(|m| m.get(&at).copied().unwrap_or(0.0))
+                    };
+                    if let (Some(leased), Some(pending), Some(leased_now)) =
+                        (get(&self.leased), get(&self.pending), get(&self.leased_now))
+                    {
+                        out.pools.insert(
+                            (key.clone(), backend.clone(), pod.clone()),
+                            PodPool {
+                                leased,
+                                pending,
+                                leased_now,
+                            },
+                        );
+                    }
+                }
             }
             for pod in pods {
                 let get = |m: &Option<BTreeMap<(String, String), f64>>| {

@@ -2,10 +2,11 @@
 //! an install makes (unless an earlier run did: a random token, a CA and the gateways'
 //! certificate), deploys the product from `manifests/overlays/local` (CRD, operator, gateways,
 //! modelsim backends, the sample policy),
-//! lets the pool shrink while idle, plays a flash crowd (demand 50% over the pool, as in the
-//! incident the product comes from), and shows once a second what the gateways and the operator
-//! do until the error rate is back under 0.5%; then a before/after summary and a picture of the
-//! crowd (`--plot`), leaving everything running.
+//! waits for every gateway replica, lets the pool shrink while idle, plays a flash crowd (demand
+//! 50% over the pool, as in the incident the product comes from), and shows once a second what the
+//! gateways (their shares and bursts) and the operator do until the error rate is back under
+//! 0.5%; then a before/after summary and a picture of the crowd (`--plot`); then a skew (most
+//! callers on one gateway) and each pod's share following it, leaving everything running.
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal as _, Write as _};
@@ -14,16 +15,17 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_api::policy::DecisionRecord;
 use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::credentials::{self, AdminCredentials};
-use poolpilot_e2e::load::{Load, LoadSpec, Tally};
+use poolpilot_e2e::load::{Load, LoadSpec, Tally, skewed};
 use poolpilot_e2e::paths::workspace_root;
 use poolpilot_e2e::pool_view::{PoolRecorder, PoolView, plot_path, pool_view};
-use poolpilot_e2e::stack::{ADMIN_PORT, GATEWAY_LABELS, GatewayPod, is_ready};
+use poolpilot_e2e::stack::{ADMIN_PORT, GATEWAY_DEPLOYMENT, GATEWAY_LABELS, GatewayPod, is_ready};
 use poolpilot_e2e::{Cluster, eventually};
 use tokio::time::Instant;
 
@@ -46,6 +48,9 @@ struct Args {
     /// Demand of the flash crowd over the pool in force (1.5: 50% over).
     #[arg(long, default_value_t = 1.5)]
     overload: f64,
+    /// Callers of the skew phase (after the crowd) on the last gateway, in percent.
+    #[arg(long, default_value_t = 80)]
+    skew_percent: u32,
     /// Longest time the flash crowd runs.
     #[arg(long, default_value = "150s", value_parser = humantime_secs)]
     max_crowd: Duration,
@@ -119,7 +124,29 @@ async fn main() -> anyhow::Result<()> {
         },
     )
     .await?;
-    let gateways = ready_gateways(&pods, &credentials).await?;
+    // Every replica, not the first to turn Ready: a crowd aimed at the pods Ready at that
+    // moment would leave the others idle and say nothing about how the fleet divides its load.
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &args.namespace);
+    let gateways = eventually(
+        "every gateway replica is Ready",
+        Duration::from_secs(240),
+        || async {
+            let replicas = deployments
+                .get(GATEWAY_DEPLOYMENT)
+                .await?
+                .spec
+                .and_then(|s| s.replicas)
+                .unwrap_or(1);
+            let ready = ready_gateways(&pods, &credentials).await?;
+            anyhow::ensure!(
+                ready.len() >= usize::try_from(replicas).unwrap_or(0),
+                "{} of {replicas} gateway replicas Ready",
+                ready.len()
+            );
+            Ok(ready)
+        },
+    )
+    .await?;
     println!(
         "   policy {} Ready, {} gateway pods: {}",
         args.policy,
@@ -144,7 +171,8 @@ async fn main() -> anyhow::Result<()> {
         "light load ({TRICKLE} callers): letting {}'s target shrink to autoscale.min = {min}",
         args.backend
     ));
-    let spec = |workers: usize| {
+    // The load is aimed at the gateways it is given: the list read just before each phase.
+    let spec = |gateways: &[GatewayPod], workers: usize| {
         LoadSpec::one_client_per_worker(
             gateways.iter().map(GatewayPod::proxy).collect(),
             args.backend.clone(),
@@ -153,7 +181,7 @@ async fn main() -> anyhow::Result<()> {
             Duration::from_secs(30),
         )
     };
-    let trickle = Load::start_as(spec(TRICKLE), TRICKLE, "demo-light", None)?;
+    let trickle = Load::start_as(spec(&gateways, TRICKLE), TRICKLE, "demo-light", None)?;
     // On a terminal one line counts down; in a log, a line per change of the target.
     let shown = parking_lot::Mutex::new(None::<u32>);
     let endpoints = eventually(
@@ -185,7 +213,7 @@ async fn main() -> anyhow::Result<()> {
     let gateways = ready_gateways(&pods, &credentials).await?;
     let before_crowd = backend_status(&policies.get(&args.policy).await?, &args.backend)
         .and_then(|b| b.last_scale);
-    let load = Load::start_as(spec(workers), workers, "demo", None)?;
+    let load = Load::start_as(spec(&gateways, workers), workers, "demo", None)?;
     let crowd = Instant::now();
     let mut decision: Option<(u64, String)> = None;
     let mut recovered: Option<u64> = None;
@@ -227,12 +255,10 @@ async fn main() -> anyhow::Result<()> {
             recorder.record(crowd.elapsed().as_secs_f64(), view);
         }
         let last = load.last(3);
-        if let Some((at, _)) = &decision
-            && recovered.is_none()
-            && now >= at + 3
-            && last.calls > 0
-            && last.error_rate() < 0.005
-        {
+        // Recovered: three seconds in a row under 0.5% errors. With each pod's burst allowance
+        // that may come before the operator's decision, which then sizes the shares to the
+        // demand it sees.
+        if recovered.is_none() && now >= 3 && last.calls > 0 && last.error_rate() < 0.005 {
             recovered = Some(now);
         }
         render(
@@ -245,7 +271,10 @@ async fn main() -> anyhow::Result<()> {
             decision.as_ref(),
             told.as_ref(),
         );
-        let done = recovered.is_some_and(|r| now >= r + 10);
+        let done = match (recovered, &decision) {
+            (Some(r), Some((at, _))) => now >= r.max(*at) + 10,
+            _ => false,
+        };
         if done || crowd.elapsed() >= args.max_crowd {
             break;
         }
@@ -356,6 +385,102 @@ async fn main() -> anyhow::Result<()> {
         decision.is_some() && recovered.is_some(),
         "the demo did not show a recovery: decision {decision:?}, recovered {recovered:?}"
     );
+
+    // The skew: most callers on one pod, as a load balancer leaves a few clients with long-lived
+    // connections. The operator divides the target by where the demand is.
+    let gateways = ready_gateways(&pods, &credentials).await?;
+    if gateways.len() >= 2 {
+        skew(
+            &policies,
+            (&args.policy, &args.backend),
+            &gateways,
+            workers,
+            args.skew_percent,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Runs `workers` callers with `percent`% of them on the last gateway for up to four intervals,
+/// printing each pod's share once a second, until that pod's share covers its callers and the
+/// errors of the last 5 s are under 0.5%.
+async fn skew(
+    policies: &Api<ConnectionPolicy>,
+    (policy, backend): (&str, &str),
+    gateways: &[GatewayPod],
+    workers: usize,
+    percent: u32,
+) -> anyhow::Result<()> {
+    let proxies: Vec<_> = gateways.iter().map(GatewayPod::proxy).collect();
+    let onto = gateways.len() - 1;
+    let busy = &gateways[onto].name;
+    step(&format!(
+        "skew: {workers} callers, {percent}% of them on {busy} (an L4 load balancer's uneven spread)"
+    ));
+    let spec = LoadSpec::one_client_per_worker(
+        skewed(&proxies, onto, percent),
+        backend.to_owned(),
+        TOKENS,
+        workers,
+        Duration::from_secs(30),
+    );
+    let load = Load::start_as(spec, workers, "demo-skew", None)?;
+    let on_busy = (workers * percent as usize).div_ceil(100);
+    let started = Instant::now();
+    let mut followed = None;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    while started.elapsed() < Duration::from_secs(4 * DEMO_INTERVAL) {
+        tick.tick().await;
+        let p = policies.get(policy).await.ok();
+        let Some(b) = p.as_ref().and_then(|p| backend_status(p, backend)) else {
+            continue;
+        };
+        let shares: Vec<String> = b
+            .shares
+            .iter()
+            .map(|s| format!("{} {}", s.pod, s.share))
+            .collect();
+        let last = load.last(5);
+        println!(
+            "   t={:>3}s  shares per endpoint: {}  burst {}  errors (5 s) {:.1}%",
+            load.now(),
+            shares.join(", "),
+            b.burst,
+            last.error_rate() * 100.0
+        );
+        let on = b
+            .shares
+            .iter()
+            .find(|s| &s.pod == busy)
+            .map_or(0, |s| s.share);
+        let covers = on as usize * b.endpoints as usize >= on_busy;
+        if followed.is_none() && covers {
+            followed = Some(load.now());
+        }
+        if followed.is_some_and(|f| load.now() >= f + 5)
+            && last.calls > 0
+            && last.error_rate() < 0.005
+        {
+            break;
+        }
+    }
+    let last = load.last(5);
+    load.stop().await;
+    match followed {
+        Some(at) => println!(
+            "   the shares followed the skew at t={at}s; last 5 s: {:.1}% errors",
+            last.error_rate() * 100.0
+        ),
+        None => println!(
+            "   the shares did not follow the skew within {} s",
+            4 * DEMO_INTERVAL
+        ),
+    }
+    anyhow::ensure!(
+        followed.is_some() && last.error_rate() < 0.005,
+        "the demo did not show the shares following the skew: followed {followed:?}, last 5 s {last}"
+    );
     Ok(())
 }
 
@@ -438,6 +563,7 @@ fn render(
         leased,
         pending,
         pooled,
+        bursting,
     } = gateways.unwrap_or_default();
     let conditions: BTreeMap<&str, &str> = status
         .conditions
@@ -445,7 +571,7 @@ fn render(
         .map(|c| (c.type_.as_str(), c.status.as_str()))
         .collect();
     let line = format!(
-        "t={now:>3}s  {backend}: target {:>3}/endpoint  pooled {pooled:>3.0}  leased {leased:>3.0}  pending {pending:>3.0}  util {:>4}  callers {workers}  errors {:>5.1}% ({} calls/s)",
+        "t={now:>3}s  {backend}: target {:>3}/endpoint  pooled {pooled:>3.0}  burst {bursting:>3.0}  leased {leased:>3.0}  pending {pending:>3.0}  util {:>4}  callers {workers}  errors {:>5.1}% ({} calls/s)",
         b.map_or(0, |b| b.target),
         b.and_then(|b| b.utilization)
             .map_or("-".to_owned(), |u| format!("{:.0}%", u * 100.0)),

@@ -1,10 +1,11 @@
 //! Scenario 2, the flash crowd (the incident poolpilot comes from, scaled to this machine): a closed-loop load raises the
-//! in-flight demand ~50% above the pooled capacity while the backends have room to spare → the
-//! operator raises model-a's target in ONE decision, within two intervals of the crowd, rolls it
-//! out to the 3 gateways, and the lease-timeout error rate the load generator measures falls
-//! below 0.5% within two autoscale intervals of the rollout; the status records the decision and
-//! its reason, and a `ScaledUp` Event tells it. The run is drawn (pool cap, leased, pending,
-//! errors, the decision) into `<cache>/plots/e2e-flash-crowd.svg`.
+//! in-flight demand ~50% above the pooled capacity while the backends have room to spare → each
+//! gateway opens connections beyond its share on its burst allowance at once, so the error rate
+//! the load generator measures stays under 0.5% from a second after the crowd, before the
+//! operator's first decision; the operator then raises model-a's target in ONE decision, within
+//! two intervals of the crowd, and rolls it out to the 3 gateways; the status records the
+//! decision and its reason, and a `ScaledUp` Event tells it. The run is drawn (pool cap, leased,
+//! pending, errors, the decision) into `<cache>/plots/e2e-flash-crowd.svg`.
 //!
 //! The backends batch like model servers (modelsim `--batch-slowdown=2`: each call slows down as
 //! more run beside it), so the crowd's calls take ~1.4× as long as the light load's, far below
@@ -12,18 +13,19 @@
 //! value) held such crowds for minutes; the operator judges growth by the throughput it buys.
 //!
 //! ```text
-//!  light load (3 workers) ──► target shrinks from max 51 to min 9 (per pod 3, fleet pool 27)
+//!  light load (3 workers) ──► target shrinks from max 51 to min 9 (per pod 3, fleet pool 27),
+//!      burst (51 − 9) ÷ 3 = 14 per endpoint per pod beside it
 //!  wait for a decision tick, then 42 workers (1 s calls, 300 ms lease timeout)
-//!      └─► ~15 requests queue for a lease, most time out: 503 lease_timeout
-//!  next decision: demand (leased + pending) ≈ 40 × 1.2 / 3 endpoints → ~16 per endpoint,
-//!      shares 6 + 5 + 5: every gateway's pool ≥ 15 for its 14 workers
-//!      └─► rolled out → no more lease timeouts
+//!      └─► 14 per gateway against a share of 9: 5 burst connections each, opened at once
+//!  next decision: demand (leased + pending) ≈ 42 × 1.2 / 3 endpoints → ~17 per endpoint,
+//!      shares ≈ 6 + 6 + 5: every gateway's pool ≥ 15 for its 14 workers, bursts given back
 //! ```
 //!
 //! A closed-loop worker holds one call in flight, so the demand at the gateways is the number of
 //! active workers. With a 1 s service time and a 300 ms lease timeout, a request that finds the
 //! pool busy waits for one of the pool's releases (every 1 s / 9 per gateway) and times out when
-//! more than two are queued ahead of it: 14 workers per gateway against a pool of 9 fail often.
+//! more than two are queued ahead of it: without the burst, 14 workers per gateway against a
+//! pool of 9 would fail often (they did, 10–60% of calls, before the burst allowance).
 //! The crowd starts right after a decision, so that the next one, an interval later, averages
 //! demand over the crowd only (the operator averages gauges over 4 s, read up to 2 s late).
 
@@ -87,17 +89,19 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
         // A new policy starts at its upper bound; under the light load it shrinks to `min` in
         // one step (maxStepPercent 100) once the 10 s stabilization window has passed.
         let shrunk = Instant::now();
-        let start_share = MIN / 3;
-        eventually("the target shrinks to min under light load", WAIT, || async {
+        let shrunk_to = eventually("the target shrinks to min under light load", WAIT, || async {
             let b = stack.backend_status("model-a").await?;
             anyhow::ensure!(b.target == MIN, "target {} (want {MIN})", b.target);
-            Ok(())
+            let shares: Vec<u32> = b.shares.iter().map(|s| s.share).collect();
+            anyhow::ensure!(shares.len() == 3, "shares {shares:?}");
+            Ok(shares)
         })
         .await?;
+        assert_eq!(shrunk_to.iter().sum::<u32>(), MIN, "the shares divide min: {shrunk_to:?}");
         stack
-            .wait_limits("every gateway runs the min shares", 3, WAIT, |l| {
+            .wait_limits("every gateway runs its min share", 3, WAIT, |l| {
                 let share = share(l, "model-a")?;
-                anyhow::ensure!(share == start_share, "share {share} (want {start_share})");
+                anyhow::ensure!(shrunk_to.contains(&share), "share {share} (want one of {shrunk_to:?})");
                 Ok(())
             })
             .await?;
@@ -167,8 +171,6 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
             ),
             "status explains the decision"
         );
-        // The per-pod shares of a target split it among the 3 gateways (remainder to some).
-        let new_share = scale.to / 3;
         figure(
             SCENARIO,
             "decision",
@@ -179,18 +181,30 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
             "the reason gives the demand it saw: {}",
             scale.reason
         );
-        // Rolled out to every gateway.
-        let docs = stack
-            .wait_limits("every gateway runs the raised shares", 3, WAIT, |l| {
-                let share = share(l, "model-a")?;
-                anyhow::ensure!(
-                    share == new_share || share == new_share + 1,
-                    "share {share} (want {new_share} or {})",
-                    new_share + 1
-                );
-                Ok(())
-            })
-            .await?;
+        // Rolled out to every gateway: the target divided by their demand, about evenly (worker
+        // i calls gateway i % 3).
+        let docs = eventually("every gateway runs its raised share", WAIT, || async {
+            let planned: Vec<u32> = stack
+                .backend_status("model-a")
+                .await?
+                .shares
+                .iter()
+                .map(|s| s.share)
+                .collect();
+            anyhow::ensure!(
+                planned.iter().sum::<u32>() == scale.to,
+                "shares {planned:?} (want {} in all)",
+                scale.to
+            );
+            stack
+                .wait_limits("the raised shares", 3, Duration::from_secs(1), |l| {
+                    let share = share(l, "model-a")?;
+                    anyhow::ensure!(planned.contains(&share), "share {share} of {planned:?}");
+                    Ok(())
+                })
+                .await
+        })
+        .await?;
         let shares: Vec<u32> = docs
             .iter()
             .map(|(_, l)| share(l, "model-a"))
@@ -213,15 +227,16 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
             .wait_condition(POLICY, "RolledOut", "True", WAIT)
             .await?;
 
-        // Errors during the crowd, before the decision reached the gateways: the crowd hurts.
-        let during = load.window(crowd_second + 1, rolled_second.max(crowd_second + 2));
-        figure(SCENARIO, "crowd before the rollout", &during);
+        // Errors during the crowd, from a second after it to the decision: the bursts hold it.
+        let during = load.window(crowd_second + 1, decided_second.max(crowd_second + 2));
+        figure(SCENARIO, "crowd before the decision", &during);
+        figure(SCENARIO, "crowd's first second", &load.window(crowd_second, crowd_second + 1));
         assert!(
-            during.errors_of("lease_timeout") > 0 && during.error_rate() > 0.05,
-            "the crowd overflows the min pool with lease timeouts: {during}"
+            during.calls >= 30 && during.error_rate() < RECOVERED,
+            "the burst allowance holds the crowd before the operator's decision: {during}"
         );
 
-        // Within two intervals of the rollout the error rate falls below 0.5%, and stays there.
+        // Within two intervals of the rollout the error rate is below 0.5%, and stays there.
         let deadline = rolled_second + 2 * INTERVAL.as_secs();
         let end = deadline + MEASURE;
         while load.now() <= end {
@@ -272,10 +287,11 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
                 format!("{} → {} per endpoint", scale.from, scale.to),
             );
             let views = recorder.views();
+            let peak = views.iter().map(|(_, v)| v.bursting).fold(0.0, f64::max);
+            figure(SCENARIO, "peak burst connections", peak);
             anyhow::ensure!(
-                views.iter().any(|(_, v)| v.pending > 0.0)
-                    && views.iter().any(|(_, v)| v.pooled >= f64::from(scale.to) * 3.0),
-                "the recorded pool shows the queue and the raised cap: {views:?}"
+                peak > 0.0 && views.iter().any(|(_, v)| v.pooled >= f64::from(scale.to) * 3.0),
+                "the recorded pool shows the bursts and the raised cap: {views:?}"
             );
             recorder.draw(
                 &picture,

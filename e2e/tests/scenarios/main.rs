@@ -22,4 +22,5 @@ mod prometheus_down;
 mod saturated;
 mod scale_gateways;
 mod shadow_mode;
+mod skewed_load;
 mod square_wave;

@@ -2,7 +2,8 @@
 //! (verified as [`super::tls`] says; plain `http` without a CA bundle) with a bearer token. The gateway
 //! answers `200 {revision, generation}`, `422 {error}` (invalid, the old limits stay), `409` (it
 //! runs a newer generation) or `401` (bad token); an answer longer than
-//! [`MAX_ANSWER_BYTES`] is not read.
+//! [`MAX_ANSWER_BYTES`] is not read. `GET /v1/clients` reads a pod's busiest clients (for the
+//! division of fleet-wide client limits, `plan/clients.rs`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -74,7 +75,69 @@ impl PutError {
     }
 }
 
-/// Sends limits documents to gateway pods.
+/// Why a pod's report of its busiest clients could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// The token was not accepted (401).
+    #[error("the admin token was not accepted")]
+    Unauthorized,
+    /// Any other answer than 200 (a gateway too old to serve `/v1/clients` answers 404).
+    #[error("unexpected answer {status}: {body}")]
+    Unexpected {
+        /// HTTP status.
+        status: u16,
+        /// Body, truncated.
+        body: String,
+    },
+    /// The answer is not a report.
+    #[error("not a client report: {0}")]
+    Invalid(String),
+    /// No answer.
+    #[error("request failed")]
+    Transport(#[source] reqwest::Error),
+    /// No HTTPS client for the pod's namespace.
+    #[error("no HTTPS client for the gateways")]
+    Trust(#[source] TrustError),
+    /// The answer was longer than any the gateway sends.
+    #[error("answer longer than {0} bytes; not read")]
+    TooLarge(usize),
+}
+
+/// A pod's busiest clients per client policy (`GET /v1/clients`).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct ClientsReport {
+    /// Per client policy of the pod's document.
+    pub policies: Vec<PolicyClients>,
+}
+
+/// The busiest clients of one client policy in one pod.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct PolicyClients {
+    /// The client policy's name in the pod's document.
+    pub name: String,
+    /// Its busiest clients.
+    #[serde(default)]
+    pub clients: Vec<ReportedClient>,
+}
+
+/// One client as a pod reports it.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportedClient {
+    /// Hex SHA-256 of its key.
+    pub key_sha256: String,
+    /// Calls in flight now.
+    #[serde(default)]
+    pub in_flight: u32,
+    /// Calls waiting now.
+    #[serde(default)]
+    pub queued: u32,
+    /// In flight + queued, averaged over the last 10 s.
+    #[serde(default)]
+    pub demand: f64,
+}
+
+/// Sends limits documents to gateway pods and reads their client reports.
 pub trait Gateways: Send + Sync + 'static {
     /// PUTs `doc` to the admin API at `addr` of a pod in `namespace` with `token`.
     fn put(
@@ -84,6 +147,14 @@ pub trait Gateways: Send + Sync + 'static {
         token: &str,
         doc: &GatewayLimits,
     ) -> impl Future<Output = Result<Acked, PutError>> + Send;
+
+    /// GETs the busiest clients from the admin API at `addr` of a pod in `namespace`.
+    fn clients(
+        &self,
+        namespace: &str,
+        addr: SocketAddr,
+        token: &str,
+    ) -> impl Future<Output = Result<ClientsReport, ReportError>> + Send;
 }
 
 /// The real client.
@@ -167,6 +238,49 @@ impl Gateways for HttpGateways {
             body.extend_from_slice(&chunk);
         }
         classify(status, &body)
+    }
+
+    async fn clients(
+        &self,
+        namespace: &str,
+        addr: SocketAddr,
+        token: &str,
+    ) -> Result<ClientsReport, ReportError> {
+        let (client, url) = match &self.trust {
+            Some(trust) => (
+                trust.client(namespace).map_err(ReportError::Trust)?,
+                format!("https://{addr}/v1/clients"),
+            ),
+            None => (self.plain.clone(), format!("http://{addr}/v1/clients")),
+        };
+        let mut resp = client
+            .get(url)
+            .bearer_auth(token)
+            .send()
+            .await
+            .map_err(ReportError::Transport)?;
+        let status = resp.status().as_u16();
+        if resp
+            .content_length()
+            .is_some_and(|n| n > MAX_ANSWER_BYTES as u64)
+        {
+            return Err(ReportError::TooLarge(MAX_ANSWER_BYTES));
+        }
+        let mut body = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(ReportError::Transport)? {
+            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(ReportError::TooLarge(MAX_ANSWER_BYTES));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        match status {
+            200 => serde_json::from_slice(&body).map_err(|e| ReportError::Invalid(e.to_string())),
+            401 => Err(ReportError::Unauthorized),
+            _ => Err(ReportError::Unexpected {
+                status,
+                body: String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
+            }),
+        }
     }
 }
 

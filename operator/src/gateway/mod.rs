@@ -4,5 +4,8 @@
 pub mod client;
 pub mod tls;
 
-pub use client::{Gateways, HttpGateways, MAX_ANSWER_BYTES, PutError, classify};
+pub use client::{
+    ClientsReport, Gateways, HttpGateways, MAX_ANSWER_BYTES, PolicyClients, PutError, ReportError,
+    ReportedClient, classify,
+};
 pub use tls::{GatewayTrust, TrustError};

@@ -1,10 +1,11 @@
 //! The file-descriptor check over the fleet budget ([`super::budget`]). A backend's fleet target is
-//! divided across the pods its policy selects that may hold connections, its holders (rounded down,
-//! the remainder one each to the first: the fleet never holds more than the target). Then, per pod,
-//! over every accepted policy that selects it, the pools (Σ share × endpoints), the client
+//! divided across the pods its policy selects that may hold connections, its holders, by demand
+//! ([`super::division`]). Then, per pod, over every accepted policy that selects it, the pools
+//! (Σ (share + burst) × endpoints), the client
 //! connections and the reserve must fit in half the pod's `process_max_fds` (Envoy's advice). If
 //! not, the shares are scaled down proportionally, never below the share of `autoscale.min`, and
-//! the policy reports `FdBudget=False` with the numbers. A pod-wide
+//! the policy reports `FdBudget=False` with the numbers. The bursts give way first: a pod over its
+//! budget with them loses them, and only then are its shares scaled. A pod-wide
 //! `listener.maxUpstreamConnections` bounds what the pools can open: the pools then count for the
 //! smaller of the two.
 
@@ -20,12 +21,21 @@ struct Pool {
     plan: usize,
     backend: usize,
     share: u32,
+    burst: u32,
     endpoints: u32,
     min_share: u32,
 }
 
-/// Runs the check over every pod, clamps `per_pod` of the plans' backends, and fills each
-/// accepted plan's [`FdReport`]. `limits` holds the known `process_max_fds` per pod.
+impl Pool {
+    fn fds(&self, with_burst: bool) -> u64 {
+        let per = self.share + if with_burst { self.burst } else { 0 };
+        u64::from(per) * u64::from(self.endpoints)
+    }
+}
+
+/// Runs the check over every pod, clamps the shares of the plans' backends on the pods where
+/// they do not fit (their bursts give way first), and fills each accepted plan's [`FdReport`].
+/// `limits` holds the known `process_max_fds` per pod.
 pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeMap<String, u64>) {
     // Which accepted plans select each pod.
     let mut on_pod: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -37,9 +47,6 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
         }
     }
 
-    let mut caps: BTreeMap<(usize, usize), u32> = BTreeMap::new();
-    let mut need_before: BTreeMap<&str, u64> = BTreeMap::new();
-    let mut fixed_cost: BTreeMap<&str, u64> = BTreeMap::new();
     // The pod-wide cap on upstream connections: the smallest any of its policies sets.
     let upstream_cap = |idxs: &[usize]| {
         idxs.iter()
@@ -48,7 +55,26 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
             .map(u64::from)
     };
     let capped = |pools: u64, cap: Option<u64>| cap.map_or(pools, |c| pools.min(c));
-    for (pod, idxs) in &on_pod {
+    let pools_of = |plans: &[PolicyPlan], pod: &str, idxs: &[usize]| -> Vec<Pool> {
+        idxs.iter()
+            .flat_map(|&i| {
+                let plan = &plans[i];
+                let holders = plan.holders.len() as u32;
+                plan.backends.iter().enumerate().map(move |(j, b)| {
+                    let own = plan.share(b, pod);
+                    Pool {
+                        plan: i,
+                        backend: j,
+                        share: own,
+                        burst: b.burst,
+                        endpoints: b.endpoints,
+                        min_share: share(b.bounds.min, holders).min(own),
+                    }
+                })
+            })
+            .collect()
+    };
+    let fixed_of = |idxs: &[usize]| {
         let listener = idxs
             .iter()
             .map(|&i| policies[i].spec.listener.max_connections)
@@ -59,58 +85,64 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
             .map(|&i| policies[i].spec.file_descriptors.reserve)
             .max()
             .unwrap_or(0);
-        let fixed = u64::from(listener) + u64::from(reserve);
-        let pools: Vec<Pool> = idxs
-            .iter()
-            .flat_map(|&i| {
-                let holders = plans[i].holders.len() as u32;
-                plans[i]
-                    .backends
-                    .iter()
-                    .enumerate()
-                    .map(move |(j, b)| (i, j, b, holders))
-            })
-            .map(|(i, j, b, holders)| Pool {
-                plan: i,
-                backend: j,
-                // The largest share a pod of this policy gets (with the division's remainder).
-                share: b.share_of(Some(0), holders as usize),
-                endpoints: b.endpoints,
-                min_share: share(b.bounds.min, holders).min(b.per_pod),
-            })
-            .collect();
+        u64::from(listener) + u64::from(reserve)
+    };
+
+    let mut caps: BTreeMap<(usize, usize, String), u32> = BTreeMap::new();
+    let mut no_burst: Vec<(usize, usize)> = Vec::new();
+    let mut need_before: BTreeMap<&str, u64> = BTreeMap::new();
+    for (pod, idxs) in &on_pod {
+        let fixed = fixed_of(idxs);
+        let pools = pools_of(plans, pod, idxs);
         let cap = upstream_cap(idxs);
-        let before: u64 = capped(
-            pools
-                .iter()
-                .map(|p| u64::from(p.share) * u64::from(p.endpoints))
-                .sum::<u64>(),
-            cap,
-        ) + fixed;
-        need_before.insert(pod, before);
-        fixed_cost.insert(pod, fixed);
+        let need = |burst: bool| capped(pools.iter().map(|p| p.fds(burst)).sum(), cap) + fixed;
+        need_before.insert(pod, need(false));
         let Some(&limit) = limits.get(pod.as_str()) else {
             continue;
         };
         let allowed = allowed(limit);
-        if before <= allowed {
+        if need(true) <= allowed {
             continue;
         }
-        for (p, cap) in pools
+        // Bursts give way first: they are for the seconds before a decision, the shares are
+        // what the pod runs on.
+        no_burst.extend(
+            pools
+                .iter()
+                .filter(|p| p.burst > 0)
+                .map(|p| (p.plan, p.backend)),
+        );
+        if need(false) <= allowed {
+            continue;
+        }
+        for (p, c) in pools
             .iter()
             .zip(water_fill(&pools, allowed.saturating_sub(fixed)))
         {
-            let e = caps.entry((p.plan, p.backend)).or_insert(cap);
-            *e = (*e).min(cap);
+            let e = caps.entry((p.plan, p.backend, pod.clone())).or_insert(c);
+            *e = (*e).min(c);
         }
     }
-
-    for ((i, j), cap) in &caps {
-        let holders = plans[*i].holders.len();
+    for (i, j) in no_burst {
+        plans[i].backends[j].burst = 0;
+    }
+    let mut clamped_plans = Vec::new();
+    for ((i, j, pod), cap) in &caps {
+        let Some(rank) = plans[*i].rank(pod) else {
+            continue;
+        };
         let b = &mut plans[*i].backends[*j];
-        if b.share_of(Some(0), holders) > *cap {
-            b.per_pod = b.per_pod.min(*cap);
+        if let Some(share) = b.shares.get_mut(rank)
+            && *share > *cap
+        {
+            *share = *cap;
             b.clamped = true;
+            clamped_plans.push(*i);
+        }
+    }
+    for plan in plans.iter_mut() {
+        for b in &mut plan.backends {
+            b.settle_per_pod();
         }
     }
 
@@ -118,22 +150,12 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
     let mut need_after: BTreeMap<&str, u64> = BTreeMap::new();
     let mut binding_cap: BTreeMap<&str, u64> = BTreeMap::new();
     for (pod, idxs) in &on_pod {
-        let pools: u64 = idxs
-            .iter()
-            .flat_map(|&i| {
-                let holders = plans[i].holders.len();
-                plans[i].backends.iter().map(move |b| (b, holders))
-            })
-            .map(|(b, holders)| u64::from(b.share_of(Some(0), holders)) * u64::from(b.endpoints))
-            .sum();
+        let pools: u64 = pools_of(plans, pod, idxs).iter().map(|p| p.fds(true)).sum();
         let cap = upstream_cap(idxs);
         if let Some(cap) = cap.filter(|&c| c < pools) {
             binding_cap.insert(pod, cap);
         }
-        need_after.insert(
-            pod,
-            capped(pools, cap) + fixed_cost.get(pod.as_str()).copied().unwrap_or(0),
-        );
+        need_after.insert(pod, capped(pools, cap) + fixed_of(idxs));
     }
 
     for (i, plan) in plans.iter_mut().enumerate() {
@@ -141,7 +163,7 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
             continue;
         }
         let mut report = FdReport {
-            clamped: caps.keys().any(|(p, _)| *p == i),
+            clamped: clamped_plans.contains(&i),
             ..FdReport::default()
         };
         for pod in &plan.selected {
@@ -218,6 +240,7 @@ mod tests {
             plan: 0,
             backend: 0,
             share,
+            burst: 0,
             endpoints,
             min_share,
         }

@@ -4,15 +4,17 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use poolpilot_api::policy::StartFrom;
+use poolpilot_api::policy::{BackendSpec, ClientScope, DecisionAction, StartFrom};
 
 use super::autoscale::{self, BackendMemory, Bounds};
-use super::budget::{self, FdReport};
-use super::input::{BackendSample, FleetInput, GatewayPod, PolicyInput, Samples};
+use super::budget::FdReport;
+use super::input::{
+    BackendSample, ClientUse, FleetInput, GatewayPod, PodPool, PolicyInput, Samples,
+};
 use super::memory::Memory;
 use super::output::{BackendPlan, FleetPlan, MetricsState, PolicyPlan};
 use super::time::Timestamp;
-use super::{fds, memo, render, selector, validate};
+use super::{clients, division, fds, memo, render, selector, shares, validate};
 
 /// Plans the namespace: validation and conflicts, autoscaling (only for backends whose interval is
 /// due at `now`), budgets, the fd check and the rendered documents (the last rendering when its
@@ -97,17 +99,120 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     )),
                     (true, None) => {}
                 }
-                backends.push(BackendPlan {
+                // The division of the target over the holders, by demand (re-judged when a
+                // decision ran), and the burst beside it.
+                let key = (policy.key.clone(), b.name.clone());
+                let pools: Vec<Option<PodPool>> = holders
+                    .iter()
+                    .map(|h| {
+                        let at = (policy.key.clone(), b.name.clone(), h.clone());
+                        input.samples.pools.get(&at).copied()
+                    })
+                    .collect();
+                let is_ready: Vec<bool> = holders.iter().map(|h| ready.contains(h)).collect();
+                let last = memory
+                    .divisions
+                    .get(&key)
+                    .cloned()
+                    .or_else(|| restored(policy, &b.name, &holders, now));
+                let step = if policy.spec.autoscale.enabled {
+                    shares::step(
+                        mem.target,
+                        endpoints,
+                        shares::Holders {
+                            names: &holders,
+                            ready: &is_ready,
+                            pools: &pools,
+                        },
+                        last.as_ref(),
+                        decision.is_some(),
+                        now,
+                    )
+                } else {
+                    shares::Step {
+                        divided: shares::Divided {
+                            holders: holders.clone(),
+                            target: mem.target,
+                            shares: division::even(mem.target, holders.len()),
+                            demand: pools
+                                .iter()
+                                .map(|p| p.map(|p| p.demand(endpoints)))
+                                .collect(),
+                            at: now,
+                        },
+                        rebalanced: None,
+                    }
+                };
+                if let (Some(why), Some(d)) = (&step.rebalanced, mem.last_decision.as_mut())
+                    && d.at == now
+                {
+                    // A pod short of connections while others sat on theirs is never a
+                    // NoChange: the decision says it re-divided, and why.
+                    if d.action == DecisionAction::NoChange {
+                        d.action = DecisionAction::Rebalance;
+                        d.reason = format!("{why}; {}", d.reason);
+                    } else {
+                        d.reason = format!("{}; shares re-divided: {why}", d.reason);
+                    }
+                }
+                // What the pods may hold: their shares, and, right after a re-division, the
+                // connections they still have in flight above a lowered share (those close only as
+                // their calls end; bursts in use count too, which errs on the safe side). Between
+                // re-divisions it is the shares alone, which the pods' bursts go on top of.
+                let redivided = last.as_ref().is_none_or(|l| {
+                    l.holders != step.divided.holders || l.shares != step.divided.shares
+                });
+                let held: u64 = step
+                    .divided
+                    .shares
+                    .iter()
+                    .zip(&pools)
+                    .map(|(&share, pool)| {
+                        let in_flight = pool.map_or(0, |p| p.in_flight(endpoints));
+                        u64::from(if redivided {
+                            share.max(in_flight)
+                        } else {
+                            share
+                        })
+                    })
+                    .sum();
+                // Sized again on a decision made on fresh data or a new division; otherwise the
+                // last one stays (a decision that saw no data knows nothing new, and the
+                // documents should not change while Prometheus is away).
+                let fresh = decision.as_ref().is_some_and(|d| {
+                    !matches!(
+                        d,
+                        autoscale::Decision::MissingData { .. }
+                            | autoscale::Decision::Recovering { .. }
+                    )
+                });
+                let sized = || {
+                    burst_budget(policy, b, mem)
+                        .map_or(0, |budget| division::burst(budget, held, holders.len()))
+                };
+                let burst = match memory.bursts.get(&key) {
+                    Some(&last) if !fresh && !redivided => last,
+                    _ => sized(),
+                };
+                memory.bursts.insert(key.clone(), burst);
+                let mut plan = BackendPlan {
                     name: b.name.clone(),
                     endpoints,
                     target: mem.target,
-                    per_pod: budget::share(mem.target, holders.len() as u32),
+                    per_pod: 0,
+                    shares: step.divided.shares.clone(),
+                    demand: step.divided.demand.clone(),
+                    burst,
+                    rebalanced: step.rebalanced,
                     clamped: false,
                     bounds,
                     decision,
                     held: mem.held,
                     sample,
-                });
+                };
+                plan.settle_per_pod();
+                memory.divisions.insert(key, step.divided);
+                backends.push(plan);
             }
             if policy.spec.autoscale.enabled {
                 let available = unavailable.is_empty();
@@ -120,8 +225,56 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                 metrics = Some(MetricsState { available, message });
             }
         }
+        // The busiest clients' fleet-wide limits, divided by where their calls arrive; judged
+        // again when a decision ran (once per interval).
+        let client_shares = match &policy.spec.clients {
+            Some(c)
+                if accepted && c.scope == ClientScope::Fleet && policy.spec.autoscale.enabled =>
+            {
+                let reports: Vec<Option<&[ClientUse]>> = holders
+                    .iter()
+                    .map(|h| {
+                        input
+                            .clients
+                            .get(&(policy.key.clone(), h.clone()))
+                            .map(Vec::as_slice)
+                    })
+                    .collect();
+                let is_ready: Vec<bool> = holders.iter().map(|h| ready.contains(h)).collect();
+                let overridden: Vec<&str> = c
+                    .overrides
+                    .iter()
+                    .map(|o| o.client.key_sha256.as_str())
+                    .collect();
+                let due = backends.iter().any(|b| b.decision.is_some());
+                let last = memory
+                    .client_divisions
+                    .get(&policy.key)
+                    .cloned()
+                    .unwrap_or_default();
+                let divided = clients::divide(
+                    &holders,
+                    &is_ready,
+                    &reports,
+                    (c.max_concurrency, c.max_queue),
+                    &overridden,
+                    &last,
+                    due,
+                    now,
+                );
+                memory
+                    .client_divisions
+                    .insert(policy.key.clone(), divided.clone());
+                divided
+            }
+            _ => {
+                memory.client_divisions.remove(&policy.key);
+                BTreeMap::new()
+            }
+        };
         plans.push(PolicyPlan {
             key: policy.key.clone(),
+            client_shares,
             acceptance: acceptance[i].clone(),
             selected,
             holders,
@@ -165,6 +318,48 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
         policies: plans,
         documents,
     }
+}
+
+/// The most connections per endpoint the fleet may open with its bursts: the capacity less half
+/// the headroom (the target's upper bound keeps the whole headroom), never above `autoscale.max`
+/// (the bound the user set) nor a knee the guard found. `None`, no burst, where growth would be wrong: autoscale off (the targets are
+/// static), growth held (at the knee, the upper bound or for missing data), or the backend
+/// saturated.
+fn burst_budget(policy: &PolicyInput, b: &BackendSpec, mem: &BackendMemory) -> Option<u32> {
+    if !policy.spec.autoscale.enabled || mem.held > 0 || mem.saturation.is_some() {
+        return None;
+    }
+    let capacity = f64::from(b.capacity.max_connections_per_endpoint);
+    let mut budget = (capacity * (1.0 - b.capacity.headroom / 2.0)).floor() as u32;
+    if let Some(max) = policy.spec.autoscale.max {
+        budget = budget.min(max);
+    }
+    Some(mem.knee.knee.map_or(budget, |k| budget.min(k.cap())))
+}
+
+/// The division a policy's status recorded for a backend, when it still divides its target
+/// over the same holders (continuity across operator restarts).
+fn restored(
+    policy: &PolicyInput,
+    backend: &str,
+    holders: &[String],
+    now: Timestamp,
+) -> Option<shares::Divided> {
+    let b = policy
+        .status
+        .as_ref()?
+        .backends
+        .iter()
+        .find(|b| b.name == backend)?;
+    let pods: Vec<String> = b.shares.iter().map(|s| s.pod.clone()).collect();
+    let shares: Vec<u32> = b.shares.iter().map(|s| s.share).collect();
+    (pods == holders && shares.iter().sum::<u32>() == b.target).then(|| shares::Divided {
+        holders: pods,
+        target: b.target,
+        shares,
+        demand: b.shares.iter().map(|s| s.demand).collect(),
+        at: now,
+    })
 }
 
 /// Where a backend without a recorded target starts (`None`: the upper bound).

@@ -153,11 +153,55 @@ pub struct PodSample {
     pub open_fds: Option<u64>,
 }
 
+/// One pod's pool for one backend, summed over the backend's endpoints: what the division of
+/// the target reads. Present only for a pod with fresh samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PodPool {
+    /// Leased connections, averaged over the window.
+    pub leased: f64,
+    /// Pending lease requests, averaged over the window.
+    pub pending: f64,
+    /// Leased connections at the latest scrape.
+    pub leased_now: f64,
+}
+
+impl PodPool {
+    /// Demand per endpoint: leased + pending over the window, divided by `endpoints`.
+    pub fn demand(&self, endpoints: u32) -> f64 {
+        (self.leased + self.pending) / f64::from(endpoints.max(1))
+    }
+
+    /// Connections per endpoint leased now, rounded up.
+    pub fn in_flight(&self, endpoints: u32) -> u32 {
+        let per = self.leased_now / f64::from(endpoints.max(1));
+        if per.is_finite() && per > 0.0 {
+            per.ceil().min(f64::from(u32::MAX)) as u32
+        } else {
+            0
+        }
+    }
+}
+
+/// One client as a gateway pod reports it (`GET /v1/clients`): among its busiest.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ClientUse {
+    /// Hex SHA-256 of its key.
+    pub key_sha256: String,
+    /// Its calls in flight now.
+    pub in_flight: u32,
+    /// Its calls waiting now.
+    pub queued: u32,
+    /// In flight + queued, averaged over the last 10 s.
+    pub demand: f64,
+}
+
 /// Everything Prometheus told us at one instant.
 #[derive(Clone, Debug, Default)]
 pub struct Samples {
     /// Per policy and backend name.
     pub backends: BTreeMap<(PolicyKey, String), BackendSample>,
+    /// Per policy, backend name and pod: each selected pod's own pool, for the division.
+    pub pools: BTreeMap<(PolicyKey, String, String), PodPool>,
     /// Per pod name.
     pub pods: BTreeMap<String, PodSample>,
 }
@@ -175,6 +219,8 @@ pub struct FleetInput {
     pub published: Vec<Acked>,
     /// Every rendered document's generation must be above this (a pod said it runs it).
     pub generation_floor: u64,
+    /// The busiest clients each pod reported for each policy (`None` for a pod: no fresh report).
+    pub clients: BTreeMap<(PolicyKey, String), Vec<ClientUse>>,
     /// The policy being reconciled: only its backends get autoscale decisions this run (the
     /// others keep their targets until their own reconcile). `None`: every policy decides.
     pub focus: Option<PolicyKey>,

@@ -14,8 +14,8 @@ use super::output::PolicyPlan;
 use super::render::Generations;
 
 /// Everything the fd check and the rendering read. Per-run facts that they do not read (the
-/// decisions, the samples, metrics availability, the policies' statuses beyond the documents
-/// they record) are left out, so that a reconcile that only looked at fresh samples finds the
+/// decisions, the samples, a re-division's reason, metrics availability, the policies' statuses
+/// beyond the documents they record) are left out, so that a reconcile that only looked at fresh samples finds the
 /// rendering still valid.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RenderInput {
@@ -98,6 +98,7 @@ impl Rendered {
                 for (b, f) in plan.backends.iter_mut().zip(fresh.backends) {
                     b.decision = f.decision;
                     b.sample = f.sample;
+                    b.rebalanced = f.rebalanced;
                 }
                 plan
             })
@@ -112,6 +113,7 @@ fn without_run_facts(plan: &PolicyPlan) -> PolicyPlan {
     for b in &mut plan.backends {
         b.decision = None;
         b.sample = Default::default();
+        b.rebalanced = None;
     }
     plan
 }

@@ -5,8 +5,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::autoscale::BackendMemory;
+use super::clients::ClientDivision;
 use super::input::PolicyKey;
 use super::memo;
+use super::shares::Divided;
 
 /// What the planner remembers between runs (the runtime keeps it in memory; after a restart it
 /// is rebuilt from status).
@@ -16,6 +18,12 @@ pub struct Memory {
     pub backends: BTreeMap<(PolicyKey, String), BackendMemory>,
     /// The last known `process_max_fds` per pod (used while a sample is missing).
     pub fd_limits: BTreeMap<String, u64>,
+    /// The division of each backend's target over its holders, per policy and backend.
+    pub divisions: BTreeMap<(PolicyKey, String), Divided>,
+    /// The burst allowance per endpoint in force, per policy and backend.
+    pub bursts: BTreeMap<(PolicyKey, String), u32>,
+    /// The busiest clients' limits divided over the holders, per policy and client key.
+    pub client_divisions: BTreeMap<PolicyKey, BTreeMap<String, ClientDivision>>,
     /// The last rendering, reused while its inputs are unchanged.
     pub rendered: Option<Arc<memo::Rendered>>,
 }

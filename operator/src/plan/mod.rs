@@ -22,7 +22,9 @@
 
 pub mod autoscale;
 pub mod budget;
+pub mod clients;
 pub mod conditions;
+pub mod division;
 pub mod fds;
 pub mod fleet;
 pub mod input;
@@ -32,6 +34,7 @@ pub mod output;
 pub mod priority;
 pub mod render;
 pub mod selector;
+pub mod shares;
 pub mod status;
 pub mod time;
 pub mod validate;

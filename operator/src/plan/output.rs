@@ -7,7 +7,8 @@ use std::sync::Arc;
 use poolpilot_api::GatewayLimits;
 
 use super::autoscale::{Bounds, Decision};
-use super::budget::{FdReport, share};
+use super::budget::FdReport;
+use super::clients::ClientDivision;
 use super::input::{BackendSample, PolicyKey};
 use super::validate::Acceptance;
 
@@ -20,10 +21,20 @@ pub struct BackendPlan {
     pub endpoints: u32,
     /// The fleet-wide target per endpoint chosen by the autoscaler (or the upper bound).
     pub target: u32,
-    /// Each holder's share after the fd check, rounded down; [`BackendPlan::share_of`] hands
-    /// the remainder of the division out, one connection per pod.
+    /// The smallest holder's share after the fd check: the share of the durable ConfigMap's
+    /// document, for pods that start later (the next run divides the target over them too).
     pub per_pod: u32,
-    /// Whether the fd check lowered the shares (then no pod gets more than `per_pod`).
+    /// Each holder's share per endpoint, in the order of [`PolicyPlan::holders`], after the fd
+    /// check: the target divided by demand ([`super::division`]).
+    pub shares: Vec<u32>,
+    /// Each holder's demand per endpoint the shares were divided by (`None`: no sample).
+    pub demand: Vec<Option<f64>>,
+    /// Connections per endpoint each holder may open beyond its share while calls wait in its
+    /// pool queue (0: none; see [`super::division::burst`]).
+    pub burst: u32,
+    /// Why this run re-divided the same target over the same pods, when it did.
+    pub rebalanced: Option<String>,
+    /// Whether the fd check lowered the shares.
     pub clamped: bool,
     /// The bounds the target lives in.
     pub bounds: Bounds,
@@ -36,44 +47,37 @@ pub struct BackendPlan {
 }
 
 impl BackendPlan {
-    /// The share of a holder: `per_pod`, plus one for the first `target mod holders` holders
-    /// (by `rank`, their place among the holders in name order), so that the shares add up to
-    /// the fleet target exactly. `rank` `None` (the durable ConfigMap's document, for pods that
-    /// start later) and shares the fd check clamped get `per_pod`.
-    ///
-    /// Ranking in name order keeps resizes within the budget: a pod joining never raises another
-    /// pod's share, and a pod leaving never lowers one, so the shares only shrink when pods are
-    /// created and only grow once pods are gone.
-    pub fn share_of(&self, rank: Option<usize>, holders: usize) -> u32 {
-        let Some(rank) = rank else {
-            return self.per_pod;
-        };
-        let holders = u32::try_from(holders).unwrap_or(u32::MAX);
-        if holders == 0 || self.clamped || self.per_pod != share(self.target, holders) {
-            return self.per_pod;
-        }
-        let remainder = self
-            .target
-            .saturating_sub(self.per_pod.saturating_mul(holders));
-        self.per_pod + u32::from(u32::try_from(rank).unwrap_or(u32::MAX) < remainder)
+    /// The share of the holder at `rank` (its place among the holders in name order); `None`
+    /// (the durable ConfigMap's document, for pods that start later) gets `per_pod`, the
+    /// smallest.
+    pub fn share_of(&self, rank: Option<usize>) -> u32 {
+        rank.and_then(|r| self.shares.get(r).copied())
+            .unwrap_or(self.per_pod)
     }
-}
 
-impl BackendPlan {
-    /// Connections per endpoint the `holders` would open together when each takes its share:
-    /// more than the target when there are more holders than the target allows (every share is
-    /// at least 1).
-    pub fn fleet_total(&self, holders: usize) -> u64 {
-        (0..holders)
-            .map(|rank| u64::from(self.share_of(Some(rank), holders)))
-            .sum()
+    /// Connections per endpoint the holders open together when each takes its share: more than
+    /// the target only when there are more holders than the target allows (every share is at
+    /// least 1).
+    pub fn fleet_total(&self) -> u64 {
+        self.shares.iter().map(|&s| u64::from(s)).sum()
     }
 
     /// The overcommit, when the shares' floor of 1 takes the fleet over the backend's budget:
     /// `(fleet total, target)`.
-    pub fn overcommit(&self, holders: usize) -> Option<(u64, u32)> {
-        let total = self.fleet_total(holders);
+    pub fn overcommit(&self) -> Option<(u64, u32)> {
+        let total = self.fleet_total();
         (total > u64::from(self.target)).then_some((total, self.target))
+    }
+
+    /// Sets `per_pod` to the smallest share (the target itself with no holder: the first pod to
+    /// appear may take it).
+    pub fn settle_per_pod(&mut self) {
+        self.per_pod = self
+            .shares
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(self.target.max(1));
     }
 }
 
@@ -100,6 +104,9 @@ pub struct PolicyPlan {
     pub fds: FdReport,
     /// Whether its metrics are available (`None` when autoscale is off).
     pub metrics_available: Option<MetricsState>,
+    /// Its busiest clients' fleet-wide limits divided over the holders by where their calls
+    /// arrive, by client key (empty: every client gets the even split).
+    pub client_shares: BTreeMap<String, ClientDivision>,
     /// The document its ConfigMap holds, for pods that start later: the policies on its first
     /// selected pod, each backend at the base share (the smallest). Shared by every policy on
     /// the same pods.
@@ -112,9 +119,9 @@ impl PolicyPlan {
         self.holders.iter().position(|h| h == pod)
     }
 
-    /// `pod`'s share of backend `b` (a holder's rank share; the base share for anyone else).
+    /// `pod`'s share of backend `b` (a holder's own share; the smallest for anyone else).
     pub fn share(&self, b: &BackendPlan, pod: &str) -> u32 {
-        b.share_of(self.rank(pod), self.holders.len())
+        b.share_of(self.rank(pod))
     }
 
     /// Connections per endpoint of backend `b` pooled by the ready pods: the sum of their shares.

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
-    BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, HealthCheck, ListenerLimits,
-    MAX_GENERATION, OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch, SlowCalls,
-    SoftThrottle, Timeouts, TrustedProxies,
+    BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, ClientShare, HealthCheck,
+    ListenerLimits, MAX_GENERATION, OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch,
+    SlowCalls, SoftThrottle, Timeouts, TrustedProxies,
 };
 use poolpilot_api::policy::{BackendSpec, ClientScope, TrustedProxyProtocol};
 use sha2::{Digest, Sha256};
@@ -321,15 +321,34 @@ fn document(
                 }),
                 max_clients: c.max_clients,
                 priority: super::priority::render(c),
-                client_shares: Vec::new(),
+                // This pod's part of the busiest clients' limits (the ConfigMap's document,
+                // for pods not counted yet, has none: they get the even split).
+                client_shares: match (c.scope, rank) {
+                    (ClientScope::Fleet, Some(r)) => plan
+                        .client_shares
+                        .values()
+                        .filter_map(|d| {
+                            Some(ClientShare {
+                                key_sha256: d.key_sha256.clone(),
+                                max_concurrency: *d.concurrency.shares.get(r)?,
+                                max_queue: *d.queue.get(r)?,
+                            })
+                        })
+                        .collect(),
+                    _ => Vec::new(),
+                },
             });
             name
         });
         for (spec, planned) in policy.spec.backends.iter().zip(&plan.backends) {
+            // A pod's own document carries its share and the burst; the ConfigMap's (pods that
+            // start later, not yet counted among the holders) the smallest share and no burst,
+            // so that a pod the plan does not know yet stays inside the budget.
+            let burst = if rank.is_some() { planned.burst } else { 0 };
             backends.push(backend(
                 policy,
                 spec,
-                planned.share_of(rank, plan.holders.len()),
+                (planned.share_of(rank), burst),
                 client_policy.clone(),
             ));
         }
@@ -346,7 +365,7 @@ fn document(
 fn backend(
     policy: &PolicyInput,
     b: &BackendSpec,
-    per_pod: u32,
+    (per_pod, burst): (u32, u32),
     client_policy: Option<String>,
 ) -> BackendLimits {
     BackendLimits {
@@ -370,7 +389,7 @@ fn backend(
                 per_pending: t.per_pending,
                 max: t.max,
             }),
-            burst_per_endpoint: 0,
+            burst_per_endpoint: burst,
         },
         timeouts: Timeouts {
             first_byte: b.timeouts.first_byte,

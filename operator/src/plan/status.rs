@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
-    BackendStatus, DecisionRecord, Mode, PodFailure, PodRun, PodsStatus, ScaleRecord,
+    BackendStatus, DecisionRecord, Mode, PodFailure, PodRun, PodShare, PodsStatus, ScaleRecord,
 };
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
@@ -16,6 +16,9 @@ use super::memory::Memory;
 use super::output::PolicyPlan;
 use super::time::Timestamp;
 use super::validate::Acceptance;
+
+/// The most pods `backends[].shares` lists (status stays small on a large fleet).
+pub const MAX_SHARES_LISTED: usize = 50;
 use super::waves::{PodState, refusals, updated_count};
 
 /// How the rollout went for one policy's ready selected pods.
@@ -57,6 +60,21 @@ pub fn compute(
                 endpoints: b.endpoints,
                 target: b.target,
                 per_pod: b.per_pod,
+                burst: b.burst,
+                shares: plan
+                    .holders
+                    .iter()
+                    .zip(&b.shares)
+                    .zip(b.demand.iter().chain(std::iter::repeat(&None)))
+                    .take(MAX_SHARES_LISTED)
+                    .map(|((pod, &share), demand)| PodShare {
+                        pod: pod.clone(),
+                        share,
+                        demand: demand
+                            .filter(|d| d.is_finite())
+                            .map(|d| (d * 100.0).round() / 100.0),
+                    })
+                    .collect(),
                 leased: b.sample.leased.filter(|v| v.is_finite()),
                 pending: b.sample.pending.filter(|v| v.is_finite()),
                 utilization: demand
@@ -344,7 +362,7 @@ fn conditions(
         .iter()
         .filter_map(|b| {
             let holders = plan.holders.len();
-            let (total, target) = b.overcommit(holders)?;
+            let (total, target) = b.overcommit()?;
             Some(format!(
                 "{}: {holders} gateway pods keep at least 1 connection per endpoint each, \
                  {total} in all, over the backend's budget of {target} per endpoint; \

@@ -1384,7 +1384,7 @@ fn a_share_floor_over_the_backend_budget_is_named_with_the_numbers() {
     let fleet = plan(&input, &mut memory, at(0));
     let b = &fleet.policies[0].backends[0];
     assert_eq!((b.target, b.per_pod), (8, 1));
-    assert_eq!(b.overcommit(10), Some((10, 8)));
+    assert_eq!(b.overcommit(), Some((10, 8)));
     let s = status_now(&input, &fleet, &memory, at(0));
     let c = condition(&s, "Saturated");
     assert_eq!(
@@ -1404,7 +1404,7 @@ fn a_share_floor_over_the_backend_budget_is_named_with_the_numbers() {
         ..input
     };
     let fleet = plan(&input, &mut memory, at(15));
-    assert_eq!(fleet.policies[0].backends[0].overcommit(8), None);
+    assert_eq!(fleet.policies[0].backends[0].overcommit(), None);
     let s = status_now(&input, &fleet, &memory, at(15));
     let c = condition(&s, "Saturated");
     assert_eq!(c.status, "False", "{c:?}");
@@ -1485,9 +1485,9 @@ proptest! {
         prop_assert!(pp.acceptance.is_accepted(), "{:?}", pp.acceptance);
         let b = &pp.backends[0];
         let total: u64 = pp.holders.iter().map(|h| u64::from(pp.share(b, h))).sum();
-        prop_assert_eq!(total, b.fleet_total(n));
+        prop_assert_eq!(total, b.fleet_total());
         if total > u64::from(b.target) {
-            prop_assert_eq!(b.overcommit(n), Some((total, b.target)));
+            prop_assert_eq!(b.overcommit(), Some((total, b.target)));
             prop_assert!(n as u64 > u64::from(b.target));
             let s = compute(&input.policies[0], pp, &memory, &RolloutReport::default(), at(0));
             let c = s.conditions.iter().find(|c| c.type_ == "Saturated").unwrap();
@@ -1496,7 +1496,7 @@ proptest! {
             prop_assert!(c.message.contains(&needle), "{}", c.message);
         } else {
             prop_assert_eq!(total, u64::from(b.target), "the shares add up to the target");
-            prop_assert_eq!(b.overcommit(n), None);
+            prop_assert_eq!(b.overcommit(), None);
         }
     }
 }
@@ -1765,4 +1765,148 @@ proptest! {
             );
         }
     }
+}
+
+/// A fleet sample for `plan`: `leased` + `pending` in all, with the throughput a decision needs.
+fn busy_sample(leased: f64, pending: f64) -> BackendSample {
+    BackendSample {
+        leased: Some(leased),
+        pending: Some(pending),
+        leased_now: Some(leased),
+        pending_now: Some(pending),
+        completed: Some(10.0),
+        bytes: Some(1_000.0),
+        ttfb: Some(0.1),
+        ..BackendSample::default()
+    }
+}
+
+/// Each pod's own pool in `input` for policy `a`'s backend `model-a`.
+fn set_pools(input: &mut FleetInput, pools: &[(f64, f64)]) {
+    for (i, &(leased, pending)) in pools.iter().enumerate() {
+        input.samples.pools.insert(
+            (key("a"), "model-a".into(), format!("gw-{i}")),
+            input::PodPool {
+                leased,
+                pending,
+                leased_now: leased,
+            },
+        );
+    }
+}
+
+#[test]
+fn a_crowd_on_one_pod_gets_the_target_divided_by_demand_and_a_rebalance_says_why() {
+    // Target fixed at 8 per endpoint (min = max) over 2 endpoints and 2 pods; demand 13 in all
+    // recommends the target itself, so the autoscaler alone would say NoChange.
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 64, "autoscale: {min: 8, max: 8}\n"),
+        2,
+    );
+    let mut input = input_with_fds(vec![p], pods(2), 65_536);
+    let k = (key("a"), "model-a".to_owned());
+    input
+        .samples
+        .backends
+        .insert(k.clone(), busy_sample(10.0, 3.0));
+    set_pools(&mut input, &[(5.0, 1.5), (5.0, 1.5)]);
+    let mut memory = Memory::default();
+    let even = plan(&input, &mut memory, at(0));
+    assert_eq!(even.policies[0].backends[0].shares, [4, 4]);
+
+    // The load moves onto gw-0: 8 leased and 3 pending there, 2 leased on gw-1.
+    set_pools(&mut input, &[(8.0, 3.0), (2.0, 0.0)]);
+    let fleet = plan(&input, &mut memory, at(15));
+    let b = &fleet.policies[0].backends[0];
+    assert_eq!((b.target, b.shares.clone()), (8, vec![7, 1]));
+    assert_eq!(
+        b.per_pod, 1,
+        "the smallest share, for the ConfigMap's document"
+    );
+    let shares: Vec<u32> = ["gw-0", "gw-1"]
+        .iter()
+        .map(|p| {
+            fleet.documents[*p].backends[0]
+                .pool
+                .max_connections_per_endpoint
+        })
+        .collect();
+    assert_eq!(shares, [7, 1], "each pod's document carries its own share");
+    let why = b.rebalanced.clone().expect("a rebalance");
+    assert_eq!(
+        why,
+        "gw-0 queues at share 4 with demand 5.5 per endpoint while gw-1 uses 1.0 of its 4: \
+         target 8 re-divided by demand from [4, 4] to [7, 1]"
+    );
+    let d = memory.backends[&k].last_decision.clone().unwrap();
+    assert_eq!(d.action, poolpilot_api::policy::DecisionAction::Rebalance);
+    assert!(d.reason.starts_with(&why), "{}", d.reason);
+    let s = status_now(&input, &fleet, &memory, at(15));
+    let shown: Vec<(String, u32, Option<f64>)> = s.backends[0]
+        .shares
+        .iter()
+        .map(|s| (s.pod.clone(), s.share, s.demand))
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            ("gw-0".to_owned(), 7, Some(5.5)),
+            ("gw-1".to_owned(), 1, Some(1.0))
+        ]
+    );
+    assert_eq!(
+        s.backends[0].last_decision.as_ref().unwrap().action,
+        poolpilot_api::policy::DecisionAction::Rebalance
+    );
+}
+
+#[test]
+fn the_burst_fills_the_budget_left_by_the_shares_and_stops_at_a_hold() {
+    // Capacity 20 × (1 − 0.2 / 2) = 18 per endpoint for shares and bursts; max 16; target 4
+    // over 2 pods: burst ⌊(16 − 4) ÷ 2⌋ = 6 per pod.
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 20, "autoscale: {min: 4, max: 16}\n"),
+        1,
+    );
+    let mut input = input_with_fds(vec![p], pods(2), 65_536);
+    let k = (key("a"), "model-a".to_owned());
+    input.policies[0].status = Some(ConnectionPolicyStatus {
+        backends: vec![poolpilot_api::policy::BackendStatus {
+            name: "model-a".into(),
+            target: 4,
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+    input
+        .samples
+        .backends
+        .insert(k.clone(), busy_sample(3.0, 0.0));
+    set_pools(&mut input, &[(2.0, 0.0), (1.0, 0.0)]);
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let b = &fleet.policies[0].backends[0];
+    assert_eq!((b.target, b.burst), (4, 6), "{:?}", b.decision);
+    assert_eq!(
+        fleet.documents["gw-0"].backends[0].pool.burst_per_endpoint,
+        6
+    );
+    assert_eq!(
+        fleet.policies[0].document.as_ref().unwrap().backends[0]
+            .pool
+            .burst_per_endpoint,
+        0,
+        "a pod that starts from the ConfigMap is not counted yet: no burst"
+    );
+    // Growth held at the upper bound: no burst.
+    input.samples.backends.insert(k, busy_sample(40.0, 20.0));
+    plan(&input, &mut memory, at(15));
+    let held = plan(&input, &mut memory, at(30));
+    let b = &held.policies[0].backends[0];
+    assert!(b.held > 0, "{:?}", b.decision);
+    assert_eq!(b.burst, 0, "no burst while growth is held");
 }

@@ -132,6 +132,8 @@ pub struct Context<G: Gateways> {
     pub memory: Mutex<BTreeMap<String, Memory>>,
     /// Rollout memory.
     pub rollouts: Mutex<RolloutMemory>,
+    /// The gateways' latest reports of their busiest clients.
+    pub client_reports: Mutex<super::clients::ClientReports>,
     /// Failures in a row per policy, for the retry back-off of [`error_policy`].
     pub retries: backoff::RetryBackoff,
     /// The gateway admin client.

@@ -1,7 +1,8 @@
 //! The reconciler: one ConnectionPolicy at a time, as a named pipeline
 //!
 //! ```text
-//!  observe (caches) → validate (pure) → plan (pure) → roll out (API + gateways) → status (API)
+//!  observe (caches) → clients (gateways, read) → validate (pure) → plan (pure)
+//!      → roll out (API + gateways) → status (API)
 //! ```
 //!
 //! Each step is its own module with its own error type. A policy that fails validation skips the
@@ -15,6 +16,7 @@
 //! the modules and re-exports the reconciler's public surface.
 
 pub mod backoff;
+pub mod clients;
 pub mod context;
 pub mod error;
 pub mod events;

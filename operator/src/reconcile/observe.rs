@@ -193,6 +193,8 @@ pub fn observe<G: Gateways>(
             published,
             // A generation a pod reported running (409): every document must go above it.
             generation_floor: seen.unwrap_or_default(),
+            // Filled by the next step, from the gateways' reports.
+            clients: BTreeMap::new(),
             focus: Some(focus.clone()),
         },
         focus,

@@ -19,7 +19,7 @@ use tracing::{info, instrument, warn};
 use super::context::Context;
 use super::error::{Error, Result};
 use super::events::{event_note, implausible_generation_event, unreadable_event};
-use super::{observe, rollout, status, validate};
+use super::{clients, observe, rollout, status, validate};
 use crate::gateway::Gateways;
 use crate::metrics::{Metrics, StepLabel};
 use crate::plan::{self, Memory};
@@ -143,11 +143,17 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     let m = &ctx.metrics;
     // 1. observe (no API calls: caches and the latest Prometheus snapshot; CPU only, its cost
     //    grows with the namespace, so off the async workers)
-    let observed = step(m, "observe", async {
+    let mut observed = step(m, "observe", async {
         cpu_bound(|| observe::observe(ctx, policy, false, now))
     })
     .await?;
     report_implausible_generations(ctx, policy, &observed).await;
+    // 1b. the busiest clients of each pod, for fleet-wide client limits (never fails)
+    step(m, "clients", async {
+        clients::poll(ctx, policy, &mut observed, now).await;
+        Ok::<_, Error>(())
+    })
+    .await?;
     // The poller runs this policy's saturation queries from its next round on.
     ctx.saturation.set(
         &observed.focus,
@@ -174,12 +180,13 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     let Some(policy_plan) = fleet.policy(&observed.focus) else {
         return Err(Error::Plan(format!("no plan for {}", observed.focus)));
     };
-    for d in policy_plan
-        .backends
-        .iter()
-        .filter_map(|b| b.decision.as_ref())
-    {
-        m.decision(d);
+    for b in &policy_plan.backends {
+        if let Some(d) = &b.decision {
+            m.decision(d);
+        }
+        if b.rebalanced.is_some() {
+            m.rebalance();
+        }
     }
     // 4. roll out (client and gateways required), only for an accepted policy (rendering may
     //    still reject one whose document does not validate)
@@ -299,6 +306,9 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
         let mut memory = ctx.memory.lock();
         let mem = memory.entry(observed.focus.namespace.clone()).or_default();
         mem.backends.retain(|(k, _), _| k != &observed.focus);
+        mem.divisions.retain(|(k, _), _| k != &observed.focus);
+        mem.bursts.retain(|(k, _), _| k != &observed.focus);
+        mem.client_divisions.remove(&observed.focus);
         plan::plan(&observed.input, mem, now)
     });
     step(

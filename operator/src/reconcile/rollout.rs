@@ -151,6 +151,33 @@ pub async fn roll_out<G: Gateways>(
             ..RolloutReport::default()
         });
     }
+    // A re-division (only shares, bursts and client limits moved) goes to every pod in this
+    // reconcile, the pods it lowers first, so that the fleet stays inside the budget while it
+    // moves: no canary, since nothing changes but how the same budget is divided.
+    if let Some(lowering) = retune_wave(ctx, observed, fleet, &states, true) {
+        let mut unreachable = push(ctx, observed, fleet, &lowering, now).await?;
+        let after = pod_states(ctx, observed, fleet, &plan.live);
+        let lowered = lowering
+            .iter()
+            .all(|p| after.iter().any(|s| &s.name == p && s.current()));
+        if lowered && let Some(rest) = retune_wave(ctx, observed, fleet, &after, false) {
+            unreachable.extend(push(ctx, observed, fleet, &rest, now).await?);
+        }
+        let states = pod_states(ctx, observed, fleet, &plan.live);
+        let complete = states.iter().all(PodState::current);
+        if published
+            && !first
+            && complete
+            && let Some(doc) = &plan.document
+        {
+            apply_configmap(ctx, policy, doc).await?;
+        }
+        return Ok(RolloutReport {
+            pods: states,
+            unreachable,
+            ..RolloutReport::default()
+        });
+    }
     let mut wave = waves::next_wave(strategy, &states, since, &verdict, now);
     let mut unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
     if strategy.verify.is_zero() && !wave.push.is_empty() && wave.halted.is_none() {
@@ -209,52 +236,147 @@ pub async fn roll_out<G: Gateways>(
     })
 }
 
-/// Whether `new` differs from `old` only by lower (or equal) pool shares and client limits: what
-/// more pods to divide over make. Such a document may reach pods through the ConfigMap before
-/// the rollout's waves; anything else (an endpoint, a route, a timeout) goes through them.
-pub fn only_lowers(old: &GatewayLimits, new: &GatewayLimits) -> bool {
+/// How a document differs from another when it differs only in the numbers the operator tunes
+/// (pool shares, bursts, client limits): what a new division of the targets makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tuning {
+    /// Every tuned number is the same or lower.
+    Lowers,
+    /// Some tuned number is higher (others may be lower).
+    Raises,
+}
+
+/// How `new` differs from `old` when only tuned numbers differ (`None`: anything else differs,
+/// an endpoint, a route, a timeout: a change of content that goes through the rollout's waves).
+/// A lowering may reach pods through the ConfigMap before the waves; a re-division (shares
+/// moved between pods) skips the canaries, since it changes no behaviour to verify, only how
+/// much of the same budget each pod holds.
+pub fn tuning(old: &GatewayLimits, new: &GatewayLimits) -> Option<Tuning> {
     if old.backends.len() != new.backends.len()
         || old.client_policies.len() != new.client_policies.len()
     {
-        return false;
+        return None;
+    }
+    let mut raised = false;
+    // Sets a tuned number back to the old document's value, noting whether it was raised.
+    fn tuned(raised: &mut bool, a: &mut u32, b: u32) {
+        *raised |= *a > b;
+        *a = b;
     }
     let mut same = new.clone();
     same.revision.clone_from(&old.revision);
     same.generation = old.generation;
     for (b, o) in same.backends.iter_mut().zip(&old.backends) {
-        if b.name != o.name
-            || b.pool.max_connections_per_endpoint > o.pool.max_connections_per_endpoint
-        {
-            return false;
+        if b.name != o.name {
+            return None;
         }
-        b.pool.max_connections_per_endpoint = o.pool.max_connections_per_endpoint;
+        tuned(
+            &mut raised,
+            &mut b.pool.max_connections_per_endpoint,
+            o.pool.max_connections_per_endpoint,
+        );
+        tuned(
+            &mut raised,
+            &mut b.pool.burst_per_endpoint,
+            o.pool.burst_per_endpoint,
+        );
     }
     for (c, o) in same.client_policies.iter_mut().zip(&old.client_policies) {
-        let lower = c.max_concurrency <= o.max_concurrency
-            && c.max_queue <= o.max_queue
-            && c.overrides.len() == o.overrides.len()
-            && c.overrides
-                .iter()
-                .zip(&o.overrides)
-                .all(|(a, b)| a.max_concurrency <= b.max_concurrency)
-            && match (&c.slow_calls, &o.slow_calls) {
-                (Some(a), Some(b)) => a.demoted_concurrency <= b.demoted_concurrency,
-                (None, None) => true,
-                _ => false,
-            };
-        if !lower {
-            return false;
+        if c.overrides.len() != o.overrides.len()
+            || c.slow_calls.is_some() != o.slow_calls.is_some()
+        {
+            return None;
         }
-        c.max_concurrency = o.max_concurrency;
-        c.max_queue = o.max_queue;
+        tuned(&mut raised, &mut c.max_concurrency, o.max_concurrency);
+        tuned(&mut raised, &mut c.max_queue, o.max_queue);
         for (a, b) in c.overrides.iter_mut().zip(&o.overrides) {
-            a.max_concurrency = b.max_concurrency;
+            tuned(&mut raised, &mut a.max_concurrency, b.max_concurrency);
         }
         if let (Some(a), Some(b)) = (&mut c.slow_calls, &o.slow_calls) {
-            a.demoted_concurrency = b.demoted_concurrency;
+            tuned(
+                &mut raised,
+                &mut a.demoted_concurrency,
+                b.demoted_concurrency,
+            );
+        }
+        // Client shares are tuned numbers too: a share for a new client, or a larger one, raises.
+        for share in &c.client_shares {
+            let before = o
+                .client_shares
+                .iter()
+                .find(|x| x.key_sha256 == share.key_sha256);
+            raised |= before.is_none_or(|b| {
+                share.max_concurrency > b.max_concurrency || share.max_queue > b.max_queue
+            });
+        }
+        for before in &o.client_shares {
+            if !c
+                .client_shares
+                .iter()
+                .any(|x| x.key_sha256 == before.key_sha256)
+            {
+                // Back to the policy's own limits.
+                raised |=
+                    c.max_concurrency > before.max_concurrency || c.max_queue > before.max_queue;
+            }
+        }
+        c.client_shares.clone_from(&o.client_shares);
+    }
+    (&same == old).then_some(if raised {
+        Tuning::Raises
+    } else {
+        Tuning::Lowers
+    })
+}
+
+/// Whether `new` differs from `old` only by lower (or equal) tuned numbers: what more pods to
+/// divide over make. Such a document may reach pods through the ConfigMap before the waves.
+pub fn only_lowers(old: &GatewayLimits, new: &GatewayLimits) -> bool {
+    tuning(old, new) == Some(Tuning::Lowers)
+}
+
+/// The pods of a re-division to send now, when every stale pod's change is a [`Tuning`] of
+/// what it runs: with `lowering_first`, the pods it lowers (or, when none, all of them); else
+/// the rest. `None`: some stale pod's change is not a tuning (or what it runs is not known),
+/// and the rollout's waves decide.
+fn retune_wave<G: Gateways>(
+    ctx: &Context<G>,
+    observed: &Observed,
+    fleet: &FleetPlan,
+    states: &[PodState],
+    lowering_first: bool,
+) -> Option<Vec<String>> {
+    let ns = &observed.focus.namespace;
+    let memory = ctx.rollouts.lock();
+    let mut lowering = Vec::new();
+    let mut raising = Vec::new();
+    for p in states.iter().filter(|p| !p.current()) {
+        if p.refused.is_some() {
+            return None;
+        }
+        let running = memory
+            .sent
+            .get(&(ns.clone(), p.name.clone()))?
+            .current
+            .as_ref()?;
+        if p.acked.as_deref() != Some(running.revision.as_str()) {
+            return None;
+        }
+        let desired = fleet.documents.get(&p.name)?;
+        match tuning(running, desired)? {
+            Tuning::Lowers => lowering.push(p.name.clone()),
+            Tuning::Raises => raising.push(p.name.clone()),
         }
     }
-    &same == old
+    if lowering.is_empty() && raising.is_empty() {
+        return None;
+    }
+    Some(if lowering_first && !lowering.is_empty() {
+        lowering
+    } else {
+        lowering.extend(raising);
+        lowering
+    })
 }
 
 /// Sends each of `canaries` the document it acknowledged before the current one, at a

@@ -137,6 +137,19 @@ pub fn events(
             }
             _ => {}
         }
+        if let Some(why) = &b.rebalanced {
+            let (reason, verb) = if mode == Mode::Recommend {
+                ("WouldRebalanceShares", "would re-divide")
+            } else {
+                ("SharesRebalanced", "re-divided")
+            };
+            out.push(event(
+                EventType::Normal,
+                reason,
+                format!("{}: shares {verb}: {why}", b.name),
+                "Rebalance",
+            ));
+        }
     }
     let flipped = |kind: &str, status: &str| {
         let now = condition(new, kind).filter(|c| c.status == status)?;
@@ -236,6 +249,10 @@ pub(super) mod tests {
                 endpoints: 1,
                 target: 540,
                 per_pod: 540,
+                shares: vec![],
+                demand: vec![],
+                burst: 0,
+                rebalanced: None,
                 clamped: false,
                 bounds: Bounds {
                     min: 1,
@@ -253,6 +270,7 @@ pub(super) mod tests {
             }],
             fds: FdReport::default(),
             metrics_available: None,
+            client_shares: Default::default(),
             document: None,
         }
     }

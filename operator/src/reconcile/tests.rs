@@ -2,6 +2,7 @@
 //! apply, token Secret read, status apply, Event) and the PUT to the gateway pod, for an accepted
 //! policy and for a conflicted one; and the Warning Event of a failed reconcile.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,6 +44,8 @@ struct FakeGateways {
     unauthorized: bool,
     tokens: Option<Vec<&'static str>>,
     starting: Vec<SocketAddr>,
+    /// What `GET /v1/clients` answers per pod address (404 for the others).
+    reports: Arc<Mutex<BTreeMap<SocketAddr, crate::gateway::ClientsReport>>>,
 }
 
 impl Gateways for FakeGateways {
@@ -72,6 +75,22 @@ impl Gateways for FakeGateways {
                 generation: doc.generation,
             }),
         }
+    }
+
+    async fn clients(
+        &self,
+        _namespace: &str,
+        addr: SocketAddr,
+        _token: &str,
+    ) -> Result<crate::gateway::ClientsReport, crate::gateway::ReportError> {
+        self.reports
+            .lock()
+            .get(&addr)
+            .cloned()
+            .ok_or(crate::gateway::ReportError::Unexpected {
+                status: 404,
+                body: "no report".into(),
+            })
     }
 }
 
@@ -161,6 +180,7 @@ fn context_full(
         saturation: Default::default(),
         memory: Mutex::default(),
         rollouts: Mutex::default(),
+        client_reports: Mutex::default(),
         retries: Default::default(),
         gateways: gateways.clone(),
         recorder: Recorder::new(

@@ -1,0 +1,246 @@
+//! Step 1b, the busiest clients (the gateways' admin API, read-only): for a policy whose client
+//! limits hold for the whole fleet, each of its live pods is asked for its busiest clients
+//! (`GET /v1/clients`), so that the planner can divide those clients' limits by where their calls
+//! arrive (`plan/clients.rs`). A pod that does not answer keeps no report: once its last one is
+//! older than two intervals the planner keeps the division in force. Never an error of the
+//! reconcile: the reports only refine a division the even split already makes safe.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use kube::ResourceExt;
+use poolpilot_api::ConnectionPolicy;
+use poolpilot_api::policy::ClientScope;
+use tracing::debug;
+
+use super::context::Context;
+use super::observe::Observed;
+use crate::gateway::{ClientsReport, Gateways};
+use crate::plan::PolicyKey;
+use crate::plan::input::ClientUse;
+use crate::plan::time::{Timestamp, elapsed};
+
+/// Longest wait for one pod's report.
+pub const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Pods asked at once.
+pub const CONCURRENCY: usize = 16;
+
+/// The latest report of each pod, per (namespace, pod): when it came and its clients per policy.
+#[derive(Clone, Debug, Default)]
+pub struct ClientReports {
+    by_pod: BTreeMap<(String, String), (Timestamp, BTreeMap<PolicyKey, Vec<ClientUse>>)>,
+}
+
+impl ClientReports {
+    /// Forgets the pods of `ns` that are not in `pods` (gone).
+    fn retain(&mut self, ns: &str, pods: &[String]) {
+        self.by_pod
+            .retain(|(n, p), _| n != ns || pods.iter().any(|x| x == p));
+    }
+}
+
+/// Asks the live pods of the policy being reconciled for their busiest clients, when its client
+/// limits are fleet-wide, and fills `observed.input.clients` with every pod's report of the
+/// namespace younger than two intervals.
+pub async fn poll<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    observed: &mut Observed,
+    now: Timestamp,
+) {
+    let ns = observed.focus.namespace.clone();
+    let fleet_wide = policy
+        .spec
+        .clients
+        .as_ref()
+        .is_some_and(|c| c.scope == ClientScope::Fleet)
+        && policy.spec.autoscale.enabled;
+    let token = ctx.rollouts.lock().tokens.get(&ns).map(|(t, _)| t.clone());
+    if fleet_wide && let Some(token) = token {
+        let selected =
+            crate::plan::selector::select(&observed.input.policies, &observed.input.pods);
+        let index = observed
+            .input
+            .policies
+            .iter()
+            .position(|p| p.key == observed.focus);
+        let pods: Vec<(String, std::net::SocketAddr)> = index
+            .map(|i| selected[i].clone())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|p| {
+                observed
+                    .input
+                    .pods
+                    .iter()
+                    .any(|x| &x.name == p && !x.stopped && !x.terminating)
+            })
+            .filter_map(|p| Some((p.clone(), *observed.admin.get(&p)?)))
+            .collect();
+        let answers: Vec<(String, Option<ClientsReport>)> = futures::stream::iter(pods)
+            .map(|(pod, addr)| {
+                let token = token.clone();
+                let ns = ns.clone();
+                async move {
+                    let report = tokio::time::timeout(
+                        REPORT_TIMEOUT,
+                        ctx.gateways.clients(&ns, addr, &token),
+                    )
+                    .await;
+                    match report {
+                        Ok(Ok(r)) => (pod, Some(r)),
+                        Ok(Err(e)) => {
+                            debug!(%pod, error = %e, "no client report");
+                            (pod, None)
+                        }
+                        Err(_) => {
+                            debug!(%pod, "no client report within {REPORT_TIMEOUT:?}");
+                            (pod, None)
+                        }
+                    }
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        let sent = ctx.rollouts.lock().sent.clone();
+        let mut reports = ctx.client_reports.lock();
+        for (pod, report) in answers {
+            let Some(report) = report else { continue };
+            let doc = sent
+                .get(&(ns.clone(), pod.clone()))
+                .and_then(|s| s.current.clone());
+            let by_policy = by_policy(&report, doc.as_deref());
+            reports.by_pod.insert((ns.clone(), pod), (now, by_policy));
+        }
+    }
+    let interval = policy.spec.autoscale.interval.get();
+    let mut reports = ctx.client_reports.lock();
+    let pods: Vec<String> = observed.input.pods.iter().map(|p| p.name.clone()).collect();
+    reports.retain(&ns, &pods);
+    for ((n, pod), (at, by_policy)) in &reports.by_pod {
+        if n != &ns || elapsed(*at, now) > interval * 2 {
+            continue;
+        }
+        for (key, clients) in by_policy {
+            observed
+                .input
+                .clients
+                .insert((key.clone(), pod.clone()), clients.clone());
+        }
+    }
+    debug!(policy = %policy.name_any(), reports = observed.input.clients.len(), "client reports");
+}
+
+/// A report's clients per ConnectionPolicy: each client policy of the pod's document is the one
+/// its backends name (`backends[].clientPolicy`), of the policy they belong to
+/// (`backends[].policy`, `namespace/name`).
+fn by_policy(
+    report: &ClientsReport,
+    doc: Option<&poolpilot_api::GatewayLimits>,
+) -> BTreeMap<PolicyKey, Vec<ClientUse>> {
+    let mut out = BTreeMap::new();
+    let Some(doc) = doc else {
+        return out;
+    };
+    for p in &report.policies {
+        let Some(owner) = doc
+            .backends
+            .iter()
+            .find(|b| b.client_policy.as_deref() == Some(p.name.as_str()))
+            .and_then(|b| b.policy.as_deref())
+            .and_then(|k| k.split_once('/'))
+        else {
+            continue;
+        };
+        let key = PolicyKey {
+            namespace: owner.0.to_owned(),
+            name: owner.1.to_owned(),
+        };
+        let clients = p
+            .clients
+            .iter()
+            .filter(|c| {
+                c.key_sha256.len() == 64 && c.key_sha256.bytes().all(|b| b.is_ascii_hexdigit())
+            })
+            .map(|c| ClientUse {
+                key_sha256: c.key_sha256.to_ascii_lowercase(),
+                in_flight: c.in_flight,
+                queued: c.queued,
+                demand: if c.demand.is_finite() {
+                    c.demand.max(0.0)
+                } else {
+                    0.0
+                },
+            })
+            .collect();
+        out.insert(key, clients);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gateway::{PolicyClients, ReportedClient};
+
+    #[test]
+    fn a_report_is_mapped_to_policies_through_the_document_the_pod_runs() {
+        let doc: poolpilot_api::GatewayLimits = serde_json::from_value(serde_json::json!({
+            "generation": 1,
+            "backends": [{
+                "name": "model-a", "policy": "ns/models", "clientPolicy": "models",
+                "endpoints": [], "match": {},
+                "pool": {"maxConnectionsPerEndpoint": 1, "maxPending": 1, "leaseTimeout": "1s",
+                         "idleTimeout": "1s", "maxLifetime": "1s", "connectTimeout": "1s",
+                         "validateAfterIdle": "1s"},
+                "timeouts": {"firstByte": "1s", "total": "1s", "streamIdle": "1s"},
+            }],
+        }))
+        .expect("a document");
+        let key = "AB".repeat(32);
+        let report = ClientsReport {
+            policies: vec![
+                PolicyClients {
+                    name: "models".into(),
+                    clients: vec![
+                        ReportedClient {
+                            key_sha256: key.clone(),
+                            in_flight: 3,
+                            queued: 1,
+                            demand: 3.5,
+                        },
+                        ReportedClient {
+                            key_sha256: "not-a-digest".into(),
+                            ..ReportedClient::default()
+                        },
+                    ],
+                },
+                PolicyClients {
+                    name: "unknown".into(),
+                    clients: vec![],
+                },
+            ],
+        };
+        let got = by_policy(&report, Some(&doc));
+        let models = PolicyKey {
+            namespace: "ns".into(),
+            name: "models".into(),
+        };
+        assert_eq!(got.keys().collect::<Vec<_>>(), [&models]);
+        assert_eq!(
+            got[&models],
+            [ClientUse {
+                key_sha256: key.to_ascii_lowercase(),
+                in_flight: 3,
+                queued: 1,
+                demand: 3.5,
+            }]
+        );
+        assert!(
+            by_policy(&report, None).is_empty(),
+            "no document: no mapping"
+        );
+    }
+}
