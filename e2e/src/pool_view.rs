@@ -126,6 +126,7 @@ mod tests {
                     leased: if grown { 24.0 } else { 16.0 },
                     pending: if grown { 0.0 } else { 8.0 },
                     pooled: if grown { 30.0 } else { 16.0 },
+                    bursting: 0.0,
                 },
             );
         }

@@ -135,7 +135,7 @@ async fn main() -> anyhow::Result<()> {
                 .get(GATEWAY_DEPLOYMENT)
                 .await?
                 .spec
-                .and_then(|s| s.replicas)
+                .replicas
                 .unwrap_or(1);
             let ready = ready_gateways(&pods, &credentials).await?;
             anyhow::ensure!(

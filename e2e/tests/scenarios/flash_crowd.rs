@@ -230,7 +230,7 @@ async fn flash_crowd_raises_the_target_in_one_decision_and_lease_timeouts_stop()
         // Errors during the crowd, from a second after it to the decision: the bursts hold it.
         let during = load.window(crowd_second + 1, decided_second.max(crowd_second + 2));
         figure(SCENARIO, "crowd before the decision", &during);
-        figure(SCENARIO, "crowd's first second", &load.window(crowd_second, crowd_second + 1));
+        figure(SCENARIO, "crowd's first second", load.window(crowd_second, crowd_second + 1));
         assert!(
             during.calls >= 30 && during.error_rate() < RECOVERED,
             "the burst allowance holds the crowd before the operator's decision: {during}"

@@ -124,7 +124,7 @@ async fn skewed_load_moves_the_shares_to_the_busy_pod_and_follows_the_skew() -> 
         let from = (took.as_secs() + 1).max(2 * INTERVAL.as_secs());
         let phase1 = measure(&first, from).await;
         figure(SCENARIO, "errors once followed", &phase1);
-        figure(SCENARIO, "errors in the first 3 s", &first.window(0, 3));
+        figure(SCENARIO, "errors in the first 3 s", first.window(0, 3));
         assert!(
             phase1.calls >= MEASURE * 15 && phase1.error_rate() < FOLLOWED,
             "{MEASURE} s from {from} s after the skew: {phase1}"

@@ -26,10 +26,13 @@ pub const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Pods asked at once.
 pub const CONCURRENCY: usize = 16;
 
-/// The latest report of each pod, per (namespace, pod): when it came and its clients per policy.
+/// One pod's report: when it came, and its busiest clients per policy.
+type Report = (Timestamp, BTreeMap<PolicyKey, Vec<ClientUse>>);
+
+/// The latest report of each pod, per (namespace, pod).
 #[derive(Clone, Debug, Default)]
 pub struct ClientReports {
-    by_pod: BTreeMap<(String, String), (Timestamp, BTreeMap<PolicyKey, Vec<ClientUse>>)>,
+    by_pod: BTreeMap<(String, String), Report>,
 }
 
 impl ClientReports {

@@ -1256,6 +1256,81 @@ fn only_a_document_that_lowers_shares_and_client_limits_reaches_the_configmap_fi
 }
 
 #[test]
+fn a_re_division_is_a_tuning_that_lowers_or_raises_and_anything_else_is_content() {
+    use crate::plan::tests::{pods, policy};
+    use crate::plan::{FleetInput, Memory, plan};
+    use poolpilot_api::limits::ClientShare;
+    use rollout::Tuning;
+    let spec = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: model-a\n  endpoints: {service: {name: model-a, port: 8000}}\n  capacity: {maxConnectionsPerEndpoint: 64}\nautoscale: {enabled: false}\nclients: {identity: {header: authorization}, maxConcurrency: 12, maxQueue: 6}\n";
+    let input = FleetInput {
+        policies: vec![policy("a", 0, spec, 2)],
+        pods: pods(2),
+        ..FleetInput::default()
+    };
+    let fleet = plan(&input, &mut Memory::default(), crate::plan::tests::at(0));
+    let doc = (*fleet.documents["gw-0"]).clone();
+    assert_eq!(
+        rollout::tuning(&doc, &doc),
+        Some(Tuning::Lowers),
+        "no change lowers nothing"
+    );
+
+    let mut fewer = doc.clone();
+    fewer.backends[0].pool.max_connections_per_endpoint -= 1;
+    let mut burst = fewer.clone();
+    burst.backends[0].pool.burst_per_endpoint = 4;
+    assert_eq!(rollout::tuning(&doc, &fewer), Some(Tuning::Lowers));
+    assert_eq!(rollout::tuning(&fewer, &doc), Some(Tuning::Raises));
+    assert_eq!(
+        rollout::tuning(&doc, &burst),
+        Some(Tuning::Raises),
+        "a share lowered and a burst raised raise"
+    );
+    assert_eq!(
+        rollout::tuning(&burst, &fewer),
+        Some(Tuning::Lowers),
+        "the burst taken away"
+    );
+
+    let share = |c: u32| ClientShare {
+        key_sha256: "ab".repeat(32),
+        max_concurrency: c,
+        max_queue: 1,
+    };
+    let mut shared = doc.clone();
+    shared.client_policies[0].client_shares = vec![share(2)];
+    assert_eq!(
+        rollout::tuning(&doc, &shared),
+        Some(Tuning::Raises),
+        "a new client share may raise: {} → 2",
+        doc.client_policies[0].max_concurrency
+    );
+    let mut less = shared.clone();
+    less.client_policies[0].client_shares = vec![share(1)];
+    assert_eq!(rollout::tuning(&shared, &less), Some(Tuning::Lowers));
+    assert_eq!(
+        rollout::tuning(&less, &doc),
+        Some(Tuning::Raises),
+        "the share removed: back to the policy's limit"
+    );
+
+    let mut moved = doc.clone();
+    moved.backends[0].endpoints[0].address.set_port(9000);
+    assert_eq!(
+        rollout::tuning(&doc, &moved),
+        None,
+        "an endpoint change is content"
+    );
+    let mut timeout = doc.clone();
+    timeout.backends[0].pool.lease_timeout = poolpilot_api::Duration::from(Duration::from_secs(9));
+    assert_eq!(
+        rollout::tuning(&doc, &timeout),
+        None,
+        "a timeout change is content"
+    );
+}
+
+#[test]
 fn a_revision_rolled_out_again_is_verified_anew_not_by_its_first_canary() {
     let start = now();
     let later = |s: i64| Timestamp::from_second(start.as_second() + s).unwrap();
