@@ -81,6 +81,7 @@ impl Gateway {
         for r in &snapshot.routes {
             let stats = r.backend.pool.stats();
             m.set_pool_pending(&r.backend.name, stats.pending);
+            m.set_pool_burst(&r.backend.name, stats.burst.allowance, stats.burst.bursting);
             m.set_pool_classes(
                 &r.backend.name,
                 stats.classes.clone().map(|c| (c.pending, c.held)),
