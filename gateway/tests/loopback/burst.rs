@@ -4,7 +4,9 @@
 //! them back (closed, never parked idle) once the crowd is served.
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::support::*;
 
