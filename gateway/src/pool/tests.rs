@@ -1435,3 +1435,31 @@ async fn lowering_the_burst_closes_burst_connections_as_they_come_back() {
     assert_eq!(connector.live.load(Ordering::SeqCst), 1);
     assert_eq!(pool.stats().burst.bursting, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_connection_handed_to_a_waiter_that_went_away_is_closed_not_parked() {
+    let (pool, connector, _) = bursting_pool(1, 1, 1);
+    let _within = lease_now(&pool, PriorityClass::Interactive).await;
+    let mut burst = lease_now(&pool, PriorityClass::Interactive).await;
+    assert!(burst.burst());
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(|_| ()) })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().pending, 1);
+    // Returned and handed to the waiter, whose client goes away before it runs again: the
+    // grant comes back beyond the share, and closes.
+    burst.keep();
+    drop(burst);
+    waiter.abort();
+    let _ = waiter.await;
+    let ep = &pool.stats().endpoints[0];
+    assert_eq!(
+        (ep.leased, ep.idle),
+        (1, 0),
+        "nothing beyond the share idles"
+    );
+    assert_eq!(pool.stats().burst.bursting, 0);
+    assert_eq!(connector.live.load(Ordering::SeqCst), 1);
+}
