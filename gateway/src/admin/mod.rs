@@ -1,5 +1,5 @@
 //! The admin API, on its own port: `GET /healthz`, `/readyz` and `/metrics` for probes and
-//! Prometheus, and behind the bearer token `GET /v1/limits`, `GET /v1/stats`,
+//! Prometheus, and behind the bearer token `GET /v1/limits`, `GET /v1/stats`, `GET /v1/clients`,
 //! `PUT /v1/limits` (validated, swapped atomically; 200, 401, 408, 409, 413 or 422 with the old
 //! limits kept), `GET`/`PUT /v1/log-level` (the log filter, changed at run time) and
 //! `POST /v1/backends/{backend}/endpoints/{endpoint}/drain` (or `/restore`).
@@ -80,14 +80,17 @@ pub async fn route(
         }
         (&Method::PUT, "/v1/limits") => put_limits(gw, body_timeout, req).await,
         (&Method::GET, "/v1/stats") => json_response(StatusCode::OK, &gw.stats()),
+        (&Method::GET, "/v1/clients") => json_response(StatusCode::OK, &gw.clients()),
         (&Method::GET, "/v1/log-level") => match crate::observe::logging::level() {
             Ok(level) => json_response(StatusCode::OK, &serde_json::json!({ "level": level })),
             Err(e) => error(StatusCode::CONFLICT, &e.to_string()),
         },
         (&Method::PUT, "/v1/log-level") => put_log_level(body_timeout, req).await,
-        (_, "/healthz" | "/readyz" | "/metrics" | "/v1/limits" | "/v1/stats" | "/v1/log-level") => {
-            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
-        }
+        (
+            _,
+            "/healthz" | "/readyz" | "/metrics" | "/v1/limits" | "/v1/stats" | "/v1/clients"
+            | "/v1/log-level",
+        ) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
         (method, path) if path.starts_with("/v1/backends/") => drain_or_restore(gw, method, path),
         _ => error(StatusCode::NOT_FOUND, "no such admin endpoint"),
     }

@@ -5,6 +5,15 @@
 //! cooldown. Clients are known only by the SHA-256 of their identity (API key or source IP):
 //! raw keys are never stored, logged or exported.
 //!
+//! A client's limits, first match wins: its override (`maxConcurrency`; the policy's
+//! `maxQueue`), its share in this pod (`clientShares`: the operator's division of its
+//! fleet-wide limits by where its calls arrive), the policy's `maxConcurrency` and `maxQueue`.
+//! A demoted client gets the lower of `demotedConcurrency` and that. A new document changes the
+//! limits of the clients in the table at once: raised ones admit queued calls, lowered ones
+//! never cut a call in flight (new calls wait until the client is under the new limit).
+//! Each client's recent demand (in flight + queued, averaged over 10 s: [`super::demand`])
+//! is what `GET /v1/clients` reports.
+//!
 //! Memory is bounded: a client has an entry only while it has calls in flight or queued, or
 //! something to remember (a demotion, slow calls in its recent window); a client with nothing
 //! in flight and nothing to remember is forgotten at once, one with history after a while. The
@@ -23,6 +32,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::limits::demand::DemandTable;
 use crate::limits::queue::{ClassQueue, Entry};
 use crate::observe::Metrics;
 use crate::pool::rate_whole_seconds;
@@ -38,6 +48,11 @@ impl ClientKey {
     /// Hashes an identity value (the API key, or the IP address as text).
     pub fn of(value: &[u8]) -> Self {
         Self(Sha256::digest(value).into())
+    }
+
+    /// The whole digest in hex (64 digits), as `keySha256` names clients in the limits.
+    pub fn hex(&self) -> String {
+        hex::encode(self.0)
     }
 
     /// A short, non-reversible display form (`sha256:` and 12 hex digits).
@@ -117,6 +132,20 @@ pub struct ClientStats {
     pub demoted: bool,
 }
 
+/// A client in `GET /v1/clients`: its key's digest, its calls now and its recent demand.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientDemand {
+    /// Hex SHA-256 of the client's identity value (64 digits), as `clientShares` key it.
+    pub key_sha256: String,
+    /// Calls in flight now.
+    pub in_flight: u32,
+    /// Calls queued now.
+    pub queued: u32,
+    /// Calls in flight plus queued, time-weighted average over the last 10 s.
+    pub demand: f64,
+}
+
 /// The limiter of one client policy. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ClientLimiter {
@@ -133,7 +162,11 @@ struct Inner {
 struct State {
     policy: ClientPolicy,
     overrides: HashMap<ClientKey, Override>,
+    /// This pod's part of its clients' fleet-wide limits (`clientShares`).
+    shares: HashMap<ClientKey, Share>,
     clients: HashMap<ClientKey, Client>,
+    /// The clients' recent demand, for `GET /v1/clients`.
+    demand: DemandTable<ClientKey>,
     /// Clients kept while idle (they have history), in the order they went idle, with the
     /// `last_seen` they had then: a record whose client was busy since is stale and skipped.
     idle: VecDeque<(ClientKey, Instant)>,
@@ -175,13 +208,16 @@ impl ClientLimiter {
     /// A limiter enforcing `policy`.
     pub fn new(policy: ClientPolicy, metrics: Metrics) -> Self {
         let overrides = overrides_of(&policy);
+        let shares = shares_of(&policy);
         Self {
             inner: Arc::new(Inner {
                 metrics,
                 state: Mutex::new(State {
                     policy,
                     overrides,
+                    shares,
                     clients: HashMap::new(),
+                    demand: DemandTable::new(Instant::now()),
                     idle: VecDeque::new(),
                     next_waiter: 0,
                 }),
@@ -190,10 +226,12 @@ impl ClientLimiter {
     }
 
     /// Applies a new policy in place: clients keep their in-flight calls, queues and
-    /// demotions; raised limits admit queued calls at once.
+    /// demotions; raised limits (the policy's, an override's, a client's share) admit queued
+    /// calls at once, lowered ones cut nothing (the excess waits).
     pub fn set_policy(&self, policy: ClientPolicy) {
         let mut state = self.inner.state.lock();
         state.overrides = overrides_of(&policy);
+        state.shares = shares_of(&policy);
         state.policy = policy;
         let overrides = state.overrides.clone();
         for (key, client) in &mut state.clients {
@@ -205,6 +243,7 @@ impl ClientLimiter {
         let now = Instant::now();
         for key in keys {
             state.admit_queued(&key, now);
+            state.note(&key, now);
         }
     }
 
@@ -247,7 +286,7 @@ impl ClientLimiter {
         let (rx, id, label, queue_timeout) = {
             let mut state = self.inner.state.lock();
             let limit = state.limit(&key, start);
-            let max_queue = state.policy.max_queue as usize;
+            let max_queue = state.max_queue(&key) as usize;
             let queue_timeout = state.policy.queue_timeout.get();
             let label = state.label(&key);
             if !state.clients.contains_key(&key) && !state.make_room(&self.inner.metrics) {
@@ -268,6 +307,7 @@ impl ClientLimiter {
                 .client_concurrency(&policy, demand);
             if client.inflight < limit && client.queue.is_empty() {
                 client.inflight += 1;
+                state.note(&key, start);
                 self.inner.metrics.client_queue_wait(&label, 0.0);
                 self.inner.metrics.client_class_queue_wait(class, 0.0);
                 return Ok(self.permit(key, label));
@@ -295,6 +335,7 @@ impl ClientLimiter {
                     class,
                     item: tx,
                 });
+            state.note(&key, start);
             (rx, id, label, queue_timeout)
         };
         if !matches!(tokio::time::timeout(queue_timeout, rx).await, Ok(Ok(()))) {
@@ -314,6 +355,7 @@ impl ClientLimiter {
                     };
                     self.inner.metrics.client_rejected(&label, err.reason());
                     state.settle(&key, now);
+                    state.note(&key, now);
                     return Err(err);
                 }
             }
@@ -358,6 +400,37 @@ impl ClientLimiter {
             b.inflight
                 .cmp(&a.inflight)
                 .then_with(|| a.client.cmp(&b.client))
+        });
+        all.truncate(n);
+        all
+    }
+
+    /// The busiest clients by recent demand (see [`ClientDemand`]), most first, at most `n`.
+    pub fn busiest(&self, n: usize) -> Vec<ClientDemand> {
+        let now = Instant::now();
+        let mut state = self.inner.state.lock();
+        let demand = state.demand.all(now);
+        let mut all: Vec<ClientDemand> = demand
+            .into_iter()
+            .map(|(key, demand)| {
+                let (in_flight, queued) = state
+                    .clients
+                    .get(&key)
+                    .map_or((0, 0), |c| (c.inflight, c.queue.len() as u32));
+                ClientDemand {
+                    key_sha256: key.hex(),
+                    in_flight,
+                    queued,
+                    // Three decimals: a smoothed count, not a measurement to the nanosecond.
+                    demand: (demand * 1000.0).round() / 1000.0,
+                }
+            })
+            .collect();
+        all.sort_by(|a, b| {
+            b.demand
+                .total_cmp(&a.demand)
+                .then_with(|| (b.in_flight + b.queued).cmp(&(a.in_flight + a.queued)))
+                .then_with(|| a.key_sha256.cmp(&b.key_sha256))
         });
         all.truncate(n);
         all
@@ -408,6 +481,7 @@ impl ClientLimiter {
                 || now.duration_since(c.last_seen) < keep_for
         });
         state.compact_idle();
+        state.demand.purge(now);
     }
 
     /// Entries held (the `poolpilot_clients_tracked` gauge, and tests of the memory bound).
@@ -425,6 +499,29 @@ struct Override {
     max_concurrency: u32,
     /// The priority class it pins, if it does.
     class: Option<PriorityClass>,
+}
+
+/// A client's part of its fleet-wide limits in this pod (`clientShares`).
+#[derive(Clone, Copy, Debug)]
+struct Share {
+    max_concurrency: u32,
+    max_queue: u32,
+}
+
+fn shares_of(policy: &ClientPolicy) -> HashMap<ClientKey, Share> {
+    policy
+        .client_shares
+        .iter()
+        .filter_map(|s| {
+            let mut key = [0u8; 32];
+            hex::decode_to_slice(&s.key_sha256, &mut key).ok()?;
+            let share = Share {
+                max_concurrency: s.max_concurrency,
+                max_queue: s.max_queue,
+            };
+            Some((ClientKey(key), share))
+        })
+        .collect()
 }
 
 fn overrides_of(policy: &ClientPolicy) -> HashMap<ClientKey, Override> {
@@ -516,12 +613,14 @@ impl State {
         client
     }
 
-    /// The limit of `key` now: its override or the policy's, lowered while demoted.
+    /// The limit of `key` now: its override's, else its share's, else the policy's; lowered
+    /// while demoted.
     fn limit(&self, key: &ClientKey, now: Instant) -> u32 {
-        let base = self
-            .overrides
-            .get(key)
-            .map_or(self.policy.max_concurrency, |o| o.max_concurrency);
+        let base = match (self.overrides.get(key), self.shares.get(key)) {
+            (Some(o), _) => o.max_concurrency,
+            (None, Some(share)) => share.max_concurrency,
+            (None, None) => self.policy.max_concurrency,
+        };
         let demoted = self
             .clients
             .get(key)
@@ -531,6 +630,25 @@ impl State {
             (Some(slow), true) => slow.demoted_concurrency.min(base),
             _ => base,
         }
+    }
+
+    /// The queue bound of `key`: its share's `maxQueue` unless an override names it, else the
+    /// policy's.
+    fn max_queue(&self, key: &ClientKey) -> u32 {
+        match (self.overrides.contains_key(key), self.shares.get(key)) {
+            (false, Some(share)) => share.max_queue,
+            _ => self.policy.max_queue,
+        }
+    }
+
+    /// Records the calls `key` has in flight and queued now in its recent demand.
+    fn note(&mut self, key: &ClientKey, now: Instant) {
+        let level = self
+            .clients
+            .get(key)
+            .map_or(0, |c| c.inflight + c.queue.len() as u32);
+        let bound = self.policy.max_clients as usize;
+        self.demand.record(*key, level, now, bound);
     }
 
     /// Hands free slots of `key` to its queued calls: interactive first, FIFO within a
@@ -667,6 +785,7 @@ impl Drop for ClientPermit {
         state.finish(&self.key, now.duration_since(self.started), waited, now);
         state.admit_queued(&self.key, now);
         state.settle(&self.key, now);
+        state.note(&self.key, now);
     }
 }
 

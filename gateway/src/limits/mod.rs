@@ -1,10 +1,11 @@
 //! Who may use what, beyond the pool's own cap and queue: each client policy's limiter (per
 //! client concurrency, queue, overrides, slow-call demotion, the priority class of a call:
-//! [`limiter`]), the two-class waiter queue it shares with the pool ([`queue`]), the pod-wide
+//! [`limiter`]; its clients' recent demand for `GET /v1/clients`: [`demand`]), the two-class waiter queue it shares with the pool ([`queue`]), the pod-wide
 //! cap on upstream connections divided across the backends ([`share`]), and the memory of
 //! refusals that tells whether clients honour `Retry-After` ([`refusals`]). (The limits
 //! *document* these enforce is `poolpilot_api::limits`.)
 
+pub mod demand;
 pub mod limiter;
 pub mod queue;
 pub mod refusals;

@@ -1,8 +1,8 @@
 //! Applying a limits document ([`Gateway::apply`], from `PUT /v1/limits` or the limits file):
 //! validated, refused when older than the one in force or when the same generation brings other
 //! content, then applied in place: client limiters updated by policy name, pools resized and
-//! their endpoints, health rules and priority set (caps lowered by the pod-wide
-//! `maxUpstreamConnections`: [`crate::limits::share`]), removed backends retired, and the new
+//! their endpoints, health rules and priority set (caps, then burst allowances, lowered by the
+//! pod-wide `maxUpstreamConnections`: [`crate::limits::share`]), removed backends retired, and the new
 //! snapshot swapped in.
 
 use std::collections::HashMap;
@@ -15,7 +15,7 @@ use poolpilot_api::limits::InvalidLimits;
 
 use super::{Backend, Gateway, Route, Snapshot};
 use crate::limits::limiter::ClientLimiter;
-use crate::limits::share::per_endpoint_caps;
+use crate::limits::share::{per_endpoint_bursts, per_endpoint_caps};
 use crate::pool::Pool;
 
 /// Where a limits document came from (metric label, logs).
@@ -162,11 +162,21 @@ impl Gateway {
             })
             .collect();
         let caps = per_endpoint_caps(doc.listener.max_upstream_connections, &pools);
+        // Bursts get what the shares leave of the pod-wide cap, so that every pool may burst
+        // at once and the pod still holds no more than the cap.
+        let asked: Vec<(u32, u32, u32)> = doc
+            .backends
+            .iter()
+            .zip(&caps)
+            .map(|(b, &cap)| (cap, b.endpoints.len() as u32, b.pool.burst_per_endpoint))
+            .collect();
+        let bursts = per_endpoint_bursts(doc.listener.max_upstream_connections, &asked);
         let mut backends = HashMap::new();
         let mut routes = Vec::with_capacity(doc.backends.len());
-        for (b, cap) in doc.backends.iter().zip(caps) {
+        for ((b, cap), burst) in doc.backends.iter().zip(caps).zip(bursts) {
             let mut pool_limits = b.pool.clone();
             pool_limits.max_connections_per_endpoint = cap;
+            pool_limits.burst_per_endpoint = burst;
             let backend = match registry.backends.remove(&b.name) {
                 Some(existing) => {
                     existing.pool.set_endpoints(&b.endpoints);

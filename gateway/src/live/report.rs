@@ -1,12 +1,16 @@
 //! What the live state reports: `/v1/stats` (per backend and endpoint counts, the top clients,
-//! `Retry-After` compliance) and the metrics page, with the gauges computed from live state set
+//! `Retry-After` compliance), `/v1/clients` (per client policy its busiest clients by recent
+//! demand, for the operator's division of client limits) and the metrics page, with the gauges computed from live state set
 //! just before each scrape (so that they cannot drift).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::Gateway;
-use crate::limits::limiter::ClientStats;
+use crate::limits::limiter::{ClientLimiter, ClientStats};
+
+/// The most clients `/v1/clients` lists per client policy.
+pub(crate) const BUSIEST_CLIENTS: usize = 32;
 use crate::observe::metrics::EndpointGauges;
 use crate::pool::PoolStats;
 
@@ -66,6 +70,31 @@ impl Gateway {
         })
     }
 
+    /// Per client policy (by name), its busiest clients by demand (in flight + queued,
+    /// time-weighted over the last 10 s), at most 32 each:
+    /// `{"policies":[{"name":…,"clients":[{"keySha256","inFlight","queued","demand"}]}]}`.
+    pub fn clients(&self) -> serde_json::Value {
+        let mut limiters: Vec<(String, ClientLimiter)> = self
+            .inner
+            .registry
+            .lock()
+            .limiters
+            .iter()
+            .map(|(name, l)| (name.clone(), l.clone()))
+            .collect();
+        limiters.sort_by(|a, b| a.0.cmp(&b.0));
+        let policies: Vec<serde_json::Value> = limiters
+            .into_iter()
+            .map(|(name, limiter)| {
+                serde_json::json!({
+                    "name": name,
+                    "clients": limiter.busiest(BUSIEST_CLIENTS),
+                })
+            })
+            .collect();
+        serde_json::json!({ "policies": policies })
+    }
+
     /// The metrics page in `format`, with the gauges computed from live state set just before.
     pub fn scrape(&self, format: poolpilot_telemetry::Format) -> String {
         let _one_at_a_time = self.inner.scrape.lock();
@@ -81,6 +110,7 @@ impl Gateway {
         for r in &snapshot.routes {
             let stats = r.backend.pool.stats();
             m.set_pool_pending(&r.backend.name, stats.pending);
+            m.set_pool_burst(&r.backend.name, stats.burst.allowance, stats.burst.bursting);
             m.set_pool_classes(
                 &r.backend.name,
                 stats.classes.clone().map(|c| (c.pending, c.held)),

@@ -172,3 +172,70 @@ async fn metrics_follow_the_limits_in_force() {
     assert!(text.contains("process_open_fds "), "{text}");
     assert!(text.contains("process_max_fds "), "{text}");
 }
+
+#[tokio::test]
+async fn the_pod_wide_cap_bounds_shares_and_bursts_together() {
+    // A backend listening on loopback that keeps every connection open.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepting = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+        }
+    });
+    let gw = Gateway::new(Metrics::new());
+    let mut doc = example();
+    doc.generation = 1;
+    doc.listener.max_upstream_connections = Some(7);
+    let backend = &mut doc.backends[0];
+    backend.endpoints[0].address = addr;
+    backend.endpoints.push(poolpilot_api::limits::Endpoint {
+        name: "model-a-1".into(),
+        address: addr,
+    });
+    backend.pool.max_connections_per_endpoint = 3;
+    backend.pool.burst_per_endpoint = 4;
+    backend.health_check = None;
+    gw.apply(doc.clone(), LimitsSource::Api).unwrap();
+    let pool = gw.snapshot().routes[0].backend.pool.clone();
+    // Shares of 3 × 2 = 6 leave 1 of the 7: less than one per endpoint, so no burst.
+    let stats = pool.stats();
+    assert_eq!(stats.endpoints[0].max, 3);
+    assert_eq!(stats.burst.allowance, 0);
+    // 10 leave 4: 2 per endpoint.
+    doc.generation = 2;
+    doc.listener.max_upstream_connections = Some(10);
+    gw.apply(doc.clone(), LimitsSource::Api).unwrap();
+    assert_eq!(pool.stats().burst.allowance, 2);
+    let mut leases = Vec::new();
+    for _ in 0..10 {
+        leases.push(pool.lease().await.expect("within share + burst"));
+    }
+    assert_eq!(leases.iter().filter(|l| l.burst()).count(), 4);
+    assert!(
+        matches!(
+            pool.lease().await,
+            Err(crate::pool::PoolError::LeaseTimeout { .. })
+        ),
+        "the eleventh waits: the pod-wide cap holds"
+    );
+    let stats: serde_json::Value = gw.stats();
+    assert_eq!(stats["upstreamConnections"], 10);
+    assert_eq!(
+        stats["backends"]["model-a"]["burst"],
+        serde_json::json!({"allowance": 2, "bursting": 4}),
+        "{stats}"
+    );
+    gw.refresh_gauges();
+    let text = gw.metrics().encode();
+    for line in [
+        "poolpilot_pool_burst_allowance{backend=\"model-a\"} 2",
+        "poolpilot_pool_burst_connections{backend=\"model-a\"} 4",
+        "poolpilot_pool_bursts_total{backend=\"model-a\"} 4",
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
+    drop(leases);
+    accepting.abort();
+}

@@ -178,6 +178,7 @@ impl AccessLog {
                 retry: fields.retry.map(Timing::as_str),
                 retries: fields.retries,
                 lease_wait_ms: fields.lease_wait.map(|d| d.as_secs_f64() * 1e3),
+                burst: fields.burst,
                 upstream_ms: fields.upstream.map(|d| d.as_secs_f64() * 1e3),
                 duration_ms: record.started.elapsed().as_secs_f64() * 1e3,
                 bytes_in,
@@ -218,6 +219,8 @@ struct Line<'a> {
     retry: Option<&'static str>,
     retries: u32,
     lease_wait_ms: Option<f64>,
+    /// Whether the call ran on a burst connection (beyond the pool's share).
+    burst: bool,
     upstream_ms: Option<f64>,
     duration_ms: f64,
     bytes_in: u64,
@@ -246,6 +249,7 @@ struct Fields {
     reason: Option<&'static str>,
     retries: u32,
     lease_wait: Option<std::time::Duration>,
+    burst: bool,
     upstream: Option<std::time::Duration>,
     body: Option<Arc<BodyProgress>>,
     /// The client's identity, hashed (never logged: for the memory of refusals).
@@ -278,6 +282,7 @@ impl Record {
                 reason: None,
                 retries: 0,
                 lease_wait: None,
+                burst: false,
                 upstream: None,
                 body: None,
                 key: None,
@@ -340,11 +345,12 @@ impl Record {
         self.fields.lock().body = Some(progress);
     }
 
-    /// A lease on `endpoint` after waiting `wait`.
-    pub fn leased(&self, endpoint: &Arc<str>, wait: std::time::Duration) {
+    /// A lease on `endpoint` after waiting `wait`; `burst`: on a burst connection.
+    pub fn leased(&self, endpoint: &Arc<str>, wait: std::time::Duration, burst: bool) {
         let mut fields = self.fields.lock();
         fields.endpoint = Some(endpoint.clone());
         fields.lease_wait = Some(wait);
+        fields.burst = burst;
     }
 
     /// A reused connection failed before sending; the call goes on another.

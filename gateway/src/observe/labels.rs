@@ -30,6 +30,8 @@ pub enum CloseReason {
     Removed,
     /// Its endpoint was drained by hand.
     Drained,
+    /// Returned beyond the share (a burst connection) with no lease request to take it.
+    Burst,
 }
 
 impl CloseReason {
@@ -45,6 +47,7 @@ impl CloseReason {
             Self::Timeout => "timeout",
             Self::Removed => "removed",
             Self::Drained => "drained",
+            Self::Burst => "burst",
         }
     }
 }

@@ -129,6 +129,9 @@ pub struct Metrics {
     pool_max_connections: Family<EndpointLabels, Gauge>,
     pool_lease_wait: Family<BackendLabel, Histogram, LeaseWaitBuckets>,
     pool_lease_timeouts: Family<BackendLabel, Counter>,
+    pool_burst_allowance: Family<BackendLabel, Gauge>,
+    pool_burst_connections: Family<BackendLabel, Gauge>,
+    pool_bursts: Family<BackendLabel, Counter>,
     pool_class_pending: Family<BackendClassLabels, Gauge>,
     pool_class_leased: Family<BackendClassLabels, Gauge>,
     pool_class_lease_wait: Family<BackendClassLabels, Histogram, LeaseWaitBuckets>,
@@ -226,6 +229,9 @@ impl Metrics {
             pool_max_connections: Family::default(),
             pool_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets.clone())),
             pool_lease_timeouts: Family::default(),
+            pool_burst_allowance: Family::default(),
+            pool_burst_connections: Family::default(),
+            pool_bursts: Family::default(),
             pool_class_pending: Family::default(),
             pool_class_leased: Family::default(),
             pool_class_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets)),
@@ -283,6 +289,21 @@ impl Metrics {
             "poolpilot_pool_lease_timeouts",
             "Lease requests that gave up after leaseTimeout",
             m.pool_lease_timeouts.clone(),
+        );
+        r.register(
+            "poolpilot_pool_burst_allowance",
+            "Connections per endpoint this pod may open beyond its share while lease requests wait (pool.burstPerEndpoint in force)",
+            m.pool_burst_allowance.clone(),
+        );
+        r.register(
+            "poolpilot_pool_burst_connections",
+            "Open upstream connections beyond the share (burst connections), summed over the endpoints",
+            m.pool_burst_connections.clone(),
+        );
+        r.register(
+            "poolpilot_pool_bursts",
+            "Burst connections opened: beyond the share, on the burst allowance",
+            m.pool_bursts.clone(),
         );
         r.register(
             "poolpilot_pool_class_pending",
@@ -497,6 +518,27 @@ impl Metrics {
         })
     }
 
+    /// The counter of burst connections opened to `backend`.
+    pub(crate) fn bursts(&self, backend: &str) -> Counter {
+        self.pool_bursts.get_or_create_owned(&BackendLabel {
+            backend: backend.into(),
+        })
+    }
+
+    /// One backend's burst gauges: the allowance per endpoint, the connections beyond the
+    /// share.
+    pub(crate) fn set_pool_burst(&self, backend: &str, allowance: u32, bursting: u32) {
+        let labels = BackendLabel {
+            backend: backend.into(),
+        };
+        self.pool_burst_allowance
+            .get_or_create(&labels)
+            .set(allowance.into());
+        self.pool_burst_connections
+            .get_or_create(&labels)
+            .set(bursting.into());
+    }
+
     /// `(created, reused)` counters of one endpoint.
     pub(crate) fn endpoint_counters(&self, backend: &str, endpoint: &str) -> (Counter, Counter) {
         let labels = EndpointLabels {
@@ -522,6 +564,8 @@ impl Metrics {
     pub(crate) fn clear_gauges(&self) {
         self.pool_connections.clear();
         self.pool_pending.clear();
+        self.pool_burst_allowance.clear();
+        self.pool_burst_connections.clear();
         self.pool_class_pending.clear();
         self.pool_class_leased.clear();
         self.client_class_queued.clear();

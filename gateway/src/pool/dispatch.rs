@@ -73,6 +73,7 @@ impl<T> Holding<T> for ReservedSlot {
     fn grant_to_undo(&mut self, _: &mut State<T>) -> Option<Grant<T>> {
         Some(Grant::Slot {
             endpoint: self.endpoint,
+            burst: false,
         })
     }
 }
@@ -128,7 +129,7 @@ impl<C: Connect> Inner<C> {
         // Waiters go first: a newcomer must not overtake the queue.
         if state.waiters.is_empty()
             && state.may_serve(class)
-            && let Some(grant) = self.find_grant(state, now)
+            && let Some(grant) = self.find_grant(state, now, class == PriorityClass::Interactive)
         {
             state.held[class.index()] += 1;
             self.lease_wait.observe(0.0);
@@ -175,18 +176,44 @@ impl<C: Connect> Inner<C> {
 
     /// Finds a connection or a free slot on an eligible endpoint, choosing between two random
     /// candidates the one with more spare capacity ([`super::select`]). Marks the result
-    /// leased/connecting.
+    /// leased/connecting. Within the share first (an idle connection of an endpoint below it,
+    /// or room under it); when every eligible endpoint is at its share and `may_burst` (an
+    /// interactive call), beyond it, up to share + `burstPerEndpoint`: a *burst* grant.
     pub(super) fn find_grant(
         self: &Arc<Self>,
         state: &mut State<C::Conn>,
         now: Instant,
+        may_burst: bool,
     ) -> Option<Grant<C::Conn>> {
-        let max = state.limits.max_connections_per_endpoint;
+        if let Some(grant) = self.find_grant_under(state, now, false) {
+            return Some(grant);
+        }
+        if may_burst && state.limits.burst_per_endpoint > 0 {
+            return self.find_grant_under(state, now, true);
+        }
+        None
+    }
+
+    /// [`Self::find_grant`] under one bound: the share, or (`burst`) share + burst.
+    fn find_grant_under(
+        self: &Arc<Self>,
+        state: &mut State<C::Conn>,
+        now: Instant,
+        burst: bool,
+    ) -> Option<Grant<C::Conn>> {
+        let share = state.limits.max_connections_per_endpoint;
+        let max = if burst {
+            share.saturating_add(state.limits.burst_per_endpoint)
+        } else {
+            share
+        };
         loop {
-            // Candidates: eligible endpoints with an idle connection or room for a new one.
-            // Counted, then the k-th found again: no allocation on the lease path.
+            // Candidates: eligible endpoints with an idle connection that keeps the calls in
+            // flight under the bound, or room for a new one under it. Counted, then the k-th
+            // found again: no allocation on the lease path.
             let candidate = |ep: &EndpointState<C::Conn>| {
-                state.eligible(ep, now) && (!ep.idle.is_empty() || ep.open() < max)
+                state.eligible(ep, now)
+                    && ((!ep.idle.is_empty() && ep.busy() < max) || ep.open() < max)
             };
             let nth = |k: usize| {
                 state
@@ -209,7 +236,9 @@ impl<C: Connect> Inner<C> {
             };
             let limits = state.limits.clone();
             let ep = &mut state.endpoints[chosen];
-            if let Some(mut idle) = ep.idle.pop() {
+            if ep.busy() < max
+                && let Some(mut idle) = ep.idle.pop()
+            {
                 let reason = idle.expired(&limits, now).or_else(|| {
                     let check =
                         now.duration_since(idle.idle_since) > limits.validate_after_idle.get();
@@ -226,19 +255,31 @@ impl<C: Connect> Inner<C> {
                         return Some(Grant::Conn {
                             endpoint: ep.id,
                             idle,
+                            burst: burst && ep.open() > share,
                         });
                     }
                 }
             }
             ep.connecting += 1;
-            return Some(Grant::Slot { endpoint: ep.id });
+            return Some(Grant::Slot {
+                endpoint: ep.id,
+                burst: burst && ep.open() > share,
+            });
         }
     }
 
     /// Hands idle connections and free slots to waiters, in the queue's order: interactive
     /// first, FIFO within a class, aged batch as interactive (see [`crate::limits::queue`]); a
-    /// batch waiter only while batch is under its share cap.
+    /// batch waiter only while batch is under its share cap. Only the waiter the queue serves
+    /// next may burst, and only when it is interactive: the burst never reorders the queue
+    /// (an aged batch head is not passed by bursting interactive calls). Then closes the idle
+    /// connections beyond the share that no waiter took ([`Self::trim_bursts`]).
     pub(super) fn dispatch(self: &Arc<Self>, state: &mut State<C::Conn>, now: Instant) {
+        self.serve_waiters(state, now);
+        self.trim_bursts(state);
+    }
+
+    fn serve_waiters(self: &Arc<Self>, state: &mut State<C::Conn>, now: Instant) {
         let aging = state.priority.aging_in(state.limits.lease_timeout.get());
         loop {
             let batch_allowed = state.may_serve(PriorityClass::Batch);
@@ -253,7 +294,8 @@ impl<C: Connect> Inner<C> {
                 state.waiters.pop(class);
                 continue;
             }
-            let Some(grant) = self.find_grant(state, now) else {
+            let may_burst = class == PriorityClass::Interactive;
+            let Some(grant) = self.find_grant(state, now, may_burst) else {
                 return;
             };
             let Some(waiter) = state.waiters.pop(class) else {
@@ -271,6 +313,18 @@ impl<C: Connect> Inner<C> {
         }
     }
 
+    /// Closes idle connections beyond the share: a burst connection is never parked idle, so
+    /// the pod gives its burst back as soon as no waiter takes it.
+    fn trim_bursts(self: &Arc<Self>, state: &mut State<C::Conn>) {
+        let share = state.limits.max_connections_per_endpoint;
+        for ep in &mut state.endpoints {
+            while ep.usable() > share && !ep.idle.is_empty() {
+                let idle = ep.idle.remove(0);
+                self.closed(ep, CloseReason::Burst, idle.conn);
+            }
+        }
+    }
+
     /// Gives back a grant nobody took (given to a call of `class`).
     pub(super) fn undo(
         &self,
@@ -280,13 +334,13 @@ impl<C: Connect> Inner<C> {
     ) {
         state.held[class.index()] -= 1;
         match grant {
-            Grant::Conn { endpoint, idle } => {
+            Grant::Conn { endpoint, idle, .. } => {
                 if let Some(ep) = state.endpoint_mut(endpoint) {
                     ep.leased -= 1;
                     ep.idle.push(idle);
                 }
             }
-            Grant::Slot { endpoint } => {
+            Grant::Slot { endpoint, .. } => {
                 if let Some(ep) = state.endpoint_mut(endpoint) {
                     ep.connecting -= 1;
                 }
@@ -303,7 +357,11 @@ impl<C: Connect> Inner<C> {
     ) -> Result<Lease<C>, PoolError> {
         let now = Instant::now();
         match grant {
-            Grant::Conn { endpoint, idle } => {
+            Grant::Conn {
+                endpoint,
+                idle,
+                burst,
+            } => {
                 let name = self.endpoint_name(endpoint);
                 Ok(Lease {
                     pool: self,
@@ -313,12 +371,13 @@ impl<C: Connect> Inner<C> {
                     created_at: idle.created_at,
                     leased_at: now,
                     reused: true,
+                    burst,
                     wait: now.duration_since(start),
                     class,
                     outcome: Outcome::Close(CloseReason::Error),
                 })
             }
-            Grant::Slot { endpoint } => {
+            Grant::Slot { endpoint, burst } => {
                 let (name, address, timeout) = {
                     let state = self.state.lock();
                     let ep = state
@@ -348,6 +407,9 @@ impl<C: Connect> Inner<C> {
                     Ok(Ok(conn)) => {
                         ep.leased += 1;
                         ep.created.inc();
+                        if burst {
+                            self.bursts.inc();
+                        }
                         drop(state);
                         let leased_at = Instant::now();
                         return Ok(Lease {
@@ -358,6 +420,7 @@ impl<C: Connect> Inner<C> {
                             created_at: leased_at,
                             leased_at,
                             reused: false,
+                            burst,
                             wait: now.duration_since(start),
                             class,
                             outcome: Outcome::Close(CloseReason::Error),
@@ -397,7 +460,12 @@ impl<C: Connect> Inner<C> {
         state.held[class.index()] -= 1;
         state.releases.record(now);
         state.hold.record(held);
-        let max = state.limits.max_connections_per_endpoint;
+        // Kept up to share + burst: a connection beyond the share stays only for a waiter that
+        // `dispatch` hands it to, else `trim_bursts` closes it.
+        let max = state
+            .limits
+            .max_connections_per_endpoint
+            .saturating_add(state.limits.burst_per_endpoint);
         let lifetime = state.limits.max_lifetime.get();
         let retired = state.retired;
         if let Some(ep) = state.endpoint_mut(endpoint) {

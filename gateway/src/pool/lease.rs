@@ -23,6 +23,7 @@ pub struct Lease<C: Connect> {
     pub(super) created_at: Instant,
     pub(super) leased_at: Instant,
     pub(super) reused: bool,
+    pub(super) burst: bool,
     pub(super) wait: Duration,
     pub(super) class: PriorityClass,
     pub(super) outcome: Outcome,
@@ -48,6 +49,12 @@ impl<C: Connect> Lease<C> {
     /// Whether the connection was reused from the pool (not opened for this lease).
     pub fn reused(&self) -> bool {
         self.reused
+    }
+
+    /// Whether it was granted beyond the endpoint's share, on the pool's burst allowance
+    /// (`pool.burstPerEndpoint`): a burst connection.
+    pub fn burst(&self) -> bool {
+        self.burst
     }
 
     /// How long the lease waited for a connection or a free slot.

@@ -81,7 +81,7 @@ pub use lease::Lease;
 pub(crate) use rate::whole_seconds as rate_whole_seconds;
 use rate::{HoldTime, ReleaseRate};
 use state::{EndpointState, Health, Inner, State};
-pub use stats::{ClassStats, EndpointStats, PoolStats};
+pub use stats::{BurstStats, ClassStats, EndpointStats, PoolStats};
 
 /// One backend's pool. Cheap to clone; clones share the pool.
 #[derive(Debug)]
@@ -113,12 +113,14 @@ impl<C: Connect> Pool<C> {
         let lease_wait = metrics.lease_wait(&backend);
         let class_wait = PriorityClass::ALL.map(|c| metrics.class_lease_wait(&backend, c));
         let lease_timeouts = metrics.lease_timeouts(&backend);
+        let bursts = metrics.bursts(&backend);
         let inner = Arc::new(Inner {
             backend: backend.clone(),
             connector,
             lease_wait,
             class_wait,
             lease_timeouts,
+            bursts,
             state: Mutex::new(State {
                 limits,
                 health_check: None,
@@ -234,8 +236,10 @@ impl<C: Connect> Pool<C> {
         self.inner.dispatch(&mut state, now);
     }
 
-    /// Applies new pool limits in place. Growing the cap hands free slots to waiters at once;
-    /// shrinking it closes excess idle connections now and excess leased ones as they return.
+    /// Applies new pool limits in place. Growing the cap (or the burst) hands free slots to
+    /// waiters at once; shrinking it closes excess idle connections now and excess leased ones
+    /// as they return (so does lowering the burst: connections beyond the share are never
+    /// idle, and those beyond share + burst close as they return).
     pub fn set_limits(&self, limits: PoolLimits) {
         let mut state = self.inner.state.lock();
         state.limits = limits;
@@ -354,6 +358,10 @@ impl<C: Connect> Pool<C> {
                 held: state.held[c.index()],
             }),
             batch_cap: state.batch_cap(),
+            burst: BurstStats {
+                allowance: state.limits.burst_per_endpoint,
+                bursting: state.bursting(),
+            },
             max_pending: state.limits.max_pending,
             endpoints: state
                 .endpoints

@@ -31,6 +31,8 @@ pub(super) struct Inner<C: Connect> {
     /// Lease waits per priority class, interactive first.
     pub(super) class_wait: [Histogram; 2],
     pub(super) lease_timeouts: Counter,
+    /// Burst connections opened (`poolpilot_pool_bursts_total`).
+    pub(super) bursts: Counter,
     pub(super) state: Mutex<State<C::Conn>>,
     /// Notified whenever a slot frees other than by a lease returning to a live pool: a closing
     /// connection's peer let go, an abandoned connect or grant came back, or a lease returned
@@ -116,13 +118,18 @@ impl<T: Poolable> IdleConn<T> {
     }
 }
 
-/// What a waiter is handed.
+/// What a waiter is handed. `burst`: granted beyond the endpoint's share, on its burst
+/// allowance (see `dispatch`'s `find_grant`).
 #[derive(Debug)]
 pub(super) enum Grant<T> {
     /// An idle connection, already counted as leased.
-    Conn { endpoint: u64, idle: IdleConn<T> },
+    Conn {
+        endpoint: u64,
+        idle: IdleConn<T>,
+        burst: bool,
+    },
     /// A reserved slot at an endpoint: the waiter connects.
-    Slot { endpoint: u64 },
+    Slot { endpoint: u64, burst: bool },
 }
 
 // === impl State ===
@@ -144,7 +151,8 @@ impl<T: Poolable> State<T> {
     }
     /// The most connections batch calls may hold: `batchMaxPercent` of the cap over the
     /// endpoints that take leases (not removed or drained), rounded down, at least 1; none
-    /// without a cap.
+    /// without a cap. The cap is the share (`maxConnectionsPerEndpoint`), never share + burst:
+    /// batch calls do not burst.
     pub(super) fn batch_cap(&self) -> Option<u32> {
         let percent = self.priority.batch_max_percent?;
         let live = self
@@ -154,6 +162,17 @@ impl<T: Poolable> State<T> {
             .count() as u64;
         let total = u64::from(self.limits.max_connections_per_endpoint) * live;
         Some(((total * u64::from(percent) / 100).max(1)).min(u64::from(u32::MAX)) as u32)
+    }
+
+    /// Connections open beyond the share, summed over the listed endpoints: what the pool holds
+    /// on its burst allowance now (closing ones included: the backend still counts them).
+    pub(super) fn bursting(&self) -> u32 {
+        let max = self.limits.max_connections_per_endpoint;
+        self.endpoints
+            .iter()
+            .filter(|ep| !ep.removed)
+            .map(|ep| ep.open().saturating_sub(max))
+            .sum()
     }
 
     /// Whether a call of `class` may be handed a connection now: interactive always, batch

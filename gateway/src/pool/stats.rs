@@ -1,5 +1,6 @@
 //! The pool's counts as `/v1/stats` shows them and the gauges are set from at each scrape
-//! ([`PoolStats`], per endpoint [`EndpointStats`], per priority class [`ClassStats`]).
+//! ([`PoolStats`], per endpoint [`EndpointStats`], per priority class [`ClassStats`], the burst
+//! [`BurstStats`]).
 
 use std::net::SocketAddr;
 
@@ -18,7 +19,7 @@ pub struct EndpointStats {
     pub connecting: u32,
     /// Connections closed by the pool that the peer has not closed yet (they keep their slot).
     pub closing: u32,
-    /// The cap in force.
+    /// The cap in force: the share, beyond which only burst connections are opened.
     pub max: u32,
     /// Whether requests may be sent to it (probes pass, not ejected).
     pub healthy: bool,
@@ -39,10 +40,23 @@ pub struct PoolStats {
     /// endpoints); none: no cap.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub batch_cap: Option<u32>,
+    /// The burst allowance and its use.
+    pub burst: BurstStats,
     /// `maxPending` in force.
     pub max_pending: u32,
     /// Per endpoint.
     pub endpoints: Vec<EndpointStats>,
+}
+
+/// A pool's burst: connections it may open beyond the share, and those open beyond it now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct BurstStats {
+    /// Connections per endpoint allowed beyond the share (`pool.burstPerEndpoint`, lowered by
+    /// `listener.maxUpstreamConnections`).
+    pub allowance: u32,
+    /// Connections open beyond the share now, summed over the endpoints (closing ones
+    /// included: the backend still counts them).
+    pub bursting: u32,
 }
 
 /// Counts of one priority class in a pool.

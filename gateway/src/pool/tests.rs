@@ -1201,3 +1201,265 @@ async fn a_full_queue_takes_an_interactive_call_in_place_of_its_newest_batch_wai
         .unwrap()
         .expect("the interactive call is served first");
 }
+
+// === burst allowance ===
+
+/// A pool of `n` endpoints with a share of `share` and a burst of `burst` per endpoint.
+fn bursting_pool(
+    share: u32,
+    burst: u32,
+    n: usize,
+) -> (Pool<Arc<FakeConnector>>, Arc<FakeConnector>, Metrics) {
+    let connector = Arc::new(FakeConnector::default());
+    let metrics = Metrics::new();
+    let pool = Pool::new(
+        "model-a",
+        PoolLimits {
+            burst_per_endpoint: burst,
+            ..limits(share)
+        },
+        &endpoints(n),
+        connector.clone(),
+        metrics.clone(),
+    );
+    (pool, connector, metrics)
+}
+
+/// A lease that must be granted at once (no wait at all).
+async fn lease_now(
+    pool: &Pool<Arc<FakeConnector>>,
+    class: PriorityClass,
+) -> Lease<Arc<FakeConnector>> {
+    let lease = tokio::time::timeout(Duration::ZERO, pool.lease_as(class))
+        .await
+        .expect("granted at once, without waiting")
+        .expect("granted");
+    assert_eq!(lease.wait(), Duration::ZERO);
+    lease
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_at_the_share_gets_a_burst_connection_at_once() {
+    let (pool, connector, metrics) = bursting_pool(2, 2, 1);
+    let within: Vec<_> = [
+        lease_now(&pool, PriorityClass::Interactive).await,
+        lease_now(&pool, PriorityClass::Interactive).await,
+    ]
+    .into();
+    assert!(within.iter().all(|l| !l.burst()), "within the share");
+    assert_eq!(pool.stats().burst.bursting, 0);
+    let burst = lease_now(&pool, PriorityClass::Interactive).await;
+    assert!(burst.burst(), "beyond the share: a burst connection");
+    let stats = pool.stats();
+    assert_eq!(stats.burst.allowance, 2);
+    assert_eq!(stats.burst.bursting, 1);
+    assert_eq!(stats.pending, 0, "it never queued");
+    assert_eq!(stats.endpoints[0].max, 2, "the share is unchanged");
+    assert_eq!(connector.created.load(Ordering::SeqCst), 3);
+    let text = metrics.encode();
+    assert!(
+        text.contains("poolpilot_pool_bursts_total{backend=\"model-a\"} 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_queued_behind_others_gets_a_burst_slot_in_its_turn() {
+    // The queue is not empty (a batch waiter at its share cap): a new interactive call joins
+    // the queue and is served from the burst at once, in its turn.
+    let (pool, _, _) = bursting_pool(2, 1, 1);
+    pool.set_priority(priority(1000, Some(50)));
+    let _batch = lease_now(&pool, PriorityClass::Batch).await;
+    let batch_waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease_as(PriorityClass::Batch).await.map(drop) })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().classes[1].pending, 1, "batch waits at its cap");
+    let _within = lease_now(&pool, PriorityClass::Interactive).await;
+    let burst = lease_now(&pool, PriorityClass::Interactive).await;
+    assert!(burst.burst());
+    assert_eq!(pool.stats().classes[1].pending, 1, "batch still waits");
+    batch_waiter.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn never_more_than_share_plus_burst_per_endpoint() {
+    let (pool, connector, _) = bursting_pool(2, 2, 2);
+    let mut leases = Vec::new();
+    for _ in 0..8 {
+        leases.push(lease_now(&pool, PriorityClass::Interactive).await);
+    }
+    assert_eq!(leases.iter().filter(|l| l.burst()).count(), 4);
+    for ep in &pool.stats().endpoints {
+        assert_eq!(ep.leased, 4, "share + burst on each endpoint: {ep:?}");
+    }
+    assert_eq!(pool.stats().burst.bursting, 4);
+    // A ninth waits, then times out: nothing beyond share + burst.
+    let err = pool
+        .lease()
+        .await
+        .expect_err("no room beyond share + burst");
+    assert!(matches!(err, PoolError::LeaseTimeout { .. }), "{err:?}");
+    assert_eq!(open_total(&pool), 8);
+    assert_eq!(connector.created.load(Ordering::SeqCst), 8);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_connection_is_closed_on_return_with_no_waiter_and_kept_for_one() {
+    let (pool, connector, _) = bursting_pool(2, 2, 1);
+    let mut leases = Vec::new();
+    for _ in 0..4 {
+        leases.push(lease_now(&pool, PriorityClass::Interactive).await);
+    }
+    // A fifth call waits: share + burst are in use.
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let mut lease = pool.lease().await.expect("served by a returned connection");
+            (lease.reused(), lease.burst(), lease.conn().id)
+        })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().pending, 1);
+    // A connection returned beyond the share with a waiter goes to the waiter.
+    let mut first = leases.pop().unwrap();
+    first.keep();
+    let first_id = first.conn().id;
+    drop(first);
+    let (reused, burst, id) = waiter.await.unwrap();
+    assert!(reused, "the returned connection is handed over, not closed");
+    assert!(burst, "it is still beyond the share");
+    assert_eq!(id, first_id);
+    assert_eq!(connector.created.load(Ordering::SeqCst), 4);
+    // With no waiter, connections returned beyond the share close; the share stays idle.
+    for mut lease in leases {
+        lease.keep();
+    }
+    let stats = pool.stats();
+    assert_eq!(
+        (stats.endpoints[0].leased, stats.endpoints[0].idle),
+        (0, 2),
+        "the share is kept idle, nothing beyond it"
+    );
+    assert_eq!(stats.burst.bursting, 0, "the burst is given back");
+    assert_eq!(connector.live.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_burst_a_lease_at_the_share_waits_as_before() {
+    let (pool, connector, metrics) = bursting_pool(2, 0, 1);
+    let _a = pool.lease().await.unwrap();
+    let _b = pool.lease().await.unwrap();
+    let err = pool.lease().await.expect_err("the share holds");
+    assert!(matches!(err, PoolError::LeaseTimeout { .. }), "{err:?}");
+    assert_eq!(connector.created.load(Ordering::SeqCst), 2);
+    let stats = pool.stats();
+    assert_eq!((stats.burst.allowance, stats.burst.bursting), (0, 0));
+    assert!(
+        metrics
+            .encode()
+            .contains("poolpilot_pool_bursts_total{backend=\"model-a\"} 0")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn batch_calls_do_not_burst() {
+    let (pool, _, _) = bursting_pool(2, 2, 1);
+    pool.set_limits(PoolLimits {
+        burst_per_endpoint: 2,
+        lease_timeout: ApiDuration::from_secs(10),
+        ..limits(2)
+    });
+    pool.set_priority(priority(100, None));
+    let _batch = lease_now(&pool, PriorityClass::Batch).await;
+    let interactive = lease_now(&pool, PriorityClass::Interactive).await;
+    // At the share: a batch call waits, beside the burst room.
+    let batch = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease_as(PriorityClass::Batch).await.map(|l| l.burst()) })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().classes[1].pending, 1);
+    let mut burst = lease_now(&pool, PriorityClass::Interactive).await;
+    assert!(burst.burst());
+    // A burst connection coming back is not handed to the batch waiter: it closes, and the
+    // batch call waits for the share to have room.
+    burst.keep();
+    drop(burst);
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().classes[1].pending, 1, "batch still waits");
+    assert_eq!(pool.stats().burst.bursting, 0);
+    drop(interactive);
+    assert_eq!(
+        batch.await.unwrap().map_err(|e| e.to_string()),
+        Ok(false),
+        "served within the share once it has room"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn lowering_the_burst_closes_burst_connections_as_they_come_back() {
+    let (pool, connector, _) = bursting_pool(2, 2, 1);
+    let mut leases = Vec::new();
+    for _ in 0..4 {
+        leases.push(lease_now(&pool, PriorityClass::Interactive).await);
+    }
+    pool.set_limits(limits(2));
+    assert_eq!(pool.stats().burst.allowance, 0);
+    assert_eq!(
+        pool.stats().endpoints[0].leased,
+        4,
+        "in-flight burst connections are untouched"
+    );
+    // A waiter now: a returned burst connection is beyond share + the new burst (0), so it
+    // closes rather than going to the waiter; the waiter is served once the share has room.
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(|l| l.burst()) })
+    };
+    tokio::task::yield_now().await;
+    for _ in 0..2 {
+        let mut lease = leases.pop().unwrap();
+        assert!(lease.conn().is_open(), "never cut in flight");
+        lease.keep();
+        drop(lease);
+    }
+    assert_eq!(pool.stats().pending, 1, "still waiting: the share is full");
+    assert_eq!(connector.live.load(Ordering::SeqCst), 2);
+    let mut lease = leases.pop().unwrap();
+    lease.keep();
+    drop(lease);
+    assert_eq!(waiter.await.unwrap().map_err(|e| e.to_string()), Ok(false));
+    // The waiter's call dropped its lease without keeping it: one connection is left.
+    assert_eq!(connector.live.load(Ordering::SeqCst), 1);
+    assert_eq!(pool.stats().burst.bursting, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_connection_handed_to_a_waiter_that_went_away_is_closed_not_parked() {
+    let (pool, connector, _) = bursting_pool(1, 1, 1);
+    let _within = lease_now(&pool, PriorityClass::Interactive).await;
+    let mut burst = lease_now(&pool, PriorityClass::Interactive).await;
+    assert!(burst.burst());
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.lease().await.map(|_| ()) })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(pool.stats().pending, 1);
+    // Returned and handed to the waiter, whose client goes away before it runs again: the
+    // grant comes back beyond the share, and closes.
+    burst.keep();
+    drop(burst);
+    waiter.abort();
+    let _ = waiter.await;
+    let ep = &pool.stats().endpoints[0];
+    assert_eq!(
+        (ep.leased, ep.idle),
+        (1, 0),
+        "nothing beyond the share idles"
+    );
+    assert_eq!(pool.stats().burst.bursting, 0);
+    assert_eq!(connector.live.load(Ordering::SeqCst), 1);
+}

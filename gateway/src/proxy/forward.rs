@@ -73,7 +73,7 @@ pub(super) async fn forward(
                     metrics.upstream_timeout(&backend.name, TimeoutKind::Connect);
                 }
             })?;
-        record.leased(lease.endpoint(), lease.wait());
+        record.leased(lease.endpoint(), lease.wait(), lease.burst());
         let sent_at = Instant::now();
         let total_at = sent_at + timeouts.total.get();
         let first_byte = timeouts.first_byte.get();

@@ -225,3 +225,101 @@ async fn a_client_rotating_its_key_holds_table_entries_only_for_calls_in_flight(
     assert_eq!(metric(&text, "poolpilot_clients_tracked"), Some(0.0));
     assert_eq!(metric(&text, "poolpilot_client_evictions_total"), Some(0.0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v1_clients_lists_each_policys_busiest_clients_and_a_share_raises_a_clients_limit() {
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(500, Ordering::SeqCst);
+    // One call at a time and no queue per client, but alice's share in this pod is 3.
+    let mut policy = client_policy(1, 0, "300ms", &[]);
+    policy["clientShares"] = serde_json::json!([
+        {"keySha256": sha256_hex("alice"), "maxConcurrency": 3, "maxQueue": 0}
+    ]);
+    let gw = Gw::start(with_policy(backend.addr, policy)).await;
+
+    let started = tokio::time::Instant::now();
+    let alice: Vec<_> = (0..3)
+        .map(|_| spawn_post(gw.proxy, "/v1/x", &[("x-api-key", "alice")], "{}"))
+        .collect();
+    let bob = spawn_post(gw.proxy, "/v1/x", &[("x-api-key", "bob")], "{}");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let second_bob = post(gw.proxy, "/v1/x", &[("x-api-key", "bob")], "{}").await;
+    assert_eq!(second_bob.0, 429, "bob has the policy's limit of 1");
+
+    let (status, headers, body) = gw.admin_get("/v1/clients").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(headers["content-type"], "application/json");
+    let doc: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let policies = doc["policies"].as_array().unwrap();
+    assert_eq!(policies.len(), 1, "{doc}");
+    assert_eq!(policies[0]["name"], "default");
+    let clients = policies[0]["clients"].as_array().unwrap();
+    assert_eq!(clients.len(), 2, "{doc}");
+    let find = |key: &str| {
+        clients
+            .iter()
+            .find(|c| c["keySha256"] == sha256_hex(key).as_str())
+            .cloned()
+            .unwrap_or_else(|| panic!("{key} not in {doc}"))
+    };
+    let (a, b) = (find("alice"), find("bob"));
+    assert_eq!(
+        (a["inFlight"].as_u64(), a["queued"].as_u64()),
+        (Some(3), Some(0))
+    );
+    assert_eq!(
+        (b["inFlight"].as_u64(), b["queued"].as_u64()),
+        (Some(1), Some(0))
+    );
+    let demand = |c: &serde_json::Value| c["demand"].as_f64().unwrap();
+    assert!(demand(&a) > demand(&b) && demand(&b) > 0.0, "{doc}");
+    assert_eq!(
+        clients[0]["keySha256"],
+        sha256_hex("alice").as_str(),
+        "busiest first"
+    );
+    for c in clients {
+        let keys: Vec<&String> = c.as_object().unwrap().keys().collect();
+        assert_eq!(
+            keys.len(),
+            4,
+            "exactly keySha256, inFlight, queued, demand: {c}"
+        );
+    }
+    assert!(
+        !body.contains("\"alice\"") && !body.contains("\"bob\""),
+        "never a raw key"
+    );
+
+    for call in alice {
+        assert_eq!(
+            call.await.unwrap(),
+            200,
+            "alice's three calls fit her share"
+        );
+    }
+    assert_eq!(bob.await.unwrap(), 200);
+    let took = started.elapsed().as_secs_f64();
+    // Done, but the last 10 s remember them: each call held at least the backend's 0.5 s and
+    // at most the time all of them took, over 10 s (rounded to 3 decimals).
+    let doc: serde_json::Value =
+        serde_json::from_str(&gw.admin_get("/v1/clients").await.2).unwrap();
+    let clients = doc["policies"][0]["clients"].as_array().unwrap().clone();
+    assert_eq!(clients.len(), 2, "{doc}");
+    let a = clients[0]["demand"].as_f64().unwrap();
+    let b = clients[1]["demand"].as_f64().unwrap();
+    assert!(
+        (3.0 * 0.5 / 10.0 - 0.001..=3.0 * took / 10.0 + 0.001).contains(&a),
+        "alice {a} (calls took {took} s): {doc}"
+    );
+    assert!(
+        (0.5 / 10.0 - 0.001..=took / 10.0 + 0.001).contains(&b),
+        "bob {b} (calls took {took} s): {doc}"
+    );
+    assert_eq!(clients[0]["inFlight"], 0);
+
+    // Like the rest of /v1/*: the token, and GET only.
+    let (status, _, _) = get(gw.admin, "/v1/clients", &[]).await;
+    assert_eq!(status, 401);
+    assert_eq!(gw.admin_call("POST", "/v1/clients", "").await.0, 405);
+}

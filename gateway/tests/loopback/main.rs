@@ -16,6 +16,7 @@ mod support;
 mod admin;
 mod admin_access;
 mod bodies;
+mod burst;
 mod clients;
 mod conformance;
 mod deadlines;

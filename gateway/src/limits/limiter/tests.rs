@@ -1,7 +1,7 @@
 //! State-machine tests of the client limiter with paused time.
 
 use poolpilot_api::Duration as ApiDuration;
-use poolpilot_api::limits::{ClientOverride, SlowCalls};
+use poolpilot_api::limits::{ClientOverride, ClientShare, SlowCalls};
 
 use super::*;
 
@@ -453,4 +453,180 @@ async fn a_clients_queued_interactive_calls_go_before_its_batch_calls_until_batc
     }
     assert_eq!(order, [1, 0, 2]);
     assert_eq!(l.queued_by_class(), [0, 0]);
+}
+
+// === client shares ===
+
+fn share(key: &[u8], max_concurrency: u32, max_queue: u32) -> ClientShare {
+    ClientShare {
+        key_sha256: hex::encode(Sha256::digest(key)),
+        max_concurrency,
+        max_queue,
+    }
+}
+
+fn shared_policy(shares: Vec<ClientShare>) -> ClientPolicy {
+    ClientPolicy {
+        client_shares: shares,
+        ..policy(2, 1)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_with_a_share_gets_its_share_and_others_the_policys_limits() {
+    let l = ClientLimiter::new(shared_policy(vec![share(b"pinned", 4, 2)]), Metrics::new());
+    let pinned = ClientKey::of(b"pinned");
+    let mut permits = Vec::new();
+    for _ in 0..4 {
+        permits.push(l.acquire(pinned).await.expect("its share allows 4"));
+    }
+    let queued = [queued_call(&l, pinned).await, queued_call(&l, pinned).await];
+    match l.acquire(pinned).await {
+        Err(ClientRejection::Concurrency { limit: 4, .. }) => {}
+        other => panic!("expected a refusal past its share's queue of 2, got {other:?}"),
+    }
+    assert_eq!(l.top_clients(1)[0].limit, 4);
+    // A client without a share: the policy's 2 and a queue of 1.
+    let other = ClientKey::of(b"elsewhere");
+    let _o = [
+        l.acquire(other).await.unwrap(),
+        l.acquire(other).await.unwrap(),
+    ];
+    let _q = queued_call(&l, other).await;
+    assert!(matches!(
+        l.acquire(other).await,
+        Err(ClientRejection::Concurrency { limit: 2, .. })
+    ));
+    drop(permits);
+    for call in queued {
+        call.await.unwrap().expect("admitted as the share frees");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_override_wins_over_a_share() {
+    // `batch-key` is the override `batch-team` (5 calls); a share of 1 for it is ignored.
+    let l = ClientLimiter::new(
+        shared_policy(vec![share(b"batch-key", 1, 0)]),
+        Metrics::new(),
+    );
+    let batch = ClientKey::of(b"batch-key");
+    let mut permits = Vec::new();
+    for _ in 0..5 {
+        permits.push(l.acquire(batch).await.expect("the override's 5"));
+    }
+    // The policy's queue of 1, not the share's 0.
+    let _queued = queued_call(&l, batch).await;
+    assert_eq!(l.top_clients(1)[0].queued, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_demoted_client_gets_the_lower_of_demoted_concurrency_and_its_share() {
+    let mut p = shared_policy(vec![share(b"slowpoke", 6, 0)]);
+    p.slow_calls = Some(SlowCalls {
+        demoted_concurrency: 3,
+        ..slow_calls(4)
+    });
+    let l = ClientLimiter::new(p.clone(), Metrics::new());
+    let key = ClientKey::of(b"slowpoke");
+    for _ in 0..4 {
+        let permit = l.acquire(key).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        drop(permit);
+    }
+    assert!(l.top_clients(1).is_empty(), "no call in flight");
+    let held = l.acquire(key).await.unwrap();
+    let top = l.top_clients(1);
+    assert!(top[0].demoted);
+    assert_eq!(top[0].limit, 3, "demotedConcurrency under a share of 6");
+    // A share below demotedConcurrency is the limit then.
+    p.client_shares = vec![share(b"slowpoke", 2, 0)];
+    l.set_policy(p);
+    assert_eq!(l.top_clients(1)[0].limit, 2);
+    drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_document_changes_live_clients_shares_without_cutting_a_call() {
+    let l = ClientLimiter::new(shared_policy(vec![share(b"pinned", 3, 4)]), Metrics::new());
+    let key = ClientKey::of(b"pinned");
+    let mut permits = Vec::new();
+    for _ in 0..3 {
+        permits.push(l.acquire(key).await.unwrap());
+    }
+    // Lowered to 1: the three calls go on; a new one waits until the client is under 1.
+    l.set_policy(shared_policy(vec![share(b"pinned", 1, 4)]));
+    let waiting = queued_call(&l, key).await;
+    assert_eq!(l.top_clients(1)[0].inflight, 3, "nothing cut");
+    assert_eq!(l.top_clients(1)[0].queued, 1);
+    drop(permits.pop());
+    drop(permits.pop());
+    tokio::task::yield_now().await;
+    assert_eq!(
+        l.top_clients(1)[0].queued,
+        1,
+        "still over the new limit of 1"
+    );
+    drop(permits.pop());
+    waiting
+        .await
+        .unwrap()
+        .expect("admitted under the new share");
+    // Raised to 3, then the share removed: back to the policy's 2 (and its queue of 1).
+    let held: Vec<_> = [l.acquire(key).await.unwrap()].into();
+    let queued = [queued_call(&l, key).await, queued_call(&l, key).await];
+    l.set_policy(shared_policy(vec![share(b"pinned", 3, 4)]));
+    for call in queued {
+        call.await
+            .unwrap()
+            .expect("a raised share admits queued calls at once");
+    }
+    l.set_policy(shared_policy(Vec::new()));
+    assert_eq!(l.top_clients(1)[0].limit, 2);
+    drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_busiest_clients_are_ranked_by_their_demand_over_the_last_ten_seconds() {
+    let l = limiter(8, 8);
+    let steady = ClientKey::of(b"steady");
+    let spiky = ClientKey::of(b"spiky");
+    // `steady` holds 2 calls all along; `spiky` held 6 for the first 2 s only.
+    let _steady = [
+        l.acquire(steady).await.unwrap(),
+        l.acquire(steady).await.unwrap(),
+    ];
+    let mut spikes = Vec::new();
+    for _ in 0..6 {
+        spikes.push(l.acquire(spiky).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    drop(spikes);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let busiest = l.busiest(32);
+    let by_key = |k: ClientKey| busiest.iter().find(|c| c.key_sha256 == k.hex()).cloned();
+    let s = by_key(steady).expect("listed");
+    let p = by_key(spiky).expect("listed while the window remembers it");
+    assert_eq!((s.in_flight, s.queued), (2, 0));
+    assert_eq!((p.in_flight, p.queued), (0, 0));
+    // Over [−5 s, 5 s]: steady 2 × 5 s, spiky 6 × 2 s, over 10 s.
+    assert_eq!((s.demand, p.demand), (1.0, 1.2));
+    assert_eq!(busiest[0].key_sha256, spiky.hex(), "most demand first");
+    assert_eq!(
+        l.tracked_clients(),
+        1,
+        "the demand is kept apart from the client table"
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let busiest = l.busiest(32);
+    assert_eq!(busiest.len(), 1, "spiky has left the window: {busiest:?}");
+    assert_eq!(busiest[0].demand, 2.0);
+    assert_eq!(l.busiest(0).len(), 0);
+}
+
+#[test]
+fn a_key_is_shown_whole_in_hex_as_client_shares_name_it() {
+    let key = ClientKey::of(b"k1");
+    assert_eq!(key.hex(), hex::encode(Sha256::digest(b"k1")));
+    assert_eq!(key.hex().len(), 64);
 }
