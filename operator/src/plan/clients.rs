@@ -145,7 +145,10 @@ fn proportional(total: u32, shares: &[u32], of: u32) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::tests::at;
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).expect("a time")
+    }
 
     fn names(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("gw-{i}")).collect()

@@ -26,23 +26,6 @@ pub const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Pods asked at once.
 pub const CONCURRENCY: usize = 16;
 
-/// One pod's report: when it came, and its busiest clients per policy.
-type Report = (Timestamp, BTreeMap<PolicyKey, Vec<ClientUse>>);
-
-/// The latest report of each pod, per (namespace, pod).
-#[derive(Clone, Debug, Default)]
-pub struct ClientReports {
-    by_pod: BTreeMap<(String, String), Report>,
-}
-
-impl ClientReports {
-    /// Forgets the pods of `ns` that are not in `pods` (gone).
-    fn retain(&mut self, ns: &str, pods: &[String]) {
-        self.by_pod
-            .retain(|(n, p), _| n != ns || pods.iter().any(|x| x == p));
-    }
-}
-
 /// Asks the live pods of the policy being reconciled for their busiest clients, when its client
 /// limits are fleet-wide, and fills `observed.input.clients` with every pod's report of the
 /// namespace younger than two intervals.
@@ -115,14 +98,14 @@ pub async fn poll<G: Gateways>(
                 .get(&(ns.clone(), pod.clone()))
                 .and_then(|s| s.current.clone());
             let by_policy = by_policy(&report, doc.as_deref());
-            reports.by_pod.insert((ns.clone(), pod), (now, by_policy));
+            reports.insert((ns.clone(), pod), (now, by_policy));
         }
     }
     let interval = policy.spec.autoscale.interval.get();
     let mut reports = ctx.client_reports.lock();
     let pods: Vec<String> = observed.input.pods.iter().map(|p| p.name.clone()).collect();
     reports.retain(&ns, &pods);
-    for ((n, pod), (at, by_policy)) in &reports.by_pod {
+    for ((n, pod), (at, by_policy)) in reports.iter() {
         if n != &ns || elapsed(*at, now) > interval * 2 {
             continue;
         }

@@ -17,7 +17,8 @@ use poolpilot_api::ConnectionPolicy;
 use super::backoff;
 use crate::gateway::Gateways;
 use crate::metrics::Metrics;
-use crate::plan::{Acked, Memory, Timestamp};
+use crate::plan::input::ClientUse;
+use crate::plan::{Acked, Memory, PolicyKey, Timestamp};
 use crate::prom::{SaturationQueries, Snapshot};
 
 /// The one field manager of every server-side apply.
@@ -103,6 +104,33 @@ pub struct SentDocuments {
     /// The one before it (another revision).
     pub previous: Option<Arc<poolpilot_api::GatewayLimits>>,
 }
+/// One pod's report of its busiest clients: when it came, and its clients per policy.
+pub type ClientReport = (Timestamp, BTreeMap<PolicyKey, Vec<ClientUse>>);
+
+/// The latest report of each pod, per (namespace, pod).
+#[derive(Clone, Debug, Default)]
+pub struct ClientReports {
+    by_pod: BTreeMap<(String, String), ClientReport>,
+}
+
+impl ClientReports {
+    /// Records a pod's report.
+    pub fn insert(&mut self, pod: (String, String), report: ClientReport) {
+        self.by_pod.insert(pod, report);
+    }
+
+    /// Every report, by (namespace, pod).
+    pub fn iter(&self) -> impl Iterator<Item = (&(String, String), &ClientReport)> {
+        self.by_pod.iter()
+    }
+
+    /// Forgets the pods of `ns` that are not in `pods` (gone).
+    pub fn retain(&mut self, ns: &str, pods: &[String]) {
+        self.by_pod
+            .retain(|(n, p), _| n != ns || pods.iter().any(|x| x == p));
+    }
+}
+
 /// The caches observe reads.
 #[derive(Clone, Debug)]
 pub struct Stores {
@@ -132,8 +160,8 @@ pub struct Context<G: Gateways> {
     pub memory: Mutex<BTreeMap<String, Memory>>,
     /// Rollout memory.
     pub rollouts: Mutex<RolloutMemory>,
-    /// The gateways' latest reports of their busiest clients.
-    pub client_reports: Mutex<super::clients::ClientReports>,
+    /// The gateways' latest reports of their busiest clients (step 1b, `clients.rs`).
+    pub client_reports: Mutex<ClientReports>,
     /// Failures in a row per policy, for the retry back-off of [`error_policy`].
     pub retries: backoff::RetryBackoff,
     /// The gateway admin client.
