@@ -28,6 +28,11 @@ GO_LDFLAGS       := -s -w \
 	-X k8s.io/client-go/pkg/version.gitMajor=1 \
 	-X k8s.io/client-go/pkg/version.gitMinor=$(K8S_MINOR)
 RUST_BIN         := $(CARGO_TARGET_DIR)/debug
+# helm, defined before the rules that name it (`cluster`, `chart-lint`): make expands a rule's
+# prerequisites as it reads the rule.
+HELM_VERSION     := v3.22.0
+HELM_BIN         := $(BIN)/helm
+export POOLPILOT_HELM_BIN := $(HELM_BIN)
 PROMETHEUS_BIN   := $(BIN)/prometheus
 PROMETHEUS_VERSION := 3.16.0
 export POOLPILOT_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
@@ -93,9 +98,6 @@ $(PROMETHEUS_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
 
 # Helm v3 from its Go module (pinned in e2e/helm/go.mod): lints the chart, renders it for the
 # server-side dry run, installs it in the e2e tests.
-HELM_VERSION     := v3.22.0
-HELM_BIN         := $(BIN)/helm
-export POOLPILOT_HELM_BIN := $(HELM_BIN)
 $(HELM_BIN): e2e/helm/go.mod e2e/helm/go.sum
 	@mkdir -p $(BIN)
 	@echo ">> building helm $(HELM_VERSION) from its Go module (cold: ~3 min on 2 cores)"

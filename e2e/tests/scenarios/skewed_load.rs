@@ -3,7 +3,9 @@
 //! the total but not for the busy pod's even third. The operator divides the target by where
 //! the demand is: within two intervals of the skew the busy pod holds most of it and errors stay
 //! under 0.5%; the shares never add up to more than the target; when the skew moves to another
-//! pod, the shares follow within two intervals.
+//! pod, the shares follow within two intervals. Last, one client with 6 calls at once on one pod
+//! gets its fleet-wide limit (8, an even third of it per pod) divided there: its share in that
+//! pod's document covers its calls.
 //!
 //! ```text
 //!  target 12 per endpoint (min = max: no growth, and no burst: the budget is the target)
@@ -23,6 +25,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
+use poolpilot_api::GatewayLimits;
+use sha2::{Digest as _, Sha256};
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec, skewed};
 use poolpilot_e2e::scenario::{figure, serial};
@@ -45,6 +49,8 @@ const SKEW_PERCENT: u32 = 80;
 const FOLLOWED: f64 = 0.005;
 /// How long the error rate is measured once the shares must have followed.
 const MEASURE: u64 = 10;
+/// Calls at once of the one client pinned to one pod (its fleet-wide limit is 8).
+const PINNED: usize = 6;
 
 #[tokio::test]
 async fn skewed_load_moves_the_shares_to_the_busy_pod_and_follows_the_skew() -> anyhow::Result<()> {
@@ -153,9 +159,73 @@ async fn skewed_load_moves_the_shares_to_the_busy_pod_and_follows_the_skew() -> 
             "{MEASURE} s from {from} s after the moved skew: {phase2}"
         );
 
+        // Phase 3: one client with 6 calls at once, all on the last pod (a batch job on a few
+        // keep-alive connections). Its fleet-wide limit (the sample's maxConcurrency 8, an even
+        // third of it per pod) follows it there: the pod's document lists its share.
+        let mut pinned = LoadSpec::one_client_per_worker(
+            vec![addrs[2]],
+            "model-a",
+            4,
+            PINNED,
+            Duration::from_secs(30),
+        );
+        pinned.clients = 1;
+        // The gateways count a bearer token by its SHA-256 (`Authorization: Bearer pinned-0`).
+        let key = hex::encode(Sha256::digest(b"pinned-0"));
+        let share_of = |limits: &GatewayLimits| {
+            limits
+                .client_policies
+                .iter()
+                .flat_map(|c| &c.client_shares)
+                .find(|s| s.key_sha256 == key)
+                .map(|s| s.max_concurrency)
+        };
+        assert_eq!(
+            share_of(&gateways[2].limits().await?),
+            None,
+            "no share for a client not seen yet"
+        );
+        let pinned = Load::start_as(pinned, PINNED, "pinned", None)?;
+        let pinned_at = Instant::now();
+        let followed_client = eventually(
+            "the pinned client's limit follows it",
+            4 * INTERVAL,
+            || async {
+                let limits = gateways[2].limits().await?;
+                let share = share_of(&limits).unwrap_or(0);
+                anyhow::ensure!(
+                    share >= PINNED as u32,
+                    "the pinned client's share on {}: {share}",
+                    names[2]
+                );
+                Ok(share)
+            },
+        )
+        .await?;
+        let mut elsewhere = Vec::new();
+        for g in &gateways[..2] {
+            elsewhere.push(share_of(&g.limits().await?));
+        }
+        figure(
+            SCENARIO,
+            "pinned client's shares elsewhere",
+            format!("{elsewhere:?}"),
+        );
+        figure(
+            SCENARIO,
+            "pinned client's share seconds",
+            format!(
+                "{:.1} (maxConcurrency {followed_client} of the fleet's 8 on {})",
+                pinned_at.elapsed().as_secs_f64(),
+                names[2]
+            ),
+        );
+        pinned.stop().await;
+
         // The re-division was a decision of its own, with the pods and the numbers.
         let b = stack.backend_status("model-a").await?;
         assert_eq!(b.target, TARGET, "the target never moved: {b:?}");
+        // Repeats of an Event are one series that keeps its first note: the first skew's.
         let events = stack.events(POLICY, "SharesRebalanced").await?;
         let messages: Vec<&str> = events
             .iter()
@@ -164,7 +234,7 @@ async fn skewed_load_moves_the_shares_to_the_busy_pod_and_follows_the_skew() -> 
         assert!(
             messages
                 .iter()
-                .any(|m| m.contains(&format!("{} queues at share", names[2]))),
+                .any(|m| m.contains(&format!("{} queues at share", names[0]))),
             "a SharesRebalanced Event names the pod that queued: {messages:?}"
         );
         let last = b.last_decision.clone().context("lastDecision")?;
