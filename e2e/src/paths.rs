@@ -122,3 +122,12 @@ mod tests {
         assert!(!is_workspace(&root.join("e2e")));
     }
 }
+
+/// The folder of prometheus-operator's CRDs (`make cluster` extracts them from the Go module
+/// pinned in e2e/prometheus-operator): `$POOLPILOT_PROMETHEUS_OPERATOR_CRDS` or
+/// `<cache>/bin/prometheus-operator-crds`.
+pub fn prometheus_operator_crds() -> PathBuf {
+    std::env::var_os("POOLPILOT_PROMETHEUS_OPERATOR_CRDS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/prometheus-operator-crds"))
+}
