@@ -150,11 +150,12 @@ fn context_full(
             token_key: "token".into(),
             snapshot_max_age: Duration::from_secs(60),
             max_requeue: Duration::from_secs(60),
+            backend_namespaces: vec!["llm".into()],
         },
         stores: Stores {
             policies: store(policies),
             pods: store(pods),
-            slices: store::<EndpointSlice>(vec![]),
+            slices: vec![store::<EndpointSlice>(vec![])],
             configmaps: store(configmaps),
         },
         snapshot: Arc::default(),
