@@ -11,7 +11,9 @@
 //! takes a lock of [`exclusive`] where a cluster-wide effect must be its own alone.
 
 mod chart;
+mod chart_values;
 mod control_plane;
+mod docs;
 mod discovery;
 mod exclusive;
 mod exposition;
