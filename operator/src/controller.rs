@@ -393,8 +393,7 @@ fn policies_using(
         .filter(|(_, p)| {
             p.spec.backends.iter().any(|b| {
                 b.endpoints.service.as_ref().is_some_and(|s| {
-                    &s.name == service
-                        && s.namespace.clone().or_else(|| p.namespace()) == ns
+                    &s.name == service && s.namespace.clone().or_else(|| p.namespace()) == ns
                 })
             })
         })

@@ -26,11 +26,7 @@ fn documents(root: &Path) -> Vec<PathBuf> {
         let mut docs: Vec<PathBuf> = dir
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|x| x == "md"))
-            .filter(|p| {
-                !skip
-                    .iter()
-                    .any(|s| p.file_name().is_some_and(|n| n == *s))
-            })
+            .filter(|p| !skip.iter().any(|s| p.file_name().is_some_and(|n| n == *s)))
             .collect();
         docs.sort();
         out.extend(docs);
@@ -84,8 +80,8 @@ fn the_docs_name_only_fields_the_crd_has() {
     let roots = [("spec", spec), ("status", status), ("backend", backend)];
 
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let workspace = std::env::var_os("CARGO_MANIFEST_DIR")
-        .map_or(workspace, |d| PathBuf::from(d).join(".."));
+    let workspace =
+        std::env::var_os("CARGO_MANIFEST_DIR").map_or(workspace, |d| PathBuf::from(d).join(".."));
     let files = documents(&workspace);
     assert!(files.len() >= 5, "the docs are there: {files:?}");
     let mut wrong = Vec::new();
@@ -117,7 +113,10 @@ fn the_docs_name_only_fields_the_crd_has() {
             }
         }
     }
-    assert!(checked > 20, "only {checked} field paths found: the scan is broken");
+    assert!(
+        checked > 20,
+        "only {checked} field paths found: the scan is broken"
+    );
     assert!(
         wrong.is_empty(),
         "the docs name ConnectionPolicy fields the CRD does not have:\n{}",

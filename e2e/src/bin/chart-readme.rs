@@ -5,9 +5,6 @@
 fn main() -> anyhow::Result<()> {
     let chart = poolpilot_e2e::paths::workspace_root().join("charts/poolpilot");
     let readme = std::fs::read_to_string(chart.join("README.md"))?;
-    print!(
-        "{}",
-        poolpilot_e2e::chart_readme::render(&chart, &readme)?
-    );
+    print!("{}", poolpilot_e2e::chart_readme::render(&chart, &readme)?);
     Ok(())
 }

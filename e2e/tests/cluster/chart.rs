@@ -137,23 +137,27 @@ async fn wait_named_policy_ready(
     gateways: u32,
 ) -> anyhow::Result<()> {
     let policies: Api<ConnectionPolicy> = ns.api();
-    eventually(&format!("policy {name} Ready on every gateway"), WAIT, || async {
-        let p = policies.get(name).await?;
-        let status = p.status.clone().unwrap_or_default();
-        let ready = status.conditions.iter().find(|c| c.type_ == "Ready");
-        anyhow::ensure!(
-            ready.is_some_and(
-                |c| c.status == "True" && c.observed_generation == p.metadata.generation
-            ),
-            "Ready: {ready:?}"
-        );
-        let pods = status.pods.clone().unwrap_or_default();
-        anyhow::ensure!(
-            pods.updated == gateways && pods.selected == gateways,
-            "pods {pods:?}"
-        );
-        Ok(())
-    })
+    eventually(
+        &format!("policy {name} Ready on every gateway"),
+        WAIT,
+        || async {
+            let p = policies.get(name).await?;
+            let status = p.status.clone().unwrap_or_default();
+            let ready = status.conditions.iter().find(|c| c.type_ == "Ready");
+            anyhow::ensure!(
+                ready.is_some_and(
+                    |c| c.status == "True" && c.observed_generation == p.metadata.generation
+                ),
+                "Ready: {ready:?}"
+            );
+            let pods = status.pods.clone().unwrap_or_default();
+            anyhow::ensure!(
+                pods.updated == gateways && pods.selected == gateways,
+                "pods {pods:?}"
+            );
+            Ok(())
+        },
+    )
     .await
 }
 
@@ -718,12 +722,11 @@ async fn a_backend_in_another_namespace_is_served_when_allowed_and_refused_when_
             call_through_every_gateway(ns, &gateways).await?;
             let policies: Api<ConnectionPolicy> = ns.api();
             let status = policies.get("models").await?.status.unwrap_or_default();
-            let endpoints: Vec<u32> = status
-                .backends
-                .iter()
-                .map(|b| b.endpoints)
-                .collect();
-            anyhow::ensure!(endpoints == [2], "two model-a pods as endpoints: {endpoints:?}");
+            let endpoints: Vec<u32> = status.backends.iter().map(|b| b.endpoints).collect();
+            anyhow::ensure!(
+                endpoints == [2],
+                "two model-a pods as endpoints: {endpoints:?}"
+            );
 
             // A namespace not listed: refused, with the reason and the namespace named.
             let mut other = quick_policy()?;
@@ -759,7 +762,13 @@ async fn a_backend_in_another_namespace_is_served_when_allowed_and_refused_when_
                 policies.delete(name, &DeleteParams::default()).await?;
             }
             eventually("the policies are gone", WAIT, || async {
-                anyhow::ensure!(policies.list(&ListParams::default()).await?.items.is_empty());
+                anyhow::ensure!(
+                    policies
+                        .list(&ListParams::default())
+                        .await?
+                        .items
+                        .is_empty()
+                );
                 Ok(())
             })
             .await?;

@@ -176,7 +176,10 @@ async fn a_podmonitor_is_rendered_by_default_where_prometheus_operator_runs() ->
 {
     let has = |objects: &[Value]| find(objects, "PodMonitor").is_some();
     let plain = render("poolpilot", "poolpilot", &[]).await?;
-    assert!(!has(&plain), "no PodMonitor without prometheus-operator's CRD");
+    assert!(
+        !has(&plain),
+        "no PodMonitor without prometheus-operator's CRD"
+    );
     let stack = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"];
     assert!(has(&render("poolpilot", "poolpilot", &stack).await?));
     let off = [
@@ -199,10 +202,7 @@ async fn a_podmonitor_is_rendered_by_default_where_prometheus_operator_runs() ->
     )
     .await?;
     let monitor = find(&objects, "PodMonitor").context("PodMonitor")?;
-    assert_eq!(
-        monitor["spec"]["podMetricsEndpoints"][0]["interval"],
-        "30s"
-    );
+    assert_eq!(monitor["spec"]["podMetricsEndpoints"][0]["interval"], "30s");
     // A TLS configuration of one's own replaces the CA check.
     let objects = render(
         "poolpilot",
@@ -235,7 +235,10 @@ async fn helm_template_is_stable_with_existing_secrets() -> anyhow::Result<()> {
     ];
     let first = render("poolpilot", "poolpilot", &gitops).await?;
     let second = render("poolpilot", "poolpilot", &gitops).await?;
-    assert_eq!(first, second, "helm template renders the same objects twice");
+    assert_eq!(
+        first, second,
+        "helm template renders the same objects twice"
+    );
     assert!(
         find(&first, "Secret").is_none(),
         "no Secret rendered: {:?}",
@@ -332,7 +335,11 @@ async fn the_cloud_install_values_render_where_they_belong() -> anyhow::Result<(
     assert_eq!(containers.len(), 2);
     assert_eq!(containers[1]["name"], "sigv4");
     assert!(pod["spec"]["volumes"].to_string().contains("scratch"));
-    assert!(containers[0]["volumeMounts"].to_string().contains("/scratch"));
+    assert!(
+        containers[0]["volumeMounts"]
+            .to_string()
+            .contains("/scratch")
+    );
     assert_eq!(
         containers[0]["readinessProbe"]["httpGet"]["path"],
         "/readyz?requireLimits=true"
@@ -343,13 +350,21 @@ async fn the_cloud_install_values_render_where_they_belong() -> anyhow::Result<(
         pod["metadata"]["annotations"]["poolpilot.io/limits-configmap"],
         "poolpilot-gateway-limits"
     );
-    assert!(pod["spec"]["volumes"].to_string().contains(r#""name":"poolpilot-gateway-limits""#));
+    assert!(
+        pod["spec"]["volumes"]
+            .to_string()
+            .contains(r#""name":"poolpilot-gateway-limits""#)
+    );
     let np = named("NetworkPolicy", "poolpilot-gateway")?;
     assert_eq!(
         np["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"]["team"],
         "ml"
     );
-    assert!(np["spec"]["ingress"][1]["from"].to_string().contains("observability"));
+    assert!(
+        np["spec"]["ingress"][1]["from"]
+            .to_string()
+            .contains("observability")
+    );
     // The defaults: ready without limits, no peers on the proxy port.
     let defaults = render("poolpilot", "poolpilot", &[]).await?;
     let gateway = defaults

@@ -11,7 +11,10 @@ use poolpilot_e2e::paths::workspace_root;
 /// The user docs: README.md, CONTRIBUTING.md, docs/*.md and the chart README.
 fn documents() -> anyhow::Result<Vec<std::path::PathBuf>> {
     let root = workspace_root();
-    let mut out = vec![root.join("README.md"), root.join("charts/poolpilot/README.md")];
+    let mut out = vec![
+        root.join("README.md"),
+        root.join("charts/poolpilot/README.md"),
+    ];
     for entry in std::fs::read_dir(root.join("docs"))? {
         let path = entry?.path();
         if path.extension().is_some_and(|x| x == "md") {
@@ -68,7 +71,11 @@ async fn every_promql_in_the_docs_runs_on_prometheus() -> anyhow::Result<()> {
         }
     }
     anyhow::ensure!(checked >= 15, "only {checked} PromQL expressions found");
-    anyhow::ensure!(failed.is_empty(), "PromQL that Prometheus refuses:\n{}", failed.join("\n"));
+    anyhow::ensure!(
+        failed.is_empty(),
+        "PromQL that Prometheus refuses:\n{}",
+        failed.join("\n")
+    );
     Ok(())
 }
 
@@ -82,7 +89,14 @@ async fn the_sample_policies_the_docs_walk_are_accepted_by_the_apiserver() -> an
     ] {
         run(cluster
             .kubectl()
-            .args(["apply", "--dry-run=server", "--validate=strict", "-n", "default", "-f"])
+            .args([
+                "apply",
+                "--dry-run=server",
+                "--validate=strict",
+                "-n",
+                "default",
+                "-f",
+            ])
             .arg(workspace_root().join(sample)))
         .await
         .with_context(|| format!("{sample} is refused"))?;

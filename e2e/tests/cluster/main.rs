@@ -13,8 +13,8 @@
 mod chart;
 mod chart_values;
 mod control_plane;
-mod docs;
 mod discovery;
+mod docs;
 mod exclusive;
 mod exposition;
 mod hermetic;

@@ -13,7 +13,10 @@ fn example() -> GatewayLimits {
 #[tokio::test]
 async fn the_example_applies_and_computes_its_revision() {
     let gw = Gateway::new(Metrics::new());
-    assert!(gw.is_ready(), "ready before limits: it serves, 503 no_backends");
+    assert!(
+        gw.is_ready(),
+        "ready before limits: it serves, 503 no_backends"
+    );
     assert!(!gw.limits_loaded() && !gw.is_ready_with_limits());
     let applied = gw
         .apply(example(), LimitsSource::File)

@@ -60,7 +60,10 @@ async fn put_limits_needs_the_token_and_keeps_the_old_limits_on_error() {
     // says why it cannot route; `requireLimits` asks for limits too.
     let (status, _, text) = get(gw.admin, "/readyz", &[]).await;
     assert_eq!(status, 200, "{text}");
-    assert!(text.contains("no ConnectionPolicy selects this pod"), "{text}");
+    assert!(
+        text.contains("no ConnectionPolicy selects this pod"),
+        "{text}"
+    );
     let (status, _, text) = get(gw.admin, "/readyz?requireLimits=true", &[]).await;
     assert_eq!(status, 503, "{text}");
     assert!(text.contains("no limits loaded"), "{text}");
@@ -95,7 +98,10 @@ async fn put_limits_needs_the_token_and_keeps_the_old_limits_on_error() {
     assert_eq!(revision.len(), 12);
     assert_eq!(limits_in_force(&gw).await["revision"], revision);
     assert_eq!(get(gw.admin, "/readyz", &[]).await.0, 200);
-    assert_eq!(get(gw.admin, "/readyz?requireLimits=true", &[]).await.0, 200);
+    assert_eq!(
+        get(gw.admin, "/readyz?requireLimits=true", &[]).await.0,
+        200
+    );
     assert_eq!(
         metric(&gw.metrics().await, "poolpilot_limits_loaded"),
         Some(1.0)

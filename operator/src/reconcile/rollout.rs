@@ -125,7 +125,9 @@ fn durable_configmap<G: Gateways>(
             policies
                 .iter()
                 .filter_map(|o| o.0.as_ref().ok())
-                .find(|o| o.namespace().as_deref() == Some(ns.as_str()) && o.name_any() == p.key.name)
+                .find(|o| {
+                    o.namespace().as_deref() == Some(ns.as_str()) && o.name_any() == p.key.name
+                })
                 .and_then(|o| Some((o.name_any(), o.uid()?)))
         })
         .collect();
@@ -513,9 +515,10 @@ async fn apply_owned<G: Gateways>(
             && cm.annotations().get(REVISION_ANNOTATION) == Some(&doc.revision)
             && cm.annotations().get(GENERATION_ANNOTATION) == Some(&generation)
             && cm.data.as_ref().and_then(|d| d.get(DOCUMENT_KEY)) == Some(&body)
-            && durable.co_owners.iter().all(|(_, uid)| {
-                cm.owner_references().iter().any(|o| &o.uid == uid)
-            })
+            && durable
+                .co_owners
+                .iter()
+                .all(|(_, uid)| cm.owner_references().iter().any(|o| &o.uid == uid))
     });
     if unchanged {
         return Ok(());

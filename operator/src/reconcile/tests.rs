@@ -1344,9 +1344,10 @@ async fn a_backend_in_a_namespace_not_allowed_is_refused_in_status() {
 
     // An allowed namespace is accepted.
     let mut p = policy("models", 0);
-    p.spec.backends[0].endpoints =
-        serde_json::from_value(json!({"service": {"name": "llama", "namespace": "llm", "port": 8000}}))
-            .unwrap();
+    p.spec.backends[0].endpoints = serde_json::from_value(
+        json!({"service": {"name": "llama", "namespace": "llm", "port": 8000}}),
+    )
+    .unwrap();
     assert!(observe::refused_namespaces(&["llm".to_owned()], &p).is_empty());
     assert_eq!(observe::refused_namespaces(&[], &p).len(), 1);
 }
