@@ -165,10 +165,15 @@ monitoring-test: $(PROMTOOL_BIN) ## promtool check + unit tests of the alerting 
 	$(PROMTOOL_BIN) test rules manifests/monitoring/tests/poolpilot.test.yaml
 
 .PHONY: chart-lint
-chart-lint: $(HELM_BIN) ## helm lint the chart (charts/poolpilot) with its default values and with every toggle on
+chart-lint: $(HELM_BIN) ## helm lint the chart (charts/poolpilot) with its default values and with every toggle and value on
 	$(HELM_BIN) lint --strict charts/poolpilot
 	$(HELM_BIN) lint --strict charts/poolpilot --set gateway.enabled=false,operator.watchNamespace=models \
-		--set monitoring.podMonitor.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.dashboard.enabled=true
+		--set monitoring.podMonitor.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.dashboard.enabled=true \
+		--set 'operator.backendNamespaces={llm,models}'
+	$(HELM_BIN) lint --strict charts/poolpilot --set gateway.readiness.requireLimits=true,gateway.service.type=LoadBalancer \
+		--set adminToken.existingSecret=true,adminTls.existingSecrets=true,gateway.limitsConfigMap=fleet-limits \
+		--set-json 'gateway.extraContainers=[{"name":"sidecar","image":"example/sidecar:1"}]' \
+		--set-json 'gateway.networkPolicy.adminFrom=[{"namespaceSelector":{}}]'
 
 .PHONY: crds
 crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its copies (manifests/crds, the chart, with the chart's alert and dashboard copies), its reference doc and the chart README's values table

@@ -124,12 +124,13 @@ fn describe_type(s: &Value) -> String {
             .join(", ");
     }
     if let Some(any) = s["anyOf"].as_array().or(s["oneOf"].as_array()) {
-        return any
-            .iter()
-            .map(describe_type)
-            .filter(|t| !t.is_empty())
-            .collect::<Vec<_>>()
-            .join(" or ");
+        let mut kinds: Vec<String> = Vec::new();
+        for kind in any.iter().map(describe_type).filter(|t| !t.is_empty()) {
+            if !kinds.contains(&kind) {
+                kinds.push(kind);
+            }
+        }
+        return kinds.join(" or ");
     }
     String::new()
 }
@@ -137,12 +138,27 @@ fn describe_type(s: &Value) -> String {
 /// The Markdown table of `values` with types from `schema`.
 pub fn table(values: &[ValueDoc], schema: &Value) -> String {
     let mut out = String::from("| Key | Type | Default | Description |\n|---|---|---|---|\n");
-    let cell = |s: &str| s.replace('|', "\\|");
+    // A cell is Markdown: `|` ends it, and outside code spans `<name>` would be read as an
+    // HTML tag.
+    let cell = |s: &str| {
+        s.replace('|', "\\|")
+            .split('`')
+            .enumerate()
+            .map(|(i, part)| {
+                if i % 2 == 0 {
+                    part.replace('<', "&lt;")
+                } else {
+                    part.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("`")
+    };
     for v in values {
         let default = if v.default.is_empty() {
             String::new()
         } else {
-            format!("`{}`", cell(&v.default))
+            format!("`{}`", v.default.replace('|', "\\|"))
         };
         out.push_str(&format!(
             "| `{}` | {} | {} | {} |\n",
@@ -228,6 +244,22 @@ gateway:
             "`\"ClusterIP\"`, `\"NodePort\"`"
         );
         assert_eq!(schema_type(&schema, "a.x"), "");
+        let twice = serde_json::json!({"properties": {"o": {"anyOf": [{"type": "object"}, {"type": "object"}]}}});
+        assert_eq!(schema_type(&twice, "o"), "object");
+    }
+
+    #[test]
+    fn cells_keep_code_spans_and_escape_tags_and_pipes() {
+        let values = [ValueDoc {
+            key: "a".into(),
+            default: "\"<x>|y\"".into(),
+            description: "<fullname>-x, `<fullname>-y`, a | b".into(),
+        }];
+        let out = table(&values, &serde_json::json!({}));
+        assert!(
+            out.ends_with("| `a` |  | `\"<x>\\|y\"` | &lt;fullname>-x, `<fullname>-y`, a \\| b |\n"),
+            "{out}"
+        );
     }
 
     /// The committed chart README's values table is what `make crds` generates.
