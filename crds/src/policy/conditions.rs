@@ -263,6 +263,12 @@ pub const EVENTS: &[EventDoc] = &[
     },
     EventDoc {
         type_: "Warning",
+        reason: "NamespaceNotAllowed",
+        meaning: "the policy turned `Accepted=False` with reason `NamespaceNotAllowed`; the note \
+                  names the backend and its namespace",
+    },
+    EventDoc {
+        type_: "Warning",
         reason: "Conflicted",
         meaning: "the policy turned `Accepted=False` with reason `Conflicted`; the note names \
                   the older policy",

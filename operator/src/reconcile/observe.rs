@@ -316,8 +316,9 @@ pub fn refused_namespaces(allowed: &[String], policy: &ConnectionPolicy) -> Vec<
             let wanted = b.endpoints.service.as_ref()?.namespace.as_ref()?;
             (wanted != &own && !allowed.contains(wanted)).then(|| {
                 format!(
-                    "backends[{i}] ({}): endpoints.service.namespace {wanted:?} is not a namespace this operator reads backends from (its --backend-namespaces: {})",
+                    "backends[{i}] ({}): endpoints.service.namespace {wanted:?} {} (its --backend-namespaces: {})",
                     b.name,
+                    crate::plan::status::NAMESPACE_REFUSAL,
                     if allowed.is_empty() {
                         "none, only the policy's own".to_owned()
                     } else {

@@ -362,18 +362,13 @@ async fn refuse<G: Gateways>(
         document: None,
     };
     let input = observe::policy_input(&observed.focus.namespace, policy, &[]);
-    let mut computed = plan::status::compute(
+    let computed = plan::status::compute(
         &input,
         &policy_plan,
         &Memory::default(),
         &plan::status::RolloutReport::default(),
         now,
     );
-    for c in &mut computed.conditions {
-        if c.type_ == "Accepted" && c.reason == "Invalid" {
-            c.reason = "NamespaceNotAllowed".to_owned();
-        }
-    }
     step(
         &ctx.metrics,
         "status",
