@@ -37,6 +37,8 @@ PROMETHEUS_BIN   := $(BIN)/prometheus
 PROMETHEUS_VERSION := 3.16.0
 export POOLPILOT_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
 PROMTOOL_BIN     := $(BIN)/promtool
+PROM_OPERATOR_CRDS := $(BIN)/prometheus-operator-crds
+export POOLPILOT_PROMETHEUS_OPERATOR_CRDS := $(PROM_OPERATOR_CRDS)
 # The port of the `make cluster-up` cluster's Prometheus: manifests/overlays/local (and so `make
 # demo`) point the operator at 127.0.0.1:9090.
 PROMETHEUS_PORT  ?= 9090
@@ -74,7 +76,7 @@ bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim, de
 	cargo build --workspace --bins
 
 .PHONY: cluster
-cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) $(HELM_BIN) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), Prometheus and helm
+cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) $(HELM_BIN) $(PROM_OPERATOR_CRDS) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), Prometheus, helm, and fetch prometheus-operator's CRDs
 
 $(CLUSTER_BIN): $(CLUSTER_SOURCES)
 	@mkdir -p $(BIN)
@@ -102,6 +104,17 @@ $(HELM_BIN): e2e/helm/go.mod e2e/helm/go.sum
 	@mkdir -p $(BIN)
 	@echo ">> building helm $(HELM_VERSION) from its Go module (cold: ~3 min on 2 cores)"
 	$(call go_tool,e2e/helm,helm.sh/helm/v3/cmd/helm,$(HELM_BIN),helm.sh/helm/v3/internal/version.version=$(HELM_VERSION))
+
+# prometheus-operator's CRDs (PodMonitor, PrometheusRule, ...) from its Go module, pinned in
+# e2e/prometheus-operator/go.mod (go.sum checks the download): the chart test applies them to the
+# embedded cluster and server-side applies the chart's PodMonitor and PrometheusRule against them.
+$(PROM_OPERATOR_CRDS): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go.sum
+	@mkdir -p $(BIN)
+	dir=$$(cd e2e/prometheus-operator && go mod download -json github.com/prometheus-operator/prometheus-operator \
+		| sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$$/\1/p'); \
+	test -d "$$dir/example/prometheus-operator-crd" || { echo "no CRDs in $$dir"; exit 1; }; \
+	rm -rf $@.tmp && mkdir -p $@.tmp && cp "$$dir"/example/prometheus-operator-crd/*.yaml $@.tmp/ && \
+	chmod -R u+w $@.tmp && rm -rf $@ && mv $@.tmp $@
 
 # promtool from the same Prometheus module: checks and unit-tests the alerting rules.
 $(PROMTOOL_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
@@ -154,13 +167,18 @@ monitoring-test: $(PROMTOOL_BIN) ## promtool check + unit tests of the alerting 
 	$(PROMTOOL_BIN) test rules manifests/monitoring/tests/poolpilot.test.yaml
 
 .PHONY: chart-lint
-chart-lint: $(HELM_BIN) ## helm lint the chart (charts/poolpilot) with its default values and with every toggle on
+chart-lint: $(HELM_BIN) ## helm lint the chart (charts/poolpilot) with its default values and with every toggle and value on
 	$(HELM_BIN) lint --strict charts/poolpilot
 	$(HELM_BIN) lint --strict charts/poolpilot --set gateway.enabled=false,operator.watchNamespace=models \
-		--set monitoring.podMonitor.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.dashboard.enabled=true
+		--set monitoring.podMonitor.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.dashboard.enabled=true \
+		--set 'operator.backendNamespaces={llm,models}'
+	$(HELM_BIN) lint --strict charts/poolpilot --set gateway.readiness.requireLimits=true,gateway.service.type=LoadBalancer \
+		--set adminToken.existingSecret=true,adminTls.existingSecrets=true,gateway.limitsConfigMap=fleet-limits \
+		--set-json 'gateway.extraContainers=[{"name":"sidecar","image":"example/sidecar:1"}]' \
+		--set-json 'gateway.networkPolicy.adminFrom=[{"namespaceSelector":{}}]'
 
 .PHONY: crds
-crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its copies (manifests/crds, the chart, with the chart's alert and dashboard copies) and its reference doc
+crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its copies (manifests/crds, the chart, with the chart's alert and dashboard copies), its reference doc and the chart README's values table
 	cargo run -q -p poolpilot-api --bin crdgen > crds/connectionpolicy.yaml.tmp
 	mv crds/connectionpolicy.yaml.tmp crds/connectionpolicy.yaml
 	cp crds/connectionpolicy.yaml manifests/crds/connectionpolicy.yaml
@@ -169,6 +187,8 @@ crds: ## Regenerate the ConnectionPolicy CRD (crds/connectionpolicy.yaml), its c
 		charts/poolpilot/files/
 	cargo run -q -p poolpilot-api --bin crdgen -- --reference > docs/connectionpolicy-reference.md.tmp
 	mv docs/connectionpolicy-reference.md.tmp docs/connectionpolicy-reference.md
+	cargo run -q -p poolpilot-e2e --bin chart-readme > charts/poolpilot/README.md.tmp
+	mv charts/poolpilot/README.md.tmp charts/poolpilot/README.md
 
 # Before any test runs, `cluster net check` proves that the cluster's ranges are routed to
 # nowhere (see "What runs where" in the README): without that, no e2e test starts.

@@ -157,10 +157,13 @@ pub struct TrustedProxies {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum ProxyProtocol {
-    /// A PROXY protocol version 2 header opens every connection from a trusted proxy.
+    /// A PROXY protocol version 2 header opens every connection from a trusted proxy. The
+    /// ConnectionPolicy's spelling, `ProxyV2`, is read too.
+    #[serde(alias = "ProxyV2")]
     ProxyV2,
     /// The `X-Forwarded-For` header: the client is its rightmost address that is not a trusted
-    /// proxy (nginx's `real_ip_recursive`).
+    /// proxy (nginx's `real_ip_recursive`). `XForwardedFor` is read too.
+    #[serde(alias = "XForwardedFor")]
     XForwardedFor,
 }
 
@@ -545,7 +548,8 @@ pub enum ClientIdentity {
 struct ClientIdentityWire {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     header: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// `sourceIp`; the ConnectionPolicy's spelling, `sourceIP`, is read too.
+    #[serde(default, skip_serializing_if = "Option::is_none", alias = "sourceIP")]
     source_ip: Option<BTreeMap<String, serde_json::Value>>,
 }
 

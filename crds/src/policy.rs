@@ -284,9 +284,16 @@ const ADDRESSES_LEAVE_THE_POD: &str = concat!(
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ServiceRef {
-    /// Name of the Service, in the policy's namespace.
+    /// Name of the Service.
     #[schemars(length(min = 1, max = 63))]
     pub name: String,
+    /// Namespace of the Service; omitted: the policy's. Another namespace must be one the
+    /// operator may read backends from (its `--backend-namespaces`, the chart's
+    /// `operator.backendNamespaces`), else the policy is not accepted (reason
+    /// `NamespaceNotAllowed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63), pattern(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub namespace: Option<String>,
     /// The port the backend instances listen on, as listed in the Service's EndpointSlices (the
     /// Service's `targetPort` as a number).
     #[schemars(range(min = 1, max = 65535))]
@@ -1267,5 +1274,7 @@ fn cidr_list(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     })
 }
 
+#[cfg(test)]
+mod doc_fields;
 #[cfg(test)]
 mod tests;

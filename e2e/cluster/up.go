@@ -280,6 +280,10 @@ func apiserverFlags(dir string, p *pki, port, etcdPort int) []string {
 		"--service-account-signing-key-file=" + p.path("sa.key"),
 		"--service-cluster-ip-range=10.96.0.0/16",
 		"--authorization-mode=Node,RBAC",
+		// As OpenShift runs it: setting an ownerReference with blockOwnerDeletion needs `update`
+		// on the owner's finalizers subresource (the operator's limits ConfigMaps point at
+		// their ConnectionPolicy so; its RBAC must say so, and the e2e tests catch it if not).
+		"--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
 		// How `kubectl logs` reaches the local kubelet: the Node's InternalIP (127.0.0.1) and
 		// daemonEndpoints port, its serving certificate checked against the cluster CA, with
 		// the one client certificate the kubelet accepts.

@@ -11,6 +11,7 @@
 //! ```
 
 pub mod auth_proxy;
+pub mod chart_readme;
 pub mod cluster;
 pub mod credentials;
 mod crypto;

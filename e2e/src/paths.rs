@@ -106,6 +106,15 @@ pub fn kubelet_bin() -> PathBuf {
         .unwrap_or_else(|| workspace_bin_dir().join("local-kubelet"))
 }
 
+/// The folder of prometheus-operator's CRDs (`make cluster` extracts them from the Go module
+/// pinned in e2e/prometheus-operator): `$POOLPILOT_PROMETHEUS_OPERATOR_CRDS` or
+/// `<cache>/bin/prometheus-operator-crds`.
+pub fn prometheus_operator_crds() -> PathBuf {
+    std::env::var_os("POOLPILOT_PROMETHEUS_OPERATOR_CRDS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/prometheus-operator-crds"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

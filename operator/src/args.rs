@@ -103,6 +103,13 @@ pub struct Args {
     /// pods, EndpointSlices and ConfigMaps must then all live there.
     #[arg(long, env = "POOLPILOT_NAMESPACE", default_value = "")]
     pub namespace: String,
+    /// Namespaces besides its own whose Services a policy may name as backends
+    /// (`endpoints.service.namespace`), comma-separated; a policy naming another is not accepted
+    /// (reason `NamespaceNotAllowed`). The operator watches their EndpointSlices: with
+    /// `--namespace`, one watch more per namespace listed (RBAC: list and watch
+    /// endpointslices there).
+    #[arg(long, env = "POOLPILOT_BACKEND_NAMESPACES", value_delimiter = ',', num_args = 0..)]
+    pub backend_namespaces: Vec<String>,
     /// Label selector narrowing the pod watch (empty: every pod).
     #[arg(long, env = "POOLPILOT_POD_SELECTOR", default_value = "")]
     pub pod_selector: String,
@@ -125,8 +132,8 @@ pub struct Args {
     /// This replica's identity in the Lease and in Events (defaults to the host name).
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
-    /// Log format.
-    #[arg(long, env = "POOLPILOT_LOG_FORMAT", default_value = "plain", value_parser = ["plain", "json"])]
+    /// Log format: `text` (or `plain`, the same) or `json`, as the gateway's `--log-format`.
+    #[arg(long, env = "POOLPILOT_LOG_FORMAT", default_value = "text", value_parser = ["text", "plain", "json"])]
     pub log_format: String,
 }
 

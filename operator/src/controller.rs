@@ -110,6 +110,20 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         &shutdown,
     );
     let slices = cache::<EndpointSlice>(scope.api(&client), watcher::Config::default(), &shutdown);
+    // Watching one namespace, the backend namespaces' EndpointSlices need a watch each (whose
+    // changes reconcile like the namespace's own); watching all, the one watch sees them.
+    let mut slice_stores = vec![slices.store.clone()];
+    if let Some(own) = &scope.0 {
+        for ns in args.backend_namespaces.iter().filter(|ns| *ns != own) {
+            let extra = cache_feeding::<EndpointSlice>(
+                Api::namespaced(client.clone(), ns),
+                watcher::Config::default(),
+                &shutdown,
+                slices.touched.clone(),
+            );
+            slice_stores.push(extra.store);
+        }
+    }
     let managed = format!("{}={}", MANAGED_BY.0, MANAGED_BY.1);
     let configmaps = cache::<ConfigMap>(
         scope.api(&client),
@@ -146,6 +160,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         gateways,
         pods,
         slices,
+        slice_stores,
         configmaps,
     };
 
@@ -234,6 +249,8 @@ struct Term {
     gateways: HttpGateways,
     pods: Cached<Pod>,
     slices: Cached<EndpointSlice>,
+    /// The slices' stores: the scope's, then one per backend namespace outside it.
+    slice_stores: Vec<Store<EndpointSlice>>,
     configmaps: Cached<ConfigMap>,
 }
 
@@ -270,11 +287,12 @@ impl Term {
                 snapshot_max_age: self.args.metrics_interval.get() * 2
                     + self.args.scrape_interval.get() * 2,
                 max_requeue: self.args.max_requeue.get(),
+                backend_namespaces: self.args.backend_namespaces.clone(),
             },
             stores: Stores {
                 policies: policies.clone(),
                 pods: self.pods.store.clone(),
-                slices: self.slices.store.clone(),
+                slices: self.slice_stores.clone(),
                 configmaps: self.configmaps.store.clone(),
             },
             snapshot: self.snapshot.clone(),
@@ -373,13 +391,11 @@ fn policies_using(
         return Vec::new();
     };
     readable(&store.state())
-        .filter(|(_, p)| p.namespace() == ns)
         .filter(|(_, p)| {
             p.spec.backends.iter().any(|b| {
-                b.endpoints
-                    .service
-                    .as_ref()
-                    .is_some_and(|s| &s.name == service)
+                b.endpoints.service.as_ref().is_some_and(|s| {
+                    &s.name == service && s.namespace.clone().or_else(|| p.namespace()) == ns
+                })
             })
         })
         .map(|(r, _)| r)
@@ -455,8 +471,28 @@ where
         + Sync
         + 'static,
 {
-    let (store, writer) = reflector::store();
     let (touched, _) = tokio::sync::broadcast::channel(TOUCHED_BUFFER);
+    cache_feeding(api, config, shutdown, touched)
+}
+
+/// [`cache`], telling the objects it touches to `touched` (another cache's, so that one stream
+/// carries the changes of several watches).
+fn cache_feeding<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    shutdown: &CancellationToken,
+    touched: tokio::sync::broadcast::Sender<Arc<K>>,
+) -> Cached<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
     let stream = reflector::reflector(writer, watcher(api, config).modify(strip_bookkeeping::<K>))
         .default_backoff()
         .touched_objects();

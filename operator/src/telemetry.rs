@@ -1,4 +1,4 @@
-//! Logging: `tracing` to stderr, plain or JSON, filtered by `RUST_LOG` (default `info`). The plain
+//! Logging: `tracing` to stderr, text or JSON, filtered by `RUST_LOG` (default `info`). The plain
 //! format is coloured only when stderr is a terminal: a log file (the kubelet's, a redirect) gets
 //! no ANSI escape codes.
 
@@ -6,7 +6,7 @@ use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
 
-/// Installs the global subscriber. `format` is `plain` or `json`.
+/// Installs the global subscriber. `format` is `text` (alias `plain`) or `json`.
 pub fn init(format: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()

@@ -311,3 +311,28 @@ fn an_aging_bound_that_a_queue_times_out_before_is_refused_with_both_timeouts_na
         ]
     );
 }
+
+/// A limits file may use the ConnectionPolicy's spellings, `sourceIP` and `ProxyV2` /
+/// `XForwardedFor`, beside its own camelCase ones; it is written in its own.
+#[test]
+fn the_policys_spellings_of_identity_and_proxy_protocol_are_read_too() {
+    let identity: ClientIdentity = serde_json::from_str(r#"{"sourceIP": {}}"#).unwrap();
+    assert_eq!(identity, ClientIdentity::SourceIp);
+    assert_eq!(
+        serde_json::to_string(&identity).unwrap(),
+        r#"{"sourceIp":{}}"#
+    );
+    for (spelling, want) in [
+        ("ProxyV2", ProxyProtocol::ProxyV2),
+        ("proxyV2", ProxyProtocol::ProxyV2),
+        ("XForwardedFor", ProxyProtocol::XForwardedFor),
+        ("xForwardedFor", ProxyProtocol::XForwardedFor),
+    ] {
+        let got: ProxyProtocol = serde_json::from_str(&format!("{spelling:?}")).unwrap();
+        assert_eq!(got, want, "{spelling}");
+    }
+    assert_eq!(
+        serde_json::to_string(&ProxyProtocol::ProxyV2).unwrap(),
+        r#""proxyV2""#
+    );
+}

@@ -64,6 +64,13 @@ pub const CONDITIONS: &[ConditionDoc] = &[
             ),
             reason(
                 "False",
+                "NamespaceNotAllowed",
+                "a backend's `endpoints.service.namespace` is not one the operator may read \
+                 backends from (`--backend-namespaces`; the message names it); nothing is \
+                 rolled out",
+            ),
+            reason(
+                "False",
                 "Conflicted",
                 "a backend name is already defined by an older policy that selects the same \
                  gateway pods (the oldest policy wins); nothing is rolled out",
@@ -253,6 +260,12 @@ pub const EVENTS: &[EventDoc] = &[
         reason: "Invalid",
         meaning: "the policy turned `Accepted=False` with reason `Invalid`; the note lists the \
                   broken rules",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "NamespaceNotAllowed",
+        meaning: "the policy turned `Accepted=False` with reason `NamespaceNotAllowed`; the note \
+                  names the backend and its namespace",
     },
     EventDoc {
         type_: "Warning",

@@ -22,7 +22,7 @@ use crate::exclusive::BUILT_IN_ROLE_AGGREGATION;
 const WAIT: Duration = Duration::from_secs(180);
 
 /// `helm` with the cluster's admin kubeconfig.
-fn helm(cluster: &Cluster) -> tokio::process::Command {
+pub(crate) fn helm(cluster: &Cluster) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(helm_bin());
     cmd.arg("--kubeconfig").arg(cluster.kubeconfig());
     cmd.stdin(std::process::Stdio::null()).kill_on_drop(true);
@@ -30,7 +30,7 @@ fn helm(cluster: &Cluster) -> tokio::process::Command {
 }
 
 /// Every document of a YAML stream, as JSON values (empty documents dropped).
-fn documents(yaml: &str) -> anyhow::Result<Vec<Value>> {
+pub(crate) fn documents(yaml: &str) -> anyhow::Result<Vec<Value>> {
     let mut out = Vec::new();
     for doc in serde_norway::Deserializer::from_str(yaml) {
         let v = Value::deserialize(doc)?;
@@ -41,7 +41,7 @@ fn documents(yaml: &str) -> anyhow::Result<Vec<Value>> {
     Ok(out)
 }
 
-fn chart_dir() -> std::path::PathBuf {
+pub(crate) fn chart_dir() -> std::path::PathBuf {
     workspace_root().join("charts/poolpilot")
 }
 
@@ -127,25 +127,57 @@ async fn ready_pods(ns: &TestNamespace, labels: &str, count: usize) -> anyhow::R
 /// Waits until the policy `models` has `Ready=True` for its generation and every gateway pod
 /// updated: the chart's operator reconciles and rolls out.
 async fn wait_policy_ready(ns: &TestNamespace, gateways: u32) -> anyhow::Result<()> {
+    wait_named_policy_ready(ns, "models", gateways).await
+}
+
+/// [`wait_policy_ready`] for the policy `name`.
+async fn wait_named_policy_ready(
+    ns: &TestNamespace,
+    name: &str,
+    gateways: u32,
+) -> anyhow::Result<()> {
     let policies: Api<ConnectionPolicy> = ns.api();
-    eventually("policy models Ready on every gateway", WAIT, || async {
-        let p = policies.get("models").await?;
-        let status = p.status.clone().unwrap_or_default();
-        let ready = status.conditions.iter().find(|c| c.type_ == "Ready");
-        anyhow::ensure!(
-            ready.is_some_and(
-                |c| c.status == "True" && c.observed_generation == p.metadata.generation
-            ),
-            "Ready: {ready:?}"
-        );
-        let pods = status.pods.clone().unwrap_or_default();
-        anyhow::ensure!(
-            pods.updated == gateways && pods.selected == gateways,
-            "pods {pods:?}"
-        );
-        Ok(())
-    })
+    eventually(
+        &format!("policy {name} Ready on every gateway"),
+        WAIT,
+        || async {
+            let p = policies.get(name).await?;
+            let status = p.status.clone().unwrap_or_default();
+            let ready = status.conditions.iter().find(|c| c.type_ == "Ready");
+            anyhow::ensure!(
+                ready.is_some_and(
+                    |c| c.status == "True" && c.observed_generation == p.metadata.generation
+                ),
+                "Ready: {ready:?}"
+            );
+            let pods = status.pods.clone().unwrap_or_default();
+            anyhow::ensure!(
+                pods.updated == gateways && pods.selected == gateways,
+                "pods {pods:?}"
+            );
+            Ok(())
+        },
+    )
     .await
+}
+
+/// A chat completion for model-a through `pod`: its status and body.
+async fn call_model_a(pod: &Pod) -> anyhow::Result<(u16, http::HeaderMap, Value)> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    let url = format!("http://{}:{PROXY_PORT}/v1/chat/completions", pod_ip(pod)?);
+    let body = json!({"model": "model-a", "messages": [{"role": "user", "content": "hi"}]});
+    let resp = client
+        .post(&url)
+        .header("x-api-key", "chart-test")
+        .json(&body)
+        .send()
+        .await?;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.json().await.unwrap_or(Value::Null);
+    Ok((status, headers, body))
 }
 
 /// A chat completion for model-a through each gateway pod answers 200 from a model-a backend.
@@ -526,4 +558,224 @@ fn the_charts_copies_match_their_sources() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A fresh install with no policy passes `helm install --wait`: the gateways are Ready and say
+/// why they cannot route (503 `no_backends`). A policy of any name then reaches them, and its
+/// tuned limits land in the ConfigMap the gateways mount (named by their pods' annotation, not
+/// by the policy): a gateway restarted while the operator is down serves them.
+#[tokio::test]
+async fn a_fresh_install_is_ready_and_any_policy_survives_a_restart_without_the_operator()
+-> anyhow::Result<()> {
+    with_namespace("chart-fresh", async |ns| {
+        let cluster = ns.cluster();
+        cluster.install_crd().await?;
+        let release = ns.name().to_owned();
+        let mut values = local_values(ns, &release)?;
+        values["gateway"]["replicas"] = json!(1);
+        values["gateway"]["awaitOperator"] = json!("3s");
+        let file = tempfile::NamedTempFile::new()?;
+        std::fs::write(file.path(), serde_json::to_vec(&values)?)?;
+        let _aggregation = BUILT_IN_ROLE_AGGREGATION.lock().await;
+        deploy_backends(ns).await?;
+        // No policy exists: `--wait` waits for every Deployment to be Ready, gateways included.
+        run(helm(cluster)
+            .args(["install", &release])
+            .arg(chart_dir())
+            .args(["-n", ns.name(), "--wait", "--timeout=150s", "-f"])
+            .arg(file.path()))
+        .await
+        .context("helm install --wait with no policy")?;
+        let gateways = ready_pods(ns, "app.kubernetes.io/name=poolpilot-gateway", 1).await?;
+        let (status, headers, body) = call_model_a(&gateways[0]).await?;
+        anyhow::ensure!(
+            status == 503 && body["error"]["code"] == "no_backends",
+            "{status}: {body}"
+        );
+        anyhow::ensure!(headers.contains_key("retry-after"), "{headers:?}");
+
+        // A policy not named after the sample.
+        ready_pods(ns, "app.kubernetes.io/name=model-a", 2).await?;
+        let mut policy = quick_policy()?;
+        set(&mut policy, "/metadata/namespace", json!(ns.name()))?;
+        set(&mut policy, "/metadata/name", json!("chat"))?;
+        apply(ns, &policy).await?;
+        wait_named_policy_ready(ns, "chat", 1).await?;
+        call_through_every_gateway(ns, &gateways).await?;
+        let fleet_map = format!("{release}-gateway-limits");
+        let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> = ns.api();
+        let durable = eventually("the fleet's limits ConfigMap", WAIT, || async {
+            let cm = configmaps.get(&fleet_map).await?;
+            let doc = cm
+                .data
+                .as_ref()
+                .and_then(|d| d.get("limits.json"))
+                .context("no limits.json")?;
+            let doc: Value = serde_json::from_str(doc)?;
+            anyhow::ensure!(
+                doc["backends"].as_array().is_some_and(|b| !b.is_empty()),
+                "{doc}"
+            );
+            Ok(cm)
+        })
+        .await?;
+        anyhow::ensure!(
+            durable
+                .metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.name == "chat" && o.controller == Some(true)),
+            "owned by the policy: {:?}",
+            durable.metadata.owner_references
+        );
+
+        // The operator goes away; a gateway restarts and serves the ConfigMap's limits.
+        run(cluster.kubectl().args([
+            "scale",
+            "-n",
+            ns.name(),
+            &format!("deployment/{release}-operator"),
+            "--replicas=0",
+        ]))
+        .await?;
+        eventually("the operator is gone", WAIT, || async {
+            let pods: Api<Pod> = ns.api();
+            let left = pods
+                .list(&ListParams::default().labels("app.kubernetes.io/name=poolpilot-operator"))
+                .await?
+                .items;
+            anyhow::ensure!(left.is_empty(), "{} operator pods", left.len());
+            Ok(())
+        })
+        .await?;
+        let pods: Api<Pod> = ns.api();
+        let old = gateways[0].metadata.name.clone().context("a name")?;
+        pods.delete(&old, &DeleteParams::default()).await?;
+        let restarted = eventually("a new gateway pod Ready", WAIT, || async {
+            let ready = ready_pods(ns, "app.kubernetes.io/name=poolpilot-gateway", 1).await?;
+            anyhow::ensure!(ready[0].metadata.name.as_deref() != Some(old.as_str()));
+            Ok(ready)
+        })
+        .await?;
+        call_through_every_gateway(ns, &restarted).await?;
+
+        let policies: Api<ConnectionPolicy> = ns.api();
+        // The operator back, the policy goes; then the release.
+        run(cluster.kubectl().args([
+            "scale",
+            "-n",
+            ns.name(),
+            &format!("deployment/{release}-operator"),
+            "--replicas=1",
+        ]))
+        .await?;
+        policies.delete("chat", &DeleteParams::default()).await?;
+        eventually("the policy is gone", WAIT, || async {
+            anyhow::ensure!(policies.get_opt("chat").await?.is_none());
+            Ok(())
+        })
+        .await?;
+        run(helm(cluster).args(["uninstall", &release, "-n", ns.name(), "--wait"])).await?;
+        Ok(())
+    })
+    .await
+}
+
+/// A backend whose Service lives in another namespace: allowed by `operator.backendNamespaces`,
+/// its pods are the endpoints (each its own cap) and calls reach them; a namespace not listed
+/// is refused in status (`Accepted=False`, reason `NamespaceNotAllowed`) and nothing of that
+/// policy reaches the gateways.
+#[tokio::test]
+async fn a_backend_in_another_namespace_is_served_when_allowed_and_refused_when_not()
+-> anyhow::Result<()> {
+    with_namespace("chart-xns", async |ns| {
+        with_namespace("chart-xns-llm", async |backends| {
+            let cluster = ns.cluster();
+            cluster.install_crd().await?;
+            let release = ns.name().to_owned();
+            let mut values = local_values(ns, &release)?;
+            values["gateway"]["replicas"] = json!(1);
+            values["operator"]["backendNamespaces"] = json!([backends.name()]);
+            let file = tempfile::NamedTempFile::new()?;
+            std::fs::write(file.path(), serde_json::to_vec(&values)?)?;
+            let _aggregation = BUILT_IN_ROLE_AGGREGATION.lock().await;
+            deploy_backends(backends).await?;
+            run(helm(cluster)
+                .args(["install", &release])
+                .arg(chart_dir())
+                .args(["-n", ns.name(), "--wait=false", "-f"])
+                .arg(file.path()))
+            .await?;
+            ready_pods(ns, "app.kubernetes.io/name=poolpilot-operator", 1).await?;
+            ready_pods(backends, "app.kubernetes.io/name=model-a", 2).await?;
+
+            let mut policy = quick_policy()?;
+            set(&mut policy, "/metadata/namespace", json!(ns.name()))?;
+            // Only model-a, in the other namespace.
+            let mut model_a = policy["spec"]["backends"][0].clone();
+            model_a["endpoints"]["service"]["namespace"] = json!(backends.name());
+            set(&mut policy, "/spec/backends", json!([model_a]))?;
+            apply(ns, &policy).await?;
+            wait_policy_ready(ns, 1).await?;
+            let gateways = ready_pods(ns, "app.kubernetes.io/name=poolpilot-gateway", 1).await?;
+            call_through_every_gateway(ns, &gateways).await?;
+            let policies: Api<ConnectionPolicy> = ns.api();
+            let status = policies.get("models").await?.status.unwrap_or_default();
+            let endpoints: Vec<u32> = status.backends.iter().map(|b| b.endpoints).collect();
+            anyhow::ensure!(
+                endpoints == [2],
+                "two model-a pods as endpoints: {endpoints:?}"
+            );
+
+            // A namespace not listed: refused, with the reason and the namespace named.
+            let mut other = quick_policy()?;
+            set(&mut other, "/metadata/namespace", json!(ns.name()))?;
+            set(&mut other, "/metadata/name", json!("elsewhere"))?;
+            let mut model_z = other["spec"]["backends"][0].clone();
+            model_z["name"] = json!("model-z");
+            model_z["match"] = json!({"pathPrefix": "/v1/", "model": "model-z"});
+            model_z["endpoints"]["service"]["namespace"] = json!("kube-system");
+            set(&mut other, "/spec/backends", json!([model_z]))?;
+            apply(ns, &other).await?;
+            eventually("elsewhere refused", WAIT, || async {
+                let p = policies.get("elsewhere").await?;
+                let status = p.status.clone().unwrap_or_default();
+                let accepted = status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "Accepted")
+                    .context("no Accepted condition")?;
+                anyhow::ensure!(
+                    accepted.status == "False"
+                        && accepted.reason == "NamespaceNotAllowed"
+                        && accepted.message.contains("kube-system"),
+                    "{accepted:?}"
+                );
+                Ok(())
+            })
+            .await?;
+            // The allowed policy is untouched.
+            call_through_every_gateway(ns, &gateways).await?;
+
+            for name in ["models", "elsewhere"] {
+                policies.delete(name, &DeleteParams::default()).await?;
+            }
+            eventually("the policies are gone", WAIT, || async {
+                anyhow::ensure!(
+                    policies
+                        .list(&ListParams::default())
+                        .await?
+                        .items
+                        .is_empty()
+                );
+                Ok(())
+            })
+            .await?;
+            run(helm(cluster).args(["uninstall", &release, "-n", ns.name(), "--wait"])).await?;
+            Ok(())
+        })
+        .await
+    })
+    .await
 }

@@ -11,8 +11,10 @@
 //! takes a lock of [`exclusive`] where a cluster-wide effect must be its own alone.
 
 mod chart;
+mod chart_values;
 mod control_plane;
 mod discovery;
+mod docs;
 mod exclusive;
 mod exposition;
 mod hermetic;

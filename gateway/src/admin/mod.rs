@@ -1,5 +1,6 @@
-//! The admin API, on its own port: `GET /healthz`, `/readyz` and `/metrics` for probes and
-//! Prometheus, and behind the bearer token `GET /v1/limits`, `GET /v1/stats`, `GET /v1/clients`,
+//! The admin API, on its own port: `GET /healthz`, `/readyz` (`?requireLimits=true`) and
+//! `/metrics` for probes and Prometheus, and behind the bearer token `GET /v1/limits`, `GET /v1/stats`,
+//! `GET /v1/clients`,
 //! `PUT /v1/limits` (validated, swapped atomically; 200, 401, 408, 409, 413 or 422 with the old
 //! limits kept), `GET`/`PUT /v1/log-level` (the log filter, changed at run time) and
 //! `POST /v1/backends/{backend}/endpoints/{endpoint}/drain` (or `/restore`).
@@ -48,15 +49,7 @@ pub async fn route(
     }
     match (req.method(), path) {
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-        (&Method::GET, "/readyz") if gw.is_ready() => text(StatusCode::OK, "ready\n"),
-        (&Method::GET, "/readyz") if gw.is_draining() => {
-            text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
-        }
-        (&Method::GET, "/readyz") if gw.is_awaiting_operator() => text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "waiting for the operator to send this pod its limits\n",
-        ),
-        (&Method::GET, "/readyz") => text(StatusCode::SERVICE_UNAVAILABLE, "no limits loaded\n"),
+        (&Method::GET, "/readyz") => readyz(gw, req.uri().query()),
         (&Method::GET, "/metrics") => {
             // The classic text format unless the scraper accepts OpenMetrics (Prometheus does).
             let format = poolpilot_telemetry::Format::negotiate(
@@ -93,6 +86,41 @@ pub async fn route(
         ) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
         (method, path) if path.starts_with("/v1/backends/") => drain_or_restore(gw, method, path),
         _ => error(StatusCode::NOT_FOUND, "no such admin endpoint"),
+    }
+}
+
+/// `GET /readyz`: 200 while the gateway serves, limits or not (a pod no ConnectionPolicy selects
+/// yet answers its calls 503 `no_backends`); 503 while draining or waiting for the operator's
+/// first PUT. `?requireLimits=true`: 503 also until a limits document is loaded.
+fn readyz(gw: &Gateway, query: Option<&str>) -> Response<ResponseBody> {
+    let require_limits = query.unwrap_or_default().split('&').any(|pair| {
+        matches!(
+            pair.split_once('=').unwrap_or((pair, "true")),
+            ("requireLimits", "true" | "1")
+        )
+    });
+    let loaded = gw.limits_loaded();
+    if gw.is_draining() {
+        text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
+    } else if gw.is_awaiting_operator() {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "waiting for the operator to send this pod its limits\n",
+        )
+    } else if !gw.is_ready() {
+        text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
+    } else if loaded {
+        text(StatusCode::OK, "ready\n")
+    } else if require_limits {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no limits loaded: no ConnectionPolicy selects this pod yet\n",
+        )
+    } else {
+        text(
+            StatusCode::OK,
+            "ready, no limits loaded: no ConnectionPolicy selects this pod yet (calls get 503 no_backends)\n",
+        )
     }
 }
 

@@ -239,6 +239,7 @@ impl Gateway {
             needs_model,
         });
         self.inner.loaded.store(true, Ordering::Release);
+        self.inner.metrics.set_limits_loaded(true);
         if matches!(source, LimitsSource::Api) {
             self.inner.managed_by_api.store(true, Ordering::Release);
         }

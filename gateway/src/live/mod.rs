@@ -102,8 +102,8 @@ pub(crate) struct Route {
 // === impl Gateway ===
 
 impl Gateway {
-    /// A gateway with no backends (every request gets 404) until limits are applied, and no
-    /// access log.
+    /// A gateway with no backends (every request gets 503 `no_backends`) until limits are
+    /// applied, and no access log.
     pub fn new(metrics: Metrics) -> Self {
         Self::configured(metrics, AccessLog::off(), HttpConnector::default(), 1)
     }
@@ -168,13 +168,26 @@ impl Gateway {
         self.inner.early_retry_penalty
     }
 
-    /// Ready: limits were loaded, shutdown has not begun and the gateway is not waiting for the
-    /// operator.
+    /// Ready (`/readyz` 200): shutdown has not begun and the gateway is not waiting for the
+    /// operator. A pod without limits is ready too: it serves, answering every call 503
+    /// `no_backends` (no ConnectionPolicy selects it yet), so that a fresh install, before any
+    /// policy, passes `helm install --wait` and Argo CD's health check. `/readyz?requireLimits=true`
+    /// asks for [`Gateway::is_ready_with_limits`] instead.
     pub fn is_ready(&self) -> bool {
-        self.inner.loaded.load(Ordering::Acquire)
-            && !self.inner.leaving.load(Ordering::Acquire)
+        !self.inner.leaving.load(Ordering::Acquire)
             && !self.is_draining()
             && !self.is_awaiting_operator()
+    }
+
+    /// Ready and running a limits document (from the limits file or a `PUT /v1/limits`).
+    pub fn is_ready_with_limits(&self) -> bool {
+        self.limits_loaded() && self.is_ready()
+    }
+
+    /// Whether a limits document was loaded, from the limits file or a `PUT /v1/limits` (the
+    /// gauge `poolpilot_limits_loaded`).
+    pub fn limits_loaded(&self) -> bool {
+        self.inner.loaded.load(Ordering::Acquire)
     }
 
     /// Marks the gateway as leaving: `/readyz` fails from now on, while it still serves (the

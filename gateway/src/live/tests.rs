@@ -13,12 +13,16 @@ fn example() -> GatewayLimits {
 #[tokio::test]
 async fn the_example_applies_and_computes_its_revision() {
     let gw = Gateway::new(Metrics::new());
-    assert!(!gw.is_ready(), "not ready before limits");
+    assert!(
+        gw.is_ready(),
+        "ready before limits: it serves, 503 no_backends"
+    );
+    assert!(!gw.limits_loaded() && !gw.is_ready_with_limits());
     let applied = gw
         .apply(example(), LimitsSource::File)
         .expect("the example is valid");
     assert_eq!(applied.revision, example().content_revision());
-    assert!(gw.is_ready());
+    assert!(gw.is_ready() && gw.limits_loaded() && gw.is_ready_with_limits());
     assert_eq!(gw.snapshot().routes.len(), 1);
 }
 

@@ -150,6 +150,7 @@ pub struct Metrics {
     client_queue_wait: HistogramFamily<ClientLabel>,
     endpoint_healthy: Family<EndpointLabels, Gauge>,
     limits_info: Family<LimitsLabels, Gauge>,
+    limits_loaded: Gauge,
     limits_rejected: Family<SourceLabel, Counter>,
     accept_errors: Counter,
     downstream_connections: Gauge,
@@ -250,6 +251,7 @@ impl Metrics {
             client_queue_wait: Family::new_with_constructor(wait_histogram),
             endpoint_healthy: Family::default(),
             limits_info: Family::default(),
+            limits_loaded: Gauge::default(),
             limits_rejected: Family::default(),
             accept_errors: Counter::default(),
             downstream_connections: Gauge::default(),
@@ -400,6 +402,11 @@ impl Metrics {
             "poolpilot_limits_info",
             "The limits document in force",
             m.limits_info.clone(),
+        );
+        r.register(
+            "poolpilot_limits_loaded",
+            "1 once a limits document was loaded (limits file or PUT /v1/limits); 0: no ConnectionPolicy has reached this pod, which answers every call 503 no_backends",
+            m.limits_loaded.clone(),
         );
         r.register(
             "poolpilot_limits_rejected",
@@ -716,6 +723,10 @@ impl Metrics {
             generation: generation.to_string(),
         };
         self.limits_info.get_or_create(&labels).set(1);
+    }
+
+    pub(crate) fn set_limits_loaded(&self, loaded: bool) {
+        self.limits_loaded.set(loaded.into());
     }
 
     pub(crate) fn limits_rejected(&self, source: &'static str) {

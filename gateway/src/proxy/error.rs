@@ -22,6 +22,9 @@ use crate::pool::PoolError;
 /// to be ejected, a pod going away behind its Service): come back in a second.
 const RETRY_SOON: Duration = Duration::from_secs(1);
 
+/// `Retry-After` of a gateway without backends: a policy takes a reconcile to arrive.
+const NO_BACKENDS_RETRY: Duration = Duration::from_secs(5);
+
 /// Why a request was not proxied, or not completely.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -35,6 +38,12 @@ pub enum ProxyError {
     /// `model` when a route needs it ([`super::route::BodyModel::miss`]).
     #[error("no backend route matches the request{0}")]
     NoRoute(String),
+    /// The gateway has no backends at all (503): no ConnectionPolicy selects this pod yet, or
+    /// the last one that did was deleted.
+    #[error(
+        "this gateway has no backends: no ConnectionPolicy selects this gateway pod yet (see its /readyz and the poolpilot_limits_loaded gauge)"
+    )]
+    NoBackends,
     /// The request head is larger than `maxHeaderBytes` or has more than `maxHeaders` (431).
     #[error("request headers exceed the limit ({0})")]
     HeadersTooLarge(&'static str),
@@ -105,6 +114,7 @@ impl ProxyError {
                 PoolError::Connect { .. } => StatusCode::BAD_GATEWAY,
             },
             Self::NoRoute(_) => StatusCode::NOT_FOUND,
+            Self::NoBackends => StatusCode::SERVICE_UNAVAILABLE,
             Self::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -130,6 +140,7 @@ impl ProxyError {
                 PoolError::Connect { .. } => "connect_failed",
             },
             Self::NoRoute(_) => "no_route",
+            Self::NoBackends => "no_backends",
             Self::HeadersTooLarge(_) => "headers_too_large",
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::BodyTimeout => "body_timeout",
@@ -173,6 +184,7 @@ impl ProxyError {
             | Self::Upstream { .. }
             | Self::ShuttingDown
             | Self::TooManyConnections => Some(RETRY_SOON),
+            Self::NoBackends => Some(NO_BACKENDS_RETRY),
             Self::NoRoute(_)
             | Self::HeadersTooLarge(_)
             | Self::BodyTooLarge { .. }
@@ -336,6 +348,7 @@ mod tests {
                 Some(1),
             ),
             (ProxyError::NoRoute(String::new()), 404, "no_route", None),
+            (ProxyError::NoBackends, 503, "no_backends", Some(5)),
             (
                 ProxyError::HeadersTooLarge("count"),
                 431,

@@ -18,7 +18,8 @@ use crate::observe::{DownstreamTimeout, NO_CLIENT, Reclaim};
 
 /// Finds the route of a request: reads up to `routeBodyBytes` of its body first when a route
 /// needs its JSON `model` ([`buffer_for_model`]), and returns the route with the body to forward
-/// (what was read, then the rest). No route matches: 404, saying what was read of `model`.
+/// (what was read, then the rest). No route matches: 404, saying what was read of `model`; no
+/// route at all (no policy selects this pod): 503.
 pub(super) async fn route<'a>(
     gw: &Gateway,
     snapshot: &'a Snapshot,
@@ -26,6 +27,9 @@ pub(super) async fn route<'a>(
     incoming: Incoming,
     pace: BodyPace,
 ) -> Result<(&'a Route, ClientBody), ProxyError> {
+    if snapshot.routes.is_empty() {
+        return Err(ProxyError::NoBackends);
+    }
     let listener = &snapshot.limits.listener;
     // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`.
     let (model, body) = if snapshot.needs_model && !incoming.is_end_stream() {
@@ -177,7 +181,7 @@ impl BodyModel {
             }
             Self::Absent => ": the body has no top-level \"model\" string".to_owned(),
             Self::BeyondBuffer(cap) => format!(
-                ": the body's \"model\" is not within its first {cap} bytes (listener.routeBodyBytes); send \"model\" before long fields or raise routeBodyBytes"
+                ": the body's \"model\" is not within its first {cap} bytes (listener.routeBodyBytes); send \"model\" before long fields, or match this backend by a header too (a policy's match.headers)"
             ),
         }
     }

@@ -56,10 +56,32 @@ async fn file_refusals(gw: &Gw) -> Option<f64> {
 async fn put_limits_needs_the_token_and_keeps_the_old_limits_on_error() {
     let backend = Backend::start().await;
     let gw = Gw::start_with(None, Duration::from_secs(1)).await;
+    // Without limits the gateway is ready (a fresh install passes `helm install --wait`) and
+    // says why it cannot route; `requireLimits` asks for limits too.
+    let (status, _, text) = get(gw.admin, "/readyz", &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        text.contains("no ConnectionPolicy selects this pod"),
+        "{text}"
+    );
+    let (status, _, text) = get(gw.admin, "/readyz?requireLimits=true", &[]).await;
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("no limits loaded"), "{text}");
     assert_eq!(
-        get(gw.admin, "/readyz", &[]).await.0,
-        503,
-        "not ready without limits"
+        metric(&gw.metrics().await, "poolpilot_limits_loaded"),
+        Some(0.0)
+    );
+    let (status, headers, body) = post(gw.proxy, "/v1/chat/completions", &[], "{}").await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(headers["retry-after"], "5");
+    let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "no_backends", "{body}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no ConnectionPolicy selects this gateway pod"),
+        "{body}"
     );
     assert_eq!(get(gw.admin, "/healthz", &[]).await.0, 200);
 
@@ -76,6 +98,14 @@ async fn put_limits_needs_the_token_and_keeps_the_old_limits_on_error() {
     assert_eq!(revision.len(), 12);
     assert_eq!(limits_in_force(&gw).await["revision"], revision);
     assert_eq!(get(gw.admin, "/readyz", &[]).await.0, 200);
+    assert_eq!(
+        get(gw.admin, "/readyz?requireLimits=true", &[]).await.0,
+        200
+    );
+    assert_eq!(
+        metric(&gw.metrics().await, "poolpilot_limits_loaded"),
+        Some(1.0)
+    );
     assert_eq!(post(gw.proxy, "/v1/x", &[], "{}").await.0, 200);
 
     let mut invalid = doc.clone();
@@ -146,6 +176,7 @@ async fn metrics_follow_the_contract() {
         ("poolpilot_upstream_response_bytes", "counter"),
         ("poolpilot_endpoint_healthy", "gauge"),
         ("poolpilot_limits_info", "gauge"),
+        ("poolpilot_limits_loaded", "gauge"),
         ("process_open_fds", "gauge"),
         ("process_max_fds", "gauge"),
     ] {

@@ -518,8 +518,13 @@ async fn the_admin_port_serves_https_from_a_certificate_it_follows() {
         Ok(200)
     );
     assert_eq!(
+        https_get(gw.admin, &trusts_first(), "/readyz?requireLimits=true").await,
+        Ok(503),
+        "no limits yet"
+    );
+    assert_eq!(
         https_get(gw.admin, &trusts_first(), "/readyz").await,
-        Ok(503)
+        Ok(200)
     );
 
     // Plain HTTP gets no answer: no token ever travels in clear text.

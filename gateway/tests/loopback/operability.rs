@@ -239,7 +239,7 @@ async fn a_call_no_model_route_takes_is_told_what_model_the_gateway_read_from_it
         // routing buffer (64 KiB by default).
         (
             format!(r#"{{{messages},"model":"m-a"}}"#),
-            r#"no backend route matches the request: the body's "model" is not within its first 65536 bytes (listener.routeBodyBytes); send "model" before long fields or raise routeBodyBytes"#,
+            r#"no backend route matches the request: the body's "model" is not within its first 65536 bytes (listener.routeBodyBytes); send "model" before long fields, or match this backend by a header too (a policy's match.headers)"#,
         ),
     ];
     for (body, expected) in &cases {

@@ -34,6 +34,10 @@ pub struct RolloutReport {
     pub halted: Option<String>,
 }
 
+/// What every message of a backend refused for its Service's namespace says (`Accepted=False`,
+/// reason `NamespaceNotAllowed`).
+pub const NAMESPACE_REFUSAL: &str = "is not a namespace this operator reads backends from";
+
 /// The status of `policy` after this run.
 pub fn compute(
     policy: &PolicyInput,
@@ -232,6 +236,15 @@ fn conditions(
             "Accepted",
             "valid, no conflicts",
         ),
+        // A backend Service in a namespace the operator may not read (reconcile/observe.rs).
+        Acceptance::Invalid(errors) if errors.iter().all(|e| e.contains(NAMESPACE_REFUSAL)) => {
+            Computed::new(
+                Kind::Accepted,
+                Status::False,
+                "NamespaceNotAllowed",
+                errors.join("; "),
+            )
+        }
         Acceptance::Invalid(errors) => {
             Computed::new(Kind::Accepted, Status::False, "Invalid", errors.join("; "))
         }

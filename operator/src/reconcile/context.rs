@@ -37,6 +37,9 @@ pub struct Config {
     pub snapshot_max_age: Duration,
     /// Longest wait between two reconciles of a policy.
     pub max_requeue: Duration,
+    /// Namespaces besides its own whose Services a policy may name as backends
+    /// (`--backend-namespaces`).
+    pub backend_namespaces: Vec<String>,
 }
 
 /// What the rollout remembers between reconciles.
@@ -138,8 +141,9 @@ pub struct Stores {
     pub policies: Store<DeserializeGuard<ConnectionPolicy>>,
     /// Pods (possibly narrowed by a label selector).
     pub pods: Store<Pod>,
-    /// EndpointSlices.
-    pub slices: Store<EndpointSlice>,
+    /// EndpointSlices: of the watched scope, then of each backend namespace outside it
+    /// (`--backend-namespaces` with `--namespace`).
+    pub slices: Vec<Store<EndpointSlice>>,
     /// The ConfigMaps the operator wrote.
     pub configmaps: Store<ConfigMap>,
 }

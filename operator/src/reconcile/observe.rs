@@ -9,6 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
+use kube::runtime::reflector::Store;
 use poolpilot_api::limits::Endpoint;
 use poolpilot_api::policy::BackendSpec;
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
@@ -76,18 +77,25 @@ pub fn observe<G: Gateways>(
         .filter_map(|p| p.0.as_ref().ok())
         .filter(|p| p.namespace().as_deref() == Some(ns.as_str()) && p.name_any() != focus.name)
         .filter(|p| p.metadata.deletion_timestamp.is_none())
+        // A policy refused for a backend namespace is not in force (its own reconcile says so).
+        .filter(|p| refused_namespaces(&ctx.config.backend_namespaces, p).is_empty())
         .collect();
     if !removing {
         objects.push(policy);
     }
     objects.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
 
+    // The namespace's slices and those of the namespaces the operator may read backends from.
+    let allowed = &ctx.config.backend_namespaces;
     let slices: Vec<_> = ctx
         .stores
         .slices
-        .state()
-        .into_iter()
-        .filter(|s| s.namespace().as_deref() == Some(ns.as_str()))
+        .iter()
+        .flat_map(Store::state)
+        .filter(|s| {
+            s.namespace()
+                .is_some_and(|n| n == ns || allowed.contains(&n))
+        })
         .collect();
     let policies: Vec<PolicyInput> = objects
         .iter()
@@ -254,7 +262,7 @@ pub fn is_stopped(pod: &Pod) -> bool {
         .is_some_and(|phase| matches!(phase, "Succeeded" | "Failed"))
 }
 
-fn policy_input(
+pub(crate) fn policy_input(
     ns: &str,
     p: &ConnectionPolicy,
     slices: &[std::sync::Arc<EndpointSlice>],
@@ -263,7 +271,21 @@ fn policy_input(
         .spec
         .backends
         .iter()
-        .map(|b| (b.name.clone(), resolve(b, slices)))
+        .map(|b| {
+            // The Service's own namespace (the policy's unless it names one).
+            let service_ns = b
+                .endpoints
+                .service
+                .as_ref()
+                .and_then(|s| s.namespace.as_deref())
+                .unwrap_or(ns);
+            let theirs: Vec<_> = slices
+                .iter()
+                .filter(|s| s.namespace().as_deref().unwrap_or(ns) == service_ns)
+                .cloned()
+                .collect();
+            (b.name.clone(), resolve(b, &theirs))
+        })
         .collect();
     PolicyInput {
         key: PolicyKey {
@@ -280,6 +302,34 @@ fn policy_input(
         status: p.status.clone(),
         endpoints,
     }
+}
+
+/// The backends of `policy` whose Service lies in a namespace the operator may not read backends
+/// from: neither the policy's own nor one of `allowed` (`--backend-namespaces`). One message
+/// per backend, naming it and the namespace; empty: none.
+pub fn refused_namespaces(allowed: &[String], policy: &ConnectionPolicy) -> Vec<String> {
+    let own = policy.namespace().unwrap_or_default();
+    policy
+        .spec
+        .backends
+        .iter()
+        .enumerate()
+        .filter_map(|(i, b)| {
+            let wanted = b.endpoints.service.as_ref()?.namespace.as_ref()?;
+            (wanted != &own && !allowed.contains(wanted)).then(|| {
+                format!(
+                    "backends[{i}] ({}): endpoints.service.namespace {wanted:?} {} (its --backend-namespaces: {})",
+                    b.name,
+                    crate::plan::status::NAMESPACE_REFUSAL,
+                    if allowed.is_empty() {
+                        "none, only the policy's own".to_owned()
+                    } else {
+                        allowed.join(", ")
+                    }
+                )
+            })
+        })
+        .collect()
 }
 
 /// The backend's endpoints: ready addresses of its Service's EndpointSlices on its port, or its

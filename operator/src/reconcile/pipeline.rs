@@ -139,6 +139,10 @@ fn cpu_bound<T>(work: impl FnOnce() -> T) -> T {
 }
 
 async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
+    let refused = observe::refused_namespaces(&ctx.config.backend_namespaces, policy);
+    if !refused.is_empty() {
+        return refuse(policy, ctx, refused).await;
+    }
     let now = (ctx.clock)();
     let m = &ctx.metrics;
     // 1. observe (no API calls: caches and the latest Prometheus snapshot; CPU only, its cost
@@ -318,6 +322,70 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
     )
     .await?;
     Ok(Action::await_change())
+}
+
+/// A policy with a backend in a namespace this operator may not read backends from
+/// (`--backend-namespaces`) is not in force: its pods get documents without its backends (as
+/// for a deleted policy), and its status says `Accepted=False`, reason `NamespaceNotAllowed`,
+/// naming each such backend.
+async fn refuse<G: Gateways>(
+    policy: &ConnectionPolicy,
+    ctx: &Context<G>,
+    why: Vec<String>,
+) -> Result<Action> {
+    let now = (ctx.clock)();
+    let observed = step(&ctx.metrics, "observe", async {
+        cpu_bound(|| observe::observe(ctx, policy, true, now))
+    })
+    .await?;
+    ctx.saturation.set(&observed.focus, []);
+    let fleet = cpu_bound(|| {
+        let mut memory = ctx.memory.lock();
+        let mem = memory.entry(observed.focus.namespace.clone()).or_default();
+        mem.backends.retain(|(k, _), _| k != &observed.focus);
+        plan::plan(&observed.input, mem, now)
+    });
+    step(
+        &ctx.metrics,
+        "rollout",
+        rollout::remove(ctx, policy, &observed, &fleet),
+    )
+    .await?;
+    info!(refused = ?why, "policy not accepted: a backend namespace is not allowed");
+    let selected: Vec<String> = observed
+        .input
+        .pods
+        .iter()
+        .filter(|p| plan::selector::matches(&policy.spec.gateway_selector, &p.labels))
+        .map(|p| p.name.clone())
+        .collect();
+    let policy_plan = plan::PolicyPlan {
+        key: observed.focus.clone(),
+        acceptance: plan::validate::Acceptance::Invalid(why),
+        selected,
+        holders: Vec::new(),
+        live: Vec::new(),
+        ready: Vec::new(),
+        backends: Vec::new(),
+        fds: plan::budget::FdReport::default(),
+        metrics_available: None,
+        document: None,
+    };
+    let input = observe::policy_input(&observed.focus.namespace, policy, &[]);
+    let computed = plan::status::compute(
+        &input,
+        &policy_plan,
+        &Memory::default(),
+        &plan::status::RolloutReport::default(),
+        now,
+    );
+    step(
+        &ctx.metrics,
+        "status",
+        status::apply(ctx, policy, &policy_plan, computed),
+    )
+    .await?;
+    Ok(Action::requeue(ctx.config.max_requeue))
 }
 
 /// Tells about generations read back that are too large to be real (the planner ignores them):

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
@@ -57,9 +58,84 @@ pub enum RolloutError {
     Serialize(#[source] serde_json::Error),
 }
 
-/// The name of a policy's ConfigMap.
+/// The name of a policy's ConfigMap when its pods name none
+/// ([`LIMITS_CONFIGMAP_ANNOTATION`]).
 pub fn configmap_name(policy: &str) -> String {
     format!("{policy}-limits")
+}
+
+/// The gateway pod annotation that names the durable limits ConfigMap its fleet mounts (the
+/// chart sets `<release>-gateway-limits`, manifests/gateway `poolpilot-gateway-limits`): the
+/// operator writes the document of every policy on those pods there, so that the mount does not
+/// depend on any policy's name. The name must end in `-limits` (the admission policy of
+/// manifests/operator/admission.yaml lets the operator write no other).
+pub const LIMITS_CONFIGMAP_ANNOTATION: &str = "poolpilot.io/limits-configmap";
+
+/// The label that marks a fleet's ConfigMap (named by [`LIMITS_CONFIGMAP_ANNOTATION`]).
+const FLEET_LABEL: &str = "poolpilot.io/fleet-limits";
+
+/// Where a policy's durable document goes: the ConfigMap named by the
+/// [`LIMITS_CONFIGMAP_ANNOTATION`] of its first selected pod (whose policies the document
+/// holds), owned by every policy that selects that pod, so that it lives while one of them
+/// does; without the annotation, `<policy>-limits`, owned by the policy alone. The writing
+/// policy is the controller either way.
+struct Durable {
+    name: String,
+    fleet: bool,
+    /// The other policies that select the fleet's pods: `(name, uid)`.
+    co_owners: Vec<(String, String)>,
+}
+
+fn durable_configmap<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    fleet: &FleetPlan,
+    plan: &crate::plan::PolicyPlan,
+) -> Durable {
+    let ns = policy.namespace().unwrap_or_default();
+    let own = || Durable {
+        name: configmap_name(&policy.name_any()),
+        fleet: false,
+        co_owners: Vec::new(),
+    };
+    let Some(first) = plan.selected.first() else {
+        return own();
+    };
+    let pods = ctx.stores.pods.state();
+    let Some(named) = pods
+        .iter()
+        .find(|p| p.namespace().as_deref() == Some(ns.as_str()) && &p.name_any() == first)
+        .and_then(|p| p.annotations().get(LIMITS_CONFIGMAP_ANNOTATION).cloned())
+    else {
+        return own();
+    };
+    if !named.ends_with("-limits") || named.len() > 253 {
+        warn!(namespace = %ns, pod = %first, configmap = %named,
+            "the {LIMITS_CONFIGMAP_ANNOTATION} annotation must name a ConfigMap ending in -limits: using {}",
+            configmap_name(&policy.name_any()));
+        return own();
+    }
+    let policies = ctx.stores.policies.state();
+    let co_owners = fleet
+        .policies
+        .iter()
+        .filter(|p| p.key.namespace == ns && p.key.name != policy.name_any())
+        .filter(|p| p.selected.contains(first))
+        .filter_map(|p| {
+            policies
+                .iter()
+                .filter_map(|o| o.0.as_ref().ok())
+                .find(|o| {
+                    o.namespace().as_deref() == Some(ns.as_str()) && o.name_any() == p.key.name
+                })
+                .and_then(|o| Some((o.name_any(), o.uid()?)))
+        })
+        .collect();
+    Durable {
+        name: named,
+        fleet: true,
+        co_owners,
+    }
 }
 
 /// Applies the ConfigMap and sends the current wave. Returns how the rollout stands.
@@ -79,7 +155,8 @@ pub async fn roll_out<G: Gateways>(
     // canary's document reached those pods through the ConfigMap before its verification.
     // A document that only lowers shares and client limits (more pods to divide over) goes to
     // the ConfigMap first, so that a pod starting meanwhile never takes more than its share.
-    let name = configmap_name(&policy.name_any());
+    let durable = durable_configmap(ctx, policy, fleet, plan);
+    let name = durable.name.clone();
     let published: Option<Option<GatewayLimits>> = ctx
         .stores
         .configmaps
@@ -99,7 +176,7 @@ pub async fn roll_out<G: Gateways>(
     };
     let published = published.is_some();
     if first && let Some(doc) = &plan.document {
-        apply_configmap(ctx, policy, doc).await?;
+        apply_configmap(ctx, policy, &durable, doc).await?;
     }
 
     let states = pod_states(ctx, observed, fleet, &plan.live);
@@ -226,7 +303,7 @@ pub async fn roll_out<G: Gateways>(
         && complete
         && let Some(doc) = &plan.document
     {
-        apply_configmap(ctx, policy, doc).await?;
+        apply_configmap(ctx, policy, &durable, doc).await?;
     }
     Ok(RolloutReport {
         pods: states,
@@ -520,9 +597,10 @@ pub async fn remove<G: Gateways>(
 async fn apply_configmap<G: Gateways>(
     ctx: &Context<G>,
     policy: &ConnectionPolicy,
+    durable: &Durable,
     doc: &GatewayLimits,
 ) -> Result<(), RolloutError> {
-    apply_document(ctx, policy, &configmap_name(&policy.name_any()), doc).await
+    apply_owned(ctx, policy, durable, doc).await
 }
 
 /// Server-side apply of ConfigMap `name` holding `doc`, owned by the policy (unless it already
@@ -533,7 +611,23 @@ async fn apply_document<G: Gateways>(
     name: &str,
     doc: &GatewayLimits,
 ) -> Result<(), RolloutError> {
-    let name = name.to_owned();
+    let alone = Durable {
+        name: name.to_owned(),
+        fleet: false,
+        co_owners: Vec::new(),
+    };
+    apply_owned(ctx, policy, &alone, doc).await
+}
+
+/// [`apply_document`] of ConfigMap `durable.name`, with the fleet label and the co-owners of
+/// `durable`.
+async fn apply_owned<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    durable: &Durable,
+    doc: &GatewayLimits,
+) -> Result<(), RolloutError> {
+    let name = durable.name.clone();
     let ns = policy.namespace().unwrap_or_default();
     let body = serde_json::to_string_pretty(doc).map_err(RolloutError::Serialize)?;
     let generation = doc.generation.to_string();
@@ -543,21 +637,41 @@ async fn apply_document<G: Gateways>(
             && cm.annotations().get(REVISION_ANNOTATION) == Some(&doc.revision)
             && cm.annotations().get(GENERATION_ANNOTATION) == Some(&generation)
             && cm.data.as_ref().and_then(|d| d.get(DOCUMENT_KEY)) == Some(&body)
+            && durable
+                .co_owners
+                .iter()
+                .all(|(_, uid)| cm.owner_references().iter().any(|o| &o.uid == uid))
     });
     if unchanged {
         return Ok(());
     }
-    let owner = policy
+    let mut owner = policy
         .controller_owner_ref(&())
         .into_iter()
         .collect::<Vec<_>>();
+    let api_version = owner.first().map(|o| o.api_version.clone());
+    for (co, uid) in &durable.co_owners {
+        owner.push(OwnerReference {
+            api_version: api_version.clone().unwrap_or_default(),
+            kind: "ConnectionPolicy".to_owned(),
+            name: co.clone(),
+            uid: uid.clone(),
+            ..OwnerReference::default()
+        });
+    }
+    let mut labels = serde_json::Map::new();
+    labels.insert(MANAGED_BY.0.to_owned(), MANAGED_BY.1.into());
+    labels.insert("poolpilot.io/policy".to_owned(), policy.name_any().into());
+    if durable.fleet {
+        labels.insert(FLEET_LABEL.to_owned(), "true".into());
+    }
     let cm = json!({
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {
             "name": name,
             "namespace": ns,
-            "labels": {MANAGED_BY.0: MANAGED_BY.1, "poolpilot.io/policy": policy.name_any()},
+            "labels": labels,
             "annotations": {REVISION_ANNOTATION: doc.revision, GENERATION_ANNOTATION: generation},
             "ownerReferences": owner,
         },

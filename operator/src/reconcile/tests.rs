@@ -169,11 +169,12 @@ fn context_full(
             token_key: "token".into(),
             snapshot_max_age: Duration::from_secs(60),
             max_requeue: Duration::from_secs(60),
+            backend_namespaces: vec!["llm".into()],
         },
         stores: Stores {
             policies: store(policies),
             pods: store(pods),
-            slices: store::<EndpointSlice>(vec![]),
+            slices: vec![store::<EndpointSlice>(vec![])],
             configmaps: store(configmaps),
         },
         snapshot: Arc::default(),
@@ -1368,4 +1369,80 @@ fn a_revision_rolled_out_again_is_verified_anew_not_by_its_first_canary() {
         memory.verification_start("ns", "models", "rev-a", true, later(240)),
         Some(later(181))
     );
+}
+
+#[tokio::test]
+async fn the_durable_document_goes_to_the_configmap_the_pods_name_owned_by_their_policies() {
+    let mut pod = gateway_pod();
+    pod.metadata.annotations = Some(
+        [(
+            rollout::LIMITS_CONFIGMAP_ANNOTATION.to_owned(),
+            "gw-limits".to_owned(),
+        )]
+        .into(),
+    );
+    let models = policy("models", 0);
+    let mut other = policy("other", 1);
+    other.spec.backends[0].name = "model-b".into();
+    let mut run = Scenario::start_with(
+        models.clone(),
+        vec![models, other],
+        vec![pod],
+        FakeGateways::default(),
+    );
+    let cm = expect_configmap_apply(&mut run.api, "gw-limits").await;
+    let labels = &cm["metadata"]["labels"];
+    assert_eq!(labels["poolpilot.io/fleet-limits"], "true", "{cm}");
+    assert_eq!(labels["poolpilot.io/policy"], "models");
+    let owners = cm["metadata"]["ownerReferences"].as_array().unwrap();
+    let owners: Vec<(&str, bool)> = owners
+        .iter()
+        .map(|o| (o["uid"].as_str().unwrap(), o["controller"] == true))
+        .collect();
+    assert_eq!(
+        owners,
+        [("models-uid", true), ("other-uid", false)],
+        "the writer controls it, the other policy on the pods co-owns it"
+    );
+    let doc: GatewayLimits =
+        serde_json::from_str(cm["data"]["limits.json"].as_str().unwrap()).unwrap();
+    let backends: Vec<&str> = doc.backends.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(backends, ["model-a", "model-b"], "both policies' backends");
+    run.reconciler.abort();
+}
+
+#[tokio::test]
+async fn a_backend_in_a_namespace_not_allowed_is_refused_in_status() {
+    let mut p = policy("models", 0);
+    p.spec.backends[0].endpoints = serde_json::from_value(
+        json!({"service": {"name": "llama", "namespace": "elsewhere", "port": 8000}}),
+    )
+    .unwrap();
+    let mut run = Scenario::start(p);
+    // Its pods get documents without its backends; no ConfigMap is written for it.
+    run.token_secret().await;
+    let status = run.status_patch().await;
+    let accepted = condition(&status["status"], "Accepted");
+    assert_eq!(accepted["status"], "False", "{accepted}");
+    assert_eq!(accepted["reason"], "NamespaceNotAllowed");
+    let message = accepted["message"].as_str().unwrap();
+    assert!(
+        message.contains("\"elsewhere\"") && message.contains("llm"),
+        "names the namespace and the allowed ones: {message}"
+    );
+    let puts = run.puts();
+    assert!(
+        puts.iter().all(|(_, _, doc)| doc.backends.is_empty()),
+        "nothing of it reaches the pods: {puts:?}"
+    );
+    run.reconciler.abort();
+
+    // An allowed namespace is accepted.
+    let mut p = policy("models", 0);
+    p.spec.backends[0].endpoints = serde_json::from_value(
+        json!({"service": {"name": "llama", "namespace": "llm", "port": 8000}}),
+    )
+    .unwrap();
+    assert!(observe::refused_namespaces(&["llm".to_owned()], &p).is_empty());
+    assert_eq!(observe::refused_namespaces(&[], &p).len(), 1);
 }
