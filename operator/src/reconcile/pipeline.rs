@@ -369,6 +369,7 @@ async fn refuse<G: Gateways>(
         backends: Vec::new(),
         fds: plan::budget::FdReport::default(),
         metrics_available: None,
+        client_shares: Default::default(),
         document: None,
     };
     let input = observe::policy_input(&observed.focus.namespace, policy, &[]);

@@ -247,7 +247,7 @@ pub async fn roll_out<G: Gateways>(
             && complete
             && let Some(doc) = &plan.document
         {
-            apply_configmap(ctx, policy, doc).await?;
+            apply_configmap(ctx, policy, &durable, doc).await?;
         }
         return Ok(RolloutReport {
             pods: states,
