@@ -18,7 +18,8 @@ use crate::paths;
 pub struct ReadyMarker {
     /// Process id of `cluster up`.
     pub pid: u32,
-    /// The apiserver URL, `https://127.0.0.1:PORT`.
+    /// The apiserver URL, `https://127.0.0.1:PORT` (`https://10.244.254.1:PORT` with the real
+    /// node, the node link's end on this side).
     pub server: String,
     /// Path of the admin kubeconfig.
     pub kubeconfig: PathBuf,
@@ -27,6 +28,10 @@ pub struct ReadyMarker {
     /// URL of the cluster's Prometheus (Kubernetes service discovery of annotated pods).
     #[serde(default)]
     pub prometheus: Option<String>,
+    /// The real node's name (`cluster up --node`: the kubelet, containerd and kube-proxy in a
+    /// network namespace of their own); none with the local kubelet.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 /// A running embedded cluster.
@@ -191,6 +196,12 @@ impl Cluster {
     /// The cluster CA certificate file.
     pub fn ca_file(&self) -> PathBuf {
         self.dir.join("pki/ca.crt")
+    }
+
+    /// The real node's name when the cluster runs the real kubelet and containerd (`make
+    /// cluster-up NODE=1`), none when it runs the local kubelet.
+    pub fn real_node(&self) -> Option<&str> {
+        self.marker.node.as_deref()
     }
 
     /// The cluster's Prometheus URL.
