@@ -32,6 +32,10 @@ const (
 	podCIDR    = "10.244.0.0/24"
 	podGateway = "10.244.0.1"
 	nodeDev    = "eth0"
+	// clientRange is where tests take the source addresses of distinct clients from (the local
+	// kubelet's pods see any 127/8 address; the node's only what is routed to it): local here
+	// (any address of it can be bound), routed back from the node through the link.
+	clientRange = "10.244.128.0/18"
 )
 
 // nodeOptions says whether and how "up" runs the real node.
@@ -64,9 +68,10 @@ func (n *node) nsPath(kind string) string {
 
 // startNodeNamespaces starts the holder of the node's namespaces ("cluster pause" in a new
 // network and mount namespace) and wires the veth pair: this end hostLinkIP on hostnet.NodeLink,
-// the node's end nodeLinkIP, a route to the node's pod range through it. Nothing else is routed
-// into the node: it has no default route, so its pods reach only this machine's cluster
-// addresses, and what they send elsewhere fails in the node.
+// the node's end nodeLinkIP, a route to the node's pod range through it, and clientRange local
+// here and routed back from the node. Nothing else is routed between the two: the node has no
+// default route, so its pods reach only this machine's cluster addresses, and what they send
+// elsewhere fails in the node.
 func startNodeNamespaces(dir string, opts nodeOptions) (*node, error) {
 	ndir := filepath.Join(dir, "node")
 	if err := os.MkdirAll(filepath.Join(ndir, "logs"), 0o755); err != nil {
@@ -111,6 +116,7 @@ func startNodeNamespaces(dir string, opts nodeOptions) (*node, error) {
 		{"addr", "add", fmt.Sprintf("%s/%d", hostLinkIP, linkBits), "dev", link},
 		{"link", "set", link, "up"},
 		{"route", "add", podCIDR, "via", nodeLinkIP, "dev", link},
+		{"route", "replace", "local", clientRange, "dev", "lo", "table", "local"},
 	}
 	for _, s := range steps {
 		if _, err := hostnet.IP(s...); err != nil {
@@ -122,6 +128,7 @@ func startNodeNamespaces(dir string, opts nodeOptions) (*node, error) {
 		{"link", "set", "lo", "up"},
 		{"addr", "add", fmt.Sprintf("%s/%d", nodeLinkIP, linkBits), "dev", nodeDev},
 		{"link", "set", nodeDev, "up"},
+		{"route", "add", clientRange, "via", hostLinkIP, "dev", nodeDev},
 	}
 	for _, s := range inNode {
 		if out, err := n.run("ip", s...); err != nil {
@@ -162,6 +169,7 @@ func (n *node) stop() {
 		}
 	}
 	_, _ = hostnet.IP("link", "del", hostnet.NodeLink)
+	_, _ = hostnet.IP("route", "del", "local", clientRange, "dev", "lo", "table", "local")
 	if n.cgroup != "" {
 		removeCgroups(n.cgroup)
 	}
