@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
 
 const WAIT: Duration = Duration::from_secs(90);
-const TOKEN: &str = "node-test-admin-token";
+const TOKEN: &str = "node-test-admin-token-at-least-32-bytes";
 
 /// The cluster, when it runs the real node.
 async fn real_node() -> anyhow::Result<Option<&'static Cluster>> {
@@ -117,7 +117,7 @@ fn limits(generation: u64, address: &str, max: u32) -> String {
         "generation": generation,
         "backends": [{
             "name": "model-a",
-            "route": {"model": "model-a"},
+            "match": {"model": "model-a"},
             "endpoints": [{"name": "model-a-service", "address": address}],
             "pool": {
                 "maxConnectionsPerEndpoint": max, "maxPending": 16, "leaseTimeout": "2s",
