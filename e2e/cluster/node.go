@@ -2,7 +2,8 @@
 // container), reached from this one through one veth pair, holds containerd (with runc and the
 // standard CNI plugins: bridge + host-local), the real kubelet and kube-proxy (iptables mode),
 // all sharing one private mount namespace. Nothing of it touches this namespace's netfilter, and
-// its routing only by the link's own /30 and one route for the node's pod range through it.
+// its routing only by the link's own /30, one route for the node's pod range through it and the
+// tests' client range (clientRange) made local.
 package main
 
 import (

@@ -29,7 +29,7 @@ fn modelsim_deployment(replicas: i32) -> anyhow::Result<Deployment> {
                 "spec": {
                     "terminationGracePeriodSeconds": 5,
                     "containers": [{
-                        "name": "modelsim", "image": "poolpilot/modelsim",
+                        "name": "modelsim", "image": "poolpilot/modelsim:local",
                         "args": ["--admin-port=8001", "--max-concurrency=4"],
                         "ports": [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8001}],
                         "readinessProbe": {"httpGet": {"path": "/health", "port": "admin"}, "periodSeconds": 1},
