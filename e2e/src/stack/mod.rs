@@ -297,6 +297,7 @@ impl<'a> Stack<'a> {
             }
             self.adapt(&mut object, &kind, spec)?;
             if let Some(template) = &nofile
+                && kind == "Deployment"
                 && object["metadata"]["name"] == GATEWAY_DEPLOYMENT
             {
                 merge(&mut object["spec"]["template"], template);
