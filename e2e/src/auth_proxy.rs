@@ -53,18 +53,21 @@ impl AuthProxy {
     /// Listens on an ephemeral port of `upstream`'s address (`http://IP:port`: reachable from
     /// the pods wherever the upstream is, 127.0.0.1 for the local kubelet's, the node link's
     /// address for the real node's) and forwards what passes to `upstream`. With `tls` (a PEM
-    /// certificate chain and key), it speaks HTTPS only.
+    /// certificate chain and key), it speaks HTTPS only, on 127.0.0.1.
     pub async fn start(
         upstream: &str,
         requirements: Requirements,
         tls: Option<(&str, &str)>,
     ) -> anyhow::Result<Self> {
         crate::install_crypto_provider();
+        // Over HTTPS it is `localhost` (its certificate's name), so on 127.0.0.1, for the test
+        // process; over HTTP on the upstream's address, for pods too.
         let host: std::net::IpAddr = upstream
             .split("://")
             .nth(1)
             .and_then(|rest| rest.split(['/', ':']).next())
             .and_then(|h| h.parse().ok())
+            .filter(|_| tls.is_none())
             .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
         let listener = TcpListener::bind((host, 0)).await?;
         let addr = listener.local_addr()?;
