@@ -101,7 +101,10 @@ impl TestNamespace {
             Ok(list) => {
                 for pod in list {
                     for c in pod.spec.iter().flat_map(|s| s.containers.iter()) {
-                        containers.push((pod.metadata.name.clone().unwrap_or_default(), c.name.clone()));
+                        containers.push((
+                            pod.metadata.name.clone().unwrap_or_default(),
+                            c.name.clone(),
+                        ));
                     }
                     let status = pod.status.clone().unwrap_or_default();
                     let _ = writeln!(
@@ -161,14 +164,28 @@ impl TestNamespace {
         if self.cluster.real_node().is_some() {
             for (pod, container) in containers {
                 let logs = crate::cluster::output(self.cluster.kubectl().args([
-                    "logs", "-n", &self.name, &pod, "-c", &container, "--tail=60",
+                    "logs",
+                    "-n",
+                    &self.name,
+                    &pod,
+                    "-c",
+                    &container,
+                    "--tail=60",
                 ]))
                 .await;
                 let text = match logs {
-                    Ok(o) => format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
+                    Ok(o) => format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&o.stdout),
+                        String::from_utf8_lossy(&o.stderr)
+                    ),
                     Err(e) => format!("(kubectl logs failed: {e})"),
                 };
-                let _ = writeln!(out, "----- kubectl logs {pod} -c {container} --tail=60 -----\n{}", text.trim_end());
+                let _ = writeln!(
+                    out,
+                    "----- kubectl logs {pod} -c {container} --tail=60 -----\n{}",
+                    text.trim_end()
+                );
             }
         }
         let mut files: Vec<(String, PathBuf)> = Vec::new();

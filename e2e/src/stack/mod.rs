@@ -200,7 +200,9 @@ pub struct Stack<'a> {
 /// --node-nofile-class <limit>`: `make cluster-up NODE=1` has 512 and 4096).
 pub async fn nofile_template(cluster: &crate::Cluster, limit: u64) -> anyhow::Result<Value> {
     if cluster.real_node().is_none() {
-        return Ok(json!({"metadata": {"annotations": {"poolpilot.io/nofile-limit": limit.to_string()}}}));
+        return Ok(
+            json!({"metadata": {"annotations": {"poolpilot.io/nofile-limit": limit.to_string()}}}),
+        );
     }
     let class = format!("nofile-{limit}");
     cluster

@@ -21,7 +21,10 @@ const WAIT: Duration = Duration::from_secs(60);
 /// behaviour (host binaries as images, its log files, its annotation) do not apply: the real
 /// node's are in `node.rs`.
 async fn on_the_real_node() -> anyhow::Result<bool> {
-    let real = poolpilot_e2e::Cluster::shared().await?.real_node().is_some();
+    let real = poolpilot_e2e::Cluster::shared()
+        .await?
+        .real_node()
+        .is_some();
     if real {
         eprintln!("the cluster runs the real node: this test is the local kubelet's");
     }

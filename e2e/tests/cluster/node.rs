@@ -41,7 +41,9 @@ fn is_ready(pod: &Pod) -> bool {
 async fn ready_pods(ns: &TestNamespace, app: &str, n: usize) -> anyhow::Result<Vec<Pod>> {
     let pods: Api<Pod> = ns.api();
     eventually(&format!("{n} Ready {app} pods"), WAIT, || async {
-        let list = pods.list(&ListParams::default().labels(&format!("app={app}"))).await?;
+        let list = pods
+            .list(&ListParams::default().labels(&format!("app={app}")))
+            .await?;
         let ready: Vec<Pod> = list.items.into_iter().filter(is_ready).collect();
         anyhow::ensure!(ready.len() == n, "{} ready", ready.len());
         Ok(ready)
@@ -50,12 +52,23 @@ async fn ready_pods(ns: &TestNamespace, app: &str, n: usize) -> anyhow::Result<V
 }
 
 fn pod_ip(pod: &Pod) -> String {
-    pod.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap_or_default()
+    pod.status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .unwrap_or_default()
 }
 
 /// One HTTP/1.0 exchange: the status code and the body.
-async fn http(addr: &str, method: &str, path: &str, headers: &str, body: &str) -> anyhow::Result<(u16, String)> {
-    let mut stream = tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr)).await??;
+async fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> anyhow::Result<(u16, String)> {
+    let mut stream =
+        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+            .await??;
     stream
         .write_all(
             format!(
@@ -66,9 +79,19 @@ async fn http(addr: &str, method: &str, path: &str, headers: &str, body: &str) -
         )
         .await?;
     let mut response = String::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut response)).await??;
-    let status = response.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        stream.read_to_string(&mut response),
+    )
+    .await??;
+    let status = response
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
     Ok((status, body))
 }
 
@@ -130,11 +153,22 @@ fn limits(generation: u64, address: &str, max: u32) -> String {
 
 #[tokio::test]
 async fn the_images_run_as_pods_on_the_real_node() -> anyhow::Result<()> {
-    let Some(cluster) = real_node().await? else { return Ok(()) };
+    let Some(cluster) = real_node().await? else {
+        return Ok(());
+    };
     // The Node is the real kubelet's, on containerd.
-    let wide = run(cluster.kubectl().args(["get", "nodes", "-o", "wide", "--no-headers"])).await?;
-    assert!(wide.contains(cluster.version()), "kubectl get nodes -o wide: {wide}");
-    assert!(wide.contains("containerd://"), "kubectl get nodes -o wide: {wide}");
+    let wide = run(cluster
+        .kubectl()
+        .args(["get", "nodes", "-o", "wide", "--no-headers"]))
+    .await?;
+    assert!(
+        wide.contains(cluster.version()),
+        "kubectl get nodes -o wide: {wide}"
+    );
+    assert!(
+        wide.contains("containerd://"),
+        "kubectl get nodes -o wide: {wide}"
+    );
 
     with_namespace("node", async |ns| {
         // modelsim: two pods of its image, on the bridge's addresses, reached from here.
@@ -278,10 +312,15 @@ async fn the_images_run_as_pods_on_the_real_node() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn a_runtime_class_gives_containers_another_fd_limit() -> anyhow::Result<()> {
-    let Some(cluster) = real_node().await? else { return Ok(()) };
+    let Some(cluster) = real_node().await? else {
+        return Ok(());
+    };
     // The RuntimeClass naming containerd's handler nofile-512 (`cluster up --node-nofile-class
     // 512`): cluster-scoped, shared by every test that wants it, so applied, never deleted.
-    let class = std::env::temp_dir().join(format!("poolpilot-runtimeclass-{}.json", std::process::id()));
+    let class = std::env::temp_dir().join(format!(
+        "poolpilot-runtimeclass-{}.json",
+        std::process::id()
+    ));
     std::fs::write(
         &class,
         json!({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nofile-512"}, "handler": "nofile-512"})
@@ -290,11 +329,17 @@ async fn a_runtime_class_gives_containers_another_fd_limit() -> anyhow::Result<(
     cluster.apply(&class).await?;
     let _ = std::fs::remove_file(&class);
     with_namespace("node-fds", async |ns| {
-        ns.create_deployment("small", 1, modelsim_spec(Some("nofile-512"))).await?;
+        ns.create_deployment("small", 1, modelsim_spec(Some("nofile-512")))
+            .await?;
         let pod = ready_pods(ns, "small", 1).await?.remove(0);
-        let (status, metrics) = http(&format!("{}:8001", pod_ip(&pod)), "GET", "/metrics", "", "").await?;
+        let (status, metrics) =
+            http(&format!("{}:8001", pod_ip(&pod)), "GET", "/metrics", "", "").await?;
         assert_eq!(status, 200);
-        assert_eq!(max_fds(&metrics), Some(512.0), "the fd limit of runtime handler nofile-512");
+        assert_eq!(
+            max_fds(&metrics),
+            Some(512.0),
+            "the fd limit of runtime handler nofile-512"
+        );
         Ok(())
     })
     .await

@@ -190,7 +190,8 @@ async fn fd_budget_clamps_shares_under_a_low_nofile_limit_and_releases_them() ->
 
         // Raise the limit: the pod template changes, the Deployment rolls its pods.
         let raised = Instant::now();
-        let patch = json!({"spec": {"template": nofile_template(stack.ns().cluster(), HIGH_LIMIT).await?}});
+        let patch =
+            json!({"spec": {"template": nofile_template(stack.ns().cluster(), HIGH_LIMIT).await?}});
         run(stack.kubectl().args([
             "patch",
             "-n",
