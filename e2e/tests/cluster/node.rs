@@ -272,7 +272,7 @@ async fn the_images_run_as_pods_on_the_real_node() -> anyhow::Result<()> {
             .await?;
         let admin = format!("{}:9901", pod_ip(&gateway));
         let auth = format!("Authorization: Bearer {TOKEN}\r\n");
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         eventually("the gateway runs generation 2 of the ConfigMap", WAIT, || async {
             let (status, body) = http(&admin, "GET", "/v1/limits", &auth, "").await?;
             anyhow::ensure!(status == 200, "{status}: {body}");
