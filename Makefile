@@ -190,7 +190,7 @@ $(ACTIONLINT_BIN): e2e/actionlint/go.mod e2e/actionlint/go.sum
 
 .PHONY: workflow-lint
 workflow-lint: $(ACTIONLINT_BIN) ## actionlint over .github/workflows (the release workflow)
-	$(ACTIONLINT_BIN) -color=never .github/workflows/*.yml
+	$(ACTIONLINT_BIN) -no-color .github/workflows/*.yml
 
 .PHONY: unit
 # Every crate but poolpilot-e2e in full: unit tests, doc tests and loopback tests (the gateway's,
