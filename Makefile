@@ -64,7 +64,7 @@ demo: cluster-up ## Build, start the embedded cluster, deploy poolpilot and play
 demo-down: cluster-down ## Stop what `make demo` left running (the embedded cluster with everything on it)
 
 .PHONY: test
-test: lint unit monitoring-test e2e ## Everything CI runs: lint, unit + loopback tests, promtool rule tests, end-to-end tests on the embedded cluster
+test: lint unit monitoring-test image-test e2e ## Everything CI runs: lint, unit + loopback tests, promtool rule tests, the images smoke test, end-to-end tests on the embedded cluster
 
 ##@ Build
 
@@ -122,13 +122,90 @@ $(PROMTOOL_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
 	@echo ">> building promtool $(PROMETHEUS_VERSION) from its Go module"
 	$(call go_tool,e2e/prometheus,github.com/prometheus/prometheus/cmd/promtool,$(PROMTOOL_BIN),$(PROMETHEUS_VERSION_X))
 
+##@ Images
+
+# The three images, FROM scratch (images/Containerfile, the tree of images/rootfs.sh), built
+# offline with buildah from this workspace's binaries: IMAGE_PROFILE=debug (the default, the
+# binaries the e2e tests build anyway: dynamically linked, so the image carries their glibc
+# libraries) or release (`cargo build --release`, what a user deploys). Output: an OCI archive
+# per image in $(IMAGES_DIR) and the image in the local store of $(CONTAINERS_DIR), tagged
+# $(IMAGE_REPO)/NAME:$(IMAGE_TAG) (docker.io/poolpilot/gateway:local is what a kubelet makes of
+# the local overlay's `poolpilot/gateway:local`).
+IMAGE_PROFILE    ?= debug
+IMAGE_REPO       ?= docker.io/poolpilot
+IMAGE_TAG        ?= local
+IMAGES_DIR       ?= $(CACHE)/images
+IMAGE_VERSION    := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+IMAGE_REVISION   := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+# name:binary:ports of each image.
+IMAGES           := operator:poolpilot-operator:8080 gateway:poolpilot-gateway:8080,9901 modelsim:modelsim:8000,8001
+# podman and buildah read their configuration from here, not from /etc: the image store lives in
+# the cache, runc is the runtime (crun refuses a hybrid cgroup v1/v2 layout), and no default
+# ulimits (podman's default nproc limit is above the hard limit of a process without
+# CAP_SYS_RESOURCE, and the container then fails to start).
+CONTAINERS_DIR   := $(CACHE)/containers
+export CONTAINERS_CONF := $(CONTAINERS_DIR)/containers.conf
+export CONTAINERS_STORAGE_CONF := $(CONTAINERS_DIR)/storage.conf
+
+.PHONY: image-tools
+image-tools: ## Install buildah, podman and runc when missing (Debian packages); write their configuration into the cache
+	@missing=""; \
+	for tool in buildah:buildah podman:podman runc:runc; do \
+		command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo ">> installing$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+	@mkdir -p $(CONTAINERS_DIR)
+	@printf '[storage]\ndriver = "overlay"\ngraphroot = "%s/storage"\nrunroot = "%s/run"\n' \
+		$(CONTAINERS_DIR) $(CONTAINERS_DIR) > $(CONTAINERS_STORAGE_CONF)
+	@printf '[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n' \
+		> $(CONTAINERS_CONF)
+
+.PHONY: images
+images: image-tools ## Build the operator, gateway and modelsim images offline (IMAGE_PROFILE=debug|release) into $(IMAGES_DIR)/NAME.tar and the local store
+	@if [ "$(IMAGE_PROFILE)" = release ]; then \
+		cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-modelsim; \
+	else cargo build --workspace --bins; fi
+	@mkdir -p $(IMAGES_DIR)
+	@for spec in $(IMAGES); do \
+		name=$${spec%%:*}; rest=$${spec#*:}; bin=$${rest%%:*}; ports=$${rest#*:}; \
+		ctx=$(IMAGES_DIR)/$$name.ctx; ref=$(IMAGE_REPO)/$$name:$(IMAGE_TAG); \
+		echo ">> image $$ref ($(IMAGE_PROFILE) $$bin)"; \
+		images/rootfs.sh $(CARGO_TARGET_DIR)/$(IMAGE_PROFILE)/$$bin $$ctx/rootfs; \
+		buildah build --quiet --timestamp 0 -f images/Containerfile -t $$ref \
+			--build-arg BIN=$$bin --build-arg PORTS="$${ports//,/ }" \
+			--build-arg VERSION=$(IMAGE_VERSION) --build-arg REVISION=$(IMAGE_REVISION) $$ctx >/dev/null; \
+		rm -f $(IMAGES_DIR)/$$name.tar; \
+		buildah push --quiet $$ref oci-archive:$(IMAGES_DIR)/$$name.tar:$$ref; \
+		rm -rf $$ctx; \
+	done
+	@ls -l $(IMAGES_DIR)/*.tar
+
+.PHONY: image-test
+image-test: images ## Run each image as podman would in production: read-only root fs, user 65532, health endpoints, the fd limit, SIGTERM to PID 1
+	unshare --net images/test.sh $(IMAGE_REPO) $(IMAGE_TAG)
+
 ##@ Checks
 
 .PHONY: lint
-lint: ## rustfmt, clippy -D warnings, gofmt (the CRD drift check is a unit test)
+lint: workflow-lint ## rustfmt, clippy -D warnings, gofmt, actionlint (the CRD drift check is a unit test)
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	@test -z "$$(gofmt -l e2e/cluster)" || { echo "gofmt needed:"; gofmt -l e2e/cluster; exit 1; }
+
+# actionlint from its Go module (pinned in e2e/actionlint/go.mod): the release workflow pushes to
+# a public registry and cannot run here, so it is linted instead.
+ACTIONLINT_VERSION := 1.7.12
+ACTIONLINT_BIN   := $(BIN)/actionlint
+$(ACTIONLINT_BIN): e2e/actionlint/go.mod e2e/actionlint/go.sum
+	@mkdir -p $(BIN)
+	$(call go_tool,e2e/actionlint,github.com/rhysd/actionlint/cmd/actionlint,$(ACTIONLINT_BIN),github.com/rhysd/actionlint.version=$(ACTIONLINT_VERSION))
+
+.PHONY: workflow-lint
+workflow-lint: $(ACTIONLINT_BIN) ## actionlint over .github/workflows (the release workflow)
+	$(ACTIONLINT_BIN) -no-color .github/workflows/*.yml
 
 .PHONY: unit
 # Every crate but poolpilot-e2e in full: unit tests, doc tests and loopback tests (the gateway's,
@@ -213,15 +290,55 @@ host-tools: $(CLUSTER_BIN) ## Install iproute2 when missing (pod addresses on lo
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; }
 	@$(CLUSTER_BIN) net up
 
+# NODE=1: the real node instead of the local kubelet (`cluster up --node`: containerd, runc, the
+# CNI bridge, the kubelet and kube-proxy in a network namespace of their own, and kube-scheduler),
+# running the images of `make images` (imported from $(IMAGES_DIR)); the apiserver and Prometheus
+# then listen on 10.244.254.1, the node link's end on this side.
+NODE             ?=
+ifeq ($(NODE),1)
+CLUSTER_UP_DEPS  := node-images node-tools
+CLUSTER_UP_NODE  := --node $(foreach i,operator gateway modelsim pause,--image $(IMAGES_DIR)/$(i).tar) \
+	--node-nofile-class 512 --node-nofile-class 4096
+else
+CLUSTER_UP_DEPS  :=
+CLUSTER_UP_NODE  := --kubelet $(RUST_BIN)/local-kubelet --kubelet-arg=--bin-dir=$(RUST_BIN)
+endif
+
+.PHONY: node-tools
+node-tools: ## Install what the real node runs when missing: containerd, runc, the CNI plugins, iptables, conntrack, nsenter (Debian packages)
+	@missing=""; \
+	for tool in containerd:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins \
+		iptables:iptables conntrack:conntrack nsenter:util-linux; do \
+		command -v $${tool%%:*} >/dev/null || [ -x $${tool%%:*} ] || missing="$$missing $${tool#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo ">> installing$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+PAUSE_BIN        := $(BIN)/pause
+$(PAUSE_BIN): e2e/cluster/pause/main.go
+	@mkdir -p $(BIN)
+	cd e2e/cluster && CGO_ENABLED=0 go build -trimpath -ldflags '-s -w' -o $(PAUSE_BIN) ./pause
+
+.PHONY: node-images
+node-images: images $(PAUSE_BIN) ## The images plus the pods' sandbox image (docker.io/poolpilot/pause:local, e2e/cluster/pause) for the real node
+	@ctx=$(IMAGES_DIR)/pause.ctx; rm -rf $$ctx; mkdir -p $$ctx/rootfs; cp $(PAUSE_BIN) $$ctx/rootfs/pause; \
+	printf 'FROM scratch\nCOPY rootfs/ /\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n' > $$ctx/Containerfile; \
+	buildah build --quiet --timestamp 0 -f $$ctx/Containerfile -t $(IMAGE_REPO)/pause:$(IMAGE_TAG) $$ctx >/dev/null; \
+	rm -f $(IMAGES_DIR)/pause.tar; \
+	buildah push --quiet $(IMAGE_REPO)/pause:$(IMAGE_TAG) oci-archive:$(IMAGES_DIR)/pause.tar:$(IMAGE_REPO)/pause:$(IMAGE_TAG); \
+	rm -rf $$ctx
+
 .PHONY: cluster-up
-cluster-up: cluster bins host-tools ## Start the embedded cluster with the local kubelet in the background (reused by tests and the demo)
+cluster-up: cluster bins host-tools $(CLUSTER_UP_DEPS) ## Start the embedded cluster in the background (reused by tests and the demo); NODE=1: on the real node
 	@if $(CLUSTER_RUNNING); then \
 		echo "cluster already running"; \
 	else \
 		mkdir -p $(CLUSTER_DIR); \
 		echo ">> starting the embedded cluster in $(CLUSTER_DIR)"; \
-		nohup $(CLUSTER_BIN) up --dir $(CLUSTER_DIR) --kubelet $(RUST_BIN)/local-kubelet \
-			--kubelet-arg=--bin-dir=$(RUST_BIN) --prometheus $(PROMETHEUS_BIN) --prometheus-port $(PROMETHEUS_PORT) \
+		nohup $(CLUSTER_BIN) up --dir $(CLUSTER_DIR) $(CLUSTER_UP_NODE) \
+			--prometheus $(PROMETHEUS_BIN) --prometheus-port $(PROMETHEUS_PORT) \
 			> $(CLUSTER_DIR)/up.log 2>&1 & \
 		for i in $$(seq 1 240); do \
 			[ -f $(CLUSTER_DIR)/ready ] && break; \
@@ -231,7 +348,7 @@ cluster-up: cluster bins host-tools ## Start the embedded cluster with the local
 		[ -f $(CLUSTER_DIR)/ready ] || { echo "cluster not ready after 240s"; cat $(CLUSTER_DIR)/up.log; exit 1; }; \
 	fi
 	@echo "kubeconfig: $(CLUSTER_DIR)/admin.kubeconfig"
-	@echo "prometheus: http://127.0.0.1:$(PROMETHEUS_PORT)"
+	@echo "prometheus: $$(sed -n 's/.*"prometheus": *"\([^"]*\)".*/\1/p' $(CLUSTER_DIR)/ready)"
 	@echo "use it:     export KUBECONFIG=$(CLUSTER_DIR)/admin.kubeconfig PATH=$(BIN):\$$PATH; kubectl get ns"
 
 .PHONY: cluster-down

@@ -5,10 +5,15 @@
 // Subcommands:
 //
 //	cluster up --dir D              start etcd + kube-apiserver + kube-controller-manager, write D/admin.kubeconfig
+//	                                (--kubelet: with the local kubelet; --node: with the real node, see node.go)
 //	cluster net up|check|down       the host routes that keep the cluster's traffic on this machine
 //	cluster kubectl ...             a real kubectl (also when the binary is invoked through a link named "kubectl")
 //	cluster kube-apiserver ...      the real kube-apiserver (started by "up" as a child process)
 //	cluster kube-controller-manager ...
+//	cluster kube-scheduler ...      the real kube-scheduler (started by "up --node")
+//	cluster pause                   sleep until SIGTERM (holds the real node's namespaces)
+//	cluster kubelet ...             the real kubelet (started by "up --node" in the node's network namespace)
+//	cluster kube-proxy ...          the real kube-proxy (likewise)
 //	cluster version                 the Kubernetes version this binary was built from
 package main
 
@@ -28,6 +33,10 @@ commands:
   kubectl ARGS...                 run the bundled kubectl
   kube-apiserver FLAGS...         run kube-apiserver (normally started by "up")
   kube-controller-manager FLAGS...run kube-controller-manager (normally started by "up")
+  kube-scheduler FLAGS...         run kube-scheduler (started by "up --node")
+  pause                           sleep until SIGTERM (holds the real node's namespaces)
+  kubelet FLAGS...                run the kubelet (started by "up --node")
+  kube-proxy FLAGS...             run kube-proxy (started by "up --node")
   version                         print the Kubernetes version compiled in
 `
 
@@ -52,6 +61,14 @@ func main() {
 		os.Exit(runAPIServer(args))
 	case "kube-controller-manager":
 		os.Exit(runControllerManager(args))
+	case "kube-scheduler":
+		os.Exit(runScheduler(args))
+	case "pause":
+		os.Exit(runPause(args))
+	case "kubelet":
+		os.Exit(runKubelet(args))
+	case "kube-proxy":
+		os.Exit(runKubeProxy(args))
 	case "version", "--version":
 		fmt.Println(version.Get().GitVersion)
 	case "help", "-h", "--help":

@@ -155,7 +155,7 @@ func generatePKI(dir string) (*pki, error) {
 		commonName: "kube-apiserver",
 		dnsNames: []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
 			"kubernetes.default.svc.cluster.local"},
-		ips:    []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.96.0.1")},
+		ips:    []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.96.0.1"), net.ParseIP(hostLinkIP)},
 		server: true,
 	})
 	if err != nil {
@@ -195,14 +195,14 @@ func generatePKI(dir string) (*pki, error) {
 	return p, nil
 }
 
-// issueKubelet writes the local kubelet's serving pair for node `node` on 127.0.0.1, the
-// address its Node reports.
-func (p *pki) issueKubelet(node string) error {
+// issueKubelet writes the kubelet's serving pair for node `node` on the addresses its Node
+// reports (127.0.0.1 for the local kubelet, the node's link address for the real one).
+func (p *pki) issueKubelet(node string, ips []net.IP) error {
 	serving, err := p.ca.issue(certSpec{
 		commonName:   "system:node:" + node,
 		organization: []string{"system:nodes"},
 		dnsNames:     []string{node, "localhost"},
-		ips:          []net.IP{net.ParseIP("127.0.0.1")},
+		ips:          ips,
 		server:       true,
 	})
 	if err != nil {

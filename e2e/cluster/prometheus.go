@@ -75,7 +75,7 @@ scrape_configs:
 
 // startPrometheus grants the read-only identity, writes its kubeconfig and the configuration,
 // starts Prometheus and waits until it is ready. Returns the child and Prometheus' URL.
-func startPrometheus(ctx context.Context, dir, adminKubeconfig, server string, p *pki, opts prometheusOptions) (*child, string, error) {
+func startPrometheus(ctx context.Context, dir, adminKubeconfig, server, listen string, p *pki, opts prometheusOptions) (*child, string, error) {
 	promDir := filepath.Join(dir, "prometheus")
 	if err := os.MkdirAll(promDir, 0o755); err != nil {
 		return nil, "", err
@@ -111,12 +111,12 @@ func startPrometheus(ctx context.Context, dir, adminKubeconfig, server string, p
 		}
 		port = ports[0]
 	}
-	url := fmt.Sprintf("http://127.0.0.1:%d", port)
+	url := fmt.Sprintf("http://%s:%d", listen, port)
 	c, err := startProgram(dir, "prometheus", opts.path, []string{
 		"--config.file=" + configPath,
 		"--storage.tsdb.path=" + filepath.Join(promDir, "data"),
 		"--storage.tsdb.retention.time=6h",
-		fmt.Sprintf("--web.listen-address=127.0.0.1:%d", port),
+		fmt.Sprintf("--web.listen-address=%s:%d", listen, port),
 		"--web.enable-lifecycle",
 		"--log.level=warn",
 	})

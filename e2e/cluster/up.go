@@ -49,6 +49,8 @@ type readyMarker struct {
 	Kubeconfig string `json:"kubeconfig"`
 	Version    string `json:"version"`
 	Prometheus string `json:"prometheus,omitempty"`
+	// Node is the name of the real node ("up --node"); empty with the local kubelet.
+	Node string `json:"node,omitempty"`
 }
 
 // child is a control-plane component running as a child process of "up".
@@ -72,6 +74,16 @@ func runUp(args []string) int {
 	fs.StringVar(&kubelet.path, "kubelet", "", "run this local kubelet binary as the cluster's node (none: pods stay Pending)")
 	fs.StringVar(&kubelet.node, "node-name", "poolpilot-local", "name of the local kubelet's Node")
 	fs.Var(&kubelet.args, "kubelet-arg", "extra flag for the local kubelet (repeatable)")
+	var nodeOpts nodeOptions
+	fs.BoolVar(&nodeOpts.enabled, "node", false, "run the real node (containerd, runc, CNI, the kubelet, kube-proxy) in a network namespace of its own, and kube-scheduler; instead of --kubelet")
+	fs.StringVar(&nodeOpts.name, "real-node-name", "poolpilot-node", "name of the real node's Node")
+	fs.StringVar(&nodeOpts.containerd, "containerd", "/usr/bin/containerd", "containerd binary of the real node")
+	fs.StringVar(&nodeOpts.runc, "runc", "/usr/sbin/runc", "runc binary of the real node")
+	fs.StringVar(&nodeOpts.cniBinDir, "cni-bin-dir", "/usr/lib/cni", "directory of the CNI plugins (bridge, host-local, loopback, portmap)")
+	fs.Var(&nodeOpts.images, "image", "an OCI archive to import into the real node's containerd (repeatable)")
+	fs.StringVar(&nodeOpts.sandbox, "sandbox-image", "docker.io/poolpilot/pause:local", "the pods' sandbox image (imported with --image)")
+	fs.IntVar(&nodeOpts.nofile, "node-nofile", 4096, "RLIMIT_NOFILE of every container on the real node (containerd's runtime spec)")
+	fs.Var(&nodeOpts.fdClasses, "node-nofile-class", "add a containerd runtime handler nofile-N with RLIMIT_NOFILE N, for a RuntimeClass (repeatable)")
 	var prom prometheusOptions
 	fs.StringVar(&prom.path, "prometheus", "", "run this Prometheus binary with Kubernetes service discovery against the cluster")
 	fs.IntVar(&prom.port, "prometheus-port", 0, "Prometheus port on 127.0.0.1 (0 picks a free port)")
@@ -88,7 +100,11 @@ func runUp(args []string) int {
 		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
 		return 1
 	}
-	if err := up(absDir, *port, *controllers, *watchClients, *timeout, kubelet, prom); err != nil {
+	if nodeOpts.enabled && kubelet.path != "" {
+		fmt.Fprintln(os.Stderr, "cluster up: --node and --kubelet exclude each other")
+		return 2
+	}
+	if err := up(absDir, *port, *controllers, *watchClients, *timeout, kubelet, nodeOpts, prom); err != nil {
 		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
 		return 1
 	}
@@ -108,9 +124,9 @@ type stringList []string
 func (l *stringList) String() string     { return strings.Join(*l, " ") }
 func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
 
-func up(dir string, port int, controllers string, watchClients bool, timeout time.Duration, kubelet kubeletOptions, prom prometheusOptions) error {
+func up(dir string, port int, controllers string, watchClients bool, timeout time.Duration, kubelet kubeletOptions, nodeOpts nodeOptions, prom prometheusOptions) error {
 	// Every "up" starts a fresh cluster: stale state from an earlier run would only confuse tests.
-	for _, stale := range []string{"ready", "etcd", "pki", "kubelet", "prometheus", "logs"} {
+	for _, stale := range []string{"ready", "etcd", "pki", "kubelet", "prometheus", "logs", "node"} {
 		if err := os.RemoveAll(filepath.Join(dir, stale)); err != nil {
 			return err
 		}
@@ -149,7 +165,20 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 	if port == 0 {
 		port = ports[2]
 	}
-	server := fmt.Sprintf("https://127.0.0.1:%d", port)
+	// With the real node, the apiserver (and Prometheus) listen on this end of the node's link,
+	// where the node's kubelet, kube-proxy and pods reach them; this machine reaches it too.
+	listen := "127.0.0.1"
+	var realNode *node
+	if nodeOpts.enabled {
+		realNode, err = startNodeNamespaces(dir, nodeOpts)
+		if err != nil {
+			return fmt.Errorf("node namespaces: %w", err)
+		}
+		defer realNode.stop()
+		listen = hostLinkIP
+		logf("node network namespace up: %s (here, %s) <-> %s (the node), pods %s via the node", hostLinkIP, hostnet.NodeLink, nodeLinkIP, podCIDR)
+	}
+	server := fmt.Sprintf("https://%s:%d", listen, port)
 
 	p, err := generatePKI(filepath.Join(dir, "pki"))
 	if err != nil {
@@ -169,7 +198,7 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 	defer etcd.Close()
 	logf("etcd serving on 127.0.0.1:%d", ports[0])
 
-	apiserver, err := startChild(dir, "kube-apiserver", apiserverFlags(dir, p, port, ports[0]))
+	apiserver, err := startChild(dir, "kube-apiserver", apiserverFlags(dir, p, listen, port, ports[0], nodeOpts.enabled))
 	if err != nil {
 		return err
 	}
@@ -187,6 +216,11 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 	}
 	logf("kube-apiserver ready at %s", server)
 
+	if nodeOpts.enabled && controllers == strings.Join(defaultControllers, ",") {
+		// A real kubelet heartbeats: the node lifecycle controller lifts the not-ready taint the
+		// kubelet registers its Node with, and the pod garbage collector may run.
+		controllers += ",node-lifecycle-controller,pod-garbage-collector-controller"
+	}
 	kcm, err := startChild(dir, "kube-controller-manager", controllerManagerFlags(p, kcmKubeconfig, controllers))
 	if err != nil {
 		return err
@@ -197,10 +231,29 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 	}
 	logf("kube-controller-manager running (%s)", controllers)
 
+	if nodeOpts.enabled {
+		schedKubeconfig := filepath.Join(dir, "pki", "scheduler.kubeconfig")
+		if err := p.writeKubeconfig(schedKubeconfig, server, "system:kube-scheduler", nil); err != nil {
+			return err
+		}
+		sched, err := startChild(dir, "kube-scheduler", schedulerFlags(schedKubeconfig))
+		if err != nil {
+			return err
+		}
+		children = append(children, sched)
+		logf("kube-scheduler started")
+		nodeChildren, err := realNode.startNode(deadline, p, server, admin)
+		children = append(children, nodeChildren...)
+		if err != nil {
+			return fmt.Errorf("real node: %w", err)
+		}
+		logf("real node %s ready: containerd, kubelet %s, kube-proxy (iptables)", nodeOpts.name, version.Get().GitVersion)
+	}
+
 	// A never-closing channel stands for "no kubelet" in the select below.
 	kubeletDone := make(chan struct{})
 	if kubelet.path != "" {
-		if err := p.issueKubelet(kubelet.node); err != nil {
+		if err := p.issueKubelet(kubelet.node, []net.IP{net.ParseIP("127.0.0.1")}); err != nil {
 			return err
 		}
 		// The kubelet API (container logs for `kubectl logs`) on the address its Node reports.
@@ -225,7 +278,7 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 	promDone := make(chan struct{})
 	promURL := ""
 	if prom.path != "" {
-		c, url, err := startPrometheus(deadline, dir, admin, server, p, prom)
+		c, url, err := startPrometheus(deadline, dir, admin, server, listen, p, prom)
 		if c != nil {
 			children = append(children, c)
 			promDone = c.done
@@ -237,38 +290,46 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 		logf("prometheus ready at %s", url)
 	}
 
-	marker, _ := json.MarshalIndent(readyMarker{PID: os.Getpid(), Server: server, Kubeconfig: admin, Version: version.Get().GitVersion, Prometheus: promURL}, "", "  ")
+	marker, _ := json.MarshalIndent(readyMarker{PID: os.Getpid(), Server: server, Kubeconfig: admin, Version: version.Get().GitVersion, Prometheus: promURL, Node: realNodeName(nodeOpts)}, "", "  ")
 	if err := writeFileAtomic(filepath.Join(dir, "ready"), marker, 0o644); err != nil {
 		return err
 	}
 	defer os.Remove(filepath.Join(dir, "ready"))
 	logf("READY kubeconfig=%s", admin)
 
+	// Any component's exit ends the cluster.
+	exited := make(chan string, len(children))
+	for _, c := range children {
+		go func(c *child) { <-c.done; exited <- c.name }(c)
+	}
+	_, _ = kubeletDone, promDone
 	select {
 	case <-ctx.Done():
 		// Withdraw the marker first, so that nobody starts to reuse a cluster that is stopping.
 		os.Remove(filepath.Join(dir, "ready"))
 		logf("shutting down")
 		return nil
-	case <-apiserver.done:
-		return childExited(children, "kube-apiserver")
-	case <-kcm.done:
-		return childExited(children, "kube-controller-manager")
-	case <-kubeletDone:
-		return childExited(children, "local-kubelet")
-	case <-promDone:
-		return childExited(children, "prometheus")
+	case name := <-exited:
+		return childExited(children, name)
 	case err := <-etcd.Err():
 		return withLogTail(fmt.Errorf("etcd failed: %v", err), etcdLog)
 	}
 }
 
-func apiserverFlags(dir string, p *pki, port, etcdPort int) []string {
+func apiserverFlags(dir string, p *pki, listen string, port, etcdPort int, realNode bool) []string {
 	issuer := "https://kubernetes.default.svc.cluster.local"
+	// Every component listens on loopback without the real node, which the endpoint reconciler
+	// refuses to publish for the "kubernetes" Service (pods are told the apiserver's address by
+	// the local kubelet); with it, the Service's endpoint is the node link's address, where pods
+	// reach it through kube-proxy.
+	reconciler := "--endpoint-reconciler-type=none"
+	if realNode {
+		reconciler = "--endpoint-reconciler-type=lease"
+	}
 	return []string{
 		fmt.Sprintf("--etcd-servers=http://127.0.0.1:%d", etcdPort),
-		"--bind-address=127.0.0.1",
-		"--advertise-address=127.0.0.1",
+		"--bind-address=" + listen,
+		"--advertise-address=" + listen,
 		fmt.Sprintf("--secure-port=%d", port),
 		"--cert-dir=" + p.dir,
 		"--tls-cert-file=" + p.path("apiserver.crt"),
@@ -292,10 +353,27 @@ func apiserverFlags(dir string, p *pki, port, etcdPort int) []string {
 		"--kubelet-client-certificate=" + p.path(apiserverKubeletCert),
 		"--kubelet-client-key=" + p.path(apiserverKubeletKey),
 		"--allow-privileged=true",
-		// Every component listens on loopback, which the endpoint reconciler refuses to publish
-		// for the "kubernetes" Service; pods are told the apiserver's address by the local kubelet.
-		"--endpoint-reconciler-type=none",
+		reconciler,
 		"--profiling=false",
+		"--v=1",
+	}
+}
+
+// realNodeName is the real node's name, or empty without one.
+func realNodeName(o nodeOptions) string {
+	if !o.enabled {
+		return ""
+	}
+	return o.name
+}
+
+func schedulerFlags(kubeconfig string) []string {
+	return []string{
+		"--kubeconfig=" + kubeconfig,
+		"--authentication-kubeconfig=" + kubeconfig,
+		"--authorization-kubeconfig=" + kubeconfig,
+		"--leader-elect=false",
+		"--secure-port=0",
 		"--v=1",
 	}
 }

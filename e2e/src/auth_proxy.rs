@@ -50,16 +50,26 @@ struct Shared {
 }
 
 impl AuthProxy {
-    /// Listens on an ephemeral port of 127.0.0.1 (reachable from the local kubelet's pods) and
-    /// forwards what passes to `upstream` (`http://host:port`). With `tls` (a PEM certificate
-    /// chain and key), it speaks HTTPS only.
+    /// Listens on an ephemeral port of `upstream`'s address (`http://IP:port`: reachable from
+    /// the pods wherever the upstream is, 127.0.0.1 for the local kubelet's, the node link's
+    /// address for the real node's) and forwards what passes to `upstream`. With `tls` (a PEM
+    /// certificate chain and key), it speaks HTTPS only, on 127.0.0.1.
     pub async fn start(
         upstream: &str,
         requirements: Requirements,
         tls: Option<(&str, &str)>,
     ) -> anyhow::Result<Self> {
         crate::install_crypto_provider();
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        // Over HTTPS it is `localhost` (its certificate's name), so on 127.0.0.1, for the test
+        // process; over HTTP on the upstream's address, for pods too.
+        let host: std::net::IpAddr = upstream
+            .split("://")
+            .nth(1)
+            .and_then(|rest| rest.split(['/', ':']).next())
+            .and_then(|h| h.parse().ok())
+            .filter(|_| tls.is_none())
+            .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+        let listener = TcpListener::bind((host, 0)).await?;
         let addr = listener.local_addr()?;
         let acceptor = tls.map(|(cert, key)| acceptor(cert, key)).transpose()?;
         let shared = Arc::new(Shared {
@@ -80,7 +90,7 @@ impl AuthProxy {
         })
     }
 
-    /// `http://127.0.0.1:PORT` or `https://localhost:PORT` (the name its certificate carries).
+    /// `http://IP:PORT` or `https://localhost:PORT` (the name its certificate carries).
     pub fn url(&self) -> String {
         if self.https {
             format!("https://localhost:{}", self.addr.port())

@@ -2,6 +2,7 @@
 //! admin clients and a version-matched kubectl.
 
 use std::fs::File;
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -18,7 +19,8 @@ use crate::paths;
 pub struct ReadyMarker {
     /// Process id of `cluster up`.
     pub pid: u32,
-    /// The apiserver URL, `https://127.0.0.1:PORT`.
+    /// The apiserver URL, `https://127.0.0.1:PORT` (`https://10.244.254.1:PORT` with the real
+    /// node, the node link's end on this side).
     pub server: String,
     /// Path of the admin kubeconfig.
     pub kubeconfig: PathBuf,
@@ -27,6 +29,10 @@ pub struct ReadyMarker {
     /// URL of the cluster's Prometheus (Kubernetes service discovery of annotated pods).
     #[serde(default)]
     pub prometheus: Option<String>,
+    /// The real node's name (`cluster up --node`: the kubelet, containerd and kube-proxy in a
+    /// network namespace of their own); none with the local kubelet.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 /// A running embedded cluster.
@@ -53,6 +59,11 @@ impl Cluster {
         SHARED
             .get_or_try_init(|| Self::start_or_reuse(paths::cluster_dir(), paths::cluster_bin()))
             .await
+    }
+
+    /// The shared cluster, if this process has started or reused it already.
+    pub fn shared_if_started() -> Option<&'static Cluster> {
+        SHARED.get()
     }
 
     /// Reuses the cluster in `dir` if it answers, otherwise starts one there with `bin` and the
@@ -191,6 +202,12 @@ impl Cluster {
     /// The cluster CA certificate file.
     pub fn ca_file(&self) -> PathBuf {
         self.dir.join("pki/ca.crt")
+    }
+
+    /// The real node's name when the cluster runs the real kubelet and containerd (`make
+    /// cluster-up NODE=1`), none when it runs the local kubelet.
+    pub fn real_node(&self) -> Option<&str> {
+        self.marker.node.as_deref()
     }
 
     /// The cluster's Prometheus URL.
@@ -355,6 +372,25 @@ impl Cluster {
         cmd.stdin(Stdio::null()).kill_on_drop(true);
         cmd
     }
+}
+
+/// The source address a test gives the `lo` address `127.A.B.C` of one of its distinct clients
+/// (hostile and leaking clients, per-address limits): itself with the local kubelet, whose pods
+/// are processes here and see any 127/8 address; `10.244.(128 + 2A + B).C` on the real node,
+/// whose pods see only what is routed to them: `cluster up --node` makes 10.244.128.0/18 local
+/// here (any address of it can be bound) and routes it back from the node (e2e/cluster/node.go).
+/// The cluster is the one this process shares ([`Cluster::shared`], started or reused
+/// before any test sends).
+pub fn client_source(lo: Ipv4Addr) -> Ipv4Addr {
+    if Cluster::shared_if_started().is_none_or(|c| c.real_node().is_none()) {
+        return lo;
+    }
+    let [_, a, b, c] = lo.octets();
+    assert!(
+        lo.is_loopback() && a < 32 && b < 2,
+        "{lo}: a client address the real node maps is 127.A.B.C with A < 32 and B < 2"
+    );
+    Ipv4Addr::new(10, 244, 128 + 2 * a + b, c)
 }
 
 /// Registers this process as a user of the cluster in `dir` (see `cluster up --watch-clients`).

@@ -91,13 +91,21 @@ impl TestNamespace {
     }
 
     /// Everything worth seeing about the namespace: pods with their status, events in order,
-    /// the tail of every pod log the local kubelet kept, and the extra files.
+    /// the tail of every container's log (`kubectl logs` on the real node, the files the local
+    /// kubelet kept on it), and the extra files.
     pub async fn dump(&self) -> String {
         let mut out = format!("===== dump of namespace {} =====\n", self.name);
         let pods: Api<Pod> = self.api();
+        let mut containers: Vec<(String, String)> = Vec::new();
         match pods.list(&ListParams::default()).await {
             Ok(list) => {
                 for pod in list {
+                    for c in pod.spec.iter().flat_map(|s| s.containers.iter()) {
+                        containers.push((
+                            pod.metadata.name.clone().unwrap_or_default(),
+                            c.name.clone(),
+                        ));
+                    }
                     let status = pod.status.clone().unwrap_or_default();
                     let _ = writeln!(
                         out,
@@ -151,6 +159,33 @@ impl TestNamespace {
             }
             Err(e) => {
                 let _ = writeln!(out, "(could not list events: {e})");
+            }
+        }
+        if self.cluster.real_node().is_some() {
+            for (pod, container) in containers {
+                let logs = crate::cluster::output(self.cluster.kubectl().args([
+                    "logs",
+                    "-n",
+                    &self.name,
+                    &pod,
+                    "-c",
+                    &container,
+                    "--tail=60",
+                ]))
+                .await;
+                let text = match logs {
+                    Ok(o) => format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&o.stdout),
+                        String::from_utf8_lossy(&o.stderr)
+                    ),
+                    Err(e) => format!("(kubectl logs failed: {e})"),
+                };
+                let _ = writeln!(
+                    out,
+                    "----- kubectl logs {pod} -c {container} --tail=60 -----\n{}",
+                    text.trim_end()
+                );
             }
         }
         let mut files: Vec<(String, PathBuf)> = Vec::new();

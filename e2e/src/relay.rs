@@ -38,10 +38,11 @@ struct Shared {
 }
 
 impl Relay {
-    /// Listens on an ephemeral port of 127.0.0.1 (reachable from the local kubelet's pods, which
-    /// are host processes) and forwards every connection to `upstream`.
+    /// Listens on an ephemeral port of `upstream`'s address (reachable from the pods wherever
+    /// the upstream is: 127.0.0.1 for the local kubelet's pods, which are host processes; the
+    /// node link's address for the real node's) and forwards every connection to `upstream`.
     pub async fn start(upstream: SocketAddr) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let listener = TcpListener::bind(SocketAddr::new(upstream.ip(), 0)).await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             upstream,

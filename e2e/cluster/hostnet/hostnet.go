@@ -34,6 +34,11 @@ var (
 // "kubernetes" Service.
 var Probes = []netip.Addr{netip.MustParseAddr("10.244.255.1"), netip.MustParseAddr("10.96.0.1")}
 
+// NodeLink is this end of the veth pair to the real node's network namespace ("cluster up
+// --node"): the routes on it (its own /30 and the node's pod range through it) are the node's,
+// inside PodRange and clear of the probes, and no conflict.
+const NodeLink = "ppnode0"
+
 // Runner runs `ip` with the given arguments and returns its standard output, or an error
 // carrying its standard error. Tests replace it.
 type Runner func(args ...string) ([]byte, error)
@@ -121,7 +126,7 @@ func Conflicts(routes []Route) []Route {
 	var found []Route
 	for _, r := range routes {
 		p, ok := r.prefix()
-		if !ok || p.Bits() == 0 || r.ours() || r.podAddress() {
+		if !ok || p.Bits() == 0 || r.ours() || r.podAddress() || r.Dev == NodeLink {
 			continue
 		}
 		for _, rng := range Ranges {

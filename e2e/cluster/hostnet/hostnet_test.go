@@ -183,3 +183,19 @@ func hasRoute(routes []Route, want string) bool {
 }
 
 func mustAddr(s string) netip.Addr { return netip.MustParseAddr(s) }
+
+func TestTheRealNodesRoutesAreNoConflict(t *testing.T) {
+	routes := append(machine(),
+		// What "cluster up --node" adds: the link's /30, the node's pods through it, the local
+		// range of the tests' client addresses.
+		Route{Dst: "10.244.254.0/30", Dev: NodeLink},
+		Route{Dst: "10.244.0.0/24", Gateway: "10.244.254.2", Dev: NodeLink},
+		Route{Type: "local", Dst: "10.244.128.0/18", Dev: "lo", Table: "local"},
+		Route{Type: "local", Dst: "10.244.254.1", Dev: NodeLink, Table: "local"},
+	)
+	c := Conflicts(routes)
+	// The address on the link is the node's own (in the local table, on NodeLink): no conflict.
+	if len(c) != 0 {
+		t.Errorf("conflicts %v", c)
+	}
+}

@@ -134,8 +134,9 @@ pub struct StackSpec {
     pub operators: u32,
     /// The backends to run; the sample's other backend gets 0 replicas.
     pub backends: Vec<BackendSpec>,
-    /// The gateway pods' RLIMIT_NOFILE (the local kubelet's `poolpilot.io/nofile-limit`
-    /// annotation); the overlay's when `None`.
+    /// The gateway pods' RLIMIT_NOFILE ([`nofile_template`]: the local kubelet's
+    /// `poolpilot.io/nofile-limit` annotation, the real node's RuntimeClass `nofile-<limit>`);
+    /// the overlay's when `None`.
     pub nofile_limit: Option<u64>,
     /// More operator flags, appended to the overlay's; a `--prometheus-url=` among them
     /// replaces the overlay's (clap refuses a repeated flag).
@@ -192,6 +193,39 @@ pub struct Stack<'a> {
 /// (the namespace is deleted by [`with_namespace`]).
 ///
 /// [`with_namespace`]: crate::with_namespace
+/// The pod template fields that give a pod RLIMIT_NOFILE `limit`, as a merge patch of the
+/// template: the local kubelet's `poolpilot.io/nofile-limit` annotation; on the real node the
+/// RuntimeClass `nofile-<limit>` (applied here, cluster-wide and never deleted), whose
+/// containerd handler sets the limit in the container's OCI spec (`cluster up
+/// --node-nofile-class <limit>`: `make cluster-up NODE=1` has 512 and 4096).
+pub async fn nofile_template(cluster: &crate::Cluster, limit: u64) -> anyhow::Result<Value> {
+    if cluster.real_node().is_none() {
+        return Ok(
+            json!({"metadata": {"annotations": {"poolpilot.io/nofile-limit": limit.to_string()}}}),
+        );
+    }
+    let class = format!("nofile-{limit}");
+    cluster
+        .apply_list(&[json!({
+            "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+            "metadata": {"name": class}, "handler": class,
+        })])
+        .await?;
+    Ok(json!({"spec": {"runtimeClassName": class}}))
+}
+
+/// JSON merge: `patch`'s objects into `target`'s, its other values over `target`'s.
+fn merge(target: &mut Value, patch: &Value) {
+    match (target, patch) {
+        (Value::Object(t), Value::Object(p)) => {
+            for (k, v) in p {
+                merge(t.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (t, p) => *t = p.clone(),
+    }
+}
+
 pub async fn with_stack<F>(prefix: &str, spec: StackSpec, test: F) -> anyhow::Result<()>
 where
     F: AsyncFnOnce(&Stack<'_>) -> anyhow::Result<()>,
@@ -237,6 +271,10 @@ impl<'a> Stack<'a> {
     async fn deploy(&self, spec: &StackSpec) -> anyhow::Result<()> {
         let cluster = self.ns.cluster();
         cluster.install_crd().await?;
+        let nofile = match spec.nofile_limit {
+            Some(limit) => Some(nofile_template(cluster, limit).await?),
+            None => None,
+        };
         let yaml = run(cluster
             .kubectl()
             .arg("kustomize")
@@ -260,6 +298,12 @@ impl<'a> Stack<'a> {
                 continue;
             }
             self.adapt(&mut object, &kind, spec)?;
+            if let Some(template) = &nofile
+                && kind == "Deployment"
+                && object["metadata"]["name"] == GATEWAY_DEPLOYMENT
+            {
+                merge(&mut object["spec"]["template"], template);
+            }
             objects.push(object);
         }
         cluster.apply_list(&objects).await?;
@@ -360,10 +404,6 @@ impl<'a> Stack<'a> {
             }
             GATEWAY_DEPLOYMENT => {
                 object["spec"]["replicas"] = json!(spec.gateways);
-                if let Some(limit) = spec.nofile_limit {
-                    object["spec"]["template"]["metadata"]["annotations"]["poolpilot.io/nofile-limit"] =
-                        json!(limit.to_string());
-                }
             }
             backend => {
                 let wanted = spec.backends.iter().find(|b| b.name == backend);

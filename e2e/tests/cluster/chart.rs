@@ -45,11 +45,14 @@ pub(crate) fn chart_dir() -> std::path::PathBuf {
     workspace_root().join("charts/poolpilot")
 }
 
-/// The values that run the chart on the embedded cluster, where every pod shares the host's
-/// network namespace and listens on its own pod IP.
+/// The values that run the chart on the embedded cluster: the images of `make images` (the local
+/// overlay's names, which the local kubelet maps to this workspace's binaries and the real node
+/// has imported), every pod listening on its own pod IP (the local kubelet's pods share the
+/// host's network namespace).
 fn local_values(ns: &TestNamespace, release: &str) -> anyhow::Result<Value> {
     Ok(json!({
         "fullnameOverride": release,
+        "image": {"repository": "poolpilot", "tag": "local"},
         "operator": {
             "replicas": 1,
             "listenOnPodIP": true,

@@ -24,7 +24,7 @@ async fn deployment_creates_pods_and_garbage_collection_removes_them() -> anyhow
         // No node carries the selected label, so the pods stay unscheduled and Pending.
         let pod_spec = json!({
             "nodeSelector": {"poolpilot.io/e2e-no-such-node": "true"},
-            "containers": [{"name": "web", "image": "poolpilot/modelsim"}]
+            "containers": [{"name": "web", "image": "poolpilot/modelsim:local"}]
         });
         let created = ns.create_deployment("web", 2, pod_spec).await?;
         let deployment_uid = created.uid().expect("created objects have a uid");

@@ -29,8 +29,10 @@ fn modelsim_deployment(replicas: i32) -> anyhow::Result<Deployment> {
                 "spec": {
                     "terminationGracePeriodSeconds": 5,
                     "containers": [{
-                        "name": "modelsim", "image": "poolpilot/modelsim",
+                        "name": "modelsim", "image": "poolpilot/modelsim:local",
                         "args": ["--admin-port=8001", "--max-concurrency=4"],
+                        // Its instance name (what each pod answers as): the pod's.
+                        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
                         "ports": [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8001}],
                         "readinessProbe": {"httpGet": {"path": "/health", "port": "admin"}, "periodSeconds": 1},
                     }]

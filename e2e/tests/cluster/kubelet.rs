@@ -17,6 +17,20 @@ use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Whether the cluster runs the real node, where these tests of the local kubelet's own
+/// behaviour (host binaries as images, its log files, its annotation) do not apply: the real
+/// node's are in `node.rs`.
+async fn on_the_real_node() -> anyhow::Result<bool> {
+    let real = poolpilot_e2e::Cluster::shared()
+        .await?
+        .real_node()
+        .is_some();
+    if real {
+        eprintln!("the cluster runs the real node: this test is the local kubelet's");
+    }
+    Ok(real)
+}
+
 /// What the container's running instance wrote (its log file, CRI lines, as plain text).
 fn pod_log(ns: &TestNamespace, pod: &str, container: &str) -> String {
     let path = ns
@@ -51,6 +65,9 @@ async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
 #[tokio::test]
 async fn deployment_pods_run_on_their_own_ips_behind_a_service_and_stop_when_deleted()
 -> anyhow::Result<()> {
+    if on_the_real_node().await? {
+        return Ok(());
+    }
     with_namespace("kl-deploy", async |ns| {
         let deployments: Api<Deployment> = ns.api();
         let pods: Api<Pod> = ns.api();
@@ -136,6 +153,9 @@ async fn deployment_pods_run_on_their_own_ips_behind_a_service_and_stop_when_del
 
 #[tokio::test]
 async fn a_crashing_container_is_restarted_with_back_off() -> anyhow::Result<()> {
+    if on_the_real_node().await? {
+        return Ok(());
+    }
     with_namespace("kl-crash", async |ns| {
         let pods: Api<Pod> = ns.api();
         let pod: Pod = serde_json::from_value(json!({
@@ -171,6 +191,9 @@ async fn a_crashing_container_is_restarted_with_back_off() -> anyhow::Result<()>
 
 #[tokio::test]
 async fn a_pod_whose_readiness_probe_fails_is_not_ready() -> anyhow::Result<()> {
+    if on_the_real_node().await? {
+        return Ok(());
+    }
     with_namespace("kl-ready", async |ns| {
         let pods: Api<Pod> = ns.api();
         // Serves 404 on /health: running, but never Ready.
@@ -205,6 +228,9 @@ async fn a_pod_whose_readiness_probe_fails_is_not_ready() -> anyhow::Result<()> 
 #[tokio::test]
 async fn configmap_changes_reach_the_running_process_and_nofile_is_honoured() -> anyhow::Result<()>
 {
+    if on_the_real_node().await? {
+        return Ok(());
+    }
     with_namespace("kl-volume", async |ns| {
         let configmaps: Api<ConfigMap> = ns.api();
         let pods: Api<Pod> = ns.api();
@@ -247,6 +273,9 @@ async fn configmap_changes_reach_the_running_process_and_nofile_is_honoured() ->
 
 #[tokio::test]
 async fn in_cluster_credentials_work_from_inside_a_pod() -> anyhow::Result<()> {
+    if on_the_real_node().await? {
+        return Ok(());
+    }
     with_namespace("kl-token", async |ns| {
         let pods: Api<Pod> = ns.api();
         // The ServiceAccount admission plugin adds the projected token volume; the process uses

@@ -9,6 +9,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::Context as _;
+use poolpilot_e2e::cluster::client_source;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
@@ -24,7 +25,8 @@ const SCENARIO: &str = "client-protection";
 const MAX_CONCURRENCY: u32 = 4;
 /// Downstream connections per client address and gateway pod.
 const MAX_CONNECTIONS_PER_CLIENT: u32 = 16;
-/// The clients' own source addresses (any 127/8 address reaches the pods through lo): the
+/// The clients' own source addresses (any 127/8 address reaches the local kubelet's pods through
+/// lo; on the real node each maps to one of 10.244.128.0/18, `cluster::client_source`): the
 /// connection cap counts per address.
 const LEAKER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 77);
 const GREEDY: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 88);
@@ -101,7 +103,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     };
     // The good client: 2 calls at a time, spread over the gateways, well within its limit.
     let all: Vec<SocketAddr> = gateways.iter().map(|g| g.proxy()).collect();
-    let good = Load::start_as(load(all, 2), 2, "good", Some(GOOD.into()))?;
+    let good = Load::start_as(load(all, 2), 2, "good", Some(client_source(GOOD).into()))?;
     // The greedy client: 12 at a time at one gateway pod, three times its concurrency (and
     // within its connection cap: this one is throttled per call).
     let victim = &gateways[0];
@@ -109,7 +111,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         load(vec![victim.proxy()], 12),
         12,
         "greedy",
-        Some(GREEDY.into()),
+        Some(client_source(GREEDY).into()),
     )?;
 
     // The leaker: 3 × its connection cap from its own address at the same pod, one call on
@@ -121,7 +123,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     let mut answered_429 = 0;
     for _ in 0..3 * MAX_CONNECTIONS_PER_CLIENT {
         let socket = TcpSocket::new_v4()?;
-        socket.bind(SocketAddr::new(IpAddr::V4(LEAKER), 0))?;
+        socket.bind(SocketAddr::new(IpAddr::V4(client_source(LEAKER)), 0))?;
         let mut stream = socket.connect(victim.proxy()).await?;
         stream
             .write_all(
@@ -176,7 +178,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     );
     // After the reclaim the leaker's address may connect again, up to the cap.
     let again = TcpSocket::new_v4()?;
-    again.bind(SocketAddr::new(IpAddr::V4(LEAKER), 0))?;
+    again.bind(SocketAddr::new(IpAddr::V4(client_source(LEAKER)), 0))?;
     let mut again = again.connect(victim.proxy()).await?;
     assert!(
         !closed(&mut again, Duration::from_millis(500)).await,

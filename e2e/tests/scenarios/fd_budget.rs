@@ -1,5 +1,6 @@
 //! Scenario 5, fd budget: gateway pods started with a low open-files limit (the local kubelet's
-//! `poolpilot.io/nofile-limit` annotation sets their RLIMIT_NOFILE) → `FdBudget=False` with the
+//! `poolpilot.io/nofile-limit` annotation sets their RLIMIT_NOFILE; on the real node their
+//! RuntimeClass's containerd handler does, `stack::nofile_template`) → `FdBudget=False` with the
 //! numbers in its message, the per-pod shares in `GET /v1/limits` clamped below the unclamped
 //! share, a `FdBudgetExceeded` Event; the limit raised with `kubectl patch` of the Deployment's
 //! pod template (which rolls the pods) → `FdBudget=True` and the shares back to unclamped.
@@ -16,8 +17,8 @@ use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, GATEWAY_DEPLOYMENT, POLICY, Stack, StackSpec, WAIT, metric_sum, quick_policy, set,
-    with_stack,
+    BackendSpec, GATEWAY_DEPLOYMENT, POLICY, Stack, StackSpec, WAIT, metric_sum, nofile_template,
+    quick_policy, set, with_stack,
 };
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -189,9 +190,8 @@ async fn fd_budget_clamps_shares_under_a_low_nofile_limit_and_releases_them() ->
 
         // Raise the limit: the pod template changes, the Deployment rolls its pods.
         let raised = Instant::now();
-        let patch = json!({"spec": {"template": {"metadata": {"annotations": {
-            "poolpilot.io/nofile-limit": HIGH_LIMIT.to_string()
-        }}}}});
+        let patch =
+            json!({"spec": {"template": nofile_template(stack.ns().cluster(), HIGH_LIMIT).await?}});
         run(stack.kubectl().args([
             "patch",
             "-n",

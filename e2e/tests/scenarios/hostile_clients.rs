@@ -31,6 +31,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use parking_lot::Mutex;
+use poolpilot_e2e::cluster::client_source;
 use poolpilot_e2e::load::{Load, LoadSpec};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
@@ -70,7 +71,8 @@ const CAPACITY_A: u32 = 64;
 const CAPACITY_B: u32 = 32;
 const HEADROOM: f64 = 0.2;
 
-/// The attackers' and the good load's source addresses (any 127/8 address reaches the pods).
+/// The attackers' and the good load's source addresses (any 127/8 address reaches the local
+/// kubelet's pods; on the real node each maps to one of 10.244.128.0/18, `cluster::client_source`).
 const GOOD: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 99);
 const NON_READER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 81);
 const H2: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 82);
@@ -196,7 +198,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         ),
         6,
         "good",
-        Some(GOOD.into()),
+        Some(client_source(GOOD).into()),
     )?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let backends_a = stack.backends("model-a").await?;
@@ -506,7 +508,7 @@ impl std::fmt::Display for Report {
 /// A socket bound to `source`.
 fn socket_from(source: Ipv4Addr) -> anyhow::Result<TcpSocket> {
     let socket = TcpSocket::new_v4()?;
-    socket.bind(SocketAddr::new(IpAddr::V4(source), 0))?;
+    socket.bind(SocketAddr::new(IpAddr::V4(client_source(source)), 0))?;
     Ok(socket)
 }
 
