@@ -45,7 +45,7 @@ ARG BIN
 ARG PORTS
 ARG VERSION=0.0.0
 ARG REVISION=unknown
-ARG SOURCE=https://github.com/poolpilot/poolpilot
+ARG SOURCE
 COPY --from=build /rootfs/ /
 LABEL org.opencontainers.image.title="$BIN" \
       org.opencontainers.image.version="$VERSION" \

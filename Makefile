@@ -139,6 +139,8 @@ IMAGE_VERSION    := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | hea
 IMAGE_REVISION   := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 # name:binary:ports of each image.
 IMAGES           := operator:poolpilot-operator:8080 gateway:poolpilot-gateway:8080,9901 modelsim:modelsim:8000,8001
+# The repository the images' source label names: the workspace's `repository` (Cargo.toml).
+IMAGE_SOURCE     := $(shell sed -n 's/^repository = "\(.*\)"$$/\1/p' Cargo.toml)
 # podman and buildah read their configuration from here, not from /etc: the image store lives in
 # the cache, runc is the runtime (crun refuses a hybrid cgroup v1/v2 layout), and no default
 # ulimits (podman's default nproc limit is above the hard limit of a process without
@@ -176,7 +178,8 @@ images: image-tools ## Build the operator, gateway and modelsim images offline (
 		images/rootfs.sh $(CARGO_TARGET_DIR)/$(IMAGE_PROFILE)/$$bin $$ctx/rootfs; \
 		buildah build --quiet --timestamp 0 -f images/Containerfile -t $$ref \
 			--build-arg BIN=$$bin --build-arg PORTS="$${ports//,/ }" \
-			--build-arg VERSION=$(IMAGE_VERSION) --build-arg REVISION=$(IMAGE_REVISION) $$ctx >/dev/null; \
+			--build-arg VERSION=$(IMAGE_VERSION) --build-arg REVISION=$(IMAGE_REVISION) \
+			--build-arg SOURCE=$(IMAGE_SOURCE) $$ctx >/dev/null; \
 		rm -f $(IMAGES_DIR)/$$name.tar; \
 		buildah push --quiet $$ref oci-archive:$(IMAGES_DIR)/$$name.tar:$$ref; \
 		rm -rf $$ctx; \
