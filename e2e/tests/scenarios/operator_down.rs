@@ -92,16 +92,31 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
             (MAX, MIN),
             "one step from the upper bound to the minimum: {scale:?}"
         );
-        let before = stack
-            .wait_limits("the tuned shares on every gateway", GATEWAYS, WAIT, |l| {
+        // Every pod runs its document of the tuned target (each its own share of it: the
+        // division follows each pod's demand), as status.pods says.
+        let before = eventually("the tuned shares on every gateway", WAIT, || async {
+            let s = status(stack).await?;
+            let items = s.pods.context("status.pods")?.items;
+            let docs = stack
+                .wait_limits("every gateway", GATEWAYS, Duration::from_secs(1), |_| Ok(()))
+                .await?;
+            for (g, l) in &docs {
+                let item = items.iter().find(|i| i.name == g.name).context("a pod item")?;
                 anyhow::ensure!(
-                    l.revision == tuned.revision.clone().unwrap_or_default(),
-                    "revision {}",
+                    item.current && item.revision.as_deref() == Some(l.revision.as_str()),
+                    "{} serves {} ({item:?})",
+                    g.name,
                     l.revision
                 );
-                Ok(())
-            })
-            .await?;
+            }
+            anyhow::ensure!(
+                docs.iter().map(|(_, l)| share(l)).sum::<u32>() == MIN,
+                "shares {:?}",
+                docs.iter().map(|(_, l)| share(l)).collect::<Vec<_>>()
+            );
+            Ok(docs)
+        })
+        .await?;
         let shares = |docs: &[(poolpilot_e2e::stack::GatewayPod, GatewayLimits)]| -> Vec<u32> {
             docs.iter().map(|(_, l)| share(l)).collect()
         };

@@ -5,6 +5,7 @@
 //! ConfigMap keeps its revision. Switched back to `Enforce`, the recommendation is rolled out,
 //! and `status.pods.items` lists each pod on it.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -189,15 +190,21 @@ async fn shadow_mode_publishes_the_decision_and_changes_nothing_until_enforced()
         stack.wait_condition(POLICY, "Ready", "True", WAIT).await?;
         // Per pod: what it runs and since when.
         let items = eventually(
-            "status.pods.items lists both pods on the revision",
+            "status.pods.items lists both pods on their revisions",
             WAIT,
             || async {
                 let s = status(stack).await?;
                 let pods = s.pods.context("status.pods")?;
+                // Each pod on its own document (its share of the target divided by demand, its
+                // part of the busiest clients' limits): current, and the revision it serves.
+                let mut serves = BTreeMap::new();
+                for g in stack.gateways().await? {
+                    serves.insert(g.name.clone(), g.limits().await?.revision);
+                }
                 anyhow::ensure!(
                     pods.items.len() == 2
                         && pods.items.iter().all(|i| i.current
-                            && i.revision == s.revision
+                            && i.revision.as_ref() == serves.get(&i.name)
                             && i.generation.is_some()
                             && i.since.is_some()
                             && i.last_error.is_none()),

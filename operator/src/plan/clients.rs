@@ -2,15 +2,16 @@
 //! `maxConcurrency` and `maxQueue` hold for the whole fleet (`clients.scope: Fleet`); divided
 //! evenly, a client whose connections all land on one pod (a batch job with a few keep-alive
 //! connections, an SDK multiplexing over one HTTP/2 connection) gets a fraction of its limit there.
-//! So the busiest clients each pod reports (`GET /v1/clients`, averaged over 10 s) get their
-//! limits divided over the pods by their demand on each ([`super::division::divide`]: the parts
+//! So the busiest clients each pod reports (`GET /v1/clients`, averaged over 10 s) that the even
+//! split presses (demand on some pod at [`PRESSED`] of an even part or more) get their limits
+//! divided over the pods by their demand on each ([`super::division::divide`]: the parts
 //! add up to the limit, and a pod without the client's calls keeps a floor); every other client
 //! keeps the even split. Like the backends' shares the division is re-judged once per interval
 //! and sent only when it moves ([`super::division::moves`]).
 
 use std::collections::BTreeMap;
 
-use super::division::{self, Claim, Need, QUEUEING};
+use super::division::{self, Claim, Need, PRESSED, QUEUEING};
 use super::input::ClientUse;
 use super::shares::Divided;
 use super::time::Timestamp;
@@ -53,16 +54,26 @@ pub fn divide(
     if !due || (0..holders.len()).any(|i| ready[i] && reports[i].is_none()) {
         return kept();
     }
-    // Total demand per client over the holders, busiest first.
+    // Total demand per client over the holders, busiest first: the clients the even split
+    // presses (demand on some pod at three quarters of an even part or more), and those already
+    // divided while they still have demand. Others keep the even split, and the documents stay
+    // small and unchanged by clients far from their limits.
+    let even = f64::from(limit) / holders.len().max(1) as f64;
     let mut total: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut pressed: BTreeMap<&str, bool> = BTreeMap::new();
     for r in reports.iter().flatten() {
         for c in r.iter() {
             if !overridden.contains(&c.key_sha256.as_str()) && c.demand.is_finite() {
-                *total.entry(c.key_sha256.as_str()).or_default() += c.demand.max(0.0);
+                let key = c.key_sha256.as_str();
+                *total.entry(key).or_default() += c.demand.max(0.0);
+                *pressed.entry(key).or_default() |= c.demand >= PRESSED * even;
             }
         }
     }
-    let mut busiest: Vec<(&str, f64)> = total.into_iter().filter(|(_, d)| *d > 0.0).collect();
+    let mut busiest: Vec<(&str, f64)> = total
+        .into_iter()
+        .filter(|(k, d)| *d > 0.0 && (pressed[k] || last.contains_key(*k)))
+        .collect();
     busiest.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
     busiest.truncate(MAX_CLIENT_SHARES);
 
@@ -231,6 +242,25 @@ mod tests {
         );
         assert_eq!(d.len(), MAX_CLIENT_SHARES);
         assert!(d.contains_key(&keys[39]) && !d.contains_key(&keys[0]));
+    }
+
+    #[test]
+    fn a_client_far_from_its_even_part_keeps_the_even_split() {
+        let a = "a".repeat(64);
+        // Limit 8 over 2 pods: an even part of 4; demand 2 on one pod presses nothing.
+        let report = [uses(&a, 2.0, 0)];
+        let none: [ClientUse; 0] = [];
+        let d = divide(
+            &names(2),
+            &[true, true],
+            &[Some(&report), Some(&none)],
+            (8, 32),
+            &[],
+            &BTreeMap::new(),
+            true,
+            at(0),
+        );
+        assert!(d.is_empty(), "{d:?}");
     }
 
     #[test]

@@ -246,7 +246,17 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     .iter()
                     .map(|o| o.client.key_sha256.as_str())
                     .collect();
-                let due = backends.iter().any(|b| b.decision.is_some());
+                // Re-judged with a decision made on fresh data (not while Prometheus is away:
+                // the documents stay as they are then).
+                let due = backends.iter().any(|b| {
+                    b.decision.as_ref().is_some_and(|d| {
+                        !matches!(
+                            d,
+                            autoscale::Decision::MissingData { .. }
+                                | autoscale::Decision::Recovering { .. }
+                        )
+                    })
+                });
                 let last = memory
                     .client_divisions
                     .get(&policy.key)
