@@ -26,7 +26,6 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use poolpilot_api::GatewayLimits;
-use sha2::{Digest as _, Sha256};
 use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec, skewed};
 use poolpilot_e2e::scenario::{figure, serial};
@@ -34,6 +33,7 @@ use poolpilot_e2e::stack::{
     BackendSpec, POLICY, Stack, StackSpec, WAIT, one_backend_policy, operator_decisions, share,
     with_stack,
 };
+use sha2::{Digest as _, Sha256};
 use tokio::time::Instant;
 
 const SCENARIO: &str = "skewed-load";
