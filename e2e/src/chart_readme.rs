@@ -257,7 +257,9 @@ gateway:
         }];
         let out = table(&values, &serde_json::json!({}));
         assert!(
-            out.ends_with("| `a` |  | `\"<x>\\|y\"` | &lt;fullname>-x, `<fullname>-y`, a \\| b |\n"),
+            out.ends_with(
+                "| `a` |  | `\"<x>\\|y\"` | &lt;fullname>-x, `<fullname>-y`, a \\| b |\n"
+            ),
             "{out}"
         );
     }
