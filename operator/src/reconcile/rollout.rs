@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
@@ -76,14 +75,18 @@ const FLEET_LABEL: &str = "poolpilot.io/fleet-limits";
 
 /// Where a policy's durable document goes: the ConfigMap named by the
 /// [`LIMITS_CONFIGMAP_ANNOTATION`] of its first selected pod (whose policies the document
-/// holds), owned by every policy that selects that pod, so that it lives while one of them
-/// does; without the annotation, `<policy>-limits`, owned by the policy alone. The writing
-/// policy is the controller either way.
+/// holds, the same for every policy on those pods), or without the annotation `<policy>-limits`.
+/// A fleet's ConfigMap keeps the owner it was created with: the first policy to write it
+/// controls it, and every policy on the fleet writes it as that policy's. Its ownerReferences
+/// never change after the create, which clusters enforcing owner-reference permissions
+/// (OpenShift) would refuse without `delete` on ConfigMaps; when that policy goes, the garbage
+/// collector deletes the ConfigMap and the next reconcile of another policy on the fleet writes
+/// it anew.
 struct Durable {
     name: String,
     fleet: bool,
-    /// The other policies that select the fleet's pods: `(name, uid)`.
-    co_owners: Vec<(String, String)>,
+    /// The policy the ConfigMap is written as (`name`, `uid`), when not the reconciled one.
+    owner: Option<(String, String)>,
 }
 
 fn durable_configmap<G: Gateways>(
@@ -96,7 +99,7 @@ fn durable_configmap<G: Gateways>(
     let own = || Durable {
         name: configmap_name(&policy.name_any()),
         fleet: false,
-        co_owners: Vec::new(),
+        owner: None,
     };
     let Some(first) = plan.selected.first() else {
         return own();
@@ -115,26 +118,29 @@ fn durable_configmap<G: Gateways>(
             configmap_name(&policy.name_any()));
         return own();
     }
-    let policies = ctx.stores.policies.state();
-    let co_owners = fleet
-        .policies
+    // The policy controlling the existing ConfigMap, if it is another policy on this fleet.
+    let owner = ctx
+        .stores
+        .configmaps
+        .state()
         .iter()
-        .filter(|p| p.key.namespace == ns && p.key.name != policy.name_any())
-        .filter(|p| p.selected.contains(first))
-        .filter_map(|p| {
-            policies
+        .find(|cm| cm.namespace().as_deref() == Some(ns.as_str()) && cm.name_any() == named)
+        .and_then(|cm| {
+            cm.owner_references()
                 .iter()
-                .filter_map(|o| o.0.as_ref().ok())
-                .find(|o| {
-                    o.namespace().as_deref() == Some(ns.as_str()) && o.name_any() == p.key.name
-                })
-                .and_then(|o| Some((o.name_any(), o.uid()?)))
+                .find(|o| o.controller == Some(true) && o.kind == "ConnectionPolicy")
+                .map(|o| (o.name.clone(), o.uid.clone()))
         })
-        .collect();
+        .filter(|(name, _)| {
+            name != &policy.name_any()
+                && fleet.policies.iter().any(|p| {
+                    p.key.namespace == ns && &p.key.name == name && p.selected.contains(first)
+                })
+        });
     Durable {
         name: named,
         fleet: true,
-        co_owners,
+        owner,
     }
 }
 
@@ -614,13 +620,12 @@ async fn apply_document<G: Gateways>(
     let alone = Durable {
         name: name.to_owned(),
         fleet: false,
-        co_owners: Vec::new(),
+        owner: None,
     };
     apply_owned(ctx, policy, &alone, doc).await
 }
 
-/// [`apply_document`] of ConfigMap `durable.name`, with the fleet label and the co-owners of
-/// `durable`.
+/// [`apply_document`] of ConfigMap `durable.name`, with the fleet label, as its owner's.
 async fn apply_owned<G: Gateways>(
     ctx: &Context<G>,
     policy: &ConnectionPolicy,
@@ -637,10 +642,6 @@ async fn apply_owned<G: Gateways>(
             && cm.annotations().get(REVISION_ANNOTATION) == Some(&doc.revision)
             && cm.annotations().get(GENERATION_ANNOTATION) == Some(&generation)
             && cm.data.as_ref().and_then(|d| d.get(DOCUMENT_KEY)) == Some(&body)
-            && durable
-                .co_owners
-                .iter()
-                .all(|(_, uid)| cm.owner_references().iter().any(|o| &o.uid == uid))
     });
     if unchanged {
         return Ok(());
@@ -649,19 +650,15 @@ async fn apply_owned<G: Gateways>(
         .controller_owner_ref(&())
         .into_iter()
         .collect::<Vec<_>>();
-    let api_version = owner.first().map(|o| o.api_version.clone());
-    for (co, uid) in &durable.co_owners {
-        owner.push(OwnerReference {
-            api_version: api_version.clone().unwrap_or_default(),
-            kind: "ConnectionPolicy".to_owned(),
-            name: co.clone(),
-            uid: uid.clone(),
-            ..OwnerReference::default()
-        });
+    let mut writer = policy.name_any();
+    if let (Some((name, uid)), Some(reference)) = (&durable.owner, owner.first_mut()) {
+        name.clone_into(&mut reference.name);
+        uid.clone_into(&mut reference.uid);
+        name.clone_into(&mut writer);
     }
     let mut labels = serde_json::Map::new();
     labels.insert(MANAGED_BY.0.to_owned(), MANAGED_BY.1.into());
-    labels.insert("poolpilot.io/policy".to_owned(), policy.name_any().into());
+    labels.insert("poolpilot.io/policy".to_owned(), writer.into());
     if durable.fleet {
         labels.insert(FLEET_LABEL.to_owned(), "true".into());
     }

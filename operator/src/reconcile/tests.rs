@@ -1372,7 +1372,7 @@ fn a_revision_rolled_out_again_is_verified_anew_not_by_its_first_canary() {
 }
 
 #[tokio::test]
-async fn the_durable_document_goes_to_the_configmap_the_pods_name_owned_by_their_policies() {
+async fn the_durable_document_goes_to_the_configmap_the_pods_name_and_keeps_its_owner() {
     let mut pod = gateway_pod();
     pod.metadata.annotations = Some(
         [(
@@ -1386,29 +1386,71 @@ async fn the_durable_document_goes_to_the_configmap_the_pods_name_owned_by_their
     other.spec.backends[0].name = "model-b".into();
     let mut run = Scenario::start_with(
         models.clone(),
-        vec![models, other],
-        vec![pod],
+        vec![models.clone(), other.clone()],
+        vec![pod.clone()],
         FakeGateways::default(),
     );
     let cm = expect_configmap_apply(&mut run.api, "gw-limits").await;
     let labels = &cm["metadata"]["labels"];
     assert_eq!(labels["poolpilot.io/fleet-limits"], "true", "{cm}");
     assert_eq!(labels["poolpilot.io/policy"], "models");
-    let owners = cm["metadata"]["ownerReferences"].as_array().unwrap();
-    let owners: Vec<(&str, bool)> = owners
-        .iter()
-        .map(|o| (o["uid"].as_str().unwrap(), o["controller"] == true))
-        .collect();
-    assert_eq!(
-        owners,
-        [("models-uid", true), ("other-uid", false)],
-        "the writer controls it, the other policy on the pods co-owns it"
-    );
+    assert_eq!(cm["metadata"]["ownerReferences"][0]["uid"], "models-uid");
+    assert_eq!(cm["metadata"]["ownerReferences"][0]["controller"], true);
     let doc: GatewayLimits =
         serde_json::from_str(cm["data"]["limits.json"].as_str().unwrap()).unwrap();
     let backends: Vec<&str> = doc.backends.iter().map(|b| b.name.as_str()).collect();
     assert_eq!(backends, ["model-a", "model-b"], "both policies' backends");
     run.reconciler.abort();
+
+    // The other policy writes it as the policy that created it: its ownerReferences never
+    // change after the create.
+    let existing: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "gw-limits", "namespace": "ns",
+                     "labels": {"app.kubernetes.io/managed-by": "poolpilot-operator",
+                                "poolpilot.io/policy": "models", "poolpilot.io/fleet-limits": "true"},
+                     "ownerReferences": [{"apiVersion": "poolpilot.io/v1alpha1", "kind": "ConnectionPolicy",
+                                          "name": "models", "uid": "models-uid", "controller": true}],
+                     "annotations": {"poolpilot.io/revision": "000000000000", "poolpilot.io/generation": "0"}},
+        "data": {"limits.json": "{}"},
+    }))
+    .unwrap();
+    let (ctx, mut api, _) = context_full(
+        vec![
+            DeserializeGuard(Ok(models)),
+            DeserializeGuard(Ok(other.clone())),
+        ],
+        vec![pod],
+        vec![existing],
+        FakeGateways::default(),
+    );
+    let reconciler = tokio::spawn(reconcile(Arc::new(other), ctx));
+    let cm = loop {
+        // The token Secret may be read first; the ConfigMap apply is what is checked.
+        let (request, send) = with_timeout(api.next_request()).await.expect("a request");
+        let path = request.uri().path().to_owned();
+        if path.ends_with("/configmaps/gw-limits") {
+            let body = request.into_body().collect_bytes().await.unwrap();
+            let cm: Value = serde_json::from_slice(&body).unwrap();
+            send.send_response(Response::builder().body(Body::from(body.to_vec())).unwrap());
+            break cm;
+        }
+        let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "poolpilot-admin-token"}, "data": {"token": "czNjcjN0"}});
+        send.send_response(
+            Response::builder()
+                .body(Body::from(serde_json::to_vec(&secret).unwrap()))
+                .unwrap(),
+        );
+    };
+    assert_eq!(
+        cm["metadata"]["labels"]["poolpilot.io/policy"], "models",
+        "{cm}"
+    );
+    assert_eq!(cm["metadata"]["ownerReferences"][0]["uid"], "models-uid");
+    assert_eq!(
+        cm["metadata"]["ownerReferences"].as_array().unwrap().len(),
+        1
+    );
+    reconciler.abort();
 }
 
 #[tokio::test]
