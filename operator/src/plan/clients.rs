@@ -55,7 +55,7 @@ pub fn divide(
         return kept();
     }
     // Total demand per client over the holders, busiest first: the clients the even split
-    // presses (demand on some pod at three quarters of an even part or more), and those already
+    // presses (demand on some pod at an even part or more), and those already
     // divided while they still have demand. Others keep the even split, and the documents stay
     // small and unchanged by clients far from their limits.
     let even = f64::from(limit) / holders.len().max(1) as f64;

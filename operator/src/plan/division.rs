@@ -39,11 +39,14 @@
 /// A pod's demand queued this much (pending lease requests, averaged over the interval) counts
 /// as queueing: it waits for connections its share does not give it.
 pub const QUEUEING: f64 = 0.5;
-/// A pod whose demand reaches this fraction of its share is pressed: its share is about to
-/// bind, and a re-division that gives it more is worth a new document.
-pub const PRESSED: f64 = 0.75;
+/// A pod whose demand reaches this fraction of its share is pressed: it uses all of its share
+/// (bursting beyond it, or about to queue), and a re-division that gives it more is worth a new
+/// document. (At three quarters, a light load of one or two calls per pod flipped small shares
+/// back and forth every interval.)
+pub const PRESSED: f64 = 1.0;
 /// Otherwise a new division goes out only when it moves more than this fraction of the target
-/// between pods, so that noise in the demand does not churn the limits documents.
+/// between pods, and more than one connection, so that noise in the demand does not churn the
+/// limits documents.
 pub const DEADBAND: f64 = 0.10;
 
 /// One holder as the division sees it (per endpoint of the backend).
@@ -224,7 +227,7 @@ pub fn moves(old: &[u32], new: &[u32], needs: &[Need], target: u32) -> bool {
         .map(|(&a, &b)| u64::from(a.abs_diff(b)))
         .sum::<u64>()
         / 2;
-    wanting || moved as f64 > DEADBAND * f64::from(target)
+    wanting || (moved > 1 && moved as f64 > DEADBAND * f64::from(target))
 }
 
 #[cfg(test)]

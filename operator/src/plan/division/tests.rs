@@ -90,9 +90,26 @@ fn a_division_moves_for_a_queueing_or_pressed_pod_and_not_for_noise() {
     assert!(moves(&[4, 4], &[7, 1], &[queues, idle], 8));
     let pressed = Need {
         queues: false,
+        demand: 4.5,
+    };
+    assert!(
+        moves(&[4, 4], &[5, 3], &[pressed, idle], 8),
+        "bursting beyond its share"
+    );
+    let busy = Need {
+        queues: false,
         demand: 3.5,
     };
-    assert!(moves(&[4, 4], &[5, 3], &[pressed, idle], 8));
+    assert!(
+        !moves(&[4, 4], &[5, 3], &[busy, idle], 8),
+        "using most of its share is no reason: one connection moved"
+    );
+    // Light load on small shares: one connection moved is noise, whatever the target.
+    let light = Need {
+        queues: false,
+        demand: 1.0,
+    };
+    assert!(!moves(&[2, 2, 2], &[3, 2, 1], &[light, light, light], 6));
     // 21 vs 20 of 40 moved by demand noise: under the 10% deadband, nobody short.
     let calm = Need {
         queues: false,
