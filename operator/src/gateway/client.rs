@@ -197,6 +197,41 @@ struct ErrorBody {
     generation: Option<u64>,
 }
 
+impl HttpGateways {
+    /// The client and URL of `path` on the admin API at `addr` of a pod in `namespace`: HTTPS
+    /// verified against the bundle when there is one, else plain HTTP.
+    fn endpoint(
+        &self,
+        namespace: &str,
+        addr: SocketAddr,
+        path: &str,
+    ) -> Result<(reqwest::Client, String), TrustError> {
+        Ok(match &self.trust {
+            Some(trust) => (trust.client(namespace)?, format!("https://{addr}{path}")),
+            None => (self.plain.clone(), format!("http://{addr}{path}")),
+        })
+    }
+}
+
+/// The body of an answer, `None` when it is (or says it will be) longer than
+/// [`MAX_ANSWER_BYTES`]: reading stops there.
+async fn read_capped(mut resp: reqwest::Response) -> Result<Option<Vec<u8>>, reqwest::Error> {
+    if resp
+        .content_length()
+        .is_some_and(|n| n > MAX_ANSWER_BYTES as u64)
+    {
+        return Ok(None);
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Some(body))
+}
+
 impl Gateways for HttpGateways {
     async fn put(
         &self,
@@ -205,14 +240,10 @@ impl Gateways for HttpGateways {
         token: &str,
         doc: &GatewayLimits,
     ) -> Result<Acked, PutError> {
-        let (client, url) = match &self.trust {
-            Some(trust) => (
-                trust.client(namespace).map_err(PutError::Trust)?,
-                format!("https://{addr}/v1/limits"),
-            ),
-            None => (self.plain.clone(), format!("http://{addr}/v1/limits")),
-        };
-        let mut resp = client
+        let (client, url) = self
+            .endpoint(namespace, addr, "/v1/limits")
+            .map_err(PutError::Trust)?;
+        let resp = client
             .put(url)
             .bearer_auth(token)
             .json(doc)
@@ -220,23 +251,12 @@ impl Gateways for HttpGateways {
             .await
             .map_err(PutError::Transport)?;
         let status = resp.status().as_u16();
-        let too_large = PutError::TooLarge {
-            status,
-            limit: MAX_ANSWER_BYTES,
+        let Some(body) = read_capped(resp).await.map_err(PutError::Transport)? else {
+            return Err(PutError::TooLarge {
+                status,
+                limit: MAX_ANSWER_BYTES,
+            });
         };
-        if resp
-            .content_length()
-            .is_some_and(|n| n > MAX_ANSWER_BYTES as u64)
-        {
-            return Err(too_large);
-        }
-        let mut body = Vec::new();
-        while let Some(chunk) = resp.chunk().await.map_err(PutError::Transport)? {
-            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
-                return Err(too_large);
-            }
-            body.extend_from_slice(&chunk);
-        }
         classify(status, &body)
     }
 
@@ -246,33 +266,19 @@ impl Gateways for HttpGateways {
         addr: SocketAddr,
         token: &str,
     ) -> Result<ClientsReport, ReportError> {
-        let (client, url) = match &self.trust {
-            Some(trust) => (
-                trust.client(namespace).map_err(ReportError::Trust)?,
-                format!("https://{addr}/v1/clients"),
-            ),
-            None => (self.plain.clone(), format!("http://{addr}/v1/clients")),
-        };
-        let mut resp = client
+        let (client, url) = self
+            .endpoint(namespace, addr, "/v1/clients")
+            .map_err(ReportError::Trust)?;
+        let resp = client
             .get(url)
             .bearer_auth(token)
             .send()
             .await
             .map_err(ReportError::Transport)?;
         let status = resp.status().as_u16();
-        if resp
-            .content_length()
-            .is_some_and(|n| n > MAX_ANSWER_BYTES as u64)
-        {
+        let Some(body) = read_capped(resp).await.map_err(ReportError::Transport)? else {
             return Err(ReportError::TooLarge(MAX_ANSWER_BYTES));
-        }
-        let mut body = Vec::new();
-        while let Some(chunk) = resp.chunk().await.map_err(ReportError::Transport)? {
-            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
-                return Err(ReportError::TooLarge(MAX_ANSWER_BYTES));
-            }
-            body.extend_from_slice(&chunk);
-        }
+        };
         match status {
             200 => serde_json::from_slice(&body).map_err(|e| ReportError::Invalid(e.to_string())),
             401 => Err(ReportError::Unauthorized),

@@ -179,13 +179,7 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                 // Sized again on a decision made on fresh data or a new division; otherwise the
                 // last one stays (a decision that saw no data knows nothing new, and the
                 // documents should not change while Prometheus is away).
-                let fresh = decision.as_ref().is_some_and(|d| {
-                    !matches!(
-                        d,
-                        autoscale::Decision::MissingData { .. }
-                            | autoscale::Decision::Recovering { .. }
-                    )
-                });
+                let fresh = decision.as_ref().is_some_and(on_fresh_data);
                 let sized = || {
                     burst_budget(policy, b, mem)
                         .map_or(0, |budget| division::burst(budget, held, holders.len()))
@@ -248,15 +242,9 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     .collect();
                 // Re-judged with a decision made on fresh data (not while Prometheus is away:
                 // the documents stay as they are then).
-                let due = backends.iter().any(|b| {
-                    b.decision.as_ref().is_some_and(|d| {
-                        !matches!(
-                            d,
-                            autoscale::Decision::MissingData { .. }
-                                | autoscale::Decision::Recovering { .. }
-                        )
-                    })
-                });
+                let due = backends
+                    .iter()
+                    .any(|b| b.decision.as_ref().is_some_and(on_fresh_data));
                 let last = memory
                     .client_divisions
                     .get(&policy.key)
@@ -328,6 +316,15 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
         policies: plans,
         documents,
     }
+}
+
+/// Whether a decision was made on fresh data (not while samples are missing or just back): only
+/// such a decision re-sizes the bursts and re-judges the client divisions.
+fn on_fresh_data(d: &autoscale::Decision) -> bool {
+    !matches!(
+        d,
+        autoscale::Decision::MissingData { .. } | autoscale::Decision::Recovering { .. }
+    )
 }
 
 /// The most connections per endpoint the fleet may open with its bursts: the capacity less half
