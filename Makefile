@@ -56,8 +56,6 @@ help: ## Show this help
 
 .PHONY: demo
 demo: cluster-up ## Build, start the embedded cluster, deploy poolpilot and play a flash crowd live (leaves it running)
-	@echo ">> building the demo driver"
-	cargo build -p poolpilot-e2e --bin poolpilot-demo
 	$(RUST_BIN)/poolpilot-demo
 
 .PHONY: demo-down

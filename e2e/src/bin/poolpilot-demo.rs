@@ -307,12 +307,16 @@ async fn main() -> anyhow::Result<()> {
         ),
         (None, _) => (total.clone(), Tally::default()),
     };
+    let causes = if before.errors.is_empty() {
+        String::new()
+    } else {
+        format!("; {:?}", before.errors)
+    };
     println!(
-        "   before the operator acted: {:>5.1}% errors ({} of {} calls; {:?})",
+        "   before the operator acted: {:>5.1}% errors ({} of {} calls{causes})",
         before.error_rate() * 100.0,
         before.failed(),
         before.calls,
-        before.errors
     );
     match &decision {
         Some((at, what)) => println!(
@@ -325,8 +329,14 @@ async fn main() -> anyhow::Result<()> {
             args.max_crowd
         ),
     }
-    if let Some(r) = recovered {
-        println!("   back under 0.5% errors at t={r}s");
+    match recovered {
+        // The first three seconds already under 0.5%: each pod's burst allowance took the
+        // crowd beyond its share until the decision resized the shares.
+        Some(r) if r <= 3 && before.error_rate() < 0.005 => println!(
+            "   under 0.5% errors from the start: the pods' burst allowance held the crowd until the decision"
+        ),
+        Some(r) => println!("   back under 0.5% errors at t={r}s"),
+        None => {}
     }
     println!(
         "   after:                      {:>5.1}% errors ({} of {} calls)",
@@ -336,6 +346,37 @@ async fn main() -> anyhow::Result<()> {
     );
     println!("   the crowd, drawn: {}", picture.display());
     println!();
+    let recovery = if decision.is_some() && recovered.is_some() {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!(
+            "the demo did not show a recovery: decision {decision:?}, recovered {recovered:?}"
+        ))
+    };
+
+    // The skew: most callers on one pod, as a load balancer leaves a few clients with long-lived
+    // connections. The operator divides the target by where the demand is.
+    let gateways = ready_gateways(&pods, &credentials).await?;
+    let followed = if recovery.is_ok() && gateways.len() >= 2 {
+        println!();
+        skew(
+            &policies,
+            (&args.policy, &args.backend),
+            &gateways,
+            workers,
+            args.skew_percent,
+        )
+        .await
+    } else {
+        Ok(())
+    };
+    println!();
+    keep_running(&args, &cluster, &gateways);
+    recovery.and(followed)
+}
+
+/// How to reach what the demo leaves running.
+fn keep_running(args: &Args, cluster: &Cluster, gateways: &[GatewayPod]) {
     println!("poolpilot keeps running on the embedded cluster:");
     println!(
         "   export KUBECONFIG={} PATH={}:$PATH",
@@ -381,25 +422,6 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     println!("   stop it all: make demo-down");
-    anyhow::ensure!(
-        decision.is_some() && recovered.is_some(),
-        "the demo did not show a recovery: decision {decision:?}, recovered {recovered:?}"
-    );
-
-    // The skew: most callers on one pod, as a load balancer leaves a few clients with long-lived
-    // connections. The operator divides the target by where the demand is.
-    let gateways = ready_gateways(&pods, &credentials).await?;
-    if gateways.len() >= 2 {
-        skew(
-            &policies,
-            (&args.policy, &args.backend),
-            &gateways,
-            workers,
-            args.skew_percent,
-        )
-        .await?;
-    }
-    Ok(())
 }
 
 /// Runs `workers` callers with `percent`% of them on the last gateway for up to four intervals,
