@@ -17,7 +17,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use super::incidents::Incidents;
-use super::labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, TimeoutKind};
+use super::labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct DownstreamTimeoutLabel {
@@ -32,6 +32,12 @@ struct RefusalLabel {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct BackendLabel {
     backend: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RetryLabels {
+    backend: String,
+    reason: RetryReason,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -144,7 +150,7 @@ pub struct Metrics {
     upstream_first_byte: HistogramFamily<BackendLabel>,
     upstream_response_bytes: Family<BackendLabel, Counter>,
     upstream_timeouts: Family<TimeoutLabels, Counter>,
-    upstream_retries: Family<BackendLabel, Counter>,
+    upstream_retries: Family<RetryLabels, Counter>,
     client_inflight: Family<ClientLabel, Gauge>,
     client_rejected: Family<ClientReasonLabels, Counter>,
     client_queue_wait: HistogramFamily<ClientLabel>,
@@ -374,7 +380,7 @@ impl Metrics {
         );
         r.register(
             "poolpilot_upstream_retries",
-            "Requests re-sent because a reused connection failed before any byte was sent",
+            "Requests re-sent on another connection because a reused one failed them before any byte of a response, by reason",
             m.upstream_retries.clone(),
         );
         r.register(
@@ -660,10 +666,11 @@ impl Metrics {
             .inc();
     }
 
-    pub(crate) fn upstream_retry(&self, backend: &str) {
+    pub(crate) fn upstream_retry(&self, backend: &str, reason: RetryReason) {
         self.upstream_retries
-            .get_or_create(&BackendLabel {
+            .get_or_create(&RetryLabels {
                 backend: backend.into(),
+                reason,
             })
             .inc();
     }
