@@ -219,10 +219,10 @@ workflow-lint: $(ACTIONLINT_BIN) ## actionlint over .github/workflows (the relea
 # features over the packages a command selects, and `-p poolpilot-gateway` alone would build
 # tokio, hyper and the rest again with fewer features (a minute of a cold run).
 # `--test loopback` also selects modelsim's tests/loopback.rs, which has no `openai_sdk::` test.
-unit: chart-lint sdk upstream-peers ## Unit and loopback integration tests, doc tests, chart lint, the OpenAI SDK and real upstream servers (nginx) against the gateway (no cluster needed)
+unit: chart-lint sdk upstream-peers ## Unit and loopback integration tests, doc tests, chart lint, the OpenAI SDK and real upstream servers (nginx, dnsmasq) against the gateway (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
 	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored openai_sdk::
-	cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored reused::
+	cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored reused:: dns::
 	cargo test -p poolpilot-e2e --lib --bins
 	cd e2e/cluster && go test ./hostnet/
 

@@ -20,6 +20,7 @@ mod burst;
 mod clients;
 mod conformance;
 mod deadlines;
+mod dns;
 mod hardening;
 mod health;
 mod identity;
