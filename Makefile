@@ -217,9 +217,10 @@ workflow-lint: $(ACTIONLINT_BIN) ## actionlint over .github/workflows (the relea
 # features over the packages a command selects, and `-p poolpilot-gateway` alone would build
 # tokio, hyper and the rest again with fewer features (a minute of a cold run).
 # `--test loopback` also selects modelsim's tests/loopback.rs, which has no `openai_sdk::` test.
-unit: chart-lint sdk ## Unit and loopback integration tests, doc tests, chart lint, the OpenAI SDK against the gateway (no cluster needed)
+unit: chart-lint sdk upstream-peers ## Unit and loopback integration tests, doc tests, chart lint, the OpenAI SDK and real upstream servers (nginx, dnsmasq) against the gateway (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
 	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored openai_sdk::
+	cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored reused:: dns::
 	cargo test -p poolpilot-e2e --lib --bins
 	cd e2e/cluster && go test ./hostnet/
 
@@ -378,6 +379,18 @@ bench: bench-peers cluster-up ## Proxy benchmarks beside HAProxy and nginx, cont
 	$(BENCH_BIN)/poolpilot-bench run --gateway-bin $(BENCH_BIN)/poolpilot-gateway \
 		--run-dir $(CACHE)/bench-run --out BENCHMARKS.md --analysis e2e/bench/analysis.md \
 		--include $(LOOP_BENCH_OUT) --include $(SOFT_THROTTLE_OUT)
+
+.PHONY: upstream-peers
+upstream-peers: ## Install the real upstream servers the gateway's loopback tests start when missing: nginx, dnsmasq (Debian packages)
+	@missing=""; \
+	for tool in nginx:nginx-light dnsmasq:dnsmasq-base; do \
+		command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo ">> installing$$missing"; \
+		apt-get update -qq; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
 
 .PHONY: bench-peers
 bench-peers: ## Install the benchmark peers when missing: haproxy, nginx, wrk, perf (Debian packages)

@@ -228,14 +228,121 @@ pub struct RouteMatch {
     pub model: Option<String>,
 }
 
-/// One backend instance.
+/// One backend instance, or one DNS name standing for a set of them.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Endpoint {
-    /// Stable name (a pod name, or `ip:port`); used as the `endpoint` metric label.
+    /// Stable name (a pod name, or `ip:port`); used as the `endpoint` metric label (for a DNS
+    /// name, with `/<ip>` of each address it resolves to).
     pub name: String,
-    /// Where to connect: `ip:port`.
-    pub address: SocketAddr,
+    /// Where to connect: `ip:port`, or `host:port`, which the gateway resolves in the
+    /// background and pools per address, all of them under this endpoint's cap.
+    pub address: EndpointAddress,
+}
+
+/// Where an endpoint is: an IP address and port, or a DNS name and port (`host:port`; IPv6 as
+/// `[addr]:port`). Written and read as that text.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum EndpointAddress {
+    /// `ip:port`.
+    Ip(SocketAddr),
+    /// `host:port`: a DNS name (letters, digits, `-` and `.`; labels of 1 to 63 characters, at
+    /// most 253 in all), resolved by the gateway.
+    Host {
+        /// The name, lowercase, without a trailing dot.
+        host: String,
+        /// The port.
+        port: u16,
+    },
+}
+
+impl EndpointAddress {
+    /// The socket address of an `ip:port` endpoint; `None` for a DNS name.
+    pub fn ip(&self) -> Option<SocketAddr> {
+        match self {
+            Self::Ip(addr) => Some(*addr),
+            Self::Host { .. } => None,
+        }
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        match self {
+            Self::Ip(addr) => addr.port(),
+            Self::Host { port, .. } => *port,
+        }
+    }
+
+    /// Changes the port.
+    pub fn set_port(&mut self, new: u16) {
+        match self {
+            Self::Ip(addr) => addr.set_port(new),
+            Self::Host { port, .. } => *port = new,
+        }
+    }
+}
+
+impl From<SocketAddr> for EndpointAddress {
+    fn from(addr: SocketAddr) -> Self {
+        Self::Ip(addr)
+    }
+}
+
+impl fmt::Display for EndpointAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Ip(addr) => addr.fmt(f),
+            Self::Host { host, port } => write!(f, "{host}:{port}"),
+        }
+    }
+}
+
+/// An endpoint address that is neither `ip:port` nor `host:port`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not ip:port or host:port (a DNS name: letters, digits, '-' and '.')")]
+pub struct BadEndpointAddress(pub String);
+
+impl std::str::FromStr for EndpointAddress {
+    type Err = BadEndpointAddress;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if let Ok(addr) = text.parse::<SocketAddr>() {
+            return Ok(Self::Ip(addr));
+        }
+        let bad = || BadEndpointAddress(text.to_owned());
+        let (host, port) = text.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
+        let label_ok = |l: &str| {
+            (1..=63).contains(&l.len())
+                && l.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        // A name, not an IP address in another spelling (`10.1`, `0x7f.1`): its last label has
+        // a letter, as every top-level domain does.
+        let tld_ok = host
+            .rsplit('.')
+            .next()
+            .is_some_and(|l| l.bytes().any(|c| c.is_ascii_alphabetic()));
+        if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) || !tld_ok {
+            return Err(bad());
+        }
+        Ok(Self::Host { host, port })
+    }
+}
+
+impl Serialize for EndpointAddress {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for EndpointAddress {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 /// The connection pool of one backend, per endpoint, in this pod.

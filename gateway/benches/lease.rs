@@ -6,9 +6,9 @@ use std::io;
 use std::net::SocketAddr;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use poolpilot_api::limits::{Endpoint, PoolLimits};
+use poolpilot_api::limits::PoolLimits;
 use poolpilot_gateway::Metrics;
-use poolpilot_gateway::pool::{Connect, Pool, Poolable};
+use poolpilot_gateway::pool::{Connect, Endpoint, Pool, Poolable};
 
 /// A connection that is always open: measures the pool, not a socket.
 #[derive(Debug)]

@@ -156,6 +156,9 @@ pub struct GatewayConfig {
     /// What happens to calls that come back before their `Retry-After`.
     #[serde(default)]
     pub early_retries: crate::limits::refusals::EarlyRetryConfig,
+    /// How DNS-named endpoints (`host:port`) are resolved.
+    #[serde(default)]
+    pub dns: crate::resolve::DnsConfig,
 }
 
 /// The `upstreamKeepalive` section: TCP keepalive probes on idle upstream connections, so that a
@@ -383,6 +386,12 @@ impl GatewayConfig {
         {
             return Err(ConfigError::Invalid(format!(
                 "{}: upstreamKeepalive needs idle and interval of at least 1s and a count of at least 1",
+                path.display()
+            )));
+        }
+        if let Some(problem) = config.dns.problems().first() {
+            return Err(ConfigError::Invalid(format!(
+                "{}: {problem}",
                 path.display()
             )));
         }

@@ -40,6 +40,7 @@ pub mod observe;
 pub mod pool;
 mod proxy;
 pub mod reload;
+pub mod resolve;
 mod upstream;
 pub mod validate;
 
@@ -141,11 +142,13 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
         access_log,
         connector,
         config.early_retries.penalty_factor,
+        config.dns.clone(),
     );
     let (shutdown, shutdown_rx) = watch::channel(false);
     let conns = Arc::new(listen::Connections::default());
     let mut tasks = vec![
         gw.spawn_maintenance(),
+        gw.spawn_dns_refresh(),
         observe::incidents::spawn_lag_probe(gw.metrics().incidents().clone()),
     ];
     let poll = config.limits_poll_interval.get();

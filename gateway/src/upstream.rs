@@ -25,12 +25,13 @@ use std::mem::MaybeUninit;
 use std::net::{Shutdown, SocketAddr};
 use std::pin::{Pin, pin};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper::client::conn::{TrySendError, http1};
+use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -70,10 +71,17 @@ impl Keepalive {
 
 type Driver = http1::Connection<TokioIo<SharedStream>, RequestBody>;
 
+/// The upstream socket and the bytes read from it so far (whether a response began to arrive).
+#[derive(Debug)]
+struct Socket {
+    tcp: TcpStream,
+    read: AtomicU64,
+}
+
 /// The upstream socket, shared by hyper (which reads and writes it through this) and the
 /// connection's own checks.
 #[derive(Debug)]
-struct SharedStream(Arc<TcpStream>);
+struct SharedStream(Arc<Socket>);
 
 impl AsyncRead for SharedStream {
     fn poll_read(
@@ -82,11 +90,14 @@ impl AsyncRead for SharedStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         loop {
-            ready!(self.0.poll_read_ready(cx))?;
+            ready!(self.0.tcp.poll_read_ready(cx))?;
             // Into the buffer's uninitialised part as it is (hyper's read buffer is large and
             // fresh on every read: zeroing it first would cost a memset per read).
-            match self.0.try_read_buf(buf) {
-                Ok(_) => return Poll::Ready(Ok(())),
+            match self.0.tcp.try_read_buf(buf) {
+                Ok(n) => {
+                    self.0.read.fetch_add(n as u64, Ordering::Relaxed);
+                    return Poll::Ready(Ok(()));
+                }
                 // Readiness was stale (try_read cleared it): wait again.
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Poll::Ready(Err(e)),
@@ -102,8 +113,8 @@ impl AsyncWrite for SharedStream {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         loop {
-            ready!(self.0.poll_write_ready(cx))?;
-            match self.0.try_write(buf) {
+            ready!(self.0.tcp.poll_write_ready(cx))?;
+            match self.0.tcp.try_write(buf) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 result => return Poll::Ready(result),
             }
@@ -116,8 +127,8 @@ impl AsyncWrite for SharedStream {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         loop {
-            ready!(self.0.poll_write_ready(cx))?;
-            match self.0.try_write_vectored(bufs) {
+            ready!(self.0.tcp.poll_write_ready(cx))?;
+            match self.0.tcp.try_write_vectored(bufs) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 result => return Poll::Ready(result),
             }
@@ -133,7 +144,7 @@ impl AsyncWrite for SharedStream {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(socket2::SockRef::from(&*self.0).shutdown(Shutdown::Write))
+        Poll::Ready(socket2::SockRef::from(&self.0.tcp).shutdown(Shutdown::Write))
     }
 }
 
@@ -169,8 +180,8 @@ pub struct UpstreamConn {
     driver: Option<Pin<Box<Driver>>>,
     addr: SocketAddr,
     opened: Instant,
-    /// The socket, for [`peek`].
-    stream: Arc<TcpStream>,
+    /// The socket, for [`peek`] and the bytes read.
+    stream: Arc<Socket>,
 }
 
 impl std::fmt::Debug for UpstreamConn {
@@ -213,21 +224,70 @@ impl UpstreamConn {
     }
 
     /// Sends `req` and waits for the response head, driving the connection meanwhile. A
-    /// request that was not written comes back in the error.
+    /// request that was not written comes back in the error; one that was (maybe in part)
+    /// says whether the connection closed before any byte of a response came.
     pub async fn send(
         &mut self,
         req: Request<RequestBody>,
-    ) -> Result<Response<Incoming>, TrySendError<Request<RequestBody>>> {
+    ) -> Result<Response<Incoming>, SendError> {
+        let read_before = self.stream.read.load(Ordering::Relaxed);
         let mut response = pin!(self.sender.try_send_request(req));
-        poll_fn(|cx| {
+        let result = poll_fn(|cx| {
             if let Poll::Ready(result) = response.as_mut().poll(cx) {
                 return Poll::Ready(result);
             }
             self.drive(cx);
             response.as_mut().poll(cx)
         })
-        .await
+        .await;
+        result.map_err(|mut e| match e.take_message() {
+            Some(req) => SendError::Unsent(Box::new(req), e.into_error()),
+            None => {
+                let error = e.into_error();
+                let unanswered = self.stream.read.load(Ordering::Relaxed) == read_before;
+                if unanswered && closed_by_peer(&error) {
+                    SendError::ClosedUnanswered(error)
+                } else {
+                    SendError::Failed(error)
+                }
+            }
+        })
     }
+}
+
+/// Why [`UpstreamConn::send`] brought no response head.
+#[derive(Debug)]
+pub enum SendError {
+    /// Nothing of the request was written: it comes back, to go on another connection.
+    Unsent(Box<Request<RequestBody>>, hyper::Error),
+    /// The request was written (maybe in part), then the backend closed or reset the connection
+    /// before a single byte of a response: it may not have seen the request, or may have
+    /// processed it; only a replayable request may be sent again.
+    ClosedUnanswered(hyper::Error),
+    /// Anything else: a response began and broke, or the exchange failed otherwise.
+    Failed(hyper::Error),
+}
+
+/// Whether `error` is the peer closing the connection: its end of the stream before a message
+/// (hyper's incomplete message), or a reset, a broken pipe or an abort from the kernel.
+fn closed_by_peer(error: &hyper::Error) -> bool {
+    if error.is_incomplete_message() {
+        return true;
+    }
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<io::Error>() {
+            return matches!(
+                io.kind(),
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::UnexpectedEof
+            );
+        }
+        source = cause.source();
+    }
+    false
 }
 
 impl Poolable for UpstreamConn {
@@ -243,7 +303,7 @@ impl Poolable for UpstreamConn {
         if !(self.is_open() && self.sender.is_ready()) {
             return false;
         }
-        match peek(&self.stream) {
+        match peek(&self.stream.tcp) {
             Peek::Quiet => true,
             found => {
                 tracing::debug!(addr = %self.addr, ?found, "idle upstream connection found dead before reuse");
@@ -258,7 +318,7 @@ impl Poolable for UpstreamConn {
         // No driver: the connection ended, its socket is closed on both sides already.
         let mut stream = Pin::into_inner(driver?).into_parts().io.into_inner();
         Some(async move {
-            if socket2::SockRef::from(&*stream.0)
+            if socket2::SockRef::from(&stream.0.tcp)
                 .shutdown(Shutdown::Write)
                 .is_ok()
             {
@@ -279,7 +339,10 @@ impl Connect for HttpConnector {
         if let Some(keepalive) = &self.keepalive {
             keepalive.apply(&stream)?;
         }
-        let stream = Arc::new(stream);
+        let stream = Arc::new(Socket {
+            tcp: stream,
+            read: AtomicU64::new(0),
+        });
         let (sender, driver) = http1::Builder::new()
             .handshake(TokioIo::new(SharedStream(stream.clone())))
             .await
@@ -317,14 +380,14 @@ mod tests {
             keepalive: Some(keepalive),
         })
         .await;
-        let socket = socket2::SockRef::from(&*conn.stream);
+        let socket = socket2::SockRef::from(&conn.stream.tcp);
         assert!(socket.keepalive().unwrap());
         assert_eq!(socket.tcp_keepalive_time().unwrap(), keepalive.idle);
         assert_eq!(socket.tcp_keepalive_interval().unwrap(), keepalive.interval);
         assert_eq!(socket.tcp_keepalive_retries().unwrap(), keepalive.count);
 
         let (conn, _peer) = pair(HttpConnector::default()).await;
-        let socket = socket2::SockRef::from(&*conn.stream);
+        let socket = socket2::SockRef::from(&conn.stream.tcp);
         assert!(!socket.keepalive().unwrap(), "off unless configured");
     }
 
@@ -346,9 +409,9 @@ mod tests {
     #[tokio::test]
     async fn validation_asks_the_kernel_about_a_fin_or_a_reset() {
         let (conn, peer) = pair(HttpConnector::default()).await;
-        assert_eq!(peek(&conn.stream), Peek::Quiet);
+        assert_eq!(peek(&conn.stream.tcp), Peek::Quiet);
         drop(peer);
-        assert_eq!(settled_peek(&conn.stream).await, Peek::Closed);
+        assert_eq!(settled_peek(&conn.stream.tcp).await, Peek::Closed);
 
         let (mut conn, peer) = pair(HttpConnector::default()).await;
         assert!(conn.validate(), "a quiet connection is fine");
@@ -357,7 +420,7 @@ mod tests {
             .set_linger(Some(Duration::ZERO))
             .unwrap();
         drop(peer);
-        assert_eq!(settled_peek(&conn.stream).await, Peek::Failed);
+        assert_eq!(settled_peek(&conn.stream.tcp).await, Peek::Failed);
         assert!(!conn.validate());
 
         let (mut conn, mut peer) = pair(HttpConnector::default()).await;
@@ -365,7 +428,7 @@ mod tests {
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(peek(&conn.stream), Peek::Unexpected);
+        assert_eq!(peek(&conn.stream.tcp), Peek::Unexpected);
         assert!(!conn.validate(), "bytes nobody asked for");
     }
 }

@@ -336,3 +336,39 @@ fn the_policys_spellings_of_identity_and_proxy_protocol_are_read_too() {
         r#""proxyV2""#
     );
 }
+
+#[test]
+fn an_endpoint_address_is_ip_port_or_host_port() {
+    use crate::limits::EndpointAddress;
+    let ip: EndpointAddress = "127.0.0.10:8000".parse().unwrap();
+    assert_eq!(ip.ip(), Some(([127, 0, 0, 10], 8000).into()));
+    let v6: EndpointAddress = "[::1]:8000".parse().unwrap();
+    assert!(v6.ip().is_some());
+    let host: EndpointAddress = "API.Example.test.:443".parse().unwrap();
+    assert_eq!(
+        host,
+        EndpointAddress::Host {
+            host: "api.example.test".into(),
+            port: 443
+        }
+    );
+    assert_eq!(host.to_string(), "api.example.test:443");
+    assert_eq!(
+        serde_json::to_value(&host).unwrap(),
+        serde_json::json!("api.example.test:443")
+    );
+    for bad in [
+        "api.example.test",
+        "api.example.test:99999",
+        "-api.example.test:443",
+        "api_x.example.test:443",
+        "10.1:80",
+        "0x7f.1:80",
+        ":443",
+        "a..b:443",
+    ] {
+        assert!(bad.parse::<EndpointAddress>().is_err(), "{bad}");
+    }
+    let too_long = format!("{}.test:443", "a.".repeat(130));
+    assert!(too_long.parse::<EndpointAddress>().is_err());
+}

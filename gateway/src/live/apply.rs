@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::InvalidLimits;
 
+use super::endpoints::{expand, hosts};
 use super::{Backend, Gateway, Route, Snapshot};
 use crate::limits::limiter::ClientLimiter;
 use crate::limits::share::{per_endpoint_bursts, per_endpoint_caps};
@@ -149,6 +150,11 @@ impl Gateway {
             limiters.insert(policy.name.clone(), limiter);
         }
 
+        // DNS-named endpoints: resolved in the background from now on (a name no longer named
+        // is forgotten); until a name's first answer it has no pool endpoint.
+        self.inner
+            .resolver
+            .want(doc.backends.iter().flat_map(|b| hosts(&b.endpoints)));
         // Backends: resize pools in place, create new ones, retire removed ones. A pod-wide
         // upstream cap lowers the pools' caps, fairly (`share`).
         let pools: Vec<(u32, u32)> = doc
@@ -179,21 +185,26 @@ impl Gateway {
             pool_limits.burst_per_endpoint = burst;
             let backend = match registry.backends.remove(&b.name) {
                 Some(existing) => {
-                    existing.pool.set_endpoints(&b.endpoints);
-                    existing.pool.set_limits(pool_limits);
+                    existing.configure(&b.endpoints, pool_limits, &self.inner.resolver);
                     existing
                 }
-                None => Arc::new(Backend {
-                    name: b.name.as_str().into(),
-                    pool: Pool::new(
-                        &b.name,
-                        pool_limits,
-                        &b.endpoints,
-                        self.inner.connector,
-                        self.inner.metrics.clone(),
-                    ),
-                    health: Mutex::new(None),
-                }),
+                None => {
+                    let (endpoints, limits) = expand(&b.endpoints, &pool_limits, |host| {
+                        self.inner.resolver.addresses(host)
+                    });
+                    Arc::new(Backend {
+                        name: b.name.as_str().into(),
+                        pool: Pool::new(
+                            &b.name,
+                            limits,
+                            &endpoints,
+                            self.inner.connector,
+                            self.inner.metrics.clone(),
+                        ),
+                        health: Mutex::new(None),
+                        document: Mutex::new((b.endpoints.clone(), pool_limits)),
+                    })
+                }
             };
             backend
                 .pool

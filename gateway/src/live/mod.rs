@@ -2,12 +2,15 @@
 //! it (the [`Snapshot`]: routes, each with its backend's pool and its client policy's limiter),
 //! the registry of pools and limiters that a new document updates *in place* ([`apply`]: pools
 //! resize and keep their connections, limiters keep their clients), readiness and shutdown, and
-//! what the state reports ([`report`]: `/v1/stats`, the gauges set at each scrape).
+//! what the state reports ([`report`]: `/v1/stats`, the gauges set at each scrape). A backend's
+//! pool endpoints are made of its document's ([`endpoints`]: one per address of a DNS name),
+//! set anew whenever the resolver's answer changes ([`Gateway::spawn_dns_refresh`]).
 //!
 //! Readers take an `Arc<Snapshot>` (one read lock, one clone) and never block an apply; an
 //! apply is serialised by its own lock, builds the new snapshot and swaps it in.
 
 mod apply;
+mod endpoints;
 mod report;
 #[cfg(test)]
 mod tests;
@@ -19,7 +22,9 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 use poolpilot_api::GatewayLimits;
-use poolpilot_api::limits::{HealthCheck, RouteMatch, Timeouts};
+use poolpilot_api::limits::{
+    Endpoint as DocEndpoint, HealthCheck, PoolLimits, RouteMatch, Timeouts,
+};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -29,6 +34,7 @@ use crate::observe::Metrics;
 use crate::observe::access::AccessLog;
 use crate::pool::{EndpointStats, Pool};
 use crate::proxy::route_budget::ByteBudget;
+use crate::resolve::{DnsConfig, Resolver};
 use crate::upstream::HttpConnector;
 pub use apply::{ApplyError, LimitsSource};
 
@@ -65,6 +71,8 @@ struct Inner {
     refusals: RefusalMemory,
     /// The factor on the `Retry-After` of an early retry refused again.
     early_retry_penalty: u32,
+    /// Resolves the DNS-named endpoints.
+    resolver: Resolver,
 }
 
 #[derive(Debug, Default)]
@@ -73,12 +81,14 @@ struct Registry {
     limiters: HashMap<String, ClientLimiter>,
 }
 
-/// One backend: its pool and its health checker.
+/// One backend: its pool, its health checker, and the document's endpoints and pool limits the
+/// pool's are made of ([`endpoints`]).
 #[derive(Debug)]
 pub(crate) struct Backend {
     pub(crate) name: Arc<str>,
     pub(crate) pool: Pool<HttpConnector>,
     health: Mutex<Option<(HealthCheck, JoinHandle<()>)>>,
+    document: Mutex<(Vec<DocEndpoint>, PoolLimits)>,
 }
 
 /// The limits in force and what was built from them.
@@ -105,18 +115,26 @@ impl Gateway {
     /// A gateway with no backends (every request gets 503 `no_backends`) until limits are
     /// applied, and no access log.
     pub fn new(metrics: Metrics) -> Self {
-        Self::configured(metrics, AccessLog::off(), HttpConnector::default(), 1)
+        Self::configured(
+            metrics,
+            AccessLog::off(),
+            HttpConnector::default(),
+            1,
+            DnsConfig::default(),
+        )
     }
 
     /// [`Gateway::new`], writing one line per call to `access_log`, opening upstream
-    /// connections with `connector`, and multiplying the `Retry-After` of an early retry refused
-    /// again by `early_retry_penalty`.
+    /// connections with `connector`, multiplying the `Retry-After` of an early retry refused
+    /// again by `early_retry_penalty`, and resolving DNS-named endpoints as `dns` says.
     pub fn configured(
         metrics: Metrics,
         access_log: AccessLog,
         connector: HttpConnector,
         early_retry_penalty: u32,
+        dns: DnsConfig,
     ) -> Self {
+        let resolver = Resolver::new(dns, metrics.clone());
         let limits = GatewayLimits::default().with_content_revision();
         metrics.set_limits_info(&limits.revision, limits.generation);
         Self {
@@ -139,6 +157,7 @@ impl Gateway {
                 connector,
                 refusals: RefusalMemory::default(),
                 early_retry_penalty: early_retry_penalty.max(1),
+                resolver,
             }),
         }
     }
@@ -291,6 +310,23 @@ impl Gateway {
             .pool
             .clone();
         pool.set_drained(endpoint, drained)
+    }
+
+    /// Sets the pools of DNS-named endpoints anew whenever an answer changes, for as long as the
+    /// gateway lives.
+    pub fn spawn_dns_refresh(&self) -> JoinHandle<()> {
+        let weak = Arc::downgrade(&self.inner);
+        let mut changes = self.inner.resolver.changes();
+        tokio::spawn(async move {
+            while changes.changed().await.is_ok() {
+                let Some(inner) = weak.upgrade() else { return };
+                let backends: Vec<Arc<Backend>> =
+                    inner.registry.lock().backends.values().cloned().collect();
+                for backend in backends.iter().filter(|b| b.has_hosts()) {
+                    backend.refresh(&inner.resolver);
+                }
+            }
+        })
     }
 
     /// Forgets idle clients periodically, for as long as the gateway lives.

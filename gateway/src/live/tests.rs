@@ -193,10 +193,10 @@ async fn the_pod_wide_cap_bounds_shares_and_bursts_together() {
     doc.generation = 1;
     doc.listener.max_upstream_connections = Some(7);
     let backend = &mut doc.backends[0];
-    backend.endpoints[0].address = addr;
+    backend.endpoints[0].address = addr.into();
     backend.endpoints.push(poolpilot_api::limits::Endpoint {
         name: "model-a-1".into(),
-        address: addr,
+        address: addr.into(),
     });
     backend.pool.max_connections_per_endpoint = 3;
     backend.pool.burst_per_endpoint = 4;

@@ -58,6 +58,33 @@ impl EncodeLabelValue for CloseReason {
     }
 }
 
+/// Why a request was sent again on another upstream connection (`reason` label of
+/// `poolpilot_upstream_retries_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RetryReason {
+    /// A reused connection was found closed before anything of the request was written.
+    ReusedConnectionUnsent,
+    /// A reused connection closed after the request was written and before any byte of a
+    /// response; the request was replayable.
+    ReusedConnectionClosed,
+}
+
+impl RetryReason {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ReusedConnectionUnsent => "reused_connection_unsent",
+            Self::ReusedConnectionClosed => "reused_connection_closed",
+        }
+    }
+}
+
+impl EncodeLabelValue for RetryReason {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        self.as_str().encode(encoder)
+    }
+}
+
 /// How a call came back after a refusal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Timing {

@@ -17,7 +17,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use super::incidents::Incidents;
-use super::labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, TimeoutKind};
+use super::labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct DownstreamTimeoutLabel {
@@ -32,6 +32,23 @@ struct RefusalLabel {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct BackendLabel {
     backend: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HostLabel {
+    host: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct LookupLabels {
+    host: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RetryLabels {
+    backend: String,
+    reason: RetryReason,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -144,7 +161,7 @@ pub struct Metrics {
     upstream_first_byte: HistogramFamily<BackendLabel>,
     upstream_response_bytes: Family<BackendLabel, Counter>,
     upstream_timeouts: Family<TimeoutLabels, Counter>,
-    upstream_retries: Family<BackendLabel, Counter>,
+    upstream_retries: Family<RetryLabels, Counter>,
     client_inflight: Family<ClientLabel, Gauge>,
     client_rejected: Family<ClientReasonLabels, Counter>,
     client_queue_wait: HistogramFamily<ClientLabel>,
@@ -152,6 +169,9 @@ pub struct Metrics {
     limits_info: Family<LimitsLabels, Gauge>,
     limits_loaded: Gauge,
     limits_rejected: Family<SourceLabel, Counter>,
+    dns_lookups: Family<LookupLabels, Counter>,
+    dns_stale: Family<HostLabel, Gauge>,
+    dns_addresses: Family<HostLabel, Gauge>,
     accept_errors: Counter,
     downstream_connections: Gauge,
     downstream_rejected: Family<RefusalLabel, Counter>,
@@ -253,6 +273,9 @@ impl Metrics {
             limits_info: Family::default(),
             limits_loaded: Gauge::default(),
             limits_rejected: Family::default(),
+            dns_lookups: Family::default(),
+            dns_stale: Family::default(),
+            dns_addresses: Family::default(),
             accept_errors: Counter::default(),
             downstream_connections: Gauge::default(),
             downstream_rejected: Family::default(),
@@ -374,7 +397,7 @@ impl Metrics {
         );
         r.register(
             "poolpilot_upstream_retries",
-            "Requests re-sent because a reused connection failed before any byte was sent",
+            "Requests re-sent on another connection because a reused one failed them before any byte of a response, by reason",
             m.upstream_retries.clone(),
         );
         r.register(
@@ -412,6 +435,21 @@ impl Metrics {
             "poolpilot_limits_rejected",
             "Limits documents refused (invalid or stale), by source",
             m.limits_rejected.clone(),
+        );
+        r.register(
+            "poolpilot_dns_lookups",
+            "Lookups of DNS-named endpoints, by name and outcome (ok, failed)",
+            m.dns_lookups.clone(),
+        );
+        r.register(
+            "poolpilot_dns_stale",
+            "1 while the last lookup of a DNS-named endpoint failed: its pools serve the last good answer (none before the first)",
+            m.dns_stale.clone(),
+        );
+        r.register(
+            "poolpilot_dns_addresses",
+            "Addresses of a DNS-named endpoint's last good answer (one pool endpoint each)",
+            m.dns_addresses.clone(),
         );
         r.register(
             "poolpilot_listener_accept_errors",
@@ -660,10 +698,11 @@ impl Metrics {
             .inc();
     }
 
-    pub(crate) fn upstream_retry(&self, backend: &str) {
+    pub(crate) fn upstream_retry(&self, backend: &str, reason: RetryReason) {
         self.upstream_retries
-            .get_or_create(&BackendLabel {
+            .get_or_create(&RetryLabels {
                 backend: backend.into(),
+                reason,
             })
             .inc();
     }
@@ -733,6 +772,34 @@ impl Metrics {
         self.limits_rejected
             .get_or_create(&SourceLabel { source })
             .inc();
+    }
+
+    // --- DNS-named endpoints ---
+
+    pub(crate) fn dns_resolved(&self, host: &str, ok: bool) {
+        let outcome = if ok { "ok" } else { "failed" };
+        self.dns_lookups
+            .get_or_create(&LookupLabels {
+                host: host.into(),
+                outcome,
+            })
+            .inc();
+        self.dns_stale
+            .get_or_create(&HostLabel { host: host.into() })
+            .set(i64::from(!ok));
+    }
+
+    pub(crate) fn dns_addresses(&self, host: &str, count: usize) {
+        self.dns_addresses
+            .get_or_create(&HostLabel { host: host.into() })
+            .set(count as i64);
+    }
+
+    /// A name no longer wanted: its gauges go (its counters stay, as counters do).
+    pub(crate) fn dns_forget(&self, host: &str) {
+        let label = HostLabel { host: host.into() };
+        self.dns_stale.remove(&label);
+        self.dns_addresses.remove(&label);
     }
 
     pub(crate) fn accept_error(&self) {

@@ -10,5 +10,7 @@ pub mod logging;
 pub(crate) mod metrics;
 
 pub(crate) use incidents::{NO_CLIENT, Reclaim};
-pub(crate) use labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, TimeoutKind, Timing};
+pub(crate) use labels::{
+    AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind, Timing,
+};
 pub use metrics::Metrics;

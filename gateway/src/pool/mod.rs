@@ -64,11 +64,12 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use poolpilot_api::limits::{Endpoint, PoolLimits, Priority, PriorityClass};
+use poolpilot_api::limits::{PoolLimits, Priority, PriorityClass};
 use tokio::time::Instant;
 
 use crate::limits::queue::ClassQueue;
@@ -82,6 +83,16 @@ pub(crate) use rate::whole_seconds as rate_whole_seconds;
 use rate::{HoldTime, ReleaseRate};
 use state::{EndpointState, Health, Inner, State};
 pub use stats::{BurstStats, ClassStats, EndpointStats, PoolStats};
+
+/// One address the pool connects to, under the pool's cap per endpoint: an `ip:port` endpoint
+/// of the limits document, or one address a DNS-named endpoint resolved to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// The `endpoint` metric label.
+    pub name: String,
+    /// Where to connect.
+    pub address: SocketAddr,
+}
 
 /// One backend's pool. Cheap to clone; clones share the pool.
 #[derive(Debug)]

@@ -163,6 +163,42 @@ impl ClientBody {
         self.progress.clone()
     }
 
+    /// The whole body, when the gateway holds all of it before sending (the router buffered it
+    /// to its end, or there is none); `None` while part of it is still with the client.
+    pub fn held(&self) -> Option<Bytes> {
+        self.rest
+            .as_ref()
+            .is_none_or(|r| r.is_end_stream())
+            .then(|| self.prefix.clone().unwrap_or_default())
+    }
+
+    /// A body of `bytes` sent again: it reports to `progress` (the first send's) as if it were
+    /// the first, so the first-byte timer starts when it has been written anew.
+    pub fn replay(bytes: Bytes, progress: Arc<BodyProgress>) -> Self {
+        let now = Instant::now();
+        {
+            let mut p = progress.0.lock();
+            p.sent_at = bytes.is_empty().then_some(now);
+            p.waiting_for_client = false;
+        }
+        Self {
+            seen: bytes.len() as u64,
+            prefix: Some(bytes).filter(|b| !b.is_empty()),
+            _reserved: None,
+            rest: None,
+            limit: u64::MAX,
+            // Never consulted: a body without `rest` never waits for the client.
+            pace: BodyPace {
+                started: now,
+                read_timeout: Duration::MAX,
+                min_rate: 0,
+            },
+            last_read: now,
+            timer: None,
+            progress,
+        }
+    }
+
     fn fail(&mut self, failure: BodyFailure) -> PolledFrame {
         self.rest = None;
         self.timer = None;

@@ -78,6 +78,20 @@ pub enum ProxyError {
         #[source]
         source: hyper::Error,
     },
+    /// The backend closed a reused keep-alive connection after the request was written and
+    /// before any byte of a response (its idle timer fired as the request came), and the
+    /// request is not safe to send twice (502): not idempotent and without `Idempotency-Key`,
+    /// or its body was streamed, not held.
+    #[error(
+        "backend {backend} closed a reused connection before answering; the request was not retried because it may not be safe to send twice (not idempotent, no Idempotency-Key, or its body was streamed)"
+    )]
+    UpstreamClosed {
+        /// The backend.
+        backend: String,
+        /// What hyper reported.
+        #[source]
+        source: hyper::Error,
+    },
     /// Reading the client's request body failed (400).
     #[error("reading the request body failed")]
     ClientBody(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -120,7 +134,7 @@ impl ProxyError {
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::RouteBufferFull => StatusCode::SERVICE_UNAVAILABLE,
             Self::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            Self::Upstream { .. } | Self::UpstreamClosed { .. } => StatusCode::BAD_GATEWAY,
             Self::ClientBody(_) | Self::BadRequest(_) | Self::BadTarget => StatusCode::BAD_REQUEST,
             Self::MethodNotImplemented => StatusCode::NOT_IMPLEMENTED,
             Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
@@ -151,6 +165,7 @@ impl ProxyError {
             } => "total_timeout",
             Self::UpstreamTimeout { .. } => "first_byte_timeout",
             Self::Upstream { .. } => "upstream_error",
+            Self::UpstreamClosed { .. } => "upstream_closed_unanswered",
             Self::ClientBody(_) => "bad_request_body",
             Self::ShuttingDown => "shutting_down",
             Self::BadRequest(_) => "bad_request",
@@ -182,6 +197,7 @@ impl ProxyError {
             | Self::RouteBufferFull
             | Self::UpstreamTimeout { .. }
             | Self::Upstream { .. }
+            | Self::UpstreamClosed { .. }
             | Self::ShuttingDown
             | Self::TooManyConnections => Some(RETRY_SOON),
             Self::NoBackends => Some(NO_BACKENDS_RETRY),

@@ -1,9 +1,15 @@
 //! The forward phase of a call: the soft throttle's delay, a pool lease (503), the request on
-//! the leased connection, re-sent on another one only when a *reused* connection failed before
-//! any byte was written (a stale keep-alive connection), and the wait for the response head
-//! under `timeouts.firstByte` (from the end of the request body) and `timeouts.total` (504);
-//! a failed exchange is 502. Who caused a failure decides what is counted: a body the client
-//! failed is never held against the backend.
+//! the leased connection, and the wait for the response head under `timeouts.firstByte` (from
+//! the end of the request body) and `timeouts.total` (504); a failed exchange is 502. Who caused
+//! a failure decides what is counted: a body the client failed is never held against the
+//! backend.
+//!
+//! A request goes again on another connection when a *reused* connection failed it before a
+//! single byte of a response came, the race of a keep-alive connection the backend closed on its
+//! own timer just as the request arrived: always when nothing of it was written (hyper hands it
+//! back), and after it was written only when it is replayable ([`super::replay`]: idempotent, or
+//! with an `Idempotency-Key`, and its body held whole). A fresh connection's failure is never
+//! retried, and neither is a request the backend may have begun to answer.
 
 use std::future::poll_fn;
 use std::pin::pin;
@@ -16,22 +22,19 @@ use tokio::time::Instant;
 use super::body::{BodyFailure, BodyProgress, RequestBody, ResponseBody};
 use super::call::CallContext;
 use super::error::ProxyError;
+use super::replay::Replay;
 use super::response;
 use crate::limits::limiter::ClientPermit;
-use crate::observe::{CloseReason, DownstreamTimeout, Metrics, NO_CLIENT, Reclaim, TimeoutKind};
+use crate::observe::{
+    CloseReason, DownstreamTimeout, Metrics, NO_CLIENT, Reclaim, RetryReason, TimeoutKind,
+};
 use crate::pool::PoolError;
+use crate::upstream::SendError;
 
-/// Re-sends after a reused connection failed before sending: enough to get past a few stale
-/// keep-alive connections, bounded so a dying backend cannot loop a request.
+/// Re-sends after reused connections failed a request unanswered: enough to get past a few
+/// stale keep-alive connections, bounded so a dying backend cannot loop a request. A re-send
+/// that lands on a fresh connection is the last one (a fresh connection's failure is final).
 const MAX_RETRIES: usize = 3;
-
-/// Why a send did not produce a response head.
-enum SendFailure {
-    /// Nothing was written: the request can go on another connection.
-    NotSent(Box<Request<RequestBody>>, hyper::Error),
-    /// The exchange failed after (possibly) writing.
-    Failed(hyper::Error),
-}
 
 /// Leases a connection, sends, waits for the head, and wraps the response body.
 ///
@@ -42,6 +45,7 @@ enum SendFailure {
 pub(super) async fn forward(
     call: CallContext<'_>,
     mut req: Request<RequestBody>,
+    replay: Option<Replay>,
     permit: Option<ClientPermit>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     let CallContext {
@@ -80,14 +84,9 @@ pub(super) async fn forward(
         let exchange = async {
             let conn = lease.conn();
             if let Err(e) = conn.ready().await {
-                return Err(SendFailure::NotSent(Box::new(req), e));
+                return Err(SendError::Unsent(Box::new(req), e));
             }
-            conn.send(req)
-                .await
-                .map_err(|mut e| match e.take_message() {
-                    Some(req) => SendFailure::NotSent(Box::new(req), e.into_error()),
-                    None => SendFailure::Failed(e.into_error()),
-                })
+            conn.send(req).await
         };
         let result = until_first_byte(exchange, body, total_at, first_byte).await;
         let endpoint = lease.endpoint().clone();
@@ -113,17 +112,41 @@ pub(super) async fn forward(
                 }
                 return Err(client_failed(metrics, body.failed()));
             }
-            Ok(Err(SendFailure::NotSent(unsent, error)))
+            Ok(Err(SendError::Unsent(unsent, error)))
                 if lease.reused() && retries < MAX_RETRIES =>
             {
                 tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection failed before sending; retrying");
                 lease.discard(CloseReason::PeerClosed);
-                metrics.upstream_retry(&backend.name);
+                metrics.upstream_retry(&backend.name, RetryReason::ReusedConnectionUnsent);
                 record.retried();
                 retries += 1;
                 req = *unsent;
             }
-            Ok(Err(SendFailure::NotSent(_, error) | SendFailure::Failed(error))) => {
+            Ok(Err(SendError::ClosedUnanswered(error)))
+                if lease.reused() && retries < MAX_RETRIES =>
+            {
+                // The backend closed a keep-alive connection as the request came (its idle
+                // timer fired): it never answered; the request goes again if that is safe.
+                lease.discard(CloseReason::PeerClosed);
+                let Some(replay) = &replay else {
+                    tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection closed unanswered; the request is not replayable");
+                    metrics.upstream_duration(&backend.name, 502, sent_at.elapsed().as_secs_f64());
+                    return Err(ProxyError::UpstreamClosed {
+                        backend: backend.name.to_string(),
+                        source: error,
+                    });
+                };
+                tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection closed unanswered; replaying");
+                metrics.upstream_retry(&backend.name, RetryReason::ReusedConnectionClosed);
+                record.retried();
+                retries += 1;
+                req = replay.request();
+            }
+            Ok(Err(
+                SendError::Unsent(_, error)
+                | SendError::ClosedUnanswered(error)
+                | SendError::Failed(error),
+            )) => {
                 lease.discard(CloseReason::Error);
                 backend.pool.report_call(&endpoint, false);
                 metrics.upstream_duration(&backend.name, 502, sent_at.elapsed().as_secs_f64());

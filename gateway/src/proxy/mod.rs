@@ -10,9 +10,10 @@
 //! 5. class      interactive or batch, by the client's policy
 //! 6. admission  the client's limiter: concurrency, queue                          429 503
 //! 7. headers    hop-by-hop dropped, X-Forwarded-For and Via added
-//! 8. forward    soft throttle, pool lease, send (retried only when a *reused*
-//!               connection failed before any byte was sent), the response head
-//!               within firstByte (from the end of the body) and total        503 504 502
+//! 8. forward    soft throttle, pool lease, send (again on another connection only
+//!               when a *reused* one failed it before any byte of a response:
+//!               unsent, or replayable), the response head within firstByte
+//!               (from the end of the body) and total                         503 504 502
 //!    respond    the body streams back frame by frame under its deadlines (`deadline`)
 //! ```
 //!
@@ -32,6 +33,7 @@
 //! | `identity.rs` | the client's hashed identity as its policy counts it |
 //! | `headers.rs` | hop-by-hop headers, `Via`, `X-Forwarded-For`, the upstream request line |
 //! | `forward.rs` | lease, send, retry on a stale connection, the wait for the response head |
+//! | `replay.rs` | which requests are safe to send twice, and the copy kept to send one again |
 //! | `call.rs` | a call's context, and what its end settles: metrics, the connection, outlier reports, the permit |
 //! | `response.rs` | the response body on its way back, reporting to its deadlines |
 //! | `deadline.rs` | the deadlines of a response in flight, fired whether or not the client reads |
@@ -44,6 +46,7 @@ mod head;
 mod headers;
 mod identity;
 mod models;
+mod replay;
 mod response;
 mod route;
 

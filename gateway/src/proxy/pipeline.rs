@@ -16,6 +16,7 @@ use super::body::{BodyPace, ResponseBody};
 use super::call::CallContext;
 use super::deadline::DeadlineSlot;
 use super::error::ProxyError;
+use super::replay::Replay;
 use super::{forward, head, headers, identity, models, route};
 use crate::listen::source::Peer;
 use crate::live::Gateway;
@@ -111,9 +112,11 @@ async fn proxy(
     headers::prepare_upstream_head(&mut parts, peer);
     let progress = body.progress();
     record.body(progress.clone());
+    let replay = Replay::of(&parts, &body);
     let req = Request::from_parts(parts, body.boxed_unsync());
-    // 8. forward: lease (503), send (retried on a stale reused connection), the response head
-    //    within its timeouts (504, 502); the body then streams back under its deadlines
+    // 8. forward: lease (503), send (again on another connection when a reused one failed it
+    //    unanswered: unsent, or replayable), the response head within its timeouts (504, 502);
+    //    the body then streams back under its deadlines
     let call = CallContext {
         metrics: gw.metrics(),
         route,
@@ -123,7 +126,7 @@ async fn proxy(
         slot,
         record,
     };
-    forward::forward(call, req, permit).await
+    forward::forward(call, req, replay, permit).await
 }
 
 /// Remembers a refusal that told the client when to come back (429, 503), for the next call of

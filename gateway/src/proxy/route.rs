@@ -1,7 +1,8 @@
 //! Request routing: which backend a request goes to, by path prefix, headers and the JSON
 //! body's top-level `model` field, read from a bounded buffer (`routeBodyBytes`) at the
 //! listener's body pace (408) and within the pod-wide budget of routing buffers (503:
-//! [`super::route_budget`]); nothing read is lost, the body is forwarded whole.
+//! [`super::route_budget`]); nothing read is lost, the body is forwarded whole. The body of a
+//! replayable request is read into the same buffer, so that it can be sent twice.
 
 use bytes::BytesMut;
 use http::request::Parts;
@@ -13,6 +14,7 @@ use tokio::time::Instant;
 
 use super::body::{BodyPace, ClientBody};
 use super::error::ProxyError;
+use super::replay;
 use crate::live::{Gateway, Route, Snapshot};
 use crate::observe::{DownstreamTimeout, NO_CLIENT, Reclaim};
 
@@ -31,8 +33,11 @@ pub(super) async fn route<'a>(
         return Err(ProxyError::NoBackends);
     }
     let listener = &snapshot.limits.listener;
-    // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`.
-    let (model, body) = if snapshot.needs_model && !incoming.is_end_stream() {
+    // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`, or
+    // when the request is replayable (the forward phase can send it again only if the gateway
+    // holds its body whole: `super::replay`).
+    let buffer = snapshot.needs_model || replay::replayable(&parts.method, &parts.headers);
+    let (model, body) = if buffer && !incoming.is_end_stream() {
         buffer_for_model(gw, incoming, listener, pace).await?
     } else {
         let model = if snapshot.needs_model {

@@ -86,6 +86,7 @@ fn config_with_token(token_file: Option<&Path>) -> GatewayConfig {
         metrics: Default::default(),
         upstream_keepalive: Default::default(),
         early_retries: Default::default(),
+        dns: Default::default(),
     }
 }
 

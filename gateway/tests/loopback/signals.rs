@@ -249,12 +249,10 @@ async fn an_upstream_connection_reset_while_idle_is_dropped_before_a_request_is_
         "every request went out once, each on a new connection"
     );
     let text = gw.metrics().await;
-    assert_eq!(
-        metric(
-            &text,
-            r#"poolpilot_upstream_retries_total{backend="model-a"}"#
-        ),
-        None,
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.starts_with("poolpilot_upstream_retries_total{")),
         "no request was sent on a dead connection: {text}"
     );
     let dropped: f64 = ["peer_closed", "validate_failed"]

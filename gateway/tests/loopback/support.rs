@@ -83,7 +83,12 @@ pub struct Backend {
 
 impl Backend {
     pub async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::start_at("127.0.0.1:0".parse().unwrap()).await
+    }
+
+    /// A backend listening on `addr` (port 0: one the kernel picks).
+    pub async fn start_at(addr: SocketAddr) -> Self {
+        let listener = TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let backend = Self {
             addr,
@@ -310,6 +315,7 @@ impl Gw {
             metrics: Default::default(),
             upstream_keepalive: Default::default(),
             early_retries: Default::default(),
+            dns: Default::default(),
         };
         edit(&mut config, dir.path());
         let running = start(config).await.expect("the gateway starts");

@@ -36,7 +36,8 @@ pub(crate) fn policy(name: &str, created: i64, spec: &str, endpoints: u32) -> Po
                     address: SocketAddr::new(
                         IpAddr::V4(Ipv4Addr::new(10, 1, i as u8, j as u8)),
                         8000,
-                    ),
+                    )
+                    .into(),
                 })
                 .collect();
             (b.name.clone(), eps)

@@ -342,7 +342,7 @@ pub fn resolve(b: &BackendSpec, slices: &[std::sync::Arc<EndpointSlice>]) -> Vec
                 let address: SocketAddr = a.address.parse().ok()?;
                 Some(Endpoint {
                     name: a.name.clone().unwrap_or_else(|| a.address.clone()),
-                    address,
+                    address: address.into(),
                 })
             })
             .collect();
@@ -378,7 +378,10 @@ pub fn resolve(b: &BackendSpec, slices: &[std::sync::Arc<EndpointSlice>]) -> Vec
                 .and_then(|r| r.name.clone())
                 .unwrap_or_else(|| address.to_string());
             if seen.insert(address) {
-                out.push(Endpoint { name, address });
+                out.push(Endpoint {
+                    name,
+                    address: address.into(),
+                });
             }
         }
     }
