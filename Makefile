@@ -39,6 +39,11 @@ export POOLPILOT_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
 PROMTOOL_BIN     := $(BIN)/promtool
 PROM_OPERATOR_CRDS := $(BIN)/prometheus-operator-crds
 export POOLPILOT_PROMETHEUS_OPERATOR_CRDS := $(PROM_OPERATOR_CRDS)
+PROM_OPERATOR_VERSION := 0.85.0
+PROM_OPERATOR_BIN := $(BIN)/prometheus-operator
+export POOLPILOT_PROMETHEUS_OPERATOR_BIN := $(PROM_OPERATOR_BIN)
+PROM_RELOADER_BIN := $(BIN)/prometheus-config-reloader
+export POOLPILOT_PROMETHEUS_CONFIG_RELOADER_BIN := $(PROM_RELOADER_BIN)
 # The port of the `make cluster-up` cluster's Prometheus: manifests/overlays/local (and so `make
 # demo`) point the operator at 127.0.0.1:9090.
 PROMETHEUS_PORT  ?= 9090
@@ -76,7 +81,7 @@ bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim, de
 	cargo build --workspace --bins
 
 .PHONY: cluster
-cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) $(HELM_BIN) $(PROM_OPERATOR_CRDS) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), Prometheus, helm, and fetch prometheus-operator's CRDs
+cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) $(HELM_BIN) $(PROM_OPERATOR_CRDS) $(PROM_OPERATOR_BIN) $(PROM_RELOADER_BIN) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), Prometheus, helm, prometheus-operator with its config reloader, and fetch its CRDs
 
 $(CLUSTER_BIN): $(CLUSTER_SOURCES)
 	@mkdir -p $(BIN)
@@ -115,6 +120,20 @@ $(PROM_OPERATOR_CRDS): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go
 	test -d "$$dir/example/prometheus-operator-crd" || { echo "no CRDs in $$dir"; exit 1; }; \
 	rm -rf $@.tmp && mkdir -p $@.tmp && cp "$$dir"/example/prometheus-operator-crd/*.yaml $@.tmp/ && \
 	chmod -R u+w $@.tmp && rm -rf $@ && mv $@.tmp $@
+
+# prometheus-operator and its config reloader from the same module: the chart test
+# (e2e/tests/cluster/prometheus_operator.rs) runs the operator against the embedded cluster, and
+# the Prometheus it generates (a StatefulSet whose containers are this Prometheus and this
+# reloader) scrapes the chart's PodMonitor.
+PROM_OPERATOR_VERSION_X := github.com/prometheus/common/version.Version=$(PROM_OPERATOR_VERSION)
+$(PROM_OPERATOR_BIN): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go.sum
+	@mkdir -p $(BIN)
+	@echo ">> building prometheus-operator $(PROM_OPERATOR_VERSION) from its Go module (cold: ~4 min on 2 cores)"
+	$(call go_tool,e2e/prometheus-operator,github.com/prometheus-operator/prometheus-operator/cmd/operator,$(PROM_OPERATOR_BIN),$(PROM_OPERATOR_VERSION_X))
+
+$(PROM_RELOADER_BIN): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go.sum
+	@mkdir -p $(BIN)
+	$(call go_tool,e2e/prometheus-operator,github.com/prometheus-operator/prometheus-operator/cmd/prometheus-config-reloader,$(PROM_RELOADER_BIN),$(PROM_OPERATOR_VERSION_X))
 
 # promtool from the same Prometheus module: checks and unit-tests the alerting rules.
 $(PROMTOOL_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum

@@ -23,3 +23,4 @@ mod manifests;
 mod node;
 mod operator;
 mod prometheus_auth;
+mod prometheus_operator;
