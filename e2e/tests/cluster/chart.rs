@@ -111,7 +111,11 @@ pub(crate) async fn apply(ns: &TestNamespace, object: &Value) -> anyhow::Result<
 }
 
 /// Waits for `count` Ready pods with `labels` and returns them.
-pub(crate) async fn ready_pods(ns: &TestNamespace, labels: &str, count: usize) -> anyhow::Result<Vec<Pod>> {
+pub(crate) async fn ready_pods(
+    ns: &TestNamespace,
+    labels: &str,
+    count: usize,
+) -> anyhow::Result<Vec<Pod>> {
     let pods: Api<Pod> = ns.api();
     eventually(&format!("{count} Ready pods {labels}"), WAIT, || async {
         let ready: Vec<Pod> = pods
@@ -184,7 +188,10 @@ async fn call_model_a(pod: &Pod) -> anyhow::Result<(u16, http::HeaderMap, Value)
 }
 
 /// A chat completion for model-a through each gateway pod answers 200 from a model-a backend.
-pub(crate) async fn call_through_every_gateway(ns: &TestNamespace, gateways: &[Pod]) -> anyhow::Result<()> {
+pub(crate) async fn call_through_every_gateway(
+    ns: &TestNamespace,
+    gateways: &[Pod],
+) -> anyhow::Result<()> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()?;

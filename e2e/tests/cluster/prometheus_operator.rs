@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_e2e::cluster::run;
@@ -56,7 +56,8 @@ async fn install_crds(ns: &TestNamespace) -> anyhow::Result<()> {
     let cluster = ns.cluster();
     let dir = prometheus_operator_crds();
     anyhow::ensure!(
-        dir.join("monitoring.coreos.com_prometheuses.yaml").is_file(),
+        dir.join("monitoring.coreos.com_prometheuses.yaml")
+            .is_file(),
         "no prometheus-operator CRDs in {}: run `make cluster`",
         dir.display()
     );
@@ -205,7 +206,10 @@ fn on_pod_ip(template: &Value, list: &str, name: &str) -> anyhow::Result<Value> 
             None => a.to_owned(),
         })
         .collect();
-    anyhow::ensure!(moved == 1, "{name} has no wildcard --listen-address: {args:?}");
+    anyhow::ensure!(
+        moved == 1,
+        "{name} has no wildcard --listen-address: {args:?}"
+    );
     Ok(json!({"name": name, "env": pod_ip_env(), "args": args}))
 }
 
@@ -306,7 +310,18 @@ async fn targets_up(prometheus: &str, ns: &str, count: usize) -> anyhow::Result<
     .await
 }
 
-/// Waits until the policy has `MetricsAvailable=True` for its generation; returns the status.
+/// The configuration Prometheus runs (`/api/v1/status/config`), parsed.
+async fn running_config(prometheus: &str) -> anyhow::Result<Value> {
+    let body: Value = reqwest::get(format!("{prometheus}/api/v1/status/config"))
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let yaml = body["data"]["yaml"].as_str().context("no config")?;
+    Ok(serde_norway::from_str(yaml)?)
+}
+
+/// Waits until the policy has `MetricsAvailable=True` for its generation.
 async fn wait_metrics_available(ns: &TestNamespace, name: &str) -> anyhow::Result<()> {
     let policies: Api<ConnectionPolicy> = ns.api();
     eventually("MetricsAvailable=True", WAIT, || async {
@@ -390,6 +405,44 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
         anyhow::ensure!(
             scrape_urls.iter().filter(|u| u.starts_with("http://")).count() == 1,
             "the operator over HTTP: {scrape_urls:?}"
+        );
+        // Each from the PodMonitor's endpoint, in the configuration the operator generated:
+        // the admin port's job verifies the certificate against the CA the operator copied
+        // from the chart's Secret into the TLS assets, for the name the certificate carries.
+        for t in &targets {
+            let pool = t["scrapePool"].as_str().unwrap_or_default();
+            let https = t["scrapeUrl"].as_str().is_some_and(|u| u.starts_with("https://"));
+            let want = format!("podMonitor/{}/{release}/{}", ns.name(), if https { 0 } else { 1 });
+            anyhow::ensure!(pool == want, "scrape pool {pool:?}, wanted {want:?}");
+        }
+        let config = running_config(&prometheus).await?;
+        let job = config["scrape_configs"]
+            .as_array()
+            .and_then(|jobs| {
+                let name = format!("podMonitor/{}/{release}/0", ns.name());
+                jobs.iter().find(|j| j["job_name"] == name.as_str())
+            })
+            .with_context(|| format!("no job of the PodMonitor in {config}"))?;
+        let ca_file = job["tls_config"]["ca_file"].as_str().unwrap_or_default();
+        anyhow::ensure!(
+            job["scheme"] == "https"
+                && ca_file.starts_with("/etc/prometheus/certs/")
+                && job["tls_config"]["server_name"]
+                    == format!("poolpilot-gateway-admin.{}.svc", ns.name()).as_str()
+                && job["tls_config"]["insecure_skip_verify"] != true,
+            "the admin port's job: {job}"
+        );
+        // That file is the chart's CA, as the operator copied it into the TLS assets.
+        let secrets: Api<Secret> = ns.api();
+        let assets = secrets
+            .get(&format!("prometheus-{PROMETHEUS}-tls-assets-0"))
+            .await?;
+        let key = ca_file.trim_start_matches("/etc/prometheus/certs/");
+        let copied = assets.data.as_ref().and_then(|d| d.get(key));
+        let chart_ca = secrets.get("poolpilot-gateway-admin-ca").await?;
+        anyhow::ensure!(
+            copied.is_some() && copied == chart_ca.data.as_ref().and_then(|d| d.get("ca.crt")),
+            "{key} of the TLS assets is not the chart's CA"
         );
         println!(
             "figure prometheus_operator: targets up after {:.1} s: {scrape_urls:?}",
