@@ -318,8 +318,8 @@ host-tools: $(CLUSTER_BIN) ## Install iproute2 when missing (pod addresses on lo
 # then listen on 10.244.254.1, the node link's end on this side.
 NODE             ?=
 ifeq ($(NODE),1)
-CLUSTER_UP_DEPS  := node-images node-tools
-CLUSTER_UP_NODE  := --node $(foreach i,operator gateway modelsim pause,--image $(IMAGES_DIR)/$(i).tar) \
+CLUSTER_UP_DEPS  := node-images prometheus-images node-tools
+CLUSTER_UP_NODE  := --node $(foreach i,operator gateway modelsim pause $(PROM_IMAGES),--image $(IMAGES_DIR)/$(i).tar) \
 	--node-nofile-class 512 --node-nofile-class 4096
 else
 CLUSTER_UP_DEPS  :=
@@ -351,6 +351,22 @@ node-images: images $(PAUSE_BIN) ## The images plus the pods' sandbox image (doc
 	rm -f $(IMAGES_DIR)/pause.tar; \
 	buildah push --quiet $(IMAGE_REPO)/pause:$(IMAGE_TAG) oci-archive:$(IMAGES_DIR)/pause.tar:$(IMAGE_REPO)/pause:$(IMAGE_TAG); \
 	rm -rf $$ctx
+
+# Prometheus and prometheus-operator's config reloader as images for the real node, where the
+# StatefulSet prometheus-operator generates runs them (e2e/tests/cluster/prometheus_operator.rs):
+# their static binaries FROM scratch, at the paths of the upstream images. Rebuilt when a binary is.
+PROM_IMAGES      := prometheus prometheus-config-reloader
+$(IMAGES_DIR)/prometheus.tar: $(PROMETHEUS_BIN)
+$(IMAGES_DIR)/prometheus-config-reloader.tar: $(PROM_RELOADER_BIN)
+$(foreach i,$(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar): | image-tools
+	@name=$$(basename $@ .tar); ctx=$(IMAGES_DIR)/$$name.ctx; ref=$(IMAGE_REPO)/$$name:$(IMAGE_TAG); \
+	echo ">> image $$ref"; rm -rf $$ctx; mkdir -p $$ctx/rootfs/bin; cp $< $$ctx/rootfs/bin/$$name; \
+	printf 'FROM scratch\nCOPY rootfs/ /\nUSER 65534:65534\nENTRYPOINT ["/bin/%s"]\n' $$name > $$ctx/Containerfile; \
+	buildah build --quiet --timestamp 0 -f $$ctx/Containerfile -t $$ref $$ctx >/dev/null; \
+	rm -f $@; buildah push --quiet $$ref oci-archive:$@:$$ref; rm -rf $$ctx
+
+.PHONY: prometheus-images
+prometheus-images: $(foreach i,$(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar) ## Prometheus and prometheus-operator's config reloader as images for the real node
 
 .PHONY: cluster-up
 cluster-up: cluster bins host-tools $(CLUSTER_UP_DEPS) ## Start the embedded cluster in the background (reused by tests and the demo); NODE=1: on the real node
