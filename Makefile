@@ -122,7 +122,7 @@ $(PROM_OPERATOR_CRDS): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go
 	chmod -R u+w $@.tmp && rm -rf $@ && mv $@.tmp $@
 
 # prometheus-operator and its config reloader from the same module: the chart test
-# (e2e/tests/cluster/prometheus_operator.rs) runs the operator against the embedded cluster, and
+# (e2e/tests/cluster/chart_prometheus_operator.rs) runs the operator against the embedded cluster, and
 # the Prometheus it generates (a StatefulSet whose containers are this Prometheus and this
 # reloader) scrapes the chart's PodMonitor.
 PROM_OPERATOR_VERSION_X := github.com/prometheus/common/version.Version=$(PROM_OPERATOR_VERSION)
@@ -353,7 +353,7 @@ node-images: images $(PAUSE_BIN) ## The images plus the pods' sandbox image (doc
 	rm -rf $$ctx
 
 # Prometheus and prometheus-operator's config reloader as images for the real node, where the
-# StatefulSet prometheus-operator generates runs them (e2e/tests/cluster/prometheus_operator.rs):
+# StatefulSet prometheus-operator generates runs them (e2e/tests/cluster/chart_prometheus_operator.rs):
 # their static binaries FROM scratch, at the paths of the upstream images. Rebuilt when a binary is.
 PROM_IMAGES      := prometheus prometheus-config-reloader
 $(IMAGES_DIR)/prometheus.tar: $(PROMETHEUS_BIN)

@@ -50,8 +50,7 @@ const PROMETHEUS_VERSION: &str = "v3.16.0";
 /// (the chart's default `monitoring.podMonitor.labels`).
 const STACK_LABEL: (&str, &str) = ("release", "kube-prometheus-stack");
 
-/// Applies every CRD of prometheus-operator's release (the operator watches them all) and waits
-/// until they serve.
+/// Applies prometheus-operator's CRDs of what a Prometheus scrapes and waits until they serve.
 async fn install_crds(ns: &TestNamespace) -> anyhow::Result<()> {
     let cluster = ns.cluster();
     let dir = prometheus_operator_crds();
@@ -61,24 +60,29 @@ async fn install_crds(ns: &TestNamespace) -> anyhow::Result<()> {
         "no prometheus-operator CRDs in {}: run `make cluster`",
         dir.display()
     );
-    // Server-side (too large for the last-applied annotation); other tests apply some of them
+    // The CRDs the operator's Prometheus controller watches (it leaves out the controllers
+    // whose CRD is missing: Alertmanager, ThanosRuler, PrometheusAgent, ScrapeConfig), applied
+    // server-side (too large for the last-applied annotation); other tests apply some of them
     // at the same time, which a retry settles.
-    eventually("prometheus-operator's CRDs applied", WAIT, || async {
-        run(cluster
-            .kubectl()
-            .args(["apply", "--server-side", "--force-conflicts", "-f"])
-            .arg(&dir))
-        .await
-    })
-    .await?;
-    for crd in [
+    const CRDS: [&str; 5] = [
         "prometheuses",
         "podmonitors",
         "servicemonitors",
         "probes",
         "prometheusrules",
-        "scrapeconfigs",
-    ] {
+    ];
+    for crd in CRDS {
+        let file = dir.join(format!("monitoring.coreos.com_{crd}.yaml"));
+        eventually("prometheus-operator's CRD applied", WAIT, || async {
+            run(cluster
+                .kubectl()
+                .args(["apply", "--server-side", "--force-conflicts", "-f"])
+                .arg(&file))
+            .await
+        })
+        .await?;
+    }
+    for crd in CRDS {
         run(cluster.kubectl().args([
             "wait",
             "--for=condition=Established",
@@ -352,7 +356,9 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
         let (prometheus_image, reloader_image) = images(cluster.real_node().is_some());
         let logs = tempfile::tempdir()?;
         let _operator = start_operator(ns, &reloader_image, logs.path())?;
-        let prometheus = start_prometheus(ns, &prometheus_image).await?;
+        // The sample backends start meanwhile.
+        let (prometheus, ()) =
+            tokio::try_join!(start_prometheus(ns, &prometheus_image), deploy_backends(ns))?;
         println!(
             "figure prometheus_operator: Prometheus of the operator Ready at {prometheus} after {:.1} s",
             started.elapsed().as_secs_f64()
@@ -368,7 +374,6 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
         values["rbac"] = json!({"aggregateToDefaultRoles": false});
         let file = tempfile::NamedTempFile::new()?;
         std::fs::write(file.path(), serde_json::to_vec(&values)?)?;
-        deploy_backends(ns).await?;
         run(helm(cluster)
             .args(["install", &release])
             .arg(chart_dir())
