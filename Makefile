@@ -44,6 +44,8 @@ PROM_OPERATOR_BIN := $(BIN)/prometheus-operator
 export POOLPILOT_PROMETHEUS_OPERATOR_BIN := $(PROM_OPERATOR_BIN)
 PROM_RELOADER_BIN := $(BIN)/prometheus-config-reloader
 export POOLPILOT_PROMETHEUS_CONFIG_RELOADER_BIN := $(PROM_RELOADER_BIN)
+# Their images for the real node (`make prometheus-images`).
+PROM_IMAGES      := prometheus prometheus-config-reloader
 # The port of the `make cluster-up` cluster's Prometheus: manifests/overlays/local (and so `make
 # demo`) point the operator at 127.0.0.1:9090.
 PROMETHEUS_PORT  ?= 9090
@@ -355,7 +357,6 @@ node-images: images $(PAUSE_BIN) ## The images plus the pods' sandbox image (doc
 # Prometheus and prometheus-operator's config reloader as images for the real node, where the
 # StatefulSet prometheus-operator generates runs them (e2e/tests/cluster/chart_prometheus_operator.rs):
 # their static binaries FROM scratch, at the paths of the upstream images. Rebuilt when a binary is.
-PROM_IMAGES      := prometheus prometheus-config-reloader
 $(IMAGES_DIR)/prometheus.tar: $(PROMETHEUS_BIN)
 $(IMAGES_DIR)/prometheus-config-reloader.tar: $(PROM_RELOADER_BIN)
 $(foreach i,$(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar): | image-tools
