@@ -19,7 +19,7 @@
 //! the images of `make node-images`.
 
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -34,6 +34,7 @@ use poolpilot_e2e::paths::{
 use poolpilot_e2e::stack::{pod_ip, quick_policy, set};
 use poolpilot_e2e::{TestNamespace, eventually, with_namespace};
 use serde_json::{Value, json};
+use tokio::time::Instant;
 
 use crate::chart::{
     apply, call_through_every_gateway, chart_dir, deploy_backends, helm, local_values, ready_pods,
