@@ -130,7 +130,7 @@ $(PROM_OPERATOR_CRDS): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go
 PROM_OPERATOR_VERSION_X := github.com/prometheus/common/version.Version=$(PROM_OPERATOR_VERSION)
 $(PROM_OPERATOR_BIN): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go.sum
 	@mkdir -p $(BIN)
-	@echo ">> building prometheus-operator $(PROM_OPERATOR_VERSION) from its Go module (cold: ~4 min on 2 cores)"
+	@echo ">> building prometheus-operator $(PROM_OPERATOR_VERSION) from its Go module (cold: 4-9 min on 2 cores)"
 	$(call go_tool,e2e/prometheus-operator,github.com/prometheus-operator/prometheus-operator/cmd/operator,$(PROM_OPERATOR_BIN),$(PROM_OPERATOR_VERSION_X))
 
 $(PROM_RELOADER_BIN): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go.sum
