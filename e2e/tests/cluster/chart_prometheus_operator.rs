@@ -72,26 +72,23 @@ async fn install_crds(ns: &TestNamespace) -> anyhow::Result<()> {
         "probes",
         "prometheusrules",
     ];
+    eventually("prometheus-operator's CRDs applied", WAIT, || async {
+        let mut apply = cluster.kubectl();
+        apply.args(["apply", "--server-side", "--force-conflicts"]);
+        for crd in CRDS {
+            apply
+                .arg("-f")
+                .arg(dir.join(format!("monitoring.coreos.com_{crd}.yaml")));
+        }
+        run(&mut apply).await
+    })
+    .await?;
+    let mut wait = cluster.kubectl();
+    wait.args(["wait", "--for=condition=Established", "--timeout=60s"]);
     for crd in CRDS {
-        let file = dir.join(format!("monitoring.coreos.com_{crd}.yaml"));
-        eventually("prometheus-operator's CRD applied", WAIT, || async {
-            run(cluster
-                .kubectl()
-                .args(["apply", "--server-side", "--force-conflicts", "-f"])
-                .arg(&file))
-            .await
-        })
-        .await?;
+        wait.arg(format!("crd/{crd}.monitoring.coreos.com"));
     }
-    for crd in CRDS {
-        run(cluster.kubectl().args([
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            &format!("crd/{crd}.monitoring.coreos.com"),
-        ]))
-        .await?;
-    }
+    run(&mut wait).await?;
     Ok(())
 }
 
