@@ -130,11 +130,11 @@ fn images(real_node: bool) -> (String, String) {
 }
 
 /// prometheus-operator as a process of this machine, watching only `ns`, with the admin
-/// kubeconfig; its log goes into the namespace's dump.
+/// kubeconfig; its log (in the cluster's folder, which outlives the test) goes into the
+/// namespace's dump.
 fn start_operator(
     ns: &TestNamespace,
     reloader_image: &str,
-    log_dir: &std::path::Path,
 ) -> anyhow::Result<tokio::process::Child> {
     let bin = prometheus_operator_bin();
     anyhow::ensure!(
@@ -142,7 +142,10 @@ fn start_operator(
         "no prometheus-operator at {}: run `make cluster`",
         bin.display()
     );
-    let log = log_dir.join("prometheus-operator.log");
+    let log = ns
+        .cluster()
+        .dir()
+        .join(format!("prometheus-operator-{}.log", ns.name()));
     let out = std::fs::File::create(&log)?;
     ns.dump_on_failure("prometheus-operator", &log);
     let mut cmd = tokio::process::Command::new(bin);
@@ -352,8 +355,7 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
         install_crds(ns).await?;
         apply(ns, &prometheus_identity(ns.name())).await?;
         let (prometheus_image, reloader_image) = images(cluster.real_node().is_some());
-        let logs = tempfile::tempdir()?;
-        let _operator = start_operator(ns, &reloader_image, logs.path())?;
+        let _operator = start_operator(ns, &reloader_image)?;
         // The sample backends start meanwhile.
         let (prometheus, ()) =
             tokio::try_join!(start_prometheus(ns, &prometheus_image), deploy_backends(ns))?;
