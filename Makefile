@@ -39,6 +39,13 @@ export POOLPILOT_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
 PROMTOOL_BIN     := $(BIN)/promtool
 PROM_OPERATOR_CRDS := $(BIN)/prometheus-operator-crds
 export POOLPILOT_PROMETHEUS_OPERATOR_CRDS := $(PROM_OPERATOR_CRDS)
+PROM_OPERATOR_VERSION := 0.85.0
+PROM_OPERATOR_BIN := $(BIN)/prometheus-operator
+export POOLPILOT_PROMETHEUS_OPERATOR_BIN := $(PROM_OPERATOR_BIN)
+PROM_RELOADER_BIN := $(BIN)/prometheus-config-reloader
+export POOLPILOT_PROMETHEUS_CONFIG_RELOADER_BIN := $(PROM_RELOADER_BIN)
+# Their images for the real node (`make prometheus-images`).
+PROM_IMAGES      := prometheus prometheus-config-reloader
 # The port of the `make cluster-up` cluster's Prometheus: manifests/overlays/local (and so `make
 # demo`) point the operator at 127.0.0.1:9090.
 PROMETHEUS_PORT  ?= 9090
@@ -74,7 +81,7 @@ bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim, de
 	cargo build --workspace --bins
 
 .PHONY: cluster
-cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) $(HELM_BIN) $(PROM_OPERATOR_CRDS) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), Prometheus, helm, and fetch prometheus-operator's CRDs
+cluster: $(CLUSTER_BIN) $(PROMETHEUS_BIN) $(HELM_BIN) $(PROM_OPERATOR_CRDS) $(PROM_OPERATOR_BIN) $(PROM_RELOADER_BIN) ## Build the embedded control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), Prometheus, helm, prometheus-operator with its config reloader, and fetch its CRDs
 
 $(CLUSTER_BIN): $(CLUSTER_SOURCES)
 	@mkdir -p $(BIN)
@@ -113,6 +120,20 @@ $(PROM_OPERATOR_CRDS): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go
 	test -d "$$dir/example/prometheus-operator-crd" || { echo "no CRDs in $$dir"; exit 1; }; \
 	rm -rf $@.tmp && mkdir -p $@.tmp && cp "$$dir"/example/prometheus-operator-crd/*.yaml $@.tmp/ && \
 	chmod -R u+w $@.tmp && rm -rf $@ && mv $@.tmp $@
+
+# prometheus-operator and its config reloader from the same module: the chart test
+# (e2e/tests/cluster/chart_prometheus_operator.rs) runs the operator against the embedded cluster, and
+# the Prometheus it generates (a StatefulSet whose containers are this Prometheus and this
+# reloader) scrapes the chart's PodMonitor.
+PROM_OPERATOR_VERSION_X := github.com/prometheus/common/version.Version=$(PROM_OPERATOR_VERSION)
+$(PROM_OPERATOR_BIN): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go.sum
+	@mkdir -p $(BIN)
+	@echo ">> building prometheus-operator $(PROM_OPERATOR_VERSION) from its Go module (cold: 4-9 min on 2 cores)"
+	$(call go_tool,e2e/prometheus-operator,github.com/prometheus-operator/prometheus-operator/cmd/operator,$(PROM_OPERATOR_BIN),$(PROM_OPERATOR_VERSION_X))
+
+$(PROM_RELOADER_BIN): e2e/prometheus-operator/go.mod e2e/prometheus-operator/go.sum
+	@mkdir -p $(BIN)
+	$(call go_tool,e2e/prometheus-operator,github.com/prometheus-operator/prometheus-operator/cmd/prometheus-config-reloader,$(PROM_RELOADER_BIN),$(PROM_OPERATOR_VERSION_X))
 
 # promtool from the same Prometheus module: checks and unit-tests the alerting rules.
 $(PROMTOOL_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
@@ -298,8 +319,8 @@ host-tools: $(CLUSTER_BIN) ## Install iproute2 when missing (pod addresses on lo
 # then listen on 10.244.254.1, the node link's end on this side.
 NODE             ?=
 ifeq ($(NODE),1)
-CLUSTER_UP_DEPS  := node-images node-tools
-CLUSTER_UP_NODE  := --node $(foreach i,operator gateway modelsim pause,--image $(IMAGES_DIR)/$(i).tar) \
+CLUSTER_UP_DEPS  := node-images prometheus-images node-tools
+CLUSTER_UP_NODE  := --node $(foreach i,operator gateway modelsim pause $(PROM_IMAGES),--image $(IMAGES_DIR)/$(i).tar) \
 	--node-nofile-class 512 --node-nofile-class 4096
 else
 CLUSTER_UP_DEPS  :=
@@ -331,6 +352,21 @@ node-images: images $(PAUSE_BIN) ## The images plus the pods' sandbox image (doc
 	rm -f $(IMAGES_DIR)/pause.tar; \
 	buildah push --quiet $(IMAGE_REPO)/pause:$(IMAGE_TAG) oci-archive:$(IMAGES_DIR)/pause.tar:$(IMAGE_REPO)/pause:$(IMAGE_TAG); \
 	rm -rf $$ctx
+
+# Prometheus and prometheus-operator's config reloader as images for the real node, where the
+# StatefulSet prometheus-operator generates runs them (e2e/tests/cluster/chart_prometheus_operator.rs):
+# their static binaries FROM scratch, at the paths of the upstream images. Rebuilt when a binary is.
+$(IMAGES_DIR)/prometheus.tar: $(PROMETHEUS_BIN)
+$(IMAGES_DIR)/prometheus-config-reloader.tar: $(PROM_RELOADER_BIN)
+$(foreach i,$(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar): | image-tools
+	@name=$$(basename $@ .tar); ctx=$(IMAGES_DIR)/$$name.ctx; ref=$(IMAGE_REPO)/$$name:$(IMAGE_TAG); \
+	echo ">> image $$ref"; rm -rf $$ctx; mkdir -p $$ctx/rootfs/bin; cp $< $$ctx/rootfs/bin/$$name; \
+	printf 'FROM scratch\nCOPY rootfs/ /\nUSER 65534:65534\nENTRYPOINT ["/bin/%s"]\n' $$name > $$ctx/Containerfile; \
+	buildah build --quiet --timestamp 0 -f $$ctx/Containerfile -t $$ref $$ctx >/dev/null; \
+	rm -f $@; buildah push --quiet $$ref oci-archive:$@:$$ref; rm -rf $$ctx
+
+.PHONY: prometheus-images
+prometheus-images: $(foreach i,$(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar) ## Prometheus and prometheus-operator's config reloader as images for the real node
 
 .PHONY: cluster-up
 cluster-up: cluster bins host-tools $(CLUSTER_UP_DEPS) ## Start the embedded cluster in the background (reused by tests and the demo); NODE=1: on the real node

@@ -115,6 +115,23 @@ pub fn prometheus_operator_crds() -> PathBuf {
         .unwrap_or_else(|| cache_dir().join("bin/prometheus-operator-crds"))
 }
 
+/// prometheus-operator (`make cluster` builds it from the Go module pinned in
+/// e2e/prometheus-operator): `$POOLPILOT_PROMETHEUS_OPERATOR_BIN` or
+/// `<cache>/bin/prometheus-operator`.
+pub fn prometheus_operator_bin() -> PathBuf {
+    std::env::var_os("POOLPILOT_PROMETHEUS_OPERATOR_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/prometheus-operator"))
+}
+
+/// prometheus-operator's config reloader, from the same module:
+/// `$POOLPILOT_PROMETHEUS_CONFIG_RELOADER_BIN` or `<cache>/bin/prometheus-config-reloader`.
+pub fn prometheus_config_reloader_bin() -> PathBuf {
+    std::env::var_os("POOLPILOT_PROMETHEUS_CONFIG_RELOADER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/prometheus-config-reloader"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -49,7 +49,7 @@ pub(crate) fn chart_dir() -> std::path::PathBuf {
 /// overlay's names, which the local kubelet maps to this workspace's binaries and the real node
 /// has imported), every pod listening on its own pod IP (the local kubelet's pods share the
 /// host's network namespace).
-fn local_values(ns: &TestNamespace, release: &str) -> anyhow::Result<Value> {
+pub(crate) fn local_values(ns: &TestNamespace, release: &str) -> anyhow::Result<Value> {
     Ok(json!({
         "fullnameOverride": release,
         "image": {"repository": "poolpilot", "tag": "local"},
@@ -69,7 +69,7 @@ fn local_values(ns: &TestNamespace, release: &str) -> anyhow::Result<Value> {
 
 /// The sample backends (modelsim) of the local overlay, moved into `ns`: model-a with two
 /// replicas, model-b with none.
-async fn deploy_backends(ns: &TestNamespace) -> anyhow::Result<()> {
+pub(crate) async fn deploy_backends(ns: &TestNamespace) -> anyhow::Result<()> {
     let cluster = ns.cluster();
     let yaml = run(cluster
         .kubectl()
@@ -99,7 +99,7 @@ async fn deploy_backends(ns: &TestNamespace) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn apply(ns: &TestNamespace, object: &Value) -> anyhow::Result<String> {
+pub(crate) async fn apply(ns: &TestNamespace, object: &Value) -> anyhow::Result<String> {
     let file = tempfile::NamedTempFile::new()?;
     std::fs::write(file.path(), serde_json::to_vec(object)?)?;
     run(ns
@@ -111,7 +111,11 @@ async fn apply(ns: &TestNamespace, object: &Value) -> anyhow::Result<String> {
 }
 
 /// Waits for `count` Ready pods with `labels` and returns them.
-async fn ready_pods(ns: &TestNamespace, labels: &str, count: usize) -> anyhow::Result<Vec<Pod>> {
+pub(crate) async fn ready_pods(
+    ns: &TestNamespace,
+    labels: &str,
+    count: usize,
+) -> anyhow::Result<Vec<Pod>> {
     let pods: Api<Pod> = ns.api();
     eventually(&format!("{count} Ready pods {labels}"), WAIT, || async {
         let ready: Vec<Pod> = pods
@@ -134,7 +138,7 @@ async fn wait_policy_ready(ns: &TestNamespace, gateways: u32) -> anyhow::Result<
 }
 
 /// [`wait_policy_ready`] for the policy `name`.
-async fn wait_named_policy_ready(
+pub(crate) async fn wait_named_policy_ready(
     ns: &TestNamespace,
     name: &str,
     gateways: u32,
@@ -184,7 +188,10 @@ async fn call_model_a(pod: &Pod) -> anyhow::Result<(u16, http::HeaderMap, Value)
 }
 
 /// A chat completion for model-a through each gateway pod answers 200 from a model-a backend.
-async fn call_through_every_gateway(ns: &TestNamespace, gateways: &[Pod]) -> anyhow::Result<()> {
+pub(crate) async fn call_through_every_gateway(
+    ns: &TestNamespace,
+    gateways: &[Pod],
+) -> anyhow::Result<()> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()?;

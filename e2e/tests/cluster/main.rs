@@ -11,6 +11,7 @@
 //! takes a lock of [`exclusive`] where a cluster-wide effect must be its own alone.
 
 mod chart;
+mod chart_prometheus_operator;
 mod chart_values;
 mod control_plane;
 mod discovery;
