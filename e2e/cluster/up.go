@@ -176,7 +176,7 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 		}
 		defer realNode.stop()
 		listen = hostLinkIP
-		logf("node network namespace up: %s (here, %s) <-> %s (the node), pods %s via the node", hostLinkIP, hostnet.NodeLink, nodeLinkIP, podCIDR)
+		logf("node network namespace up: %s (here, %s) <-> %s (the node), pods of %s routed here one by one", hostLinkIP, hostnet.NodeLink, nodeLinkIP, podCIDR)
 	}
 	server := fmt.Sprintf("https://%s:%d", listen, port)
 
