@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -180,7 +181,12 @@ func (n *node) stop() {
 var cgroupHierarchies = []string{"cpu", "cpuacct", "cpuset", "memory", "pids", "blkio", "devices", "freezer", "systemd"}
 
 // makeCgroups creates the node's cgroup root in every v1 hierarchy (the kubelet's cgroupRoot
-// must exist), so that two clusters on one machine never share "kubepods".
+// must exist), so that two clusters on one machine never share "kubepods". Its CPU weight is
+// the node's capacity, 1024 per CPU, as the kubelet gives kubepods below it: at the default
+// 1024 the whole node weighed as much as one other session of this machine (the kernel's
+// autogroups weigh 1024 each, whatever their processes' nice values), and under the load of
+// other builds all of its pods together got 0.3 of the 2 CPUs (hostile_clients: its backends
+// then answered too slowly for the gateway's lease timeout).
 func makeCgroups(name string) error {
 	for _, h := range cgroupHierarchies {
 		base := filepath.Join("/sys/fs/cgroup", h)
@@ -190,6 +196,12 @@ func makeCgroups(name string) error {
 		p := filepath.Join(base, name)
 		if err := os.MkdirAll(p, 0o755); err != nil {
 			return fmt.Errorf("cgroup %s: %w", p, err)
+		}
+		if h == "cpu" {
+			shares := strconv.Itoa(1024 * runtime.NumCPU())
+			if err := os.WriteFile(filepath.Join(p, "cpu.shares"), []byte(shares), 0o644); err != nil {
+				return fmt.Errorf("cgroup %s: cpu.shares: %w", p, err)
+			}
 		}
 		if h == "cpuset" {
 			// A new cpuset cgroup has no cpus or mems: copy the parent's, or nothing can join it.
