@@ -47,7 +47,7 @@ export POOLPILOT_PROMETHEUS_CONFIG_RELOADER_BIN := $(PROM_RELOADER_BIN)
 # Their images for the real node (`make prometheus-images`).
 PROM_IMAGES      := prometheus prometheus-config-reloader
 # The port of the `make cluster-up` cluster's Prometheus: manifests/overlays/local (and so `make
-# demo`) point the operator at 127.0.0.1:9090.
+# demo`) point the operator at 10.244.254.1:9090, this end of the node's link.
 PROMETHEUS_PORT  ?= 9090
 # True when a cluster started by `cluster up` is serving from $(CLUSTER_DIR).
 CLUSTER_RUNNING  = { [ -f $(CLUSTER_DIR)/ready ] && kill -0 $$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' $(CLUSTER_DIR)/ready) 2>/dev/null; }
@@ -77,7 +77,7 @@ test: lint unit monitoring-test image-test e2e ## Everything CI runs: lint, unit
 build: cluster bins ## Build every Rust binary and the embedded cluster
 
 .PHONY: bins
-bins: ## Build the Rust binaries (gateway, operator, local kubelet, modelsim, demo driver)
+bins: ## Build the Rust binaries (gateway, operator, modelsim, demo driver, benchmarks)
 	cargo build --workspace --bins
 
 .PHONY: cluster
@@ -231,7 +231,7 @@ workflow-lint: $(ACTIONLINT_BIN) ## actionlint over .github/workflows (the relea
 
 .PHONY: unit
 # Every crate but poolpilot-e2e in full: unit tests, doc tests and loopback tests (the gateway's,
-# modelsim's in modelsim/tests, the local kubelet's); of poolpilot-e2e only the unit tests (its
+# modelsim's in modelsim/tests); of poolpilot-e2e only the unit tests (its
 # tests/ need the cluster). The alert rules' promtool tests are `make monitoring-test`, part of
 # `make test`: promtool is built from Go, which this tier does not need for them.
 # The SDK test selects the same packages as the line before it: cargo unifies the dependencies'
@@ -307,25 +307,20 @@ e2e: cluster bins host-tools $(PROMTOOL_BIN) ## End-to-end tests on the embedded
 ##@ Embedded cluster
 
 .PHONY: host-tools
-host-tools: $(CLUSTER_BIN) ## Install iproute2 when missing (pod addresses on lo), route the cluster's ranges to nowhere (refuses on a conflict)
+host-tools: $(CLUSTER_BIN) ## Install iproute2 when missing, route the cluster's ranges to nowhere (refuses on a conflict)
 	@command -v ip >/dev/null || { \
 		echo ">> installing iproute2"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; }
 	@$(CLUSTER_BIN) net up
 
-# NODE=1: the real node instead of the local kubelet (`cluster up --node`: containerd, runc, the
-# CNI bridge, the kubelet and kube-proxy in a network namespace of their own, and kube-scheduler),
-# running the images of `make images` (imported from $(IMAGES_DIR)); the apiserver and Prometheus
-# then listen on 10.244.254.1, the node link's end on this side.
-NODE             ?=
-ifeq ($(NODE),1)
-CLUSTER_UP_DEPS  := node-images prometheus-images node-tools
-CLUSTER_UP_NODE  := --node $(foreach i,operator gateway modelsim pause $(PROM_IMAGES),--image $(IMAGES_DIR)/$(i).tar) \
+# The node: `cluster up --node` runs containerd, runc, the CNI bridge, the kubelet and kube-proxy
+# in a network namespace of their own, and kube-scheduler, its pods running the images of `make
+# images` and `make prometheus-images` (imported from $(IMAGES_DIR)); the apiserver and Prometheus
+# listen on 10.244.254.1, the node link's end on this side.
+NODE_IMAGES      := $(foreach i,operator gateway modelsim pause $(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar)
+export POOLPILOT_IMAGES_DIR := $(IMAGES_DIR)
+CLUSTER_UP_NODE  := --node $(foreach i,$(NODE_IMAGES),--image $(i)) \
 	--node-nofile-class 512 --node-nofile-class 4096
-else
-CLUSTER_UP_DEPS  :=
-CLUSTER_UP_NODE  := --kubelet $(RUST_BIN)/local-kubelet --kubelet-arg=--bin-dir=$(RUST_BIN)
-endif
 
 .PHONY: node-tools
 node-tools: ## Install what the real node runs when missing: containerd, runc, the CNI plugins, iptables, conntrack, nsenter (Debian packages)
@@ -369,7 +364,7 @@ $(foreach i,$(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar): | image-tools
 prometheus-images: $(foreach i,$(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar) ## Prometheus and prometheus-operator's config reloader as images for the real node
 
 .PHONY: cluster-up
-cluster-up: cluster bins host-tools $(CLUSTER_UP_DEPS) ## Start the embedded cluster in the background (reused by tests and the demo); NODE=1: on the real node
+cluster-up: cluster bins host-tools node-images prometheus-images node-tools ## Start the embedded cluster with its node in the background (reused by tests and the demo)
 	@if $(CLUSTER_RUNNING); then \
 		echo "cluster already running"; \
 	else \

@@ -15,6 +15,9 @@
 //	cluster kubelet ...             the real kubelet (started by "up --node" in the node's network namespace)
 //	cluster kube-proxy ...          the real kube-proxy (likewise)
 //	cluster version                 the Kubernetes version this binary was built from
+//
+// Under the name poolpilot-route it is the real node's CNI plugin that routes each pod's address
+// from this machine to the node (cniroute.go).
 package main
 
 import (
@@ -42,8 +45,12 @@ commands:
 
 func main() {
 	// Busybox-style: a link named kubectl runs kubectl directly.
-	if filepath.Base(os.Args[0]) == "kubectl" {
+	switch filepath.Base(os.Args[0]) {
+	case "kubectl":
 		os.Exit(runKubectl(os.Args[1:]))
+	case cniRoutePlugin:
+		// The real node's CNI plugin that routes each pod's address here (cniroute.go).
+		os.Exit(runCNIRoute())
 	}
 	if len(os.Args) < 2 {
 		fmt.Fprint(os.Stderr, usage)

@@ -2,8 +2,8 @@
 // container), reached from this one through one veth pair, holds containerd (with runc and the
 // standard CNI plugins: bridge + host-local), the real kubelet and kube-proxy (iptables mode),
 // all sharing one private mount namespace. Nothing of it touches this namespace's netfilter, and
-// its routing only by the link's own /30, one route for the node's pod range through it and the
-// tests' client range (clientRange) made local.
+// its routing only by the link's own /30, one /32 route through it per pod address while the pod
+// has it (the CNI plugin of cniroute.go) and the tests' client range (clientRange) made local.
 package main
 
 import (
@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -69,10 +70,11 @@ func (n *node) nsPath(kind string) string {
 
 // startNodeNamespaces starts the holder of the node's namespaces ("cluster pause" in a new
 // network and mount namespace) and wires the veth pair: this end hostLinkIP on hostnet.NodeLink,
-// the node's end nodeLinkIP, a route to the node's pod range through it, and clientRange local
-// here and routed back from the node. Nothing else is routed between the two: the node has no
-// default route, so its pods reach only this machine's cluster addresses, and what they send
-// elsewhere fails in the node.
+// the node's end nodeLinkIP, and clientRange local here and routed back from the node. The pods'
+// addresses are routed here one by one, by the CNI plugin, while a pod holds them; the rest of
+// podCIDR stays under hostnet's unreachable route. Nothing else is routed between the two: the
+// node has no default route, so its pods reach only this machine's cluster addresses, and what
+// they send elsewhere fails in the node.
 func startNodeNamespaces(dir string, opts nodeOptions) (*node, error) {
 	ndir := filepath.Join(dir, "node")
 	if err := os.MkdirAll(filepath.Join(ndir, "logs"), 0o755); err != nil {
@@ -116,7 +118,6 @@ func startNodeNamespaces(dir string, opts nodeOptions) (*node, error) {
 		{"link", "add", link, "type", "veth", "peer", "name", nodeDev, "netns", pid},
 		{"addr", "add", fmt.Sprintf("%s/%d", hostLinkIP, linkBits), "dev", link},
 		{"link", "set", link, "up"},
-		{"route", "add", podCIDR, "via", nodeLinkIP, "dev", link},
 		{"route", "replace", "local", clientRange, "dev", "lo", "table", "local"},
 	}
 	for _, s := range steps {
@@ -180,7 +181,12 @@ func (n *node) stop() {
 var cgroupHierarchies = []string{"cpu", "cpuacct", "cpuset", "memory", "pids", "blkio", "devices", "freezer", "systemd"}
 
 // makeCgroups creates the node's cgroup root in every v1 hierarchy (the kubelet's cgroupRoot
-// must exist), so that two clusters on one machine never share "kubepods".
+// must exist), so that two clusters on one machine never share "kubepods". Its CPU weight is
+// the node's capacity, 1024 per CPU, as the kubelet gives kubepods below it: at the default
+// 1024 the whole node weighed as much as one other session of this machine (the kernel's
+// autogroups weigh 1024 each, whatever their processes' nice values), and under the load of
+// other builds all of its pods together got 0.3 of the 2 CPUs (hostile_clients: its backends
+// then answered too slowly for the gateway's lease timeout).
 func makeCgroups(name string) error {
 	for _, h := range cgroupHierarchies {
 		base := filepath.Join("/sys/fs/cgroup", h)
@@ -190,6 +196,12 @@ func makeCgroups(name string) error {
 		p := filepath.Join(base, name)
 		if err := os.MkdirAll(p, 0o755); err != nil {
 			return fmt.Errorf("cgroup %s: %w", p, err)
+		}
+		if h == "cpu" {
+			shares := strconv.Itoa(1024 * runtime.NumCPU())
+			if err := os.WriteFile(filepath.Join(p, "cpu.shares"), []byte(shares), 0o644); err != nil {
+				return fmt.Errorf("cgroup %s: cpu.shares: %w", p, err)
+			}
 		}
 		if h == "cpuset" {
 			// A new cpuset cgroup has no cpus or mems: copy the parent's, or nothing can join it.
@@ -223,9 +235,9 @@ func removeCgroups(name string) {
 }
 
 // containerdConfig is containerd's configuration: everything under the node's directory (its
-// socket, root, state, runc's state), the CRI plugin with runc, the CNI config and one runtime
-// spec per fd limit.
-func (n *node) containerdConfig() (string, error) {
+// socket, root, state, runc's state), the CRI plugin with runc, the CNI config and plugins
+// (cniBinDir) and one runtime spec per fd limit.
+func (n *node) containerdConfig(cniBinDir string) (string, error) {
 	d := n.dir
 	var handlers strings.Builder
 	runtime := func(name, spec string) {
@@ -286,7 +298,7 @@ oom_score = 0
     default_runtime_name = "runc"
 %s`, filepath.Join(d, "containerd", "root"), filepath.Join(d, "containerd", "state"),
 		n.socket(), filepath.Join(d, "containerd", "ttrpc.sock"), filepath.Join(d, "containerd", "opt"),
-		n.opts.sandbox, n.opts.cniBinDir, filepath.Join(d, "cni"), handlers.String()), nil
+		n.opts.sandbox, cniBinDir, filepath.Join(d, "cni"), handlers.String()), nil
 }
 
 func (n *node) socket() string { return filepath.Join(n.dir, "containerd", "containerd.sock") }
@@ -318,8 +330,11 @@ func (n *node) runtimeSpec(limit int) (string, error) {
 
 // cniConfig is the pod network: a bridge cni0 with the pods' gateway address, host-local
 // addresses from podCIDR (its state in the node's directory), the pod's default route to the
-// bridge (inside the node, which routes only to this machine's cluster addresses).
-func (n *node) cniConfig() string {
+// bridge (inside the node, which routes only to this machine's cluster addresses), and last the
+// route of the pod's address from this machine's namespace (hostNetns) through the link
+// (cniroute.go).
+func (n *node) cniConfig(hostNetns string) string {
+	ipam := filepath.Join(n.dir, "cni", "ipam")
 	return fmt.Sprintf(`{
   "cniVersion": "1.0.0",
   "name": "poolpilot",
@@ -337,10 +352,34 @@ func (n *node) cniConfig() string {
         "dataDir": %q
       }
     },
-    {"type": "portmap", "capabilities": {"portMappings": true}}
+    {"type": "portmap", "capabilities": {"portMappings": true}},
+    {"type": %q, "hostNetns": %q, "via": %q, "dev": %q, "ipamDir": %q}
   ]
 }
-`, podCIDR, podGateway, filepath.Join(n.dir, "cni", "ipam"))
+`, podCIDR, podGateway, ipam, cniRoutePlugin, hostNetns, nodeLinkIP, hostnet.NodeLink, ipam)
+}
+
+// cniBinDir makes the node's CNI bin directory: a link to each plugin of --cni-bin-dir and one
+// named poolpilot-route to this binary.
+func (n *node) cniBinDir() (string, error) {
+	dir := filepath.Join(n.dir, "cni-bin")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	plugins, err := os.ReadDir(n.opts.cniBinDir)
+	if err != nil {
+		return "", fmt.Errorf("the CNI plugins: %w", err)
+	}
+	for _, p := range plugins {
+		if err := os.Symlink(filepath.Join(n.opts.cniBinDir, p.Name()), filepath.Join(dir, p.Name())); err != nil {
+			return "", err
+		}
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	return dir, os.Symlink(self, filepath.Join(dir, cniRoutePlugin))
 }
 
 // startContainerd writes the configuration, starts containerd in the node and waits for its
@@ -351,7 +390,11 @@ func (n *node) startContainerd(ctx context.Context) (*child, error) {
 			return nil, err
 		}
 	}
-	cfg, err := n.containerdConfig()
+	binDir, err := n.cniBinDir()
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := n.containerdConfig(binDir)
 	if err != nil {
 		return nil, err
 	}
@@ -359,7 +402,8 @@ func (n *node) startContainerd(ctx context.Context) (*child, error) {
 	if err := writeFileAtomic(cfgPath, []byte(cfg), 0o644); err != nil {
 		return nil, err
 	}
-	if err := writeFileAtomic(filepath.Join(n.dir, "cni", "10-poolpilot.conflist"), []byte(n.cniConfig()), 0o644); err != nil {
+	hostNetns := fmt.Sprintf("/proc/%d/ns/net", os.Getpid())
+	if err := writeFileAtomic(filepath.Join(n.dir, "cni", "10-poolpilot.conflist"), []byte(n.cniConfig(hostNetns)), 0o644); err != nil {
 		return nil, err
 	}
 	c, err := n.start("containerd", n.opts.containerd, "--config", cfgPath)

@@ -1,6 +1,6 @@
 // Up: installs the host routes that keep the cluster's traffic on this machine, starts etcd,
-// kube-apiserver and kube-controller-manager on 127.0.0.1, waits until the cluster really
-// serves, publishes the admin kubeconfig and a ready marker, and tears it all down on
+// kube-apiserver and kube-controller-manager (with --node: kube-scheduler and the node of
+// node.go, the apiserver on the node link's address), waits until the cluster really serves, publishes the admin kubeconfig and a ready marker, and tears it all down on
 // SIGTERM/SIGINT (or when a watched parent process goes away).
 package main
 
@@ -30,9 +30,9 @@ import (
 	"github.com/poolpilot/poolpilot/e2e/cluster/hostnet"
 )
 
-// defaultControllers are the kube-controller-manager loops that a test cluster without a real
-// kubelet wants. node-lifecycle and pod-garbage-collector are left out on purpose: with no real
-// node heartbeats they would evict and delete every pod.
+// defaultControllers are the kube-controller-manager loops of a test cluster. node-lifecycle and
+// pod-garbage-collector are added with the node ("up --node"): without a kubelet's heartbeats
+// they would evict and delete every pod.
 var defaultControllers = []string{
 	"deployment-controller", "replicaset-controller", "statefulset-controller", "job-controller",
 	"garbage-collector-controller", "namespace-controller",
@@ -49,7 +49,7 @@ type readyMarker struct {
 	Kubeconfig string `json:"kubeconfig"`
 	Version    string `json:"version"`
 	Prometheus string `json:"prometheus,omitempty"`
-	// Node is the name of the real node ("up --node"); empty with the local kubelet.
+	// Node is the name of the node ("up --node"); empty without one.
 	Node string `json:"node,omitempty"`
 }
 
@@ -70,10 +70,6 @@ func runUp(args []string) int {
 	controllers := fs.String("controllers", strings.Join(defaultControllers, ","), "kube-controller-manager --controllers")
 	watchClients := fs.Bool("watch-clients", false, "shut down once no process registered in DIR/clients/<pid> has been alive for 5s")
 	timeout := fs.Duration("timeout", 3*time.Minute, "give up if the cluster is not ready within this time")
-	var kubelet kubeletOptions
-	fs.StringVar(&kubelet.path, "kubelet", "", "run this local kubelet binary as the cluster's node (none: pods stay Pending)")
-	fs.StringVar(&kubelet.node, "node-name", "poolpilot-local", "name of the local kubelet's Node")
-	fs.Var(&kubelet.args, "kubelet-arg", "extra flag for the local kubelet (repeatable)")
 	var nodeOpts nodeOptions
 	fs.BoolVar(&nodeOpts.enabled, "node", false, "run the real node (containerd, runc, CNI, the kubelet, kube-proxy) in a network namespace of its own, and kube-scheduler; instead of --kubelet")
 	fs.StringVar(&nodeOpts.name, "real-node-name", "poolpilot-node", "name of the real node's Node")
@@ -100,22 +96,11 @@ func runUp(args []string) int {
 		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
 		return 1
 	}
-	if nodeOpts.enabled && kubelet.path != "" {
-		fmt.Fprintln(os.Stderr, "cluster up: --node and --kubelet exclude each other")
-		return 2
-	}
-	if err := up(absDir, *port, *controllers, *watchClients, *timeout, kubelet, nodeOpts, prom); err != nil {
+	if err := up(absDir, *port, *controllers, *watchClients, *timeout, nodeOpts, prom); err != nil {
 		fmt.Fprintf(os.Stderr, "cluster up: %v\n", err)
 		return 1
 	}
 	return 0
-}
-
-// kubeletOptions says whether and how "up" runs the local kubelet.
-type kubeletOptions struct {
-	path string
-	node string
-	args stringList
 }
 
 // stringList is a repeatable string flag.
@@ -124,7 +109,7 @@ type stringList []string
 func (l *stringList) String() string     { return strings.Join(*l, " ") }
 func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
 
-func up(dir string, port int, controllers string, watchClients bool, timeout time.Duration, kubelet kubeletOptions, nodeOpts nodeOptions, prom prometheusOptions) error {
+func up(dir string, port int, controllers string, watchClients bool, timeout time.Duration, nodeOpts nodeOptions, prom prometheusOptions) error {
 	// Every "up" starts a fresh cluster: stale state from an earlier run would only confuse tests.
 	for _, stale := range []string{"ready", "etcd", "pki", "kubelet", "prometheus", "logs", "node"} {
 		if err := os.RemoveAll(filepath.Join(dir, stale)); err != nil {
@@ -144,7 +129,7 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 		return fmt.Errorf("host routes: %w", err)
 	}
 	logf("routing %s (pods) and %s (Services) to nowhere unless an address is on lo", hostnet.PodRange, hostnet.ServiceRange)
-	// Runs last, after every child (the kubelet with its pod addresses) has stopped.
+	// Runs last, after every child (the node with its pods) has stopped.
 	defer func() {
 		done, err := releaseRoutes()
 		if err != nil {
@@ -176,7 +161,7 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 		}
 		defer realNode.stop()
 		listen = hostLinkIP
-		logf("node network namespace up: %s (here, %s) <-> %s (the node), pods %s via the node", hostLinkIP, hostnet.NodeLink, nodeLinkIP, podCIDR)
+		logf("node network namespace up: %s (here, %s) <-> %s (the node), pods of %s routed here one by one", hostLinkIP, hostnet.NodeLink, nodeLinkIP, podCIDR)
 	}
 	server := fmt.Sprintf("https://%s:%d", listen, port)
 
@@ -250,38 +235,11 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 		logf("real node %s ready: containerd, kubelet %s, kube-proxy (iptables)", nodeOpts.name, version.Get().GitVersion)
 	}
 
-	// A never-closing channel stands for "no kubelet" in the select below.
-	kubeletDone := make(chan struct{})
-	if kubelet.path != "" {
-		if err := p.issueKubelet(kubelet.node, []net.IP{net.ParseIP("127.0.0.1")}); err != nil {
-			return err
-		}
-		// The kubelet API (container logs for `kubectl logs`) on the address its Node reports.
-		flags := append([]string{
-			"--kubeconfig=" + admin, "--state-dir=" + filepath.Join(dir, "kubelet"), "--node-name=" + kubelet.node,
-			fmt.Sprintf("--listen=127.0.0.1:%d", ports[3]),
-			"--tls-cert-file=" + p.path(kubeletServingCert), "--tls-private-key-file=" + p.path(kubeletServingKey),
-			"--client-ca-file=" + p.path(kubeletClientCA),
-		}, kubelet.args...)
-		k, err := startProgram(dir, "local-kubelet", kubelet.path, flags)
-		if err != nil {
-			return err
-		}
-		children = append(children, k)
-		kubeletDone = k.done
-		if err := waitNodeReady(deadline, admin, kubelet.node, k); err != nil {
-			return withLogTail(fmt.Errorf("local kubelet: %w", err), k.log)
-		}
-		logf("local kubelet running as node %s", kubelet.node)
-	}
-
-	promDone := make(chan struct{})
 	promURL := ""
 	if prom.path != "" {
 		c, url, err := startPrometheus(deadline, dir, admin, server, listen, p, prom)
 		if c != nil {
 			children = append(children, c)
-			promDone = c.done
 		}
 		if err != nil {
 			return err
@@ -302,7 +260,6 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 	for _, c := range children {
 		go func(c *child) { <-c.done; exited <- c.name }(c)
 	}
-	_, _ = kubeletDone, promDone
 	select {
 	case <-ctx.Done():
 		// Withdraw the marker first, so that nobody starts to reuse a cluster that is stopping.
@@ -318,10 +275,9 @@ func up(dir string, port int, controllers string, watchClients bool, timeout tim
 
 func apiserverFlags(dir string, p *pki, listen string, port, etcdPort int, realNode bool) []string {
 	issuer := "https://kubernetes.default.svc.cluster.local"
-	// Every component listens on loopback without the real node, which the endpoint reconciler
-	// refuses to publish for the "kubernetes" Service (pods are told the apiserver's address by
-	// the local kubelet); with it, the Service's endpoint is the node link's address, where pods
-	// reach it through kube-proxy.
+	// Without the node every component listens on loopback, which the endpoint reconciler
+	// refuses to publish for the "kubernetes" Service; with it, the Service's endpoint is the
+	// node link's address, where pods reach it through kube-proxy.
 	reconciler := "--endpoint-reconciler-type=none"
 	if realNode {
 		reconciler = "--endpoint-reconciler-type=lease"
@@ -345,9 +301,9 @@ func apiserverFlags(dir string, p *pki, listen string, port, etcdPort int, realN
 		// on the owner's finalizers subresource (the operator's limits ConfigMaps point at
 		// their ConnectionPolicy so; its RBAC must say so, and the e2e tests catch it if not).
 		"--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
-		// How `kubectl logs` reaches the local kubelet: the Node's InternalIP (127.0.0.1) and
-		// daemonEndpoints port, its serving certificate checked against the cluster CA, with
-		// the one client certificate the kubelet accepts.
+		// How `kubectl logs`, `exec` and `port-forward` reach the kubelet: the Node's InternalIP
+		// (the node link's address) and daemonEndpoints port, its serving certificate checked
+		// against the cluster CA, with the one client certificate the kubelet accepts.
 		"--kubelet-preferred-address-types=InternalIP",
 		"--kubelet-certificate-authority=" + p.path("ca.crt"),
 		"--kubelet-client-certificate=" + p.path(apiserverKubeletCert),
@@ -524,7 +480,7 @@ func waitControllers(ctx context.Context, kubeconfig string, c *child) error {
 	})
 }
 
-// waitNodeReady waits until the local kubelet has registered its Node as Ready.
+// waitNodeReady waits until the kubelet has registered its Node as Ready.
 func waitNodeReady(ctx context.Context, kubeconfig, name string, c *child) error {
 	client, err := newClient(kubeconfig)
 	if err != nil {

@@ -51,8 +51,8 @@ struct Shared {
 
 impl AuthProxy {
     /// Listens on an ephemeral port of `upstream`'s address (`http://IP:port`: reachable from
-    /// the pods wherever the upstream is, 127.0.0.1 for the local kubelet's, the node link's
-    /// address for the real node's) and forwards what passes to `upstream`. With `tls` (a PEM
+    /// the pods wherever the upstream is: the node link's address, 10.244.254.1, for the
+    /// cluster's Prometheus) and forwards what passes to `upstream`. With `tls` (a PEM
     /// certificate chain and key), it speaks HTTPS only, on 127.0.0.1.
     pub async fn start(
         upstream: &str,

@@ -1,6 +1,7 @@
 //! The embedded control plane as tests see it: start-or-reuse one cluster per machine, hand out
 //! admin clients and a version-matched kubectl.
 
+use std::ffi::OsStr;
 use std::fs::File;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -29,10 +30,11 @@ pub struct ReadyMarker {
     /// URL of the cluster's Prometheus (Kubernetes service discovery of annotated pods).
     #[serde(default)]
     pub prometheus: Option<String>,
-    /// The real node's name (`cluster up --node`: the kubelet, containerd and kube-proxy in a
-    /// network namespace of their own); none with the local kubelet.
+    /// The node's name (`cluster up --node`: the kubelet, containerd and kube-proxy in a
+    /// network namespace of their own); empty for a cluster started without one (`cluster up`
+    /// without `--node`: its pods stay Pending).
     #[serde(default)]
-    pub node: Option<String>,
+    pub node: String,
 }
 
 /// A running embedded cluster.
@@ -66,8 +68,8 @@ impl Cluster {
         SHARED.get()
     }
 
-    /// Reuses the cluster in `dir` if it answers, otherwise starts one there with `bin` and the
-    /// local kubelet (running this workspace's binaries as pod images). Either way, fails unless
+    /// Reuses the cluster in `dir` if it answers, otherwise starts one there with `bin` and its
+    /// node (running the images of `make node-images`). Either way, fails unless
     /// the host routes that keep the cluster's traffic on this machine are in force.
     pub async fn start_or_reuse(dir: PathBuf, bin: PathBuf) -> anyhow::Result<Cluster> {
         let cluster = Self::find_or_start(dir, &bin).await?;
@@ -117,16 +119,11 @@ impl Cluster {
                 bin.display()
             );
         }
-        let kubelet = paths::kubelet_bin();
         let prometheus = paths::prometheus_bin();
-        for (what, path, how) in [
-            (
-                "local kubelet",
-                &kubelet,
-                "cargo build -p poolpilot-local-kubelet",
-            ),
-            ("Prometheus", &prometheus, "make cluster"),
-        ] {
+        let images = paths::node_images();
+        let mut needed = vec![("Prometheus", &prometheus, "make cluster")];
+        needed.extend(images.iter().map(|i| ("image", i, "make node-images")));
+        for (what, path, how) in needed {
             if !path.exists() {
                 bail!(
                     "the {what} {} does not exist: build it with `{how}`",
@@ -143,9 +140,10 @@ impl Cluster {
             .arg("--dir")
             .arg(dir)
             .arg("--watch-clients")
-            .arg("--kubelet")
-            .arg(&kubelet)
-            .arg(format!("--kubelet-arg=--bin-dir={}", paths::workspace_bin_dir().display()))
+            .arg("--node")
+            .args(images.iter().flat_map(|i| [OsStr::new("--image"), i.as_os_str()]))
+            // The RuntimeClasses' handlers the tests use (`stack::nofile_template`).
+            .args(["--node-nofile-class", "512", "--node-nofile-class", "4096"])
             .arg("--prometheus")
             .arg(&prometheus)
             .stdin(Stdio::null())
@@ -194,20 +192,14 @@ impl Cluster {
         &self.marker.server
     }
 
-    /// Where the local kubelet keeps pod folders: `pods/<namespace>/<pod>/<container>.log`.
-    pub fn kubelet_dir(&self) -> PathBuf {
-        self.dir.join("kubelet")
-    }
-
     /// The cluster CA certificate file.
     pub fn ca_file(&self) -> PathBuf {
         self.dir.join("pki/ca.crt")
     }
 
-    /// The real node's name when the cluster runs the real kubelet and containerd (`make
-    /// cluster-up NODE=1`), none when it runs the local kubelet.
-    pub fn real_node(&self) -> Option<&str> {
-        self.marker.node.as_deref()
+    /// The node's name: the kubelet with containerd in a network namespace of its own.
+    pub fn node(&self) -> &str {
+        &self.marker.node
     }
 
     /// The cluster's Prometheus URL.
@@ -375,16 +367,10 @@ impl Cluster {
 }
 
 /// The source address a test gives the `lo` address `127.A.B.C` of one of its distinct clients
-/// (hostile and leaking clients, per-address limits): itself with the local kubelet, whose pods
-/// are processes here and see any 127/8 address; `10.244.(128 + 2A + B).C` on the real node,
-/// whose pods see only what is routed to them: `cluster up --node` makes 10.244.128.0/18 local
+/// (hostile and leaking clients, per-address limits): `10.244.(128 + 2A + B).C`, since the
+/// node's pods see only what is routed to them: `cluster up --node` makes 10.244.128.0/18 local
 /// here (any address of it can be bound) and routes it back from the node (e2e/cluster/node.go).
-/// The cluster is the one this process shares ([`Cluster::shared`], started or reused
-/// before any test sends).
 pub fn client_source(lo: Ipv4Addr) -> Ipv4Addr {
-    if Cluster::shared_if_started().is_none_or(|c| c.real_node().is_none()) {
-        return lo;
-    }
     let [_, a, b, c] = lo.octets();
     assert!(
         lo.is_loopback() && a < 32 && b < 2,

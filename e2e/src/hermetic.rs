@@ -14,13 +14,16 @@ use std::sync::LazyLock;
 use anyhow::Context as _;
 use regex::Regex;
 
-/// Addresses the local kubelet gives pods (on `lo`).
+/// The cluster's pod range: the node's bridge gives pods addresses of 10.244.0.0/24 in it, each
+/// routed here while its pod holds it (e2e/cluster/cniroute.go); the rest is unreachable.
 pub const POD_RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 244, 0, 0), 16);
-/// ClusterIPs the apiserver gives Services (nothing serves them: there is no kube-proxy).
+/// ClusterIPs the apiserver gives Services (kube-proxy serves them inside the node, for its pods;
+/// from here they are unreachable).
 pub const SERVICE_RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 96, 0, 0), 16);
-/// An address in the pod range that no pod ever holds (the local kubelet never hands out
-/// 10.244.255.0/24).
-pub use poolpilot_local_kubelet::UNHELD_POD_ADDRESS;
+/// An address in the pod range that no pod ever holds: 10.244.255.0/24 is never given out
+/// (`cluster net check` probes 10.244.255.1, e2e/cluster/hostnet), and fixtures that need an
+/// address nothing listens on take this one.
+pub const UNHELD_POD_ADDRESS: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 2);
 
 /// Whether `ip` is somewhere tests may send to: loopback, the unspecified address (which
 /// Linux connects to locally), the pod range or the Service range.
@@ -247,7 +250,6 @@ mod tests {
         let scanned = [
             "e2e",
             "modelsim",
-            "local-kubelet",
             "gateway/tests",
             "manifests/overlays/local",
             ".ci",

@@ -91,8 +91,7 @@ impl TestNamespace {
     }
 
     /// Everything worth seeing about the namespace: pods with their status, events in order,
-    /// the tail of every container's log (`kubectl logs` on the real node, the files the local
-    /// kubelet kept on it), and the extra files.
+    /// the tail of every container's log (`kubectl logs`), and the extra files.
     pub async fn dump(&self) -> String {
         let mut out = format!("===== dump of namespace {} =====\n", self.name);
         let pods: Api<Pod> = self.api();
@@ -161,7 +160,7 @@ impl TestNamespace {
                 let _ = writeln!(out, "(could not list events: {e})");
             }
         }
-        if self.cluster.real_node().is_some() {
+        {
             for (pod, container) in containers {
                 let logs = crate::cluster::output(self.cluster.kubectl().args([
                     "logs",
@@ -188,29 +187,7 @@ impl TestNamespace {
                 );
             }
         }
-        let mut files: Vec<(String, PathBuf)> = Vec::new();
-        let pod_logs = self.cluster.kubelet_dir().join("pods").join(&self.name);
-        if let Ok(pods) = std::fs::read_dir(&pod_logs) {
-            for pod in pods.flatten() {
-                for log in std::fs::read_dir(pod.path())
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-                {
-                    if log.path().extension().is_some_and(|e| e == "log") {
-                        files.push((
-                            format!(
-                                "log of {}/{}",
-                                pod.file_name().to_string_lossy(),
-                                log.file_name().to_string_lossy()
-                            ),
-                            log.path(),
-                        ));
-                    }
-                }
-            }
-        }
-        files.extend(self.extra_dumps.lock().iter().cloned());
+        let files: Vec<(String, PathBuf)> = self.extra_dumps.lock().clone();
         for (label, path) in files {
             let text =
                 std::fs::read_to_string(&path).unwrap_or_else(|e| format!("(unreadable: {e})"));

@@ -98,12 +98,17 @@ pub fn workspace_bin_dir() -> PathBuf {
     }
 }
 
-/// The local kubelet binary: `$POOLPILOT_KUBELET_BIN` or `local-kubelet` in
-/// [`workspace_bin_dir`].
-pub fn kubelet_bin() -> PathBuf {
-    std::env::var_os("POOLPILOT_KUBELET_BIN")
+/// The OCI archives `cluster up --node` imports into the node's containerd (`make node-images`
+/// builds them): `operator`, `gateway`, `modelsim` and the sandbox's `pause`, each `NAME.tar` in
+/// `$POOLPILOT_IMAGES_DIR` or `<cache>/images`.
+pub fn node_images() -> Vec<PathBuf> {
+    let dir = std::env::var_os("POOLPILOT_IMAGES_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_bin_dir().join("local-kubelet"))
+        .unwrap_or_else(|| cache_dir().join("images"));
+    ["operator", "gateway", "modelsim", "pause"]
+        .iter()
+        .map(|name| dir.join(format!("{name}.tar")))
+        .collect()
 }
 
 /// The folder of prometheus-operator's CRDs (`make cluster` extracts them from the Go module

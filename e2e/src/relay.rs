@@ -4,7 +4,7 @@
 //! crashed server behind a load balancer would; [`Relay::restore`] forwards again.
 //!
 //! ```text
-//!  operator ──► 127.0.0.1:<relay port> ──(cut: RST)──► upstream (Prometheus 127.0.0.1:9090)
+//!  operator ──► 10.244.254.1:<relay port> ──(cut: RST)──► upstream (Prometheus 10.244.254.1:9090)
 //! ```
 
 use std::net::SocketAddr;
@@ -39,8 +39,8 @@ struct Shared {
 
 impl Relay {
     /// Listens on an ephemeral port of `upstream`'s address (reachable from the pods wherever
-    /// the upstream is: 127.0.0.1 for the local kubelet's pods, which are host processes; the
-    /// node link's address for the real node's) and forwards every connection to `upstream`.
+    /// the upstream is: the node link's address, 10.244.254.1, for the cluster's Prometheus) and
+    /// forwards every connection to `upstream`.
     pub async fn start(upstream: SocketAddr) -> anyhow::Result<Self> {
         let listener = TcpListener::bind(SocketAddr::new(upstream.ip(), 0)).await?;
         let addr = listener.local_addr()?;

@@ -1,8 +1,8 @@
 // Package hostnet keeps the embedded cluster's traffic on this machine: it installs
 // "unreachable" routes for the pod range and the Service range, so that a connect to an address
 // in them that no local interface holds fails at once with "No route to host" instead of leaving
-// through the default route, while the pod addresses the local kubelet puts on lo keep working
-// (the kernel consults the local table, which holds them, before the main table).
+// through the default route, while the addresses of live pods keep working (each routed to the
+// node by a /32 route of its own, longer than these; cniroute.go in the parent package).
 //
 // It refuses to touch a machine that already routes either range somewhere (a VPN, a kind
 // cluster, a docker bridge): the routes would cut that off. Only the standard library and
@@ -19,9 +19,8 @@ import (
 	"strings"
 )
 
-// The cluster's address ranges. The local kubelet gives pods addresses from PodRange (on lo);
-// kube-apiserver gives Services ClusterIPs from ServiceRange, which nothing on this machine
-// serves (there is no kube-proxy).
+// The cluster's address ranges. The node gives pods addresses from PodRange; kube-apiserver
+// gives Services ClusterIPs from ServiceRange, which only kube-proxy inside the node serves.
 var (
 	PodRange     = netip.MustParsePrefix("10.244.0.0/16")
 	ServiceRange = netip.MustParsePrefix("10.96.0.0/16")
@@ -113,8 +112,8 @@ func (r Route) ours() bool {
 	return ok && (p == PodRange || p == ServiceRange)
 }
 
-// podAddress says whether r is an address on lo (what the local kubelet adds for its pods,
-// and the loopback range itself): the local table entries the ranges are meant to sit beside.
+// podAddress says whether r is an address on lo (the tests' client range the node's link makes
+// local, and the loopback range itself): the local table entries the ranges are meant to sit beside.
 func (r Route) podAddress() bool {
 	return r.Table == "local" && r.Dev == "lo" && r.Type == "local"
 }

@@ -3,7 +3,8 @@
 //! certificate, so that the operator PUTs over verified HTTPS), the operator (its own
 //! ServiceAccount, bound to the shipped ClusterRole in this namespace only, never
 //! cluster-admin), the gateway Deployment, the sample modelsim backends, and then the policies a
-//! scenario applies with `kubectl apply`. The local kubelet runs every pod; the cluster's
+//! scenario applies with `kubectl apply`. The cluster's node runs every pod from the images of
+//! `make images`; the cluster's
 //! Prometheus discovers and scrapes them. The scenarios (`e2e/tests/scenarios/`) and the demo
 //! drive it through processes, kubectl and the Kubernetes API only.
 //!
@@ -134,16 +135,15 @@ pub struct StackSpec {
     pub operators: u32,
     /// The backends to run; the sample's other backend gets 0 replicas.
     pub backends: Vec<BackendSpec>,
-    /// The gateway pods' RLIMIT_NOFILE ([`nofile_template`]: the local kubelet's
-    /// `poolpilot.io/nofile-limit` annotation, the real node's RuntimeClass `nofile-<limit>`);
-    /// the overlay's when `None`.
+    /// The gateway pods' RLIMIT_NOFILE ([`nofile_template`]: the RuntimeClass
+    /// `nofile-<limit>`); containerd's default (4096) when `None`.
     pub nofile_limit: Option<u64>,
     /// More operator flags, appended to the overlay's; a `--prometheus-url=` among them
     /// replaces the overlay's (clap refuses a repeated flag).
     pub operator_args: Vec<String>,
-    /// A folder whose `poolpilot-operator` and `poolpilot-gateway` the pods run (as their
-    /// images: the local kubelet runs an image that is an absolute path as is) instead of the
-    /// workspace's debug build: the loop benchmark runs the release one.
+    /// A folder whose `poolpilot-operator` and `poolpilot-gateway` the loop benchmark wants the
+    /// pods to run instead of the images' debug build. The node runs images only, so a stack
+    /// given one is refused until the benchmark runs release images.
     pub binaries: Option<PathBuf>,
     /// Secrets created in the namespace and mounted into the operator (credentials for a
     /// Prometheus behind authentication, say).
@@ -194,16 +194,10 @@ pub struct Stack<'a> {
 ///
 /// [`with_namespace`]: crate::with_namespace
 /// The pod template fields that give a pod RLIMIT_NOFILE `limit`, as a merge patch of the
-/// template: the local kubelet's `poolpilot.io/nofile-limit` annotation; on the real node the
-/// RuntimeClass `nofile-<limit>` (applied here, cluster-wide and never deleted), whose
-/// containerd handler sets the limit in the container's OCI spec (`cluster up
-/// --node-nofile-class <limit>`: `make cluster-up NODE=1` has 512 and 4096).
+/// template: the RuntimeClass `nofile-<limit>` (applied here, cluster-wide and never deleted),
+/// whose containerd handler sets the limit in the container's OCI spec (`cluster up
+/// --node-nofile-class <limit>`: `make cluster-up` has 512 and 4096).
 pub async fn nofile_template(cluster: &crate::Cluster, limit: u64) -> anyhow::Result<Value> {
-    if cluster.real_node().is_none() {
-        return Ok(
-            json!({"metadata": {"annotations": {"poolpilot.io/nofile-limit": limit.to_string()}}}),
-        );
-    }
     let class = format!("nofile-{limit}");
     cluster
         .apply_list(&[json!({
@@ -350,9 +344,11 @@ impl<'a> Stack<'a> {
         if let Some(dir) = &spec.binaries
             && matches!(name.as_str(), OPERATOR_DEPLOYMENT | GATEWAY_DEPLOYMENT)
         {
-            let bin = dir.join(&name);
-            anyhow::ensure!(bin.is_file(), "no {} to run", bin.display());
-            container["image"] = json!(bin);
+            anyhow::bail!(
+                "the node runs images, not the binaries of {}: build release images \
+                 (`make images IMAGE_PROFILE=release`) and run the stack without `binaries`",
+                dir.display()
+            );
         }
         match name.as_str() {
             OPERATOR_DEPLOYMENT => {

@@ -1,6 +1,8 @@
 //! Nothing the embedded cluster's users send leaves this machine: the pod range and the Service
 //! range are routed to nowhere, so a connect to a pod that is gone, to an address no pod holds or
-//! to a ClusterIP fails here at once, while the addresses of live pods (on lo) keep working.
+//! to a ClusterIP fails here at once, while the addresses of live pods keep working: each is
+//! routed into the node by itself while its pod holds it (the node's CNI plugin,
+//! e2e/cluster/cniroute.go), and unrouted again before the pod is gone from the API.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -99,7 +101,8 @@ async fn cluster_addresses_that_nothing_holds_fail_on_this_machine() -> anyhow::
         )
         .await;
 
-        // A Service's ClusterIP: nothing serves it (there is no kube-proxy).
+        // A Service's ClusterIP: nothing serves it here (kube-proxy runs in the node, for its
+        // pods).
         let services: Api<Service> = ns.api();
         let service = services
             .create(
@@ -118,7 +121,7 @@ async fn cluster_addresses_that_nothing_holds_fail_on_this_machine() -> anyhow::
         assert_routed_to_nowhere(cluster_ip, SERVICE_RANGE);
         assert_unreachable_here(SocketAddr::new(cluster_ip, 8000), "a ClusterIP").await;
 
-        // A live pod's address works (the local table wins over the unreachable route)...
+        // A live pod's address works (its /32 route wins over the unreachable route)...
         let pods: Api<Pod> = ns.api();
         pods.create(
             &PostParams::default(),
@@ -127,8 +130,9 @@ async fn cluster_addresses_that_nothing_holds_fail_on_this_machine() -> anyhow::
                 "spec": {
                     "terminationGracePeriodSeconds": 1,
                     "containers": [{
-                        "name": "main", "image": "python",
-                        "command": ["sh", "-c", "exec python3 -m http.server --bind $POD_IP 8000"],
+                        "name": "main", "image": "poolpilot/modelsim:local",
+                        "imagePullPolicy": "Never",
+                        "args": ["--port=8000", "--model=web"],
                         "ports": [{"containerPort": 8000}],
                         "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1}
                     }]

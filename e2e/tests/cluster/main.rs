@@ -1,4 +1,4 @@
-//! The cluster tests: the embedded control plane, the local kubelet or the real node, Prometheus' discovery, the
+//! The cluster tests: the embedded control plane, its node, Prometheus' discovery, the
 //! hermetic routes, the manifests, the Helm chart, the operator under its RBAC and the product's
 //! `/metrics` on the embedded cluster, one module per subject (the scenarios are their own
 //! binary, `tests/scenarios/`). One binary, so that they are compiled and linked once and their
@@ -19,7 +19,6 @@ mod docs;
 mod exclusive;
 mod exposition;
 mod hermetic;
-mod kubelet;
 mod manifests;
 mod node;
 mod operator;

@@ -193,7 +193,7 @@ async fn the_rendered_local_overlay_names_no_destination_off_this_machine() -> a
     let overlay = workspace_root().join("manifests/overlays/local");
     let rendered = run(cluster.kubectl().arg("kustomize").arg(&overlay)).await?;
     anyhow::ensure!(
-        rendered.contains("--prometheus-url=http://127.0.0.1:9090"),
+        rendered.contains("--prometheus-url=http://10.244.254.1:9090"),
         "the overlay no longer sets the Prometheus URL:\n{rendered}"
     );
     let mut deployed = String::new();

@@ -1,11 +1,10 @@
-//! The real node (`make cluster-up NODE=1`: the kubelet, containerd with runc, the CNI bridge
+//! The cluster's node (`make cluster-up`: the kubelet, containerd with runc, the CNI bridge
 //! and kube-proxy in a network namespace of their own): the images of `make images` run as pods
 //! as a user deploys them (non-root, read-only root file system), on addresses of the CNI
 //! bridge that this machine reaches through the node's link; a Service routes through
 //! kube-proxy from a pod; `kubectl logs`, `exec` and `port-forward` work through the kubelet;
 //! a ConfigMap volume update reaches the gateway by the kubelet's swap; the fd limit is the one
-//! containerd's runtime spec gives (a RuntimeClass picks another). On the local kubelet these
-//! tests say so and pass: `tests/cluster/kubelet.rs` covers it.
+//! containerd's runtime spec gives (a RuntimeClass picks another).
 
 use std::time::Duration;
 
@@ -19,16 +18,6 @@ use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
 
 const WAIT: Duration = Duration::from_secs(90);
 const TOKEN: &str = "node-test-admin-token-at-least-32-bytes";
-
-/// The cluster, when it runs the real node.
-async fn real_node() -> anyhow::Result<Option<&'static Cluster>> {
-    let cluster = Cluster::shared().await?;
-    if cluster.real_node().is_none() {
-        eprintln!("the cluster runs the local kubelet: nothing of the real node to test");
-        return Ok(None);
-    }
-    Ok(Some(cluster))
-}
 
 fn is_ready(pod: &Pod) -> bool {
     pod.status
@@ -152,10 +141,8 @@ fn limits(generation: u64, address: &str, max: u32) -> String {
 }
 
 #[tokio::test]
-async fn the_images_run_as_pods_on_the_real_node() -> anyhow::Result<()> {
-    let Some(cluster) = real_node().await? else {
-        return Ok(());
-    };
+async fn the_images_run_as_pods_on_the_node() -> anyhow::Result<()> {
+    let cluster = Cluster::shared().await?;
     // The Node is the real kubelet's, on containerd.
     let wide = run(cluster
         .kubectl()
@@ -312,9 +299,7 @@ async fn the_images_run_as_pods_on_the_real_node() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn a_runtime_class_gives_containers_another_fd_limit() -> anyhow::Result<()> {
-    let Some(cluster) = real_node().await? else {
-        return Ok(());
-    };
+    let cluster = Cluster::shared().await?;
     // The RuntimeClass naming containerd's handler nofile-512 (`cluster up --node-nofile-class
     // 512`): cluster-scoped, shared by every test that wants it, so applied, never deleted.
     let class = std::env::temp_dir().join(format!(

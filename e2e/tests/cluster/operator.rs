@@ -4,14 +4,13 @@
 //! `Accepted`, CEL rules and list-map keys refuse an invalid policy, printer columns (`-o wide`
 //! too), `kubectl explain`; RBAC (no denial under the shipped role; without one
 //! verb the operator fails visibly: in its log, its metrics and a `ReconcileFailed` Event on the
-//! policy), and that `kubectl logs` of an operator pod works as on any cluster (the local
-//! kubelet serves container logs through the kubelet API).
+//! policy), and that `kubectl logs` of an operator pod works as on any cluster (the
+//! kubelet serves container logs through its API).
 //!
 //! Each test runs its own operator in its own namespace (`--namespace`, so that operators of
 //! concurrent tests never reconcile each other's policies) and names its cluster-scoped objects
 //! after that namespace, deleting them at the end.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -196,12 +195,6 @@ async fn operator_pods(ns: &TestNamespace, count: usize) -> anyhow::Result<Vec<P
         Ok(ready)
     })
     .await?;
-    for pod in &ready {
-        ns.dump_on_failure(
-            format!("operator log of {}", pod.name_any()),
-            log_path(ns, &pod.name_any()),
-        );
-    }
     Ok(ready)
 }
 
@@ -212,16 +205,7 @@ fn is_ready(pod: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-fn log_path(ns: &TestNamespace, pod: &str) -> PathBuf {
-    ns.cluster()
-        .kubelet_dir()
-        .join("pods")
-        .join(ns.name())
-        .join(pod)
-        .join("operator.log")
-}
-
-/// An operator pod's log, where a user reads it: `kubectl logs` (the apiserver asks the local
+/// An operator pod's log, where a user reads it: `kubectl logs` (the apiserver asks the
 /// kubelet's API for it).
 async fn operator_log(ns: &TestNamespace, pod: &Pod) -> anyhow::Result<String> {
     run(ns

@@ -25,9 +25,8 @@ const SCENARIO: &str = "client-protection";
 const MAX_CONCURRENCY: u32 = 4;
 /// Downstream connections per client address and gateway pod.
 const MAX_CONNECTIONS_PER_CLIENT: u32 = 16;
-/// The clients' own source addresses (any 127/8 address reaches the local kubelet's pods through
-/// lo; on the real node each maps to one of 10.244.128.0/18, `cluster::client_source`): the
-/// connection cap counts per address.
+/// The clients' own source addresses (each maps to one of 10.244.128.0/18 that the node routes
+/// back here, `cluster::client_source`): the connection cap counts per address.
 const LEAKER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 77);
 const GREEDY: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 88);
 const GOOD: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 99);

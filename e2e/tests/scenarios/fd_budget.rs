@@ -1,6 +1,5 @@
-//! Scenario 5, fd budget: gateway pods started with a low open-files limit (the local kubelet's
-//! `poolpilot.io/nofile-limit` annotation sets their RLIMIT_NOFILE; on the real node their
-//! RuntimeClass's containerd handler does, `stack::nofile_template`) → `FdBudget=False` with the
+//! Scenario 5, fd budget: gateway pods started with a low open-files limit (their
+//! RuntimeClass's containerd handler sets their RLIMIT_NOFILE, `stack::nofile_template`) → `FdBudget=False` with the
 //! numbers in its message, the per-pod shares in `GET /v1/limits` clamped below the unclamped
 //! share, a `FdBudgetExceeded` Event; the limit raised with `kubectl patch` of the Deployment's
 //! pod template (which rolls the pods) → `FdBudget=True` and the shares back to unclamped.

@@ -71,8 +71,8 @@ const CAPACITY_A: u32 = 64;
 const CAPACITY_B: u32 = 32;
 const HEADROOM: f64 = 0.2;
 
-/// The attackers' and the good load's source addresses (any 127/8 address reaches the local
-/// kubelet's pods; on the real node each maps to one of 10.244.128.0/18, `cluster::client_source`).
+/// The attackers' and the good load's source addresses (each maps to one of 10.244.128.0/18 that
+/// the node routes back here, `cluster::client_source`).
 const GOOD: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 99);
 const NON_READER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 81);
 const H2: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 82);
