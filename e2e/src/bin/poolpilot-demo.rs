@@ -371,7 +371,7 @@ async fn main() -> anyhow::Result<()> {
         Ok(())
     };
     println!();
-    keep_running(&args, &cluster, &gateways);
+    keep_running(&args, cluster, &gateways);
     recovery.and(followed)
 }
 

@@ -8,29 +8,18 @@
 //! HTTP → the sample policy reaches `MetricsAvailable=True` and a Progressive rollout, whose
 //! canary is judged on those scrapes, completes.
 //!
-//! On the local kubelet the pods share the host's network namespace, where the StatefulSet's
-//! listeners (Prometheus on `:9090`, the reloader on `:8080` and `:8081`, every address) would
-//! take the ports of other pods and of the cluster's own Prometheus. So there, and only there,
-//! the `Prometheus` resource moves them to the pod's IP through the resource's own fields:
-//! `additionalArgs` for Prometheus' `--web.listen-address`, the operator's `--localhost` for the
-//! reloader's reload URL, and `containers`/`initContainers` overrides (merged by name) that add
-//! `POD_IP` and give the reloaders the operator's own arguments with `--listen-address` on it.
-//! On the real node (its own network namespace per pod) the StatefulSet runs as generated, from
-//! the images of `make node-images`.
+//! The node gives each pod a network namespace of its own, so the StatefulSet runs as generated,
+//! from the images of `make prometheus-images`.
 
 use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Pod, Secret};
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_e2e::cluster::run;
-use poolpilot_e2e::paths::{
-    prometheus_bin, prometheus_config_reloader_bin, prometheus_operator_bin,
-    prometheus_operator_crds,
-};
+use poolpilot_e2e::paths::{prometheus_operator_bin, prometheus_operator_crds};
 use poolpilot_e2e::stack::{pod_ip, quick_policy, set};
 use poolpilot_e2e::{TestNamespace, eventually, with_namespace};
 use serde_json::{Value, json};
@@ -112,22 +101,10 @@ fn prometheus_identity(ns: &str) -> Value {
     ]})
 }
 
-/// The images of Prometheus and the reloader: on the local kubelet the binaries themselves (an
-/// image that is a path names its binary), on the real node the images `make node-images`
-/// imported.
-fn images(real_node: bool) -> (String, String) {
-    if real_node {
-        (
-            "docker.io/poolpilot/prometheus:local".into(),
-            "docker.io/poolpilot/prometheus-config-reloader:local".into(),
-        )
-    } else {
-        (
-            prometheus_bin().display().to_string(),
-            prometheus_config_reloader_bin().display().to_string(),
-        )
-    }
-}
+/// The images of Prometheus and the reloader that `make prometheus-images` built and `cluster
+/// up` imported into the node.
+const PROMETHEUS_IMAGE: &str = "docker.io/poolpilot/prometheus:local";
+const RELOADER_IMAGE: &str = "docker.io/poolpilot/prometheus-config-reloader:local";
 
 /// prometheus-operator as a process of this machine, watching only `ns`, with the admin
 /// kubeconfig; its log (in the cluster's folder, which outlives the test) goes into the
@@ -154,10 +131,6 @@ fn start_operator(
         .arg(format!("--namespaces={}", ns.name()))
         .arg("--web.listen-address=127.0.0.1:0")
         .arg(format!("--prometheus-config-reloader={reloader_image}"));
-    if ns.cluster().real_node().is_none() {
-        // The reloaders tell Prometheus to reload at this host: its pod IP (see the module doc).
-        cmd.arg("--localhost=$(POD_IP)");
-    }
     cmd.stdin(Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out)
@@ -185,84 +158,10 @@ fn prometheus_resource(ns: &str, image: &str, replicas: u32) -> Value {
     })
 }
 
-/// `POD_IP` from the downward API, for `$(POD_IP)` in a container's arguments.
-fn pod_ip_env() -> Value {
-    json!([{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}])
-}
-
-/// The operator's arguments of the StatefulSet's container `name` with its wildcard
-/// `--listen-address=:PORT` on the pod IP instead.
-fn on_pod_ip(template: &Value, list: &str, name: &str) -> anyhow::Result<Value> {
-    let container = template[list]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["name"] == name))
-        .with_context(|| format!("no {list} {name} in {template}"))?;
-    let mut moved = 0;
-    let args: Vec<String> = container["args"]
-        .as_array()
-        .context("args")?
-        .iter()
-        .filter_map(Value::as_str)
-        .map(|a| match a.strip_prefix("--listen-address=:") {
-            Some(port) => {
-                moved += 1;
-                format!("--listen-address=$(POD_IP):{port}")
-            }
-            None => a.to_owned(),
-        })
-        .collect();
-    anyhow::ensure!(
-        moved == 1,
-        "{name} has no wildcard --listen-address: {args:?}"
-    );
-    Ok(json!({"name": name, "env": pod_ip_env(), "args": args}))
-}
-
-/// Creates the `Prometheus` resource and waits until its pod is Ready; returns its URL. On the
-/// local kubelet it is created with no replica first, and once the operator generated the
-/// StatefulSet, given one with its listeners on the pod IP (see the module doc).
+/// Creates the `Prometheus` resource and waits until its pod is Ready; returns its URL.
 async fn start_prometheus(ns: &TestNamespace, image: &str) -> anyhow::Result<String> {
-    let cluster = ns.cluster();
-    let local = cluster.real_node().is_none();
-    let mut resource = prometheus_resource(ns.name(), image, if local { 0 } else { 1 });
-    if local {
-        resource["spec"]["additionalArgs"] =
-            json!([{"name": "web.listen-address", "value": "$(POD_IP):9090"}]);
-        resource["spec"]["containers"] = json!([{"name": "prometheus", "env": pod_ip_env()}]);
-    }
-    apply(ns, &resource).await?;
-    let sets: Api<StatefulSet> = ns.api();
+    apply(ns, &prometheus_resource(ns.name(), image, 1)).await?;
     let sts = format!("prometheus-{PROMETHEUS}");
-    if local {
-        let template = eventually("the operator's StatefulSet", WAIT, || async {
-            let s = sets.get(&sts).await?;
-            let template = serde_json::to_value(&s)?["spec"]["template"]["spec"].clone();
-            anyhow::ensure!(template["containers"].is_array(), "{template}");
-            Ok(template)
-        })
-        .await?;
-        let patch = json!({"spec": {
-            "replicas": 1,
-            "containers": [
-                {"name": "prometheus", "env": pod_ip_env()},
-                on_pod_ip(&template, "containers", "config-reloader")?,
-            ],
-            "initContainers": [on_pod_ip(&template, "initContainers", "init-config-reloader")?],
-        }});
-        let api: Api<kube::api::DynamicObject> = Api::namespaced_with(
-            ns.client(),
-            ns.name(),
-            &kube::discovery::ApiResource {
-                group: "monitoring.coreos.com".into(),
-                version: "v1".into(),
-                api_version: "monitoring.coreos.com/v1".into(),
-                kind: "Prometheus".into(),
-                plural: "prometheuses".into(),
-            },
-        );
-        api.patch(PROMETHEUS, &PatchParams::default(), &Patch::Merge(&patch))
-            .await?;
-    }
     let pods: Api<Pod> = ns.api();
     let pod = format!("{sts}-0");
     let ready = eventually("the Prometheus pod Ready", WAIT, || async {
@@ -354,11 +253,10 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
         cluster.install_crd().await?;
         install_crds(ns).await?;
         apply(ns, &prometheus_identity(ns.name())).await?;
-        let (prometheus_image, reloader_image) = images(cluster.real_node().is_some());
-        let _operator = start_operator(ns, &reloader_image)?;
+        let _operator = start_operator(ns, RELOADER_IMAGE)?;
         // The sample backends start meanwhile.
         let (prometheus, ()) =
-            tokio::try_join!(start_prometheus(ns, &prometheus_image), deploy_backends(ns))?;
+            tokio::try_join!(start_prometheus(ns, PROMETHEUS_IMAGE), deploy_backends(ns))?;
         println!(
             "figure prometheus_operator: Prometheus of the operator Ready at {prometheus} after {:.1} s",
             started.elapsed().as_secs_f64()
