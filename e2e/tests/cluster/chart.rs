@@ -223,7 +223,7 @@ pub(crate) async fn call_through_every_gateway(
 
 /// The admin credentials the release generated: the token, the admin certificate and key, and
 /// the CA the operator trusts.
-async fn admin_credentials(ns: &TestNamespace) -> anyhow::Result<Vec<Vec<u8>>> {
+pub(crate) async fn admin_credentials(ns: &TestNamespace) -> anyhow::Result<Vec<Vec<u8>>> {
     let secrets: Api<Secret> = ns.api();
     let mut out = Vec::new();
     for (name, key) in [

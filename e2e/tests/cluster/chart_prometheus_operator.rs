@@ -12,6 +12,7 @@
 //! from the images of `make prometheus-images`.
 
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -19,15 +20,16 @@ use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, DeleteParams};
 use poolpilot_api::ConnectionPolicy;
 use poolpilot_e2e::cluster::run;
+use poolpilot_e2e::credentials::AdminCredentials;
 use poolpilot_e2e::paths::{prometheus_operator_bin, prometheus_operator_crds};
-use poolpilot_e2e::stack::{pod_ip, quick_policy, set};
+use poolpilot_e2e::stack::{GatewayPod, pod_ip, quick_policy, set};
 use poolpilot_e2e::{TestNamespace, eventually, with_namespace};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use crate::chart::{
-    apply, call_through_every_gateway, chart_dir, deploy_backends, helm, local_values, ready_pods,
-    wait_named_policy_ready,
+    admin_credentials, apply, call_through_every_gateway, chart_dir, deploy_backends, helm,
+    local_values, ready_pods, wait_named_policy_ready,
 };
 
 const WAIT: Duration = Duration::from_secs(180);
@@ -370,32 +372,58 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
             started.elapsed().as_secs_f64()
         );
 
-        // An edit: a new document, the canary first, verified, then the other gateway.
-        let edited = Instant::now();
-        set(&mut policy, "/spec/clients/maxConcurrency", json!(10))?;
-        apply(ns, &policy).await?;
-        wait_named_policy_ready(ns, "models", 2).await?;
-        let took = edited.elapsed();
-        // The rest followed the canary only after its verification: 2 × the 5 s interval.
-        anyhow::ensure!(
-            took >= Duration::from_secs(10),
-            "rolled out in {took:?}, before the canary's verification could end"
-        );
-        let policies: Api<ConnectionPolicy> = ns.api();
-        let status = policies.get("models").await?.status.unwrap_or_default();
-        let rolled = status
-            .conditions
+        // An edit: a new document, the canary first, verified, then the other gateway (each
+        // gateway's document read from its admin API, with the release's credentials).
+        let secrets = admin_credentials(ns).await?;
+        let text = |i: usize| String::from_utf8(secrets[i].clone());
+        let credentials = Arc::new(AdminCredentials {
+            namespace: ns.name().to_owned(),
+            token: text(0)?,
+            cert_pem: text(1)?,
+            key_pem: text(2)?,
+            ca_pem: text(3)?,
+        });
+        let pods = gateways
             .iter()
-            .find(|c| c.type_ == "RolledOut")
-            .context("no RolledOut condition")?;
-        anyhow::ensure!(rolled.status == "True", "{rolled:?}");
+            .map(|g| GatewayPod::of(g, &credentials))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        set(&mut policy, "/spec/backends/0/pool/maxPending", json!(200))?;
+        apply(ns, &policy).await?;
+        let edited = Instant::now();
+        let mut took: Vec<Option<Duration>> = vec![None; pods.len()];
+        while took.iter().any(Option::is_none) {
+            anyhow::ensure!(
+                edited.elapsed() < WAIT,
+                "the edit did not reach both gateways within {WAIT:?}: {took:?}"
+            );
+            for (i, pod) in pods.iter().enumerate() {
+                if took[i].is_none() {
+                    let limits = pod.limits().await?;
+                    if limits.backends.first().is_some_and(|b| b.pool.max_pending == 200) {
+                        took[i] = Some(edited.elapsed());
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut took: Vec<Duration> = took.into_iter().flatten().collect();
+        took.sort();
+        // The other gateway followed the canary only after its verification: 2 × the 5 s
+        // interval, judged on what Prometheus scraped of the canary.
+        anyhow::ensure!(
+            took[1] >= took[0] + Duration::from_secs(9),
+            "the rest did not wait for the canary's verification (10 s): {took:?}"
+        );
+        wait_named_policy_ready(ns, "models", 2).await?;
         wait_metrics_available(ns, "models").await?;
         println!(
-            "figure prometheus_operator: the edit rolled out (canary verified) in {:.1} s; {:.1} s in all",
-            took.as_secs_f64(),
+            "figure prometheus_operator: the edit on the canary at {:.1} s, on the other gateway at {:.1} s; {:.1} s in all",
+            took[0].as_secs_f64(),
+            took[1].as_secs_f64(),
             started.elapsed().as_secs_f64()
         );
 
+        let policies: Api<ConnectionPolicy> = ns.api();
         policies.delete("models", &DeleteParams::default()).await?;
         eventually("the policy is gone", WAIT, || async {
             anyhow::ensure!(policies.get_opt("models").await?.is_none());
