@@ -4,14 +4,19 @@
 //! bridge that this machine reaches through the node's link; a Service routes through
 //! kube-proxy from a pod; `kubectl logs`, `exec` and `port-forward` work through the kubelet;
 //! a ConfigMap volume update reaches the gateway by the kubelet's swap; the fd limit is the one
-//! containerd's runtime spec gives (a RuntimeClass picks another).
+//! containerd's runtime spec gives (a RuntimeClass picks another); a gateway over its memory
+//! limit is OOMKilled and its restart resumes the tuned limits of its file; a deleted gateway pod
+//! finishes its calls in flight and exits on SIGTERM long before the grace period ends.
 
 use std::time::Duration;
+
+use anyhow::Context as _;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use poolpilot_e2e::cluster::{output, run};
+use poolpilot_e2e::hermetic::UNHELD_POD_ADDRESS;
 use poolpilot_e2e::{Cluster, TestNamespace, eventually, with_namespace};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
@@ -325,6 +330,254 @@ async fn a_runtime_class_gives_containers_another_fd_limit() -> anyhow::Result<(
             Some(512.0),
             "the fd limit of runtime handler nofile-512"
         );
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_deleted_gateway_pod_drains_its_calls_and_exits_on_sigterm_within_the_grace()
+-> anyhow::Result<()> {
+    let _cluster = Cluster::shared().await?;
+    with_namespace("node-drain", async |ns| {
+        // One slow backend: a call of 40 tokens at 50 ms each takes about 2 s.
+        let mut backend = modelsim_spec(None);
+        backend["containers"][0]["args"]
+            .as_array_mut()
+            .expect("modelsim args")
+            .push(json!("--per-token-ms=50"));
+        ns.create_deployment("slow", 1, backend).await?;
+        let backend = ready_pods(ns, "slow", 1).await?.remove(0);
+        let config = "listeners: {proxy: '0.0.0.0:8080', admin: '0.0.0.0:9901'}\n\
+                      adminTokenFile: /etc/poolpilot/config/token\n\
+                      limitsFile: /etc/poolpilot/config/limits.json\n\
+                      shutdownDelay: 1s\ndrainGrace: 10s\n";
+        let configmaps: Api<ConfigMap> = ns.api();
+        configmaps
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": {"name": "gateway"},
+                    "data": {
+                        "gateway.yaml": config,
+                        "token": TOKEN,
+                        "limits.json": limits(1, &format!("{}:8000", pod_ip(&backend)), 4),
+                    }
+                }))?,
+            )
+            .await?;
+        // The grace the kubelet gives before SIGKILL: well above what the drain needs.
+        const GRACE: Duration = Duration::from_secs(30);
+        ns.create_deployment(
+            "gateway",
+            1,
+            json!({
+                "terminationGracePeriodSeconds": GRACE.as_secs(),
+                "containers": [{
+                    "name": "gateway",
+                    "image": "poolpilot/gateway:local",
+                    "imagePullPolicy": "Never",
+                    "args": ["--config=/etc/poolpilot/config/gateway.yaml"],
+                    "readinessProbe": {"httpGet": {"path": "/readyz", "port": 9901}, "periodSeconds": 1},
+                    "volumeMounts": [{"name": "config", "mountPath": "/etc/poolpilot/config", "readOnly": true}],
+                    "securityContext": hardened(),
+                }],
+                "volumes": [{"name": "config", "configMap": {"name": "gateway"}}],
+            }),
+        )
+        .await?;
+        let gateway = ready_pods(ns, "gateway", 1).await?.remove(0);
+        let name = gateway.name_any();
+        let gw = format!("{}:8080", pod_ip(&gateway));
+        let call = r#"{"model":"model-a","messages":[{"role":"user","content":"hi"}],"max_tokens":40}"#;
+        // The backend answers through the gateway before the drain starts.
+        let (status, body) = http(&gw, "POST", "/v1/chat/completions", "Content-Type: application/json\r\n", call).await?;
+        anyhow::ensure!(status == 200, "a call before the delete: {status}: {body}");
+
+        // A call in flight, then the pod deleted: the kubelet sends SIGTERM to PID 1.
+        let in_flight = {
+            let gw = gw.clone();
+            tokio::spawn(async move {
+                http(&gw, "POST", "/v1/chat/completions", "Content-Type: application/json\r\n", call).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let pods: Api<Pod> = ns.api();
+        let deleted = tokio::time::Instant::now();
+        pods.delete(&name, &Default::default()).await?;
+
+        // The call in flight is answered in full.
+        let (status, body) = in_flight.await??;
+        assert_eq!(status, 200, "the call in flight during the drain: {body}");
+        let answer: Value = serde_json::from_str(&body)?;
+        assert_eq!(
+            answer["usage"]["completion_tokens"],
+            json!(40),
+            "the call in flight was answered in full: {body}"
+        );
+
+        // The container exits by itself (code 0) once drained, long before the kubelet would
+        // kill it at the grace's end; the pod is then gone.
+        let exit_code = std::cell::Cell::new(None);
+        eventually("the drained pod is gone", GRACE, || async {
+            match pods.get_opt(&name).await? {
+                Some(pod) => {
+                    if let Some(code) = pod
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.container_statuses.as_ref())
+                        .and_then(|cs| cs.first()?.state.as_ref()?.terminated.as_ref())
+                        .map(|t| t.exit_code)
+                    {
+                        exit_code.set(Some(code));
+                    }
+                    anyhow::bail!("still there")
+                }
+                None => Ok(()),
+            }
+        })
+        .await?;
+        let took = deleted.elapsed();
+        let exit_code = exit_code.get();
+        println!(
+            "figure: a gateway pod deleted with a call in flight: gone {:.1} s later (grace {} s), exit code {exit_code:?}",
+            took.as_secs_f64(),
+            GRACE.as_secs()
+        );
+        assert!(
+            took < GRACE - Duration::from_secs(10),
+            "the pod took {took:?} to go: it was killed at the grace's end, not drained on SIGTERM"
+        );
+        if let Some(code) = exit_code {
+            assert_eq!(code, 0, "the gateway's exit code after SIGTERM");
+        }
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_gateway_over_its_memory_limit_is_oom_killed_and_resumes_its_tuned_limits()
+-> anyhow::Result<()> {
+    let _cluster = Cluster::shared().await?;
+    with_namespace("node-oom", async |ns| {
+        // Tuned limits (generation 7) with room for large request heads: each connection may
+        // make the gateway buffer up to 256 KiB of an unfinished head for 60 s.
+        let mut doc: Value = serde_json::from_str(&limits(7, &format!("{UNHELD_POD_ADDRESS}:8000"), 5))?;
+        doc["listener"] = json!({"maxHeaderBytes": 262_144, "headerReadTimeout": "60s"});
+        let config = "listeners: {proxy: '0.0.0.0:8080', admin: '0.0.0.0:9901'}\n\
+                      adminTokenFile: /etc/poolpilot/config/token\n\
+                      limitsFile: /etc/poolpilot/config/limits.json\n";
+        let configmaps: Api<ConfigMap> = ns.api();
+        configmaps
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": {"name": "gateway"},
+                    "data": {"gateway.yaml": config, "token": TOKEN, "limits.json": doc.to_string()}
+                }))?,
+            )
+            .await?;
+        const MEMORY_LIMIT: &str = "64Mi";
+        ns.create_deployment(
+            "gateway",
+            1,
+            json!({
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{
+                    "name": "gateway",
+                    "image": "poolpilot/gateway:local",
+                    "imagePullPolicy": "Never",
+                    "args": ["--config=/etc/poolpilot/config/gateway.yaml"],
+                    "readinessProbe": {"httpGet": {"path": "/readyz", "port": 9901}, "periodSeconds": 1},
+                    "resources": {"requests": {"memory": MEMORY_LIMIT}, "limits": {"memory": MEMORY_LIMIT}},
+                    "volumeMounts": [{"name": "config", "mountPath": "/etc/poolpilot/config", "readOnly": true}],
+                    "securityContext": hardened(),
+                }],
+                "volumes": [{"name": "config", "configMap": {"name": "gateway"}}],
+            }),
+        )
+        .await?;
+        let gateway = ready_pods(ns, "gateway", 1).await?.remove(0);
+        let name = gateway.name_any();
+        let ip = pod_ip(&gateway);
+        let auth = format!("Authorization: Bearer {TOKEN}\r\n");
+        let (status, body) = http(&format!("{ip}:9901"), "GET", "/v1/limits", &auth, "").await?;
+        anyhow::ensure!(status == 200, "{status}: {body}");
+
+        // Unfinished request heads of 200 KiB each, on connection after connection, until the
+        // kernel kills the process for going over the container's memory limit.
+        let proxy = format!("{ip}:8080");
+        let flood = tokio::spawn(async move {
+            let pad = vec![b'a'; 200 * 1024];
+            let mut open = Vec::new();
+            for _ in 0..2_000 {
+                let Ok(Ok(mut s)) = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    tokio::net::TcpStream::connect(proxy.as_str()),
+                )
+                .await
+                else {
+                    break;
+                };
+                let head = b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nX-Pad: ";
+                let sent = tokio::time::timeout(Duration::from_secs(2), async {
+                    s.write_all(head).await?;
+                    s.write_all(&pad).await
+                })
+                .await;
+                if !matches!(sent, Ok(Ok(()))) {
+                    break;
+                }
+                open.push(s);
+            }
+            open.len()
+        });
+        let pods: Api<Pod> = ns.api();
+        let started = tokio::time::Instant::now();
+        let terminated = eventually("the gateway is OOMKilled and restarted", WAIT, || async {
+            let pod = pods.get(&name).await?;
+            let status = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .and_then(|cs| cs.first().cloned())
+                .context("no container status")?;
+            let last = status
+                .last_state
+                .and_then(|s| s.terminated)
+                .context("no earlier instance yet")?;
+            anyhow::ensure!(status.restart_count >= 1, "restarts {}", status.restart_count);
+            Ok(last)
+        })
+        .await?;
+        let opened = flood.await?;
+        println!(
+            "figure: a gateway with a {MEMORY_LIMIT} memory limit: {} (exit {}) {:.1} s into a flood of unfinished 200 KiB heads, {opened} connections open",
+            terminated.reason.clone().unwrap_or_default(),
+            terminated.exit_code,
+            started.elapsed().as_secs_f64()
+        );
+        assert_eq!(terminated.reason.as_deref(), Some("OOMKilled"), "{terminated:?}");
+        assert_eq!(terminated.exit_code, 137, "SIGKILL by the kernel's OOM killer");
+
+        // The restarted gateway serves the tuned limits again, from its limits file.
+        eventually("the restarted gateway runs generation 7", WAIT, || async {
+            let (status, body) = http(&format!("{ip}:9901"), "GET", "/v1/limits", &auth, "").await?;
+            anyhow::ensure!(status == 200, "{status}: {body}");
+            let doc: Value = serde_json::from_str(&body)?;
+            anyhow::ensure!(doc["generation"] == json!(7), "generation {}", doc["generation"]);
+            anyhow::ensure!(
+                doc["listener"]["maxHeaderBytes"] == json!(262_144),
+                "listener {}",
+                doc["listener"]
+            );
+            Ok(())
+        })
+        .await?;
+        // The killed instance's log, through the API: `kubectl logs --previous`.
+        let previous = run(ns.cluster().kubectl().args(["logs", "--previous", "-n", ns.name(), &name])).await?;
+        assert!(!previous.trim().is_empty(), "kubectl logs --previous printed nothing");
         Ok(())
     })
     .await
