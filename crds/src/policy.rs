@@ -155,8 +155,9 @@ pub struct BackendSpec {
     /// every request that reaches it.
     #[serde(default, rename = "match")]
     pub route: RouteMatchSpec,
-    /// The instances: a Service whose EndpointSlices the operator resolves, or static addresses.
-    /// Set exactly one of `service` and `addresses`.
+    /// The instances: a Service whose EndpointSlices the operator resolves, static addresses, or
+    /// external DNS names the gateways resolve.
+    /// Set exactly one of `service`, `addresses` and `external`.
     pub endpoints: EndpointsSpec,
     /// What one backend instance can take, declared once for the whole gateway fleet: the
     /// operator divides it across the selected gateway pods that exist (Pending, not Ready and
@@ -219,11 +220,16 @@ pub struct RouteMatchSpec {
     pub model: Option<String>,
 }
 
-/// Where a backend's instances are: exactly one of `service` and `addresses`.
+/// Where a backend's instances are: exactly one of `service`, `addresses` and `external`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "has(self.service) != has(self.addresses)", "message": "set exactly one of endpoints.service and endpoints.addresses"},
+    {"rule": "(has(self.service) ? 1 : 0) + (has(self.addresses) ? 1 : 0) + (has(self.external) ? 1 : 0) == 1", "message": "set exactly one of endpoints.service, endpoints.addresses and endpoints.external"},
+    {
+        "rule": EXTERNAL_NAMES_LEAVE_THE_CLUSTER,
+        "message": "endpoints.external must name hosts outside the cluster and the pod: localhost, *.localhost, *.svc, *.cluster.local and *.internal need endpoints.allowPrivateAddresses",
+        "fieldPath": ".external"
+    },
     {
         "rule": ADDRESSES_ARE_IP_PORT,
         "message": "endpoints.addresses must be ip:port (IPv6 as [addr]:port)",
@@ -243,6 +249,13 @@ pub struct EndpointsSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256))]
     pub addresses: Option<Vec<StaticEndpoint>>,
+    /// DNS names (a hosted provider's API, a model server behind a name): each gateway resolves
+    /// them in the background, respecting TTLs, and pools every address of the answer, all of a
+    /// name's addresses together under its share of `capacity.maxConnectionsPerEndpoint` (a
+    /// provider limits an account, not an IP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub external: Option<Vec<ExternalEndpoint>>,
     /// Let `addresses` name loopback, unspecified, link-local, cloud-metadata, multicast and
     /// broadcast addresses (the list: docs/deploying.md). Refused by default: from a gateway
     /// pod they reach the pod itself (its admin port, through the proxy port) or the node's
@@ -279,6 +292,30 @@ const ADDRESSES_LEAVE_THE_POD: &str = concat!(
     cel_host!(),
     ")) in ['100.100.100.200', 'fd00:ec2::254']))"
 );
+
+/// CEL: unless `allowPrivateAddresses`, no external name is one that resolves inside the pod or
+/// the cluster by convention.
+const EXTERNAL_NAMES_LEAVE_THE_CLUSTER: &str = "!has(self.external) || (has(self.allowPrivateAddresses) && self.allowPrivateAddresses) || self.external.all(e, !(e.host == 'localhost' || e.host.endsWith('.localhost') || e.host.endsWith('.svc') || e.host.endsWith('.cluster.local') || e.host.endsWith('.internal')))";
+
+/// A backend named by DNS.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExternalEndpoint {
+    /// Stable name (the `endpoint` metric label, with `/<ip>` of each address); defaults to
+    /// `host:port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub name: Option<String>,
+    /// The DNS name, lowercase (letters, digits, `-` and `.`).
+    #[schemars(
+        length(min = 1, max = 253),
+        pattern(r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\.)*[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+    )]
+    pub host: String,
+    /// The port.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: u16,
+}
 
 /// A Service whose endpoints are the backend's instances.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -557,7 +557,7 @@ fn cel_refuses_ambiguous_endpoints_and_identities() {
     }]);
     assert_refused(
         &p,
-        "set exactly one of endpoints.service and endpoints.addresses",
+        "set exactly one of endpoints.service, endpoints.addresses and endpoints.external",
     );
     let mut p = sample();
     p.spec.clients.as_mut().unwrap().identity.source_ip = Some(SourceIp {});
@@ -765,4 +765,42 @@ fn a_priority_spec_reads_as_documented() {
     assert!(!p.trust_header);
     assert_eq!((p.aging_after, p.batch_max_percent), (None, None));
     assert_eq!(clients.overrides[0].class, Some(PriorityClassSpec::Batch));
+}
+
+#[test]
+fn cel_takes_external_names_but_not_ones_inside_the_cluster() {
+    let with = |host: &str, allow: bool| {
+        let mut p = sample();
+        let endpoints = &mut p.spec.backends[0].endpoints;
+        endpoints.service = None;
+        endpoints.external = Some(vec![ExternalEndpoint {
+            name: None,
+            host: host.into(),
+            port: 443,
+        }]);
+        endpoints.allow_private_addresses = allow;
+        cel_errors(&p)
+    };
+    assert_eq!(with("api.openai.com", false), Vec::<String>::new());
+    let message = "endpoints.external must name hosts outside the cluster and the pod: localhost, *.localhost, *.svc, *.cluster.local and *.internal need endpoints.allowPrivateAddresses";
+    for host in [
+        "localhost",
+        "gw.localhost",
+        "kubernetes.default.svc",
+        "x.default.svc.cluster.local",
+        "metadata.google.internal",
+    ] {
+        assert_eq!(with(host, false), [message], "{host}");
+        assert_eq!(with(host, true), Vec::<String>::new(), "{host}");
+    }
+    let mut p = sample();
+    p.spec.backends[0].endpoints.external = Some(vec![ExternalEndpoint {
+        name: None,
+        host: "api.openai.com".into(),
+        port: 443,
+    }]);
+    assert_refused(
+        &p,
+        "set exactly one of endpoints.service, endpoints.addresses and endpoints.external",
+    );
 }

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use poolpilot_api::ConnectionPolicySpec;
+use poolpilot_api::limits::EndpointAddress;
 use poolpilot_api::policy::Mode;
 
 use super::input::PolicyInput;
@@ -219,9 +220,24 @@ pub fn validate_spec(spec: &ConnectionPolicySpec) -> Result<(), Vec<String>> {
                 ),
             );
         }
-        match (&b.endpoints.service, &b.endpoints.addresses) {
-            (Some(_), None) => {}
-            (None, Some(addrs)) => {
+        match (
+            &b.endpoints.service,
+            &b.endpoints.addresses,
+            &b.endpoints.external,
+        ) {
+            (Some(_), None, None) => {}
+            (None, None, Some(external)) => {
+                for (j, e) in external.iter().enumerate() {
+                    let address = format!("{}:{}", e.host, e.port);
+                    if address.parse::<EndpointAddress>().is_err() || e.port == 0 {
+                        err(
+                            at(&format!("endpoints.external[{j}]")),
+                            format!("{address:?} is not a DNS name and port"),
+                        );
+                    }
+                }
+            }
+            (None, Some(addrs), None) => {
                 let mut seen = BTreeSet::new();
                 for (j, e) in addrs.iter().enumerate() {
                     match e.address.parse::<SocketAddr>() {
@@ -254,7 +270,7 @@ pub fn validate_spec(spec: &ConnectionPolicySpec) -> Result<(), Vec<String>> {
             }
             _ => err(
                 at("endpoints"),
-                "set exactly one of service and addresses".into(),
+                "set exactly one of service, addresses and external".into(),
             ),
         }
         let p = &b.pool;

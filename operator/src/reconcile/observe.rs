@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
-use poolpilot_api::limits::Endpoint;
+use poolpilot_api::limits::{Endpoint, EndpointAddress};
 use poolpilot_api::policy::BackendSpec;
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 
@@ -332,8 +332,9 @@ pub fn refused_namespaces(allowed: &[String], policy: &ConnectionPolicy) -> Vec<
         .collect()
 }
 
-/// The backend's endpoints: ready addresses of its Service's EndpointSlices on its port, or its
-/// static addresses (unparsable ones are left out; validation reports them).
+/// The backend's endpoints: ready addresses of its Service's EndpointSlices on its port, its
+/// static addresses (unparsable ones are left out; validation reports them), or its external
+/// DNS names as `host:port` endpoints (each gateway resolves them).
 pub fn resolve(b: &BackendSpec, slices: &[std::sync::Arc<EndpointSlice>]) -> Vec<Endpoint> {
     if let Some(addrs) = &b.endpoints.addresses {
         return addrs
@@ -344,6 +345,21 @@ pub fn resolve(b: &BackendSpec, slices: &[std::sync::Arc<EndpointSlice>]) -> Vec
                     name: a.name.clone().unwrap_or_else(|| a.address.clone()),
                     address: address.into(),
                 })
+            })
+            .collect();
+    }
+    if let Some(external) = &b.endpoints.external {
+        return external
+            .iter()
+            .map(|e| {
+                let address = EndpointAddress::Host {
+                    host: e.host.clone(),
+                    port: e.port,
+                };
+                Endpoint {
+                    name: e.name.clone().unwrap_or_else(|| address.to_string()),
+                    address,
+                }
             })
             .collect();
     }
@@ -415,6 +431,27 @@ mod tests {
             }))
             .unwrap(),
         )
+    }
+
+    #[test]
+    fn external_names_are_host_port_endpoints_for_the_gateways_to_resolve() {
+        let b = backend(json!({"external": [
+            {"host": "api.openai.com", "port": 443},
+            {"name": "azure", "host": "res.openai.azure.com", "port": 443},
+        ]}));
+        let got = resolve(&b, &[]);
+        let names: Vec<(&str, String)> = got
+            .iter()
+            .map(|e| (e.name.as_str(), e.address.to_string()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("api.openai.com:443", "api.openai.com:443".into()),
+                ("azure", "res.openai.azure.com:443".into())
+            ]
+        );
+        assert!(got.iter().all(|e| e.address.ip().is_none()));
     }
 
     #[test]
