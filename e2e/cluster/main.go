@@ -5,7 +5,7 @@
 // Subcommands:
 //
 //	cluster up --dir D              start etcd + kube-apiserver + kube-controller-manager, write D/admin.kubeconfig
-//	                                (--kubelet: with the local kubelet; --node: with the real node, see node.go)
+//	                                (--node: with the node, see node.go)
 //	cluster net up|check|down       the host routes that keep the cluster's traffic on this machine
 //	cluster kubectl ...             a real kubectl (also when the binary is invoked through a link named "kubectl")
 //	cluster kube-apiserver ...      the real kube-apiserver (started by "up" as a child process)

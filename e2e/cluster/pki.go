@@ -120,7 +120,7 @@ type pki struct {
 	ca  *keyPair
 }
 
-// Files of the kubelet API: the local kubelet serves HTTPS with a certificate of the cluster CA
+// Files of the kubelet API: the kubelet serves HTTPS with a certificate of the cluster CA
 // (the apiserver verifies it) and accepts only client certificates of a CA of its own, whose one
 // certificate the apiserver holds: nothing but the apiserver reaches container logs directly.
 const (
@@ -196,7 +196,7 @@ func generatePKI(dir string) (*pki, error) {
 }
 
 // issueKubelet writes the kubelet's serving pair for node `node` on the addresses its Node
-// reports (127.0.0.1 for the local kubelet, the node's link address for the real one).
+// reports (the node's link address).
 func (p *pki) issueKubelet(node string, ips []net.IP) error {
 	serving, err := p.ca.issue(certSpec{
 		commonName:   "system:node:" + node,

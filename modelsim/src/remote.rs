@@ -1,5 +1,5 @@
-//! A client for the admin API of a modelsim running elsewhere (a pod run by the local kubelet, a
-//! child process): read its stats and metrics, flip its faults, reset its peaks.
+//! A client for the admin API of a modelsim running elsewhere (a pod on the embedded cluster's
+//! node, a child process): read its stats and metrics, flip its faults, reset its peaks.
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -46,9 +46,8 @@ pub(crate) fn chart_dir() -> std::path::PathBuf {
 }
 
 /// The values that run the chart on the embedded cluster: the images of `make images` (the local
-/// overlay's names, which the local kubelet maps to this workspace's binaries and the real node
-/// has imported), every pod listening on its own pod IP (the local kubelet's pods share the
-/// host's network namespace).
+/// overlay's names, which `cluster up` imported into the node), every pod listening on its own pod
+/// IP (`listenOnPodIP`, as a user whose pods share a network namespace would set it).
 pub(crate) fn local_values(ns: &TestNamespace, release: &str) -> anyhow::Result<Value> {
     Ok(json!({
         "fullnameOverride": release,
