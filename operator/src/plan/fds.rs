@@ -35,7 +35,10 @@ impl Pool {
 
 /// Runs the check over every pod, clamps the shares of the plans' backends on the pods where
 /// they do not fit (their bursts give way first), and fills each accepted plan's [`FdReport`].
-/// `limits` holds the known `process_max_fds` per pod.
+/// `limits` holds the known `process_max_fds` per pod; a pod whose limit is not known yet (it
+/// just started, its first scrape is due) is held to the smallest limit known of the others, as
+/// the pods of one Deployment have the same: unclamped, it would need more than its neighbours
+/// are allowed until its first sample.
 pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeMap<String, u64>) {
     // Which accepted plans select each pod.
     let mut on_pod: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -88,6 +91,11 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
         u64::from(listener) + u64::from(reserve)
     };
 
+    let smallest_known = on_pod
+        .keys()
+        .filter_map(|pod| limits.get(pod.as_str()))
+        .min()
+        .copied();
     let mut caps: BTreeMap<(usize, usize, String), u32> = BTreeMap::new();
     let mut no_burst: Vec<(usize, usize)> = Vec::new();
     let mut need_before: BTreeMap<&str, u64> = BTreeMap::new();
@@ -97,7 +105,7 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
         let cap = upstream_cap(idxs);
         let need = |burst: bool| capped(pools.iter().map(|p| p.fds(burst)).sum(), cap) + fixed;
         need_before.insert(pod, need(false));
-        let Some(&limit) = limits.get(pod.as_str()) else {
+        let Some(limit) = limits.get(pod.as_str()).copied().or(smallest_known) else {
             continue;
         };
         let allowed = allowed(limit);

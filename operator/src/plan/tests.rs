@@ -522,6 +522,29 @@ fn fd_limit_is_remembered_while_its_sample_is_missing_and_rechecked_when_it_chan
 }
 
 #[test]
+fn a_pod_whose_fd_limit_is_not_known_yet_is_held_to_the_smallest_known() {
+    // The fd_budget scenario's numbers: 3 pods, 200 client connections + 32 reserve, 3 endpoints
+    // at 16 each = 280 fds against 256 allowed; the third pod just started and has no sample.
+    let extra = "listener: {maxConnections: 200}\nfileDescriptors: {reserve: 32}\nautoscale: {enabled: false, max: 48}\n";
+    let p = policy("a", 0, &spec("model-a", 200, extra), 3);
+    let mut input = input_with_fds(vec![p], pods(3), 512);
+    let newest = input.samples.pods.keys().last().cloned().unwrap();
+    input.samples.pods.get_mut(&newest).unwrap().max_fds = None;
+    let plan = plan_once(&input);
+    let pp = &plan.policies[0];
+    for (pod, doc) in &plan.documents {
+        assert_eq!(
+            doc.backends[0].pool.max_connections_per_endpoint, 8,
+            "{pod}: 16 × 24 / 48"
+        );
+    }
+    assert_eq!(
+        pp.fds.message(),
+        "needs 280 fds, pods allow 256 (pod gw-2); pool shares scaled down to need 256"
+    );
+}
+
+#[test]
 fn unknown_fd_limit_renders_unclamped_and_says_so() {
     let p = policy("a", 0, &spec("model-a", 64, ""), 1);
     let input = input_of(vec![p], pods(1));
