@@ -174,21 +174,31 @@ mod tests {
         }
     }
 
+    /// A division due now, over as many ready pods as reports, of a limit of 8 calls and 32
+    /// queue places, with nothing divided before.
+    fn fresh(
+        reports: &[Option<&[ClientUse]>],
+        overridden: &[&str],
+    ) -> BTreeMap<String, ClientDivision> {
+        let n = reports.len();
+        divide(
+            &names(n),
+            &vec![true; n],
+            reports,
+            (8, 32),
+            overridden,
+            &BTreeMap::new(),
+            true,
+            at(0),
+        )
+    }
+
     #[test]
     fn a_client_pinned_to_one_pod_gets_its_whole_limit_there_less_the_others_floor() {
         let a = "a".repeat(64);
         let report = [uses(&a, 8.0, 4)];
         let none: [ClientUse; 0] = [];
-        let d = divide(
-            &names(2),
-            &[true, true],
-            &[Some(&report), Some(&none)],
-            (8, 32),
-            &[],
-            &BTreeMap::new(),
-            true,
-            at(0),
-        );
+        let d = fresh(&[Some(&report), Some(&none)], &[]);
         let c = &d[&a];
         assert_eq!(c.concurrency.shares, [7, 1]);
         assert_eq!(c.queue, [28, 4], "the queue places in the same proportions");
@@ -198,27 +208,9 @@ mod tests {
     fn overridden_clients_and_a_missing_report_keep_the_even_split() {
         let a = "a".repeat(64);
         let report = [uses(&a, 8.0, 4)];
-        let d = divide(
-            &names(2),
-            &[true, true],
-            &[Some(&report), Some(&report)],
-            (8, 32),
-            &[a.as_str()],
-            &BTreeMap::new(),
-            true,
-            at(0),
-        );
+        let d = fresh(&[Some(&report), Some(&report)], &[a.as_str()]);
         assert!(d.is_empty(), "an override has its own limit");
-        let d = divide(
-            &names(2),
-            &[true, true],
-            &[Some(&report), None],
-            (8, 32),
-            &[],
-            &BTreeMap::new(),
-            true,
-            at(0),
-        );
+        let d = fresh(&[Some(&report), None], &[]);
         assert!(d.is_empty(), "gw-1 serves traffic and did not report");
     }
 
@@ -230,16 +222,7 @@ mod tests {
             .enumerate()
             .map(|(i, k)| uses(k, 1.0 + i as f64, 0))
             .collect();
-        let d = divide(
-            &names(1),
-            &[true],
-            &[Some(&report)],
-            (8, 32),
-            &[],
-            &BTreeMap::new(),
-            true,
-            at(0),
-        );
+        let d = fresh(&[Some(&report)], &[]);
         assert_eq!(d.len(), MAX_CLIENT_SHARES);
         assert!(d.contains_key(&keys[39]) && !d.contains_key(&keys[0]));
     }
@@ -250,16 +233,7 @@ mod tests {
         // Limit 8 over 2 pods: an even part of 4; demand 2 on one pod presses nothing.
         let report = [uses(&a, 2.0, 0)];
         let none: [ClientUse; 0] = [];
-        let d = divide(
-            &names(2),
-            &[true, true],
-            &[Some(&report), Some(&none)],
-            (8, 32),
-            &[],
-            &BTreeMap::new(),
-            true,
-            at(0),
-        );
+        let d = fresh(&[Some(&report), Some(&none)], &[]);
         assert!(d.is_empty(), "{d:?}");
     }
 
