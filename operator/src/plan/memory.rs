@@ -27,3 +27,14 @@ pub struct Memory {
     /// The last rendering, reused while its inputs are unchanged.
     pub rendered: Option<Arc<memo::Rendered>>,
 }
+
+impl Memory {
+    /// Forgets what was remembered of `policy` (deleted, or not in force): its backends'
+    /// autoscale memory, divisions, bursts and client divisions.
+    pub fn forget(&mut self, policy: &PolicyKey) {
+        self.backends.retain(|(k, _), _| k != policy);
+        self.divisions.retain(|(k, _), _| k != policy);
+        self.bursts.retain(|(k, _), _| k != policy);
+        self.client_divisions.remove(policy);
+    }
+}

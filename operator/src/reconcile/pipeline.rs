@@ -309,10 +309,7 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
     let fleet = cpu_bound(|| {
         let mut memory = ctx.memory.lock();
         let mem = memory.entry(observed.focus.namespace.clone()).or_default();
-        mem.backends.retain(|(k, _), _| k != &observed.focus);
-        mem.divisions.retain(|(k, _), _| k != &observed.focus);
-        mem.bursts.retain(|(k, _), _| k != &observed.focus);
-        mem.client_divisions.remove(&observed.focus);
+        mem.forget(&observed.focus);
         plan::plan(&observed.input, mem, now)
     });
     step(
@@ -342,7 +339,7 @@ async fn refuse<G: Gateways>(
     let fleet = cpu_bound(|| {
         let mut memory = ctx.memory.lock();
         let mem = memory.entry(observed.focus.namespace.clone()).or_default();
-        mem.backends.retain(|(k, _), _| k != &observed.focus);
+        mem.forget(&observed.focus);
         plan::plan(&observed.input, mem, now)
     });
     step(
