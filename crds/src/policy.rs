@@ -926,6 +926,23 @@ pub struct ConnectionPolicyStatus {
     /// The selected gateway pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pods: Option<PodsStatus>,
+    /// The busiest clients whose fleet-wide limits (`clients.scope: Fleet`) are divided over the
+    /// pods by where their calls arrive (at most 32; every other client has the even split).
+    /// Listed only while the policy has at most 50 pods.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clients: Vec<ClientStatus>,
+}
+
+/// One client's fleet-wide limits divided over the pods.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientStatus {
+    /// Hex SHA-256 of the client's identity value (as in `clients.overrides[].client`).
+    pub key_sha256: String,
+    /// The fleet-wide `maxConcurrency` divided.
+    pub max_concurrency: u32,
+    /// Each pod's part of it and the client's demand there, in pod name order.
+    pub shares: Vec<PodShare>,
 }
 
 /// One backend as the operator sees it.
@@ -975,16 +992,18 @@ pub struct BackendStatus {
     pub last_decision: Option<DecisionRecord>,
 }
 
-/// One pod's share of a backend's target.
+/// One pod's share of a divided limit: a backend's target, or a client's `maxConcurrency`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PodShare {
     /// The gateway pod.
     pub pod: String,
-    /// Its pool size per endpoint.
+    /// Its part: for a backend its pool size per endpoint, for a client the calls it may have
+    /// in flight in this pod.
     pub share: u32,
-    /// Its demand per endpoint (leased + pending, averaged over the interval) when the shares
-    /// were last divided (absent: no sample of the pod).
+    /// Its demand when the limit was last divided: for a backend per endpoint (leased + pending,
+    /// averaged over the interval), for a client its calls in flight and waiting (averaged over
+    /// 10 s). Absent: no sample of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub demand: Option<f64>,
 }

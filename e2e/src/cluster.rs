@@ -350,6 +350,42 @@ impl Cluster {
         cmd
     }
 
+    /// `kubectl port-forward` to `port` of `target` (`pod/NAME`) in `namespace`, on a port of
+    /// 127.0.0.1 it picks: the running command (dropping it stops the forward) and the local
+    /// `127.0.0.1:PORT`, once kubectl says it forwards.
+    pub async fn port_forward(
+        &self,
+        namespace: &str,
+        target: &str,
+        port: u16,
+    ) -> anyhow::Result<(tokio::process::Child, String)> {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut child = self
+            .kubectl()
+            .args(["port-forward", "-n", namespace, target, &format!(":{port}")])
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let stdout = child.stdout.take().context("kubectl's stdout")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let local = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(line) = lines.next_line().await? {
+                // "Forwarding from 127.0.0.1:PORT -> 9901"
+                if let Some(rest) = line.strip_prefix("Forwarding from 127.0.0.1:") {
+                    let local = rest.split_whitespace().next().unwrap_or_default();
+                    return Ok(format!("127.0.0.1:{local}"));
+                }
+            }
+            bail!("kubectl port-forward to {target}:{port} ended without forwarding")
+        })
+        .await
+        .with_context(|| {
+            format!("kubectl port-forward to {target}:{port} said nothing in 30 s")
+        })??;
+        // Keep reading what it prints, so that it never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok((child, local))
+    }
+
     /// A `kubectl` command that talks to the apiserver as the holder of `token` and nothing else.
     pub fn kubectl_with_token(&self, token: &str) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(&self.bin);

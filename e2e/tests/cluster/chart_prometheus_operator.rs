@@ -320,6 +320,22 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
             let want = format!("podMonitor/{}/{release}/{}", ns.name(), if https { 0 } else { 1 });
             anyhow::ensure!(pool == want, "scrape pool {pool:?}, wanted {want:?}");
         }
+        // What a user does to look at it: `kubectl port-forward` to the Prometheus pod, through
+        // the kubelet and containerd, and a query there.
+        let (_forward, local) = cluster
+            .port_forward(ns.name(), &format!("pod/prometheus-{PROMETHEUS}-0"), 9090)
+            .await?;
+        let up: Value = reqwest::Client::new()
+            .get(format!("http://{local}/api/v1/query"))
+            .query(&[("query", format!("up{{namespace=\"{}\"}} == 1", ns.name()))])
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let series = up["data"]["result"].as_array().map_or(0, Vec::len);
+        anyhow::ensure!(series == 3, "3 targets up through kubectl port-forward: {up}");
         let config = running_config(&prometheus).await?;
         let job = config["scrape_configs"]
             .as_array()

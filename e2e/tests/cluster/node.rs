@@ -276,24 +276,10 @@ async fn the_images_run_as_pods_on_the_node() -> anyhow::Result<()> {
         println!("figure: ConfigMap update → gateway on generation 2 in {:.1} s", started.elapsed().as_secs_f64());
 
         // `kubectl port-forward` to the gateway's admin port, through the kubelet and containerd.
-        let mut forward = ns
+        let (mut forward, local) = ns
             .cluster()
-            .kubectl()
-            .args(["port-forward", "-n", ns.name(), &format!("pod/{gw_name}"), ":9901"])
-            .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()?;
-        let mut lines = tokio::io::BufReader::new(forward.stdout.take().expect("piped")).lines();
-        let local = tokio::time::timeout(Duration::from_secs(30), async {
-            while let Some(line) = lines.next_line().await? {
-                // "Forwarding from 127.0.0.1:PORT -> 9901"
-                if let Some(rest) = line.strip_prefix("Forwarding from 127.0.0.1:") {
-                    return Ok(format!("127.0.0.1:{}", rest.split_whitespace().next().unwrap_or_default()));
-                }
-            }
-            anyhow::bail!("kubectl port-forward ended without forwarding")
-        })
-        .await??;
+            .port_forward(ns.name(), &format!("pod/{gw_name}"), 9901)
+            .await?;
         let (status, body) = http(&local, "GET", "/healthz", "", "").await?;
         assert_eq!((status, body.trim()), (200, "ok"), "/healthz through kubectl port-forward");
         forward.start_kill()?;

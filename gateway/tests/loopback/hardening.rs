@@ -293,7 +293,11 @@ async fn shutdown_drains_in_flight_requests_closes_upstreams_and_stops_accepting
         200,
         "the in-flight request completed"
     );
-    assert!(start.elapsed() < Duration::from_secs(2));
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "returned as the call ended, not at the drain deadline: {:?}",
+        start.elapsed()
+    );
     assert_eq!(
         backend.seen.connections.load(Ordering::SeqCst),
         0,

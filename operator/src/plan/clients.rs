@@ -11,6 +11,8 @@
 
 use std::collections::BTreeMap;
 
+use poolpilot_api::policy::ClientStatus;
+
 use super::division::{self, Claim, Need, PRESSED, QUEUEING};
 use super::input::ClientUse;
 use super::shares::Divided;
@@ -130,6 +132,40 @@ pub fn divide(
         );
     }
     out
+}
+
+/// The divisions a policy's status records (`status.clients`), for an operator that starts
+/// without them in memory (a restart, a new leader): those that still divide `limit` over
+/// `holders` and are not overridden, with their queue places divided the same way. Until the next
+/// decision re-judges them, the pods' documents stay as the last operator made them.
+pub fn restored(
+    status: &[ClientStatus],
+    holders: &[String],
+    (limit, queue): (u32, u32),
+    overridden: &[&str],
+    now: Timestamp,
+) -> BTreeMap<String, ClientDivision> {
+    status
+        .iter()
+        .filter(|c| c.max_concurrency == limit && !overridden.contains(&c.key_sha256.as_str()))
+        .filter(|c| c.shares.iter().map(|s| &s.pod).eq(holders.iter()))
+        .take(MAX_CLIENT_SHARES)
+        .map(|c| {
+            let shares: Vec<u32> = c.shares.iter().map(|s| s.share).collect();
+            let division = ClientDivision {
+                key_sha256: c.key_sha256.clone(),
+                queue: proportional(queue, &shares, limit),
+                concurrency: Divided {
+                    holders: holders.to_vec(),
+                    target: limit,
+                    shares,
+                    demand: c.shares.iter().map(|s| s.demand).collect(),
+                    at: now,
+                },
+            };
+            (c.key_sha256.clone(), division)
+        })
+        .collect()
 }
 
 /// `total` divided in the proportions of `shares` (which add up to `of`), rounded down with the

@@ -245,16 +245,20 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                 let due = backends
                     .iter()
                     .any(|b| b.decision.as_ref().is_some_and(on_fresh_data));
+                let limits = (c.max_concurrency, c.max_queue);
                 let last = memory
                     .client_divisions
                     .get(&policy.key)
                     .cloned()
-                    .unwrap_or_default();
+                    .unwrap_or_else(|| {
+                        let status = policy.status.as_ref().map_or(&[][..], |s| &s.clients);
+                        clients::restored(status, &holders, limits, &overridden, now)
+                    });
                 let divided = clients::divide(
                     &holders,
                     &is_ready,
                     &reports,
-                    (c.max_concurrency, c.max_queue),
+                    limits,
                     &overridden,
                     &last,
                     due,

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
-    BackendStatus, DecisionRecord, Mode, PodFailure, PodRun, PodShare, PodsStatus, ScaleRecord,
+    BackendStatus, ClientStatus, DecisionRecord, Mode, PodFailure, PodRun, PodShare, PodsStatus,
+    ScaleRecord,
 };
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
@@ -65,20 +66,7 @@ pub fn compute(
                 target: b.target,
                 per_pod: b.per_pod,
                 burst: b.burst,
-                shares: plan
-                    .holders
-                    .iter()
-                    .zip(&b.shares)
-                    .zip(b.demand.iter().chain(std::iter::repeat(&None)))
-                    .take(MAX_SHARES_LISTED)
-                    .map(|((pod, &share), demand)| PodShare {
-                        pod: pod.clone(),
-                        share,
-                        demand: demand
-                            .filter(|d| d.is_finite())
-                            .map(|d| (d * 100.0).round() / 100.0),
-                    })
-                    .collect(),
+                shares: shares_listed(&plan.holders, &b.shares, &b.demand),
                 leased: b.sample.leased.filter(|v| v.is_finite()),
                 pending: b.sample.pending.filter(|v| v.is_finite()),
                 utilization: demand
@@ -104,6 +92,21 @@ pub fn compute(
             .with_history_from(&old, &b.name)
         })
         .collect();
+
+    // The client divisions, so that a restarted (or newly elected) operator keeps them instead
+    // of falling back to the even split and changing every pod's document.
+    let clients: Vec<ClientStatus> = if plan.holders.len() <= MAX_SHARES_LISTED {
+        plan.client_shares
+            .values()
+            .map(|d| ClientStatus {
+                key_sha256: d.key_sha256.clone(),
+                max_concurrency: d.concurrency.target,
+                shares: shares_listed(&plan.holders, &d.concurrency.shares, &d.concurrency.demand),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
 
     let mut failures: Vec<PodFailure> = refusals(&rollout.pods)
         .into_iter()
@@ -145,7 +148,26 @@ pub fn compute(
             items,
             omitted,
         }),
+        clients,
     }
+}
+
+/// Each holder's share and the demand it was divided by, for status (the first
+/// [`MAX_SHARES_LISTED`] holders; demand rounded to hundredths).
+fn shares_listed(holders: &[String], shares: &[u32], demand: &[Option<f64>]) -> Vec<PodShare> {
+    holders
+        .iter()
+        .zip(shares)
+        .zip(demand.iter().chain(std::iter::repeat(&None)))
+        .take(MAX_SHARES_LISTED)
+        .map(|((pod, &share), demand)| PodShare {
+            pod: pod.clone(),
+            share,
+            demand: demand
+                .filter(|d| d.is_finite())
+                .map(|d| (d * 100.0).round() / 100.0),
+        })
+        .collect()
 }
 
 /// The most pods `status.pods.items` lists.

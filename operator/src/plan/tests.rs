@@ -1934,3 +1934,91 @@ fn the_burst_fills_the_budget_left_by_the_shares_and_stops_at_a_hold() {
     assert!(b.held > 0, "{:?}", b.decision);
     assert_eq!(b.burst, 0, "no burst while growth is held");
 }
+
+#[test]
+fn a_new_operator_keeps_the_client_divisions_it_finds_in_status() {
+    // A client with all its calls on gw-0 gets most of its fleet-wide 8 there; a restarted (or
+    // newly elected) operator, with Prometheus away, must send the pods the same client limits,
+    // not fall back to the even split.
+    let extra = "autoscale: {min: 8, max: 8}\nclients:\n  identity: {header: x-api-key}\n  maxConcurrency: 8\n  maxQueue: 4\n";
+    let p = policy("a", 0, &spec("model-a", 64, extra), 2);
+    let mut input = input_with_fds(vec![p], pods(2), 65_536);
+    input
+        .samples
+        .backends
+        .insert((key("a"), "model-a".into()), busy_sample(10.0, 3.0));
+    set_pools(&mut input, &[(8.0, 3.0), (2.0, 0.0)]);
+    let client = "c".repeat(64);
+    let busy = input::ClientUse {
+        key_sha256: client.clone(),
+        in_flight: 6,
+        queued: 2,
+        demand: 7.5,
+    };
+    input.clients.insert((key("a"), "gw-0".into()), vec![busy]);
+    input.clients.insert((key("a"), "gw-1".into()), Vec::new());
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let parts = |f: &FleetPlan| -> Vec<(u32, u32)> {
+        ["gw-0", "gw-1"]
+            .iter()
+            .flat_map(|p| f.documents[*p].client_policies[0].client_shares.clone())
+            .map(|s| (s.max_concurrency, s.max_queue))
+            .collect()
+    };
+    let divided = parts(&fleet);
+    assert_eq!(
+        divided,
+        [(7, 4), (1, 0)],
+        "divided by where the calls arrive"
+    );
+
+    let status = status_now(&input, &fleet, &memory, at(0));
+    assert_eq!(status.clients.len(), 1);
+    let shown: Vec<(String, u32, Option<f64>)> = status.clients[0]
+        .shares
+        .iter()
+        .map(|s| (s.pod.clone(), s.share, s.demand))
+        .collect();
+    assert_eq!(
+        (
+            status.clients[0].key_sha256.as_str(),
+            status.clients[0].max_concurrency
+        ),
+        (client.as_str(), 8)
+    );
+    assert_eq!(
+        shown,
+        [
+            ("gw-0".to_owned(), 7, Some(7.5)),
+            ("gw-1".to_owned(), 1, None)
+        ]
+    );
+
+    // A new operator: nothing in memory, the status as stored, no samples from Prometheus.
+    let mut restarted = input.clone();
+    restarted.samples.backends.clear();
+    restarted.samples.pools.clear();
+    let forgetful = plan(&restarted, &mut Memory::default(), at(15));
+    assert!(
+        parts(&forgetful).is_empty(),
+        "without status the division is lost"
+    );
+    restarted.policies[0].status = Some(status.clone());
+    let again = plan(&restarted, &mut Memory::default(), at(15));
+    assert_eq!(parts(&again), divided);
+
+    // A division that no longer fits (the limit changed) is not restored.
+    let mut changed = restarted.clone();
+    changed.policies[0]
+        .spec
+        .clients
+        .as_mut()
+        .unwrap()
+        .max_concurrency = 12;
+    assert!(parts(&plan(&changed, &mut Memory::default(), at(15))).is_empty());
+    // Nor one over other pods.
+    let mut more = restarted;
+    more.pods = pods(3);
+    assert!(parts(&plan(&more, &mut Memory::default(), at(15))).is_empty());
+}
