@@ -19,7 +19,7 @@ use poolpilot_e2e::cluster::{output, run};
 use poolpilot_e2e::hermetic::UNHELD_POD_ADDRESS;
 use poolpilot_e2e::{Cluster, TestNamespace, eventually, with_namespace};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const WAIT: Duration = Duration::from_secs(90);
 const TOKEN: &str = "node-test-admin-token-at-least-32-bytes";
