@@ -17,6 +17,7 @@ use super::body::ResponseBody;
 use crate::limits::limiter::ClientRejection;
 use crate::observe::TimeoutKind;
 use crate::pool::PoolError;
+use crate::upstream::TlsError;
 
 /// `Retry-After` of failures whose cause passes quickly (a stale connection, an endpoint about
 /// to be ejected, a pod going away behind its Service): come back in a second.
@@ -114,6 +115,14 @@ pub enum ProxyError {
 }
 
 impl ProxyError {
+    /// The TLS failure behind a connect failure, if that is what it was.
+    fn tls(&self) -> Option<&TlsError> {
+        match self {
+            Self::Pool(PoolError::Connect { source, .. }) => source.get_ref()?.downcast_ref(),
+            _ => None,
+        }
+    }
+
     /// The HTTP status the client gets.
     pub fn status(&self) -> StatusCode {
         match self {
@@ -143,6 +152,13 @@ impl ProxyError {
 
     /// The machine-readable reason (the body's `error.code`).
     pub fn reason(&self) -> &'static str {
+        if let Some(tls) = self.tls() {
+            return if tls.is_verification() {
+                "upstream_tls_verification_failed"
+            } else {
+                "upstream_tls_failed"
+            };
+        }
         match self {
             Self::Client(e) => e.reason(),
             Self::Pool(e) => match e {
@@ -178,6 +194,10 @@ impl ProxyError {
     /// When the client should retry, if it should: every 503, and the 502/504s a retry can
     /// cure.
     pub fn retry_after(&self) -> Option<Duration> {
+        // A certificate that does not verify will not verify in a second either.
+        if self.tls().is_some_and(TlsError::is_verification) {
+            return None;
+        }
         match self {
             Self::Client(
                 ClientRejection::Concurrency { retry_after, .. }
@@ -215,6 +235,9 @@ impl ProxyError {
     /// What the client is told: the `Display` text, except for failures whose text names an
     /// endpoint or its address.
     fn public_message(&self) -> String {
+        if let Some(tls) = self.tls() {
+            return tls.public_message();
+        }
         match self {
             Self::Pool(PoolError::ConnectTimeout { .. }) => {
                 "connecting to a backend instance timed out".to_owned()
