@@ -1121,10 +1121,16 @@ impl Validator {
         self.absolute(&format!("{at}.keyFile"), &c.key_file);
         match (c.scheme, &c.header) {
             (CredentialScheme::Header, None) => {
-                self.push(format!("{at}.header"), "the Header scheme needs a header name");
+                self.push(
+                    format!("{at}.header"),
+                    "the Header scheme needs a header name",
+                );
             }
             (CredentialScheme::Header, Some(h)) if http_token(h).is_err() => {
-                self.push(format!("{at}.header"), format!("{h:?} is not a valid header name"));
+                self.push(
+                    format!("{at}.header"),
+                    format!("{h:?} is not a valid header name"),
+                );
             }
             (CredentialScheme::Bearer | CredentialScheme::AzureApiKey, Some(_)) => {
                 self.push(
@@ -1146,7 +1152,10 @@ impl Validator {
 
     fn absolute(&mut self, at: &str, path: &std::path::Path) {
         if !path.is_absolute() {
-            self.push(at.to_owned(), format!("{} is not an absolute path", path.display()));
+            self.push(
+                at.to_owned(),
+                format!("{} is not an absolute path", path.display()),
+            );
         }
     }
 }

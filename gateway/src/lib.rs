@@ -134,10 +134,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     let access_log =
         observe::access::AccessLog::open(&config.access_log).map_err(StartError::AccessLog)?;
     let metrics = Metrics::with_lease_wait_buckets(config.metrics.lease_wait_buckets());
-    let connector = upstream::HttpConnector {
-        keepalive: config.upstream_keepalive.settings(),
-        ..upstream::HttpConnector::default()
-    };
+    let connector = upstream::HttpConnector::new(config.upstream_keepalive.settings());
     let gw = Gateway::configured(
         metrics,
         access_log,

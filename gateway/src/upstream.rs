@@ -65,6 +65,14 @@ pub struct HttpConnector {
 }
 
 impl HttpConnector {
+    /// A connector with `keepalive` (`None`: off) and no TLS addresses.
+    pub fn new(keepalive: Option<Keepalive>) -> Self {
+        Self {
+            keepalive,
+            tls: Arc::default(),
+        }
+    }
+
     /// A connector with the same settings and no TLS addresses yet, for one backend.
     pub fn for_backend(&self) -> Self {
         Self {
@@ -546,11 +554,7 @@ mod tests {
             interval: Duration::from_secs(3),
             count: 4,
         };
-        let (conn, _peer) = pair(HttpConnector {
-            keepalive: Some(keepalive),
-            ..HttpConnector::default()
-        })
-        .await;
+        let (conn, _peer) = pair(HttpConnector::new(Some(keepalive))).await;
         let socket = socket2::SockRef::from(&conn.stream.tcp);
         assert!(socket.keepalive().unwrap());
         assert_eq!(socket.tcp_keepalive_time().unwrap(), keepalive.idle);

@@ -823,14 +823,18 @@ fn cel_holds_external_tls_and_credentials_to_their_rules() {
     };
     let plain_443 = "endpoints.external on port 443 must set tls (plain HTTP to an HTTPS port would carry keys in clear text)";
     assert_refused(&external(443, None), plain_443);
-    assert_eq!(cel_errors(&external(443, Some(serde_json::json!({})))), Vec::<String>::new());
+    assert_eq!(
+        cel_errors(&external(443, Some(serde_json::json!({})))),
+        Vec::<String>::new()
+    );
     assert_eq!(cel_errors(&external(8080, None)), Vec::<String>::new());
 
     let with_credentials = |mut p: ConnectionPolicy, credentials: serde_json::Value| {
         p.spec.backends[0].credentials = Some(serde_json::from_value(credentials).unwrap());
         cel_errors(&p)
     };
-    let bearer = serde_json::json!({"secretRef": {"name": "openai", "key": "api-key"}, "scheme": "Bearer"});
+    let bearer =
+        serde_json::json!({"secretRef": {"name": "openai", "key": "api-key"}, "scheme": "Bearer"});
     assert_eq!(
         with_credentials(external(443, Some(serde_json::json!({}))), bearer.clone()),
         Vec::<String>::new()
@@ -840,17 +844,31 @@ fn cel_holds_external_tls_and_credentials_to_their_rules() {
         ["credentials go to external endpoints over TLS only: set tls on every endpoints.external"]
     );
     let header_rule = "credentials.header is set exactly for the Header scheme";
-    let tls = || external(443, Some(serde_json::json!({"serverName": "api.openai.com"})));
+    let tls = || {
+        external(
+            443,
+            Some(serde_json::json!({"serverName": "api.openai.com"})),
+        )
+    };
     assert_eq!(
-        with_credentials(tls(), serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Header"})),
+        with_credentials(
+            tls(),
+            serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Header"})
+        ),
         [header_rule]
     );
     assert_eq!(
-        with_credentials(tls(), serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Bearer", "header": "x-key"})),
+        with_credentials(
+            tls(),
+            serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Bearer", "header": "x-key"})
+        ),
         [header_rule]
     );
     assert_eq!(
-        with_credentials(tls(), serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Header", "header": "x-goog-api-key"})),
+        with_credentials(
+            tls(),
+            serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Header", "header": "x-goog-api-key"})
+        ),
         Vec::<String>::new()
     );
 }

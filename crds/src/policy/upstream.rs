@@ -19,7 +19,8 @@ pub fn secret_file(secret: &str, key: &str) -> PathBuf {
 }
 
 /// CEL: a server name is a lowercase DNS name.
-const DNS_NAME: &str = r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\.)*[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$";
+const DNS_NAME: &str =
+    r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\.)*[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$";
 
 /// TLS to an external endpoint: always verified (there is no way to turn verification off),
 /// ALPN `http/1.1`, sessions resumed on reconnect.
@@ -29,12 +30,18 @@ pub struct ExternalTls {
     /// A Secret of the policy's namespace whose `ca.crt` holds the certificate authorities to
     /// trust (PEM); omitted: the system's roots (hosted providers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 253), pattern(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
+    #[schemars(
+        length(min = 1, max = 253),
+        pattern(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
     pub ca_bundle_secret: Option<String>,
     /// A `kubernetes.io/tls` Secret of the policy's namespace (`tls.crt`, `tls.key`): the
     /// gateway's client certificate, for model servers that require mTLS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 253), pattern(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
+    #[schemars(
+        length(min = 1, max = 253),
+        pattern(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
     pub client_cert_secret: Option<String>,
     /// The name the server's certificate must be valid for, also sent as SNI; omitted: the
     /// endpoint's host.
@@ -48,7 +55,10 @@ pub struct ExternalTls {
 #[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
     /// The Secret.
-    #[schemars(length(min = 1, max = 253), pattern(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
+    #[schemars(
+        length(min = 1, max = 253),
+        pattern(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
     pub name: String,
     /// The key holding the value.
     #[schemars(length(min = 1, max = 253), pattern(r"^[-._a-zA-Z0-9]+$"))]
@@ -91,6 +101,9 @@ pub struct CredentialsSpec {
     /// Client headers removed besides `Authorization` and the key's own header (the client's
     /// `x-api-key`, say).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 16), inner(length(min = 1, max = 128), pattern(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")))]
+    #[schemars(
+        length(max = 16),
+        inner(length(min = 1, max = 128), pattern(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"))
+    )]
     pub remove_headers: Vec<String>,
 }

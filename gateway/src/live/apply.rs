@@ -155,8 +155,12 @@ impl Gateway {
         let mut tls = HashMap::new();
         for b in &doc.backends {
             let current = registry.backends.get(&b.name).map(|b| b.tls.lock().clone());
-            let clients =
-                upstream_tls::clients(&b.name, &b.endpoints, current.as_ref(), &self.inner.metrics)?;
+            let clients = upstream_tls::clients(
+                &b.name,
+                &b.endpoints,
+                current.as_ref(),
+                &self.inner.metrics,
+            )?;
             tls.insert(b.name.clone(), clients);
         }
         // Provider keys likewise: the one in force is kept (and re-read) while its settings
@@ -169,15 +173,16 @@ impl Gateway {
                 .get(&b.name)
                 .and_then(|b| b.credentials())
                 .filter(|k| k.is_for(c));
-            let key = match current {
-                Some(key) => key,
-                None => Arc::new(ProviderKey::load(c).map_err(|source| {
-                    ApplyError::Credentials {
-                        backend: b.name.clone(),
-                        source,
-                    }
-                })?),
-            };
+            let key =
+                match current {
+                    Some(key) => key,
+                    None => Arc::new(ProviderKey::load(c).map_err(|source| {
+                        ApplyError::Credentials {
+                            backend: b.name.clone(),
+                            source,
+                        }
+                    })?),
+                };
             keys.insert(b.name.clone(), key);
         }
 

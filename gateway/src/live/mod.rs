@@ -372,7 +372,6 @@ impl Gateway {
                 for l in limiters {
                     l.purge();
                 }
-
             }
         })
     }
@@ -388,11 +387,17 @@ impl Backend {
 
     /// Reads the provider key's file again (a rotated Secret).
     fn reload_credentials(&self) {
-        let Some(key) = self.credentials() else { return };
+        let Some(key) = self.credentials() else {
+            return;
+        };
         match key.reload() {
-            Ok(true) => tracing::info!(backend = %self.name, "provider key changed; the next calls carry the new one"),
+            Ok(true) => {
+                tracing::info!(backend = %self.name, "provider key changed; the next calls carry the new one")
+            }
             Ok(false) => {}
-            Err(error) => tracing::warn!(backend = %self.name, %error, "provider key file does not load; the key in force stays"),
+            Err(error) => {
+                tracing::warn!(backend = %self.name, %error, "provider key file does not load; the key in force stays")
+            }
         }
     }
 

@@ -11,7 +11,7 @@ pub(crate) mod metrics;
 
 pub(crate) use incidents::{NO_CLIENT, Reclaim};
 pub(crate) use labels::{
-    AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind, Timing, TlsFailure,
-    TlsHandshake,
+    AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind, Timing,
+    TlsFailure, TlsHandshake,
 };
 pub use metrics::Metrics;

@@ -135,7 +135,11 @@ fn read(settings: &Credentials) -> Result<Key, CredentialsError> {
 mod tests {
     use super::*;
 
-    fn credentials(dir: &tempfile::TempDir, scheme: CredentialScheme, header: Option<&str>) -> Credentials {
+    fn credentials(
+        dir: &tempfile::TempDir,
+        scheme: CredentialScheme,
+        header: Option<&str>,
+    ) -> Credentials {
         Credentials {
             key_file: dir.path().join("key"),
             scheme,
@@ -146,7 +150,10 @@ mod tests {
 
     fn client_headers() -> HeaderMap {
         let mut h = HeaderMap::new();
-        h.insert("authorization", HeaderValue::from_static("Bearer client-key"));
+        h.insert(
+            "authorization",
+            HeaderValue::from_static("Bearer client-key"),
+        );
         h.insert("api-key", HeaderValue::from_static("client-azure-key"));
         h.insert("x-api-key", HeaderValue::from_static("client-x-key"));
         h.insert("x-trace", HeaderValue::from_static("kept"));
@@ -172,7 +179,10 @@ mod tests {
         let mut h = client_headers();
         azure.apply(&mut h);
         assert_eq!(h["api-key"], "sk-provider");
-        assert!(!h.contains_key("authorization"), "the client's Authorization always goes");
+        assert!(
+            !h.contains_key("authorization"),
+            "the client's Authorization always goes"
+        );
 
         let named = ProviderKey::load(&credentials(
             &dir,
@@ -187,7 +197,10 @@ mod tests {
         assert_eq!(h["x-goog-api-key"], "sk-provider");
         assert!(!h.contains_key("authorization"));
 
-        assert!(!format!("{bearer:?}").contains("sk-provider"), "Debug shows no key");
+        assert!(
+            !format!("{bearer:?}").contains("sk-provider"),
+            "Debug shows no key"
+        );
     }
 
     #[test]
@@ -204,13 +217,19 @@ mod tests {
         assert_eq!(h["authorization"], "Bearer second");
 
         std::fs::write(&path, "  \n").unwrap();
-        assert!(matches!(key.reload(), Err(CredentialsError::Unusable { .. })));
+        assert!(matches!(
+            key.reload(),
+            Err(CredentialsError::Unusable { .. })
+        ));
         std::fs::write(&path, "line\nbreak").unwrap();
         assert!(key.reload().is_err());
         std::fs::remove_file(&path).unwrap();
         assert!(matches!(key.reload(), Err(CredentialsError::Read { .. })));
         let mut h = HeaderMap::new();
         key.apply(&mut h);
-        assert_eq!(h["authorization"], "Bearer second", "the key in force stays");
+        assert_eq!(
+            h["authorization"], "Bearer second",
+            "the key in force stays"
+        );
     }
 }

@@ -65,7 +65,9 @@ pub enum TlsError {
     #[error("{0:?} is not a valid TLS server name")]
     ServerName(String),
     /// No root certificate could be loaded (no `caFile`, and the system has none).
-    #[error("no CA certificate to verify the server with (set caFile, or install the system's roots)")]
+    #[error(
+        "no CA certificate to verify the server with (set caFile, or install the system's roots)"
+    )]
     NoRoots,
     /// The configuration could not be built (a client key that does not fit its certificate).
     #[error("building the TLS configuration failed")]
@@ -96,7 +98,9 @@ impl TlsError {
             Self::Verification { cause, .. } => {
                 format!("the backend's TLS certificate failed verification: {cause}")
             }
-            Self::Handshake { cause, .. } => format!("the TLS handshake with the backend failed: {cause}"),
+            Self::Handshake { cause, .. } => {
+                format!("the TLS handshake with the backend failed: {cause}")
+            }
             other => format!("the backend's TLS settings could not be used: {other}"),
         }
     }
@@ -142,9 +146,12 @@ impl TlsClient {
             return Ok(None);
         };
         let default_name = default_name(&endpoint.address);
-        let name = tls.server_name.clone().unwrap_or_else(|| default_name.clone());
-        let server_name = ServerName::try_from(name.clone())
-            .map_err(|_| TlsError::ServerName(name.clone()))?;
+        let name = tls
+            .server_name
+            .clone()
+            .unwrap_or_else(|| default_name.clone());
+        let server_name =
+            ServerName::try_from(name.clone()).map_err(|_| TlsError::ServerName(name.clone()))?;
         let (contents, files) = read_files(tls)?;
         let roots = match &tls.ca_file {
             Some(path) => {
@@ -164,12 +171,11 @@ impl TlsClient {
             Some(c) => {
                 let i = usize::from(tls.ca_file.is_some());
                 let chain = certificates(&c.cert_file, &contents[i])?;
-                let key = PrivateKeyDer::from_pem_slice(&contents[i + 1]).map_err(|_| {
-                    TlsError::Pem {
+                let key =
+                    PrivateKeyDer::from_pem_slice(&contents[i + 1]).map_err(|_| TlsError::Pem {
                         path: c.key_file.clone(),
                         what: "private key (PKCS#8, PKCS#1 or SEC1)",
-                    }
-                })?;
+                    })?;
                 builder
                     .with_client_auth_cert(chain, key)
                     .map_err(TlsError::Config)?
@@ -229,7 +235,11 @@ impl TlsClient {
         S: AsyncRead + AsyncWrite + Unpin,
     {
         let start = Instant::now();
-        match self.connector.connect(self.server_name.clone(), stream).await {
+        match self
+            .connector
+            .connect(self.server_name.clone(), stream)
+            .await
+        {
             Ok(tls) => {
                 let kind = match tls.get_ref().1.handshake_kind() {
                     Some(HandshakeKind::Resumed) => TlsHandshake::Resumed,

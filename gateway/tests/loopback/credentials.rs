@@ -32,7 +32,8 @@ fn header_texts(headers: &http::HeaderMap) -> String {
 #[tokio::test]
 async fn the_client_key_never_reaches_the_backend_and_the_provider_key_is_never_shown() {
     let pki = Pki::new("provider CA");
-    let backend = TlsBackend::start([127, 0, 0, 41], &pki.leaf("api.provider.test"), None, false).await;
+    let backend =
+        TlsBackend::start([127, 0, 0, 41], &pki.leaf("api.provider.test"), None, false).await;
     let dir = tempfile::tempdir().unwrap();
     let ca = pki.write_ca(dir.path(), "ca.crt");
     let key_file = dir.path().join("api-key");
@@ -60,14 +61,23 @@ async fn the_client_key_never_reaches_the_backend_and_the_provider_key_is_never_
     assert_eq!(requests.len(), 3);
     for headers in &requests {
         let text = header_texts(headers);
-        assert!(!text.contains(CLIENT_KEY), "the client's key reached the backend:\n{text}");
-        assert_eq!(headers["authorization"], format!("Bearer {PROVIDER_KEY}").as_str());
+        assert!(
+            !text.contains(CLIENT_KEY),
+            "the client's key reached the backend:\n{text}"
+        );
+        assert_eq!(
+            headers["authorization"],
+            format!("Bearer {PROVIDER_KEY}").as_str()
+        );
         assert!(!headers.contains_key("x-api-key") && !headers.contains_key("api-key"));
     }
 
     // Nothing the gateway shows or writes holds the key.
     let (_, _, limits) = gw.admin_get("/v1/limits").await;
-    assert!(limits.contains("api-key"), "the document names the file: {limits}");
+    assert!(
+        limits.contains("api-key"),
+        "the document names the file: {limits}"
+    );
     let (_, _, stats) = gw.admin_get("/v1/stats").await;
     let metrics = gw.metrics().await;
     let access: Vec<String> = gw.access_lines().iter().map(|l| l.to_string()).collect();
@@ -79,7 +89,10 @@ async fn the_client_key_never_reaches_the_backend_and_the_provider_key_is_never_
         ("the access log", &access.join("\n")),
         ("the snapshot's Debug", snapshot.as_str()),
     ] {
-        assert!(!text.contains(PROVIDER_KEY), "{what} shows the provider key");
+        assert!(
+            !text.contains(PROVIDER_KEY),
+            "{what} shows the provider key"
+        );
         assert!(!text.contains(CLIENT_KEY), "{what} shows the client key");
     }
 
@@ -107,8 +120,13 @@ async fn the_client_key_never_reaches_the_backend_and_the_provider_key_is_never_
 #[tokio::test]
 async fn azure_takes_its_key_as_api_key_and_a_missing_key_file_refuses_the_document() {
     let pki = Pki::new("provider CA");
-    let backend =
-        TlsBackend::start([127, 0, 0, 42], &pki.leaf("my-resource.openai.test"), None, false).await;
+    let backend = TlsBackend::start(
+        [127, 0, 0, 42],
+        &pki.leaf("my-resource.openai.test"),
+        None,
+        false,
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let ca = pki.write_ca(dir.path(), "ca.crt");
     let key_file = dir.path().join("azure-key");
@@ -125,18 +143,35 @@ async fn azure_takes_its_key_as_api_key_and_a_missing_key_file_refuses_the_docum
         from_json(doc)
     };
     let gw = Gw::start(doc_with(&key_file, 1)).await;
-    let (status, _, body) = get(gw.proxy, "/openai/deployments/gpt/chat/completions", &client_headers()).await;
+    let (status, _, body) = get(
+        gw.proxy,
+        "/openai/deployments/gpt/chat/completions",
+        &client_headers(),
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
     let headers = &backend.requests()[0];
     assert_eq!(headers["api-key"], PROVIDER_KEY);
-    assert!(!headers.contains_key("authorization"), "{}", header_texts(headers));
+    assert!(
+        !headers.contains_key("authorization"),
+        "{}",
+        header_texts(headers)
+    );
 
     let missing = doc_with(&dir.path().join("not-mounted"), 2);
     let (status, body) = gw
-        .admin_call("PUT", "/v1/limits", &serde_json::to_string(&missing).unwrap())
+        .admin_call(
+            "PUT",
+            "/v1/limits",
+            &serde_json::to_string(&missing).unwrap(),
+        )
         .await;
     assert_eq!(status, 422, "{body}");
     assert!(body.contains("not-mounted"), "names the file: {body}");
     assert!(!body.contains(PROVIDER_KEY));
-    assert_eq!(get(gw.proxy, "/", &[]).await.0, 200, "the limits in force stay");
+    assert_eq!(
+        get(gw.proxy, "/", &[]).await.0,
+        200,
+        "the limits in force stay"
+    );
 }

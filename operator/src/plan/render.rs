@@ -8,9 +8,8 @@ use std::sync::Arc;
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
     BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, ClientShare, CredentialScheme,
-    Credentials, HealthCheck,
-    ListenerLimits, MAX_GENERATION, OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch,
-    SlowCalls, SoftThrottle, Timeouts, TrustedProxies,
+    Credentials, HealthCheck, ListenerLimits, MAX_GENERATION, OutlierDetection, PoolLimits,
+    ProxyProtocol, RouteMatch, SlowCalls, SoftThrottle, Timeouts, TrustedProxies,
 };
 use poolpilot_api::policy::upstream::{CredentialSchemeSpec, CredentialsSpec, secret_file};
 use poolpilot_api::policy::{BackendSpec, ClientScope, TrustedProxyProtocol};

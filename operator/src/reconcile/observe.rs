@@ -342,10 +342,13 @@ fn endpoint_tls(tls: &ExternalTls) -> EndpointTls {
             .ca_bundle_secret
             .as_deref()
             .map(|s| secret_file(s, "ca.crt")),
-        client_certificate: tls.client_cert_secret.as_deref().map(|s| ClientCertificate {
-            cert_file: secret_file(s, "tls.crt"),
-            key_file: secret_file(s, "tls.key"),
-        }),
+        client_certificate: tls
+            .client_cert_secret
+            .as_deref()
+            .map(|s| ClientCertificate {
+                cert_file: secret_file(s, "tls.crt"),
+                key_file: secret_file(s, "tls.key"),
+            }),
     }
 }
 
@@ -463,12 +466,18 @@ mod tests {
             }},
         ]}));
         let got = resolve(&b, &[]);
-        assert_eq!(got[0].tls, Some(EndpointTls::default()), "system roots, the host's name");
+        assert_eq!(
+            got[0].tls,
+            Some(EndpointTls::default()),
+            "system roots, the host's name"
+        );
         let tls = got[1].tls.as_ref().unwrap();
         assert_eq!(tls.server_name.as_deref(), Some("vllm.example.com"));
         assert_eq!(
             tls.ca_file.as_deref(),
-            Some(std::path::Path::new("/etc/poolpilot/secrets/models-ca/ca.crt"))
+            Some(std::path::Path::new(
+                "/etc/poolpilot/secrets/models-ca/ca.crt"
+            ))
         );
         let client = tls.client_certificate.as_ref().unwrap();
         assert_eq!(
