@@ -463,9 +463,17 @@ impl Poolable for UpstreamConn {
         drop(sender);
         // No driver: the connection ended, its socket is closed on both sides already.
         let mut stream = Pin::into_inner(driver?).into_parts().io.into_inner();
+        // Plain: the FIN at once. TLS: `close_notify`, then the FIN, as the future runs.
+        let shut = match &stream {
+            Transport::Plain(s) => Some(socket2::SockRef::from(&s.0.tcp).shutdown(Shutdown::Write)),
+            Transport::Tls(..) => None,
+        };
         Some(async move {
-            // Plain: the FIN. TLS: `close_notify`, then the FIN.
-            if stream.shutdown().await.is_ok() {
+            let shut = match shut {
+                Some(done) => done,
+                None => stream.shutdown().await,
+            };
+            if shut.is_ok() {
                 // Until the peer's FIN (0) or an error (a reset): the rest of a response the
                 // client gave up on is dropped.
                 let _ = tokio::io::copy(&mut stream, &mut tokio::io::sink()).await;

@@ -29,7 +29,7 @@ pub struct EndpointTlsError {
     pub endpoint: String,
     /// Why.
     #[source]
-    pub source: TlsError,
+    pub source: Box<TlsError>,
 }
 
 /// The TLS clients of `endpoints`: `current`'s where still current, new ones otherwise.
@@ -55,7 +55,7 @@ pub(crate) fn clients(
                     return Err(EndpointTlsError {
                         backend: backend.to_owned(),
                         endpoint: e.name.clone(),
-                        source,
+                        source: Box::new(source),
                     });
                 }
             },
