@@ -259,6 +259,7 @@ impl Gateway {
                         connector,
                         tls: Mutex::new(clients),
                         credentials: RwLock::new(key),
+                        cooldown: Default::default(),
                         health: Mutex::new(None),
                         document: Mutex::new((b.endpoints.clone(), pool_limits)),
                     };

@@ -30,6 +30,7 @@ use poolpilot_api::limits::{
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::limits::cooldown::Cooldown;
 use crate::limits::limiter::ClientLimiter;
 use crate::limits::refusals::RefusalMemory;
 use crate::observe::Metrics;
@@ -97,6 +98,8 @@ pub(crate) struct Backend {
     tls: Mutex<upstream_tls::TlsClients>,
     /// The provider's key set on its calls, if it has `credentials`.
     credentials: RwLock<Option<Arc<ProviderKey>>>,
+    /// Until when the provider asked not to be called (only with `credentials`).
+    pub(crate) cooldown: Cooldown,
     health: Mutex<Option<(HealthCheck, JoinHandle<()>)>>,
     document: Mutex<(Vec<DocEndpoint>, PoolLimits)>,
 }

@@ -181,6 +181,8 @@ pub struct Metrics {
     tls_handshake: HistogramFamily<HandshakeLabels>,
     tls_failures: Family<TlsFailureLabels, Counter>,
     pool_reuse_ratio: Family<BackendLabel, Gauge<f64, AtomicU64>>,
+    upstream_cooldowns: Family<BackendLabel, Counter>,
+    upstream_cooldown_refused: Family<BackendLabel, Counter>,
     client_inflight: Family<ClientLabel, Gauge>,
     client_rejected: Family<ClientReasonLabels, Counter>,
     client_queue_wait: HistogramFamily<ClientLabel>,
@@ -293,6 +295,8 @@ impl Metrics {
             tls_handshake: Family::new_with_constructor(handshake_histogram),
             tls_failures: Family::default(),
             pool_reuse_ratio: Family::default(),
+            upstream_cooldowns: Family::default(),
+            upstream_cooldown_refused: Family::default(),
             client_inflight: Family::default(),
             client_rejected: Family::default(),
             client_queue_wait: Family::new_with_constructor(wait_histogram),
@@ -442,6 +446,16 @@ impl Metrics {
             "poolpilot_pool_reuse_ratio",
             "Leases served by an idle pooled connection, as a share of all leases: reused / (created + reused), over the endpoints in the limits",
             m.pool_reuse_ratio.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_cooldowns",
+            "Provider refusals (429, 503) with Retry-After that put a backend carrying the provider's key in a cooldown",
+            m.upstream_cooldowns.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_cooldown_refused",
+            "Calls answered 429 by the gateway while their backend's provider had asked not to be called",
+            m.upstream_cooldown_refused.clone(),
         );
         r.register(
             "poolpilot_client_inflight",
@@ -765,6 +779,22 @@ impl Metrics {
             .get_or_create(&TlsFailureLabels {
                 backend: backend.into(),
                 reason,
+            })
+            .inc();
+    }
+
+    pub(crate) fn upstream_cooldown(&self, backend: &str) {
+        self.upstream_cooldowns
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn upstream_cooldown_refused(&self, backend: &str) {
+        self.upstream_cooldown_refused
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
             })
             .inc();
     }

@@ -105,6 +105,15 @@ pub enum ProxyError {
     /// The request target's path holds `.`/`..` or empty segments, or encoded slashes (400).
     #[error("the request path has dot segments, empty segments or encoded slashes")]
     BadTarget,
+    /// The provider refused a call with `Retry-After` a moment ago, and that time has not
+    /// passed (429, with what is left of it).
+    #[error("the provider of backend {backend} asked not to be called for {retry_after:?} more")]
+    CoolingDown {
+        /// The backend.
+        backend: String,
+        /// What is left of the provider's `Retry-After`.
+        retry_after: Duration,
+    },
     /// `CONNECT` or `TRACE` (501).
     #[error("this method is not supported by the gateway")]
     MethodNotImplemented,
@@ -127,7 +136,9 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Client(ClientRejection::TableFull { .. }) => StatusCode::SERVICE_UNAVAILABLE,
-            Self::Client(_) | Self::TooManyConnections => StatusCode::TOO_MANY_REQUESTS,
+            Self::Client(_) | Self::TooManyConnections | Self::CoolingDown { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::Pool(e) => match e {
                 PoolError::QueueFull { .. }
                 | PoolError::LeaseTimeout { .. }
@@ -188,6 +199,7 @@ impl ProxyError {
             Self::BadTarget => "bad_request_target",
             Self::MethodNotImplemented => "method_not_supported",
             Self::TooManyConnections => "too_many_connections",
+            Self::CoolingDown { .. } => "backend_cooling_down",
         }
     }
 
@@ -204,6 +216,10 @@ impl ProxyError {
                 | ClientRejection::QueueTimeout { retry_after, .. },
             ) => Some(*retry_after),
             Self::Client(ClientRejection::TableFull { .. }) => Some(RETRY_SOON),
+            // Rounded up: a client back at the whole second is past the provider's time.
+            Self::CoolingDown { retry_after, .. } => Some(Duration::from_secs(
+                retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0),
+            )),
             Self::Pool(
                 PoolError::QueueFull { retry_after, .. }
                 | PoolError::LeaseTimeout { retry_after, .. }

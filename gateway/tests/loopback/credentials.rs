@@ -2,7 +2,9 @@
 //! `upstream_tls`: the client's `Authorization` and configured headers never reach the backend,
 //! the provider's key from its file does (Bearer, Azure's `api-key`), a rotated key file is used
 //! from the next call on, and the key shows nowhere the gateway answers or writes: `/v1/limits`,
-//! `/v1/stats`, `/metrics`, the access log, error bodies.
+//! `/v1/stats`, `/metrics`, the access log, error bodies. And the provider's own back-pressure:
+//! its 429 with `Retry-After` cools the backend down, calls meanwhile get 429 from the gateway
+//! with what is left of it and never reach the provider.
 
 use std::time::Duration;
 
@@ -174,4 +176,99 @@ async fn azure_takes_its_key_as_api_key_and_a_missing_key_file_refuses_the_docum
         200,
         "the limits in force stay"
     );
+}
+
+#[tokio::test]
+async fn a_providers_429_with_retry_after_cools_the_backend_down_for_that_long() {
+    let pki = Pki::new("provider CA");
+    let backend =
+        TlsBackend::start([127, 0, 0, 43], &pki.leaf("api.provider.test"), None, false).await;
+    backend
+        .seen
+        .answers
+        .lock()
+        .push_back((429, vec![("retry-after", "2")]));
+    let dir = tempfile::tempdir().unwrap();
+    let ca = pki.write_ca(dir.path(), "ca.crt");
+    let key_file = dir.path().join("api-key");
+    std::fs::write(&key_file, PROVIDER_KEY).unwrap();
+    let mut doc = serde_json::to_value(tls_limits(
+        backend.addr,
+        serde_json::json!({"serverName": "api.provider.test", "caFile": ca}),
+    ))
+    .unwrap();
+    doc["backends"][0]["credentials"] =
+        serde_json::json!({"keyFile": key_file, "scheme": "Bearer"});
+    let gw = Gw::start(from_json(doc)).await;
+
+    // The provider's refusal reaches the client as it came.
+    let start = tokio::time::Instant::now();
+    let (status, headers, _) = get(gw.proxy, "/v1/chat/completions", &[]).await;
+    assert_eq!(status, 429);
+    assert_eq!(headers["retry-after"], "2");
+    assert_eq!(backend.requests().len(), 1);
+
+    // For the next 2 s no call goes to the provider: the gateway answers with what is left.
+    let mut refused = 0;
+    while start.elapsed() < Duration::from_millis(1800) {
+        let (status, headers, body) = get(gw.proxy, "/v1/chat/completions", &[]).await;
+        assert_eq!(status, 429, "{body}");
+        assert!(body.contains("backend_cooling_down"), "{body}");
+        let secs: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!((1..=2).contains(&secs), "{secs}");
+        refused += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        backend.requests().len(),
+        1,
+        "no call went into the known refusal"
+    );
+    // Then calls flow again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, _, body) = get(gw.proxy, "/v1/chat/completions", &[]).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(backend.requests().len(), 2);
+    let m = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"poolpilot_upstream_cooldowns_total{backend="model-a"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"poolpilot_upstream_cooldown_refused_total{backend="model-a"}"#
+        ),
+        Some(refused as f64)
+    );
+}
+
+#[tokio::test]
+async fn without_a_shared_key_a_429_refuses_one_client_not_the_backend() {
+    let pki = Pki::new("provider CA");
+    let backend =
+        TlsBackend::start([127, 0, 0, 44], &pki.leaf("api.provider.test"), None, false).await;
+    backend
+        .seen
+        .answers
+        .lock()
+        .push_back((429, vec![("retry-after", "30")]));
+    let dir = tempfile::tempdir().unwrap();
+    let ca = pki.write_ca(dir.path(), "ca.crt");
+    let gw = Gw::start(tls_limits(
+        backend.addr,
+        serde_json::json!({"serverName": "api.provider.test", "caFile": ca}),
+    ))
+    .await;
+    assert_eq!(get(gw.proxy, "/", &[]).await.0, 429);
+    assert_eq!(
+        get(gw.proxy, "/", &[]).await.0,
+        200,
+        "the next client's call goes through"
+    );
+    assert_eq!(backend.requests().len(), 2);
 }

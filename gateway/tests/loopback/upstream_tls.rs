@@ -81,6 +81,8 @@ pub struct SeenConn {
 pub struct TlsSeen {
     pub conns: Mutex<Vec<SeenConn>>,
     pub requests: Mutex<Vec<http::HeaderMap>>,
+    /// The next answers, as `(status, headers)`; when none is left: 200.
+    pub answers: Mutex<std::collections::VecDeque<(u16, Vec<(&'static str, &'static str)>)>>,
 }
 
 /// A TLS model server: answers every request 200 with a small JSON body, `Connection: close`
@@ -168,8 +170,14 @@ impl TlsBackend {
                         async move {
                             seen.requests.lock().push(req.headers().clone());
                             let _ = req.into_body().collect().await;
+                            let (status, headers) =
+                                seen.answers.lock().pop_front().unwrap_or((200, Vec::new()));
                             let mut response = http::Response::builder()
+                                .status(status)
                                 .header("content-type", "application/json");
+                            for (name, value) in headers {
+                                response = response.header(name, value);
+                            }
                             if close {
                                 response = response.header("connection", "close");
                             }
