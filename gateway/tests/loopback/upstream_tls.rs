@@ -76,13 +76,16 @@ pub struct SeenConn {
     pub client_cert: bool,
 }
 
+/// A scripted answer: status and headers.
+pub type Answer = (u16, Vec<(&'static str, &'static str)>);
+
 /// What the TLS server saw: its connections, and the headers of each request.
 #[derive(Debug, Default)]
 pub struct TlsSeen {
     pub conns: Mutex<Vec<SeenConn>>,
     pub requests: Mutex<Vec<http::HeaderMap>>,
     /// The next answers, as `(status, headers)`; when none is left: 200.
-    pub answers: Mutex<std::collections::VecDeque<(u16, Vec<(&'static str, &'static str)>)>>,
+    pub answers: Mutex<std::collections::VecDeque<Answer>>,
 }
 
 /// A TLS model server: answers every request 200 with a small JSON body, `Connection: close`
