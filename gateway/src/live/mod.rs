@@ -39,9 +39,24 @@ use crate::pool::{EndpointStats, Pool};
 use crate::proxy::credentials::ProviderKey;
 use crate::proxy::route_budget::ByteBudget;
 use crate::resolve::{DnsConfig, Resolver};
-use crate::upstream::HttpConnector;
+use crate::upstream::{HttpConnector, TlsClient, TlsError};
 pub use apply::{ApplyError, LimitsSource};
-pub use upstream_tls::EndpointTlsError;
+
+/// The TLS clients of one backend's endpoints, by endpoint name ([`upstream_tls`]).
+pub(crate) type TlsClients = HashMap<String, Arc<TlsClient>>;
+
+/// An endpoint whose TLS settings could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[error("backends[{backend}].endpoints[{endpoint}].tls: {source}")]
+pub struct EndpointTlsError {
+    /// The backend.
+    pub backend: String,
+    /// The endpoint.
+    pub endpoint: String,
+    /// Why.
+    #[source]
+    pub source: Box<TlsError>,
+}
 
 /// The live gateway. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -95,7 +110,7 @@ pub(crate) struct Backend {
     /// The pool's connector (shared with it): which addresses take TLS.
     connector: HttpConnector,
     /// The TLS clients of its endpoints, by endpoint name.
-    tls: Mutex<upstream_tls::TlsClients>,
+    tls: Mutex<TlsClients>,
     /// The provider's key set on its calls, if it has `credentials`.
     credentials: RwLock<Option<Arc<ProviderKey>>>,
     /// Until when the provider asked not to be called (only with `credentials`).

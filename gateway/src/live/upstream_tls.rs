@@ -11,26 +11,10 @@ use std::sync::Arc;
 
 use poolpilot_api::limits::{Endpoint as DocEndpoint, EndpointAddress};
 
-use super::Backend;
+use super::{Backend, EndpointTlsError, TlsClients};
 use crate::observe::Metrics;
 use crate::resolve::Resolver;
-use crate::upstream::{TlsClient, TlsError};
-
-/// The TLS clients of one backend's endpoints, by endpoint name.
-pub(crate) type TlsClients = HashMap<String, Arc<TlsClient>>;
-
-/// An endpoint whose TLS settings could not be loaded.
-#[derive(Debug, thiserror::Error)]
-#[error("backends[{backend}].endpoints[{endpoint}].tls: {source}")]
-pub struct EndpointTlsError {
-    /// The backend.
-    pub backend: String,
-    /// The endpoint.
-    pub endpoint: String,
-    /// Why.
-    #[source]
-    pub source: Box<TlsError>,
-}
+use crate::upstream::TlsClient;
 
 /// The TLS clients of `endpoints`: `current`'s where still current, new ones otherwise.
 pub(crate) fn clients(
