@@ -241,7 +241,7 @@ workflow-lint: $(ACTIONLINT_BIN) ## actionlint over .github/workflows (the relea
 unit: chart-lint sdk upstream-peers ## Unit and loopback integration tests, doc tests, chart lint, the OpenAI SDK and real upstream servers (nginx, dnsmasq) against the gateway (no cluster needed)
 	cargo test --workspace --exclude poolpilot-e2e
 	POOLPILOT_PYTHON=$(SDK_PYTHON) cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored openai_sdk::
-	cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored reused:: dns::
+	cargo test --workspace --exclude poolpilot-e2e --test loopback -- --ignored reused:: dns:: upstream_tls::
 	cargo test -p poolpilot-e2e --lib --bins
 	cd e2e/cluster && go test ./hostnet/
 

@@ -13,6 +13,9 @@ use sha2::{Digest, Sha256};
 
 use crate::Duration;
 
+mod upstream;
+pub use upstream::{ClientCertificate, CredentialScheme, Credentials, EndpointTls};
+
 /// The largest generation a document may carry: 2^53 − 1, the largest integer every JSON reader
 /// keeps exactly (JavaScript, Go's `interface{}`, kubectl's JSONPath). Far beyond any count of
 /// changes, so that a larger one read back from a pod or an annotation is a corrupted or forged
@@ -211,6 +214,10 @@ pub struct BackendLimits {
     /// Name of the entry in `clientPolicies` that limits callers of this backend (none: unlimited).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_policy: Option<String>,
+    /// The provider's key, set on every call in place of the client's `Authorization` (none:
+    /// the client's headers go through as they came).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<Credentials>,
 }
 
 /// A request matches when every condition given here holds; an empty match takes everything.
@@ -238,6 +245,9 @@ pub struct Endpoint {
     /// Where to connect: `ip:port`, or `host:port`, which the gateway resolves in the
     /// background and pools per address, all of them under this endpoint's cap.
     pub address: EndpointAddress,
+    /// TLS to this endpoint; none: plain HTTP/1.1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<EndpointTls>,
 }
 
 /// Where an endpoint is: an IP address and port, or a DNS name and port (`host:port`; IPv6 as
@@ -997,6 +1007,12 @@ impl GatewayLimits {
                         format!("duplicate endpoint {:?}", e.name),
                     );
                 }
+                if let Some(tls) = &e.tls {
+                    v.tls(&at(&format!("endpoints[{j}].tls")), tls);
+                }
+            }
+            if let Some(c) = &b.credentials {
+                v.credentials(&at("credentials"), c);
             }
             let p = &b.pool;
             v.positive_u64(
@@ -1077,6 +1093,71 @@ impl GatewayLimits {
 #[derive(Default)]
 struct Validator {
     violations: Vec<Violation>,
+}
+
+impl Validator {
+    /// An endpoint's TLS: a server name that is a DNS name or an IP address, absolute paths.
+    fn tls(&mut self, at: &str, tls: &EndpointTls) {
+        if let Some(name) = &tls.server_name
+            && name.parse::<std::net::IpAddr>().is_err()
+            && format!("{name}:443").parse::<EndpointAddress>().is_err()
+        {
+            self.push(
+                format!("{at}.serverName"),
+                format!("{name:?} is neither a DNS name nor an IP address"),
+            );
+        }
+        if let Some(ca) = &tls.ca_file {
+            self.absolute(&format!("{at}.caFile"), ca);
+        }
+        if let Some(c) = &tls.client_certificate {
+            self.absolute(&format!("{at}.clientCertificate.certFile"), &c.cert_file);
+            self.absolute(&format!("{at}.clientCertificate.keyFile"), &c.key_file);
+        }
+    }
+
+    /// A backend's credentials: an absolute key file, a valid header exactly for `Header`.
+    fn credentials(&mut self, at: &str, c: &Credentials) {
+        self.absolute(&format!("{at}.keyFile"), &c.key_file);
+        match (c.scheme, &c.header) {
+            (CredentialScheme::Header, None) => {
+                self.push(
+                    format!("{at}.header"),
+                    "the Header scheme needs a header name",
+                );
+            }
+            (CredentialScheme::Header, Some(h)) if http_token(h).is_err() => {
+                self.push(
+                    format!("{at}.header"),
+                    format!("{h:?} is not a valid header name"),
+                );
+            }
+            (CredentialScheme::Bearer | CredentialScheme::AzureApiKey, Some(_)) => {
+                self.push(
+                    format!("{at}.header"),
+                    "only the Header scheme takes a header name",
+                );
+            }
+            _ => {}
+        }
+        for h in &c.remove_headers {
+            if http_token(h).is_err() {
+                self.push(
+                    format!("{at}.removeHeaders"),
+                    format!("{h:?} is not a valid header name"),
+                );
+            }
+        }
+    }
+
+    fn absolute(&mut self, at: &str, path: &std::path::Path) {
+        if !path.is_absolute() {
+            self.push(
+                at.to_owned(),
+                format!("{} is not an absolute path", path.display()),
+            );
+        }
+    }
 }
 
 impl Validator {

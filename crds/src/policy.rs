@@ -14,6 +14,7 @@ use crate::Duration;
 
 pub mod conditions;
 pub mod reference;
+pub mod upstream;
 
 pub use reference::reference_markdown;
 
@@ -143,6 +144,13 @@ pub enum StartFrom {
 /// One group of interchangeable model-server instances.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.credentials) || !has(self.endpoints.external) || self.endpoints.external.all(e, has(e.tls))",
+        "message": "credentials go to external endpoints over TLS only: set tls on every endpoints.external",
+        "fieldPath": ".credentials"
+    }
+]))]
 pub struct BackendSpec {
     /// The backend's name: unique within the policy and among the backends of every policy that
     /// selects the same gateway pods; the `backend` label of every gateway metric about it.
@@ -185,6 +193,11 @@ pub struct BackendSpec {
     /// metrics alone (docs/autoscaling.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub saturation: Option<SaturationSpec>,
+    /// The provider's key, from a Secret the gateway pods mount, set on every call in place of
+    /// the client's `Authorization` (hosted providers: OpenAI, Azure OpenAI). Omitted: the
+    /// client's headers go through as they came.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<upstream::CredentialsSpec>,
 }
 
 /// A backend's own saturation signal, read from Prometheus.
@@ -228,6 +241,11 @@ pub struct RouteMatchSpec {
     {
         "rule": EXTERNAL_NAMES_LEAVE_THE_CLUSTER,
         "message": "endpoints.external must name hosts outside the cluster and the pod: localhost, *.localhost, *.svc, *.cluster.local and *.internal need endpoints.allowPrivateAddresses",
+        "fieldPath": ".external"
+    },
+    {
+        "rule": "!has(self.external) || self.external.all(e, e.port != 443 || has(e.tls))",
+        "message": "endpoints.external on port 443 must set tls (plain HTTP to an HTTPS port would carry keys in clear text)",
         "fieldPath": ".external"
     },
     {
@@ -315,6 +333,10 @@ pub struct ExternalEndpoint {
     /// The port.
     #[schemars(range(min = 1, max = 65535))]
     pub port: u16,
+    /// TLS to it (verified against the system's roots or `caBundleSecret`, for `serverName` or
+    /// the host; there is no way to skip verification); omitted: plain HTTP/1.1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<upstream::ExternalTls>,
 }
 
 /// A Service whose endpoints are the backend's instances.

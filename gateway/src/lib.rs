@@ -22,7 +22,7 @@
 //! | [`listen`] | the client-facing listener: accept, caps, HTTP/1 and h2 connections, parking, deadlines' cuts, drain |
 //! | `proxy` | one proxied call, phase by phase (`proxy/pipeline.rs`), and the one place failures become responses |
 //! | [`pool`] | the per-backend connection pool: cap, waiters, idle reuse, endpoint choice, health |
-//! | `upstream` | HTTP/1.1 connections to backends, the pooled unit |
+//! | `upstream` | HTTP/1.1 connections to backends, plain or TLS (`upstream/tls.rs`), the pooled unit |
 //! | `limits` | per-client limiter, the waiter queue, the pod-wide upstream share, the memory of refusals |
 //! | `live` | the limits in force, applied in place; `/v1/stats` and the scrape's gauges |
 //! | [`observe`] | metrics, label values, incident signals, the access log, logs |
@@ -134,9 +134,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     let access_log =
         observe::access::AccessLog::open(&config.access_log).map_err(StartError::AccessLog)?;
     let metrics = Metrics::with_lease_wait_buckets(config.metrics.lease_wait_buckets());
-    let connector = upstream::HttpConnector {
-        keepalive: config.upstream_keepalive.settings(),
-    };
+    let connector = upstream::HttpConnector::new(config.upstream_keepalive.settings());
     let gw = Gateway::configured(
         metrics,
         access_log,
@@ -149,6 +147,7 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     let mut tasks = vec![
         gw.spawn_maintenance(),
         gw.spawn_dns_refresh(),
+        gw.spawn_secret_refresh(config.limits_poll_interval.get()),
         observe::incidents::spawn_lag_probe(gw.metrics().incidents().clone()),
     ];
     let poll = config.limits_poll_interval.get();

@@ -1,5 +1,8 @@
 //! Upstream connections: HTTP/1.1 client connections to backend endpoints (hyper's low-level
-//! `client::conn`), the pooled unit of [`crate::pool`].
+//! `client::conn`), in plain text or over TLS ([`tls`]: verified, resumed, never downgraded),
+//! the pooled unit of [`crate::pool`]. Each backend has its own connector, which knows which of
+//! its addresses take TLS and with which client (set from the backend's endpoints whenever they
+//! or their addresses change).
 //!
 //! A connection's IO is driven by whoever holds it, inside that task: the proxied call that
 //! leased it drives it while it sends, waits for the head and streams the body (no task of its
@@ -17,7 +20,10 @@
 //! the socket), and the check before reusing a connection idle longer than `validateAfterIdle`
 //! asks the kernel (a non-blocking `MSG_PEEK`) whether the peer sent a FIN or a reset, instead of
 //! trusting what the runtime last saw. The socket is shared for that between hyper, which reads
-//! and writes it, and the connection.
+//! and writes it, and the connection. Over TLS the peek sees records, not the response: a FIN
+//! or a reset still condemns the connection, bytes do not (a session ticket or a key update
+//! the connection has not read yet); a `close_notify` is read by the connection itself and
+//! ends it.
 
 use std::future::{Future, poll_fn};
 use std::io;
@@ -29,22 +35,72 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
-use http::{Request, Response};
+use std::collections::HashMap;
+
+use http::{HeaderValue, Request, Response, header};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use parking_lot::RwLock;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+use tokio_rustls::client::TlsStream;
 
 use crate::pool::{Connect, Poolable};
 use crate::proxy::body::RequestBody;
 
-/// Opens plain-TCP HTTP/1.1 connections, with TCP keepalive when configured.
-#[derive(Clone, Copy, Debug, Default)]
+pub mod tls;
+
+pub use tls::{TlsClient, TlsError};
+
+/// Opens HTTP/1.1 connections, in plain text or over TLS as the address asks, with TCP
+/// keepalive when configured. Clones share the addresses' TLS clients.
+#[derive(Clone, Debug, Default)]
 pub struct HttpConnector {
     /// Keepalive of every connection opened; `None`: off.
     pub keepalive: Option<Keepalive>,
+    /// The TLS client of each address that takes TLS; the others are plain.
+    tls: Arc<RwLock<HashMap<SocketAddr, Arc<TlsClient>>>>,
+}
+
+impl HttpConnector {
+    /// A connector with `keepalive` (`None`: off) and no TLS addresses.
+    pub fn new(keepalive: Option<Keepalive>) -> Self {
+        Self {
+            keepalive,
+            tls: Arc::default(),
+        }
+    }
+
+    /// A connector with the same settings and no TLS addresses yet, for one backend.
+    pub fn for_backend(&self) -> Self {
+        Self {
+            keepalive: self.keepalive,
+            tls: Arc::default(),
+        }
+    }
+
+    /// Sets which addresses take TLS, with which client: from the next connection on.
+    pub fn set_tls(&self, clients: HashMap<SocketAddr, Arc<TlsClient>>) {
+        *self.tls.write() = clients;
+    }
+
+    /// The TLS client of `addr`, if it takes TLS.
+    pub fn tls_of(&self, addr: SocketAddr) -> Option<Arc<TlsClient>> {
+        self.tls.read().get(&addr).cloned()
+    }
+
+    /// A TCP connection to `addr` as every upstream connection is opened: no Nagle, keepalive
+    /// as configured.
+    async fn tcp(&self, addr: SocketAddr) -> io::Result<TcpStream> {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        if let Some(keepalive) = &self.keepalive {
+            keepalive.apply(&stream)?;
+        }
+        Ok(stream)
+    }
 }
 
 /// TCP keepalive of upstream connections: the first probe after `idle` without traffic, then one
@@ -69,13 +125,97 @@ impl Keepalive {
     }
 }
 
-type Driver = http1::Connection<TokioIo<SharedStream>, RequestBody>;
+type Driver = http1::Connection<TokioIo<Transport>, RequestBody>;
 
-/// The upstream socket and the bytes read from it so far (whether a response began to arrive).
+/// The upstream socket and the bytes of responses read from it so far (whether a response
+/// began to arrive: over TLS, the plain text only, so that a `close_notify` or a ticket is no
+/// answer).
 #[derive(Debug)]
 struct Socket {
     tcp: TcpStream,
     read: AtomicU64,
+}
+
+/// What hyper reads and writes: the shared socket itself, or TLS over it. Counts the bytes of
+/// responses read.
+#[derive(Debug)]
+enum Transport {
+    Plain(SharedStream),
+    Tls(Box<TlsStream<SharedStream>>, Arc<Socket>),
+}
+
+impl Transport {
+    fn socket(&self) -> &Arc<Socket> {
+        match self {
+            Self::Plain(s) => &s.0,
+            Self::Tls(_, socket) => socket,
+        }
+    }
+}
+
+impl AsyncRead for Transport {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let result = match &mut *self {
+            Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        };
+        let read = buf.filled().len() - before;
+        if read > 0 {
+            self.socket().read.fetch_add(read as u64, Ordering::Relaxed);
+        }
+        result
+    }
+}
+
+impl AsyncWrite for Transport {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match &mut *self {
+            Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match &mut *self {
+            Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Plain(s) => s.is_write_vectored(),
+            Self::Tls(s, _) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut *self {
+            Self::Plain(s) => Pin::new(s).poll_flush(cx),
+            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    /// Plain: the write side's FIN. TLS: a `close_notify`, then the FIN.
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut *self {
+            Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
 }
 
 /// The upstream socket, shared by hyper (which reads and writes it through this) and the
@@ -94,10 +234,7 @@ impl AsyncRead for SharedStream {
             // Into the buffer's uninitialised part as it is (hyper's read buffer is large and
             // fresh on every read: zeroing it first would cost a memset per read).
             match self.0.tcp.try_read_buf(buf) {
-                Ok(n) => {
-                    self.0.read.fetch_add(n as u64, Ordering::Relaxed);
-                    return Poll::Ready(Ok(()));
-                }
+                Ok(_) => return Poll::Ready(Ok(())),
                 // Readiness was stale (try_read cleared it): wait again.
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Poll::Ready(Err(e)),
@@ -182,12 +319,16 @@ pub struct UpstreamConn {
     opened: Instant,
     /// The socket, for [`peek`] and the bytes read.
     stream: Arc<Socket>,
+    /// Over TLS: the `Host` of every request (the server name), when it is a DNS name.
+    authority: Option<HeaderValue>,
+    tls: bool,
 }
 
 impl std::fmt::Debug for UpstreamConn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamConn")
             .field("addr", &self.addr)
+            .field("tls", &self.tls)
             .field("open", &self.driver.is_some())
             .finish()
     }
@@ -228,8 +369,11 @@ impl UpstreamConn {
     /// says whether the connection closed before any byte of a response came.
     pub async fn send(
         &mut self,
-        req: Request<RequestBody>,
+        mut req: Request<RequestBody>,
     ) -> Result<Response<Incoming>, SendError> {
+        if let Some(authority) = &self.authority {
+            req.headers_mut().insert(header::HOST, authority.clone());
+        }
         let read_before = self.stream.read.load(Ordering::Relaxed);
         let mut response = pin!(self.sender.try_send_request(req));
         let result = poll_fn(|cx| {
@@ -305,6 +449,8 @@ impl Poolable for UpstreamConn {
         }
         match peek(&self.stream.tcp) {
             Peek::Quiet => true,
+            // TLS records the connection has not read yet: a ticket, a key update.
+            Peek::Unexpected if self.tls => true,
             found => {
                 tracing::debug!(addr = %self.addr, ?found, "idle upstream connection found dead before reuse");
                 false
@@ -317,11 +463,17 @@ impl Poolable for UpstreamConn {
         drop(sender);
         // No driver: the connection ended, its socket is closed on both sides already.
         let mut stream = Pin::into_inner(driver?).into_parts().io.into_inner();
+        // Plain: the FIN at once. TLS: `close_notify`, then the FIN, as the future runs.
+        let shut = match &stream {
+            Transport::Plain(s) => Some(socket2::SockRef::from(&s.0.tcp).shutdown(Shutdown::Write)),
+            Transport::Tls(..) => None,
+        };
         Some(async move {
-            if socket2::SockRef::from(&stream.0.tcp)
-                .shutdown(Shutdown::Write)
-                .is_ok()
-            {
+            let shut = match shut {
+                Some(done) => done,
+                None => stream.shutdown().await,
+            };
+            if shut.is_ok() {
                 // Until the peer's FIN (0) or an error (a reset): the rest of a response the
                 // client gave up on is dropped.
                 let _ = tokio::io::copy(&mut stream, &mut tokio::io::sink()).await;
@@ -334,17 +486,24 @@ impl Connect for HttpConnector {
     type Conn = UpstreamConn;
 
     async fn connect(&self, addr: SocketAddr) -> io::Result<UpstreamConn> {
-        let stream = TcpStream::connect(addr).await?;
-        stream.set_nodelay(true)?;
-        if let Some(keepalive) = &self.keepalive {
-            keepalive.apply(&stream)?;
-        }
+        let client = self.tls_of(addr);
         let stream = Arc::new(Socket {
-            tcp: stream,
+            tcp: self.tcp(addr).await?,
             read: AtomicU64::new(0),
         });
+        let shared = SharedStream(stream.clone());
+        let (transport, authority) = match &client {
+            None => (Transport::Plain(shared), None),
+            Some(client) => {
+                let tls = client.handshake(shared).await.map_err(io::Error::other)?;
+                (
+                    Transport::Tls(Box::new(tls), stream.clone()),
+                    client.authority().cloned(),
+                )
+            }
+        };
         let (sender, driver) = http1::Builder::new()
-            .handshake(TokioIo::new(SharedStream(stream.clone())))
+            .handshake(TokioIo::new(transport))
             .await
             .map_err(io::Error::other)?;
         Ok(UpstreamConn {
@@ -353,7 +512,34 @@ impl Connect for HttpConnector {
             addr,
             opened: Instant::now(),
             stream,
+            authority,
+            tls: client.is_some(),
         })
+    }
+
+    /// Plain addresses: the pool's plain probe. TLS ones: the same exchange over a verified
+    /// handshake (a probe never talks plain text to a TLS endpoint).
+    async fn probe(&self, addr: SocketAddr, path: &str, timeout: Duration) -> bool {
+        let Some(client) = self.tls_of(addr) else {
+            return crate::pool::probe_exchange_plain(addr, path, timeout).await;
+        };
+        let deadline = Instant::now() + timeout;
+        let connect = async {
+            let tcp = self.tcp(addr).await.ok()?;
+            let socket = Arc::new(Socket {
+                tcp,
+                read: AtomicU64::new(0),
+            });
+            client.handshake(SharedStream(socket)).await.ok()
+        };
+        let Ok(Some(stream)) = tokio::time::timeout_at(deadline, connect).await else {
+            return false;
+        };
+        let host = client
+            .authority()
+            .and_then(|h| h.to_str().ok())
+            .map_or_else(|| addr.to_string(), str::to_owned);
+        crate::pool::probe_exchange(stream, &host, path, deadline, timeout).await
     }
 }
 
@@ -376,10 +562,7 @@ mod tests {
             interval: Duration::from_secs(3),
             count: 4,
         };
-        let (conn, _peer) = pair(HttpConnector {
-            keepalive: Some(keepalive),
-        })
-        .await;
+        let (conn, _peer) = pair(HttpConnector::new(Some(keepalive))).await;
         let socket = socket2::SockRef::from(&conn.stream.tcp);
         assert!(socket.keepalive().unwrap());
         assert_eq!(socket.tcp_keepalive_time().unwrap(), keepalive.idle);

@@ -777,6 +777,7 @@ fn cel_takes_external_names_but_not_ones_inside_the_cluster() {
             name: None,
             host: host.into(),
             port: 443,
+            tls: Some(Default::default()),
         }]);
         endpoints.allow_private_addresses = allow;
         cel_errors(&p)
@@ -798,9 +799,96 @@ fn cel_takes_external_names_but_not_ones_inside_the_cluster() {
         name: None,
         host: "api.openai.com".into(),
         port: 443,
+        tls: Some(Default::default()),
     }]);
     assert_refused(
         &p,
         "set exactly one of endpoints.service, endpoints.addresses and endpoints.external",
+    );
+}
+
+#[test]
+fn cel_holds_external_tls_and_credentials_to_their_rules() {
+    let external = |port: u16, tls: Option<serde_json::Value>| {
+        let mut p = sample();
+        let endpoints = &mut p.spec.backends[0].endpoints;
+        endpoints.service = None;
+        endpoints.external = Some(vec![ExternalEndpoint {
+            name: None,
+            host: "api.openai.com".into(),
+            port,
+            tls: tls.map(|t| serde_json::from_value(t).unwrap()),
+        }]);
+        p
+    };
+    let plain_443 = "endpoints.external on port 443 must set tls (plain HTTP to an HTTPS port would carry keys in clear text)";
+    assert_refused(&external(443, None), plain_443);
+    assert_eq!(
+        cel_errors(&external(443, Some(serde_json::json!({})))),
+        Vec::<String>::new()
+    );
+    assert_eq!(cel_errors(&external(8080, None)), Vec::<String>::new());
+
+    let with_credentials = |mut p: ConnectionPolicy, credentials: serde_json::Value| {
+        p.spec.backends[0].credentials = Some(serde_json::from_value(credentials).unwrap());
+        cel_errors(&p)
+    };
+    let bearer =
+        serde_json::json!({"secretRef": {"name": "openai", "key": "api-key"}, "scheme": "Bearer"});
+    assert_eq!(
+        with_credentials(external(443, Some(serde_json::json!({}))), bearer.clone()),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        with_credentials(external(8080, None), bearer.clone()),
+        ["credentials go to external endpoints over TLS only: set tls on every endpoints.external"]
+    );
+    let header_rule = "credentials.header is set exactly for the Header scheme";
+    let tls = || {
+        external(
+            443,
+            Some(serde_json::json!({"serverName": "api.openai.com"})),
+        )
+    };
+    assert_eq!(
+        with_credentials(
+            tls(),
+            serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Header"})
+        ),
+        [header_rule]
+    );
+    assert_eq!(
+        with_credentials(
+            tls(),
+            serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Bearer", "header": "x-key"})
+        ),
+        [header_rule]
+    );
+    assert_eq!(
+        with_credentials(
+            tls(),
+            serde_json::json!({"secretRef": {"name": "p", "key": "k"}, "scheme": "Header", "header": "x-goog-api-key"})
+        ),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn the_providers_example_is_accepted() {
+    let p: ConnectionPolicy =
+        serde_norway::from_str(include_str!("../../examples/providers.yaml")).unwrap();
+    assert_eq!(cel_errors(&p), Vec::<String>::new());
+    let credentials: Vec<_> = p
+        .spec
+        .backends
+        .iter()
+        .map(|b| b.credentials.as_ref().unwrap().scheme)
+        .collect();
+    assert_eq!(
+        credentials,
+        [
+            upstream::CredentialSchemeSpec::Bearer,
+            upstream::CredentialSchemeSpec::AzureApiKey
+        ]
     );
 }

@@ -246,7 +246,9 @@ async fn put_limits(
             StatusCode::OK,
             &serde_json::to_value(applied).unwrap_or_default(),
         ),
-        Err(e @ ApplyError::Invalid(_)) => error(StatusCode::UNPROCESSABLE_ENTITY, &e.to_string()),
+        Err(e @ (ApplyError::Invalid(_) | ApplyError::Tls(_) | ApplyError::Credentials { .. })) => {
+            error(StatusCode::UNPROCESSABLE_ENTITY, &e.to_string())
+        }
         Err(e @ (ApplyError::Stale { .. } | ApplyError::Conflict { .. })) => {
             let current = gw.snapshot();
             let mut body = serde_json::json!({"error": e.to_string()});

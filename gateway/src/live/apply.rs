@@ -9,15 +9,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::InvalidLimits;
 
 use super::endpoints::{expand, hosts};
-use super::{Backend, Gateway, Route, Snapshot};
+use super::{Backend, Gateway, Route, Snapshot, upstream_tls};
 use crate::limits::limiter::ClientLimiter;
 use crate::limits::share::{per_endpoint_bursts, per_endpoint_caps};
 use crate::pool::Pool;
+use crate::proxy::credentials::{CredentialsError, ProviderKey};
 
 /// Where a limits document came from (metric label, logs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +51,18 @@ pub enum ApplyError {
         offered: u64,
         /// The generation in force.
         current: u64,
+    },
+    /// An endpoint's TLS files do not load (422).
+    #[error(transparent)]
+    Tls(#[from] super::EndpointTlsError),
+    /// A backend's provider key does not load (422).
+    #[error("backends[{backend}].credentials: {source}")]
+    Credentials {
+        /// The backend.
+        backend: String,
+        /// Why.
+        #[source]
+        source: CredentialsError,
     },
     /// Same generation as the one in force, different content (409): bump the generation.
     #[error(
@@ -137,6 +150,42 @@ impl Gateway {
             }
         }
 
+        // TLS clients first: a file that does not load refuses the document before anything
+        // changed.
+        let mut tls = HashMap::new();
+        for b in &doc.backends {
+            let current = registry.backends.get(&b.name).map(|b| b.tls.lock().clone());
+            let clients = upstream_tls::clients(
+                &b.name,
+                &b.endpoints,
+                current.as_ref(),
+                &self.inner.metrics,
+            )?;
+            tls.insert(b.name.clone(), clients);
+        }
+        // Provider keys likewise: the one in force is kept (and re-read) while its settings
+        // stay.
+        let mut keys = HashMap::new();
+        for b in &doc.backends {
+            let Some(c) = &b.credentials else { continue };
+            let current = registry
+                .backends
+                .get(&b.name)
+                .and_then(|b| b.credentials())
+                .filter(|k| k.is_for(c));
+            let key =
+                match current {
+                    Some(key) => key,
+                    None => Arc::new(ProviderKey::load(c).map_err(|source| {
+                        ApplyError::Credentials {
+                            backend: b.name.clone(),
+                            source,
+                        }
+                    })?),
+                };
+            keys.insert(b.name.clone(), key);
+        }
+
         // Client limiters: keep the ones whose name stays, update them in place.
         let mut limiters = HashMap::new();
         for policy in &doc.client_policies {
@@ -183,8 +232,12 @@ impl Gateway {
             let mut pool_limits = b.pool.clone();
             pool_limits.max_connections_per_endpoint = cap;
             pool_limits.burst_per_endpoint = burst;
+            let clients = tls.remove(&b.name).unwrap_or_default();
+            let key = keys.remove(&b.name);
             let backend = match registry.backends.remove(&b.name) {
                 Some(existing) => {
+                    *existing.tls.lock() = clients;
+                    *existing.credentials.write() = key;
                     existing.configure(&b.endpoints, pool_limits, &self.inner.resolver);
                     existing
                 }
@@ -192,18 +245,27 @@ impl Gateway {
                     let (endpoints, limits) = expand(&b.endpoints, &pool_limits, |host| {
                         self.inner.resolver.addresses(host)
                     });
-                    Arc::new(Backend {
+                    let connector = self.inner.connector.for_backend();
+                    let backend = Backend {
                         name: b.name.as_str().into(),
+                        // The connector knows its TLS addresses before the pool opens any.
                         pool: Pool::new(
                             &b.name,
                             limits,
-                            &endpoints,
-                            self.inner.connector,
+                            &[],
+                            connector.clone(),
                             self.inner.metrics.clone(),
                         ),
+                        connector,
+                        tls: Mutex::new(clients),
+                        credentials: RwLock::new(key),
+                        cooldown: Default::default(),
                         health: Mutex::new(None),
                         document: Mutex::new((b.endpoints.clone(), pool_limits)),
-                    })
+                    };
+                    backend.set_tls(&b.endpoints, &self.inner.resolver);
+                    backend.pool.set_endpoints(&endpoints);
+                    Arc::new(backend)
                 }
             };
             backend

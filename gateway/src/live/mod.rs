@@ -4,7 +4,8 @@
 //! resize and keep their connections, limiters keep their clients), readiness and shutdown, and
 //! what the state reports ([`report`]: `/v1/stats`, the gauges set at each scrape). A backend's
 //! pool endpoints are made of its document's ([`endpoints`]: one per address of a DNS name),
-//! set anew whenever the resolver's answer changes ([`Gateway::spawn_dns_refresh`]).
+//! set anew whenever the resolver's answer changes ([`Gateway::spawn_dns_refresh`]), and its
+//! TLS clients ([`upstream_tls`]) are kept while current and rebuilt when their files change.
 //!
 //! Readers take an `Arc<Snapshot>` (one read lock, one clone) and never block an apply; an
 //! apply is serialised by its own lock, builds the new snapshot and swaps it in.
@@ -14,6 +15,7 @@ mod endpoints;
 mod report;
 #[cfg(test)]
 mod tests;
+mod upstream_tls;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,15 +30,33 @@ use poolpilot_api::limits::{
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::limits::cooldown::Cooldown;
 use crate::limits::limiter::ClientLimiter;
 use crate::limits::refusals::RefusalMemory;
 use crate::observe::Metrics;
 use crate::observe::access::AccessLog;
 use crate::pool::{EndpointStats, Pool};
+use crate::proxy::credentials::ProviderKey;
 use crate::proxy::route_budget::ByteBudget;
 use crate::resolve::{DnsConfig, Resolver};
-use crate::upstream::HttpConnector;
+use crate::upstream::{HttpConnector, TlsClient, TlsError};
 pub use apply::{ApplyError, LimitsSource};
+
+/// The TLS clients of one backend's endpoints, by endpoint name ([`upstream_tls`]).
+pub(crate) type TlsClients = HashMap<String, Arc<TlsClient>>;
+
+/// An endpoint whose TLS settings could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[error("backends[{backend}].endpoints[{endpoint}].tls: {source}")]
+pub struct EndpointTlsError {
+    /// The backend.
+    pub backend: String,
+    /// The endpoint.
+    pub endpoint: String,
+    /// Why.
+    #[source]
+    pub source: Box<TlsError>,
+}
 
 /// The live gateway. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -87,6 +107,14 @@ struct Registry {
 pub(crate) struct Backend {
     pub(crate) name: Arc<str>,
     pub(crate) pool: Pool<HttpConnector>,
+    /// The pool's connector (shared with it): which addresses take TLS.
+    connector: HttpConnector,
+    /// The TLS clients of its endpoints, by endpoint name.
+    tls: Mutex<TlsClients>,
+    /// The provider's key set on its calls, if it has `credentials`.
+    credentials: RwLock<Option<Arc<ProviderKey>>>,
+    /// Until when the provider asked not to be called (only with `credentials`).
+    pub(crate) cooldown: Cooldown,
     health: Mutex<Option<(HealthCheck, JoinHandle<()>)>>,
     document: Mutex<(Vec<DocEndpoint>, PoolLimits)>,
 }
@@ -329,6 +357,26 @@ impl Gateway {
         })
     }
 
+    /// Reads the backends' mounted Secrets again every `poll` (TLS files, provider keys), for
+    /// as long as the gateway lives: a rotated one is used from the next connection or call on.
+    pub fn spawn_secret_refresh(&self, poll: Duration) -> JoinHandle<()> {
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(poll);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                let backends: Vec<Arc<Backend>> =
+                    inner.registry.lock().backends.values().cloned().collect();
+                for b in backends {
+                    b.reload_tls(&inner.resolver, &inner.metrics);
+                    b.reload_credentials();
+                }
+            }
+        })
+    }
+
     /// Forgets idle clients periodically, for as long as the gateway lives.
     pub fn spawn_maintenance(&self) -> JoinHandle<()> {
         let weak = Arc::downgrade(&self.inner);
@@ -350,6 +398,27 @@ impl Gateway {
 // === impl Backend ===
 
 impl Backend {
+    /// The provider's key set on its calls, if it has `credentials`.
+    pub(crate) fn credentials(&self) -> Option<Arc<ProviderKey>> {
+        self.credentials.read().clone()
+    }
+
+    /// Reads the provider key's file again (a rotated Secret).
+    fn reload_credentials(&self) {
+        let Some(key) = self.credentials() else {
+            return;
+        };
+        match key.reload() {
+            Ok(true) => {
+                tracing::info!(backend = %self.name, "provider key changed; the next calls carry the new one")
+            }
+            Ok(false) => {}
+            Err(error) => {
+                tracing::warn!(backend = %self.name, %error, "provider key file does not load; the key in force stays")
+            }
+        }
+    }
+
     /// Starts, restarts or stops active health checking.
     fn set_health_check(&self, check: Option<HealthCheck>) {
         let mut health = self.health.lock();

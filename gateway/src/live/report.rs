@@ -115,6 +115,11 @@ impl Gateway {
                 &r.backend.name,
                 stats.classes.clone().map(|c| (c.pending, c.held)),
             );
+            m.set_reuse_ratio(
+                &r.backend.name,
+                stats.endpoints.iter().map(|e| e.created).sum(),
+                stats.endpoints.iter().map(|e| e.reused).sum(),
+            );
             for ep in &stats.endpoints {
                 m.set_endpoint_gauges(
                     &r.backend.name,

@@ -197,6 +197,7 @@ async fn the_pod_wide_cap_bounds_shares_and_bursts_together() {
     backend.endpoints.push(poolpilot_api::limits::Endpoint {
         name: "model-a-1".into(),
         address: addr.into(),
+        tls: None,
     });
     backend.pool.max_connections_per_endpoint = 3;
     backend.pool.burst_per_endpoint = 4;

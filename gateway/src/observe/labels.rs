@@ -1,5 +1,5 @@
 //! Label values shared by the metrics and the modules that report them: why a pooled
-//! connection closed, how a call came back after a refusal, which timeout cut a call (the
+//! connection closed, how an upstream TLS handshake went or failed, how a call came back after a refusal, which timeout cut a call (the
 //! backend's or the client's), what became of a connection over its source's cap, and which
 //! admin file changed. A leaf: it imports nothing of the crate, so that the pool, the listener,
 //! the proxy, the incident signals and the metrics can all name them without importing each
@@ -82,6 +82,48 @@ impl RetryReason {
 impl EncodeLabelValue for RetryReason {
     fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
         self.as_str().encode(encoder)
+    }
+}
+
+/// How an upstream TLS handshake went (`kind` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TlsHandshake {
+    /// A full handshake: certificate chain sent and verified, new keys agreed.
+    Full,
+    /// An abbreviated one: a session of an earlier connection resumed (ticket or session ID).
+    Resumed,
+}
+
+impl EncodeLabelValue for TlsHandshake {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        match self {
+            Self::Full => "full",
+            Self::Resumed => "resumed",
+        }
+        .encode(encoder)
+    }
+}
+
+/// Why an upstream TLS handshake failed (`reason` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TlsFailure {
+    /// The server's certificate did not verify (unknown issuer, wrong name, expired, none).
+    Certificate,
+    /// The server refused the handshake with an alert (e.g. no or a refused client
+    /// certificate).
+    Alert,
+    /// Anything else: a protocol error, the connection lost mid-handshake.
+    Handshake,
+}
+
+impl EncodeLabelValue for TlsFailure {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        match self {
+            Self::Certificate => "certificate",
+            Self::Alert => "alert",
+            Self::Handshake => "handshake",
+        }
+        .encode(encoder)
     }
 }
 

@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use poolpilot_api::limits::PriorityClass;
 use poolpilot_telemetry::Format;
@@ -17,7 +18,10 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use super::incidents::Incidents;
-use super::labels::{AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind};
+use super::labels::{
+    AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind, TlsFailure,
+    TlsHandshake,
+};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct DownstreamTimeoutLabel {
@@ -49,6 +53,18 @@ struct LookupLabels {
 struct RetryLabels {
     backend: String,
     reason: RetryReason,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HandshakeLabels {
+    backend: String,
+    kind: TlsHandshake,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TlsFailureLabels {
+    backend: String,
+    reason: TlsFailure,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -162,6 +178,11 @@ pub struct Metrics {
     upstream_response_bytes: Family<BackendLabel, Counter>,
     upstream_timeouts: Family<TimeoutLabels, Counter>,
     upstream_retries: Family<RetryLabels, Counter>,
+    tls_handshake: HistogramFamily<HandshakeLabels>,
+    tls_failures: Family<TlsFailureLabels, Counter>,
+    pool_reuse_ratio: Family<BackendLabel, Gauge<f64, AtomicU64>>,
+    upstream_cooldowns: Family<BackendLabel, Counter>,
+    upstream_cooldown_refused: Family<BackendLabel, Counter>,
     client_inflight: Family<ClientLabel, Gauge>,
     client_rejected: Family<ClientReasonLabels, Counter>,
     client_queue_wait: HistogramFamily<ClientLabel>,
@@ -218,6 +239,11 @@ impl prometheus_client::metrics::family::MetricConstructor<Histogram> for LeaseW
     }
 }
 
+fn handshake_histogram() -> Histogram {
+    // 0.25ms .. ~8s: a resumed handshake on loopback to a full one across a continent.
+    Histogram::new(exponential_buckets(0.00025, 2.0, 16))
+}
+
 fn duration_histogram() -> Histogram {
     // 5ms .. ~160s: model calls run from milliseconds to minutes.
     Histogram::new(exponential_buckets(0.005, 2.0, 16))
@@ -266,6 +292,11 @@ impl Metrics {
             upstream_response_bytes: Family::default(),
             upstream_timeouts: Family::default(),
             upstream_retries: Family::default(),
+            tls_handshake: Family::new_with_constructor(handshake_histogram),
+            tls_failures: Family::default(),
+            pool_reuse_ratio: Family::default(),
+            upstream_cooldowns: Family::default(),
+            upstream_cooldown_refused: Family::default(),
             client_inflight: Family::default(),
             client_rejected: Family::default(),
             client_queue_wait: Family::new_with_constructor(wait_histogram),
@@ -399,6 +430,32 @@ impl Metrics {
             "poolpilot_upstream_retries",
             "Requests re-sent on another connection because a reused one failed them before any byte of a response, by reason",
             m.upstream_retries.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_upstream_tls_handshake",
+            "TLS handshakes on new upstream connections, by kind (full, resumed: a session of an earlier connection)",
+            Unit::Seconds,
+            m.tls_handshake.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_tls_failures",
+            "Upstream TLS handshakes that failed, by reason (certificate: the server's did not verify; alert: the server refused; handshake: anything else); never retried in plain text",
+            m.tls_failures.clone(),
+        );
+        r.register(
+            "poolpilot_pool_reuse_ratio",
+            "Leases served by an idle pooled connection, as a share of all leases: reused / (created + reused), over the endpoints in the limits",
+            m.pool_reuse_ratio.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_cooldowns",
+            "Provider refusals (429, 503) with Retry-After that put a backend carrying the provider's key in a cooldown",
+            m.upstream_cooldowns.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_cooldown_refused",
+            "Calls answered 429 by the gateway while their backend's provider had asked not to be called",
+            m.upstream_cooldown_refused.clone(),
         );
         r.register(
             "poolpilot_client_inflight",
@@ -615,6 +672,7 @@ impl Metrics {
         self.pool_class_leased.clear();
         self.client_class_queued.clear();
         self.pool_max_connections.clear();
+        self.pool_reuse_ratio.clear();
         self.endpoint_healthy.clear();
         self.client_inflight.clear();
     }
@@ -705,6 +763,52 @@ impl Metrics {
                 reason,
             })
             .inc();
+    }
+
+    pub(crate) fn tls_handshake(&self, backend: &str, kind: TlsHandshake, secs: f64) {
+        self.tls_handshake
+            .get_or_create(&HandshakeLabels {
+                backend: backend.into(),
+                kind,
+            })
+            .observe(secs);
+    }
+
+    pub(crate) fn tls_failure(&self, backend: &str, reason: TlsFailure) {
+        self.tls_failures
+            .get_or_create(&TlsFailureLabels {
+                backend: backend.into(),
+                reason,
+            })
+            .inc();
+    }
+
+    pub(crate) fn upstream_cooldown(&self, backend: &str) {
+        self.upstream_cooldowns
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn upstream_cooldown_refused(&self, backend: &str) {
+        self.upstream_cooldown_refused
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .inc();
+    }
+
+    /// A backend's reuse ratio, from its endpoints' counters at a scrape (none yet: unset).
+    pub(crate) fn set_reuse_ratio(&self, backend: &str, created: u64, reused: u64) {
+        if created + reused == 0 {
+            return;
+        }
+        self.pool_reuse_ratio
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .set(reused as f64 / (created + reused) as f64);
     }
 
     // --- clients ---

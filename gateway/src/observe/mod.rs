@@ -12,5 +12,6 @@ pub(crate) mod metrics;
 pub(crate) use incidents::{NO_CLIENT, Reclaim};
 pub(crate) use labels::{
     AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind, Timing,
+    TlsFailure, TlsHandshake,
 };
 pub use metrics::Metrics;

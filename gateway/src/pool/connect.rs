@@ -1,4 +1,5 @@
-//! What the pool pools: a [`Poolable`] connection, the [`Connect`] that opens one, and how long
+//! What the pool pools: a [`Poolable`] connection, the [`Connect`] that opens one (and probes
+//! an endpoint the same way), and how long
 //! a closed connection may keep its slot while the peer still holds its side ([`CLOSE_GRACE`]).
 //! The pool is generic over them, so that its tests pool fake connections and its benchmark
 //! measures the pool, not a socket.
@@ -51,4 +52,16 @@ pub trait Connect: Send + Sync + std::fmt::Debug + 'static {
 
     /// Opens one connection to `addr`. The pool bounds it with `connectTimeout`.
     fn connect(&self, addr: SocketAddr) -> impl Future<Output = io::Result<Self::Conn>> + Send;
+
+    /// One active health probe of `addr` (see [`super::probe::exchange`]): whether `GET path`
+    /// answers 2xx within `timeout`, on a connection opened the way this connector opens
+    /// them. The default probes over plain TCP.
+    fn probe(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        timeout: Duration,
+    ) -> impl Future<Output = bool> + Send {
+        super::probe::plain(addr, path, timeout)
+    }
 }

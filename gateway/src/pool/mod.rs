@@ -49,6 +49,7 @@
 //! | `dispatch.rs` | the lock-held core: begin, complete, release, dispatch to waiters, reap, close |
 //! | `select.rs` | endpoint choice: power of two choices on spare capacity (pure) |
 //! | `health.rs` | active probes, their thresholds, passive ejection, eligibility |
+//! | `probe.rs` | one probe's exchange, over the stream its connector opened |
 //! | `rate.rs` | the drain-rate and hold-time estimators behind `Retry-After` |
 //! | `error.rs`, `stats.rs` | [`PoolError`]; [`PoolStats`] and its parts |
 
@@ -57,6 +58,7 @@ mod dispatch;
 mod error;
 pub(crate) mod health;
 mod lease;
+mod probe;
 mod rate;
 mod select;
 mod state;
@@ -79,6 +81,7 @@ use dispatch::{QueuePlace, Step, Unsettled, reap_loop};
 pub use error::PoolError;
 pub use health::ProbeSlot;
 pub use lease::Lease;
+pub use probe::{exchange as probe_exchange, plain as probe_exchange_plain};
 pub(crate) use rate::whole_seconds as rate_whole_seconds;
 use rate::{HoldTime, ReleaseRate};
 use state::{EndpointState, Health, Inner, State};
@@ -389,6 +392,8 @@ impl<C: Connect> Pool<C> {
                     healthy: state.eligible(ep, now),
                     ejected: ep.health.is_ejected(now),
                     drained: ep.drained,
+                    created: ep.created.get(),
+                    reused: ep.reused.get(),
                 })
                 .collect(),
         }

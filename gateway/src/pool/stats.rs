@@ -27,6 +27,10 @@ pub struct EndpointStats {
     pub ejected: bool,
     /// Whether an operator drained it by hand (`POST .../drain`).
     pub drained: bool,
+    /// Connections opened to it so far.
+    pub created: u64,
+    /// Leases it served with an idle pooled connection so far.
+    pub reused: u64,
 }
 
 /// Counts of one backend's pool.

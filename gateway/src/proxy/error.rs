@@ -17,6 +17,7 @@ use super::body::ResponseBody;
 use crate::limits::limiter::ClientRejection;
 use crate::observe::TimeoutKind;
 use crate::pool::PoolError;
+use crate::upstream::TlsError;
 
 /// `Retry-After` of failures whose cause passes quickly (a stale connection, an endpoint about
 /// to be ejected, a pod going away behind its Service): come back in a second.
@@ -104,6 +105,15 @@ pub enum ProxyError {
     /// The request target's path holds `.`/`..` or empty segments, or encoded slashes (400).
     #[error("the request path has dot segments, empty segments or encoded slashes")]
     BadTarget,
+    /// The provider refused a call with `Retry-After` a moment ago, and that time has not
+    /// passed (429, with what is left of it).
+    #[error("the provider of backend {backend} asked not to be called for {retry_after:?} more")]
+    CoolingDown {
+        /// The backend.
+        backend: String,
+        /// What is left of the provider's `Retry-After`.
+        retry_after: Duration,
+    },
     /// `CONNECT` or `TRACE` (501).
     #[error("this method is not supported by the gateway")]
     MethodNotImplemented,
@@ -114,11 +124,21 @@ pub enum ProxyError {
 }
 
 impl ProxyError {
+    /// The TLS failure behind a connect failure, if that is what it was.
+    fn tls(&self) -> Option<&TlsError> {
+        match self {
+            Self::Pool(PoolError::Connect { source, .. }) => source.get_ref()?.downcast_ref(),
+            _ => None,
+        }
+    }
+
     /// The HTTP status the client gets.
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Client(ClientRejection::TableFull { .. }) => StatusCode::SERVICE_UNAVAILABLE,
-            Self::Client(_) | Self::TooManyConnections => StatusCode::TOO_MANY_REQUESTS,
+            Self::Client(_) | Self::TooManyConnections | Self::CoolingDown { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::Pool(e) => match e {
                 PoolError::QueueFull { .. }
                 | PoolError::LeaseTimeout { .. }
@@ -143,6 +163,13 @@ impl ProxyError {
 
     /// The machine-readable reason (the body's `error.code`).
     pub fn reason(&self) -> &'static str {
+        if let Some(tls) = self.tls() {
+            return if tls.is_verification() {
+                "upstream_tls_verification_failed"
+            } else {
+                "upstream_tls_failed"
+            };
+        }
         match self {
             Self::Client(e) => e.reason(),
             Self::Pool(e) => match e {
@@ -172,18 +199,27 @@ impl ProxyError {
             Self::BadTarget => "bad_request_target",
             Self::MethodNotImplemented => "method_not_supported",
             Self::TooManyConnections => "too_many_connections",
+            Self::CoolingDown { .. } => "backend_cooling_down",
         }
     }
 
     /// When the client should retry, if it should: every 503, and the 502/504s a retry can
     /// cure.
     pub fn retry_after(&self) -> Option<Duration> {
+        // A certificate that does not verify will not verify in a second either.
+        if self.tls().is_some_and(TlsError::is_verification) {
+            return None;
+        }
         match self {
             Self::Client(
                 ClientRejection::Concurrency { retry_after, .. }
                 | ClientRejection::QueueTimeout { retry_after, .. },
             ) => Some(*retry_after),
             Self::Client(ClientRejection::TableFull { .. }) => Some(RETRY_SOON),
+            // Rounded up: a client back at the whole second is past the provider's time.
+            Self::CoolingDown { retry_after, .. } => Some(Duration::from_secs(
+                retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0),
+            )),
             Self::Pool(
                 PoolError::QueueFull { retry_after, .. }
                 | PoolError::LeaseTimeout { retry_after, .. }
@@ -215,6 +251,9 @@ impl ProxyError {
     /// What the client is told: the `Display` text, except for failures whose text names an
     /// endpoint or its address.
     fn public_message(&self) -> String {
+        if let Some(tls) = self.tls() {
+            return tls.public_message();
+        }
         match self {
             Self::Pool(PoolError::ConnectTimeout { .. }) => {
                 "connecting to a backend instance timed out".to_owned()

@@ -10,6 +10,9 @@
 //! back), and after it was written only when it is replayable ([`super::replay`]: idempotent, or
 //! with an `Idempotency-Key`, and its body held whole). A fresh connection's failure is never
 //! retried, and neither is a request the backend may have begun to answer.
+//!
+//! A backend that carries the provider's key cools down when the provider refuses with a time
+//! to come back (`crate::limits::cooldown`): until then its calls are answered `429` here.
 
 use std::future::poll_fn;
 use std::pin::pin;
@@ -58,6 +61,15 @@ pub(super) async fn forward(
     let backend = &route.backend;
     let timeouts = &route.timeouts;
     let mut retries = 0;
+    // The provider asked not to be called yet: no call goes into a known refusal.
+    let shared_key = backend.credentials().is_some();
+    if shared_key && let Some(retry_after) = backend.cooldown.remaining(Instant::now()) {
+        metrics.upstream_cooldown_refused(&backend.name);
+        return Err(ProxyError::CoolingDown {
+            backend: backend.name.to_string(),
+            retry_after,
+        });
+    }
     // The soft throttle: a short delay while others wait, before joining them.
     let delay = backend.pool.throttle_delay();
     if !delay.is_zero() {
@@ -93,6 +105,15 @@ pub(super) async fn forward(
         match result {
             Ok(Ok(response)) => {
                 record.upstream_head(sent_at.elapsed());
+                if shared_key
+                    && let Some(wait) =
+                        backend
+                            .cooldown
+                            .note(response.status(), response.headers(), Instant::now())
+                {
+                    metrics.upstream_cooldown(&backend.name);
+                    tracing::info!(backend = %backend.name, status = response.status().as_u16(), ?wait, "the provider refused with Retry-After; no calls until then");
+                }
                 return Ok(response::respond(
                     &call,
                     backend.clone(),

@@ -9,7 +9,8 @@
 //! 4. identity   the client's hashed identity; back early after a refusal?
 //! 5. class      interactive or batch, by the client's policy
 //! 6. admission  the client's limiter: concurrency, queue                          429 503
-//! 7. headers    hop-by-hop dropped, X-Forwarded-For and Via added
+//! 7. headers    hop-by-hop dropped, X-Forwarded-For and Via added; the client's credentials
+//!               replaced by the provider's key (a backend with `credentials`)
 //! 8. forward    soft throttle, pool lease, send (again on another connection only
 //!               when a *reused* one failed it before any byte of a response:
 //!               unsent, or replayable), the response head within firstByte
@@ -32,6 +33,7 @@
 //! | `route_budget.rs` | the pod-wide byte budget of routing buffers |
 //! | `identity.rs` | the client's hashed identity as its policy counts it |
 //! | `headers.rs` | hop-by-hop headers, `Via`, `X-Forwarded-For`, the upstream request line |
+//! | `credentials.rs` | the provider's key in place of the client's credentials, re-read on rotation |
 //! | `forward.rs` | lease, send, retry on a stale connection, the wait for the response head |
 //! | `replay.rs` | which requests are safe to send twice, and the copy kept to send one again |
 //! | `call.rs` | a call's context, and what its end settles: metrics, the connection, outlier reports, the permit |
@@ -41,6 +43,7 @@
 //! | `error.rs` | typed failures → status, `Retry-After`, an OpenAI-shaped body (the only place) |
 
 mod call;
+pub(crate) mod credentials;
 mod forward;
 mod head;
 mod headers;

@@ -108,8 +108,12 @@ async fn proxy(
         }
         None => None,
     };
-    // 7. upstream head: hop-by-hop headers dropped, `X-Forwarded-For` and `Via` added
+    // 7. upstream head: hop-by-hop headers dropped, `X-Forwarded-For` and `Via` added; the
+    //    client's credentials out and the provider's in
     headers::prepare_upstream_head(&mut parts, peer);
+    if let Some(key) = route.backend.credentials() {
+        key.apply(&mut parts.headers);
+    }
     let progress = body.progress();
     record.body(progress.clone());
     let replay = Replay::of(&parts, &body);

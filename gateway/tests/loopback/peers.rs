@@ -1,7 +1,7 @@
 //! Real servers as the gateway's backends, started by the tests on 127.0.0.1 from the Debian
 //! packages `make upstream-peers` installs (nginx, dnsmasq): each in a temporary folder with its own
 //! configuration, stopped when the test drops it. The tests that need one are `#[ignore]`d
-//! with the reason, and `make unit` runs them (`-- --ignored reused:: dns::`).
+//! with the reason, and `make unit` runs them (`-- --ignored reused:: dns:: upstream_tls::`).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -69,9 +69,41 @@ impl Server {
 /// a small JSON body, closing keep-alive connections after `keepalive_timeout` idle and
 /// `keepalive_requests` requests; `server` is added to the `server` block.
 pub async fn nginx(keepalive_timeout: &str, keepalive_requests: u32, server: &str) -> Server {
+    nginx_listening(keepalive_timeout, keepalive_requests, "", server, |_| {
+        String::new()
+    })
+    .await
+}
+
+/// [`nginx`] over TLS with `(cert, key)` (PEM), its session cache and tickets on (a client may
+/// resume), logging to `access.log` of its folder, per request, whether the session was
+/// resumed (`r` or `.`), the SNI and the protocol.
+pub async fn nginx_tls(keepalive_requests: u32, (cert, key): &(String, String)) -> Server {
+    let log = "access_log access.log tls;";
+    nginx_listening("60s", keepalive_requests, " ssl", log, |dir| {
+        write(dir, "tls.crt", cert);
+        write(dir, "tls.key", key);
+        let d = dir.display();
+        format!(
+            "ssl_certificate {d}/tls.crt; ssl_certificate_key {d}/tls.key; \
+             ssl_session_cache shared:SSL:1m; ssl_session_tickets on; \
+             log_format tls '$ssl_session_reused $ssl_server_name $ssl_protocol';"
+        )
+    })
+    .await
+}
+
+async fn nginx_listening(
+    keepalive_timeout: &str,
+    keepalive_requests: u32,
+    listen: &str,
+    server: &str,
+    http: impl FnOnce(&Path) -> String,
+) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let d = dir.path().display();
+    let http = http(dir.path());
     let conf = format!(
         r#"daemon off;
 master_process off;
@@ -85,8 +117,9 @@ http {{
     proxy_temp_path {d}/proxy;
     keepalive_timeout {keepalive_timeout};
     keepalive_requests {keepalive_requests};
+    {http}
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port}{listen};
         {server}
         location / {{
             default_type application/json;

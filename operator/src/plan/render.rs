@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
-    BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, ClientShare, HealthCheck,
-    ListenerLimits, MAX_GENERATION, OutlierDetection, PoolLimits, ProxyProtocol, RouteMatch,
-    SlowCalls, SoftThrottle, Timeouts, TrustedProxies,
+    BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, ClientShare, CredentialScheme,
+    Credentials, HealthCheck, ListenerLimits, MAX_GENERATION, OutlierDetection, PoolLimits,
+    ProxyProtocol, RouteMatch, SlowCalls, SoftThrottle, Timeouts, TrustedProxies,
 };
+use poolpilot_api::policy::upstream::{CredentialSchemeSpec, CredentialsSpec, secret_file};
 use poolpilot_api::policy::{BackendSpec, ClientScope, TrustedProxyProtocol};
 use sha2::{Digest, Sha256};
 
@@ -409,6 +410,22 @@ fn backend(
             max_ejected_percent: o.max_ejected_percent,
         }),
         client_policy,
+        credentials: b.credentials.as_ref().map(credentials),
+    }
+}
+
+/// A backend's credentials as the gateways take them: the Secret's key as the file the gateway
+/// pods mount it as (the key itself never passes through the operator).
+fn credentials(c: &CredentialsSpec) -> Credentials {
+    Credentials {
+        key_file: secret_file(&c.secret_ref.name, &c.secret_ref.key),
+        scheme: match c.scheme {
+            CredentialSchemeSpec::Bearer => CredentialScheme::Bearer,
+            CredentialSchemeSpec::AzureApiKey => CredentialScheme::AzureApiKey,
+            CredentialSchemeSpec::Header => CredentialScheme::Header,
+        },
+        header: c.header.clone(),
+        remove_headers: c.remove_headers.clone(),
     }
 }
 

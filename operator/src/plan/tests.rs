@@ -38,6 +38,7 @@ pub(crate) fn policy(name: &str, created: i64, spec: &str, endpoints: u32) -> Po
                         8000,
                     )
                     .into(),
+                    tls: None,
                 })
                 .collect();
             (b.name.clone(), eps)

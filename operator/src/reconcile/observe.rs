@@ -10,8 +10,9 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
-use poolpilot_api::limits::{Endpoint, EndpointAddress};
+use poolpilot_api::limits::{ClientCertificate, Endpoint, EndpointAddress, EndpointTls};
 use poolpilot_api::policy::BackendSpec;
+use poolpilot_api::policy::upstream::{ExternalTls, secret_file};
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 
 use super::context::Context;
@@ -332,6 +333,25 @@ pub fn refused_namespaces(allowed: &[String], policy: &ConnectionPolicy) -> Vec<
         .collect()
 }
 
+/// An external endpoint's TLS as the gateways take it: the Secrets as the files the gateway
+/// pods mount them as.
+fn endpoint_tls(tls: &ExternalTls) -> EndpointTls {
+    EndpointTls {
+        server_name: tls.server_name.clone(),
+        ca_file: tls
+            .ca_bundle_secret
+            .as_deref()
+            .map(|s| secret_file(s, "ca.crt")),
+        client_certificate: tls
+            .client_cert_secret
+            .as_deref()
+            .map(|s| ClientCertificate {
+                cert_file: secret_file(s, "tls.crt"),
+                key_file: secret_file(s, "tls.key"),
+            }),
+    }
+}
+
 /// The backend's endpoints: ready addresses of its Service's EndpointSlices on its port, its
 /// static addresses (unparsable ones are left out; validation reports them), or its external
 /// DNS names as `host:port` endpoints (each gateway resolves them).
@@ -344,6 +364,7 @@ pub fn resolve(b: &BackendSpec, slices: &[std::sync::Arc<EndpointSlice>]) -> Vec
                 Some(Endpoint {
                     name: a.name.clone().unwrap_or_else(|| a.address.clone()),
                     address: address.into(),
+                    tls: None,
                 })
             })
             .collect();
@@ -359,6 +380,7 @@ pub fn resolve(b: &BackendSpec, slices: &[std::sync::Arc<EndpointSlice>]) -> Vec
                 Endpoint {
                     name: e.name.clone().unwrap_or_else(|| address.to_string()),
                     address,
+                    tls: e.tls.as_ref().map(endpoint_tls),
                 }
             })
             .collect();
@@ -397,6 +419,7 @@ pub fn resolve(b: &BackendSpec, slices: &[std::sync::Arc<EndpointSlice>]) -> Vec
                 out.push(Endpoint {
                     name,
                     address: address.into(),
+                    tls: None,
                 });
             }
         }
@@ -431,6 +454,40 @@ mod tests {
             }))
             .unwrap(),
         )
+    }
+
+    #[test]
+    fn external_tls_names_the_files_the_gateway_pods_mount_its_secrets_as() {
+        let b = backend(json!({"external": [
+            {"host": "api.openai.com", "port": 443, "tls": {}},
+            {"name": "internal", "host": "models.example.com", "port": 8443, "tls": {
+                "caBundleSecret": "models-ca", "clientCertSecret": "gateway-client",
+                "serverName": "vllm.example.com"
+            }},
+        ]}));
+        let got = resolve(&b, &[]);
+        assert_eq!(
+            got[0].tls,
+            Some(EndpointTls::default()),
+            "system roots, the host's name"
+        );
+        let tls = got[1].tls.as_ref().unwrap();
+        assert_eq!(tls.server_name.as_deref(), Some("vllm.example.com"));
+        assert_eq!(
+            tls.ca_file.as_deref(),
+            Some(std::path::Path::new(
+                "/etc/poolpilot/secrets/models-ca/ca.crt"
+            ))
+        );
+        let client = tls.client_certificate.as_ref().unwrap();
+        assert_eq!(
+            client.cert_file,
+            std::path::Path::new("/etc/poolpilot/secrets/gateway-client/tls.crt")
+        );
+        assert_eq!(
+            client.key_file,
+            std::path::Path::new("/etc/poolpilot/secrets/gateway-client/tls.key")
+        );
     }
 
     #[test]
