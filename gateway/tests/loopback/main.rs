@@ -34,3 +34,4 @@ mod reused;
 mod signals;
 mod soft_throttle;
 mod timeouts;
+mod tokens;
