@@ -374,10 +374,7 @@ async fn stream_tokens(
                 .observe(arrived.elapsed().as_secs_f64());
         }
         let text = openai::token_text(i);
-        if send(&chunk(i, Some(&text), None))
-            .await
-            .is_err()
-        {
+        if send(&chunk(i, Some(&text), None)).await.is_err() {
             return;
         }
         m.tokens.inc();
@@ -387,8 +384,8 @@ async fn stream_tokens(
         return;
     }
     if send(&chunk(plan.tokens, None, Some(plan.finish_reason())))
-    .await
-    .is_err()
+        .await
+        .is_err()
     {
         return;
     }

@@ -586,7 +586,9 @@ async fn streaming_responses_arrive_chunk_by_chunk() {
     assert_eq!(chunks[7]["choices"], json!([]));
     // Asked for usage, every chunk before it says `"usage": null` (as OpenAI's and vLLM's do).
     assert!(
-        chunks[..7].iter().all(|c| c.get("usage") == Some(&Value::Null)),
+        chunks[..7]
+            .iter()
+            .all(|c| c.get("usage") == Some(&Value::Null)),
         "{chunks:?}"
     );
 
@@ -621,9 +623,7 @@ async fn streaming_responses_arrive_chunk_by_chunk() {
     assert_eq!(first["object"], "text_completion");
     // Not asked for usage: no usage chunk, and no `usage` field in the chunks.
     assert!(
-        events[..4]
-            .iter()
-            .all(|e| !e.data.contains("usage")),
+        events[..4].iter().all(|e| !e.data.contains("usage")),
         "{events:?}"
     );
     assert!(!first["choices"][0]["text"].as_str().unwrap().is_empty());

@@ -107,7 +107,9 @@ async fn proxy(
     let default_max = route
         .limiter
         .as_ref()
-        .map_or(TokenBudget::DEFAULT_MAX_TOKENS, |l| l.default_max_tokens(&key));
+        .map_or(TokenBudget::DEFAULT_MAX_TOKENS, |l| {
+            l.default_max_tokens(&key)
+        });
     let estimate = tokens::estimate::estimate(body.held().as_deref(), length, default_max);
     let reservation = match &route.limiter {
         Some(limiter) => limiter

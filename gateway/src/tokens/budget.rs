@@ -304,15 +304,15 @@ impl<K: Copy + Eq + Hash> TokenBudgets<K> {
             clients,
             ..
         } = &mut *table;
-        clients.retain(|key, buckets| {
-            match overrides.get(key).or(policy.as_ref()) {
+        clients.retain(
+            |key, buckets| match overrides.get(key).or(policy.as_ref()) {
                 Some(budget) => {
                     buckets.reshape(budget, now);
                     true
                 }
                 None => false,
-            }
-        });
+            },
+        );
     }
 
     /// The budget of `key`, if it has one: its override's, else the policy's.

@@ -96,22 +96,57 @@ mod tests {
     #[test]
     fn output_is_the_most_the_call_may_produce() {
         let e = |b: &str| estimate(Some(b.as_bytes()), b.len() as u64, 256);
-        let chat = r#"{"model":"m","messages":[{"role":"user","content":"abcdefgh"}],"max_tokens":10}"#;
-        assert_eq!(e(chat), Estimate { prompt: 2, output: 10 });
+        let chat =
+            r#"{"model":"m","messages":[{"role":"user","content":"abcdefgh"}],"max_tokens":10}"#;
+        assert_eq!(
+            e(chat),
+            Estimate {
+                prompt: 2,
+                output: 10
+            }
+        );
         let newer = r#"{"messages":[{"content":"abcdefghi"}],"max_tokens":10,"max_completion_tokens":20,"n":2}"#;
-        assert_eq!(e(newer), Estimate { prompt: 3, output: 40 });
-        let parts = r#"{"messages":[{"content":[{"type":"text","text":"abcd"},{"type":"image_url"}]}]}"#;
-        assert_eq!(e(parts), Estimate { prompt: 1, output: 256 });
+        assert_eq!(
+            e(newer),
+            Estimate {
+                prompt: 3,
+                output: 40
+            }
+        );
+        let parts =
+            r#"{"messages":[{"content":[{"type":"text","text":"abcd"},{"type":"image_url"}]}]}"#;
+        assert_eq!(
+            e(parts),
+            Estimate {
+                prompt: 1,
+                output: 256
+            }
+        );
         let completion = r#"{"prompt":["abcd","efgh"],"max_tokens":3}"#;
-        assert_eq!(e(completion), Estimate { prompt: 2, output: 3 });
+        assert_eq!(
+            e(completion),
+            Estimate {
+                prompt: 2,
+                output: 3
+            }
+        );
     }
 
     #[test]
     fn a_body_not_held_or_not_json_counts_as_prompt() {
-        assert_eq!(estimate(None, 4000, 64), Estimate { prompt: 1000, output: 64 });
+        assert_eq!(
+            estimate(None, 4000, 64),
+            Estimate {
+                prompt: 1000,
+                output: 64
+            }
+        );
         assert_eq!(
             estimate(Some(b"not json"), 8, 64),
-            Estimate { prompt: 2, output: 64 }
+            Estimate {
+                prompt: 2,
+                output: 64
+            }
         );
         assert_eq!(estimate(None, 0, 64).prompt, 1);
     }
@@ -121,7 +156,11 @@ mod tests {
     /// higher (bytes, not characters), never lower.
     #[test]
     fn the_estimate_is_at_least_modelsims_count() {
-        for text in ["How many connections does a pool need?", "größer als ein Pool", "連接池"] {
+        for text in [
+            "How many connections does a pool need?",
+            "größer als ein Pool",
+            "連接池",
+        ] {
             let body = serde_json::json!({"messages": [{"content": text}]}).to_string();
             let est = estimate(Some(body.as_bytes()), body.len() as u64, 1).prompt;
             let sim = (text.chars().count() as u64).div_ceil(4).max(1);

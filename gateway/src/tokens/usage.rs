@@ -143,7 +143,13 @@ impl UsageReader {
         let kind = headers
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase());
+            .map(|v| {
+                v.split(';')
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .to_ascii_lowercase()
+            });
         let format = match kind.as_deref() {
             Some("text/event-stream") => Format::Sse(SseParser::default()),
             Some("application/json") => Format::Json {
@@ -345,7 +351,10 @@ mod tests {
     fn a_json_body_past_its_cap_is_not_held() {
         let mut reader = UsageReader::for_response(&headers("application/json"));
         let big = Bytes::from(vec![b' '; JSON_CAP]);
-        reader.feed(&Bytes::from_static(b"{\"usage\":{\"prompt_tokens\":1}}"), Instant::now());
+        reader.feed(
+            &Bytes::from_static(b"{\"usage\":{\"prompt_tokens\":1}}"),
+            Instant::now(),
+        );
         reader.feed(&big, Instant::now());
         assert!(matches!(reader.format, Format::Unread));
         assert_eq!(reader.finish().usage, None);
@@ -355,7 +364,10 @@ mod tests {
     fn a_stream_gives_its_usage_and_counts_its_content_chunks() {
         let reading = read("text/event-stream", &[STREAM.as_bytes()]);
         assert!(reading.stream);
-        assert_eq!(reading.content_chunks, 2, "role-only and finish chunks carry no output");
+        assert_eq!(
+            reading.content_chunks, 2,
+            "role-only and finish chunks carry no output"
+        );
         assert_eq!(
             reading.usage,
             Some(Usage {

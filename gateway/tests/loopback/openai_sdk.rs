@@ -197,13 +197,23 @@ async fn the_openai_sdk_sees_its_remaining_tokens_fall_and_waits_out_a_token_ref
     assert_eq!(refused["type"], "tokens", "{report}");
     assert_eq!(refused["code"], "rate_limit_exceeded", "{report}");
     assert_eq!(refused["limit"], "400", "{report}");
-    assert!(refused["reset"].as_str().is_some_and(|r| r.ends_with('s')), "{report}");
+    assert!(
+        refused["reset"].as_str().is_some_and(|r| r.ends_with('s')),
+        "{report}"
+    );
     let retry_after: f64 = refused["retry_after"].as_str().unwrap().parse().unwrap();
-    assert_eq!(report["status"], 200, "the SDK's retry got through: {report}");
+    assert_eq!(
+        report["status"], 200,
+        "the SDK's retry got through: {report}"
+    );
     assert!(report["retries"].as_u64().unwrap() >= 1, "{report}");
     assert!(
         report["waited"].as_f64().unwrap() >= retry_after - 1.0,
         "the SDK waited out Retry-After: {report}"
     );
-    assert_eq!(sim.stats().requests_received, 7, "no refused call reached modelsim");
+    assert_eq!(
+        sim.stats().requests_received,
+        7,
+        "no refused call reached modelsim"
+    );
 }

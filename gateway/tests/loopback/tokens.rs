@@ -80,7 +80,10 @@ async fn remaining_tokens_fall_call_by_call_and_the_call_over_budget_never_reach
         let (status, headers, body) = call(&gw, "alice", &chat(50, false, false)).await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some(400));
-        assert!(headers.contains_key("x-ratelimit-reset-tokens"), "{headers:?}");
+        assert!(
+            headers.contains_key("x-ratelimit-reset-tokens"),
+            "{headers:?}"
+        );
         remaining.push(header(&headers, "x-ratelimit-remaining-tokens").unwrap());
     }
     assert!(
@@ -159,7 +162,10 @@ async fn reservations_are_settled_with_the_backends_usage_streamed_or_not() {
         let second = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
         // Settled at 20 (not the 210 reserved): 1200 − 20 − 210, and the refill meanwhile (20
         // tokens a second); unsettled it would be 780.
-        assert!((970..990).contains(&second), "{what}: {first} then {second}");
+        assert!(
+            (970..990).contains(&second),
+            "{what}: {first} then {second}"
+        );
     }
     let text = gw.metrics().await;
     let series = |direction: &str, source: &str| {
@@ -230,7 +236,9 @@ async fn a_cut_or_abandoned_call_is_settled_with_what_was_streamed() {
     while seen < 3 {
         let frame = body.frame().await.unwrap().unwrap();
         if let Ok(data) = frame.into_data() {
-            seen += String::from_utf8_lossy(&data).matches("\"content\"").count();
+            seen += String::from_utf8_lossy(&data)
+                .matches("\"content\"")
+                .count();
         }
     }
     drop(body);

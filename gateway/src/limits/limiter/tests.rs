@@ -638,8 +638,10 @@ fn a_key_is_shown_whole_in_hex_as_client_shares_name_it() {
 async fn a_token_reservation_rides_in_the_permit_and_a_refusal_is_counted() {
     let mut p = policy(4, 0);
     p.tokens = Some(serde_json::from_value(serde_json::json!({"perMinute": 100})).unwrap());
-    p.overrides[0].tokens =
-        Some(serde_json::from_value(serde_json::json!({"perMinute": 1000, "defaultMaxTokens": 7})).unwrap());
+    p.overrides[0].tokens = Some(
+        serde_json::from_value(serde_json::json!({"perMinute": 1000, "defaultMaxTokens": 7}))
+            .unwrap(),
+    );
     let metrics = Metrics::new();
     let l = ClientLimiter::new(p.clone(), metrics.clone());
     let key = ClientKey::of(b"someone");
@@ -657,9 +659,9 @@ async fn a_token_reservation_rides_in_the_permit_and_a_refusal_is_counted() {
     assert_eq!(&*err.client, OTHER);
     assert!(l.reserve_tokens(batch, estimate).unwrap().is_some());
     assert!(
-        metrics
-            .encode()
-            .contains("poolpilot_client_rejected_total{client=\"other\",reason=\"client_tokens\"} 1"),
+        metrics.encode().contains(
+            "poolpilot_client_rejected_total{client=\"other\",reason=\"client_tokens\"} 1"
+        ),
         "{}",
         metrics.encode()
     );

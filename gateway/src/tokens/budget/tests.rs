@@ -47,7 +47,10 @@ async fn remaining_falls_call_by_call_and_a_call_over_it_is_refused() {
     assert_eq!(refused.exhausted, Exhausted::TokensPerMinute);
     // 50 tokens at 10 a second.
     assert_eq!(refused.retry_after, Duration::from_secs(5));
-    assert_eq!((refused.limit, refused.remaining, refused.requested), (600, 0, 50));
+    assert_eq!(
+        (refused.limit, refused.remaining, refused.requested),
+        (600, 0, 50)
+    );
     // Another client has its own bucket.
     assert!(b.reserve(key(2), &label(), est(0, 50)).unwrap().is_some());
     drop(r);
@@ -111,7 +114,10 @@ async fn requests_and_days_have_buckets_of_their_own() {
     let first = b.reserve(key(1), &label(), est(1, 1)).unwrap().unwrap();
     assert_eq!(first.quote().requests.map(|r| (r.0, r.1)), Some((2, 1)));
     first.settle(1, 1);
-    b.reserve(key(1), &label(), est(1, 1)).unwrap().unwrap().settle(1, 1);
+    b.reserve(key(1), &label(), est(1, 1))
+        .unwrap()
+        .unwrap()
+        .settle(1, 1);
     let refused = b.reserve(key(1), &label(), est(1, 1)).unwrap_err();
     assert_eq!(refused.exhausted, Exhausted::RequestsPerMinute);
     assert_eq!(refused.exhausted.error_type(), "requests");
@@ -120,7 +126,10 @@ async fn requests_and_days_have_buckets_of_their_own() {
     let mut day = budget(1000);
     day.per_day = Some(1500);
     let b = budgets(day);
-    b.reserve(key(1), &label(), est(0, 1000)).unwrap().unwrap().settle(0, 1000);
+    b.reserve(key(1), &label(), est(0, 1000))
+        .unwrap()
+        .unwrap()
+        .settle(0, 1000);
     tokio::time::advance(Duration::from_secs(60)).await;
     let refused = b.reserve(key(1), &label(), est(0, 600)).unwrap_err();
     assert_eq!(refused.exhausted, Exhausted::TokensPerDay);
@@ -136,10 +145,16 @@ async fn an_override_has_its_own_budget_and_a_new_policy_keeps_what_was_used() {
     let big = b.reserve(key(9), &label(), est(0, 1000)).unwrap().unwrap();
     assert_eq!(big.quote().limit_tokens, 6000);
     big.settle(0, 1000);
-    b.reserve(key(1), &label(), est(0, 100)).unwrap().unwrap().settle(0, 100);
+    b.reserve(key(1), &label(), est(0, 100))
+        .unwrap()
+        .unwrap()
+        .settle(0, 100);
     b.set(Some(budget(1200)), HashMap::new(), 16);
     let r = b.reserve(key(1), &label(), est(0, 100)).unwrap().unwrap();
-    assert_eq!((r.quote().limit_tokens, r.quote().remaining_tokens), (1200, 1000));
+    assert_eq!(
+        (r.quote().limit_tokens, r.quote().remaining_tokens),
+        (1200, 1000)
+    );
     // The override is gone: its client has the policy's budget now.
     let r = b.reserve(key(9), &label(), est(0, 0)).unwrap().unwrap();
     assert_eq!(r.quote().limit_tokens, 1200);
@@ -151,7 +166,10 @@ async fn an_override_has_its_own_budget_and_a_new_policy_keeps_what_was_used() {
 async fn memory_holds_only_clients_whose_buckets_are_not_full_and_is_bounded() {
     let b = TokenBudgets::new(Some(budget(600)), HashMap::new(), 4);
     for n in 0..10 {
-        b.reserve(key(n), &label(), est(0, 60)).unwrap().unwrap().settle(0, 60);
+        b.reserve(key(n), &label(), est(0, 60))
+            .unwrap()
+            .unwrap()
+            .settle(0, 60);
         assert!(b.tracked() <= 4);
     }
     tokio::time::advance(Duration::from_secs(6)).await;
