@@ -301,7 +301,7 @@ impl ClientLimiter {
         &self,
         key: ClientKey,
         estimate: Estimate,
-    ) -> Result<Option<TokenReservation<ClientKey>>, TokenRejection> {
+    ) -> Result<Option<TokenReservation<ClientKey>>, Box<TokenRejection>> {
         let label = self.inner.state.lock().label(&key);
         self.inner
             .tokens

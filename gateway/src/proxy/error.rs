@@ -37,7 +37,7 @@ pub enum ProxyError {
     Client(#[from] ClientRejection),
     /// The client's token budget refused it (429).
     #[error(transparent)]
-    Tokens(#[from] TokenRejection),
+    Tokens(#[from] Box<TokenRejection>),
     /// The pool could not lease a connection (503, or 502/504 for connect failures).
     #[error(transparent)]
     Pool(#[from] PoolError),
@@ -470,7 +470,7 @@ mod tests {
             reset_tokens: Duration::from_millis(58_800),
             requests: None,
         };
-        let error = ProxyError::from(TokenRejection {
+        let error = ProxyError::from(Box::new(TokenRejection {
             client: "other".into(),
             exhausted: Exhausted::TokensPerMinute,
             limit: 600,
@@ -478,7 +478,7 @@ mod tests {
             requested: 100,
             retry_after: Duration::from_secs(9),
             quote,
-        });
+        }));
         assert_eq!(error.reason(), "client_tokens");
         let response = error.to_response();
         assert_eq!(response.status(), 429);

@@ -322,13 +322,14 @@ impl<K: Copy + Eq + Hash> TokenBudgets<K> {
     }
 
     /// Reserves the estimate of a call of `key` (labelled `label`) in its buckets, or refuses
-    /// it; `Ok(None)`: the client has no budget.
+    /// it (boxed: a refusal is large, and rare next to the calls admitted); `Ok(None)`: the
+    /// client has no budget.
     pub fn reserve(
         &self,
         key: K,
         label: &Arc<str>,
         estimate: Estimate,
-    ) -> Result<Option<TokenReservation<K>>, TokenRejection> {
+    ) -> Result<Option<TokenReservation<K>>, Box<TokenRejection>> {
         let now = Instant::now();
         let mut table = self.table.lock();
         let Some(budget) = table.overrides.get(&key).or(table.policy.as_ref()).cloned() else {
@@ -357,7 +358,7 @@ impl<K: Copy + Eq + Hash> TokenBudgets<K> {
             })
             .max_by_key(|(.., wait)| *wait);
         if let Some((exhausted, bucket, cost, wait)) = refused {
-            return Err(TokenRejection {
+            return Err(Box::new(TokenRejection {
                 client: label.clone(),
                 exhausted,
                 limit: bucket.capacity as u64,
@@ -365,7 +366,7 @@ impl<K: Copy + Eq + Hash> TokenBudgets<K> {
                 requested: cost.ceil() as u64,
                 retry_after: whole_seconds(wait),
                 quote: buckets.quote(&budget),
-            });
+            }));
         }
         buckets.tokens.charge(cost);
         if let Some(day) = &mut buckets.day {
