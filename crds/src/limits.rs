@@ -512,6 +512,10 @@ pub struct ClientPolicy {
     /// still wins over a share.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub client_shares: Vec<ClientShare>,
+    /// Each client's token budget in this pod (an override's own budget wins). None: calls
+    /// are not limited by tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenBudget>,
 }
 
 /// One client's part of its fleet-wide limits in this pod.
@@ -525,6 +529,10 @@ pub struct ClientShare {
     /// Calls it may have waiting in this pod beyond that.
     pub max_queue: u32,
 }
+
+/// The largest `tokens.perMinute` (a trillion: far beyond any fleet, small enough that a day
+/// of it is exact in an `f64`).
+pub const MAX_TOKENS_PER_MINUTE: u64 = 1_000_000_000_000;
 
 /// The most client shares one client policy may carry in a document.
 pub const MAX_CLIENT_SHARES: usize = 256;
@@ -701,7 +709,7 @@ impl From<ClientIdentity> for ClientIdentityWire {
 }
 
 /// A named client with its own concurrency limit.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ClientOverride {
     /// Name used in metrics and logs instead of the key.
@@ -714,6 +722,83 @@ pub struct ClientOverride {
     /// policy's `priority` classes them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub class: Option<PriorityClass>,
+    /// This client's own token budget, in place of the policy's. None: the policy's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenBudget>,
+}
+
+/// A client's token budget: what its calls may cost in model tokens, a minute (and a day), with
+/// each call's estimate reserved before it is sent and settled with the backend's `usage`
+/// after (the gateway's `tokens` module).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TokenBudget {
+    /// Tokens a minute: the bucket's size, refilled continuously over a minute.
+    pub per_minute: u64,
+    /// Tokens a day, a second bucket refilled over a day. None: no daily budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_day: Option<u64>,
+    /// What a call costs: its total tokens (the default), its output tokens, or weighted.
+    #[serde(default, skip_serializing_if = "is_total")]
+    pub count: TokenCount,
+    /// The weights of `count: weighted`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<TokenWeights>,
+    /// The output a call is assumed to reserve when it sets neither `max_completion_tokens`
+    /// nor `max_tokens` (a backend's own default is often the whole context).
+    #[serde(default = "TokenBudget::default_max_tokens")]
+    pub default_max_tokens: u64,
+    /// Calls a minute, a bucket of its own (OpenAI's `x-ratelimit-*-requests`). None: no
+    /// request budget, and no `-requests` headers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u32>,
+}
+
+impl TokenBudget {
+    /// The default of [`TokenBudget::default_max_tokens`].
+    pub const DEFAULT_MAX_TOKENS: u64 = 1024;
+
+    fn default_max_tokens() -> u64 {
+        Self::DEFAULT_MAX_TOKENS
+    }
+
+    /// What a call of `input` prompt tokens and `output` completion tokens costs.
+    pub fn cost(&self, input: u64, output: u64) -> f64 {
+        let (wi, wo) = match (self.count, self.weights) {
+            (TokenCount::Total, _) => (1.0, 1.0),
+            (TokenCount::Output, _) => (0.0, 1.0),
+            (TokenCount::Weighted, Some(w)) => (w.input, w.output),
+            (TokenCount::Weighted, None) => (1.0, 1.0),
+        };
+        wi * input as f64 + wo * output as f64
+    }
+}
+
+fn is_total(c: &TokenCount) -> bool {
+    *c == TokenCount::Total
+}
+
+/// What a token budget counts of a call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum TokenCount {
+    /// Prompt and completion tokens.
+    #[default]
+    Total,
+    /// Completion tokens only.
+    Output,
+    /// `weights.input` × prompt + `weights.output` × completion tokens.
+    Weighted,
+}
+
+/// The weights of a weighted token count.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TokenWeights {
+    /// Per prompt token.
+    pub input: f64,
+    /// Per completion token.
+    pub output: f64,
 }
 
 /// Slow-call tracking: a client whose calls are often slow is demoted for a while.
@@ -893,6 +978,12 @@ impl GatewayLimits {
                     );
                 }
                 v.positive_u64(&at("maxConcurrency"), o.max_concurrency.into());
+                if let Some(t) = &o.tokens {
+                    v.tokens(&at("tokens"), t);
+                }
+            }
+            if let Some(t) = &p.tokens {
+                v.tokens(&at("tokens"), t);
             }
             if p.client_shares.len() > MAX_CLIENT_SHARES {
                 v.push(
@@ -1177,6 +1268,43 @@ impl Validator {
     fn positive_u64(&mut self, field: &str, n: u64) {
         if n == 0 {
             self.push(field, "must be at least 1");
+        }
+    }
+
+    fn tokens(&mut self, at: &str, t: &TokenBudget) {
+        let field = |f: &str| format!("{at}.{f}");
+        if t.per_minute == 0 || t.per_minute > MAX_TOKENS_PER_MINUTE {
+            self.push(
+                field("perMinute"),
+                format!("must be 1 to {MAX_TOKENS_PER_MINUTE}"),
+            );
+        }
+        if let Some(day) = t.per_day
+            && (day < t.per_minute || day > MAX_TOKENS_PER_MINUTE.saturating_mul(1440))
+        {
+            self.push(
+                field("perDay"),
+                "must be at least perMinute and at most 1440 times its largest",
+            );
+        }
+        self.positive_u64(&field("defaultMaxTokens"), t.default_max_tokens);
+        if t.requests_per_minute == Some(0) {
+            self.push(field("requestsPerMinute"), "must be at least 1 when set");
+        }
+        match (t.count, t.weights) {
+            (TokenCount::Weighted, None) => {
+                self.push(field("weights"), "count: weighted needs weights");
+            }
+            (_, Some(w)) => {
+                let ok = |x: f64| x.is_finite() && (0.0..=1000.0).contains(&x);
+                if !ok(w.input) || !ok(w.output) || w.input + w.output <= 0.0 {
+                    self.push(
+                        field("weights"),
+                        "each weight must be 0 to 1000, and not both 0",
+                    );
+                }
+            }
+            _ => {}
         }
     }
 

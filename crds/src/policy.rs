@@ -597,6 +597,95 @@ pub struct ClientsSpec {
     /// `Interactive` unless its override names a class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<PrioritySpec>,
+    /// Each client's token budget: what its calls may cost in model tokens a minute (and a
+    /// day), counted across the fleet or per pod as `scope` says (`Fleet`: divided evenly over
+    /// the selected pods). Each gateway pod admits a call only if its estimate fits (its
+    /// `max_completion_tokens` or `max_tokens`, else `defaultMaxTokens`, plus its prompt's
+    /// bytes ÷ 4), refuses it otherwise with 429 (OpenAI's `rate_limit_exceeded`, with
+    /// `Retry-After` and the `x-ratelimit-*` headers) before it reaches a backend, and settles
+    /// the reservation with the backend's `usage` once the response ends. An override's
+    /// `tokens` replaces it for its client. Omitted: calls are not limited by tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenBudgetSpec>,
+}
+
+/// A token budget.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.perDay) || self.perDay >= self.perMinute",
+        "message": "tokens.perDay must be at least tokens.perMinute",
+        "fieldPath": ".perDay"
+    },
+    {
+        "rule": "!has(self.count) || self.count != 'Weighted' || has(self.weights)",
+        "message": "tokens.count Weighted needs tokens.weights",
+        "fieldPath": ".weights"
+    },
+    {
+        "rule": "!has(self.weights) || self.weights.input + self.weights.output > 0.0",
+        "message": "tokens.weights must not both be 0",
+        "fieldPath": ".weights"
+    }
+]))]
+pub struct TokenBudgetSpec {
+    /// Tokens a client may use a minute: a bucket of this size, refilled continuously over a
+    /// minute. A call costing more than the whole bucket is admitted when the bucket is full.
+    #[schemars(range(min = 1, max = 1_000_000_000_000_u64))]
+    pub per_minute: u64,
+    /// Tokens a client may use a day: a second bucket, refilled over a day. Omitted: no
+    /// daily budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_440_000_000_000_000_u64))]
+    pub per_day: Option<u64>,
+    /// What a call costs: `Total` (prompt and completion tokens, the default), `Output`
+    /// (completion tokens), or `Weighted` (`weights`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub count: TokenCountSpec,
+    /// The weights of `count: Weighted`: what a prompt token and a completion token cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<TokenWeightsSpec>,
+    /// The output tokens a call that sets neither `max_completion_tokens` nor `max_tokens` is
+    /// assumed to reserve (a backend's own default is often the whole context).
+    #[serde(default = "TokenBudgetSpec::default_max_tokens")]
+    #[schemars(range(min = 1, max = 10_000_000))]
+    pub default_max_tokens: u64,
+    /// Calls a client may make a minute, a bucket of its own; the responses then carry
+    /// OpenAI's `x-ratelimit-*-requests` headers too. Omitted: no request budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100_000_000))]
+    pub requests_per_minute: Option<u32>,
+}
+
+impl TokenBudgetSpec {
+    fn default_max_tokens() -> u64 {
+        crate::limits::TokenBudget::DEFAULT_MAX_TOKENS
+    }
+}
+
+/// What a token budget counts of a call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum TokenCountSpec {
+    /// Prompt and completion tokens.
+    #[default]
+    Total,
+    /// Completion tokens only.
+    Output,
+    /// `weights.input` per prompt token and `weights.output` per completion token.
+    Weighted,
+}
+
+/// The weights of a weighted token count.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenWeightsSpec {
+    /// What one prompt token costs.
+    #[schemars(range(min = 0.0, max = 1000.0))]
+    pub input: f64,
+    /// What one completion token costs.
+    #[schemars(range(min = 0.0, max = 1000.0))]
+    pub output: f64,
 }
 
 /// A call's priority class. There are two; a third is not supported.
@@ -683,7 +772,7 @@ pub struct ClientIdentitySpec {
 pub struct SourceIp {}
 
 /// A named client with its own concurrency limit.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ClientOverrideSpec {
     /// Name used in metrics and logs instead of the key (`other` is reserved).
@@ -705,6 +794,10 @@ pub struct ClientOverrideSpec {
         description = "This client's priority class (`Interactive` or `Batch`): every call of it gets this class, whatever header it sends. Omitted: `clients.priority` classes its calls."
     )]
     pub class: Option<PriorityClassSpec>,
+    /// This client's own token budget, in place of `clients.tokens` (across the fleet, or per
+    /// pod: `clients.scope`). Omitted: `clients.tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenBudgetSpec>,
 }
 
 /// What the client limits count.

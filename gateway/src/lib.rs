@@ -7,7 +7,8 @@
 //!               │
 //!               ▼
 //!             proxy: head → route (path / headers / JSON model) → identity → class
-//!               │      → limits (per-client limiter: 429) → headers → forward
+//!               │      → tokens (the client's token budget: 429) → limits (per-client
+//!               │      limiter: 429) → headers → forward; the response's usage settles
 //!               ▼
 //!             pool (per backend, per endpoint cap, FIFO waiters: 503) ──► upstream ──► backend
 //!               ▲                 ▲
@@ -24,6 +25,7 @@
 //! | [`pool`] | the per-backend connection pool: cap, waiters, idle reuse, endpoint choice, health |
 //! | `upstream` | HTTP/1.1 connections to backends, plain or TLS (`upstream/tls.rs`), the pooled unit |
 //! | `limits` | per-client limiter, the waiter queue, the pod-wide upstream share, the memory of refusals |
+//! | `tokens` | model tokens: a call's estimate, its response's usage, the clients' token budgets, OpenAI's rate-limit headers |
 //! | `live` | the limits in force, applied in place; `/v1/stats` and the scrape's gauges |
 //! | [`observe`] | metrics, label values, incident signals, the access log, logs |
 //! | `admin` | the admin API on its own port: routes, listener, token, TLS |
@@ -41,6 +43,7 @@ pub mod pool;
 mod proxy;
 pub mod reload;
 pub mod resolve;
+mod tokens;
 mod upstream;
 pub mod validate;
 

@@ -353,6 +353,15 @@ async fn stream_tokens(
 ) {
     let m = &shared.metrics;
     let send = |v: &serde_json::Value| tx.send(Bytes::from(openai::sse(v)));
+    // With `include_usage`, every chunk before the usage chunk says `"usage": null`, as
+    // OpenAI's and vLLM's streams do.
+    let chunk = |index: u32, text: Option<&str>, finish: Option<&str>| {
+        let mut v = openai::chunk(&meta, index, text, finish);
+        if plan.include_usage {
+            v["usage"] = serde_json::Value::Null;
+        }
+        v
+    };
     let mut pacer = Pacer::start();
     for i in 0..plan.tokens {
         if plan.stall_after == Some(i) {
@@ -365,10 +374,7 @@ async fn stream_tokens(
                 .observe(arrived.elapsed().as_secs_f64());
         }
         let text = openai::token_text(i);
-        if send(&openai::chunk(&meta, i, Some(&text), None))
-            .await
-            .is_err()
-        {
+        if send(&chunk(i, Some(&text), None)).await.is_err() {
             return;
         }
         m.tokens.inc();
@@ -377,14 +383,9 @@ async fn stream_tokens(
         tx.closed().await;
         return;
     }
-    if send(&openai::chunk(
-        &meta,
-        plan.tokens,
-        None,
-        Some(plan.finish_reason()),
-    ))
-    .await
-    .is_err()
+    if send(&chunk(plan.tokens, None, Some(plan.finish_reason())))
+        .await
+        .is_err()
     {
         return;
     }

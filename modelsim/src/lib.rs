@@ -18,7 +18,11 @@
 //! Routes (on the serving listener, and on the optional admin listener whose connections are
 //! not counted as client connections):
 //! - `POST /v1/chat/completions`, `POST /v1/completions` (`stream: true` for SSE; `max_tokens`
-//!   or `max_completion_tokens` sets the output length), `GET /v1/models`
+//!   or `max_completion_tokens` sets the output length), `GET /v1/models`. Token usage is
+//!   reported as vLLM reports it: `usage` (`prompt_tokens`: the prompt's characters ÷ 4,
+//!   `completion_tokens`, `total_tokens`) in every complete answer; on a stream only when the
+//!   request sets `stream_options.include_usage`, then in a last chunk before `[DONE]` with
+//!   `choices: []`, every chunk before it carrying `"usage": null`
 //! - `GET /health`: 200, or 503 when the `health_failing` fault is set or while draining
 //! - `GET /metrics`: Prometheus/OpenMetrics text (`modelsim_*` and the standard
 //!   `process_*` metrics)

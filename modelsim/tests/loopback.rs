@@ -582,6 +582,15 @@ async fn streaming_responses_arrive_chunk_by_chunk() {
     assert_eq!(content.split_whitespace().count(), 6);
     assert_eq!(chunks[6]["choices"][0]["finish_reason"], "length");
     assert_eq!(chunks[7]["usage"]["completion_tokens"], 6);
+    assert_eq!(chunks[7]["usage"]["prompt_tokens"], 10);
+    assert_eq!(chunks[7]["choices"], json!([]));
+    // Asked for usage, every chunk before it says `"usage": null` (as OpenAI's and vLLM's do).
+    assert!(
+        chunks[..7]
+            .iter()
+            .all(|c| c.get("usage") == Some(&Value::Null)),
+        "{chunks:?}"
+    );
 
     // Chunk by chunk: the head comes first, then one token every ~40 ms, not in one burst.
     let token_times: Vec<Duration> = events[..6].iter().map(|e| e.at).collect();
@@ -612,6 +621,11 @@ async fn streaming_responses_arrive_chunk_by_chunk() {
     assert_eq!(events.len(), 5, "3 tokens, finish, [DONE]: {events:?}");
     let first: Value = serde_json::from_str(&events[0].data).unwrap();
     assert_eq!(first["object"], "text_completion");
+    // Not asked for usage: no usage chunk, and no `usage` field in the chunks.
+    assert!(
+        events[..4].iter().all(|e| !e.data.contains("usage")),
+        "{events:?}"
+    );
     assert!(!first["choices"][0]["text"].as_str().unwrap().is_empty());
     assert!(
         events[2].at - events[0].at >= per_token,

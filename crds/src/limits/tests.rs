@@ -372,3 +372,56 @@ fn an_endpoint_address_is_ip_port_or_host_port() {
     let too_long = format!("{}.test:443", "a.".repeat(130));
     assert!(too_long.parse::<EndpointAddress>().is_err());
 }
+
+#[test]
+fn token_budgets_read_with_their_defaults_and_their_bounds_are_checked() {
+    let budget: TokenBudget = serde_norway::from_str("perMinute: 6000").unwrap();
+    assert_eq!(budget.count, TokenCount::Total);
+    assert_eq!(budget.default_max_tokens, TokenBudget::DEFAULT_MAX_TOKENS);
+    assert_eq!((budget.per_day, budget.requests_per_minute), (None, None));
+    assert_eq!(budget.cost(10, 5), 15.0);
+    let output: TokenBudget = serde_norway::from_str("{perMinute: 60, count: output}").unwrap();
+    assert_eq!(output.cost(10, 5), 5.0);
+    let weighted: TokenBudget = serde_norway::from_str(
+        "{perMinute: 60, count: weighted, weights: {input: 0.25, output: 2}}",
+    )
+    .unwrap();
+    assert_eq!(weighted.cost(8, 5), 12.0);
+    assert!(serde_norway::from_str::<TokenBudget>("{perMinute: 60, burst: 3}").is_err());
+
+    let mut doc = example();
+    doc.client_policies[0].tokens = Some(TokenBudget {
+        per_minute: 0,
+        per_day: Some(10),
+        count: TokenCount::Weighted,
+        weights: None,
+        default_max_tokens: 0,
+        requests_per_minute: Some(0),
+    });
+    doc.client_policies[0].overrides[0].tokens = Some(TokenBudget {
+        weights: Some(TokenWeights {
+            input: 0.0,
+            output: 0.0,
+        }),
+        ..weighted.clone()
+    });
+    assert_eq!(
+        violated_fields(&doc),
+        [
+            "clientPolicies[0].overrides[0].tokens.weights",
+            "clientPolicies[0].tokens.perMinute",
+            "clientPolicies[0].tokens.defaultMaxTokens",
+            "clientPolicies[0].tokens.requestsPerMinute",
+            "clientPolicies[0].tokens.weights",
+        ]
+    );
+    doc.client_policies[0].tokens = Some(weighted);
+    doc.client_policies[0].overrides[0].tokens = Some(TokenBudget {
+        per_day: Some(59),
+        ..output
+    });
+    assert_eq!(
+        violated_fields(&doc),
+        ["clientPolicies[0].overrides[0].tokens.perDay"]
+    );
+}

@@ -892,3 +892,48 @@ fn the_providers_example_is_accepted() {
         ]
     );
 }
+
+#[test]
+fn cel_refuses_token_budgets_that_break_their_rules() {
+    let with = |tokens: &str| {
+        let mut p = sample();
+        p.spec.clients.as_mut().unwrap().tokens =
+            Some(serde_norway::from_str(tokens).expect("parses"));
+        cel_errors(&p)
+    };
+    assert_eq!(
+        with("{perMinute: 60000, perDay: 2000000, requestsPerMinute: 600}"),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        with("{perMinute: 600, count: Weighted, weights: {input: 0.25, output: 1}}"),
+        Vec::<String>::new()
+    );
+    let defaults: TokenBudgetSpec = serde_norway::from_str("perMinute: 600").unwrap();
+    assert_eq!(defaults.count, TokenCountSpec::Total);
+    assert_eq!(defaults.default_max_tokens, 1024);
+    let refused = |tokens: &str, message: &str| {
+        let errors = with(tokens);
+        assert!(
+            errors.iter().any(|e| e.contains(message)),
+            "{tokens}: expected {message:?}, got {errors:?}"
+        );
+    };
+    refused(
+        "{perMinute: 600, perDay: 100}",
+        "tokens.perDay must be at least tokens.perMinute",
+    );
+    refused(
+        "{perMinute: 600, count: Weighted}",
+        "tokens.count Weighted needs tokens.weights",
+    );
+    refused(
+        "{perMinute: 600, weights: {input: 0, output: 0}}",
+        "tokens.weights must not both be 0",
+    );
+    // An override's budget is held to the same rules.
+    let mut p = sample();
+    p.spec.clients.as_mut().unwrap().overrides[0].tokens =
+        Some(serde_norway::from_str("{perMinute: 600, perDay: 1}").unwrap());
+    assert_refused(&p, "tokens.perDay must be at least tokens.perMinute");
+}

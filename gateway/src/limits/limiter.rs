@@ -14,6 +14,11 @@
 //! Each client's recent demand (in flight + queued, averaged over 10 s: [`super::demand`])
 //! is what `GET /v1/clients` reports.
 //!
+//! A client policy with token budgets (`tokens`, an override's own) holds its clients' token
+//! buckets here too ([`crate::tokens::budget`]): a call's estimate is reserved before it joins
+//! the queue ([`ClientLimiter::reserve_tokens`], 429 `rate_limit_exceeded`), and the reservation
+//! rides in the call's permit until the response's end settles it.
+//!
 //! Memory is bounded: a client has an entry only while it has calls in flight or queued, or
 //! something to remember (a demotion, slow calls in its recent window); a client with nothing
 //! in flight and nothing to remember is forgotten at once, one with history after a while. The
@@ -27,7 +32,7 @@ use std::time::Duration;
 
 use http::HeaderMap;
 use parking_lot::Mutex;
-use poolpilot_api::limits::{ClientIdentity, ClientPolicy, PriorityClass};
+use poolpilot_api::limits::{ClientIdentity, ClientPolicy, PriorityClass, TokenBudget};
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -36,6 +41,8 @@ use crate::limits::demand::DemandTable;
 use crate::limits::queue::{ClassQueue, Entry};
 use crate::observe::Metrics;
 use crate::pool::rate_whole_seconds;
+use crate::tokens::budget::{TokenBudgets, TokenRejection, TokenReservation};
+use crate::tokens::estimate::Estimate;
 
 /// The label of clients without an override.
 pub const OTHER: &str = "other";
@@ -156,6 +163,8 @@ pub struct ClientLimiter {
 struct Inner {
     metrics: Metrics,
     state: Mutex<State>,
+    /// The clients' token buckets.
+    tokens: TokenBudgets<ClientKey>,
 }
 
 #[derive(Debug)]
@@ -200,6 +209,8 @@ pub struct ClientPermit {
     last_frame: Option<Instant>,
     /// The longest wait so far: to the first frame, or between two frames.
     longest_wait: Duration,
+    /// The call's token reservation, until its response takes it to settle.
+    tokens: Option<TokenReservation<ClientKey>>,
 }
 
 // === impl ClientLimiter ===
@@ -209,8 +220,11 @@ impl ClientLimiter {
     pub fn new(policy: ClientPolicy, metrics: Metrics) -> Self {
         let overrides = overrides_of(&policy);
         let shares = shares_of(&policy);
+        let (budget, budgets) = token_budgets_of(&policy);
+        let tokens = TokenBudgets::new(budget, budgets, policy.max_clients as usize);
         Self {
             inner: Arc::new(Inner {
+                tokens,
                 metrics,
                 state: Mutex::new(State {
                     policy,
@@ -230,6 +244,10 @@ impl ClientLimiter {
     /// calls at once, lowered ones cut nothing (the excess waits).
     pub fn set_policy(&self, policy: ClientPolicy) {
         let mut state = self.inner.state.lock();
+        let (budget, budgets) = token_budgets_of(&policy);
+        self.inner
+            .tokens
+            .set(budget, budgets, policy.max_clients as usize);
         state.overrides = overrides_of(&policy);
         state.shares = shares_of(&policy);
         state.policy = policy;
@@ -266,6 +284,29 @@ impl ClientLimiter {
             _ => None,
         };
         priority.class_of(pinned, values.into_iter().flatten())
+    }
+
+    /// The output tokens a call of `key` that does not say is assumed to reserve (its
+    /// budget's `defaultMaxTokens`).
+    pub fn default_max_tokens(&self, key: &ClientKey) -> u64 {
+        self.inner
+            .tokens
+            .budget_of(key)
+            .map_or(TokenBudget::DEFAULT_MAX_TOKENS, |b| b.default_max_tokens)
+    }
+
+    /// Reserves a call's `estimate` in the token budget of `key`, or refuses it (counted as a
+    /// `client_tokens` rejection); `Ok(None)`: the client has no budget.
+    pub fn reserve_tokens(
+        &self,
+        key: ClientKey,
+        estimate: Estimate,
+    ) -> Result<Option<TokenReservation<ClientKey>>, Box<TokenRejection>> {
+        let label = self.inner.state.lock().label(&key);
+        self.inner
+            .tokens
+            .reserve(key, &label, estimate)
+            .inspect_err(|_| self.inner.metrics.client_rejected(&label, "client_tokens"))
     }
 
     /// Admits an interactive call of `key` (see [`Self::acquire_as`]).
@@ -374,6 +415,7 @@ impl ClientLimiter {
             started: Instant::now(),
             last_frame: None,
             longest_wait: Duration::ZERO,
+            tokens: None,
         }
     }
 
@@ -482,6 +524,8 @@ impl ClientLimiter {
         });
         state.compact_idle();
         state.demand.purge(now);
+        drop(state);
+        self.inner.tokens.purge();
     }
 
     /// Entries held (the `poolpilot_clients_tracked` gauge, and tests of the memory bound).
@@ -522,6 +566,22 @@ fn shares_of(policy: &ClientPolicy) -> HashMap<ClientKey, Share> {
             Some((ClientKey(key), share))
         })
         .collect()
+}
+
+/// The policy's token budget and its overrides' own.
+fn token_budgets_of(
+    policy: &ClientPolicy,
+) -> (Option<TokenBudget>, HashMap<ClientKey, TokenBudget>) {
+    let overrides = policy
+        .overrides
+        .iter()
+        .filter_map(|o| {
+            let mut key = [0u8; 32];
+            hex::decode_to_slice(&o.key_sha256, &mut key).ok()?;
+            Some((ClientKey(key), o.tokens.clone()?))
+        })
+        .collect();
+    (policy.tokens.clone(), overrides)
 }
 
 fn overrides_of(policy: &ClientPolicy) -> HashMap<ClientKey, Override> {
@@ -751,6 +811,16 @@ impl ClientPermit {
     /// The client's metric label (override name or `other`).
     pub fn label(&self) -> &Arc<str> {
         &self.label
+    }
+
+    /// Holds the call's token reservation until its response takes it.
+    pub fn hold_tokens(&mut self, reservation: Option<TokenReservation<ClientKey>>) {
+        self.tokens = reservation;
+    }
+
+    /// The call's token reservation, for its response to settle.
+    pub fn take_tokens(&mut self) -> Option<TokenReservation<ClientKey>> {
+        self.tokens.take()
     }
 
     /// When the call was admitted.

@@ -298,6 +298,12 @@ impl Gateway {
         registry.limiters = limiters;
 
         let needs_model = doc.backends.iter().any(|b| b.route.model.is_some());
+        // A call's token estimate reads its body (`max_tokens`, the prompt).
+        let needs_body = needs_model
+            || doc
+                .client_policies
+                .iter()
+                .any(|p| p.tokens.is_some() || p.overrides.iter().any(|o| o.tokens.is_some()));
         let applied = Applied {
             revision: doc.revision.clone(),
             generation: doc.generation,
@@ -310,6 +316,7 @@ impl Gateway {
             limits: doc.clone(),
             routes,
             needs_model,
+            needs_body,
         });
         self.inner.loaded.store(true, Ordering::Release);
         self.inner.metrics.set_limits_loaded(true);

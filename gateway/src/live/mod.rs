@@ -126,6 +126,9 @@ pub struct Snapshot {
     pub limits: GatewayLimits,
     pub(crate) routes: Vec<Route>,
     pub(crate) needs_model: bool,
+    /// Whether requests' bodies are read before routing: a route needs the `model`, or a
+    /// client policy has token budgets (a call's estimate reads `max_tokens` and the prompt).
+    pub(crate) needs_body: bool,
 }
 
 /// One backend's route with what a request on it needs.
@@ -172,6 +175,7 @@ impl Gateway {
                     limits,
                     routes: Vec::new(),
                     needs_model: false,
+                    needs_body: false,
                 })),
                 registry: Mutex::default(),
                 loaded: AtomicBool::new(false),

@@ -1,7 +1,7 @@
 //! Label values shared by the metrics and the modules that report them: why a pooled
 //! connection closed, how an upstream TLS handshake went or failed, how a call came back after a refusal, which timeout cut a call (the
-//! backend's or the client's), what became of a connection over its source's cap, and which
-//! admin file changed. A leaf: it imports nothing of the crate, so that the pool, the listener,
+//! backend's or the client's), what became of a connection over its source's cap, which
+//! admin file changed, and which tokens a count is of and where it came from. A leaf: it imports nothing of the crate, so that the pool, the listener,
 //! the proxy, the incident signals and the metrics can all name them without importing each
 //! other (`e2e/src/module_graph.rs` holds it to that).
 
@@ -241,5 +241,61 @@ impl EncodeLabelValue for AdminFile {
             Self::Certificate => "certificate",
         }
         .encode(encoder)
+    }
+}
+
+/// Which tokens a count is of (`direction` label of `poolpilot_tokens_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TokenDirection {
+    /// Prompt tokens.
+    Input,
+    /// Prompt tokens the backend served from its cache (a part of `input`, when it says).
+    CachedInput,
+    /// Completion tokens.
+    Output,
+}
+
+impl TokenDirection {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Input => "input",
+            Self::CachedInput => "cached_input",
+            Self::Output => "output",
+        }
+    }
+}
+
+impl EncodeLabelValue for TokenDirection {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        self.as_str().encode(encoder)
+    }
+}
+
+/// Where a token count came from (`source` label of `poolpilot_tokens_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TokenSource {
+    /// The backend's `usage`.
+    Usage,
+    /// The content chunks of a stream without `usage`, one token each.
+    Chunks,
+    /// The gateway's estimate before the call (the prompt's bytes ÷ 4, `max_tokens`).
+    Estimate,
+}
+
+impl TokenSource {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Usage => "usage",
+            Self::Chunks => "chunks",
+            Self::Estimate => "estimate",
+        }
+    }
+}
+
+impl EncodeLabelValue for TokenSource {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        self.as_str().encode(encoder)
     }
 }

@@ -20,7 +20,7 @@ use prometheus_client::registry::{Registry, Unit};
 use super::incidents::Incidents;
 use super::labels::{
     AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind, TlsFailure,
-    TlsHandshake,
+    TlsHandshake, TokenDirection, TokenSource,
 };
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -111,6 +111,13 @@ struct TimeoutLabels {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TokenLabels {
+    backend: String,
+    direction: TokenDirection,
+    source: TokenSource,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ClientLabel {
     client: String,
 }
@@ -183,6 +190,9 @@ pub struct Metrics {
     pool_reuse_ratio: Family<BackendLabel, Gauge<f64, AtomicU64>>,
     upstream_cooldowns: Family<BackendLabel, Counter>,
     upstream_cooldown_refused: Family<BackendLabel, Counter>,
+    tokens: Family<TokenLabels, Counter>,
+    time_to_first_token: HistogramFamily<BackendLabel>,
+    time_per_output_token: HistogramFamily<BackendLabel>,
     client_inflight: Family<ClientLabel, Gauge>,
     client_rejected: Family<ClientReasonLabels, Counter>,
     client_queue_wait: HistogramFamily<ClientLabel>,
@@ -244,6 +254,11 @@ fn handshake_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.00025, 2.0, 16))
 }
 
+fn token_time_histogram() -> Histogram {
+    // 1ms .. ~33s: a token every millisecond to a first token after a long prefill.
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
 fn duration_histogram() -> Histogram {
     // 5ms .. ~160s: model calls run from milliseconds to minutes.
     Histogram::new(exponential_buckets(0.005, 2.0, 16))
@@ -297,6 +312,9 @@ impl Metrics {
             pool_reuse_ratio: Family::default(),
             upstream_cooldowns: Family::default(),
             upstream_cooldown_refused: Family::default(),
+            tokens: Family::default(),
+            time_to_first_token: Family::new_with_constructor(token_time_histogram),
+            time_per_output_token: Family::new_with_constructor(token_time_histogram),
             client_inflight: Family::default(),
             client_rejected: Family::default(),
             client_queue_wait: Family::new_with_constructor(wait_histogram),
@@ -456,6 +474,23 @@ impl Metrics {
             "poolpilot_upstream_cooldown_refused",
             "Calls answered 429 by the gateway while their backend's provider had asked not to be called",
             m.upstream_cooldown_refused.clone(),
+        );
+        r.register(
+            "poolpilot_tokens",
+            "Model tokens of calls, by backend, direction (input, cached_input: the part of input a backend served from its cache, output) and source (usage: the backend's own count; chunks: a stream without usage, one token a content chunk, exact for servers that stream a token a chunk; estimate: the gateway's estimate before the call)",
+            m.tokens.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_time_to_first_token",
+            "Streamed calls: from sending the request to the first SSE chunk carrying output (OpenTelemetry's gen_ai.server.time_to_first_token)",
+            Unit::Seconds,
+            m.time_to_first_token.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_time_per_output_token",
+            "Streamed calls: from the first output chunk to the last, over the output tokens after the first (OpenTelemetry's gen_ai.server.time_per_output_token)",
+            Unit::Seconds,
+            m.time_per_output_token.clone(),
         );
         r.register(
             "poolpilot_client_inflight",
@@ -745,6 +780,38 @@ impl Metrics {
             .get_or_create_owned(&BackendLabel {
                 backend: backend.into(),
             })
+    }
+
+    pub(crate) fn tokens(
+        &self,
+        backend: &str,
+        direction: TokenDirection,
+        source: TokenSource,
+        n: u64,
+    ) {
+        self.tokens
+            .get_or_create(&TokenLabels {
+                backend: backend.into(),
+                direction,
+                source,
+            })
+            .inc_by(n);
+    }
+
+    pub(crate) fn time_to_first_token(&self, backend: &str, secs: f64) {
+        self.time_to_first_token
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .observe(secs);
+    }
+
+    pub(crate) fn time_per_output_token(&self, backend: &str, secs: f64) {
+        self.time_per_output_token
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .observe(secs);
     }
 
     pub(crate) fn upstream_timeout(&self, backend: &str, kind: TimeoutKind) {

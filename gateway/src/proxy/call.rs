@@ -2,23 +2,27 @@
 //! ([`CallContext`]), and, once its response head arrived, the call in progress ([`Call`]) and
 //! what its end settles ([`Call::finish`]): the upstream duration and timeout metrics, the
 //! connection kept for the pool or discarded, the endpoint's outcome for outlier detection, the
-//! lease hold, and the client's permit released. A call that ends by the client's doing is
+//! lease hold, the call's tokens (counted, and its token reservation settled: [`Meter`]), and
+//! the client's permit released. A call that ends by the client's doing is
 //! never held against the backend.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use poolpilot_api::limits::PriorityClass;
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
 use super::body::BodyProgress;
 use super::deadline::{Cut, DeadlineSlot};
-use crate::limits::limiter::ClientPermit;
+use crate::limits::limiter::{ClientKey, ClientPermit};
 use crate::live::{Backend, Route};
 use crate::observe::access::Record;
 use crate::observe::{CloseReason, DownstreamTimeout, Metrics, NO_CLIENT, Reclaim, TimeoutKind};
 use crate::pool::Lease;
+use crate::tokens::Meter;
+use crate::tokens::estimate::Estimate;
 use crate::upstream::HttpConnector;
 
 /// What a call needs besides its request and permit.
@@ -33,6 +37,8 @@ pub(super) struct CallContext<'a> {
     pub(super) slot: &'a DeadlineSlot,
     /// The call's access log record.
     pub(super) record: &'a Record,
+    /// Its tokens as estimated before it was sent.
+    pub(super) estimate: Estimate,
 }
 
 /// One call in progress: what must happen when its response ends.
@@ -49,6 +55,8 @@ pub(super) struct Call {
     pub(super) bytes: Counter,
     /// Whether the body's first byte arrived (and its time was observed).
     pub(super) first_byte: bool,
+    /// Its tokens, read from the response as it passes.
+    pub(super) meter: Meter<ClientKey>,
 }
 
 /// How a response body ended.
@@ -65,11 +73,13 @@ pub(super) enum End {
 }
 
 impl Call {
-    /// `n` bytes of the response body arrived; the first of them is its time to first byte.
-    pub(super) fn received(&mut self, n: usize) {
+    /// `data` of the response body arrived; its first byte is the time to first byte.
+    pub(super) fn received(&mut self, data: &Bytes) {
+        let n = data.len();
         if n == 0 {
             return;
         }
+        self.meter.received(data);
         if let Some(permit) = &mut self.permit {
             permit.frame();
         }
@@ -94,6 +104,14 @@ impl Call {
         }
         let endpoint = self.lease.endpoint().clone();
         let took = self.sent_at.elapsed().as_secs_f64();
+        // Counted and settled before the permit goes: a client's next call sees its budget
+        // settled.
+        self.meter.finish(
+            &self.metrics,
+            name,
+            self.status,
+            matches!(end, End::Complete),
+        );
         match end {
             End::Complete => {
                 self.metrics.upstream_duration(name, self.status, took);

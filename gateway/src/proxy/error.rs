@@ -1,7 +1,9 @@
 //! The one place where typed failures of a proxied request become HTTP responses (the
 //! "rescue" of linkerd2-proxy's server stack): status, `Retry-After`, and a body in the
 //! OpenAI error shape that SDKs parse, `{"error": {"message", "type", "param", "code"}}`, with
-//! the gateway's machine-readable reason as `code`.
+//! the gateway's machine-readable reason as `code`; but a refusal by a token budget is worded as
+//! OpenAI's own (`type` `tokens` or `requests`, `code` `rate_limit_exceeded`) and carries the
+//! `x-ratelimit-*` headers ([`crate::tokens::headers`]).
 //!
 //! Every 503, and every 502/504 a retry can cure (another endpoint, a connection that was not
 //! stale), carries `Retry-After`. The message a client sees names no internal address or
@@ -17,6 +19,8 @@ use super::body::ResponseBody;
 use crate::limits::limiter::ClientRejection;
 use crate::observe::TimeoutKind;
 use crate::pool::PoolError;
+use crate::tokens::budget::TokenRejection;
+use crate::tokens::headers;
 use crate::upstream::TlsError;
 
 /// `Retry-After` of failures whose cause passes quickly (a stale connection, an endpoint about
@@ -32,6 +36,9 @@ pub enum ProxyError {
     /// The client limiter refused it (429, or 503 when the client table is full).
     #[error(transparent)]
     Client(#[from] ClientRejection),
+    /// The client's token budget refused it (429).
+    #[error(transparent)]
+    Tokens(#[from] Box<TokenRejection>),
     /// The pool could not lease a connection (503, or 502/504 for connect failures).
     #[error(transparent)]
     Pool(#[from] PoolError),
@@ -136,9 +143,10 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Client(ClientRejection::TableFull { .. }) => StatusCode::SERVICE_UNAVAILABLE,
-            Self::Client(_) | Self::TooManyConnections | Self::CoolingDown { .. } => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            Self::Client(_)
+            | Self::Tokens(_)
+            | Self::TooManyConnections
+            | Self::CoolingDown { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Pool(e) => match e {
                 PoolError::QueueFull { .. }
                 | PoolError::LeaseTimeout { .. }
@@ -172,6 +180,7 @@ impl ProxyError {
         }
         match self {
             Self::Client(e) => e.reason(),
+            Self::Tokens(_) => "client_tokens",
             Self::Pool(e) => match e {
                 PoolError::QueueFull { .. } => "pool_queue_full",
                 PoolError::LeaseTimeout { .. } => "lease_timeout",
@@ -220,6 +229,7 @@ impl ProxyError {
             Self::CoolingDown { retry_after, .. } => Some(Duration::from_secs(
                 retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0),
             )),
+            Self::Tokens(r) => Some(r.retry_after),
             Self::Pool(
                 PoolError::QueueFull { retry_after, .. }
                 | PoolError::LeaseTimeout { retry_after, .. }
@@ -269,7 +279,19 @@ impl ProxyError {
     pub fn to_response(&self) -> Response<ResponseBody> {
         let status = self.status();
         let retry_after = self.retry_after().map(|d| d.as_secs().max(1));
-        let mut response = error_response(status, self.reason(), &self.public_message());
+        let mut response = match self {
+            Self::Tokens(r) => {
+                let mut response = openai_error(
+                    status,
+                    r.exhausted.error_type(),
+                    "rate_limit_exceeded",
+                    &self.public_message(),
+                );
+                headers::insert(response.headers_mut(), &r.quote);
+                response
+            }
+            _ => error_response(status, self.reason(), &self.public_message()),
+        };
         if let Some(secs) = retry_after {
             response
                 .headers_mut()
@@ -290,12 +312,22 @@ fn error_type(status: StatusCode) -> &'static str {
 
 /// A response in the OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`.
 pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ResponseBody> {
+    openai_error(status, error_type(status), code, message)
+}
+
+/// A response in the OpenAI error shape with its `type` given.
+fn openai_error(
+    status: StatusCode,
+    kind: &str,
+    code: &str,
+    message: &str,
+) -> Response<ResponseBody> {
     json_response(
         status,
         &serde_json::json!({
             "error": {
                 "message": message,
-                "type": error_type(status),
+                "type": kind,
                 "param": null,
                 "code": code,
             }
@@ -465,6 +497,42 @@ mod tests {
             assert!(body["error"]["message"].is_string(), "{reason}");
             assert!(body["error"]["param"].is_null(), "{reason}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_token_refusal_reads_as_openais_with_its_headers() {
+        use crate::tokens::budget::{Exhausted, Quote};
+        let quote = Quote {
+            limit_tokens: 600,
+            remaining_tokens: 12,
+            reset_tokens: Duration::from_millis(58_800),
+            requests: None,
+        };
+        let error = ProxyError::from(Box::new(TokenRejection {
+            client: "other".into(),
+            exhausted: Exhausted::TokensPerMinute,
+            limit: 600,
+            remaining: 12,
+            requested: 100,
+            retry_after: Duration::from_secs(9),
+            quote,
+        }));
+        assert_eq!(error.reason(), "client_tokens");
+        let response = error.to_response();
+        assert_eq!(response.status(), 429);
+        let h = response.headers();
+        assert_eq!(h[header::RETRY_AFTER], "9");
+        assert_eq!(h["x-ratelimit-limit-tokens"], "600");
+        assert_eq!(h["x-ratelimit-remaining-tokens"], "12");
+        assert_eq!(h["x-ratelimit-reset-tokens"], "58.8s");
+        let body = body_json(response).await;
+        assert_eq!(body["error"]["type"], "tokens");
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("tokens per minute: limit 600, remaining 12, requested 100"),
+            "{message}"
+        );
     }
 
     #[tokio::test]

@@ -8,14 +8,17 @@
 //!               body pace, pod-wide budget)                                  404 408 503
 //! 4. identity   the client's hashed identity; back early after a refusal?
 //! 5. class      interactive or batch, by the client's policy
-//! 6. admission  the client's limiter: concurrency, queue                          429 503
-//! 7. headers    hop-by-hop dropped, X-Forwarded-For and Via added; the client's credentials
+//! 6. tokens     the call's estimate reserved in its client's token budget
+//!               (`crate::tokens`)                                                     429
+//! 7. admission  the client's limiter: concurrency, queue                          429 503
+//! 8. headers    hop-by-hop dropped, X-Forwarded-For and Via added; the client's credentials
 //!               replaced by the provider's key (a backend with `credentials`)
-//! 8. forward    soft throttle, pool lease, send (again on another connection only
+//! 9. forward    soft throttle, pool lease, send (again on another connection only
 //!               when a *reused* one failed it before any byte of a response:
 //!               unsent, or replayable), the response head within firstByte
 //!               (from the end of the body) and total                         503 504 502
-//!    respond    the body streams back frame by frame under its deadlines (`deadline`)
+//!    respond    the body streams back frame by frame under its deadlines (`deadline`),
+//!               its usage read as it passes; its end settles the token reservation
 //! ```
 //!
 //! Every failure is a typed [`error::ProxyError`] and becomes a response in one place. The lease
@@ -36,7 +39,7 @@
 //! | `credentials.rs` | the provider's key in place of the client's credentials, re-read on rotation |
 //! | `forward.rs` | lease, send, retry on a stale connection, the wait for the response head |
 //! | `replay.rs` | which requests are safe to send twice, and the copy kept to send one again |
-//! | `call.rs` | a call's context, and what its end settles: metrics, the connection, outlier reports, the permit |
+//! | `call.rs` | a call's context, and what its end settles: metrics, tokens, the connection, outlier reports, the permit |
 //! | `response.rs` | the response body on its way back, reporting to its deadlines |
 //! | `deadline.rs` | the deadlines of a response in flight, fired whether or not the client reads |
 //! | `body.rs` | body types; the client's request body with its size limit and pace |

@@ -1,15 +1,15 @@
 //! The pipeline of one proxied call, phase by phase: drain → head → the gateway's own answers →
-//! route → identity → class → admission → upstream head → forward; and the one place where a
+//! route → identity → class → tokens → admission → upstream head → forward; and the one place where a
 //! failed phase becomes the client's response (the rescue: [`super::error`]), remembered when
 //! it told the client when to come back.
 
 use std::time::Duration;
 
-use http::header::{self, HeaderValue};
+use http::header::{self, CONTENT_LENGTH, HeaderValue};
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use poolpilot_api::limits::PriorityClass;
+use poolpilot_api::limits::{PriorityClass, TokenBudget};
 use tokio::time::Instant;
 
 use super::body::{BodyPace, ResponseBody};
@@ -22,6 +22,8 @@ use crate::listen::source::Peer;
 use crate::live::Gateway;
 use crate::observe::NO_CLIENT;
 use crate::observe::access::Record;
+use crate::tokens;
+use crate::tokens::budget::TokenReservation;
 
 /// Proxies one request; every failure becomes a response through [`ProxyError`]. The
 /// response's deadlines go into `slot` once its head has arrived (see [`super::deadline`]).
@@ -95,7 +97,29 @@ async fn proxy(
             l.classify(key, &parts.headers)
         });
     record.class(priority);
-    // 6. admission: the client's concurrency and queue (429; 503 when its table is full)
+    // 6. tokens: the call's estimate (`max_tokens`, the prompt's bytes ÷ 4) reserved in its
+    //    client's token budget, or 429 `rate_limit_exceeded` before anything reaches a backend
+    let length = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or_else(|| body.progress().received());
+    let default_max = route
+        .limiter
+        .as_ref()
+        .map_or(TokenBudget::DEFAULT_MAX_TOKENS, |l| {
+            l.default_max_tokens(&key)
+        });
+    let estimate = tokens::estimate::estimate(body.held().as_deref(), length, default_max);
+    let reservation = match &route.limiter {
+        Some(limiter) => limiter
+            .reserve_tokens(key, estimate)
+            .inspect_err(|refused| record.client(Some(&refused.client), key.short()))?,
+        None => None,
+    };
+    let quote = reservation.as_ref().map(TokenReservation::quote);
+    // 7. admission: the client's concurrency and queue (429; 503 when its table is full); the
+    //    token reservation rides in the permit
     let permit = match &route.limiter {
         Some(limiter) => {
             let acquired = limiter.acquire_as(key, priority).await;
@@ -104,11 +128,13 @@ async fn proxy(
                 Err(rejection) => rejection.client(),
             };
             record.client(name, key.short());
-            Some(acquired?)
+            let mut permit = acquired?;
+            permit.hold_tokens(reservation);
+            Some(permit)
         }
         None => None,
     };
-    // 7. upstream head: hop-by-hop headers dropped, `X-Forwarded-For` and `Via` added; the
+    // 8. upstream head: hop-by-hop headers dropped, `X-Forwarded-For` and `Via` added; the
     //    client's credentials out and the provider's in
     headers::prepare_upstream_head(&mut parts, peer);
     if let Some(key) = route.backend.credentials() {
@@ -118,9 +144,10 @@ async fn proxy(
     record.body(progress.clone());
     let replay = Replay::of(&parts, &body);
     let req = Request::from_parts(parts, body.boxed_unsync());
-    // 8. forward: lease (503), send (again on another connection when a reused one failed it
+    // 9. forward: lease (503), send (again on another connection when a reused one failed it
     //    unanswered: unsent, or replayable), the response head within its timeouts (504, 502);
-    //    the body then streams back under its deadlines
+    //    the body then streams back under its deadlines, its usage read as it passes, and its
+    //    end settles the token reservation; the head carries the client's `x-ratelimit-*`
     let call = CallContext {
         metrics: gw.metrics(),
         route,
@@ -129,8 +156,13 @@ async fn proxy(
         send_timeout: listener.send_timeout.get(),
         slot,
         record,
+        estimate,
     };
-    forward::forward(call, req, replay, permit).await
+    let mut response = forward::forward(call, req, replay, permit).await?;
+    if let Some(quote) = &quote {
+        tokens::headers::insert(response.headers_mut(), quote);
+    }
+    Ok(response)
 }
 
 /// Remembers a refusal that told the client when to come back (429, 503), for the next call of

@@ -1,5 +1,6 @@
 //! The response phase of a call: the backend's response on its way back to the client
-//! ([`UpstreamBody`]), streamed frame by frame (SSE chunks are never buffered), reporting to its
+//! ([`UpstreamBody`]), streamed frame by frame (SSE chunks are never buffered; their usage is
+//! read as they pass: [`crate::tokens::usage`]), reporting to its
 //! deadlines ([`super::deadline`]) whether it waits for the backend or for the client, and
 //! settling the call ([`super::call::Call::finish`]) when it ends, fails, is cut or is dropped.
 //! The lease and the client permit live in the body until its last frame: a connection returns
@@ -25,6 +26,7 @@ use super::headers::{strip_hop_by_hop, via_value};
 use crate::limits::limiter::ClientPermit;
 use crate::live::Backend;
 use crate::pool::Lease;
+use crate::tokens::Meter;
 use crate::upstream::HttpConnector;
 
 /// The response of a call whose head arrived: hop-by-hop headers dropped and `Via` added, its
@@ -33,12 +35,14 @@ pub(super) fn respond(
     call: &CallContext<'_>,
     backend: Arc<Backend>,
     lease: Lease<HttpConnector>,
-    permit: Option<ClientPermit>,
+    mut permit: Option<ClientPermit>,
     response: Response<Incoming>,
     sent_at: Instant,
 ) -> Response<ResponseBody> {
     let timeouts = &call.route.timeouts;
     let (mut parts, body) = response.into_parts();
+    let reservation = permit.as_mut().and_then(ClientPermit::take_tokens);
+    let meter = Meter::new(&parts.headers, call.estimate, sent_at, reservation);
     strip_hop_by_hop(&mut parts.headers);
     parts.headers.append(header::VIA, via_value(parts.version));
     let deadline = ResponseDeadline::new(
@@ -51,6 +55,7 @@ pub(super) fn respond(
         metrics: call.metrics.clone(),
         bytes: call.metrics.upstream_response_bytes(&backend.name),
         first_byte: false,
+        meter,
         backend,
         lease,
         permit,
@@ -110,7 +115,7 @@ impl Body for UpstreamBody {
             Poll::Ready(Some(Ok(frame))) => {
                 this.deadline.handed_frame();
                 if let (Some(call), Some(data)) = (this.call.as_mut(), frame.data_ref()) {
-                    call.received(data.len());
+                    call.received(data);
                 }
                 if this.inner.is_end_stream() {
                     this.end(End::Complete);

@@ -2,7 +2,8 @@
 //! body's top-level `model` field, read from a bounded buffer (`routeBodyBytes`) at the
 //! listener's body pace (408) and within the pod-wide budget of routing buffers (503:
 //! [`super::route_budget`]); nothing read is lost, the body is forwarded whole. The body of a
-//! replayable request is read into the same buffer, so that it can be sent twice.
+//! replayable request, and of any request when a token budget estimates calls from their
+//! bodies, is read into the same buffer (to send it twice, to estimate it).
 
 use bytes::BytesMut;
 use http::request::Parts;
@@ -33,10 +34,11 @@ pub(super) async fn route<'a>(
         return Err(ProxyError::NoBackends);
     }
     let listener = &snapshot.limits.listener;
-    // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`, or
-    // when the request is replayable (the forward phase can send it again only if the gateway
-    // holds its body whole: `super::replay`).
-    let buffer = snapshot.needs_model || replay::replayable(&parts.method, &parts.headers);
+    // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`, when
+    // a token budget estimates calls from it (`crate::tokens::estimate`), or when the request
+    // is replayable (the forward phase can send it again only if the gateway holds its body
+    // whole: `super::replay`).
+    let buffer = snapshot.needs_body || replay::replayable(&parts.method, &parts.headers);
     let (model, body) = if buffer && !incoming.is_end_stream() {
         buffer_for_model(gw, incoming, listener, pace).await?
     } else {

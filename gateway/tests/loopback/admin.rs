@@ -174,6 +174,7 @@ async fn metrics_follow_the_contract() {
         ("poolpilot_upstream_request_duration_seconds", "histogram"),
         ("poolpilot_upstream_time_to_first_byte_seconds", "histogram"),
         ("poolpilot_upstream_response_bytes", "counter"),
+        ("poolpilot_tokens", "counter"),
         ("poolpilot_endpoint_healthy", "gauge"),
         ("poolpilot_limits_info", "gauge"),
         ("poolpilot_limits_loaded", "gauge"),

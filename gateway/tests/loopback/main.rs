@@ -35,4 +35,5 @@ mod reused;
 mod signals;
 mod soft_throttle;
 mod timeouts;
+mod tokens;
 mod upstream_tls;

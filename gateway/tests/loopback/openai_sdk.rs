@@ -1,6 +1,8 @@
 //! The official OpenAI Python SDK against the gateway over loopback: a burst of calls from one
 //! client, more than its connection cap, gets 429s with `Retry-After` that the SDK honours and
-//! retries, never an `APIConnectionError`; the SDK parses the gateway's error bodies.
+//! retries, never an `APIConnectionError`; the SDK parses the gateway's error bodies; and a
+//! client with a token budget reads `x-ratelimit-remaining-tokens` falling call by call, gets
+//! OpenAI's own 429 once over it, and its retry waits out `Retry-After` and succeeds.
 //!
 //! Needs a Python with the `openai` package: `POOLPILOT_PYTHON` names it (`make sdk` installs
 //! one in a virtualenv of the cache, and `make unit` runs this test with it). Ignored without.
@@ -107,5 +109,111 @@ async fn a_burst_from_the_openai_sdk_gets_429s_it_honours_not_connection_errors(
         report["error"],
         serde_json::json!({"status": 404, "code": "no_route", "type": "invalid_request_error"}),
         "the SDK reads the gateway's error"
+    );
+}
+
+/// One `OpenAI` client (no retries) calling until its token budget refuses it, printing the
+/// `x-ratelimit-remaining-tokens` of each answer and what the refusal said; then the same call
+/// with 3 retries, printing how long it took and how many retries the SDK made.
+const BUDGET: &str = r#"
+import json, sys, time, openai
+
+base = sys.argv[1]
+client = openai.OpenAI(base_url=base, api_key="sk-tokens", max_retries=0, timeout=30)
+call = dict(model="sim-model", max_tokens=50,
+            messages=[{"role": "user", "content": "How many connections does a pool need??"}])
+remaining, refused = [], None
+for _ in range(20):
+    try:
+        raw = client.chat.completions.with_raw_response.create(**call)
+        remaining.append(int(raw.headers["x-ratelimit-remaining-tokens"]))
+        raw.parse()
+    except openai.RateLimitError as e:
+        h = e.response.headers
+        refused = {"status": e.status_code, "type": e.type, "code": e.code,
+                   "retry_after": h.get("retry-after"),
+                   "reset": h.get("x-ratelimit-reset-tokens"),
+                   "limit": h.get("x-ratelimit-limit-tokens")}
+        break
+start = time.monotonic()
+raw = client.with_options(max_retries=3).chat.completions.with_raw_response.create(**call)
+raw.parse()
+print(json.dumps({"remaining": remaining, "refused": refused, "status": raw.status_code,
+                  "retries": raw.retries_taken, "waited": time.monotonic() - start}))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the OpenAI Python SDK: POOLPILOT_PYTHON (make sdk)"]
+async fn the_openai_sdk_sees_its_remaining_tokens_fall_and_waits_out_a_token_refusal() {
+    let python =
+        std::env::var("POOLPILOT_PYTHON").expect("POOLPILOT_PYTHON names a Python with openai");
+    let sim = poolpilot_modelsim::Modelsim::start(poolpilot_modelsim::Config {
+        service: poolpilot_modelsim::ServiceTime::fixed(
+            std::time::Duration::from_millis(1),
+            std::time::Duration::ZERO,
+            100,
+        ),
+        ..poolpilot_modelsim::Config::default()
+    })
+    .await
+    .expect("modelsim starts");
+    let mut doc = serde_json::to_value(limits("model-a", &[sim.addr()], 8)).unwrap();
+    let mut policy = client_policy(8, 0, "1s", &[]);
+    policy["identity"] = serde_json::json!({"header": "authorization"});
+    // 400 tokens a minute: six calls of 60 (10 prompt, 50 completion), then a refusal.
+    policy["tokens"] = serde_json::json!({"perMinute": 400});
+    doc["clientPolicies"] = serde_json::json!([policy]);
+    doc["backends"][0]["clientPolicy"] = "default".into();
+    let gw = Gw::start(from_json(doc)).await;
+    let base = format!("http://{}/v1", gw.proxy);
+    let output = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args(["-c", BUDGET, &base])
+            .output()
+            .expect("python runs")
+    })
+    .await
+    .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    println!("{report}");
+    let remaining: Vec<u64> = report["remaining"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(remaining.len(), 6, "{report}");
+    assert!(
+        remaining.windows(2).all(|w| w[1] < w[0]),
+        "x-ratelimit-remaining-tokens falls call by call: {report}"
+    );
+    let refused = &report["refused"];
+    assert_eq!(refused["status"], 429, "{report}");
+    assert_eq!(refused["type"], "tokens", "{report}");
+    assert_eq!(refused["code"], "rate_limit_exceeded", "{report}");
+    assert_eq!(refused["limit"], "400", "{report}");
+    assert!(
+        refused["reset"].as_str().is_some_and(|r| r.ends_with('s')),
+        "{report}"
+    );
+    let retry_after: f64 = refused["retry_after"].as_str().unwrap().parse().unwrap();
+    assert_eq!(
+        report["status"], 200,
+        "the SDK's retry got through: {report}"
+    );
+    assert!(report["retries"].as_u64().unwrap() >= 1, "{report}");
+    assert!(
+        report["waited"].as_f64().unwrap() >= retry_after - 1.0,
+        "the SDK waited out Retry-After: {report}"
+    );
+    assert_eq!(
+        sim.stats().requests_received,
+        7,
+        "no refused call reached modelsim"
     );
 }

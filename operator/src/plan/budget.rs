@@ -27,6 +27,18 @@ pub fn fleet_part(limit: u32, pods: usize, rank: Option<usize>, floor: u32) -> u
     (base + u32::from(extra)).max(floor)
 }
 
+/// [`fleet_part`] of a `u64` limit (a token budget).
+pub fn fleet_part_u64(limit: u64, pods: usize, rank: Option<usize>, floor: u64) -> u64 {
+    let Ok(n) = u64::try_from(pods) else {
+        return floor;
+    };
+    let Some(base) = limit.checked_div(n) else {
+        return limit.max(floor);
+    };
+    let extra = rank.is_some_and(|r| u64::try_from(r).is_ok_and(|r| r < limit % n));
+    (base + u64::from(extra)).max(floor)
+}
+
 /// The fd check as one policy sees it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FdReport {
@@ -97,5 +109,21 @@ mod tests {
         assert_eq!(share(50, 3), 16);
         assert_eq!(share(2, 3), 1);
         assert_eq!(share(40, 0), 40);
+    }
+
+    #[test]
+    fn a_u64_limit_is_divided_as_a_u32_one_and_its_parts_add_up() {
+        for (limit, pods) in [(0u32, 3), (7, 3), (600, 4), (5, 0), (1, 5)] {
+            for rank in [None, Some(0), Some(1), Some(2), Some(4)] {
+                assert_eq!(
+                    fleet_part_u64(limit.into(), pods, rank, 1),
+                    u64::from(fleet_part(limit, pods, rank, 1)),
+                    "{limit} over {pods}, rank {rank:?}"
+                );
+            }
+        }
+        let big = 3 * u64::from(u32::MAX) + 2;
+        let parts: u64 = (0..3).map(|r| fleet_part_u64(big, 3, Some(r), 1)).sum();
+        assert_eq!(parts, big);
     }
 }

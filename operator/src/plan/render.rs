@@ -9,10 +9,13 @@ use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
     BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, ClientShare, CredentialScheme,
     Credentials, HealthCheck, ListenerLimits, MAX_GENERATION, OutlierDetection, PoolLimits,
-    ProxyProtocol, RouteMatch, SlowCalls, SoftThrottle, Timeouts, TrustedProxies,
+    ProxyProtocol, RouteMatch, SlowCalls, SoftThrottle, Timeouts, TokenBudget, TokenCount,
+    TokenWeights, TrustedProxies,
 };
 use poolpilot_api::policy::upstream::{CredentialSchemeSpec, CredentialsSpec, secret_file};
-use poolpilot_api::policy::{BackendSpec, ClientScope, TrustedProxyProtocol};
+use poolpilot_api::policy::{
+    BackendSpec, ClientScope, TokenBudgetSpec, TokenCountSpec, TrustedProxyProtocol,
+};
 use sha2::{Digest, Sha256};
 
 use super::budget;
@@ -311,6 +314,10 @@ fn document(
                         key_sha256: o.client.key_sha256.clone(),
                         max_concurrency: part(o.max_concurrency, 1),
                         class: o.class.map(super::priority::class),
+                        tokens: o
+                            .tokens
+                            .as_ref()
+                            .map(|t| token_budget(t, c.scope, plan.holders.len(), rank)),
                     })
                     .collect(),
                 slow_calls: c.slow_calls.as_ref().map(|s| SlowCalls {
@@ -338,6 +345,10 @@ fn document(
                         .collect(),
                     _ => Vec::new(),
                 },
+                tokens: c
+                    .tokens
+                    .as_ref()
+                    .map(|t| token_budget(t, c.scope, plan.holders.len(), rank)),
             });
             name
         });
@@ -445,4 +456,37 @@ fn client_policy_name(policy: &str, used: &mut BTreeSet<String>) -> String {
         name = format!("{}-{n}", &base[..base.len().min(60)]);
     }
     name
+}
+
+/// A token budget in a pod's document: with `Fleet` scope this pod's part of each bucket
+/// (divided over the `pods` holders as the concurrency limits are: rounded down, one more for
+/// the first ranks, at least 1), with `PerPod` the budget as written.
+fn token_budget(
+    t: &TokenBudgetSpec,
+    scope: ClientScope,
+    pods: usize,
+    rank: Option<usize>,
+) -> TokenBudget {
+    let part = |limit: u64| match scope {
+        ClientScope::PerPod => limit,
+        ClientScope::Fleet => budget::fleet_part_u64(limit, pods, rank, 1),
+    };
+    TokenBudget {
+        per_minute: part(t.per_minute),
+        per_day: t.per_day.map(part),
+        count: match t.count {
+            TokenCountSpec::Total => TokenCount::Total,
+            TokenCountSpec::Output => TokenCount::Output,
+            TokenCountSpec::Weighted => TokenCount::Weighted,
+        },
+        weights: t.weights.map(|w| TokenWeights {
+            input: w.input,
+            output: w.output,
+        }),
+        default_max_tokens: t.default_max_tokens,
+        requests_per_minute: t.requests_per_minute.map(|r| match scope {
+            ClientScope::PerPod => r,
+            ClientScope::Fleet => budget::fleet_part(r, pods, rank, 1),
+        }),
+    }
 }

@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use poolpilot_api::limits::Endpoint;
+use poolpilot_api::limits::{Endpoint, TokenCount};
 use poolpilot_api::policy::{Mode, StartFrom};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 use proptest::prelude::*;
@@ -878,6 +878,52 @@ fn clients_become_a_named_client_policy() {
     assert_eq!(doc.backends[0].client_policy.as_deref(), Some("team-a"));
     assert_eq!(doc.listener.max_connections_per_client, Some(64));
     doc.validate().expect("rendered documents validate");
+}
+
+#[test]
+fn token_budgets_are_divided_over_the_pods_as_the_client_limits_are() {
+    let budgets = |scope: &str| {
+        let extra = format!(
+            "clients:\n  identity: {{header: authorization}}\n  scope: {scope}\n  maxConcurrency: 8\n  tokens: {{perMinute: 1000, perDay: 100000, requestsPerMinute: 10, count: Weighted, weights: {{input: 0.5, output: 2}}}}\n  overrides:\n  - name: vip\n    match: {{keySha256: \"{}\"}}\n    maxConcurrency: 4\n    tokens: {{perMinute: 9}}\n",
+            "a".repeat(64)
+        );
+        let p = policy("a", 0, &spec("model-a", 64, &extra), 1);
+        let fleet = plan_once(&input_of(vec![p], pods(3)));
+        let docs: Vec<_> = (0..3)
+            .map(|i| fleet.documents[&format!("gw-{i}")].clone())
+            .collect();
+        for doc in &docs {
+            doc.validate().expect("rendered documents validate");
+        }
+        docs.iter()
+            .map(|d| {
+                let c = &d.client_policies[0];
+                let t = c.tokens.clone().expect("a budget");
+                let vip = c.overrides[0]
+                    .tokens
+                    .clone()
+                    .expect("the override's budget");
+                assert_eq!(t.count, TokenCount::Weighted);
+                assert_eq!(t.weights.map(|w| (w.input, w.output)), Some((0.5, 2.0)));
+                assert_eq!(vip.count, TokenCount::Total);
+                (
+                    t.per_minute,
+                    t.per_day,
+                    t.requests_per_minute,
+                    vip.per_minute,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        budgets("Fleet"),
+        [
+            (334, Some(33334), Some(4), 3),
+            (333, Some(33333), Some(3), 3),
+            (333, Some(33333), Some(3), 3),
+        ]
+    );
+    assert_eq!(budgets("PerPod"), [(1000, Some(100000), Some(10), 9); 3]);
 }
 
 #[test]

@@ -17,11 +17,13 @@ fn policy(max: u32, queue: u32) -> ClientPolicy {
             key_sha256: hex::encode(Sha256::digest(b"batch-key")),
             max_concurrency: 5,
             class: None,
+            tokens: None,
         }],
         slow_calls: None,
         max_clients: ClientPolicy::DEFAULT_MAX_CLIENTS,
         priority: None,
         client_shares: Vec::new(),
+        tokens: None,
     }
 }
 
@@ -356,6 +358,7 @@ fn prioritized(trust_header: bool) -> ClientLimiter {
         key_sha256: hex::encode(Sha256::digest(b"frontend-key")),
         max_concurrency: 5,
         class: Some(PriorityClass::Interactive),
+        tokens: None,
     });
     p.priority = Some(poolpilot_api::limits::Priority {
         header: Some("x-poolpilot-priority".into()),
@@ -629,4 +632,44 @@ fn a_key_is_shown_whole_in_hex_as_client_shares_name_it() {
     let key = ClientKey::of(b"k1");
     assert_eq!(key.hex(), hex::encode(Sha256::digest(b"k1")));
     assert_eq!(key.hex().len(), 64);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_token_reservation_rides_in_the_permit_and_a_refusal_is_counted() {
+    let mut p = policy(4, 0);
+    p.tokens = Some(serde_json::from_value(serde_json::json!({"perMinute": 100})).unwrap());
+    p.overrides[0].tokens = Some(
+        serde_json::from_value(serde_json::json!({"perMinute": 1000, "defaultMaxTokens": 7}))
+            .unwrap(),
+    );
+    let metrics = Metrics::new();
+    let l = ClientLimiter::new(p.clone(), metrics.clone());
+    let key = ClientKey::of(b"someone");
+    let batch = ClientKey::of(b"batch-key");
+    assert_eq!(l.default_max_tokens(&key), TokenBudget::DEFAULT_MAX_TOKENS);
+    assert_eq!(l.default_max_tokens(&batch), 7);
+    let estimate = Estimate {
+        prompt: 10,
+        output: 80,
+    };
+    let reservation = l.reserve_tokens(key, estimate).unwrap();
+    let mut permit = l.acquire(key).await.unwrap();
+    permit.hold_tokens(reservation);
+    let err = l.reserve_tokens(key, estimate).unwrap_err();
+    assert_eq!(&*err.client, OTHER);
+    assert!(l.reserve_tokens(batch, estimate).unwrap().is_some());
+    assert!(
+        metrics.encode().contains(
+            "poolpilot_client_rejected_total{client=\"other\",reason=\"client_tokens\"} 1"
+        ),
+        "{}",
+        metrics.encode()
+    );
+    // The permit dropped unsettled: its reservation is given back.
+    drop(permit);
+    assert!(l.reserve_tokens(key, estimate).unwrap().is_some());
+    p.tokens = None;
+    p.overrides[0].tokens = None;
+    l.set_policy(p);
+    assert!(l.reserve_tokens(key, estimate).unwrap().is_none());
 }

@@ -1,0 +1,261 @@
+//! Loopback tests of token budgets and token metrics: the real gateway against modelsim (which
+//! reports `usage` as vLLM does) on 127.0.0.1. A call over its client's budget is refused 429
+//! in OpenAI's shape, with `Retry-After` and the `x-ratelimit-*` headers, before any byte
+//! reaches the backend; every admitted response carries the headers, the remaining tokens
+//! falling call by call; reservations are settled with the backend's usage (a JSON body, a
+//! stream's usage chunk), with the content chunks of a stream without usage, and, for a call
+//! cut by a deadline or abandoned by its client, with what was streamed.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use poolpilot_modelsim::{Config, Faults, Modelsim, ServiceTime};
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+/// A modelsim producing at most `tokens` tokens a call, `per_token_ms` apart.
+async fn modelsim(tokens: u32, per_token_ms: u64) -> Modelsim {
+    Modelsim::start(Config {
+        service: ServiceTime::fixed(
+            Duration::from_millis(1),
+            Duration::from_millis(per_token_ms),
+            tokens,
+        ),
+        ..Config::default()
+    })
+    .await
+    .expect("modelsim starts")
+}
+
+/// One backend on `sim` behind the client policy `default` (by `x-api-key`) with `tokens` as
+/// its token budget.
+fn budget_limits(sim: SocketAddr, tokens: Value) -> poolpilot_api::limits::GatewayLimits {
+    let mut doc = serde_json::to_value(limits("model-a", &[sim], 8)).unwrap();
+    let mut policy = client_policy(8, 0, "1s", &[]);
+    policy["tokens"] = tokens;
+    doc["clientPolicies"] = json!([policy]);
+    doc["backends"][0]["clientPolicy"] = "default".into();
+    doc["backends"][0]["timeouts"]["streamIdle"] = "300ms".into();
+    from_json(doc)
+}
+
+/// A chat call: 40 bytes of prompt (10 tokens by the gateway's estimate and modelsim's count),
+/// `max_tokens`, streamed or not, asking for usage on the stream or not.
+fn chat(max_tokens: u32, stream: bool, include_usage: bool) -> String {
+    let mut body = json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "How many connections does a pool need??"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    });
+    if include_usage {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body.to_string()
+}
+
+fn header(headers: &http::HeaderMap, name: &str) -> Option<u64> {
+    headers.get(name)?.to_str().ok()?.parse().ok()
+}
+
+async fn call(gw: &Gw, key: &str, body: &str) -> (http::StatusCode, http::HeaderMap, String) {
+    post(
+        gw.proxy,
+        "/v1/chat/completions",
+        &[("x-api-key", key), ("content-type", "application/json")],
+        body,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remaining_tokens_fall_call_by_call_and_the_call_over_budget_never_reaches_the_backend() {
+    let sim = modelsim(100, 0).await;
+    let gw = Gw::start(budget_limits(sim.addr(), json!({"perMinute": 400}))).await;
+    let mut remaining = Vec::new();
+    // Each call costs 10 prompt + 50 completion tokens: 6 fit in 400.
+    for _ in 0..6 {
+        let (status, headers, body) = call(&gw, "alice", &chat(50, false, false)).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some(400));
+        assert!(
+            headers.contains_key("x-ratelimit-reset-tokens"),
+            "{headers:?}"
+        );
+        remaining.push(header(&headers, "x-ratelimit-remaining-tokens").unwrap());
+    }
+    assert!(
+        remaining.windows(2).all(|w| w[1] < w[0]),
+        "remaining tokens {remaining:?}"
+    );
+    // 60 a call; the bucket refills by 400 a minute (under 7 a second) meanwhile.
+    assert!((340..360).contains(&remaining[0]), "{remaining:?}");
+    assert!(remaining[5] < 60, "{remaining:?}");
+    let served = sim.stats().requests_received;
+    assert_eq!(served, 6);
+
+    let (status, headers, body) = call(&gw, "alice", &chat(50, false, false)).await;
+    assert_eq!(status, 429, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["type"], "tokens", "{error}");
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("tokens per minute")),
+        "{error}"
+    );
+    let retry = header(&headers, "retry-after").expect("Retry-After");
+    assert!((1..=10).contains(&retry), "{retry}");
+    assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some(400));
+    assert!(header(&headers, "x-ratelimit-remaining-tokens").unwrap() < 60);
+    assert!(headers.contains_key("x-ratelimit-reset-tokens"));
+    assert_eq!(
+        sim.stats().requests_received,
+        served,
+        "the refused call reached the backend"
+    );
+    // Another client has a budget of its own.
+    assert_eq!(call(&gw, "bob", &chat(50, false, false)).await.0, 200);
+
+    let text = gw.metrics().await;
+    let tokens = |direction: &str, source: &str| {
+        metric(
+            &text,
+            &format!(
+                "poolpilot_tokens_total{{backend=\"model-a\",direction=\"{direction}\",source=\"{source}\"}}"
+            ),
+        )
+    };
+    assert_eq!(tokens("output", "usage"), Some(350.0), "{text}");
+    assert_eq!(tokens("input", "usage"), Some(70.0), "{text}");
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_client_rejected_total{client=\"other\",reason=\"client_tokens\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_are_settled_with_the_backends_usage_streamed_or_not() {
+    // modelsim produces 10 tokens whatever `max_tokens` asks: the estimate (10 + 200) is far
+    // above what the calls use (10 + 10).
+    let sim = modelsim(10, 1).await;
+    let gw = Gw::start(budget_limits(sim.addr(), json!({"perMinute": 1200}))).await;
+    for (what, stream, include_usage) in [
+        ("json", false, false),
+        ("stream with usage", true, true),
+        ("stream without usage", true, false),
+    ] {
+        let key = format!("client-{what}");
+        let (status, headers, body) = call(&gw, &key, &chat(200, stream, include_usage)).await;
+        assert_eq!(status, 200, "{what}: {body}");
+        let first = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+        // 1200 − (10 + 200), the bucket full before.
+        assert_eq!(first, 990, "{what}");
+        let (_, headers, _) = call(&gw, &key, &chat(200, stream, include_usage)).await;
+        let second = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+        // Settled at 20 (not the 210 reserved): 1200 − 20 − 210, and the refill meanwhile (20
+        // tokens a second); unsettled it would be 780.
+        assert!(
+            (970..990).contains(&second),
+            "{what}: {first} then {second}"
+        );
+    }
+    let text = gw.metrics().await;
+    let series = |direction: &str, source: &str| {
+        metric(
+            &text,
+            &format!(
+                "poolpilot_tokens_total{{backend=\"model-a\",direction=\"{direction}\",source=\"{source}\"}}"
+            ),
+        )
+    };
+    assert_eq!(series("output", "usage"), Some(40.0), "{text}");
+    assert_eq!(series("output", "chunks"), Some(20.0), "{text}");
+    assert_eq!(series("input", "estimate"), Some(20.0), "{text}");
+    assert!(
+        metric(
+            &text,
+            "poolpilot_time_to_first_token_seconds_count{backend=\"model-a\"}"
+        )
+        .is_some_and(|n| n == 4.0),
+        "{text}"
+    );
+    assert!(
+        metric(
+            &text,
+            "poolpilot_time_per_output_token_seconds_count{backend=\"model-a\"}"
+        )
+        .is_some_and(|n| n == 4.0),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_or_abandoned_call_is_settled_with_what_was_streamed() {
+    let sim = modelsim(1000, 5).await;
+    let gw = Gw::start(budget_limits(sim.addr(), json!({"perMinute": 1200}))).await;
+    // The stream stops after 3 tokens and hangs: streamIdle (300 ms) cuts it.
+    sim.set_faults(Faults {
+        stall_ratio: 1.0,
+        stall_after_tokens: Some(3),
+        ..Faults::default()
+    })
+    .unwrap();
+    let (status, headers, _) = call(&gw, "carol", &chat(100, true, true)).await;
+    assert_eq!(status, 200);
+    // 1200 − (10 + 100).
+    let first = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+    assert_eq!(first, 1090);
+    sim.set_faults(Faults::default()).unwrap();
+    let (_, headers, _) = call(&gw, "carol", &chat(100, false, false)).await;
+    let second = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+    // Settled at 10 + 3: 1200 − 13 − 110, and the refill meanwhile (20 tokens a second);
+    // unsettled it would be 980.
+    assert!((1077..1100).contains(&second), "{first} then {second}");
+
+    // A client that goes away after the first chunks: settled with those.
+    let mut conn = connect(gw.proxy).await;
+    let response = conn
+        .send(request(
+            "POST",
+            "/v1/chat/completions",
+            &[("x-api-key", "dave"), ("content-type", "application/json")],
+            &chat(1000, true, false),
+        ))
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let mut seen = 0;
+    while seen < 3 {
+        let frame = body.frame().await.unwrap().unwrap();
+        if let Ok(data) = frame.into_data() {
+            seen += String::from_utf8_lossy(&data)
+                .matches("\"content\"")
+                .count();
+        }
+    }
+    drop(body);
+    drop(conn);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_, headers, _) = call(&gw, "dave", &chat(10, false, false)).await;
+    let after = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+    // Settled with what was streamed by the time the gateway saw the client go (a few chunks
+    // more than the 3 read, 5 ms apart), not the 1010 reserved: unsettled it would be under 200.
+    assert!(after > 900, "{after}");
+    let text = gw.metrics().await;
+    assert!(
+        metric(
+            &text,
+            "poolpilot_tokens_total{backend=\"model-a\",direction=\"output\",source=\"chunks\"}"
+        )
+        .is_some_and(|n| n >= 6.0),
+        "3 chunks of the cut call, at least 3 of the abandoned one: {text}"
+    );
+}
