@@ -161,13 +161,7 @@ async fn azure_takes_its_key_as_api_key_and_a_missing_key_file_refuses_the_docum
     );
 
     let missing = doc_with(&dir.path().join("not-mounted"), 2);
-    let (status, body) = gw
-        .admin_call(
-            "PUT",
-            "/v1/limits",
-            &serde_json::to_string(&missing).unwrap(),
-        )
-        .await;
+    let (status, body) = gw.put_limits(&missing).await;
     assert_eq!(status, 422, "{body}");
     assert!(body.contains("not-mounted"), "names the file: {body}");
     assert!(!body.contains(PROVIDER_KEY));

@@ -357,6 +357,13 @@ impl Gw {
             .collect()
     }
 
+    /// `PUT /v1/limits` of `limits` with the token: `(status, body)` (for documents a test
+    /// expects to be refused; [`Gw::apply`] applies valid ones directly).
+    pub async fn put_limits(&self, limits: &GatewayLimits) -> (StatusCode, String) {
+        let body = serde_json::to_string(limits).expect("limits serialize");
+        self.admin_call("PUT", "/v1/limits", &body).await
+    }
+
     /// An admin request with the token: `(status, body)`.
     pub async fn admin_call(&self, method: &str, path: &str, body: &str) -> (StatusCode, String) {
         let bearer = self.bearer();

@@ -484,13 +484,7 @@ async fn tls_files_that_do_not_load_refuse_the_document_and_a_rotated_ca_takes_o
         serde_json::json!({"serverName": "model.test", "caFile": dir.path().join("nope.crt")}),
     );
     missing.generation = 2;
-    let (status, body) = gw
-        .admin_call(
-            "PUT",
-            "/v1/limits",
-            &serde_json::to_string(&missing).unwrap(),
-        )
-        .await;
+    let (status, body) = gw.put_limits(&missing).await;
     assert_eq!(status, 422, "{body}");
     assert!(body.contains("nope.crt"), "names the file: {body}");
     assert_eq!(
