@@ -556,11 +556,12 @@ async fn poll_prometheus(
             _ = tick.tick() => {}
         }
         let backends = saturation.all();
+        let distinct = prom::distinct_saturation(&backends).len();
         metrics.query_rounds.inc();
         for name in fixed
             .iter()
             .map(|q| q.name)
-            .chain(backends.iter().map(|_| "saturation"))
+            .chain(std::iter::repeat_n("saturation", distinct))
         {
             metrics
                 .queries
@@ -599,7 +600,7 @@ async fn poll_prometheus(
             }
         }
         if let Some(first) = errors.first() {
-            let (failed, of) = (errors.len(), fixed.len() + backends.len());
+            let (failed, of) = (errors.len(), fixed.len() + distinct);
             warn!(failed, of, error = %crate::report(first), "Prometheus queries failed; their inputs count as missing");
         }
         *snapshot.write() = round;

@@ -563,7 +563,18 @@ pub fn rows(data: &Data) -> Vec<(HashMap<String, String>, f64)> {
     }
 }
 
-/// Runs one round of queries, concurrently, each bounded by `timeout` (a query that runs out of
+/// The distinct PromQL of the saturation queries, in order: backends of many policies that
+/// declare the same query (a templated policy per tenant) share one query per round.
+pub fn distinct_saturation(saturation: &[(SaturationKey, String)]) -> Vec<&str> {
+    saturation
+        .iter()
+        .map(|(_, q)| q.as_str())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// Runs one round of queries (the fixed set and each distinct saturation query once), concurrently, each bounded by `timeout` (a query that runs out of
 /// time is cancelled), and folds it into a snapshot taken at `at` with the saturation queries'
 /// values. A failed query leaves its rows `None`; the errors come back too, for logs and the
 /// query-error metric.
@@ -576,10 +587,11 @@ pub async fn query_round(
     at: impl FnOnce() -> Timestamp,
 ) -> (Snapshot, Vec<PromError>) {
     let fixed = queries.all();
+    let distinct = distinct_saturation(saturation);
     let all = fixed
         .iter()
         .map(|q| (q.name, q.promql.as_str()))
-        .chain(saturation.iter().map(|(_, q)| ("saturation", q.as_str())));
+        .chain(distinct.iter().map(|q| ("saturation", *q)));
     let answers = futures::future::join_all(all.map(|(name, promql)| async move {
         let mut query = client.query(promql);
         for (header, value) in headers {
@@ -604,10 +616,18 @@ pub async fn query_round(
         .iter()
         .map(|q| (q.name, answers.next().flatten()))
         .collect();
+    // Each distinct PromQL ran once; every backend that declares it reads the same answer.
+    let by_promql: BTreeMap<&str, Option<f64>> = distinct
+        .iter()
+        .map(|q| {
+            let value = answers.next().flatten().and_then(|r| saturation_value(&r));
+            (*q, value)
+        })
+        .collect();
     let values: BTreeMap<SaturationKey, (String, Option<f64>)> = saturation
         .iter()
         .map(|(key, q)| {
-            let value = answers.next().flatten().and_then(|r| saturation_value(&r));
+            let value = by_promql.get(q.as_str()).copied().flatten();
             (key.clone(), (q.clone(), value))
         })
         .collect();
@@ -1072,6 +1092,112 @@ mod tests {
             "{}",
             errors[0]
         );
+    }
+
+    /// A Prometheus on loopback that answers every query with one sample of 2 (or an error
+    /// for PromQL containing `broken`) and counts the queries it was sent.
+    #[tokio::test]
+    async fn a_round_for_many_policies_sends_each_distinct_query_once() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = sent.clone();
+        let server = tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let line = String::from_utf8_lossy(&request);
+                    let (status, body) = if line.lines().next().unwrap_or("").contains("broken") {
+                        (
+                            "400 Bad Request",
+                            r#"{"status":"error","errorType":"bad_data","error":"parse error"}"#,
+                        )
+                    } else {
+                        (
+                            "200 OK",
+                            r#"{"status":"success","data":{"resultType":"vector","result":[{"metric":{},"value":[1800000000,"2"]}]}}"#,
+                        )
+                    };
+                    let answer = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = socket.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        let client =
+            prometheus_http_query::Client::from(crate::http_client().build().unwrap(), &url)
+                .unwrap();
+        let queries = Queries {
+            window: Duration::from_secs(30),
+            freshness: Duration::from_secs(30),
+        };
+        // 200 policies of one template (the same saturation query), and one with a broken one.
+        let policies = 200;
+        let mut saturation: Vec<(SaturationKey, String)> = (0..policies)
+            .map(|i| {
+                (
+                    ("ns".to_owned(), format!("p{i}"), "model-a".to_owned()),
+                    "vllm:num_requests_waiting".to_owned(),
+                )
+            })
+            .collect();
+        saturation.push((
+            ("ns".to_owned(), "odd".to_owned(), "model-a".to_owned()),
+            "broken(".to_owned(),
+        ));
+        let (snapshot, errors) = query_round(
+            &client,
+            &http::HeaderMap::new(),
+            &queries,
+            &saturation,
+            Duration::from_secs(10),
+            || at(0),
+        )
+        .await;
+        server.abort();
+        assert_eq!(
+            sent.load(std::sync::atomic::Ordering::SeqCst),
+            queries.all().len() + 2,
+            "the fixed set plus one per distinct saturation query, not one per policy"
+        );
+        assert_eq!(
+            snapshot.saturation.len(),
+            policies + 1,
+            "every backend has its answer"
+        );
+        for i in 0..policies {
+            let k = ("ns".to_owned(), format!("p{i}"), "model-a".to_owned());
+            assert_eq!(
+                snapshot.saturation[&k],
+                ("vllm:num_requests_waiting".to_owned(), Some(2.0))
+            );
+        }
+        let odd = ("ns".to_owned(), "odd".to_owned(), "model-a".to_owned());
+        assert_eq!(
+            snapshot.saturation[&odd],
+            ("broken(".to_owned(), None),
+            "a failed query is missing for its own backends only"
+        );
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(matches!(
+            errors[0],
+            PromError::Query {
+                name: "saturation",
+                ..
+            }
+        ));
     }
 
     #[test]
