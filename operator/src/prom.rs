@@ -574,10 +574,10 @@ pub fn distinct_saturation(saturation: &[(SaturationKey, String)]) -> Vec<&str> 
         .collect()
 }
 
-/// Runs one round of queries (the fixed set and each distinct saturation query once), concurrently, each bounded by `timeout` (a query that runs out of
-/// time is cancelled), and folds it into a snapshot taken at `at` with the saturation queries'
-/// values. A failed query leaves its rows `None`; the errors come back too, for logs and the
-/// query-error metric.
+/// Runs one round of queries (the fixed set and each distinct saturation query once),
+/// concurrently, each bounded by `timeout` (a query that runs out of time is cancelled), and
+/// folds it into a snapshot taken at `at` with the saturation queries' values. A failed query
+/// leaves its rows `None`; the errors come back too, for logs and the query-error metric.
 pub async fn query_round(
     client: &prometheus_http_query::Client,
     headers: &http::HeaderMap,
