@@ -151,6 +151,9 @@ $(PROMTOOL_BIN): e2e/prometheus/go.mod e2e/prometheus/go.sum
 # $(IMAGE_REPO)/NAME:$(IMAGE_TAG) (docker.io/poolpilot/gateway:local is what a kubelet makes of
 # the local overlay's `poolpilot/gateway:local`).
 IMAGE_PROFILE    ?= debug
+# Where the images' binaries are built: the workspace's target folder, or the benchmarks' own for
+# the release images `make bench` runs on the node.
+IMAGE_TARGET_DIR ?= $(CARGO_TARGET_DIR)
 IMAGE_REPO       ?= docker.io/poolpilot
 IMAGE_TAG        ?= local
 IMAGES_DIR       ?= $(CACHE)/images
@@ -187,14 +190,14 @@ image-tools: ## Install buildah, podman and runc when missing (Debian packages);
 .PHONY: images
 images: image-tools ## Build the operator, gateway and modelsim images offline (IMAGE_PROFILE=debug|release) into $(IMAGES_DIR)/NAME.tar and the local store
 	@if [ "$(IMAGE_PROFILE)" = release ]; then \
-		cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-modelsim; \
+		CARGO_TARGET_DIR=$(IMAGE_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-modelsim; \
 	else cargo build --workspace --bins; fi
 	@mkdir -p $(IMAGES_DIR)
 	@for spec in $(IMAGES); do \
 		name=$${spec%%:*}; rest=$${spec#*:}; bin=$${rest%%:*}; ports=$${rest#*:}; \
 		ctx=$(IMAGES_DIR)/$$name.ctx; ref=$(IMAGE_REPO)/$$name:$(IMAGE_TAG); \
 		echo ">> image $$ref ($(IMAGE_PROFILE) $$bin)"; \
-		images/rootfs.sh $(CARGO_TARGET_DIR)/$(IMAGE_PROFILE)/$$bin $$ctx/rootfs; \
+		images/rootfs.sh $(IMAGE_TARGET_DIR)/$(IMAGE_PROFILE)/$$bin $$ctx/rootfs; \
 		buildah build --quiet --timestamp 0 -f images/Containerfile -t $$ref \
 			--build-arg BIN=$$bin --build-arg PORTS="$${ports//,/ }" \
 			--build-arg VERSION=$(IMAGE_VERSION) --build-arg REVISION=$(IMAGE_REVISION) \
@@ -402,9 +405,20 @@ LOOP_BENCH_OUT   ?= e2e/bench/control-loop.md
 SOFT_THROTTLE_OUT ?= e2e/bench/soft-throttle.md
 
 .PHONY: bench
-bench: bench-peers cluster-up ## Proxy benchmarks beside HAProxy and nginx, control loop and operator scale on the embedded cluster, rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
-	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-bench
-	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT) --bin-dir $(BENCH_BIN)
+# The node runs images, so parts 5–6 run on a cluster of its own started on the release images
+# (built from $(BENCH_TARGET_DIR), the binaries parts 1–4 measure) and stopped before the proxy
+# parts, which then have the machine to themselves. A cluster already running (`make demo`,
+# `make cluster-up`) runs the images it started with: the bench asks to stop it rather than
+# measure those.
+bench: bench-peers bins host-tools ## Proxy benchmarks beside HAProxy and nginx, control loop and operator scale on the embedded cluster (release images), rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
+	@if $(CLUSTER_RUNNING); then \
+		echo "a cluster is running with the images it started with; the bench starts its own on release images: make cluster-down first"; \
+		exit 1; \
+	fi
+	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-modelsim -p poolpilot-bench
+	trap '$(MAKE) --no-print-directory cluster-down' EXIT; \
+	$(MAKE) --no-print-directory cluster-up IMAGE_PROFILE=release IMAGE_TARGET_DIR=$(BENCH_TARGET_DIR); \
+	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT) --image-profile release
 	POOLPILOT_BENCH_FRAGMENT=$(CURDIR)/$(SOFT_THROTTLE_OUT) CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) \
 		cargo test --release -p poolpilot-gateway --test loopback -- --ignored soft_throttle::
 	$(BENCH_BIN)/poolpilot-bench run --gateway-bin $(BENCH_BIN)/poolpilot-gateway \

@@ -37,7 +37,6 @@ pub use prom_text::{decisions_by_kind, metric_sum, operator_decisions, operator_
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -141,10 +140,6 @@ pub struct StackSpec {
     /// More operator flags, appended to the overlay's; a `--prometheus-url=` among them
     /// replaces the overlay's (clap refuses a repeated flag).
     pub operator_args: Vec<String>,
-    /// A folder whose `poolpilot-operator` and `poolpilot-gateway` the loop benchmark wants the
-    /// pods to run instead of the images' debug build. The node runs images only, so a stack
-    /// given one is refused until the benchmark runs release images.
-    pub binaries: Option<PathBuf>,
     /// Secrets created in the namespace and mounted into the operator (credentials for a
     /// Prometheus behind authentication, say).
     pub operator_secrets: Vec<OperatorSecret>,
@@ -175,7 +170,6 @@ impl Default for StackSpec {
             ],
             nofile_limit: None,
             operator_args: Vec::new(),
-            binaries: None,
             operator_secrets: Vec::new(),
             gateway_settings: Vec::new(),
         }
@@ -341,15 +335,6 @@ impl<'a> Stack<'a> {
             .unwrap_or_default()
             .to_owned();
         let container = &mut object["spec"]["template"]["spec"]["containers"][0];
-        if let Some(dir) = &spec.binaries
-            && matches!(name.as_str(), OPERATOR_DEPLOYMENT | GATEWAY_DEPLOYMENT)
-        {
-            anyhow::bail!(
-                "the node runs images, not the binaries of {}: build release images \
-                 (`make images IMAGE_PROFILE=release`) and run the stack without `binaries`",
-                dir.display()
-            );
-        }
         match name.as_str() {
             OPERATOR_DEPLOYMENT => {
                 // clap refuses a repeated flag: a `--prometheus-url=` among the spec's operator

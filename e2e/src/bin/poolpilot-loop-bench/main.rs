@@ -4,9 +4,9 @@
 //! markdown fragment that `poolpilot-bench --include` puts into `BENCHMARKS.md`.
 //!
 //! ```sh
-//! make cluster-up
+//! make cluster-up        # `make bench` starts it on release images: IMAGE_PROFILE=release
 //! cargo build --workspace --bins
-//! $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --out e2e/bench/control-loop.md [--quick] [--parts control,rollout,scale] [--bin-dir DIR]
+//! $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --out e2e/bench/control-loop.md [--quick] [--parts control,rollout,scale] [--image-profile release]
 //! ```
 
 mod loop_bench;
@@ -33,10 +33,10 @@ struct Args {
     /// Only these parts (comma-separated from control, rollout, scale); all when empty.
     #[arg(long, env = "LOOP_BENCH_PARTS", default_value = "")]
     parts: String,
-    /// A folder with the `poolpilot-operator` and `poolpilot-gateway` the pods run (`make bench`
-    /// passes the release build); the workspace's debug build when not given.
-    #[arg(long)]
-    bin_dir: Option<PathBuf>,
+    /// The build profile of the images the node runs, as `make cluster-up IMAGE_PROFILE=…` built
+    /// them (`make bench` starts its cluster on release images); the report states it.
+    #[arg(long, default_value = "debug", value_parser = ["debug", "release"])]
+    image_profile: String,
 }
 
 #[tokio::main]
@@ -44,7 +44,7 @@ async fn main() -> anyhow::Result<()> {
     poolpilot_e2e::install_crypto_provider();
     let args = Args::parse();
     let parts = Part::parse_list(&args.parts)?;
-    let plan = Plan::new(args.quick, args.bin_dir.clone());
+    let plan = Plan::new(args.quick, args.image_profile.clone());
     eprintln!("poolpilot-loop-bench: waiting for the scenario lock");
     let _serial = serial().await?;
     eprintln!(

@@ -24,9 +24,10 @@ pub fn render(plan: &Plan, r: &Results) -> String {
         w,
         "## Control loop and operator scale (parts 5–6)\n\n\
          Written by `poolpilot-loop-bench` ({}) on {}, on the embedded cluster \
-         (`make cluster-up`: real etcd, kube-apiserver and controller-manager, the local kubelet \
-         running every pod as a process: operator and gateways of the {}, modelsim of the debug \
-         build; Prometheus scraping every 2 s, the operator querying it every 2 s). Load average \
+         (`make cluster-up`: real etcd, kube-apiserver and controller-manager, the kubelet with \
+         containerd and runc running every pod from its image: operator, gateways and modelsim \
+         of the {} build; Prometheus scraping every 2 s, the operator querying it every 2 s). \
+         Load average \
          {} at the start, {} at the end; {:.0} s in all. Every number comes from that run; do not \
          edit by hand.\n",
         if plan.quick {
@@ -35,9 +36,10 @@ pub fn render(plan: &Plan, r: &Results) -> String {
             "full mode"
         },
         r.started,
-        match &plan.binaries {
-            Some(dir) => format!("build in `{}`", dir.display()),
-            None => "**debug** build".to_owned(),
+        if plan.image_profile == "release" {
+            "release".to_owned()
+        } else {
+            format!("**{}**", plan.image_profile)
         },
         r.load.0,
         r.load.1,
@@ -482,13 +484,10 @@ fn render_reproduce(w: &mut String) {
         w,
         "### How to reproduce one row\n\n\
          ```sh\n\
-         make cluster-up\n\
-         export CARGO_TARGET_DIR=$HOME/.cache/poolpilot/target\n\
-         cargo build --workspace --bins\n\
-         CARGO_TARGET_DIR=$HOME/.cache/poolpilot/target-bench cargo build --release -p poolpilot-operator -p poolpilot-gateway\n\
+         make cluster-up IMAGE_PROFILE=release IMAGE_TARGET_DIR=$HOME/.cache/poolpilot/target-bench\n\
          # part 5 flash crowd (three rows), or rollout, or scale (part 6); --quick for short runs\n\
-         $CARGO_TARGET_DIR/debug/poolpilot-loop-bench --parts control --out /tmp/control-loop.md \\\n\
-         \x20 --bin-dir $HOME/.cache/poolpilot/target-bench/release\n\
+         $HOME/.cache/poolpilot/target/debug/poolpilot-loop-bench --parts control --out /tmp/control-loop.md \\\n\
+         \x20 --image-profile release\n\
          ```\n\n\
          The binary takes the scenario lock (`$POOLPILOT_CLUSTER_DIR/scenario.lock`), so it never \
          overlaps a scenario run; the harness is `e2e/src/bin/poolpilot-loop-bench/`.\n"

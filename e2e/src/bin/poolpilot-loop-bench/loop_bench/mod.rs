@@ -58,11 +58,10 @@ impl Results {
 
 /// The stack of the control and rollout parts: the flash-crowd scenario's (3 gateways, three
 /// model-a instances with 64 slots and a 1 s service time).
-fn crowd_stack(plan: &Plan) -> StackSpec {
+fn crowd_stack() -> StackSpec {
     StackSpec {
         gateways: 3,
         backends: vec![BackendSpec::new("model-a", 3, 64).service_ms(control::SERVICE_MS)],
-        binaries: plan.binaries.clone(),
         ..StackSpec::default()
     }
 }
@@ -79,7 +78,7 @@ pub async fn run(plan: &Plan, parts: &[Part]) -> Results {
     if want(Part::Control) || want(Part::Rollout) {
         let mut control = None;
         let mut rollout = None;
-        let outcome = with_stack("loopb", crowd_stack(plan), async |stack| {
+        let outcome = with_stack("loopb", crowd_stack(), async |stack| {
             if want(Part::Control) {
                 eprintln!("poolpilot-loop-bench: part 5, flash crowd three ways");
                 control = Some(control::run(stack, plan).await);
@@ -109,7 +108,7 @@ pub async fn run(plan: &Plan, parts: &[Part]) -> Results {
     if want(Part::Scale) {
         eprintln!("poolpilot-loop-bench: part 6, operator scale");
         let mut scale = None;
-        let outcome = with_stack("scaleb", scale::stack(plan), async |stack| {
+        let outcome = with_stack("scaleb", scale::stack(), async |stack| {
             let rows = scale::run(stack, plan).await?;
             scale = Some(Ok(rows));
             Ok(())

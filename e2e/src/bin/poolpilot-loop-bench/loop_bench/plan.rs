@@ -1,7 +1,6 @@
 //! The loop benchmark's plan: its parts, how long and how big each runs (quick or full), and
 //! the median its tables report.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 /// One part of the run.
@@ -51,14 +50,13 @@ pub struct Plan {
     pub policy_levels: Vec<usize>,
     /// How long the operator is measured at each policy count.
     pub scale_window: Duration,
-    /// Where the operator and gateway binaries the pods run come from (`None`: the images',
-    /// the workspace's debug build).
-    pub binaries: Option<PathBuf>,
+    /// The build profile of the images the node runs (`debug` or `release`), for the report.
+    pub image_profile: String,
 }
 
 impl Plan {
-    /// The quick or the full plan, its pods running the binaries in `binaries`.
-    pub fn new(quick: bool, binaries: Option<PathBuf>) -> Self {
+    /// The quick or the full plan, its pods running images of `image_profile`'s build.
+    pub fn new(quick: bool, image_profile: String) -> Self {
         if quick {
             Self {
                 quick,
@@ -68,7 +66,7 @@ impl Plan {
                 default_rollout_reps: 1,
                 policy_levels: vec![1, 20],
                 scale_window: Duration::from_secs(15),
-                binaries,
+                image_profile,
             }
         } else {
             Self {
@@ -79,7 +77,7 @@ impl Plan {
                 default_rollout_reps: 3,
                 policy_levels: vec![1, 20, 50, 200],
                 scale_window: Duration::from_secs(30),
-                binaries,
+                image_profile,
             }
         }
     }

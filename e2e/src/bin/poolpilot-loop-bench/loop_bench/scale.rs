@@ -40,9 +40,8 @@ static ADDRESS: LazyLock<String> =
 const PREFIX: &str = "poolpilot_operator_";
 
 /// The stack of this part: 5 gateways with room for 200 backends' pools, no model backends.
-pub fn stack(plan: &Plan) -> StackSpec {
+pub fn stack() -> StackSpec {
     StackSpec {
-        binaries: plan.binaries.clone(),
         gateways: PODS,
         backends: Vec::new(),
         nofile_limit: Some(8192),
