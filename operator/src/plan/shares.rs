@@ -160,10 +160,14 @@ fn reason(
         let (was, is) = (last.shares[i], new.shares[i]);
         let demand = needs[i].demand;
         if is > was {
+            // The words say which rule of [`division::moves`] the pod met: it queued, it uses all
+            // of its share, or neither (the division moved by more than the deadband).
             let how = if needs[i].queues {
                 "queues"
-            } else {
+            } else if demand >= division::PRESSED * f64::from(was) {
                 "is pressed"
+            } else {
+                "shows more demand"
             };
             gaining.push(format!(
                 "{pod} {how} at share {was} with demand {demand:.1} per endpoint"

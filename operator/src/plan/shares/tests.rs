@@ -61,6 +61,26 @@ fn a_starving_pod_is_a_rebalance_with_the_pods_and_numbers() {
 }
 
 #[test]
+fn a_move_past_the_deadband_without_pressure_does_not_call_the_pod_pressed() {
+    // A light load (every pod well inside its share) whose demand moved: the new division moves
+    // more than the deadband, so it goes out, but no pod is short of connections.
+    let last = divided(&[3, 2, 1]);
+    let s = run(
+        6,
+        &[pool(0.4, 0.0), pool(1.0, 0.0), pool(1.0, 0.0)],
+        Some(&last),
+        true,
+    );
+    let reason = s
+        .rebalanced
+        .expect("a move past the deadband is a rebalance");
+    assert!(
+        reason.contains("shows more demand") && !reason.contains("pressed"),
+        "{reason}"
+    );
+}
+
+#[test]
 fn between_decisions_the_division_stays() {
     let last = divided(&[4, 4]);
     let s = run(8, &[pool(8.0, 16.0), pool(0.0, 0.0)], Some(&last), false);
