@@ -288,6 +288,10 @@ impl Term {
                     + self.args.scrape_interval.get() * 2,
                 max_requeue: self.args.max_requeue.get(),
                 backend_namespaces: self.args.backend_namespaces.clone(),
+                pushes: reconcile::PushBound {
+                    concurrency: usize::from(self.args.rollout_concurrency),
+                    timeout: self.args.put_timeout.get(),
+                },
             },
             stores: Stores {
                 policies: policies.clone(),

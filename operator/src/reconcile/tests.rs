@@ -153,12 +153,12 @@ fn context_with(
     context_full(policies, pods, vec![], gateways)
 }
 
-fn context_full(
+fn context_full<G: Gateways + Clone>(
     policies: Vec<DeserializeGuard<ConnectionPolicy>>,
     pods: Vec<Pod>,
     configmaps: Vec<ConfigMap>,
-    gateways: FakeGateways,
-) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
+    gateways: G,
+) -> (Arc<Context<G>>, ApiHandle, G) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "ns");
     let ctx = Context {
@@ -170,6 +170,7 @@ fn context_full(
             snapshot_max_age: Duration::from_secs(60),
             max_requeue: Duration::from_secs(60),
             backend_namespaces: vec!["llm".into()],
+            pushes: PushBound::default(),
         },
         stores: Stores {
             policies: store(policies),
@@ -1487,4 +1488,90 @@ async fn a_backend_in_a_namespace_not_allowed_is_refused_in_status() {
     .unwrap();
     assert!(observe::refused_namespaces(&["llm".to_owned()], &p).is_empty());
     assert_eq!(observe::refused_namespaces(&[], &p).len(), 1);
+}
+
+/// A gateway pod named `name` at `addr` (its IP, and its admin port by annotation).
+fn pod_at(name: &str, addr: SocketAddr) -> Pod {
+    let mut pod = pod(name, &addr.ip().to_string());
+    pod.metadata.annotations = Some(
+        [(
+            observe::ADMIN_PORT_ANNOTATION.to_owned(),
+            addr.port().to_string(),
+        )]
+        .into(),
+    );
+    pod
+}
+
+/// One pod that answers and one that never does, through the operator's HTTP client: the
+/// reconcile ends at the per-pod timeout with the answering pod updated, the hung one named in
+/// status (tried again at the next reconcile, at the policy's interval, not in a second) and
+/// counted as a timed-out PUT.
+#[tokio::test(start_paused = true)]
+async fn a_hung_pod_is_reported_and_tried_at_the_next_reconcile_while_the_others_are_updated() {
+    use super::rollout::tests::{Answer, Seen, admin_server};
+    let seen = Arc::new(Seen::default());
+    let fast = admin_server(40, Answer::After(Duration::from_millis(20)), seen.clone()).await;
+    let hung = admin_server(41, Answer::Never, seen.clone()).await;
+    let gateways = crate::gateway::HttpGateways::new(Duration::from_secs(600)).unwrap();
+    let p = policy("models", 0);
+    let pods = vec![pod_at("gw-0", fast), pod_at("gw-1", hung)];
+    let (ctx, mut api, _) = context_full(
+        vec![DeserializeGuard(Ok(p.clone()))],
+        pods,
+        vec![],
+        gateways,
+    );
+    let started = tokio::time::Instant::now();
+    let mut reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    expect_configmap_apply(&mut api, "models-limits").await;
+    expect_token_secret(&mut api).await;
+    // Not `expect_status_patch`: its 5 s would race the per-pod timeout of 5 s.
+    let path = "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status";
+    let answer = serde_json::to_value(&p).unwrap();
+    let status = tokio::time::timeout(
+        Duration::from_secs(30),
+        expect(&mut api, Method::PATCH, path, answer),
+    )
+    .await
+    .expect("the status came");
+    let took = started.elapsed();
+    let s = &status["status"];
+    assert_eq!(s["updated"], "1/2", "{s}");
+    assert_eq!(s["pods"]["failures"][0]["pod"], "gw-1", "{s}");
+    let why = s["pods"]["failures"][0]["message"].as_str().unwrap();
+    assert!(
+        why.contains("no answer within 5s") && why.contains("next reconcile"),
+        "{why}"
+    );
+    assert!(
+        took >= PushBound::default().timeout && took < Duration::from_secs(6),
+        "the rollout step took {took:?}"
+    );
+    let action = loop {
+        tokio::select! {
+            done = &mut reconciler => break done.unwrap().unwrap(),
+            next = api.next_request() => {
+                let (_, send) = next.unwrap();
+                send.send_response(Response::builder().body(Body::from(b"{}".to_vec())).unwrap());
+            }
+        }
+    };
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(15)),
+        "at the policy's interval"
+    );
+    assert_eq!(ctx.rollouts.lock().acked.len(), 1, "gw-0 acknowledged");
+    let text = {
+        let mut registry = prometheus_client::registry::Registry::default();
+        ctx.metrics.clone().register(&mut registry);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        out
+    };
+    assert!(
+        text.contains(r#"gateway_puts_total{outcome="timeout"} 1"#),
+        "{text}"
+    );
 }
