@@ -1575,3 +1575,99 @@ async fn a_hung_pod_is_reported_and_tried_at_the_next_reconcile_while_the_others
         "{text}"
     );
 }
+
+/// Answers every API request of a reconcile as [`answer_all`] does (token `s3cr3t`); the
+/// reconcile's outcome and each request: method, path and body.
+async fn answer_recording(
+    api: &mut ApiHandle,
+    p: &ConnectionPolicy,
+    mut reconciler: tokio::task::JoinHandle<Result<Action>>,
+) -> (Result<Action>, Vec<(Method, String, Value)>) {
+    let mut seen = Vec::new();
+    loop {
+        tokio::select! {
+            done = &mut reconciler => return (done.expect("the reconcile task ran"), seen),
+            next = api.next_request() => {
+                // None: every client is gone, with the reconcile's context.
+                let Some((request, send)) = next else {
+                    return ((&mut reconciler).await.expect("the reconcile task ran"), seen);
+                };
+                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+                let body = request.into_body().collect_bytes().await.unwrap();
+                let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let answer = if path.contains("/secrets/") {
+                    json!({"apiVersion": "v1", "kind": "Secret", "data": {"token": "czNjcjN0"}})
+                } else if path.ends_with("/status") {
+                    serde_json::to_value(p).unwrap()
+                } else {
+                    json!({})
+                };
+                send.send_response(
+                    Response::builder()
+                        .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                        .unwrap(),
+                );
+                seen.push((method, path, body));
+            }
+        }
+    }
+}
+
+/// A reconcile that finds everything as the last one left it (the status it wrote, the
+/// ConfigMap it applied, every pod on its document) sends the API server nothing: no status
+/// PATCH, no ConfigMap apply, no Secret read, no Event. With autoscale off, fifteen seconds
+/// later too; with autoscale on, a reconcile between two decisions (another object's change
+/// brought it).
+#[tokio::test]
+async fn a_reconcile_with_nothing_changed_writes_nothing() {
+    let off = policy("models", 0);
+    let in_15s = || Timestamp::from_second(now().as_second() + 15).unwrap();
+    unchanged_writes_nothing(&off, [now, in_15s]).await;
+    let mut on = policy("models", 0);
+    on.spec.autoscale.enabled = true;
+    let in_5s = || Timestamp::from_second(now().as_second() + 5).unwrap();
+    unchanged_writes_nothing(&on, [now, in_5s]).await;
+}
+
+/// One reconcile of `p` on two pods, then one at each of `clocks` from what it left.
+async fn unchanged_writes_nothing(p: &ConnectionPolicy, clocks: [fn() -> Timestamp; 2]) {
+    let pods = || vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods(), FakeGateways::default());
+    let first = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let (outcome, requests) = with_timeout(answer_recording(&mut api, p, first)).await;
+    outcome.expect("the first reconcile succeeded");
+    let find = |suffix: &str| {
+        requests
+            .iter()
+            .find(|(m, path, _)| *m == Method::PATCH && path.ends_with(suffix))
+            .map(|(_, _, body)| body.clone())
+            .unwrap_or_else(|| panic!("no PATCH of …{suffix}: {requests:?}"))
+    };
+    let status: poolpilot_api::ConnectionPolicyStatus =
+        serde_json::from_value(find("/models/status")["status"].clone()).unwrap();
+    let configmap: ConfigMap = serde_json::from_value(find("/models-limits")).unwrap();
+    assert_eq!(gateways.puts.lock().len(), 2);
+
+    // What the watches show next: the policy with its status, the ConfigMap applied.
+    let mut stored = p.clone();
+    stored.status = Some(status);
+    for clock in clocks {
+        let (again, mut api, gateways) = context_full(
+            vec![DeserializeGuard(Ok(stored.clone()))],
+            pods(),
+            vec![configmap.clone()],
+            FakeGateways::default(),
+        );
+        *again.rollouts.lock() = ctx.rollouts.lock().clone();
+        *again.memory.lock() = ctx.memory.lock().clone();
+        let again = Arc::new(Context {
+            clock,
+            ..Arc::into_inner(again).unwrap()
+        });
+        let second = tokio::spawn(reconcile(Arc::new(stored.clone()), again));
+        let (outcome, requests) = with_timeout(answer_recording(&mut api, &stored, second)).await;
+        outcome.expect("the second reconcile succeeded");
+        assert!(requests.is_empty(), "at {}: {requests:?}", clock());
+        assert!(gateways.puts.lock().is_empty(), "nothing sent to the pods");
+    }
+}
