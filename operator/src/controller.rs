@@ -560,7 +560,8 @@ async fn poll_prometheus(
             _ = tick.tick() => {}
         }
         let backends = saturation.all();
-        let distinct = prom::distinct_saturation(&backends).len();
+        let saturation_round = prom::SaturationRound::new(&backends);
+        let distinct = saturation_round.distinct.len();
         metrics.query_rounds.inc();
         for name in fixed
             .iter()
@@ -580,7 +581,7 @@ async fn poll_prometheus(
                     &prometheus.client,
                     &headers,
                     &queries,
-                    &backends,
+                    &saturation_round,
                     interval,
                     crate::clock::now,
                 )
