@@ -1,6 +1,8 @@
 //! One reconcile against a mocked API server (tower-test): the exact request sequence (ConfigMap
 //! apply, token Secret read, status apply, Event) and the PUT to the gateway pod, for an accepted
-//! policy and for a conflicted one; and the Warning Event of a failed reconcile.
+//! policy and for a conflicted one; the Warning Event of a failed reconcile; a reconcile with
+//! nothing changed sending nothing; and a hung pod, through the operator's HTTP client against
+//! admin servers on loopback.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
