@@ -89,9 +89,15 @@ pub struct Args {
         default_value = "poolpilot-gateway-admin.{namespace}.svc"
     )]
     pub gateway_server_name: String,
-    /// Timeout of one PUT to a gateway.
+    /// How long one gateway pod has to answer a PUT of its limits document; a pod that does
+    /// not is reported (`status.pods.failures`) and tried again at the next reconcile, and the
+    /// rest of its wave does not wait for it.
     #[arg(long, env = "POOLPILOT_PUT_TIMEOUT", default_value = "5s")]
     pub put_timeout: Duration,
+    /// How many gateway pods one reconcile sends documents to at once (at least 1): a wave of
+    /// 1,000 pods goes out in 1,000 ÷ this many rounds of one PUT each.
+    #[arg(long, env = "POOLPILOT_ROLLOUT_CONCURRENCY", default_value_t = crate::reconcile::DEFAULT_ROLLOUT_CONCURRENCY as u16, value_parser = clap::value_parser!(u16).range(1..))]
+    pub rollout_concurrency: u16,
     /// How many policies are reconciled at once (at least 1). Each reconcile holds a copy of its
     /// namespace while it runs, so this bounds the operator's memory with many policies.
     #[arg(long, env = "POOLPILOT_CONCURRENT_RECONCILES", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
@@ -237,6 +243,7 @@ mod tests {
         assert!(!a.leader_election);
         assert_eq!(a.namespace, "", "every namespace by default");
         assert_eq!(a.concurrent_reconciles, 8);
+        assert_eq!(a.rollout_concurrency, 32);
         assert_eq!(
             a.gateway_ca_file, "",
             "plain HTTP unless a CA bundle is given"
@@ -250,5 +257,9 @@ mod tests {
             "0 would mean unbounded to the Controller"
         );
         assert!(Args::try_parse_from(["poolpilot-operator", "--put-timeout", "soon"]).is_err());
+        assert!(
+            Args::try_parse_from(["poolpilot-operator", "--rollout-concurrency", "0"]).is_err(),
+            "0 would send nothing"
+        );
     }
 }

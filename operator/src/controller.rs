@@ -288,6 +288,10 @@ impl Term {
                     + self.args.scrape_interval.get() * 2,
                 max_requeue: self.args.max_requeue.get(),
                 backend_namespaces: self.args.backend_namespaces.clone(),
+                pushes: reconcile::PushBound {
+                    concurrency: usize::from(self.args.rollout_concurrency),
+                    timeout: self.args.put_timeout.get(),
+                },
             },
             stores: Stores {
                 policies: policies.clone(),
@@ -556,7 +560,8 @@ async fn poll_prometheus(
             _ = tick.tick() => {}
         }
         let backends = saturation.all();
-        let distinct = prom::distinct_saturation(&backends).len();
+        let saturation_round = prom::SaturationRound::new(&backends);
+        let distinct = saturation_round.distinct.len();
         metrics.query_rounds.inc();
         for name in fixed
             .iter()
@@ -576,7 +581,7 @@ async fn poll_prometheus(
                     &prometheus.client,
                     &headers,
                     &queries,
-                    &backends,
+                    &saturation_round,
                     interval,
                     crate::clock::now,
                 )

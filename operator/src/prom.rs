@@ -574,6 +574,26 @@ pub fn distinct_saturation(saturation: &[(SaturationKey, String)]) -> Vec<&str> 
         .collect()
 }
 
+/// The saturation queries of one round: every backend's, and the distinct PromQL among them
+/// ([`distinct_saturation`], computed once: the round sends each once, the poller counts them).
+#[derive(Debug)]
+pub struct SaturationRound<'a> {
+    /// Each backend's query.
+    pub backends: &'a [(SaturationKey, String)],
+    /// The distinct PromQL of `backends`, in order.
+    pub distinct: Vec<&'a str>,
+}
+
+impl<'a> SaturationRound<'a> {
+    /// The round of `backends`' queries.
+    pub fn new(backends: &'a [(SaturationKey, String)]) -> Self {
+        Self {
+            backends,
+            distinct: distinct_saturation(backends),
+        }
+    }
+}
+
 /// Runs one round of queries (the fixed set and each distinct saturation query once),
 /// concurrently, each bounded by `timeout` (a query that runs out of time is cancelled), and
 /// folds it into a snapshot taken at `at` with the saturation queries' values. A failed query
@@ -582,12 +602,12 @@ pub async fn query_round(
     client: &prometheus_http_query::Client,
     headers: &http::HeaderMap,
     queries: &Queries,
-    saturation: &[(SaturationKey, String)],
+    saturation: &SaturationRound<'_>,
     timeout: Duration,
     at: impl FnOnce() -> Timestamp,
 ) -> (Snapshot, Vec<PromError>) {
     let fixed = queries.all();
-    let distinct = distinct_saturation(saturation);
+    let distinct = &saturation.distinct;
     let all = fixed
         .iter()
         .map(|q| (q.name, q.promql.as_str()))
@@ -625,6 +645,7 @@ pub async fn query_round(
         })
         .collect();
     let values: BTreeMap<SaturationKey, (String, Option<f64>)> = saturation
+        .backends
         .iter()
         .map(|(key, q)| {
             let value = by_promql.get(q.as_str()).copied().flatten();
@@ -1033,6 +1054,18 @@ mod tests {
         );
     }
 
+    /// A client of the Prometheus at `url`, and the queries of a 30 s window it is sent.
+    fn prometheus_at(url: &str) -> (prometheus_http_query::Client, Queries) {
+        let client =
+            prometheus_http_query::Client::from(crate::http_client().build().unwrap(), url)
+                .unwrap();
+        let queries = Queries {
+            window: Duration::from_secs(30),
+            freshness: Duration::from_secs(30),
+        };
+        (client, queries)
+    }
+
     /// A Prometheus that accepts connections and never answers (a hung server, or packets
     /// dropped after the handshake): every query of the round fails by its deadline instead of
     /// stalling the poller for good.
@@ -1046,13 +1079,7 @@ mod tests {
                 open.push(socket);
             }
         });
-        let client =
-            prometheus_http_query::Client::from(crate::http_client().build().unwrap(), &url)
-                .unwrap();
-        let queries = Queries {
-            window: Duration::from_secs(30),
-            freshness: Duration::from_secs(30),
-        };
+        let (client, queries) = prometheus_at(&url);
         let saturation = [(
             ("ns".to_owned(), "p".to_owned(), "model-a".to_owned()),
             "vllm:num_requests_waiting".to_owned(),
@@ -1063,7 +1090,7 @@ mod tests {
             &client,
             &http::HeaderMap::new(),
             &queries,
-            &saturation,
+            &SaturationRound::new(&saturation),
             timeout,
             || at(0),
         )
@@ -1136,13 +1163,7 @@ mod tests {
                 });
             }
         });
-        let client =
-            prometheus_http_query::Client::from(crate::http_client().build().unwrap(), &url)
-                .unwrap();
-        let queries = Queries {
-            window: Duration::from_secs(30),
-            freshness: Duration::from_secs(30),
-        };
+        let (client, queries) = prometheus_at(&url);
         // 200 policies of one template (the same saturation query), and one with a broken one.
         let policies = 200;
         let mut saturation: Vec<(SaturationKey, String)> = (0..policies)
@@ -1161,7 +1182,7 @@ mod tests {
             &client,
             &http::HeaderMap::new(),
             &queries,
-            &saturation,
+            &SaturationRound::new(&saturation),
             Duration::from_secs(10),
             || at(0),
         )

@@ -13,7 +13,7 @@ use poolpilot_e2e::stack::{
     BackendSpec, OperatorSecret, POLICY, Stack, StackSpec, one_backend_policy, with_stack,
 };
 use poolpilot_e2e::{Cluster, install_crypto_provider};
-use poolpilot_operator::prom::{Queries, query_round};
+use poolpilot_operator::prom::{Queries, SaturationRound, query_round};
 use poolpilot_operator::prom_connection::{Auth, Connection, ConnectionSpec, Trust};
 
 const TENANT: (&str, &str) = ("X-Scope-OrgID", "team-a");
@@ -32,7 +32,7 @@ async fn one_round(spec: &ConnectionSpec) -> anyhow::Result<()> {
         &connection.client,
         &headers,
         &queries,
-        &[],
+        &SaturationRound::new(&[]),
         Duration::from_secs(5),
         poolpilot_operator::clock::now,
     )

@@ -1,7 +1,7 @@
 //! One planning run over a namespace: validation and conflicts, autoscaling, the budget
 //! division, the fd check and the rendering, in that order (see the [`super`] diagram).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use poolpilot_api::policy::{BackendSpec, ClientScope, DecisionAction, StartFrom};
@@ -30,19 +30,29 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
         }
     }
 
+    let by_name: BTreeMap<&str, &GatewayPod> =
+        input.pods.iter().map(|p| (p.name.as_str(), p)).collect();
     let mut plans = Vec::with_capacity(input.policies.len());
+    let mut divided = 0;
     for (i, policy) in input.policies.iter().enumerate() {
         let selected = selection[i].clone();
         let pods_where = |keep: fn(&GatewayPod) -> bool| -> Vec<String> {
             selected
                 .iter()
-                .filter(|p| input.pods.iter().any(|pod| &pod.name == *p && keep(pod)))
+                .filter(|p| by_name.get(p.as_str()).is_some_and(|pod| keep(pod)))
                 .cloned()
                 .collect()
         };
         let holders = pods_where(|p| !p.stopped);
         let live = pods_where(|p| !p.stopped && !p.terminating);
         let ready = pods_where(|p| p.ready && !p.stopped && !p.terminating);
+        let ready_set: BTreeSet<&str> = ready.iter().map(String::as_str).collect();
+        let is_ready: Vec<bool> = holders
+            .iter()
+            .map(|h| ready_set.contains(h.as_str()))
+            .collect();
+        // Another policy's reconcile: this policy's divisions were made by its own.
+        let unfocused = input.focus.as_ref().is_some_and(|f| f != &policy.key);
         let accepted = acceptance[i].is_accepted();
         let mut backends = Vec::new();
         let mut metrics = None;
@@ -100,82 +110,79 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     (true, None) => {}
                 }
                 // The division of the target over the holders, by demand (re-judged when a
-                // decision ran), and the burst beside it.
+                // decision ran), and the burst beside it. A policy not in focus keeps the
+                // division in memory while it still fits its target and holders: its own
+                // reconcile divides it, once per round, not every other policy's again.
                 let key = (policy.key.clone(), b.name.clone());
-                let pools: Vec<Option<PodPool>> = holders
-                    .iter()
-                    .map(|h| {
-                        let at = (policy.key.clone(), b.name.clone(), h.clone());
-                        input.samples.pools.get(&at).copied()
-                    })
-                    .collect();
-                let is_ready: Vec<bool> = holders.iter().map(|h| ready.contains(h)).collect();
-                let last = memory
+                let kept = memory
                     .divisions
                     .get(&key)
-                    .cloned()
-                    .or_else(|| restored(policy, &b.name, &holders, now));
-                let step = if policy.spec.autoscale.enabled {
-                    shares::step(
-                        mem.target,
-                        endpoints,
-                        shares::Holders {
-                            names: &holders,
-                            ready: &is_ready,
-                            pools: &pools,
-                        },
-                        last.as_ref(),
-                        decision.is_some(),
-                        now,
-                    )
-                } else {
-                    shares::Step {
-                        divided: shares::Divided {
-                            holders: holders.clone(),
-                            target: mem.target,
-                            shares: division::even(mem.target, holders.len()),
-                            demand: pools
+                    .filter(|d| unfocused && decision.is_none() && d.fits(mem.target, &holders));
+                let (division_shares, division_demand, rebalanced, held, redivided, made) =
+                    match kept {
+                        Some(d) => (
+                            d.shares.clone(),
+                            d.demand.clone(),
+                            None,
+                            d.shares.iter().map(|&s| u64::from(s)).sum::<u64>(),
+                            false,
+                            None,
+                        ),
+                        None => {
+                            divided += 1;
+                            let pools: Vec<Option<PodPool>> = holders
                                 .iter()
-                                .map(|p| p.map(|p| p.demand(endpoints)))
-                                .collect(),
-                            at: now,
-                        },
-                        rebalanced: None,
-                    }
-                };
-                if let (Some(why), Some(d)) = (&step.rebalanced, mem.last_decision.as_mut())
-                    && d.at == now
-                {
-                    // A pod short of connections while others sat on theirs is never a
-                    // NoChange: the decision says it re-divided, and why.
-                    if d.action == DecisionAction::NoChange {
-                        d.action = DecisionAction::Rebalance;
-                        d.reason = format!("{why}; {}", d.reason);
-                    } else {
-                        d.reason = format!("{}; shares re-divided: {why}", d.reason);
-                    }
-                }
-                // What the pods may hold: their shares, and, right after a re-division, the
-                // connections they still have in flight above a lowered share (those close only as
-                // their calls end; bursts in use count too, which errs on the safe side). Between
-                // re-divisions it is the shares alone, which the pods' bursts go on top of.
-                let redivided = last.as_ref().is_none_or(|l| {
-                    l.holders != step.divided.holders || l.shares != step.divided.shares
-                });
-                let held: u64 = step
-                    .divided
-                    .shares
-                    .iter()
-                    .zip(&pools)
-                    .map(|(&share, pool)| {
-                        let in_flight = pool.map_or(0, |p| p.in_flight(endpoints));
-                        u64::from(if redivided {
-                            share.max(in_flight)
-                        } else {
-                            share
-                        })
-                    })
-                    .sum();
+                                .map(|h| {
+                                    let at = (policy.key.clone(), b.name.clone(), h.clone());
+                                    input.samples.pools.get(&at).copied()
+                                })
+                                .collect();
+                            let last = memory
+                                .divisions
+                                .get(&key)
+                                .cloned()
+                                .or_else(|| restored(policy, &b.name, &holders, now));
+                            let step = divide(
+                                policy,
+                                mem,
+                                endpoints,
+                                (&holders, &is_ready, &pools),
+                                last.as_ref(),
+                                decision.is_some(),
+                                now,
+                            );
+                            // What the pods may hold: their shares, and, right after a
+                            // re-division, the connections they still have in flight above a
+                            // lowered share (those close only as their calls end; bursts in use
+                            // count too, which errs on the safe side). Between re-divisions it
+                            // is the shares alone, which the pods' bursts go on top of.
+                            let redivided = last.as_ref().is_none_or(|l| {
+                                l.holders != step.divided.holders || l.shares != step.divided.shares
+                            });
+                            let held: u64 = step
+                                .divided
+                                .shares
+                                .iter()
+                                .zip(&pools)
+                                .map(|(&share, pool)| {
+                                    let in_flight = pool.map_or(0, |p| p.in_flight(endpoints));
+                                    u64::from(if redivided {
+                                        share.max(in_flight)
+                                    } else {
+                                        share
+                                    })
+                                })
+                                .sum();
+                            (
+                                step.divided.shares.clone(),
+                                step.divided.demand.clone(),
+                                step.rebalanced,
+                                held,
+                                redivided,
+                                Some(step.divided),
+                            )
+                        }
+                    };
                 // Sized again on a decision made on fresh data or a new division; otherwise the
                 // last one stays (a decision that saw no data knows nothing new, and the
                 // documents should not change while Prometheus is away).
@@ -194,10 +201,10 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     endpoints,
                     target: mem.target,
                     per_pod: 0,
-                    shares: step.divided.shares.clone(),
-                    demand: step.divided.demand.clone(),
+                    shares: division_shares,
+                    demand: division_demand,
                     burst,
-                    rebalanced: step.rebalanced,
+                    rebalanced,
                     clamped: false,
                     bounds,
                     decision,
@@ -205,7 +212,9 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     sample,
                 };
                 plan.settle_per_pod();
-                memory.divisions.insert(key, step.divided);
+                if let Some(made) = made {
+                    memory.divisions.insert(key, made);
+                }
                 backends.push(plan);
             }
             if policy.spec.autoscale.enabled {
@@ -234,7 +243,6 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                             .map(Vec::as_slice)
                     })
                     .collect();
-                let is_ready: Vec<bool> = holders.iter().map(|h| ready.contains(h)).collect();
                 let overridden: Vec<&str> = c
                     .overrides
                     .iter()
@@ -307,6 +315,7 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
         return FleetPlan {
             policies: last.reuse(plans),
             documents: last.documents.clone(),
+            divided,
         };
     }
     fds::check(&input.policies, &mut plans, &fd_limits);
@@ -319,7 +328,61 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
     FleetPlan {
         policies: plans,
         documents,
+        divided,
     }
+}
+
+/// One backend's division this run ([`shares::step`] by demand with autoscale on, else the
+/// even split), and the words of a re-division in its decision record: a pod short of
+/// connections while others sat on theirs is never a `NoChange`.
+fn divide(
+    policy: &PolicyInput,
+    mem: &mut BackendMemory,
+    endpoints: u32,
+    (holders, ready, pools): (&[String], &[bool], &[Option<PodPool>]),
+    last: Option<&shares::Divided>,
+    due: bool,
+    now: Timestamp,
+) -> shares::Step {
+    let step = if policy.spec.autoscale.enabled {
+        shares::step(
+            mem.target,
+            endpoints,
+            shares::Holders {
+                names: holders,
+                ready,
+                pools,
+            },
+            last,
+            due,
+            now,
+        )
+    } else {
+        shares::Step {
+            divided: shares::Divided {
+                holders: holders.to_vec(),
+                target: mem.target,
+                shares: division::even(mem.target, holders.len()),
+                demand: pools
+                    .iter()
+                    .map(|p| p.map(|p| p.demand(endpoints)))
+                    .collect(),
+                at: now,
+            },
+            rebalanced: None,
+        }
+    };
+    if let (Some(why), Some(d)) = (&step.rebalanced, mem.last_decision.as_mut())
+        && d.at == now
+    {
+        if d.action == DecisionAction::NoChange {
+            d.action = DecisionAction::Rebalance;
+            d.reason = format!("{why}; {}", d.reason);
+        } else {
+            d.reason = format!("{}; shares re-divided: {why}", d.reason);
+        }
+    }
+    step
 }
 
 /// Whether a decision was made on fresh data (not while samples are missing or just back): only

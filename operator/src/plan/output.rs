@@ -146,6 +146,10 @@ pub struct FleetPlan {
     pub policies: Vec<PolicyPlan>,
     /// The document each selected pod should run, by pod name.
     pub documents: BTreeMap<String, Arc<GatewayLimits>>,
+    /// How many backends' divisions over their holders this run computed. The others, of
+    /// policies not in focus whose division in memory still fits, were kept as they were: a
+    /// round of one reconcile per policy divides each backend once, in its own policy's.
+    pub divided: usize,
 }
 
 impl FleetPlan {

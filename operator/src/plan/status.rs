@@ -2,7 +2,7 @@
 //! become the `ConnectionPolicyStatus` to apply (conditions, per-backend targets and decisions,
 //! pods selected / updated, fd numbers).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
@@ -29,6 +29,9 @@ pub struct RolloutReport {
     pub pods: Vec<PodState>,
     /// Pods that could not be reached, with the error.
     pub unreachable: BTreeMap<String, String>,
+    /// Of those, the pods that did not answer within the per-pod timeout (tried again at the
+    /// next reconcile, not sooner: a hung pod would only hold its slot again).
+    pub slow: BTreeSet<String>,
     /// Why the rollout waits, if it does.
     pub waiting: Option<String>,
     /// Why the rollout stopped, if it did.

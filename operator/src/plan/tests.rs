@@ -2069,3 +2069,93 @@ fn a_new_operator_keeps_the_client_divisions_it_finds_in_status() {
     more.pods = pods(3);
     assert!(parts(&plan(&more, &mut Memory::default(), at(15))).is_empty());
 }
+
+/// A round of reconciles, one per policy (each in focus once), divides each backend once, in
+/// its own policy's reconcile: the other reconciles keep the division in memory, and plan
+/// with the very shares its own reconcile made. A new set of holders is divided anew at once,
+/// in whichever reconcile sees it first.
+#[test]
+fn a_round_of_reconciles_divides_each_backend_once() {
+    let n = 12;
+    let names: Vec<String> = (0..n).map(|i| format!("p{i}")).collect();
+    let policies = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let extra = "autoscale: {min: 8, max: 24}\n";
+            policy(name, i as i64, &spec(&format!("model-{i}"), 64, extra), 2)
+        })
+        .collect();
+    let mut input = input_with_fds(policies, pods(3), 65_536);
+    let set_demand = |input: &mut FleetInput, busy: usize| {
+        for (i, name) in names.iter().enumerate() {
+            let backend = format!("model-{i}");
+            input
+                .samples
+                .backends
+                .insert((key(name), backend.clone()), busy_sample(20.0, 4.0));
+            for pod in 0..3 {
+                let leased = if pod == busy { 16.0 } else { 2.0 };
+                input.samples.pools.insert(
+                    (key(name), backend.clone(), format!("gw-{pod}")),
+                    input::PodPool {
+                        leased,
+                        pending: if pod == busy { 4.0 } else { 0.0 },
+                        leased_now: leased,
+                    },
+                );
+            }
+        }
+    };
+    let mut memory = Memory::default();
+    // One round: every policy in focus once; how many divisions it computed in all, and each
+    // policy's shares as its own reconcile made them.
+    let round = |input: &mut FleetInput, memory: &mut Memory, t: i64| {
+        let mut divided = 0;
+        let mut own = BTreeMap::new();
+        for name in &names {
+            input.focus = Some(key(name));
+            let fleet = plan(input, memory, at(t));
+            divided += fleet.divided;
+            own.insert(
+                name.clone(),
+                fleet.policy(&key(name)).unwrap().backends[0].shares.clone(),
+            );
+        }
+        (divided, own)
+    };
+    set_demand(&mut input, 0);
+    let (first, _) = round(&mut input, &mut memory, 0);
+    assert_eq!(
+        first,
+        n + (n - 1),
+        "the first reconcile divides every backend"
+    );
+
+    // The crowd moves to gw-2: each policy's own reconcile re-divides its backend, once.
+    set_demand(&mut input, 2);
+    let (divided, own) = round(&mut input, &mut memory, 15);
+    assert_eq!(divided, n, "one division per backend per round");
+    for shares in own.values() {
+        assert!(shares[2] > shares[0] && shares[2] > shares[1], "{shares:?}");
+    }
+    // Any later reconcile plans every other policy with the shares its own reconcile made.
+    input.focus = Some(key("p0"));
+    let fleet = plan(&input, &mut memory, at(20));
+    assert_eq!(fleet.divided, 1);
+    for name in &names[1..] {
+        assert_eq!(
+            fleet.policy(&key(name)).unwrap().backends[0].shares,
+            own[name],
+            "{name}"
+        );
+    }
+
+    // A fourth pod: every division no longer fits, and is made anew over the four.
+    input.pods = pods(4);
+    let fleet = plan(&input, &mut memory, at(25));
+    assert_eq!(fleet.divided, n);
+    for p in &fleet.policies {
+        assert_eq!(p.backends[0].shares.len(), 4, "{}", p.key.name);
+    }
+}

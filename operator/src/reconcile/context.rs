@@ -40,7 +40,32 @@ pub struct Config {
     /// Namespaces besides its own whose Services a policy may name as backends
     /// (`--backend-namespaces`).
     pub backend_namespaces: Vec<String>,
+    /// How documents go out to the pods of a wave (`--rollout-concurrency`, `--put-timeout`).
+    pub pushes: PushBound,
 }
+
+/// How a wave's documents go out: at most `concurrency` pods at once, each given `timeout` for
+/// its answer, so that a slow or hung pod holds one slot for at most the timeout and never the
+/// wave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PushBound {
+    /// The most PUTs in flight per reconcile (at least 1).
+    pub concurrency: usize,
+    /// How long one pod has to answer (its retry with the previous token included).
+    pub timeout: Duration,
+}
+
+impl Default for PushBound {
+    fn default() -> Self {
+        Self {
+            concurrency: DEFAULT_ROLLOUT_CONCURRENCY,
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The default of `--rollout-concurrency`.
+pub const DEFAULT_ROLLOUT_CONCURRENCY: usize = 32;
 
 /// What the rollout remembers between reconciles.
 #[derive(Clone, Debug, Default)]

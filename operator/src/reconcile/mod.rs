@@ -29,7 +29,10 @@ pub mod validate;
 #[cfg(test)]
 mod tests;
 
-pub use context::{Config, Context, FIELD_MANAGER, RolloutMemory, SentDocuments, Stores};
+pub use context::{
+    Config, Context, DEFAULT_ROLLOUT_CONCURRENCY, FIELD_MANAGER, PushBound, RolloutMemory,
+    SentDocuments, Stores,
+};
 pub use error::{Error, Result};
 pub use events::{event_note, implausible_generation_event, unreadable_event};
 pub use pipeline::{

@@ -257,10 +257,11 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     // A pod that has an IP but did not take its document is most likely still starting (its
     // admin port not yet listening) and stays unready until it does: try again soon. Pods
     // without an IP bring their own reconcile when they get one.
+    // A pod that did not answer in time is tried again at the next reconcile, as usual.
     let starting = report
         .unreachable
         .keys()
-        .any(|pod| observed.admin.contains_key(pod));
+        .any(|pod| observed.admin.contains_key(pod) && !report.slow.contains(pod));
     let interval = if starting {
         RETRY_STARTING_PODS
     } else {

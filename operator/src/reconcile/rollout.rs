@@ -3,9 +3,12 @@
 //! the current wave (canaries first under Progressive), recording acknowledgements and refusals.
 //! Also the cleanup of a deleted policy: its pods get documents without its backends.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
+use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
@@ -13,7 +16,7 @@ use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::context::{Context, FIELD_MANAGER};
+use super::context::{Context, FIELD_MANAGER, PushBound};
 use super::observe::{
     self, DOCUMENT_KEY, GENERATION_ANNOTATION, MANAGED_BY, Observed, REVISION_ANNOTATION,
 };
@@ -21,7 +24,7 @@ use crate::gateway::{Gateways, PutError};
 use crate::metrics::OutcomeLabel;
 use crate::plan::status::RolloutReport;
 use crate::plan::waves::{self, PodState, Strategy};
-use crate::plan::{FleetPlan, Timestamp, plausible_generation};
+use crate::plan::{Acked, FleetPlan, Timestamp, plausible_generation};
 
 /// Why the rollout step failed.
 #[derive(Debug, thiserror::Error)]
@@ -238,13 +241,13 @@ pub async fn roll_out<G: Gateways>(
     // reconcile, the pods it lowers first, so that the fleet stays inside the budget while it
     // moves: no canary, since nothing changes but how the same budget is divided.
     if let Some(lowering) = retune_wave(ctx, observed, fleet, &states, true) {
-        let mut unreachable = push(ctx, observed, fleet, &lowering, now).await?;
+        let mut pushed = push(ctx, observed, fleet, &lowering, now).await?;
         let after = pod_states(ctx, observed, fleet, &plan.live);
         let lowered = lowering
             .iter()
             .all(|p| after.iter().any(|s| &s.name == p && s.current()));
         if lowered && let Some(rest) = retune_wave(ctx, observed, fleet, &after, false) {
-            unreachable.extend(push(ctx, observed, fleet, &rest, now).await?);
+            pushed.extend(push(ctx, observed, fleet, &rest, now).await?);
         }
         let states = pod_states(ctx, observed, fleet, &plan.live);
         let complete = states.iter().all(PodState::current);
@@ -257,12 +260,13 @@ pub async fn roll_out<G: Gateways>(
         }
         return Ok(RolloutReport {
             pods: states,
-            unreachable,
+            unreachable: pushed.failed,
+            slow: pushed.slow,
             ..RolloutReport::default()
         });
     }
     let mut wave = waves::next_wave(strategy, &states, since, &verdict, now);
-    let mut unreachable = push(ctx, observed, fleet, &wave.push, now).await?;
+    let mut pushed = push(ctx, observed, fleet, &wave.push, now).await?;
     if strategy.verify.is_zero() && !wave.push.is_empty() && wave.halted.is_none() {
         // Without verification the rest follow the canaries as soon as they acknowledged: in
         // this reconcile, not the next. A canary that did not take it is not tried twice.
@@ -272,7 +276,7 @@ pub async fn roll_out<G: Gateways>(
             .any(|p| wave.push.contains(&p.name) && p.current())
         {
             let rest = waves::next_wave(strategy, &after, since, &verdict, now);
-            unreachable.extend(push(ctx, observed, fleet, &rest.push, now).await?);
+            pushed.extend(push(ctx, observed, fleet, &rest.push, now).await?);
             wave = rest;
         }
     }
@@ -283,7 +287,7 @@ pub async fn roll_out<G: Gateways>(
             .map(|p| p.name.clone())
             .collect();
         let (back, failed) = roll_back(ctx, observed, &canaries, now).await?;
-        unreachable.extend(failed);
+        pushed.extend(failed);
         let why = format!(
             "canary regression: {why}; {back} of {} canary pod(s) rolled back to their previous document, the other pods never got revision {desired}",
             canaries.len()
@@ -313,7 +317,8 @@ pub async fn roll_out<G: Gateways>(
     }
     Ok(RolloutReport {
         pods: states,
-        unreachable,
+        unreachable: pushed.failed,
+        slow: pushed.slow,
         waiting: wave.waiting,
         halted,
     })
@@ -470,7 +475,7 @@ async fn roll_back<G: Gateways>(
     observed: &Observed,
     canaries: &[String],
     now: Timestamp,
-) -> Result<(usize, BTreeMap<String, String>), RolloutError> {
+) -> Result<(usize, Pushed), RolloutError> {
     let ns = &observed.focus.namespace;
     let mut failed = BTreeMap::new();
     let mut documents = BTreeMap::new();
@@ -504,13 +509,13 @@ async fn roll_back<G: Gateways>(
         documents,
         ..FleetPlan::default()
     };
-    let unreachable = push(ctx, observed, &back, &pods, now).await?;
-    let rolled = pods.len() - unreachable.len();
-    failed.extend(unreachable);
+    let mut pushed = push(ctx, observed, &back, &pods, now).await?;
+    let rolled = pods.len() - pushed.failed.len();
+    pushed.failed.extend(failed);
     if rolled > 0 {
         warn!(namespace = %ns, pods = ?pods, "canary regression: rolled back");
     }
-    Ok((rolled, failed))
+    Ok((rolled, pushed))
 }
 
 /// The name of a policy's recommendation ConfigMap (`mode: Recommend`).
@@ -589,7 +594,9 @@ pub async fn remove<G: Gateways>(
         })
         .map(|p| p.name.clone())
         .collect();
-    let failed = push(ctx, observed, fleet, &mine, (ctx.clock)()).await?;
+    let failed = push(ctx, observed, fleet, &mine, (ctx.clock)())
+        .await?
+        .failed;
     for (pod, why) in &failed {
         warn!(%pod, %why, "could not remove the deleted policy's backends from a pod");
     }
@@ -727,18 +734,76 @@ fn pod_states<G: Gateways>(
         .collect()
 }
 
-/// PUTs each pod in `pods` its document. Returns the pods that could not be reached (or did not
-/// answer sensibly), with why; acknowledgements and refusals go to the rollout memory.
+/// What one [`push`] left undone: the pods that could not be reached (or did not answer
+/// sensibly), with why, and of those the ones that did not answer within the per-pod timeout.
+#[derive(Debug, Default)]
+struct Pushed {
+    failed: BTreeMap<String, String>,
+    slow: BTreeSet<String>,
+}
+
+impl Pushed {
+    fn extend(&mut self, other: Pushed) {
+        self.failed.extend(other.failed);
+        self.slow.extend(other.slow);
+    }
+}
+
+/// What became of one pod's PUT (and its retry with the previous token after a 401).
+#[derive(Debug)]
+pub enum Delivery {
+    /// The pod answered (or the connection failed) in time.
+    Answered(Result<Acked, PutError>),
+    /// No answer within the per-pod timeout: the PUT was abandoned, the pod is tried again at
+    /// the next reconcile.
+    TimedOut(Duration),
+}
+
+/// Sends each pod (name, admin address, document) its document with `token` (and again with
+/// `previous` after a 401), at most `bound.concurrency` pods at once, each given
+/// `bound.timeout` for its answer: a slow or hung pod holds one slot for at most the timeout,
+/// and the others go on meanwhile. The outcomes come in the order they ended.
+pub async fn send_all<G: Gateways>(
+    gateways: &G,
+    namespace: &str,
+    (token, previous): (&str, Option<&str>),
+    pods: Vec<(String, SocketAddr, Arc<GatewayLimits>)>,
+    bound: PushBound,
+) -> Vec<(String, Arc<GatewayLimits>, Delivery)> {
+    let sends = pods.into_iter().map(|(name, addr, doc)| async move {
+        let attempt = async {
+            let mut result = gateways.put(namespace, addr, token, &doc).await;
+            if let (Err(PutError::Unauthorized), Some(previous)) = (&result, previous) {
+                result = gateways.put(namespace, addr, previous, &doc).await;
+            }
+            result
+        };
+        let delivery = match tokio::time::timeout(bound.timeout, attempt).await {
+            Ok(result) => Delivery::Answered(result),
+            Err(_) => Delivery::TimedOut(bound.timeout),
+        };
+        (name, doc, delivery)
+    });
+    futures::stream::iter(sends)
+        .buffer_unordered(bound.concurrency.max(1))
+        .collect()
+        .await
+}
+
+/// PUTs each pod in `pods` its document ([`send_all`], bounded by `--rollout-concurrency` and
+/// `--put-timeout`). Returns the pods that could not be reached (or did not answer sensibly),
+/// with why; acknowledgements and refusals go to the rollout memory.
 async fn push<G: Gateways>(
     ctx: &Context<G>,
     observed: &Observed,
     fleet: &FleetPlan,
     pods: &[String],
     now: Timestamp,
-) -> Result<BTreeMap<String, String>, RolloutError> {
+) -> Result<Pushed, RolloutError> {
     let mut failed = BTreeMap::new();
+    let mut slow = BTreeSet::new();
     if pods.is_empty() {
-        return Ok(failed);
+        return Ok(Pushed { failed, slow });
     }
     let ns = &observed.focus.namespace;
     let token = token(ctx, ns).await?;
@@ -751,22 +816,25 @@ async fn push<G: Gateways>(
         }
         seen.1.clone()
     };
-    let sends = pods.iter().filter_map(|name| {
-        let doc = fleet.documents.get(name)?;
-        let Some(addr) = observed.admin.get(name) else {
-            failed.insert(name.clone(), "the pod has no IP yet".to_owned());
-            return None;
-        };
-        let (token, previous) = (token.as_str(), previous.as_deref());
-        Some(async move {
-            let mut result = ctx.gateways.put(ns, *addr, token, doc).await;
-            if let (Err(PutError::Unauthorized), Some(previous)) = (&result, previous) {
-                result = ctx.gateways.put(ns, *addr, previous, doc).await;
-            }
-            (name.clone(), doc.clone(), result)
+    let sends: Vec<(String, SocketAddr, Arc<GatewayLimits>)> = pods
+        .iter()
+        .filter_map(|name| {
+            let doc = fleet.documents.get(name)?;
+            let Some(addr) = observed.admin.get(name) else {
+                failed.insert(name.clone(), "the pod has no IP yet".to_owned());
+                return None;
+            };
+            Some((name.clone(), *addr, doc.clone()))
         })
-    });
-    let results = futures::future::join_all(sends.collect::<Vec<_>>()).await;
+        .collect();
+    let results = send_all(
+        &ctx.gateways,
+        ns,
+        (&token, previous.as_deref()),
+        sends,
+        ctx.config.pushes,
+    )
+    .await;
 
     let instances: BTreeMap<String, String> = ctx
         .stores
@@ -777,8 +845,24 @@ async fn push<G: Gateways>(
         .map(|p| (p.name_any(), observe::instance(p)))
         .collect();
     let mut memory = ctx.rollouts.lock();
-    for (name, doc, result) in results {
+    for (name, doc, delivery) in results {
         let revision = doc.revision.clone();
+        let result = match delivery {
+            Delivery::Answered(result) => result,
+            Delivery::TimedOut(after) => {
+                warn!(namespace = %ns, pod = %name, timeout = ?after, "no answer to the PUT in time; tried again at the next reconcile");
+                failed.insert(
+                    name.clone(),
+                    format!("no answer within {after:?} (--put-timeout); tried again at the next reconcile"),
+                );
+                slow.insert(name);
+                ctx.metrics
+                    .puts
+                    .get_or_create(&OutcomeLabel { outcome: "timeout" })
+                    .inc();
+                continue;
+            }
+        };
         let outcome = match result {
             Ok(ack) => {
                 let sent = memory.sent.entry((ns.clone(), name.clone())).or_default();
@@ -856,7 +940,7 @@ async fn push<G: Gateways>(
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
     }
-    Ok(failed)
+    Ok(Pushed { failed, slow })
 }
 
 /// Reads the admin token from the Secret in `ns`.
@@ -886,3 +970,6 @@ async fn token<G: Gateways>(ctx: &Context<G>, ns: &str) -> Result<String, Rollou
         })?;
     Ok(String::from_utf8_lossy(&bytes).trim().to_owned())
 }
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -1,6 +1,8 @@
 //! One reconcile against a mocked API server (tower-test): the exact request sequence (ConfigMap
 //! apply, token Secret read, status apply, Event) and the PUT to the gateway pod, for an accepted
-//! policy and for a conflicted one; and the Warning Event of a failed reconcile.
+//! policy and for a conflicted one; the Warning Event of a failed reconcile; a reconcile with
+//! nothing changed sending nothing; and a hung pod, through the operator's HTTP client against
+//! admin servers on loopback.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -153,12 +155,12 @@ fn context_with(
     context_full(policies, pods, vec![], gateways)
 }
 
-fn context_full(
+fn context_full<G: Gateways + Clone>(
     policies: Vec<DeserializeGuard<ConnectionPolicy>>,
     pods: Vec<Pod>,
     configmaps: Vec<ConfigMap>,
-    gateways: FakeGateways,
-) -> (Arc<Context<FakeGateways>>, ApiHandle, FakeGateways) {
+    gateways: G,
+) -> (Arc<Context<G>>, ApiHandle, G) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "ns");
     let ctx = Context {
@@ -170,6 +172,7 @@ fn context_full(
             snapshot_max_age: Duration::from_secs(60),
             max_requeue: Duration::from_secs(60),
             backend_namespaces: vec!["llm".into()],
+            pushes: PushBound::default(),
         },
         stores: Stores {
             policies: store(policies),
@@ -1487,4 +1490,186 @@ async fn a_backend_in_a_namespace_not_allowed_is_refused_in_status() {
     .unwrap();
     assert!(observe::refused_namespaces(&["llm".to_owned()], &p).is_empty());
     assert_eq!(observe::refused_namespaces(&[], &p).len(), 1);
+}
+
+/// A gateway pod named `name` at `addr` (its IP, and its admin port by annotation).
+fn pod_at(name: &str, addr: SocketAddr) -> Pod {
+    let mut pod = pod(name, &addr.ip().to_string());
+    pod.metadata.annotations = Some(
+        [(
+            observe::ADMIN_PORT_ANNOTATION.to_owned(),
+            addr.port().to_string(),
+        )]
+        .into(),
+    );
+    pod
+}
+
+/// One pod that answers and one that never does, through the operator's HTTP client: the
+/// reconcile ends at the per-pod timeout with the answering pod updated, the hung one named in
+/// status (tried again at the next reconcile, at the policy's interval, not in a second) and
+/// counted as a timed-out PUT.
+#[tokio::test(start_paused = true)]
+async fn a_hung_pod_is_reported_and_tried_at_the_next_reconcile_while_the_others_are_updated() {
+    use super::rollout::tests::{Answer, Seen, admin_server};
+    let seen = Arc::new(Seen::default());
+    let fast = admin_server(40, Answer::After(Duration::from_millis(20)), seen.clone()).await;
+    let hung = admin_server(41, Answer::Never, seen.clone()).await;
+    let gateways = crate::gateway::HttpGateways::new(Duration::from_secs(600)).unwrap();
+    let p = policy("models", 0);
+    let pods = vec![pod_at("gw-0", fast), pod_at("gw-1", hung)];
+    let (ctx, mut api, _) = context_full(
+        vec![DeserializeGuard(Ok(p.clone()))],
+        pods,
+        vec![],
+        gateways,
+    );
+    let started = tokio::time::Instant::now();
+    let mut reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    expect_configmap_apply(&mut api, "models-limits").await;
+    expect_token_secret(&mut api).await;
+    // Not `expect_status_patch`: its 5 s would race the per-pod timeout of 5 s.
+    let path = "/apis/poolpilot.io/v1alpha1/namespaces/ns/connectionpolicies/models/status";
+    let answer = serde_json::to_value(&p).unwrap();
+    let status = tokio::time::timeout(
+        Duration::from_secs(30),
+        expect(&mut api, Method::PATCH, path, answer),
+    )
+    .await
+    .expect("the status came");
+    let took = started.elapsed();
+    let s = &status["status"];
+    assert_eq!(s["updated"], "1/2", "{s}");
+    assert_eq!(s["pods"]["failures"][0]["pod"], "gw-1", "{s}");
+    let why = s["pods"]["failures"][0]["message"].as_str().unwrap();
+    assert!(
+        why.contains("no answer within 5s") && why.contains("next reconcile"),
+        "{why}"
+    );
+    assert!(
+        took >= PushBound::default().timeout && took < Duration::from_secs(6),
+        "the rollout step took {took:?}"
+    );
+    let action = loop {
+        tokio::select! {
+            done = &mut reconciler => break done.unwrap().unwrap(),
+            next = api.next_request() => {
+                let (_, send) = next.unwrap();
+                send.send_response(Response::builder().body(Body::from(b"{}".to_vec())).unwrap());
+            }
+        }
+    };
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(15)),
+        "at the policy's interval"
+    );
+    assert_eq!(ctx.rollouts.lock().acked.len(), 1, "gw-0 acknowledged");
+    let text = {
+        let mut registry = prometheus_client::registry::Registry::default();
+        ctx.metrics.clone().register(&mut registry);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        out
+    };
+    assert!(
+        text.contains(r#"gateway_puts_total{outcome="timeout"} 1"#),
+        "{text}"
+    );
+}
+
+/// Answers every API request of a reconcile as [`answer_all`] does (token `s3cr3t`); the
+/// reconcile's outcome and each request: method, path and body.
+async fn answer_recording(
+    api: &mut ApiHandle,
+    p: &ConnectionPolicy,
+    mut reconciler: tokio::task::JoinHandle<Result<Action>>,
+) -> (Result<Action>, Vec<(Method, String, Value)>) {
+    let mut seen = Vec::new();
+    loop {
+        tokio::select! {
+            done = &mut reconciler => return (done.expect("the reconcile task ran"), seen),
+            next = api.next_request() => {
+                // None: every client is gone, with the reconcile's context.
+                let Some((request, send)) = next else {
+                    return ((&mut reconciler).await.expect("the reconcile task ran"), seen);
+                };
+                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+                let body = request.into_body().collect_bytes().await.unwrap();
+                let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let answer = if path.contains("/secrets/") {
+                    json!({"apiVersion": "v1", "kind": "Secret", "data": {"token": "czNjcjN0"}})
+                } else if path.ends_with("/status") {
+                    serde_json::to_value(p).unwrap()
+                } else {
+                    json!({})
+                };
+                send.send_response(
+                    Response::builder()
+                        .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                        .unwrap(),
+                );
+                seen.push((method, path, body));
+            }
+        }
+    }
+}
+
+/// A reconcile that finds everything as the last one left it (the status it wrote, the
+/// ConfigMap it applied, every pod on its document) sends the API server nothing: no status
+/// PATCH, no ConfigMap apply, no Secret read, no Event. With autoscale off, fifteen seconds
+/// later too; with autoscale on, a reconcile between two decisions (another object's change
+/// brought it).
+#[tokio::test]
+async fn a_reconcile_with_nothing_changed_writes_nothing() {
+    let off = policy("models", 0);
+    let in_15s = || Timestamp::from_second(now().as_second() + 15).unwrap();
+    unchanged_writes_nothing(&off, [now, in_15s]).await;
+    let mut on = policy("models", 0);
+    on.spec.autoscale.enabled = true;
+    let in_5s = || Timestamp::from_second(now().as_second() + 5).unwrap();
+    unchanged_writes_nothing(&on, [now, in_5s]).await;
+}
+
+/// One reconcile of `p` on two pods, then one at each of `clocks` from what it left.
+async fn unchanged_writes_nothing(p: &ConnectionPolicy, clocks: [fn() -> Timestamp; 2]) {
+    let pods = || vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods(), FakeGateways::default());
+    let first = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let (outcome, requests) = with_timeout(answer_recording(&mut api, p, first)).await;
+    outcome.expect("the first reconcile succeeded");
+    let find = |suffix: &str| {
+        requests
+            .iter()
+            .find(|(m, path, _)| *m == Method::PATCH && path.ends_with(suffix))
+            .map(|(_, _, body)| body.clone())
+            .unwrap_or_else(|| panic!("no PATCH of …{suffix}: {requests:?}"))
+    };
+    let status: poolpilot_api::ConnectionPolicyStatus =
+        serde_json::from_value(find("/models/status")["status"].clone()).unwrap();
+    let configmap: ConfigMap = serde_json::from_value(find("/models-limits")).unwrap();
+    assert_eq!(gateways.puts.lock().len(), 2);
+
+    // What the watches show next: the policy with its status, the ConfigMap applied.
+    let mut stored = p.clone();
+    stored.status = Some(status);
+    for clock in clocks {
+        let (again, mut api, gateways) = context_full(
+            vec![DeserializeGuard(Ok(stored.clone()))],
+            pods(),
+            vec![configmap.clone()],
+            FakeGateways::default(),
+        );
+        *again.rollouts.lock() = ctx.rollouts.lock().clone();
+        *again.memory.lock() = ctx.memory.lock().clone();
+        let again = Arc::new(Context {
+            clock,
+            ..Arc::into_inner(again).unwrap()
+        });
+        let second = tokio::spawn(reconcile(Arc::new(stored.clone()), again));
+        let (outcome, requests) = with_timeout(answer_recording(&mut api, &stored, second)).await;
+        outcome.expect("the second reconcile succeeded");
+        assert!(requests.is_empty(), "at {}: {requests:?}", clock());
+        assert!(gateways.puts.lock().is_empty(), "nothing sent to the pods");
+    }
 }
