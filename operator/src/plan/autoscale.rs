@@ -409,6 +409,7 @@ fn decide_fresh(
         mem.recommendations.pop_front();
     }
     let obs = observation(s, leased, endpoints, bounds.interval, now);
+    mem.knee.capacity = bounds.capacity;
     if let Some(o) = obs {
         mem.knee.observe(o);
     }
@@ -551,7 +552,9 @@ fn decide_fresh(
             demand_text
         };
         if knee.is_none() {
-            mem.knee.stepped(level.unwrap_or(current), to);
+            let fills = (demand / f64::from(endpoints.max(1))).min(f64::from(to));
+            mem.knee
+                .stepped(level.unwrap_or(current), to, knee::level_of(fills).unwrap_or(to));
         }
         let scale = change(mem, to, reason, now);
         let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);

@@ -39,6 +39,15 @@ pub const MAX_JUDGING: u32 = 3;
 /// A step that rose in-flight ×r and throughput less than `r^FLAT_GRADIENT` (significantly)
 /// fell short: a backend below its knee gives more, even batching.
 pub const FLAT_GRADIENT: f64 = 0.3;
+/// How much longer a call may take with every declared slot of its endpoint busy than alone,
+/// from batching (linear in between): what a backend below its knee may lose in throughput per
+/// call as in-flight rises.
+pub const BATCHING_SLOWDOWN: f64 = 3.0;
+/// Slack on that allowance: a step is short of a healthy one only below its gain / `SLACK`.
+pub const SLACK: f64 = 1.25;
+/// Two levels whose throughput differs by less than this share are a tie even when the
+/// evidence cannot say more: the lower level wins.
+pub const TIE: f64 = 0.1;
 /// Levels closer than this ratio of in-flight are not compared: the difference drowns in noise.
 pub const MIN_RATIO: f64 = 1.2;
 /// A bracket around the best level narrower than this ratio is not probed further.
@@ -94,6 +103,8 @@ pub struct Level {
     pub in_flight: u32,
     /// Intervals observed.
     pub intervals: u32,
+    /// Σ in-flight per endpoint over its intervals (unrounded).
+    pub in_flight_sum: f64,
     /// Response bytes per second per endpoint, per interval.
     pub bytes: Sum,
     /// Completed calls per second per endpoint, per interval.
@@ -117,6 +128,7 @@ impl Level {
         Self {
             in_flight,
             intervals: 0,
+            in_flight_sum: 0.0,
             bytes: Sum::default(),
             calls: Sum::default(),
             all_bytes: true,
@@ -130,6 +142,7 @@ impl Level {
 
     fn add(&mut self, o: &Observation) {
         self.intervals += 1;
+        self.in_flight_sum += o.in_flight;
         self.bytes.add(o.bytes);
         self.calls.add(o.completed);
         self.all_bytes &= o.bytes > 0.0;
@@ -140,6 +153,15 @@ impl Level {
             self.ttfb.1 += 1;
         }
         self.last = o.at;
+    }
+
+    /// Its mean in-flight per endpoint (the level itself is rounded).
+    pub fn mean_in_flight(&self) -> f64 {
+        if self.intervals > 0 {
+            self.in_flight_sum / f64::from(self.intervals)
+        } else {
+            f64::from(self.in_flight)
+        }
     }
 
     /// Whether its throughput is counted in response bytes.
@@ -220,6 +242,8 @@ pub struct Comparison {
     pub bytes: bool,
     /// Throughput at the higher level over the lower's.
     pub gain: f64,
+    /// The least gain a backend below its knee gives for this rise ([`Comparison::least`]).
+    pub least: f64,
     /// A difference beyond this (relative) is significant: [`SIGNIFICANCE`] × the combined noise.
     pub significant: f64,
     /// What it shows.
@@ -227,8 +251,9 @@ pub struct Comparison {
 }
 
 impl Comparison {
-    /// `higher` (more in flight) against `lower`.
-    pub fn of(higher: &Level, lower: &Level) -> Self {
+    /// `higher` (more in flight) against `lower`, for a backend declared with `capacity` slots
+    /// per endpoint.
+    pub fn of(higher: &Level, lower: &Level, capacity: u32) -> Self {
         let bytes = higher.by_bytes() && lower.by_bytes();
         let (h, l) = (higher.throughput(bytes), lower.throughput(bytes));
         let gain = if l > 0.0 {
@@ -240,19 +265,20 @@ impl Comparison {
         };
         let noise = higher.noise(bytes).hypot(lower.noise(bytes));
         let significant = SIGNIFICANCE * noise;
-        let least =
-            (f64::from(higher.in_flight) / f64::from(lower.in_flight.max(1))).powf(FLAT_GRADIENT);
+        let least = Self::least_for(higher.mean_in_flight(), lower.mean_in_flight(), capacity);
         let slower = higher
             .ttfb()
             .zip(lower.ttfb())
             .is_some_and(|(h, l)| l > 0.0 && h >= TTFB_TOLERANCE * l);
-        let effect = if gain + significant < 1.0 {
+        // The noise is relative: the gain is uncertain by a factor of (1 + significant).
+        let optimistic = gain * (1.0 + significant);
+        let effect = if optimistic < 1.0 {
             Effect::Worse
-        } else if slower && gain - significant <= 1.0 {
+        } else if slower && gain <= 1.0 + significant {
             Effect::Slower
-        } else if gain + significant < least {
+        } else if optimistic < least {
             Effect::Short
-        } else if gain - significant > 1.0 {
+        } else if gain > 1.0 + significant {
             Effect::Better
         } else {
             Effect::Flat
@@ -262,15 +288,27 @@ impl Comparison {
             higher: *higher,
             bytes,
             gain,
+            least,
             significant,
             effect,
         }
     }
 
-    /// The least gain a backend below its knee gives for this rise: `rise^FLAT_GRADIENT`.
+    /// The least gain a backend below its knee gives for a rise from `lower` to `higher` in
+    /// flight per endpoint with `capacity` declared slots: the larger of `rise^FLAT_GRADIENT`
+    /// and the rise less what batching may cost each call (up to [`BATCHING_SLOWDOWN`]× with
+    /// every declared slot busy, linearly in between), less [`SLACK`].
+    pub fn least_for(higher: f64, lower: f64, capacity: u32) -> f64 {
+        let (h, l) = (higher, lower.max(0.5));
+        let rise = (h / l).max(1.0);
+        let per_slot = (BATCHING_SLOWDOWN - 1.0) / f64::from(capacity.max(1));
+        let batching = (1.0 + per_slot * l) / (1.0 + per_slot * h);
+        (rise * batching / SLACK).max(rise.powf(FLAT_GRADIENT))
+    }
+
+    /// The least gain a backend below its knee gives for this rise.
     pub fn least(&self) -> f64 {
-        (f64::from(self.higher.in_flight) / f64::from(self.lower.in_flight.max(1)))
-            .powf(FLAT_GRADIENT)
+        self.least
     }
 
     /// Whether the evidence suffices: the effect is significant, or the noise is small enough
@@ -290,9 +328,20 @@ impl Comparison {
         }
     }
 
+    /// Whether the two levels give as much: flat, with noise small enough to have shown a
+    /// healthy step, or within [`TIE`] of each other.
+    pub fn tie(&self) -> bool {
+        self.effect == Effect::Flat && (self.sufficient() || self.gain <= 1.0 + TIE)
+    }
+
+    /// Whether the higher level gave less than a healthy step so far (significant or not).
+    pub fn suspicious(&self) -> bool {
+        self.gain < self.least()
+    }
+
     /// Whether the higher level gave significantly more throughput than the lower.
     pub fn more(&self) -> bool {
-        self.gain - self.significant > 1.0
+        self.gain > 1.0 + self.significant
     }
 
     /// The comparison in words, with its numbers.
@@ -377,7 +426,9 @@ impl Knee {
 /// A step being judged: growth waits until its level's evidence suffices.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Judging {
-    /// The level stepped to (the target).
+    /// The target stepped to.
+    pub target: u32,
+    /// The level it runs at (the target, or the demand when that is less).
     pub level: u32,
     /// The level it is judged against.
     pub reference: u32,
@@ -473,6 +524,9 @@ pub struct KneeMemory {
     pub levels: BTreeMap<u32, Level>,
     /// The step being judged, if one is.
     pub judging: Option<Judging>,
+    /// The declared capacity per endpoint (`capacity.maxConnectionsPerEndpoint`): what batching
+    /// may cost a call is measured against it (0: unknown, a step only needs `rise^0.3`).
+    pub capacity: u32,
 }
 
 /// The level an interval at `in_flight` per endpoint counts in (`None`: too few in flight).
@@ -512,22 +566,22 @@ impl KneeMemory {
             let bytes = a.by_bytes() && b.by_bytes();
             a.throughput(bytes).total_cmp(&b.throughput(bytes))
         })?;
-        // The lowest level not significantly below the most throughput measured: flat, the
-        // lower level wins.
+        // The lowest level that gives as much as the most throughput measured, on sufficient
+        // evidence (flat: the lower level wins; a noisy level wins nothing).
         let best = self
             .levels
             .values()
-            .find(|l| l.in_flight >= max.in_flight || !Comparison::of(max, l).more())
+            .find(|l| l.in_flight >= max.in_flight || Comparison::of(max, l, self.capacity).tie())
             .unwrap_or(max);
         let far = |a: &Level, b: &Level| {
-            f64::from(a.in_flight) >= f64::from(b.in_flight) * MIN_RATIO - 1e-9
+            a.mean_in_flight() >= b.mean_in_flight() * MIN_RATIO - 1e-9
         };
         let above = self
             .levels
             .range(best.in_flight + 1..)
             .map(|(_, l)| l)
             .filter(|l| far(l, best))
-            .map(|l| Comparison::of(l, best))
+            .map(|l| Comparison::of(l, best, self.capacity))
             .find(Comparison::no_more);
         let below = self
             .levels
@@ -535,7 +589,7 @@ impl KneeMemory {
             .rev()
             .map(|(_, l)| l)
             .find(|l| far(best, l))
-            .map(|l| Comparison::of(best, l));
+            .map(|l| Comparison::of(best, l, self.capacity));
         let knee = Knee {
             best: *best,
             above,
@@ -554,21 +608,21 @@ impl KneeMemory {
     pub fn plan(&mut self, current: u32, wanted: u32, min: u32, upper: u32) -> Move {
         if let Some(mut step) = self.judging.take() {
             step.decisions += 1;
-            if step.level == current
+            if step.target == current
                 && step.decisions <= MAX_JUDGING
                 && let Some(reference) = self.levels.get(&step.reference)
             {
                 let so_far = self.levels.get(&step.level).map(|l| {
                     if l.in_flight >= reference.in_flight {
-                        Comparison::of(l, reference)
+                        Comparison::of(l, reference, self.capacity)
                     } else {
-                        Comparison::of(reference, l)
+                        Comparison::of(reference, l, self.capacity)
                     }
                 });
                 match so_far {
                     Some(c) if c.sufficient() => {}
                     // Growth waits only where the evidence so far points to a knee.
-                    Some(c) if c.gain < c.least() => {
+                    Some(c) if c.suspicious() => {
                         self.judging = Some(step);
                         return Move::Judging { step, so_far };
                     }
@@ -580,7 +634,7 @@ impl KneeMemory {
             return Move::Free;
         };
         let best = knee.cap();
-        if wanted <= best {
+        if wanted < best {
             return Move::Free;
         }
         let measured = |l: u32| self.levels.contains_key(&l);
@@ -606,6 +660,7 @@ impl KneeMemory {
         let fresh = |m: &u32| !measured(*m) && *m != current;
         if let Some(to) = up.filter(fresh).or(down.filter(fresh)) {
             self.judging = Some(Judging {
+                target: to,
                 level: to,
                 reference: best,
                 decisions: 0,
@@ -618,12 +673,14 @@ impl KneeMemory {
         Move::Cap(knee)
     }
 
-    /// Records that the law grew the target to `to` from the level `from` (this interval's, or
-    /// the target's without one): the step is judged against it.
-    pub fn stepped(&mut self, from: u32, to: u32) {
-        let (lo, hi) = (from.min(to), from.max(to));
+    /// Records that the law grew the target to `target`, where the demand fills `level`, from
+    /// the level `from` (this interval's, or the old target's without one): the step is judged
+    /// against it.
+    pub fn stepped(&mut self, from: u32, target: u32, level: u32) {
+        let (lo, hi) = (from.min(level), from.max(level));
         self.judging = (f64::from(hi) >= f64::from(lo.max(1)) * MIN_RATIO).then_some(Judging {
-            level: to,
+            target,
+            level,
             reference: from,
             decisions: 0,
         });

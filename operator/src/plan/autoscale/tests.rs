@@ -1123,6 +1123,7 @@ fn long_call_run(seed: u64, from_above: bool, rising: bool) -> Option<Run> {
 #[test]
 fn long_calls_end_near_the_knee_after_a_crowd_from_below_and_from_above() {
     const RUNS: u64 = 2000;
+    let mut outcomes = Vec::new();
     for from_above in [false, true] {
         let (mut runs, mut within, mut band, mut shares) = (0u32, 0u32, 0u32, Vec::new());
         let mut failures = Vec::new();
@@ -1157,10 +1158,13 @@ fn long_calls_end_near_the_knee_after_a_crowd_from_below_and_from_above() {
         for f in &failures {
             eprintln!("  failed: {f:?}");
         }
+        outcomes.push((from_above, runs, within, failures));
+    }
+    for (from_above, runs, within, failures) in outcomes {
         assert!(u64::from(runs) >= RUNS * 3 / 4, "{runs} runs");
         assert!(
             f64::from(within) >= 0.99 * f64::from(runs),
-            "{within}/{runs}: {failures:#?}"
+            "from above {from_above}: {within}/{runs}: {failures:#?}"
         );
     }
 }

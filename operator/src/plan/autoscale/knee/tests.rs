@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// No declared capacity known: batching may cost anything, a step only needs `rise^0.3`.
+const WIDE: u32 = 0;
+
 fn at(secs: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + secs).unwrap()
 }
@@ -59,7 +62,7 @@ fn a_levels_noise_is_counted_measured_or_floored() {
 #[test]
 fn a_comparison_tells_better_flat_short_worse_and_slower() {
     let l = level(10, 1000.0, 400.0, 1); // 5% noise
-    let effect = |h: Level| Comparison::of(&h, &l).effect;
+    let effect = |h: Level| Comparison::of(&h, &l, WIDE).effect;
     // Significant beyond 2 × √(5%² + 5%²) = 14.1%.
     assert_eq!(effect(level(20, 1800.0, 400.0, 1)), Effect::Better);
     // ×2 in flight: a healthy step gives at least 2^0.3 = 1.23. ×1.1 is within the noise of
@@ -80,10 +83,10 @@ fn a_comparison_tells_better_flat_short_worse_and_slower() {
         total: 20.0,
         squares: 400.0,
     };
-    let c = Comparison::of(&no_bytes, &l);
+    let c = Comparison::of(&no_bytes, &l, WIDE);
     assert!(!c.bytes && (c.gain - 0.5).abs() < 1e-12, "{c:?}");
     assert_eq!(
-        Comparison::of(&level(20, 800.0, 400.0, 1), &l).describe(),
+        Comparison::of(&level(20, 800.0, 400.0, 1), &l, WIDE).describe(),
         "response bytes 1 kB/s at 10 in flight per endpoint → 800 B/s at 20 (×0.8, less: significant beyond ±14.14%, 400 and 400 calls seen)"
     );
 }
@@ -92,10 +95,10 @@ fn a_comparison_tells_better_flat_short_worse_and_slower() {
 fn a_flat_step_is_judged_once_its_noise_could_not_hide_a_healthy_one() {
     // ×4 in flight: a healthy step gives at least ×1.52; a flat one is told from it once the
     // significance is at most half of 0.52.
-    let noisy = Comparison::of(&level(40, 1100.0, 16.0, 1), &level(10, 1000.0, 16.0, 1));
+    let noisy = Comparison::of(&level(40, 1100.0, 16.0, 1), &level(10, 1000.0, 16.0, 1), WIDE);
     assert_eq!(noisy.effect, Effect::Flat);
     assert!(!noisy.sufficient() && !noisy.no_more(), "{noisy:?}");
-    let sure = Comparison::of(&level(40, 1100.0, 16.0, 8), &level(10, 1000.0, 16.0, 8));
+    let sure = Comparison::of(&level(40, 1100.0, 16.0, 8), &level(10, 1000.0, 16.0, 8), WIDE);
     assert!(sure.sufficient() && sure.no_more(), "{sure:?}");
 }
 
@@ -138,7 +141,7 @@ fn the_best_level_is_the_lowest_one_not_significantly_below_the_most() {
 fn a_step_is_judged_while_its_evidence_points_to_a_knee_for_at_most_three_decisions() {
     let mut m = KneeMemory::default();
     m.observe(obs(0, 10.0, 1000.0, 16.0));
-    m.stepped(10, 20);
+    m.stepped(10, 20, 20);
     // No interval at 20 yet: no evidence, no hold.
     assert_eq!(m.plan(20, 30, 1, 40), Move::Free);
     // 20 gave as much as 10, within the noise of 16 calls: judged, growth waits (decisions 2
@@ -158,7 +161,7 @@ fn a_step_is_judged_while_its_evidence_points_to_a_knee_for_at_most_three_decisi
     // A step whose throughput rose as a healthy one does is never held.
     let mut m = KneeMemory::default();
     m.observe(obs(0, 10.0, 1000.0, 16.0));
-    m.stepped(10, 20);
+    m.stepped(10, 20, 20);
     m.observe(obs(10, 20.0, 1900.0, 16.0));
     assert_eq!(m.plan(20, 30, 1, 40), Move::Free);
 }
