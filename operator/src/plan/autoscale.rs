@@ -455,7 +455,7 @@ fn decide_fresh(
     // while a step is judged.
     let mv = mem
         .knee
-        .plan(current, recommendation, bounds.min, bounds.upper);
+        .plan(current, recommendation, (bounds.min, bounds.upper), level);
     match &mv {
         Move::Back { to, knee } if *to < current && f64::from(current - to) >= band => {
             let reason = format!(
@@ -473,6 +473,15 @@ fn decide_fresh(
             );
             return step_back(mem, *to, reason, knee, now);
         }
+        Move::Remeasure { to, step } if *to < current => {
+            let reason = format!(
+                "{demand_text}; measuring {to} in flight per endpoint again: the step from it gave less than a healthy step so far, on too little evidence to tell: {}",
+                step.describe()
+            );
+            let scale = change(mem, *to, reason, now);
+            let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+            return (Decision::StepBack(scale), why);
+        }
         Move::Probe { to, knee } if *to > current && query_hold.is_none() => {
             let reason = format!(
                 "{demand_text}; probing {} in flight per endpoint against the best level {}: {}",
@@ -488,7 +497,7 @@ fn decide_fresh(
     }
     let knee = match &mv {
         Move::Cap(k) | Move::Back { knee: k, .. } | Move::Probe { knee: k, .. } => Some(*k),
-        Move::Free | Move::Judging { .. } => None,
+        Move::Free | Move::Judging { .. } | Move::Remeasure { .. } => None,
     };
 
     if recommendation > current {

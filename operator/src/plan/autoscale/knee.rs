@@ -31,6 +31,9 @@ use crate::plan::time::{Timestamp, elapsed};
 pub const SIGNIFICANCE: f64 = 2.0;
 /// No level is known better than this relative noise.
 pub const NOISE_FLOOR: f64 = 0.02;
+/// A level noisier than this (relative) is no evidence yet: it is compared once it has
+/// accumulated more.
+pub const MAX_LEVEL_NOISE: f64 = 0.25;
 /// Intervals a level needs before the spread of its intervals counts in its noise.
 pub const SPREAD_INTERVALS: u32 = 3;
 /// Decisions a step is judged for at most, holding growth, before its comparison counts as it
@@ -246,6 +249,8 @@ pub struct Comparison {
     pub least: f64,
     /// A difference beyond this (relative) is significant: [`SIGNIFICANCE`] × the combined noise.
     pub significant: f64,
+    /// Whether both levels are evidence ([`MAX_LEVEL_NOISE`]); otherwise the effect is flat.
+    pub trusted: bool,
     /// What it shows.
     pub effect: Effect,
 }
@@ -263,7 +268,9 @@ impl Comparison {
         } else {
             1.0
         };
-        let noise = higher.noise(bytes).hypot(lower.noise(bytes));
+        let (nh, nl) = (higher.noise(bytes), lower.noise(bytes));
+        let noise = nh.hypot(nl);
+        let trusted = nh.max(nl) <= MAX_LEVEL_NOISE;
         let significant = SIGNIFICANCE * noise;
         let least = Self::least_for(higher.mean_in_flight(), lower.mean_in_flight(), capacity);
         let slower = higher
@@ -272,7 +279,9 @@ impl Comparison {
             .is_some_and(|(h, l)| l > 0.0 && h >= TTFB_TOLERANCE * l);
         // The noise is relative: the gain is uncertain by a factor of (1 + significant).
         let optimistic = gain * (1.0 + significant);
-        let effect = if optimistic < 1.0 {
+        let effect = if !trusted {
+            Effect::Flat
+        } else if optimistic < 1.0 {
             Effect::Worse
         } else if slower && gain <= 1.0 + significant {
             Effect::Slower
@@ -290,6 +299,7 @@ impl Comparison {
             gain,
             least,
             significant,
+            trusted,
             effect,
         }
     }
@@ -314,8 +324,8 @@ impl Comparison {
     /// Whether the evidence suffices: the effect is significant, or the noise is small enough
     /// that a step below the knee would have shown as better and a flat one as short.
     pub fn sufficient(&self) -> bool {
-        self.effect != Effect::Flat
-            || self.significant <= (self.least() - 1.0) / 2.0
+        self.trusted
+            && (self.effect != Effect::Flat || self.significant <= (self.least() - 1.0) / 2.0)
     }
 
     /// Whether the higher level shows, on sufficient evidence, that it gives no more than the
@@ -331,7 +341,9 @@ impl Comparison {
     /// Whether the two levels give as much: flat, with noise small enough to have shown a
     /// healthy step, or within [`TIE`] of each other.
     pub fn tie(&self) -> bool {
-        self.effect == Effect::Flat && (self.sufficient() || self.gain <= 1.0 + TIE)
+        self.trusted
+            && self.effect == Effect::Flat
+            && (self.sufficient() || self.gain <= 1.0 + TIE)
     }
 
     /// Whether the higher level gave less than a healthy step so far (significant or not).
@@ -341,7 +353,7 @@ impl Comparison {
 
     /// Whether the higher level gave significantly more throughput than the lower.
     pub fn more(&self) -> bool {
-        self.gain > 1.0 + self.significant
+        self.trusted && self.gain > 1.0 + self.significant
     }
 
     /// The comparison in words, with its numbers.
@@ -464,6 +476,14 @@ pub enum Move {
     },
     /// Grow to at most the best level; at it, hold.
     Cap(Knee),
+    /// Return to a lower level to measure it again: the step from it gave less than a healthy
+    /// step so far, on too little evidence at that level to tell.
+    Remeasure {
+        /// The lower level.
+        to: u32,
+        /// The step from it to the current level.
+        step: Comparison,
+    },
 }
 
 /// Why the guard holds growth.
@@ -604,8 +624,15 @@ impl KneeMemory {
     }
 
     /// What the target `current` should do while demand recommends `wanted` (targets per
-    /// endpoint, within [`min`, `upper`]).
-    pub fn plan(&mut self, current: u32, wanted: u32, min: u32, upper: u32) -> Move {
+    /// endpoint, within [`min`, `upper`]) and this interval ran at `level` (`None`: no steady
+    /// interval).
+    pub fn plan(
+        &mut self,
+        current: u32,
+        wanted: u32,
+        (min, upper): (u32, u32),
+        level: Option<u32>,
+    ) -> Move {
         if let Some(mut step) = self.judging.take() {
             step.decisions += 1;
             if step.target == current
@@ -631,7 +658,11 @@ impl KneeMemory {
             }
         }
         let Some(knee) = self.knee() else {
-            return Move::Free;
+            // Only where the law would not grow anyway: a step into the unknown comes first.
+            return level
+                .filter(|_| wanted <= current)
+                .and_then(|l| self.remeasure(l, current, min))
+                .unwrap_or(Move::Free);
         };
         let best = knee.cap();
         if wanted < best {
@@ -671,6 +702,33 @@ impl KneeMemory {
             return Move::Back { to: best, knee };
         }
         Move::Cap(knee)
+    }
+
+    /// The lower level to measure again, when the step from it to this interval's `level` gave
+    /// less than a healthy step, and that level is too noisy to tell (the target is `current`).
+    fn remeasure(&mut self, level: u32, current: u32, min: u32) -> Option<Move> {
+        let cur = self.levels.get(&level).filter(|_| level <= current)?;
+        let lower = self
+            .levels
+            .range(..level)
+            .rev()
+            .map(|(_, l)| l)
+            .find(|l| cur.mean_in_flight() >= l.mean_in_flight() * MIN_RATIO - 1e-9)
+            .filter(|l| l.in_flight >= min)?;
+        let step = Comparison::of(cur, lower, self.capacity);
+        let noisy = lower.noise(step.bytes) > MAX_LEVEL_NOISE;
+        (!step.trusted && noisy && step.suspicious()).then(|| {
+            self.judging = Some(Judging {
+                target: lower.in_flight,
+                level: lower.in_flight,
+                reference: level,
+                decisions: 0,
+            });
+            Move::Remeasure {
+                to: lower.in_flight,
+                step,
+            }
+        })
     }
 
     /// Records that the law grew the target to `target`, where the demand fills `level`, from

@@ -143,12 +143,12 @@ fn a_step_is_judged_while_its_evidence_points_to_a_knee_for_at_most_three_decisi
     m.observe(obs(0, 10.0, 1000.0, 16.0));
     m.stepped(10, 20, 20);
     // No interval at 20 yet: no evidence, no hold.
-    assert_eq!(m.plan(20, 30, 1, 40), Move::Free);
+    assert_eq!(m.plan(20, 30, (1, 40), None), Move::Free);
     // 20 gave as much as 10, within the noise of 16 calls: judged, growth waits (decisions 2
     // and 3 of 3).
     for (i, decision) in [(1, 2), (2, 3)] {
         m.observe(obs(10 * i, 20.0, 1000.0, 16.0));
-        let Move::Judging { step, so_far } = m.plan(20, 30, 1, 40) else {
+        let Move::Judging { step, so_far } = m.plan(20, 30, (1, 40), None) else {
             panic!("judging")
         };
         assert_eq!((step.level, step.reference, step.decisions), (20, 10, decision));
@@ -156,14 +156,14 @@ fn a_step_is_judged_while_its_evidence_points_to_a_knee_for_at_most_three_decisi
     }
     // Then the comparison counts as it stands: flat, not a knee on this evidence.
     m.observe(obs(30, 20.0, 1000.0, 16.0));
-    assert_eq!(m.plan(20, 30, 1, 40), Move::Free);
+    assert_eq!(m.plan(20, 30, (1, 40), None), Move::Free);
     assert_eq!(m.judging, None);
     // A step whose throughput rose as a healthy one does is never held.
     let mut m = KneeMemory::default();
     m.observe(obs(0, 10.0, 1000.0, 16.0));
     m.stepped(10, 20, 20);
     m.observe(obs(10, 20.0, 1900.0, 16.0));
-    assert_eq!(m.plan(20, 30, 1, 40), Move::Free);
+    assert_eq!(m.plan(20, 30, (1, 40), None), Move::Free);
 }
 
 #[test]
@@ -172,28 +172,28 @@ fn the_guard_probes_the_bracket_then_steps_back_or_holds_at_the_best_level() {
     m.observe(obs(0, 10.0, 1000.0, 400.0));
     m.observe(obs(10, 40.0, 600.0, 400.0));
     // 40 gave less than 10: probe the middle (above first), judged against 10.
-    let Move::Probe { to, knee } = m.plan(40, 48, 1, 48) else {
+    let Move::Probe { to, knee } = m.plan(40, 48, (1, 48), None) else {
         panic!("probe")
     };
     assert_eq!((to, knee.cap()), (20, 10));
     assert_eq!(m.judging.map(|j| (j.level, j.reference)), Some((20, 10)));
     // 20 gave less too: the middle of [10, 20].
     m.observe(obs(20, 20.0, 850.0, 400.0));
-    assert!(matches!(m.plan(20, 48, 1, 48), Move::Probe { to: 14, .. }));
+    assert!(matches!(m.plan(20, 48, (1, 48), None), Move::Probe { to: 14, .. }));
     // 14 fell short of a healthy step (×1.4 in flight, ×0.95): [10, 14] is narrow; below 10
     // nothing is known: probe half of it.
     m.observe(obs(30, 14.0, 950.0, 400.0));
-    assert!(matches!(m.plan(14, 48, 1, 48), Move::Probe { to: 5, .. }));
+    assert!(matches!(m.plan(14, 48, (1, 48), None), Move::Probe { to: 5, .. }));
     // 5 gave less than 10: the middle of [5, 10].
     m.observe(obs(40, 5.0, 600.0, 400.0));
-    assert!(matches!(m.plan(5, 48, 1, 48), Move::Probe { to: 7, .. }));
+    assert!(matches!(m.plan(5, 48, (1, 48), None), Move::Probe { to: 7, .. }));
     m.observe(obs(50, 7.0, 800.0, 400.0));
     // Every bracket is narrow now: back to 10, and from there, hold.
-    assert!(matches!(m.plan(7, 48, 1, 48), Move::Cap(_)));
-    assert!(matches!(m.plan(14, 48, 1, 48), Move::Back { to: 10, .. }));
-    assert!(matches!(m.plan(10, 48, 1, 48), Move::Cap(_)));
+    assert!(matches!(m.plan(7, 48, (1, 48), None), Move::Cap(_)));
+    assert!(matches!(m.plan(14, 48, (1, 48), None), Move::Back { to: 10, .. }));
+    assert!(matches!(m.plan(10, 48, (1, 48), None), Move::Cap(_)));
     // Demand at or below the best level: the law decides.
-    assert_eq!(m.plan(14, 10, 1, 48), Move::Free);
+    assert_eq!(m.plan(14, 10, (1, 48), None), Move::Free);
 }
 
 #[test]
