@@ -551,10 +551,7 @@ fn decide_fresh(
         let to = knee.map_or(recommendation, |k| recommendation.min(k.cap()));
         mem.saturation = over_upper;
         let reason = if let Some(k) = knee.filter(|_| to < recommendation) {
-            format!(
-                "{demand_text}, capped at the knee: {}",
-                k.evidence()
-            )
+            format!("{demand_text}, capped at the knee: {}", k.evidence())
         } else if wanted > bounds.upper {
             format!("{demand_text}, capped at the upper bound {}", bounds.upper)
         } else {
@@ -562,8 +559,11 @@ fn decide_fresh(
         };
         if knee.is_none() {
             let fills = (demand / f64::from(endpoints.max(1))).min(f64::from(to));
-            mem.knee
-                .stepped(level.unwrap_or(current), to, knee::level_of(fills).unwrap_or(to));
+            mem.knee.stepped(
+                level.unwrap_or(current),
+                to,
+                knee::level_of(fills).unwrap_or(to),
+            );
         }
         let scale = change(mem, to, reason, now);
         let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);

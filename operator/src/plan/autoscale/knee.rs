@@ -54,7 +54,7 @@ pub const TIE: f64 = 0.1;
 /// Levels closer than this ratio of in-flight are not compared: the difference drowns in noise.
 pub const MIN_RATIO: f64 = 1.2;
 /// A bracket around the best level narrower than this ratio is not probed further.
-pub const NARROW: f64 = 1.5;
+pub const NARROW: f64 = 1.45;
 /// Time to first byte this many times the lower level's at a level that gave no more throughput:
 /// the calls wait in the backend.
 pub const TTFB_TOLERANCE: f64 = 2.0;
@@ -338,12 +338,17 @@ impl Comparison {
         }
     }
 
-    /// Whether the two levels give as much: flat, with noise small enough to have shown a
-    /// healthy step, or within [`TIE`] of each other.
+    /// Whether the higher level gives no more than the lower, for the choice of the best
+    /// level (a tie: the lower wins): no more and slower to the first byte, flat with noise
+    /// small enough to have shown a healthy step, or flat or short within [`TIE`].
     pub fn tie(&self) -> bool {
         self.trusted
-            && self.effect == Effect::Flat
-            && (self.sufficient() || self.gain <= 1.0 + TIE)
+            && match self.effect {
+                Effect::Slower => true,
+                Effect::Flat => self.sufficient() || self.gain <= 1.0 + TIE,
+                Effect::Short => self.gain <= 1.0 + TIE,
+                Effect::Better | Effect::Worse => false,
+            }
     }
 
     /// Whether the higher level gave less than a healthy step so far (significant or not).
@@ -593,9 +598,8 @@ impl KneeMemory {
             .values()
             .find(|l| l.in_flight >= max.in_flight || Comparison::of(max, l, self.capacity).tie())
             .unwrap_or(max);
-        let far = |a: &Level, b: &Level| {
-            a.mean_in_flight() >= b.mean_in_flight() * MIN_RATIO - 1e-9
-        };
+        let far =
+            |a: &Level, b: &Level| a.mean_in_flight() >= b.mean_in_flight() * MIN_RATIO - 1e-9;
         let above = self
             .levels
             .range(best.in_flight + 1..)
@@ -706,7 +710,7 @@ impl KneeMemory {
 
     /// The lower level to measure again, when the step from it to this interval's `level` gave
     /// less than a healthy step, and that level is too noisy to tell (the target is `current`).
-    fn remeasure(&mut self, level: u32, current: u32, min: u32) -> Option<Move> {
+    fn remeasure(&self, level: u32, current: u32, min: u32) -> Option<Move> {
         let cur = self.levels.get(&level).filter(|_| level <= current)?;
         let lower = self
             .levels
@@ -717,17 +721,9 @@ impl KneeMemory {
             .filter(|l| l.in_flight >= min)?;
         let step = Comparison::of(cur, lower, self.capacity);
         let noisy = lower.noise(step.bytes) > MAX_LEVEL_NOISE;
-        (!step.trusted && noisy && step.suspicious()).then(|| {
-            self.judging = Some(Judging {
-                target: lower.in_flight,
-                level: lower.in_flight,
-                reference: level,
-                decisions: 0,
-            });
-            Move::Remeasure {
-                to: lower.in_flight,
-                step,
-            }
+        (!step.trusted && noisy && step.suspicious()).then_some(Move::Remeasure {
+            to: lower.in_flight,
+            step,
         })
     }
 
