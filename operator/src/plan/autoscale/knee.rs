@@ -9,16 +9,19 @@
 //!  level        every interval with a steady load adds to the level of its in-flight (rounded,
 //!               per endpoint): throughput (response bytes/s; calls/s when no bytes are
 //!               sampled), calls seen (the evidence), intervals, time to first byte
-//!  noise        of a level: max(1/√evidence, the spread of its intervals (≥ 3), 2%)
-//!  significant  a difference beyond SIGNIFICANCE × the two levels' combined noise
-//!  judging      a step to a new level holds further growth until its comparison is
-//!               significant (or its noise could not hide a healthy step), ≤ 3 intervals
-//!  knee         the best level (the lowest one not significantly below the most throughput
-//!               measured) with a level above it that gave no more (flat, short of
-//!               rise^FLAT_GRADIENT, lower, or 2× the time to first byte), or below it one
-//!               from which the step to it fell short
+//!  noise        of a level: max(1/√evidence, the spread of its intervals (≥ 3), 2%); a level
+//!               noisier than 25% is no evidence yet
+//!  significant  beyond SIGNIFICANCE × the two levels' combined noise; a healthy step gives at
+//!               least rise^FLAT_GRADIENT and what batching at the declared capacity allows
+//!  judging      a step to a new level holds further growth while its gain so far is short of
+//!               a healthy step's and the evidence does not suffice, ≤ 3 decisions
+//!  knee         the best level (the lowest one that ties with the most throughput measured)
+//!               with a level above it that gave no more (flat on enough evidence, short,
+//!               lower, or 2× the time to first byte), or below it one from which the step to
+//!               it fell short
 //!  then         probe the middle of the bracket around the best level (judged against it;
-//!               flat: the lower level wins), step back to the best level, or hold there
+//!               a tie: the lower level wins), step back to the best level, or hold there;
+//!               without a knee, measure a too noisy lower level again
 //! ```
 
 use std::collections::BTreeMap;
