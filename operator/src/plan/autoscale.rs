@@ -135,6 +135,8 @@ pub struct Scale {
 }
 
 /// What one decision did.
+// One per backend and interval, moved, never kept in bulk: boxing the hold buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decision {
     /// Grew the target in one step.

@@ -495,6 +495,8 @@ pub enum Move {
 }
 
 /// Why the guard holds growth.
+// One per backend and decision, moved, never kept in bulk: boxing the evidence buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Hold {
     /// The backend's own saturation query is at or above its threshold.

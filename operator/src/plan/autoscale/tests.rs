@@ -1037,6 +1037,8 @@ const LONG_INTERVAL: f64 = 10.0;
 const CROWD_INTERVALS: i64 = 60;
 
 /// How one run under a crowd of 4× the knee ended.
+// Every field is read through `Debug`, in the failure messages.
+#[allow(dead_code)]
 #[derive(Debug)]
 struct Run {
     k: u32,
