@@ -378,6 +378,7 @@ pub fn decision_kind(d: &Decision) -> &'static str {
             Hold::SaturationPending => "saturation_pending",
             Hold::Judging { .. } => "judging",
             Hold::AtKnee(_) => "at_knee",
+            Hold::Measuring { .. } => "measuring_knee",
         },
         Decision::AtUpperBound { .. } => "at_upper_bound",
         Decision::Stabilizing { .. } => "stabilizing",

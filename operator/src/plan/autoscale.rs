@@ -470,7 +470,7 @@ fn decide_fresh(
             let reason = format!(
                 "{demand_text}; probing {} in flight per endpoint against the best level {}: {}",
                 to,
-                knee.cap(),
+                knee.best.in_flight,
                 knee.evidence()
             );
             return step_back(mem, *to, reason, knee, now);
@@ -488,7 +488,7 @@ fn decide_fresh(
             let reason = format!(
                 "{demand_text}; probing {} in flight per endpoint against the best level {}: {}",
                 to,
-                knee.cap(),
+                knee.best.in_flight,
                 knee.evidence()
             );
             let scale = change(mem, *to, reason, now);
@@ -498,7 +498,10 @@ fn decide_fresh(
         _ => {}
     }
     let knee = match &mv {
-        Move::Cap(k) | Move::Back { knee: k, .. } | Move::Probe { knee: k, .. } => Some(*k),
+        Move::Cap(k)
+        | Move::Back { knee: k, .. }
+        | Move::Probe { knee: k, .. }
+        | Move::Measure { knee: k, .. } => Some(*k),
         Move::Free | Move::Judging { .. } | Move::Remeasure { .. } => None,
     };
 
@@ -531,6 +534,10 @@ fn decide_fresh(
             Move::Judging { step, so_far } => Some(Hold::Judging {
                 step: *step,
                 so_far: *so_far,
+            }),
+            Move::Measure { at, knee } => Some(Hold::Measuring {
+                at: *at,
+                knee: *knee,
             }),
             _ => knee
                 .filter(|k| k.cap() <= current || f64::from(k.cap() - current) < band)

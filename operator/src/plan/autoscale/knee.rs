@@ -15,12 +15,15 @@
 //!               least rise^FLAT_GRADIENT and what batching at the declared capacity allows
 //!  judging      a step to a new level holds further growth while its gain so far is short of
 //!               a healthy step's and the evidence does not suffice, ≤ 3 decisions
-//!  knee         the best level (the lowest one that ties with the most throughput measured)
-//!               with a level above it that gave no more (flat on enough evidence, short,
-//!               lower, or 2× the time to first byte), or below it one from which the step to
-//!               it fell short
+//!  knee         among the levels that are evidence, the best level (the lowest one that ties
+//!               with the most throughput measured) with a level above it that gave no more
+//!               (flat on enough evidence, short, lower, or 2× the time to first byte), or
+//!               below it one from which the step to it fell short
+//!  peak         with levels on both sides of the best one: the vertex of a parabola fitted to
+//!               log throughput over log in-flight (weights 1/noise²), within its neighbours;
+//!               the flat top of a throughput curve hides its peak from pairwise comparisons
 //!  then         probe the middle of the bracket around the best level (judged against it;
-//!               a tie: the lower level wins), step back to the best level, or hold there;
+//!               a tie: the lower level wins), step back to the peak, or hold there;
 //!               without a knee, measure a too noisy lower level again
 //! ```
 
@@ -61,9 +64,29 @@ pub const NARROW: f64 = 1.45;
 /// Time to first byte this many times the lower level's at a level that gave no more throughput:
 /// the calls wait in the backend.
 pub const TTFB_TOLERANCE: f64 = 2.0;
-/// How long a level's evidence is kept (from its first interval): after that it is measured
-/// anew, and a knee found from it is probed again.
+/// How long a level's evidence is kept after its last interval: a level not measured for
+/// longer is forgotten, so a knee found from it is probed again (the level the target holds
+/// at keeps its evidence as long as it is measured).
 pub const KNEE_MEMORY: Duration = Duration::from_secs(600);
+/// A level above the best one that gives this share less than it shows a throughput that
+/// falls past a peak (rather than staying flat): the peak is located.
+pub const FALL: f64 = 0.1;
+/// Levels within this in-flight ratio of the best one take part in the estimate of the peak.
+pub const PEAK_SPAN: f64 = 3.0;
+/// The peak's standard error (of its log: relative) up to which its estimate stands; above it,
+/// the levels around it are measured more.
+pub const PEAK_ERROR: f64 = 0.08;
+/// The levels measured to locate an uncertain peak: this ratio below and above it.
+pub const REFINE_SPAN: f64 = 2.0;
+/// Such a level is measured well enough with this many intervals ...
+pub const REFINE_INTERVALS: u32 = 8;
+/// ... or this relative noise.
+pub const REFINE_NOISE: f64 = 0.08;
+/// A level within this ratio of a level to measure counts as it.
+const NEAR: f64 = 1.25;
+/// The target stays at the level it measures while that level's noise is at least this share
+/// of the noisier one's (no churn between two as noisy).
+const STAY: f64 = 0.8;
 /// At most this many levels are kept (the oldest go first).
 const MAX_LEVELS: usize = 64;
 
@@ -409,12 +432,34 @@ pub struct Knee {
     pub above: Option<Comparison>,
     /// It against the highest level below it (at least [`MIN_RATIO`]).
     pub below: Option<Comparison>,
+    /// Where the throughput peaks, from the levels on both sides of the best one
+    /// ([`KneeMemory::peak`]; `None`: not measured on both sides yet).
+    pub peak: Option<Peak>,
+    /// Whether a level above the best one gave at least [`FALL`] less than it: the throughput
+    /// has a peak to locate (otherwise it stays flat past the best level, which stands).
+    pub falls: bool,
+}
+
+/// The estimated peak of a backend's throughput.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Peak {
+    /// In flight per endpoint.
+    pub at: f64,
+    /// The standard error of its log (relative).
+    pub error: f64,
 }
 
 impl Knee {
-    /// The largest target per endpoint worth having: the best level.
+    /// The largest target per endpoint worth having: the estimated peak, or the best level
+    /// until the levels on both sides of it are measured. The peak is rounded to the whole
+    /// level of the two around it that the fitted parabola gives more: up from beyond their
+    /// geometric mean (the fit is in log in-flight).
     pub fn cap(&self) -> u32 {
-        self.best.in_flight
+        self.peak.map_or(self.best.in_flight, |p| {
+            let floor = p.at.floor().clamp(1.0, f64::from(u32::MAX - 1));
+            let up = p.at >= (floor * (floor + 1.0)).sqrt();
+            floor as u32 + u32::from(up)
+        })
     }
 
     /// Whether there is evidence that more in flight does not pay: a level above that gave no
@@ -435,8 +480,16 @@ impl Knee {
         if let Some(b) = &self.below {
             parts.push(b.describe());
         }
+        let peak = match self.peak {
+            Some(p) if self.cap() != self.best.in_flight => format!(
+                "; its peak, from the levels around it, is at {} per endpoint (±{}%)",
+                round(p.at),
+                round(p.error * 100.0)
+            ),
+            _ => String::new(),
+        };
         format!(
-            "the most throughput is at {} in flight per endpoint ({})",
+            "the most throughput is at {} in flight per endpoint ({}){peak}",
             self.best.in_flight,
             parts.join("; ")
         )
@@ -473,6 +526,13 @@ pub enum Move {
         /// The level.
         to: u32,
         /// The knee it probes.
+        knee: Knee,
+    },
+    /// Stay at this level, one of those around an uncertain peak, to measure it more.
+    Measure {
+        /// The level (the current target).
+        at: u32,
+        /// The knee whose peak it locates.
         knee: Knee,
     },
     /// Return to the best level.
@@ -518,6 +578,14 @@ pub enum Hold {
     },
     /// The target reaches the best level: more in flight gave no more throughput.
     AtKnee(Knee),
+    /// Past its knee, whose peak is still uncertain: the target stays at a level around it
+    /// to measure it.
+    Measuring {
+        /// The level measured.
+        at: u32,
+        /// The knee.
+        knee: Knee,
+    },
 }
 
 impl Hold {
@@ -543,6 +611,10 @@ impl Hold {
                 )
             ),
             Self::AtKnee(knee) => format!("past its knee: {}", knee.evidence()),
+            Self::Measuring { at, knee } => format!(
+                "past its knee, measuring {at} in flight per endpoint to locate its peak: {}",
+                knee.evidence()
+            ),
         }
     }
 }
@@ -566,11 +638,12 @@ pub fn level_of(in_flight: f64) -> Option<u32> {
 }
 
 impl KneeMemory {
-    /// Adds this interval to its level, first forgetting levels older than [`KNEE_MEMORY`].
+    /// Adds this interval to its level, first forgetting levels not measured for longer than
+    /// [`KNEE_MEMORY`].
     pub fn observe(&mut self, obs: Observation) {
         let now = obs.at;
         self.levels
-            .retain(|_, l| elapsed(l.first, now) <= KNEE_MEMORY);
+            .retain(|_, l| elapsed(l.last, now) <= KNEE_MEMORY);
         let Some(key) = level_of(obs.in_flight) else {
             return;
         };
@@ -592,39 +665,166 @@ impl KneeMemory {
 
     /// The knee, when the levels show one.
     pub fn knee(&self) -> Option<Knee> {
-        let max = self.levels.values().max_by(|a, b| {
+        // Only levels that are evidence take part: one noisier than MAX_LEVEL_NOISE could give
+        // the most throughput by luck, and every comparison with it would be untrusted.
+        let evidence = || {
+            self.levels
+                .values()
+                .filter(|l| l.noise(l.by_bytes()) <= MAX_LEVEL_NOISE)
+        };
+        let max = evidence().max_by(|a, b| {
             let bytes = a.by_bytes() && b.by_bytes();
             a.throughput(bytes).total_cmp(&b.throughput(bytes))
         })?;
         // The lowest level that gives as much as the most throughput measured, on sufficient
-        // evidence (flat: the lower level wins; a noisy level wins nothing).
-        let best = self
-            .levels
-            .values()
+        // evidence (flat: the lower level wins).
+        let best = evidence()
             .find(|l| l.in_flight >= max.in_flight || Comparison::of(max, l, self.capacity).tie())
             .unwrap_or(max);
         let far =
             |a: &Level, b: &Level| a.mean_in_flight() >= b.mean_in_flight() * MIN_RATIO - 1e-9;
-        let above = self
-            .levels
-            .range(best.in_flight + 1..)
-            .map(|(_, l)| l)
-            .filter(|l| far(l, best))
+        let above = evidence()
+            .filter(|l| l.in_flight > best.in_flight && far(l, best))
             .map(|l| Comparison::of(l, best, self.capacity))
             .find(Comparison::no_more);
-        let below = self
-            .levels
-            .range(..best.in_flight)
+        let below = evidence()
+            .filter(|l| l.in_flight < best.in_flight)
             .rev()
-            .map(|(_, l)| l)
             .find(|l| far(best, l))
             .map(|l| Comparison::of(best, l, self.capacity));
+        // A curve that falls past the best level has a peak there to locate; one that stays
+        // flat (the knee of a backend that queues what it cannot serve) is held at its lowest
+        // level that gives the most.
+        let falls = evidence()
+            .filter(|l| l.in_flight > best.in_flight)
+            .any(|l| Comparison::of(l, best, self.capacity).gain < 1.0 - FALL);
         let knee = Knee {
             best: *best,
             above,
             below,
+            peak: if falls { self.peak(best) } else { None },
+            falls,
         };
         knee.evident().then_some(knee)
+    }
+
+    /// Where the throughput peaks, estimated from the levels within [`PEAK_SPAN`] of the best
+    /// one that are evidence ([`MAX_LEVEL_NOISE`]), once at least one lies on each side of it:
+    /// the vertex of the parabola fitted to log throughput over log in-flight, each level
+    /// weighted by 1/noise², kept within the levels fitted, with its standard error. Near its
+    /// peak a throughput curve is flat: levels ±25% around it differ by a few percent, less
+    /// than their noise, and the best level measured is as likely one of them as the peak; the
+    /// curvature of the levels on both sides locates it. `None` without a level on each side,
+    /// or when the fit is not concave (no peak between them).
+    pub fn peak(&self, best: &Level) -> Option<Peak> {
+        let around: Vec<&Level> = self
+            .levels
+            .values()
+            .filter(|l| {
+                let r = l.mean_in_flight() / best.mean_in_flight();
+                (1.0 / PEAK_SPAN..=PEAK_SPAN).contains(&r) && l.intervals > 0
+            })
+            .collect();
+        let bytes = around.iter().all(|l| l.by_bytes());
+        let x0 = best.mean_in_flight().ln();
+        let points: Vec<(f64, f64, f64)> = around
+            .iter()
+            .filter(|l| l.noise(bytes) <= MAX_LEVEL_NOISE && l.throughput(bytes) > 0.0)
+            .map(|l| {
+                let n = l.noise(bytes);
+                (
+                    l.mean_in_flight().ln() - x0,
+                    l.throughput(bytes).ln(),
+                    1.0 / (n * n),
+                )
+            })
+            .collect();
+        let xs = || points.iter().map(|p| p.0);
+        let lo = xs().filter(|x| *x < -1e-9).min_by(f64::total_cmp)?;
+        let hi = xs().filter(|x| *x > 1e-9).max_by(f64::total_cmp)?;
+        // Weighted least squares of y = a + b·x + c·x²: the normal equations, whose inverse is
+        // the covariance of (a, b, c).
+        let mut m = [[0.0f64; 3]; 3];
+        let mut v = [0.0f64; 3];
+        for &(x, y, w) in &points {
+            let basis = [1.0, x, x * x];
+            for i in 0..3 {
+                for j in 0..3 {
+                    m[i][j] += w * basis[i] * basis[j];
+                }
+                v[i] += w * basis[i] * y;
+            }
+        }
+        let cov = inverse3(m)?;
+        let [_, b, c] = [0, 1, 2].map(|i| (0..3).map(|j| cov[i][j] * v[j]).sum::<f64>());
+        if c >= 0.0 {
+            return None;
+        }
+        let vertex = -b / (2.0 * c);
+        // The vertex's standard error, to first order in (b, c).
+        let g = [0.0, -1.0 / (2.0 * c), b / (2.0 * c * c)];
+        let var: f64 = (0..3)
+            .flat_map(|i| (0..3).map(move |j| (i, j)))
+            .map(|(i, j)| g[i] * cov[i][j] * g[j])
+            .sum();
+        Some(Peak {
+            at: (x0 + vertex.clamp(lo, hi)).exp(),
+            error: var.max(0.0).sqrt(),
+        })
+    }
+
+    /// The level to measure next while the peak is uncertain (its standard error above
+    /// [`PEAK_ERROR`]): the noisier of the levels [`REFINE_SPAN`]× below and above it (an
+    /// existing level within [`NEAR`] of each counts as it), until each has
+    /// [`REFINE_INTERVALS`] intervals or noise at most [`REFINE_NOISE`]; the current target
+    /// while it is one of them and not much less noisy than the other. `None`: the peak is
+    /// known well enough (or cannot be measured better), the knee's cap stands.
+    fn refine(&self, knee: &Knee, current: u32, (min, top): (u32, u32)) -> Option<u32> {
+        if !knee.falls || knee.peak.is_some_and(|p| p.error <= PEAK_ERROR) {
+            return None;
+        }
+        let centre = knee.peak.map_or(knee.best.mean_in_flight(), |p| p.at);
+        let near = |x: f64| {
+            self.levels
+                .values()
+                .filter(|l| (l.mean_in_flight() / x).ln().abs() <= NEAR.ln())
+                .min_by(|a, b| {
+                    let d = |l: &Level| (l.mean_in_flight() / x).ln().abs();
+                    d(a).total_cmp(&d(b))
+                })
+                .map_or_else(
+                    || {
+                        (x.round().max(0.0).min(f64::from(u32::MAX)) as u32)
+                            .clamp(min, top.max(min))
+                    },
+                    |l| l.in_flight,
+                )
+        };
+        let noise = |k: u32| {
+            self.levels
+                .get(&k)
+                .map_or(f64::INFINITY, |l| l.noise(l.by_bytes()))
+        };
+        let done = |k: u32| {
+            self.levels.get(&k).is_some_and(|l| {
+                l.intervals >= REFINE_INTERVALS || l.noise(l.by_bytes()) <= REFINE_NOISE
+            })
+        };
+        let open: Vec<u32> = [near(centre / REFINE_SPAN), near(centre * REFINE_SPAN)]
+            .into_iter()
+            .filter(|k| (min..=top).contains(k) && *k != knee.best.in_flight && !done(*k))
+            .collect();
+        let noisiest = open
+            .iter()
+            .copied()
+            .max_by(|a, b| noise(*a).total_cmp(&noise(*b)))?;
+        Some(
+            if open.contains(&current) && noise(current) >= STAY * noise(noisiest) {
+                current
+            } else {
+                noisiest
+            },
+        )
     }
 
     /// The largest target per endpoint worth having, when a knee is known.
@@ -673,8 +873,8 @@ impl KneeMemory {
                 .and_then(|l| self.remeasure(l, current, min))
                 .unwrap_or(Move::Free);
         };
-        let best = knee.cap();
-        if wanted < best {
+        let (best, cap) = (knee.best.in_flight, knee.cap());
+        if wanted < cap.min(best) {
             return Move::Free;
         }
         let measured = |l: u32| self.levels.contains_key(&l);
@@ -707,8 +907,13 @@ impl KneeMemory {
             });
             return Move::Probe { to, knee };
         }
-        if current > best {
-            return Move::Back { to: best, knee };
+        match self.refine(&knee, current, (min, wanted.min(upper))) {
+            Some(at) if at == current => return Move::Measure { at, knee },
+            Some(to) => return Move::Probe { to, knee },
+            None => {}
+        }
+        if current > cap {
+            return Move::Back { to: cap, knee };
         }
         Move::Cap(knee)
     }
@@ -744,6 +949,34 @@ impl KneeMemory {
             decisions: 0,
         });
     }
+}
+
+/// The inverse of `m` (its adjugate over its determinant), `None` when `m` is singular.
+fn inverse3(m: [[f64; 3]; 3]) -> Option<[[f64; 3]; 3]> {
+    let minor =
+        |r0: usize, r1: usize, c0: usize, c1: usize| m[r0][c0] * m[r1][c1] - m[r0][c1] * m[r1][c0];
+    let det =
+        m[0][0] * minor(1, 2, 1, 2) - m[0][1] * minor(1, 2, 0, 2) + m[0][2] * minor(1, 2, 0, 1);
+    let scale = m.iter().flatten().fold(0.0f64, |a, x| a.max(x.abs()));
+    if !det.is_finite() || det.abs() <= 1e-12 * scale.powi(3) {
+        return None;
+    }
+    let others = |i: usize| match i {
+        0 => (1, 2),
+        1 => (0, 2),
+        _ => (0, 1),
+    };
+    let mut out = [[0.0; 3]; 3];
+    for (i, row) in out.iter_mut().enumerate() {
+        for (j, x) in row.iter_mut().enumerate() {
+            // The cofactor of m[j][i] (transposed: the adjugate).
+            let (r0, r1) = others(j);
+            let (c0, c1) = others(i);
+            let sign = if (i + j) % 2 == 0 { 1.0 } else { -1.0 };
+            *x = sign * minor(r0, r1, c0, c1) / det;
+        }
+    }
+    Some(out)
 }
 
 #[cfg(test)]

@@ -2,6 +2,8 @@
 //! when its evidence suffices, which level is best and what brackets it, what a step is judged
 //! for, where the guard probes, steps back or holds, and how long levels are kept.
 
+use std::collections::BTreeMap;
+
 use super::*;
 
 /// No declared capacity known: batching may cost anything, a step only needs `rise^0.3`.
@@ -190,7 +192,7 @@ fn a_step_is_judged_while_its_evidence_points_to_a_knee_for_at_most_three_decisi
 }
 
 #[test]
-fn the_guard_probes_the_bracket_then_steps_back_or_holds_at_the_best_level() {
+fn the_guard_probes_the_bracket_then_steps_back_or_holds_at_the_peak() {
     let mut m = KneeMemory::default();
     m.observe(obs(0, 10.0, 1000.0, 400.0));
     m.observe(obs(10, 40.0, 600.0, 400.0));
@@ -220,13 +222,23 @@ fn the_guard_probes_the_bracket_then_steps_back_or_holds_at_the_best_level() {
         Move::Probe { to: 7, .. }
     ));
     m.observe(obs(50, 7.0, 800.0, 400.0));
-    // Every bracket is narrow now: back to 10, and from there, hold.
+    // Every bracket is narrow now. 40, 20 and 14 gave less than 10: the curve falls past it,
+    // and the parabola through the levels within 3× of 10 puts its peak at 12.1 (±4.9%):
+    // grow to 12, back to it from above, and hold there.
+    let knee = m.knee().unwrap();
+    assert!(knee.falls);
+    let peak = knee.peak.unwrap();
+    assert!(
+        (peak.at - 12.14).abs() < 0.01 && (peak.error - 0.049).abs() < 0.001,
+        "{peak:?}"
+    );
+    assert_eq!((knee.best.in_flight, knee.cap()), (10, 12));
     assert!(matches!(m.plan(7, 48, (1, 48), None), Move::Cap(_)));
     assert!(matches!(
         m.plan(14, 48, (1, 48), None),
-        Move::Back { to: 10, .. }
+        Move::Back { to: 12, .. }
     ));
-    assert!(matches!(m.plan(10, 48, (1, 48), None), Move::Cap(_)));
+    assert!(matches!(m.plan(12, 48, (1, 48), None), Move::Cap(_)));
     // Demand below the best level: the law decides.
     assert_eq!(m.plan(14, 9, (1, 48), None), Move::Free);
 }
@@ -245,4 +257,151 @@ fn levels_are_measured_anew_after_ten_minutes() {
     // Too few in flight to be a level.
     m.observe(obs(610, 0.4, 0.0, 0.0));
     assert_eq!(m.levels.len(), 1);
+}
+
+#[test]
+fn a_level_the_target_holds_at_keeps_its_evidence_while_it_is_measured() {
+    let mut m = KneeMemory::default();
+    m.observe(obs(0, 10.0, 1000.0, 400.0));
+    m.observe(obs(10, 20.0, 600.0, 400.0));
+    for t in [300, 590, 700] {
+        m.observe(obs(t, 10.0, 1000.0, 400.0));
+    }
+    // 20 was last measured 690 s ago, 10 just now.
+    assert_eq!(m.levels.keys().copied().collect::<Vec<_>>(), [10]);
+    assert_eq!(m.levels[&10].intervals, 4);
+}
+
+/// Throughput per endpoint of a backend whose batch thrashes, peaking at `peak` in flight with
+/// 1000 B/s: symmetric in log in-flight around the peak, as modelsim's law is.
+fn thrashing(c: f64, peak: f64) -> f64 {
+    let x = c / peak;
+    2000.0 * x / (1.0 + x * x)
+}
+
+#[test]
+fn the_peak_of_a_backend_that_thrashes_is_located_from_the_levels_on_both_sides() {
+    let mut m = KneeMemory::default();
+    for (i, c) in [2.0, 3.0, 5.0, 8.0, 12.0, 16.0].into_iter().enumerate() {
+        m.observe(obs(i as i64 * 10, c, thrashing(c, 7.0), 2500.0));
+    }
+    let knee = m.knee().expect("16 gave less than 5 and 8");
+    // 5 and 8 tie within their noise (946 and 991 B/s, ±2% each): the lower is the best level;
+    // 16 gave 22% less than it: the curve falls.
+    assert_eq!(knee.best.in_flight, 5);
+    assert!(knee.falls);
+    let peak = knee.peak.expect("levels on both sides of 5");
+    assert!((peak.at - 7.0).abs() < 0.35, "{peak:?}");
+    assert!(peak.error < PEAK_ERROR, "{peak:?}");
+    assert_eq!(knee.cap(), 7);
+    assert!(
+        knee.evidence().ends_with(&format!(
+            "; its peak, from the levels around it, is at {} per endpoint (±{}%)",
+            round(peak.at),
+            round(peak.error * 100.0)
+        )),
+        "{}",
+        knee.evidence()
+    );
+    // The target holds at the peak, not at the best level measured (after probing the bracket
+    // [5, 8] at its middle, 6, which moves the peak by less than it rounds to).
+    let (end, visits) = settle(&mut m, 16, 60, |c| obs(0, c, thrashing(c, 7.0), 2500.0));
+    assert_eq!(end, 7, "{visits:?}");
+}
+
+/// Follows the guard's moves from `current` for at most `decisions` intervals (each observed
+/// by `interval` at its in-flight, 10 s after the last) while demand wants 40: where the target
+/// ends once the guard caps it (at the cap), and how often each level was visited.
+fn settle(
+    m: &mut KneeMemory,
+    mut current: u32,
+    decisions: u32,
+    interval: impl Fn(f64) -> Observation,
+) -> (u32, BTreeMap<u32, u32>) {
+    let mut visits = BTreeMap::new();
+    let mut t = m.levels.values().map(|l| l.last).max().unwrap_or(at(0));
+    for _ in 0..decisions {
+        t = Timestamp::from_second(t.as_second() + 10).unwrap();
+        m.observe(Observation {
+            at: t,
+            ..interval(f64::from(current))
+        });
+        *visits.entry(current).or_insert(0) += 1;
+        match m.plan(current, 40, (1, 40), Some(current)) {
+            Move::Measure { at, .. } => assert_eq!(at, current),
+            Move::Judging { .. } => {}
+            Move::Probe { to, .. } | Move::Back { to, .. } => current = to,
+            Move::Cap(k) if k.cap() == current => return (current, visits),
+            Move::Cap(k) => current = k.cap(),
+            other => panic!("{other:?} after {visits:?}"),
+        }
+    }
+    panic!("not capped in {decisions} decisions: {visits:?}")
+}
+
+#[test]
+fn a_backend_that_stays_flat_past_its_knee_is_held_at_the_lowest_level_that_gives_the_most() {
+    let mut m = KneeMemory::default();
+    for (i, (c, b)) in [(5.0, 500.0), (10.0, 1000.0), (15.0, 1010.0), (24.0, 1000.0)]
+        .into_iter()
+        .enumerate()
+    {
+        m.observe(obs(i as i64 * 10, c, b, 2500.0));
+    }
+    let knee = m.knee().expect("15 and 24 gave no more than 10");
+    assert!(!knee.falls, "no level gave 10% less than 10");
+    assert_eq!((knee.best.in_flight, knee.peak, knee.cap()), (10, None, 10));
+}
+
+#[test]
+fn a_lucky_interval_on_a_noisy_level_is_no_evidence() {
+    let mut m = KneeMemory::default();
+    m.observe(obs(0, 10.0, 1000.0, 400.0));
+    // 9 calls: noise 1/√9 = 33%, more than 25%.
+    m.observe(obs(10, 14.0, 2000.0, 9.0));
+    m.observe(obs(20, 20.0, 700.0, 400.0));
+    let knee = m.knee().expect("20 gave less than 10");
+    assert_eq!(
+        knee.best.in_flight, 10,
+        "14's one lucky interval counts for nothing"
+    );
+    assert_eq!(
+        knee.above.map(|a| (a.higher.in_flight, a.effect)),
+        Some((20, Effect::Worse))
+    );
+}
+
+#[test]
+fn an_uncertain_peak_is_measured_at_the_levels_around_it_then_held() {
+    let mut m = KneeMemory::default();
+    // Few calls per interval: the levels around the best one are noisy, and so is the peak.
+    let mut t = 0;
+    let mut at = |m: &mut KneeMemory, c: f64| {
+        t += 10;
+        m.observe(obs(t, c, thrashing(c, 8.0), 30.0));
+    };
+    for c in [4.0, 8.0, 8.0, 8.0, 16.0, 32.0] {
+        at(&mut m, c);
+    }
+    let knee = m.knee().expect("16 and 32 gave less");
+    assert!(knee.falls);
+    assert!(knee.peak.is_none_or(|p| p.error > PEAK_ERROR), "{knee:?}");
+    // The levels around the peak are measured (the noisier of those 2× below and above it,
+    // staying there while it is the noisier) until each has 8 intervals or the peak is known,
+    // then the target holds at the peak.
+    let (current, visits) = settle(&mut m, 8, 60, |c| obs(0, c, thrashing(c, 8.0), 30.0));
+    assert!(
+        visits.values().any(|v| *v > 1),
+        "a level was measured over several intervals: {visits:?}"
+    );
+    let knee = m.knee().unwrap();
+    assert!(
+        visits.values().all(|v| *v <= REFINE_INTERVALS),
+        "each level around the peak measured at most {REFINE_INTERVALS} times: {visits:?}"
+    );
+    assert_eq!(knee.cap(), current, "{visits:?}");
+    assert!(
+        (6..=10).contains(&current),
+        "held near 8: {current}, {knee:?}"
+    );
 }
