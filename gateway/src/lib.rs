@@ -29,6 +29,7 @@
 //! | `live` | the limits in force, applied in place; `/v1/stats` and the scrape's gauges |
 //! | [`observe`] | metrics, label values, incident signals, the access log, logs |
 //! | `admin` | the admin API on its own port: routes, listener, token, TLS |
+//! | `pem` | the one PEM parser: certificate chains and private keys (admin and upstream TLS) |
 //! | [`config`], [`reload`], [`validate`] | the gateway's config, the files it follows, `poolpilot-gateway validate` |
 //!
 //! Every failure of a request is typed and becomes a response in one place: `proxy/error.rs`.
@@ -39,6 +40,7 @@ mod limits;
 pub mod listen;
 mod live;
 pub mod observe;
+mod pem;
 pub mod pool;
 mod proxy;
 pub mod reload;

@@ -27,8 +27,7 @@ use http::HeaderValue;
 use poolpilot_api::limits::{Endpoint as DocEndpoint, EndpointAddress, EndpointTls};
 use poolpilot_tls::provider;
 use rustls::client::Resumption;
-use rustls::pki_types::pem::PemObject as _;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, ServerName};
 use rustls::{ClientConfig, HandshakeKind, RootCertStore};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -37,6 +36,7 @@ use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
 use crate::observe::{Metrics, TlsFailure, TlsHandshake};
+use crate::pem::{self, PemError};
 
 /// Sessions kept per endpoint configuration for resumption.
 const SESSION_CACHE: usize = 256;
@@ -54,12 +54,13 @@ pub enum TlsError {
         source: io::Error,
     },
     /// A PEM file holds nothing usable.
-    #[error("{path} holds no usable PEM {what}")]
+    #[error("{path}: {source}")]
     Pem {
         /// The file.
         path: PathBuf,
-        /// What it should hold.
-        what: &'static str,
+        /// What is wrong with it.
+        #[source]
+        source: PemError,
     },
     /// The server name is not a DNS name or an IP address.
     #[error("{0:?} is not a valid TLS server name")]
@@ -171,11 +172,10 @@ impl TlsClient {
             Some(c) => {
                 let i = usize::from(tls.ca_file.is_some());
                 let chain = certificates(&c.cert_file, &contents[i])?;
-                let key =
-                    PrivateKeyDer::from_pem_slice(&contents[i + 1]).map_err(|_| TlsError::Pem {
-                        path: c.key_file.clone(),
-                        what: "private key (PKCS#8, PKCS#1 or SEC1)",
-                    })?;
+                let key = pem::private_key(&contents[i + 1]).map_err(|source| TlsError::Pem {
+                    path: c.key_file.clone(),
+                    source,
+                })?;
                 builder
                     .with_client_auth_cert(chain, key)
                     .map_err(TlsError::Config)?
@@ -318,19 +318,12 @@ fn read_files(tls: &EndpointTls) -> Result<(Vec<Vec<u8>>, [u8; 32]), TlsError> {
     Ok((contents, digest.finalize().into()))
 }
 
-/// The PEM certificates of a file's `pem` (at least one).
-fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let bad = || TlsError::Pem {
+/// The PEM certificates of the file at `path`, its contents `text` (at least one).
+fn certificates(path: &Path, text: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    pem::certificates(text).map_err(|source| TlsError::Pem {
         path: path.to_owned(),
-        what: "certificate",
-    };
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|_| bad())?;
-    if certs.is_empty() {
-        return Err(bad());
-    }
-    Ok(certs)
+        source,
+    })
 }
 
 /// The system's roots (`SSL_CERT_FILE` / `SSL_CERT_DIR`, else the distribution's bundle), read
