@@ -7,7 +7,8 @@
 //!   its IP), which also goes out as SNI. There is no switch to turn it off, and a failed
 //!   verification fails the connection ([`TlsError::Verification`], a 502 naming the cause):
 //!   nothing ever falls back to plain text.
-//! - **mTLS**: the client certificate and key of `clientCertificate`, offered when asked.
+//! - **mTLS**: the client certificate and key of `clientCertificate`, offered when asked; its
+//!   `notAfter` is read (x509-parser) for the expiry gauge of the backend.
 //! - **ALPN** `http/1.1`: the connection carries HTTP/1.1, and a server that speaks HTTP/1.1
 //!   only is not made to guess.
 //! - **Resumption**: one in-memory session cache per endpoint's configuration
@@ -122,6 +123,9 @@ pub struct TlsClient {
     name: String,
     server_name: ServerName<'static>,
     authority: Option<HeaderValue>,
+    /// The client certificate's `notAfter`, unix seconds (none: no client certificate, or one
+    /// whose validity could not be read).
+    client_expiry: Option<i64>,
     connector: TlsConnector,
     backend: Arc<str>,
     metrics: Metrics,
@@ -168,10 +172,15 @@ impl TlsClient {
             .with_safe_default_protocol_versions()
             .map_err(TlsError::Config)?
             .with_root_certificates(roots);
+        let mut client_expiry = None;
         let mut config = match &tls.client_certificate {
             Some(c) => {
                 let i = usize::from(tls.ca_file.is_some());
                 let chain = certificates(&c.cert_file, &contents[i])?;
+                client_expiry = not_after(&chain[0]);
+                if client_expiry.is_none() {
+                    tracing::warn!(%backend, cert = %c.cert_file.display(), "the client certificate's validity could not be read; its expiry is not exported");
+                }
                 let key = pem::private_key(&contents[i + 1]).map_err(|source| TlsError::Pem {
                     path: c.key_file.clone(),
                     source,
@@ -203,6 +212,7 @@ impl TlsClient {
             name,
             server_name,
             authority,
+            client_expiry,
             connector: TlsConnector::from(Arc::new(config)),
             backend: backend.clone(),
             metrics: metrics.clone(),
@@ -220,6 +230,11 @@ impl TlsClient {
     /// The name the server's certificate is checked for.
     pub fn server_name(&self) -> &str {
         &self.name
+    }
+
+    /// When the client certificate expires (its `notAfter`, unix seconds), if one is offered.
+    pub fn client_cert_expiry(&self) -> Option<i64> {
+        self.client_expiry
     }
 
     /// The `Host` of calls through this client: the server name (with the port unless 443)
@@ -324,6 +339,12 @@ fn certificates(path: &Path, text: &[u8]) -> Result<Vec<CertificateDer<'static>>
         path: path.to_owned(),
         source,
     })
+}
+
+/// The `notAfter` of a DER certificate, unix seconds.
+fn not_after(cert: &CertificateDer<'_>) -> Option<i64> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    Some(parsed.validity().not_after.timestamp())
 }
 
 /// The system's roots (`SSL_CERT_FILE` / `SSL_CERT_DIR`, else the distribution's bundle), read
