@@ -23,7 +23,7 @@
 //! | [`listen`] | the client-facing listener: accept, caps, HTTP/1 and h2 connections, parking, deadlines' cuts, drain |
 //! | `proxy` | one proxied call, phase by phase (`proxy/pipeline.rs`), and the one place failures become responses |
 //! | [`pool`] | the per-backend connection pool: cap, waiters, idle reuse, endpoint choice, health |
-//! | `upstream` | HTTP/1.1 connections to backends, plain or TLS (`upstream/tls.rs`), the pooled unit |
+//! | `upstream` | connections to backends, the pooled unit: HTTP/1.1, or stream slots of HTTP/2 ones (`upstream/h2.rs`), plain or TLS (`upstream/tls.rs`) |
 //! | `limits` | per-client limiter, the waiter queue, the pod-wide upstream share, the memory of refusals |
 //! | `tokens` | model tokens: a call's estimate, its response's usage, the clients' token budgets, OpenAI's rate-limit headers |
 //! | `live` | the limits in force, applied in place; `/v1/stats` and the scrape's gauges |

@@ -9,8 +9,9 @@
 //!   nothing ever falls back to plain text.
 //! - **mTLS**: the client certificate and key of `clientCertificate`, offered when asked; its
 //!   `notAfter` is read (x509-parser) for the expiry gauge of the backend.
-//! - **ALPN** `http/1.1`: the connection carries HTTP/1.1, and a server that speaks HTTP/1.1
-//!   only is not made to guess.
+//! - **ALPN** as the backend's `protocol` says: `http/1.1` alone (the default: a server that
+//!   speaks HTTP/1.1 only is not made to guess), `h2` then `http/1.1` (`auto`: the server
+//!   picks), or `h2` alone (`http2`).
 //! - **Resumption**: one in-memory session cache per endpoint's configuration
 //!   (rustls's `ClientSessionMemoryCache`, tickets and TLS 1.2 session IDs), kept for as long
 //!   as the configuration stays the same, so that a reconnect skips the full handshake.
@@ -25,7 +26,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use http::HeaderValue;
-use poolpilot_api::limits::{Endpoint as DocEndpoint, EndpointAddress, EndpointTls};
+use poolpilot_api::limits::{
+    Endpoint as DocEndpoint, EndpointAddress, EndpointTls, UpstreamProtocol,
+};
 use poolpilot_tls::provider;
 use rustls::client::Resumption;
 use rustls::pki_types::{CertificateDer, ServerName};
@@ -118,6 +121,7 @@ impl TlsError {
 pub struct TlsClient {
     /// What it was built from, to tell whether a new document or a file changed it.
     settings: EndpointTls,
+    protocol: UpstreamProtocol,
     default_name: String,
     files: [u8; 32],
     name: String,
@@ -141,10 +145,12 @@ impl std::fmt::Debug for TlsClient {
 }
 
 impl TlsClient {
-    /// The client of `endpoint`'s `tls` (none: plain), for `backend`'s metrics.
+    /// The client of `endpoint`'s `tls` (none: plain), for `backend`'s metrics, offering by
+    /// ALPN what `protocol` allows.
     pub fn load(
         backend: &Arc<str>,
         endpoint: &DocEndpoint,
+        protocol: UpstreamProtocol,
         metrics: &Metrics,
     ) -> Result<Option<Self>, TlsError> {
         let Some(tls) = &endpoint.tls else {
@@ -191,7 +197,11 @@ impl TlsClient {
             }
             None => builder.with_no_client_auth(),
         };
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        config.alpn_protocols = match protocol {
+            UpstreamProtocol::Http1 => vec![b"http/1.1".to_vec()],
+            UpstreamProtocol::Auto => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+            UpstreamProtocol::Http2 => vec![b"h2".to_vec()],
+        };
         config.resumption = Resumption::in_memory_sessions(SESSION_CACHE);
         let authority = match &server_name {
             ServerName::DnsName(_) => {
@@ -207,6 +217,7 @@ impl TlsClient {
         };
         Ok(Some(Self {
             settings: tls.clone(),
+            protocol,
             default_name,
             files,
             name,
@@ -219,10 +230,12 @@ impl TlsClient {
         }))
     }
 
-    /// Whether this client is still the one `endpoint` asks for: the same settings and name,
-    /// and files with the same content (a rotated Secret makes it stale).
-    pub fn is_current(&self, endpoint: &DocEndpoint) -> bool {
+    /// Whether this client is still the one `endpoint` of a `protocol` backend asks for: the
+    /// same settings, name and ALPN, and files with the same content (a rotated Secret makes it
+    /// stale).
+    pub fn is_current(&self, endpoint: &DocEndpoint, protocol: UpstreamProtocol) -> bool {
         endpoint.tls.as_ref() == Some(&self.settings)
+            && protocol == self.protocol
             && default_name(&endpoint.address) == self.default_name
             && read_files(&self.settings).is_ok_and(|(_, digest)| digest == self.files)
     }

@@ -100,7 +100,8 @@ pub struct TlsSeen {
 }
 
 /// A TLS model server: answers every request 200 with a small JSON body, `Connection: close`
-/// when `close` (every call then takes a new connection).
+/// when `close` (every call then takes a new connection); HTTP/2 when the client's ALPN offers
+/// it, else HTTP/1.1.
 pub struct TlsBackend {
     pub addr: SocketAddr,
     pub seen: Arc<TlsSeen>,
@@ -167,6 +168,7 @@ impl TlsBackend {
                     let Ok(tls) = acceptor.accept(tcp).await else {
                         return;
                     };
+                    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
                     {
                         let (_, conn) = tls.get_ref();
                         let mut conns = seen.conns.lock();
@@ -182,7 +184,14 @@ impl TlsBackend {
                     let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                         let seen = seen.clone();
                         async move {
-                            seen.requests.lock().push(req.headers().clone());
+                            let mut headers = req.headers().clone();
+                            // HTTP/2 names the authority in the request's URI.
+                            if let Some(authority) = req.uri().authority()
+                                && !headers.contains_key("host")
+                            {
+                                headers.insert("host", authority.as_str().parse().unwrap());
+                            }
+                            seen.requests.lock().push(headers);
                             let _ = req.into_body().collect().await;
                             let (status, headers) =
                                 seen.answers.lock().pop_front().unwrap_or((200, Vec::new()));
@@ -202,9 +211,17 @@ impl TlsBackend {
                             )
                         }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
+                    if h2 {
+                        let _ = hyper::server::conn::http2::Builder::new(
+                            hyper_util::rt::TokioExecutor::new(),
+                        )
                         .serve_connection(TokioIo::new(tls), service)
                         .await;
+                    } else {
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(tls), service)
+                            .await;
+                    }
                 });
             }
         });
