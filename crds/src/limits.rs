@@ -14,7 +14,9 @@ use sha2::{Digest, Sha256};
 use crate::Duration;
 
 mod upstream;
-pub use upstream::{ClientCertificate, CredentialScheme, Credentials, EndpointTls};
+pub use upstream::{
+    ClientCertificate, CredentialScheme, Credentials, EndpointTls, UpstreamProtocol,
+};
 
 /// The largest generation a document may carry: 2^53 − 1, the largest integer every JSON reader
 /// keeps exactly (JavaScript, Go's `interface{}`, kubectl's JSONPath). Far beyond any count of
@@ -218,6 +220,9 @@ pub struct BackendLimits {
     /// the client's headers go through as they came).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials: Option<Credentials>,
+    /// The HTTP version of calls to its endpoints (default `http1`).
+    #[serde(default, skip_serializing_if = "UpstreamProtocol::is_default")]
+    pub protocol: UpstreamProtocol,
 }
 
 /// A request matches when every condition given here holds; an empty match takes everything.

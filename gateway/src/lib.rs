@@ -23,12 +23,13 @@
 //! | [`listen`] | the client-facing listener: accept, caps, HTTP/1 and h2 connections, parking, deadlines' cuts, drain |
 //! | `proxy` | one proxied call, phase by phase (`proxy/pipeline.rs`), and the one place failures become responses |
 //! | [`pool`] | the per-backend connection pool: cap, waiters, idle reuse, endpoint choice, health |
-//! | `upstream` | HTTP/1.1 connections to backends, plain or TLS (`upstream/tls.rs`), the pooled unit |
+//! | `upstream` | connections to backends, the pooled unit: HTTP/1.1, or stream slots of HTTP/2 ones (`upstream/h2.rs`), plain or TLS (`upstream/tls.rs`) |
 //! | `limits` | per-client limiter, the waiter queue, the pod-wide upstream share, the memory of refusals |
 //! | `tokens` | model tokens: a call's estimate, its response's usage, the clients' token budgets, OpenAI's rate-limit headers |
 //! | `live` | the limits in force, applied in place; `/v1/stats` and the scrape's gauges |
 //! | [`observe`] | metrics, label values, incident signals, the access log, logs |
 //! | `admin` | the admin API on its own port: routes, listener, token, TLS |
+//! | `pem` | the one PEM parser: certificate chains and private keys (admin and upstream TLS) |
 //! | [`config`], [`reload`], [`validate`] | the gateway's config, the files it follows, `poolpilot-gateway validate` |
 //!
 //! Every failure of a request is typed and becomes a response in one place: `proxy/error.rs`.
@@ -39,6 +40,7 @@ mod limits;
 pub mod listen;
 mod live;
 pub mod observe;
+mod pem;
 pub mod pool;
 mod proxy;
 pub mod reload;

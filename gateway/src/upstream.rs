@@ -1,15 +1,19 @@
-//! Upstream connections: HTTP/1.1 client connections to backend endpoints (hyper's low-level
-//! `client::conn`), in plain text or over TLS ([`tls`]: verified, resumed, never downgraded),
-//! the pooled unit of [`crate::pool`]. Each backend has its own connector, which knows which of
-//! its addresses take TLS and with which client (set from the backend's endpoints whenever they
-//! or their addresses change).
+//! Upstream connections: HTTP/1.1 and HTTP/2 client connections to backend endpoints (hyper's
+//! low-level `client::conn`), in plain text or over TLS ([`tls`]: verified, resumed, never
+//! downgraded), the pooled unit of [`crate::pool`]: an HTTP/1.1 connection, or a stream slot on
+//! an HTTP/2 one ([`h2`]: streams before connections, the server's limit and `GOAWAY` obeyed).
+//! Each backend has its own connector, which knows which of its addresses take TLS and with
+//! which client (set from the backend's endpoints whenever they or their addresses change), and
+//! which HTTP version its calls go out in (the backend's `protocol`: HTTP/2 by ALPN or by
+//! prior knowledge).
 //!
-//! A connection's IO is driven by whoever holds it, inside that task: the proxied call that
-//! leased it drives it while it sends, waits for the head and streams the body (no task of its
-//! own, so no hand-off through a channel and a wake-up between tasks for each request and
+//! An HTTP/1.1 connection's IO is driven by whoever holds it, inside that task: the proxied call
+//! that leased it drives it while it sends, waits for the head and streams the body (no task of
+//! its own, so no hand-off through a channel and a wake-up between tasks for each request and
 //! response); the pool drives it (with a no-op waker, no syscall unless the socket became
 //! readable) when it checks whether an idle connection is still open, which is how a backend
-//! closing an idle connection is noticed.
+//! closing an idle connection is noticed. An HTTP/2 connection, shared by many calls, has a task
+//! of its own.
 //!
 //! Closing is a handshake: the gateway's FIN, then whatever the backend still sends is read
 //! and dropped until the backend closes its side, so the pool knows when the backend has let
@@ -18,50 +22,58 @@
 //! Dead connections are found before a request is sent on them: TCP keepalive probes an idle
 //! connection (a peer or middlebox that dropped it silently answers none, and the kernel resets
 //! the socket), and the check before reusing a connection idle longer than `validateAfterIdle`
-//! asks the kernel (a non-blocking `MSG_PEEK`) whether the peer sent a FIN or a reset, instead of
-//! trusting what the runtime last saw. The socket is shared for that between hyper, which reads
-//! and writes it, and the connection. Over TLS the peek sees records, not the response: a FIN
-//! or a reset still condemns the connection, bytes do not (a session ticket or a key update
-//! the connection has not read yet); a `close_notify` is read by the connection itself and
-//! ends it.
+//! asks the kernel (a non-blocking `MSG_PEEK`, [`transport`]) whether the peer sent a FIN or a
+//! reset, instead of trusting what the runtime last saw. Over TLS the peek sees records, not the
+//! response: a FIN or a reset still condemns the connection, bytes do not (a session ticket or a
+//! key update the connection has not read yet); a `close_notify` is read by the connection
+//! itself and ends it.
 
+use std::collections::HashMap;
 use std::future::{Future, poll_fn};
 use std::io;
-use std::mem::MaybeUninit;
 use std::net::{Shutdown, SocketAddr};
 use std::pin::{Pin, pin};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll, Waker, ready};
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
-
-use std::collections::HashMap;
 
 use http::{HeaderValue, Request, Response, header};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use parking_lot::RwLock;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
+use poolpilot_api::limits::UpstreamProtocol;
+use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
-use tokio_rustls::client::TlsStream;
 
+use self::h2::{H2Conn, H2Conns, H2Stream, Opened};
 use crate::pool::{Connect, Poolable};
 use crate::proxy::body::RequestBody;
+use transport::{SharedStream, Socket, Transport};
 
+mod frames;
+mod h2;
+mod send_error;
 pub mod tls;
+mod transport;
 
+pub use send_error::SendError;
 pub use tls::{TlsClient, TlsError};
+pub use transport::{Peek, peek};
 
-/// Opens HTTP/1.1 connections, in plain text or over TLS as the address asks, with TCP
-/// keepalive when configured. Clones share the addresses' TLS clients.
+/// Opens upstream connections, in plain text or over TLS as the address asks, HTTP/1.1 or
+/// HTTP/2 as the backend's protocol and the server's ALPN answer say, with TCP keepalive when
+/// configured. Clones share the addresses' TLS clients and the HTTP/2 connections.
 #[derive(Clone, Debug, Default)]
 pub struct HttpConnector {
     /// Keepalive of every connection opened; `None`: off.
     pub keepalive: Option<Keepalive>,
     /// The TLS client of each address that takes TLS; the others are plain.
     tls: Arc<RwLock<HashMap<SocketAddr, Arc<TlsClient>>>>,
+    protocol: Arc<RwLock<UpstreamProtocol>>,
+    h2: Arc<H2Conns>,
 }
 
 impl HttpConnector {
@@ -69,21 +81,28 @@ impl HttpConnector {
     pub fn new(keepalive: Option<Keepalive>) -> Self {
         Self {
             keepalive,
-            tls: Arc::default(),
+            ..Self::default()
         }
     }
 
     /// A connector with the same settings and no TLS addresses yet, for one backend.
     pub fn for_backend(&self) -> Self {
-        Self {
-            keepalive: self.keepalive,
-            tls: Arc::default(),
-        }
+        Self::new(self.keepalive)
     }
 
     /// Sets which addresses take TLS, with which client: from the next connection on.
     pub fn set_tls(&self, clients: HashMap<SocketAddr, Arc<TlsClient>>) {
         *self.tls.write() = clients;
+    }
+
+    /// Sets the HTTP version of new connections (the backend's `protocol`).
+    pub fn set_protocol(&self, protocol: UpstreamProtocol) {
+        *self.protocol.write() = protocol;
+    }
+
+    /// The HTTP version of new connections.
+    pub fn protocol(&self) -> UpstreamProtocol {
+        *self.protocol.read()
     }
 
     /// The TLS client of `addr`, if it takes TLS.
@@ -100,6 +119,62 @@ impl HttpConnector {
             keepalive.apply(&stream)?;
         }
         Ok(stream)
+    }
+
+    /// A new connection to `addr`, its TLS handshake done: the transport, the socket, the
+    /// `Host` over TLS, and whether it speaks HTTP/2 (ALPN's answer, or prior knowledge).
+    async fn transport(
+        &self,
+        addr: SocketAddr,
+        client: Option<&TlsClient>,
+        protocol: UpstreamProtocol,
+    ) -> io::Result<(Transport, Arc<Socket>, Option<HeaderValue>, bool)> {
+        let socket = Socket::new(self.tcp(addr).await?);
+        let Some(client) = client else {
+            let h2 = protocol == UpstreamProtocol::Http2;
+            return Ok((Transport::plain(socket.clone()), socket, None, h2));
+        };
+        let tls = client
+            .handshake(SharedStream(socket.clone()))
+            .await
+            .map_err(io::Error::other)?;
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        if protocol == UpstreamProtocol::Http2 && !h2 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the server did not agree to HTTP/2 by ALPN",
+            ));
+        }
+        let authority = client.authority().cloned();
+        Ok((Transport::tls(tls, socket.clone()), socket, authority, h2))
+    }
+
+    /// Opens one connection: HTTP/2 (`Ok`) or HTTP/1.1 (`Err`), as the server speaks.
+    async fn open(
+        &self,
+        addr: SocketAddr,
+        client: Option<Arc<TlsClient>>,
+        protocol: UpstreamProtocol,
+    ) -> io::Result<Result<Arc<H2Conn>, UpstreamConn>> {
+        let (transport, socket, authority, h2) =
+            self.transport(addr, client.as_deref(), protocol).await?;
+        if h2 {
+            return H2Conn::open(transport, addr, authority).await.map(Ok);
+        }
+        let tls = transport.is_tls();
+        let (sender, driver) = http1::Builder::new()
+            .handshake(TokioIo::new(transport))
+            .await
+            .map_err(io::Error::other)?;
+        Ok(Err(UpstreamConn(Conn::H1(H1Conn {
+            sender,
+            driver: Some(Box::pin(driver)),
+            addr,
+            opened: Instant::now(),
+            stream: socket,
+            authority,
+            tls,
+        }))))
     }
 }
 
@@ -127,191 +202,53 @@ impl Keepalive {
 
 type Driver = http1::Connection<TokioIo<Transport>, RequestBody>;
 
-/// The upstream socket and the bytes of responses read from it so far (whether a response
-/// began to arrive: over TLS, the plain text only, so that a `close_notify` or a ticket is no
-/// answer).
+/// What the pool leases: an HTTP/1.1 connection, or a stream slot on an HTTP/2 one.
 #[derive(Debug)]
-struct Socket {
-    tcp: TcpStream,
-    read: AtomicU64,
-}
+pub struct UpstreamConn(Conn);
 
-/// What hyper reads and writes: the shared socket itself, or TLS over it. Counts the bytes of
-/// responses read.
 #[derive(Debug)]
-enum Transport {
-    Plain(SharedStream),
-    Tls(Box<TlsStream<SharedStream>>, Arc<Socket>),
+enum Conn {
+    H1(H1Conn),
+    /// A slot, and whether its connection was open before it (no new connection for it).
+    H2(H2Stream, bool),
 }
 
-impl Transport {
-    fn socket(&self) -> &Arc<Socket> {
-        match self {
-            Self::Plain(s) => &s.0,
-            Self::Tls(_, socket) => socket,
-        }
-    }
-}
-
-impl AsyncRead for Transport {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let result = match &mut *self {
-            Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        };
-        let read = buf.filled().len() - before;
-        if read > 0 {
-            self.socket().read.fetch_add(read as u64, Ordering::Relaxed);
-        }
-        result
-    }
-}
-
-impl AsyncWrite for Transport {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match &mut *self {
-            Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_write(cx, buf),
+impl UpstreamConn {
+    /// HTTP/1.1: moves the connection's IO as far as it can go now (writes the queued request,
+    /// reads the response, hands both over); `cx` is woken when it can go further. HTTP/2: the
+    /// connection's own task does that. Returns whether the connection is still open.
+    pub fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        match &mut self.0 {
+            Conn::H1(c) => c.drive(cx),
+            Conn::H2(s, _) => s.is_open(),
         }
     }
 
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match &mut *self {
-            Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+    /// Waits until the connection can take a request.
+    pub async fn ready(&mut self) -> hyper::Result<()> {
+        match &mut self.0 {
+            Conn::H1(c) => c.ready().await,
+            Conn::H2(s, _) => s.ready().await,
         }
     }
 
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            Self::Plain(s) => s.is_write_vectored(),
-            Self::Tls(s, _) => s.is_write_vectored(),
+    /// Sends `req` and waits for the response head. A request that was not written comes back
+    /// in the error; one that was (maybe in part) says whether the backend let it go unanswered
+    /// (a connection closed before any byte of a response, an HTTP/2 stream refused).
+    pub async fn send(
+        &mut self,
+        req: Request<RequestBody>,
+    ) -> Result<Response<Incoming>, SendError> {
+        match &mut self.0 {
+            Conn::H1(c) => c.send(req).await,
+            Conn::H2(s, _) => s.send(req).await,
         }
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut *self {
-            Self::Plain(s) => Pin::new(s).poll_flush(cx),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    /// Plain: the write side's FIN. TLS: a `close_notify`, then the FIN.
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut *self {
-            Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
-
-/// The upstream socket, shared by hyper (which reads and writes it through this) and the
-/// connection's own checks.
-#[derive(Debug)]
-struct SharedStream(Arc<Socket>);
-
-impl AsyncRead for SharedStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        loop {
-            ready!(self.0.tcp.poll_read_ready(cx))?;
-            // Into the buffer's uninitialised part as it is (hyper's read buffer is large and
-            // fresh on every read: zeroing it first would cost a memset per read).
-            match self.0.tcp.try_read_buf(buf) {
-                Ok(_) => return Poll::Ready(Ok(())),
-                // Readiness was stale (try_read cleared it): wait again.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-        }
-    }
-}
-
-impl AsyncWrite for SharedStream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        loop {
-            ready!(self.0.tcp.poll_write_ready(cx))?;
-            match self.0.tcp.try_write(buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                result => return Poll::Ready(result),
-            }
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        loop {
-            ready!(self.0.tcp.poll_write_ready(cx))?;
-            match self.0.tcp.try_write_vectored(bufs) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                result => return Poll::Ready(result),
-            }
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        true
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(socket2::SockRef::from(&self.0.tcp).shutdown(Shutdown::Write))
-    }
-}
-
-/// What the kernel says of an idle connection's socket, without waiting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Peek {
-    /// Nothing to read: the peer has not closed it.
-    Quiet,
-    /// The peer closed its side (FIN).
-    Closed,
-    /// The connection was reset, or failed.
-    Failed,
-    /// The peer sent bytes nobody asked for: the connection cannot carry a request.
-    Unexpected,
-}
-
-/// Asks the kernel (a non-blocking `MSG_PEEK` of one byte) what an idle socket holds.
-pub fn peek(stream: &TcpStream) -> Peek {
-    let mut byte = [MaybeUninit::<u8>::uninit(); 1];
-    match socket2::SockRef::from(stream).peek(&mut byte) {
-        Ok(0) => Peek::Closed,
-        Ok(_) => Peek::Unexpected,
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Peek::Quiet,
-        Err(_) => Peek::Failed,
     }
 }
 
 /// One HTTP/1.1 connection to an endpoint: the request handle and the connection's IO state
-/// machine, driven by [`UpstreamConn::drive`].
-pub struct UpstreamConn {
+/// machine, driven by [`H1Conn::drive`].
+struct H1Conn {
     sender: http1::SendRequest<RequestBody>,
     /// `None` once the connection ended (closed by either side, or failed).
     driver: Option<Pin<Box<Driver>>>,
@@ -324,9 +261,9 @@ pub struct UpstreamConn {
     tls: bool,
 }
 
-impl std::fmt::Debug for UpstreamConn {
+impl std::fmt::Debug for H1Conn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UpstreamConn")
+        f.debug_struct("H1Conn")
             .field("addr", &self.addr)
             .field("tls", &self.tls)
             .field("open", &self.driver.is_some())
@@ -334,11 +271,11 @@ impl std::fmt::Debug for UpstreamConn {
     }
 }
 
-impl UpstreamConn {
+impl H1Conn {
     /// Moves the connection's IO as far as it can go now (writes the queued request, reads the
     /// response, hands both over); `cx` is woken when it can go further. Returns whether the
     /// connection is still open.
-    pub fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
         if let Some(driver) = self.driver.as_mut()
             && let Poll::Ready(result) = driver.as_mut().poll(cx)
         {
@@ -356,7 +293,7 @@ impl UpstreamConn {
     }
 
     /// Waits until the connection can take a request.
-    pub async fn ready(&mut self) -> hyper::Result<()> {
+    async fn ready(&mut self) -> hyper::Result<()> {
         poll_fn(|cx| {
             self.drive(cx);
             self.sender.poll_ready(cx)
@@ -367,7 +304,7 @@ impl UpstreamConn {
     /// Sends `req` and waits for the response head, driving the connection meanwhile. A
     /// request that was not written comes back in the error; one that was (maybe in part)
     /// says whether the connection closed before any byte of a response came.
-    pub async fn send(
+    async fn send(
         &mut self,
         mut req: Request<RequestBody>,
     ) -> Result<Response<Incoming>, SendError> {
@@ -399,19 +336,6 @@ impl UpstreamConn {
     }
 }
 
-/// Why [`UpstreamConn::send`] brought no response head.
-#[derive(Debug)]
-pub enum SendError {
-    /// Nothing of the request was written: it comes back, to go on another connection.
-    Unsent(Box<Request<RequestBody>>, hyper::Error),
-    /// The request was written (maybe in part), then the backend closed or reset the connection
-    /// before a single byte of a response: it may not have seen the request, or may have
-    /// processed it; only a replayable request may be sent again.
-    ClosedUnanswered(hyper::Error),
-    /// Anything else: a response began and broke, or the exchange failed otherwise.
-    Failed(hyper::Error),
-}
-
 /// Whether `error` is the peer closing the connection: its end of the stream before a message
 /// (hyper's incomplete message), or a reset, a broken pipe or an abort from the kernel.
 fn closed_by_peer(error: &hyper::Error) -> bool {
@@ -436,9 +360,41 @@ fn closed_by_peer(error: &hyper::Error) -> bool {
 
 impl Poolable for UpstreamConn {
     fn opened_at(&self) -> Option<Instant> {
-        Some(self.opened)
+        Some(match &self.0 {
+            Conn::H1(c) => c.opened,
+            Conn::H2(s, _) => s.opened(),
+        })
     }
 
+    fn is_open(&mut self) -> bool {
+        match &mut self.0 {
+            Conn::H1(c) => c.is_open(),
+            Conn::H2(s, _) => s.is_open(),
+        }
+    }
+
+    fn validate(&mut self) -> bool {
+        match &mut self.0 {
+            Conn::H1(c) => c.validate(),
+            // The connection's task reads the socket: what it holds is frames, not a verdict.
+            Conn::H2(s, _) => s.is_ready(),
+        }
+    }
+
+    fn shares_connection(&self) -> bool {
+        matches!(self.0, Conn::H2(_, true))
+    }
+
+    fn close(self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let closing: Pin<Box<dyn Future<Output = ()> + Send>> = match self.0 {
+            Conn::H1(c) => Box::pin(c.close()?),
+            Conn::H2(s, _) => Box::pin(s.close()?),
+        };
+        Some(closing)
+    }
+}
+
+impl H1Conn {
     fn is_open(&mut self) -> bool {
         self.drive_idle() && !self.sender.is_closed()
     }
@@ -464,10 +420,8 @@ impl Poolable for UpstreamConn {
         // No driver: the connection ended, its socket is closed on both sides already.
         let mut stream = Pin::into_inner(driver?).into_parts().io.into_inner();
         // Plain: the FIN at once. TLS: `close_notify`, then the FIN, as the future runs.
-        let shut = match &stream {
-            Transport::Plain(s) => Some(socket2::SockRef::from(&s.0.tcp).shutdown(Shutdown::Write)),
-            Transport::Tls(..) => None,
-        };
+        let shut = (!stream.is_tls())
+            .then(|| socket2::SockRef::from(&stream.socket().tcp).shutdown(Shutdown::Write));
         Some(async move {
             let shut = match shut {
                 Some(done) => done,
@@ -485,61 +439,60 @@ impl Poolable for UpstreamConn {
 impl Connect for HttpConnector {
     type Conn = UpstreamConn;
 
+    /// HTTP/1.1: a new connection. HTTP/2 (the backend's `protocol` allows it, and for `auto` the
+    /// address takes TLS): a slot on an open connection while one has room, else on a new one.
     async fn connect(&self, addr: SocketAddr) -> io::Result<UpstreamConn> {
         let client = self.tls_of(addr);
-        let stream = Arc::new(Socket {
-            tcp: self.tcp(addr).await?,
-            read: AtomicU64::new(0),
-        });
-        let shared = SharedStream(stream.clone());
-        let (transport, authority) = match &client {
-            None => (Transport::Plain(shared), None),
-            Some(client) => {
-                let tls = client.handshake(shared).await.map_err(io::Error::other)?;
-                (
-                    Transport::Tls(Box::new(tls), stream.clone()),
-                    client.authority().cloned(),
-                )
-            }
+        let protocol = *self.protocol.read();
+        let h2 = match protocol {
+            UpstreamProtocol::Http1 => false,
+            UpstreamProtocol::Auto => client.is_some(),
+            UpstreamProtocol::Http2 => true,
         };
-        let (sender, driver) = http1::Builder::new()
-            .handshake(TokioIo::new(transport))
-            .await
-            .map_err(io::Error::other)?;
-        Ok(UpstreamConn {
-            sender,
-            driver: Some(Box::pin(driver)),
-            addr,
-            opened: Instant::now(),
-            stream,
-            authority,
-            tls: client.is_some(),
-        })
+        if !h2 {
+            return match self.open(addr, client, protocol).await? {
+                Err(h1) => Ok(h1),
+                // A TLS client of the protocol before the last change still offered `h2`.
+                Ok(conn) => conn
+                    .slot()
+                    .map(|slot| UpstreamConn(Conn::H2(slot, false)))
+                    .ok_or_else(|| io::Error::other("the HTTP/2 server takes no stream")),
+            };
+        }
+        match self
+            .h2
+            .slot(addr, self.open(addr, client, protocol))
+            .await?
+        {
+            Opened::Stream(slot, shared) => Ok(UpstreamConn(Conn::H2(slot, shared))),
+            Opened::Other(h1) => Ok(h1),
+        }
     }
 
-    /// Plain addresses: the pool's plain probe. TLS ones: the same exchange over a verified
-    /// handshake (a probe never talks plain text to a TLS endpoint).
+    /// Plain HTTP/1.1 addresses: the pool's plain probe. TLS ones: the same exchange over a
+    /// verified handshake (a probe never talks plain text to a TLS endpoint); HTTP/2 ones (by
+    /// ALPN or prior knowledge): the exchange on a stream of a connection of its own.
     async fn probe(&self, addr: SocketAddr, path: &str, timeout: Duration) -> bool {
-        let Some(client) = self.tls_of(addr) else {
+        let client = self.tls_of(addr);
+        let protocol = *self.protocol.read();
+        if client.is_none() && protocol != UpstreamProtocol::Http2 {
             return crate::pool::probe_exchange_plain(addr, path, timeout).await;
-        };
+        }
         let deadline = Instant::now() + timeout;
-        let connect = async {
-            let tcp = self.tcp(addr).await.ok()?;
-            let socket = Arc::new(Socket {
-                tcp,
-                read: AtomicU64::new(0),
-            });
-            client.handshake(SharedStream(socket)).await.ok()
-        };
-        let Ok(Some(stream)) = tokio::time::timeout_at(deadline, connect).await else {
+        let connect = self.transport(addr, client.as_deref(), protocol);
+        let Ok(Ok((transport, _, authority, h2))) =
+            tokio::time::timeout_at(deadline, connect).await
+        else {
             return false;
         };
-        let host = client
-            .authority()
+        if h2 {
+            return self::h2::probe(transport, addr, authority, path, deadline).await;
+        }
+        let host = authority
+            .as_ref()
             .and_then(|h| h.to_str().ok())
             .map_or_else(|| addr.to_string(), str::to_owned);
-        crate::pool::probe_exchange(stream, &host, path, deadline, timeout).await
+        crate::pool::probe_exchange(transport, &host, path, deadline, timeout).await
     }
 }
 
@@ -548,11 +501,14 @@ mod tests {
     use super::*;
     use tokio::net::TcpListener;
 
-    async fn pair(connector: HttpConnector) -> (UpstreamConn, TcpStream) {
+    async fn pair(connector: HttpConnector) -> (H1Conn, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (conn, accepted) = tokio::join!(connector.connect(addr), listener.accept());
-        (conn.unwrap(), accepted.unwrap().0)
+        let UpstreamConn(Conn::H1(conn)) = conn.unwrap() else {
+            panic!("HTTP/1.1 unless the backend's protocol says otherwise");
+        };
+        (conn, accepted.unwrap().0)
     }
 
     #[tokio::test]

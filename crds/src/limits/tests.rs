@@ -59,6 +59,32 @@ fn example_parses_and_validates() {
 }
 
 #[test]
+fn a_backends_protocol_is_http1_unless_named_and_left_out_when_it_is() {
+    let mut doc = example();
+    assert_eq!(doc.backends[0].protocol, UpstreamProtocol::Http1);
+    let text = serde_json::to_string(&doc).unwrap();
+    assert!(!text.contains("protocol"), "{text}");
+    for (name, protocol) in [
+        ("auto", UpstreamProtocol::Auto),
+        ("http2", UpstreamProtocol::Http2),
+    ] {
+        let yaml = EXAMPLE.replace(
+            "  clientPolicy: default",
+            &format!("  clientPolicy: default\n  protocol: {name}"),
+        );
+        doc = serde_norway::from_str(&yaml).unwrap();
+        assert_eq!(doc.backends[0].protocol, protocol);
+        let json = serde_json::to_value(&doc).unwrap();
+        assert_eq!(json["backends"][0]["protocol"], name);
+    }
+    let yaml = EXAMPLE.replace(
+        "  clientPolicy: default",
+        "  clientPolicy: default\n  protocol: h3",
+    );
+    assert!(serde_norway::from_str::<GatewayLimits>(&yaml).is_err());
+}
+
+#[test]
 fn json_round_trip_keeps_the_revision() {
     let doc = example().with_content_revision();
     let json = serde_json::to_string(&doc).unwrap();

@@ -1,7 +1,7 @@
 //! How the gateway talks to a backend beyond its address: TLS to an endpoint ([`EndpointTls`]:
 //! the name its certificate must carry, the CAs that vouch for it, the client certificate of
 //! mTLS) and the provider credentials set on every call instead of the client's
-//! ([`Credentials`]). Secrets appear here only as the paths of files mounted into the gateway,
+//! ([`Credentials`]), and the HTTP version of its calls ([`UpstreamProtocol`]). Secrets appear here only as the paths of files mounted into the gateway,
 //! never as their content, so that `/v1/limits`, the ConfigMap and the operator's status never
 //! hold a key.
 
@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-/// TLS to an endpoint: always verified (there is no way to turn verification off), ALPN
-/// `http/1.1`, sessions resumed on reconnect.
+/// TLS to an endpoint: always verified (there is no way to turn verification off), ALPN as the
+/// backend's [`UpstreamProtocol`] says, sessions resumed on reconnect.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct EndpointTls {
@@ -76,5 +76,27 @@ impl Credentials {
             CredentialScheme::AzureApiKey => "api-key",
             CredentialScheme::Header => self.header.as_deref().unwrap_or_default(),
         }
+    }
+}
+
+/// The HTTP version a backend's calls go out in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1 on every endpoint; TLS offers only `http/1.1` by ALPN.
+    #[default]
+    Http1,
+    /// TLS endpoints offer `h2` and `http/1.1` by ALPN and speak what the server picks; plain
+    /// endpoints speak HTTP/1.1.
+    Auto,
+    /// HTTP/2 on every endpoint: TLS offers only `h2` by ALPN (a server that does not pick it
+    /// fails the connection), plain endpoints speak h2c with prior knowledge.
+    Http2,
+}
+
+impl UpstreamProtocol {
+    /// Whether it is the default, `http1` (left out of a serialized document).
+    pub fn is_default(&self) -> bool {
+        *self == Self::Http1
     }
 }

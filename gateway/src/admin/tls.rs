@@ -11,14 +11,13 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 use poolpilot_tls::provider;
-use rustls::pki_types::pem::PemObject as _;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::AdminTlsFiles;
 use crate::observe::{AdminFile, Metrics};
+use crate::pem::{self, PemError};
 use crate::reload::{FileWatch, OnChange};
 
 /// Why the admin certificate could not be used.
@@ -33,29 +32,23 @@ pub enum TlsError {
         #[source]
         source: std::io::Error,
     },
-    /// The certificate file holds no PEM certificate.
-    #[error("{path} holds no PEM certificate")]
-    NoCertificate {
-        /// The file.
-        path: PathBuf,
-    },
-    /// The certificate file is not PEM.
+    /// The certificate file holds no PEM certificate chain.
     #[error("{path} is not a PEM certificate chain")]
     Certificate {
         /// The file.
         path: PathBuf,
-        /// The PEM error.
+        /// What is wrong with it.
         #[source]
-        source: rustls::pki_types::pem::Error,
+        source: PemError,
     },
     /// The key file holds no usable private key.
-    #[error("{path} holds no PEM private key (PKCS#8, PKCS#1 or SEC1)")]
+    #[error("{path} holds no usable private key")]
     Key {
         /// The file.
         path: PathBuf,
-        /// The PEM error.
+        /// What is wrong with it.
         #[source]
-        source: rustls::pki_types::pem::Error,
+        source: PemError,
     },
     /// The key is of a kind the provider cannot sign with, or does not belong to the
     /// certificate.
@@ -151,18 +144,11 @@ fn certified_key(
     cert_pem: &[u8],
     key_pem: &[u8],
 ) -> Result<CertifiedKey, TlsError> {
-    let chain = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|source| TlsError::Certificate {
-            path: files.cert_file.clone(),
-            source,
-        })?;
-    if chain.is_empty() {
-        return Err(TlsError::NoCertificate {
-            path: files.cert_file.clone(),
-        });
-    }
-    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|source| TlsError::Key {
+    let chain = pem::certificates(cert_pem).map_err(|source| TlsError::Certificate {
+        path: files.cert_file.clone(),
+        source,
+    })?;
+    let key = pem::private_key(key_pem).map_err(|source| TlsError::Key {
         path: files.key_file.clone(),
         source,
     })?;

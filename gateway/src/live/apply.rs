@@ -158,6 +158,7 @@ impl Gateway {
             let clients = upstream_tls::clients(
                 &b.name,
                 &b.endpoints,
+                b.protocol,
                 current.as_ref(),
                 &self.inner.metrics,
             )?;
@@ -237,6 +238,7 @@ impl Gateway {
             let backend = match registry.backends.remove(&b.name) {
                 Some(existing) => {
                     *existing.tls.lock() = clients;
+                    existing.connector.set_protocol(b.protocol);
                     *existing.credentials.write() = key;
                     existing.configure(&b.endpoints, pool_limits, &self.inner.resolver);
                     existing
@@ -246,6 +248,7 @@ impl Gateway {
                         self.inner.resolver.addresses(host)
                     });
                     let connector = self.inner.connector.for_backend();
+                    connector.set_protocol(b.protocol);
                     let backend = Backend {
                         name: b.name.as_str().into(),
                         // The connector knows its TLS addresses before the pool opens any.

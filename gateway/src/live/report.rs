@@ -120,6 +120,16 @@ impl Gateway {
                 stats.endpoints.iter().map(|e| e.created).sum(),
                 stats.endpoints.iter().map(|e| e.reused).sum(),
             );
+            let expiry = r
+                .backend
+                .tls
+                .lock()
+                .values()
+                .filter_map(|c| c.client_cert_expiry())
+                .min();
+            if let Some(not_after) = expiry {
+                m.set_client_cert_expiry(&r.backend.name, not_after);
+            }
             for ep in &stats.endpoints {
                 m.set_endpoint_gauges(
                     &r.backend.name,

@@ -9,17 +9,19 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use poolpilot_api::limits::{Endpoint as DocEndpoint, EndpointAddress};
+use poolpilot_api::limits::{Endpoint as DocEndpoint, EndpointAddress, UpstreamProtocol};
 
 use super::{Backend, EndpointTlsError, TlsClients};
 use crate::observe::Metrics;
 use crate::resolve::Resolver;
 use crate::upstream::TlsClient;
 
-/// The TLS clients of `endpoints`: `current`'s where still current, new ones otherwise.
+/// The TLS clients of `endpoints` (of a `protocol` backend: what ALPN offers): `current`'s where
+/// still current, new ones otherwise.
 pub(crate) fn clients(
     backend: &str,
     endpoints: &[DocEndpoint],
+    protocol: UpstreamProtocol,
     current: Option<&TlsClients>,
     metrics: &Metrics,
 ) -> Result<TlsClients, EndpointTlsError> {
@@ -28,11 +30,11 @@ pub(crate) fn clients(
     for e in endpoints.iter().filter(|e| e.tls.is_some()) {
         let kept = current
             .and_then(|c| c.get(&e.name))
-            .filter(|c| c.is_current(e))
+            .filter(|c| c.is_current(e, protocol))
             .cloned();
         let client = match kept {
             Some(client) => client,
-            None => match TlsClient::load(&name, e, metrics) {
+            None => match TlsClient::load(&name, e, protocol, metrics) {
                 Ok(Some(client)) => Arc::new(client),
                 Ok(None) => continue,
                 Err(source) => {
@@ -81,14 +83,16 @@ impl Backend {
             return;
         }
         let current = self.tls.lock().clone();
-        let stale = endpoints
-            .iter()
-            .filter(|e| e.tls.is_some())
-            .any(|e| !current.get(&e.name).is_some_and(|c| c.is_current(e)));
+        let protocol = self.connector.protocol();
+        let stale = endpoints.iter().filter(|e| e.tls.is_some()).any(|e| {
+            !current
+                .get(&e.name)
+                .is_some_and(|c| c.is_current(e, protocol))
+        });
         if !stale {
             return;
         }
-        match clients(&self.name, &endpoints, Some(&current), metrics) {
+        match clients(&self.name, &endpoints, protocol, Some(&current), metrics) {
             Ok(fresh) => {
                 tracing::info!(backend = %self.name, "upstream TLS files changed; new connections use them");
                 *self.tls.lock() = fresh;

@@ -188,6 +188,7 @@ pub struct Metrics {
     tls_handshake: HistogramFamily<HandshakeLabels>,
     tls_failures: Family<TlsFailureLabels, Counter>,
     pool_reuse_ratio: Family<BackendLabel, Gauge<f64, AtomicU64>>,
+    client_cert_expiry: Family<BackendLabel, Gauge>,
     upstream_cooldowns: Family<BackendLabel, Counter>,
     upstream_cooldown_refused: Family<BackendLabel, Counter>,
     tokens: Family<TokenLabels, Counter>,
@@ -310,6 +311,7 @@ impl Metrics {
             tls_handshake: Family::new_with_constructor(handshake_histogram),
             tls_failures: Family::default(),
             pool_reuse_ratio: Family::default(),
+            client_cert_expiry: Family::default(),
             upstream_cooldowns: Family::default(),
             upstream_cooldown_refused: Family::default(),
             tokens: Family::default(),
@@ -459,6 +461,12 @@ impl Metrics {
             "poolpilot_upstream_tls_failures",
             "Upstream TLS handshakes that failed, by reason (certificate: the server's did not verify; alert: the server refused; handshake: anything else); never retried in plain text",
             m.tls_failures.clone(),
+        );
+        r.register_with_unit(
+            "poolpilot_upstream_client_cert_expiry",
+            "When the client certificate the gateway offers a backend's TLS endpoints (mTLS) expires: its notAfter, unix time; the earliest over the backend's endpoints",
+            Unit::Seconds,
+            m.client_cert_expiry.clone(),
         );
         r.register(
             "poolpilot_pool_reuse_ratio",
@@ -708,6 +716,7 @@ impl Metrics {
         self.client_class_queued.clear();
         self.pool_max_connections.clear();
         self.pool_reuse_ratio.clear();
+        self.client_cert_expiry.clear();
         self.endpoint_healthy.clear();
         self.client_inflight.clear();
     }
@@ -876,6 +885,16 @@ impl Metrics {
                 backend: backend.into(),
             })
             .set(reused as f64 / (created + reused) as f64);
+    }
+
+    /// The earliest `notAfter` (unix seconds) of a backend's upstream client certificates, at a
+    /// scrape.
+    pub(crate) fn set_client_cert_expiry(&self, backend: &str, not_after: i64) {
+        self.client_cert_expiry
+            .get_or_create(&BackendLabel {
+                backend: backend.into(),
+            })
+            .set(not_after);
     }
 
     // --- clients ---

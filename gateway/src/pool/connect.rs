@@ -22,6 +22,13 @@ pub trait Poolable: Send + std::fmt::Debug + 'static {
         None
     }
 
+    /// Whether this new connection rides on one that was open before (a stream slot of an
+    /// HTTP/2 connection): the pool counts its lease as a reuse, and its age from that
+    /// connection's opening.
+    fn shares_connection(&self) -> bool {
+        false
+    }
+
     /// The check run before reusing a connection that sat idle longer than
     /// `validateAfterIdle`: it must be open *and* ready to carry a request right now.
     fn validate(&mut self) -> bool {

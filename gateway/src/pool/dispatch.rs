@@ -405,21 +405,31 @@ impl<C: Connect> Inner<C> {
                 ep.connecting -= 1;
                 let error = match result {
                     Ok(Ok(conn)) => {
+                        // A slot on a connection open before: a reuse of that connection.
+                        let shared = conn.shares_connection();
                         ep.leased += 1;
-                        ep.created.inc();
+                        if shared {
+                            ep.reused.inc();
+                        } else {
+                            ep.created.inc();
+                        }
                         if burst {
                             self.bursts.inc();
                         }
                         drop(state);
                         let leased_at = Instant::now();
+                        let created_at = match conn.opened_at() {
+                            Some(opened) if shared => opened,
+                            _ => leased_at,
+                        };
                         return Ok(Lease {
                             pool: self,
                             endpoint,
                             endpoint_name: name,
                             conn: Some(conn),
-                            created_at: leased_at,
+                            created_at,
                             leased_at,
-                            reused: false,
+                            reused: shared,
                             burst,
                             wait: now.duration_since(start),
                             class,

@@ -5,7 +5,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -89,6 +89,9 @@ struct Progress {
     waiting_for_client: bool,
     /// Bytes of the body read from the client so far (the access log's `bytes_in`).
     received: u64,
+    /// Woken when the body ends or fails: the task waiting for the response head, when the
+    /// body is sent from another task (HTTP/2 upstreams pipe it from one of their own).
+    waiter: Option<Waker>,
 }
 
 impl BodyProgress {
@@ -110,6 +113,23 @@ impl BodyProgress {
     /// Bytes of the body read from the client so far.
     pub fn received(&self) -> u64 {
         self.0.lock().received
+    }
+
+    /// Wakes `waker` when the body ends or fails (the last one registered).
+    pub fn wake_on_end(&self, waker: &Waker) {
+        let mut progress = self.0.lock();
+        match &progress.waiter {
+            Some(w) if w.will_wake(waker) => {}
+            _ => progress.waiter = Some(waker.clone()),
+        }
+    }
+}
+
+impl Progress {
+    fn wake(&mut self) {
+        if let Some(waiter) = self.waiter.take() {
+            waiter.wake();
+        }
     }
 }
 
@@ -205,6 +225,7 @@ impl ClientBody {
         let mut progress = self.progress.0.lock();
         progress.failed = Some(failure);
         progress.waiting_for_client = false;
+        progress.wake();
         Poll::Ready(Some(Err(failure.into())))
     }
 
@@ -214,6 +235,7 @@ impl ClientBody {
         let mut progress = self.progress.0.lock();
         progress.sent_at = Some(Instant::now());
         progress.waiting_for_client = false;
+        progress.wake();
     }
 }
 

@@ -216,6 +216,9 @@ async fn until_first_byte<T>(
     let mut exchange = pin!(exchange);
     let mut timer = pin!(tokio::time::sleep_until(total_at));
     poll_fn(|cx| {
+        // A body sent from another task (an HTTP/2 upstream's) wakes this one as it ends, so
+        // that the first-byte timer starts then.
+        body.wake_on_end(cx.waker());
         // The exchange moves the body first: the deadline below sees a body sent just now.
         if let Poll::Ready(out) = exchange.as_mut().poll(cx) {
             return Poll::Ready(Ok(out));

@@ -7,9 +7,11 @@
 //!   its IP), which also goes out as SNI. There is no switch to turn it off, and a failed
 //!   verification fails the connection ([`TlsError::Verification`], a 502 naming the cause):
 //!   nothing ever falls back to plain text.
-//! - **mTLS**: the client certificate and key of `clientCertificate`, offered when asked.
-//! - **ALPN** `http/1.1`: the connection carries HTTP/1.1, and a server that speaks HTTP/1.1
-//!   only is not made to guess.
+//! - **mTLS**: the client certificate and key of `clientCertificate`, offered when asked; its
+//!   `notAfter` is read (x509-parser) for the expiry gauge of the backend.
+//! - **ALPN** as the backend's `protocol` says: `http/1.1` alone (the default: a server that
+//!   speaks HTTP/1.1 only is not made to guess), `h2` then `http/1.1` (`auto`: the server
+//!   picks), or `h2` alone (`http2`).
 //! - **Resumption**: one in-memory session cache per endpoint's configuration
 //!   (rustls's `ClientSessionMemoryCache`, tickets and TLS 1.2 session IDs), kept for as long
 //!   as the configuration stays the same, so that a reconnect skips the full handshake.
@@ -24,11 +26,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use http::HeaderValue;
-use poolpilot_api::limits::{Endpoint as DocEndpoint, EndpointAddress, EndpointTls};
+use poolpilot_api::limits::{
+    Endpoint as DocEndpoint, EndpointAddress, EndpointTls, UpstreamProtocol,
+};
 use poolpilot_tls::provider;
 use rustls::client::Resumption;
-use rustls::pki_types::pem::PemObject as _;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, ServerName};
 use rustls::{ClientConfig, HandshakeKind, RootCertStore};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -37,6 +40,7 @@ use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
 use crate::observe::{Metrics, TlsFailure, TlsHandshake};
+use crate::pem::{self, PemError};
 
 /// Sessions kept per endpoint configuration for resumption.
 const SESSION_CACHE: usize = 256;
@@ -54,12 +58,13 @@ pub enum TlsError {
         source: io::Error,
     },
     /// A PEM file holds nothing usable.
-    #[error("{path} holds no usable PEM {what}")]
+    #[error("{path}: {source}")]
     Pem {
         /// The file.
         path: PathBuf,
-        /// What it should hold.
-        what: &'static str,
+        /// What is wrong with it.
+        #[source]
+        source: PemError,
     },
     /// The server name is not a DNS name or an IP address.
     #[error("{0:?} is not a valid TLS server name")]
@@ -116,11 +121,15 @@ impl TlsError {
 pub struct TlsClient {
     /// What it was built from, to tell whether a new document or a file changed it.
     settings: EndpointTls,
+    protocol: UpstreamProtocol,
     default_name: String,
     files: [u8; 32],
     name: String,
     server_name: ServerName<'static>,
     authority: Option<HeaderValue>,
+    /// The client certificate's `notAfter`, unix seconds (none: no client certificate, or one
+    /// whose validity could not be read).
+    client_expiry: Option<i64>,
     connector: TlsConnector,
     backend: Arc<str>,
     metrics: Metrics,
@@ -136,10 +145,12 @@ impl std::fmt::Debug for TlsClient {
 }
 
 impl TlsClient {
-    /// The client of `endpoint`'s `tls` (none: plain), for `backend`'s metrics.
+    /// The client of `endpoint`'s `tls` (none: plain), for `backend`'s metrics, offering by
+    /// ALPN what `protocol` allows.
     pub fn load(
         backend: &Arc<str>,
         endpoint: &DocEndpoint,
+        protocol: UpstreamProtocol,
         metrics: &Metrics,
     ) -> Result<Option<Self>, TlsError> {
         let Some(tls) = &endpoint.tls else {
@@ -167,22 +178,30 @@ impl TlsClient {
             .with_safe_default_protocol_versions()
             .map_err(TlsError::Config)?
             .with_root_certificates(roots);
+        let mut client_expiry = None;
         let mut config = match &tls.client_certificate {
             Some(c) => {
                 let i = usize::from(tls.ca_file.is_some());
                 let chain = certificates(&c.cert_file, &contents[i])?;
-                let key =
-                    PrivateKeyDer::from_pem_slice(&contents[i + 1]).map_err(|_| TlsError::Pem {
-                        path: c.key_file.clone(),
-                        what: "private key (PKCS#8, PKCS#1 or SEC1)",
-                    })?;
+                client_expiry = not_after(&chain[0]);
+                if client_expiry.is_none() {
+                    tracing::warn!(%backend, cert = %c.cert_file.display(), "the client certificate's validity could not be read; its expiry is not exported");
+                }
+                let key = pem::private_key(&contents[i + 1]).map_err(|source| TlsError::Pem {
+                    path: c.key_file.clone(),
+                    source,
+                })?;
                 builder
                     .with_client_auth_cert(chain, key)
                     .map_err(TlsError::Config)?
             }
             None => builder.with_no_client_auth(),
         };
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        config.alpn_protocols = match protocol {
+            UpstreamProtocol::Http1 => vec![b"http/1.1".to_vec()],
+            UpstreamProtocol::Auto => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+            UpstreamProtocol::Http2 => vec![b"h2".to_vec()],
+        };
         config.resumption = Resumption::in_memory_sessions(SESSION_CACHE);
         let authority = match &server_name {
             ServerName::DnsName(_) => {
@@ -198,21 +217,25 @@ impl TlsClient {
         };
         Ok(Some(Self {
             settings: tls.clone(),
+            protocol,
             default_name,
             files,
             name,
             server_name,
             authority,
+            client_expiry,
             connector: TlsConnector::from(Arc::new(config)),
             backend: backend.clone(),
             metrics: metrics.clone(),
         }))
     }
 
-    /// Whether this client is still the one `endpoint` asks for: the same settings and name,
-    /// and files with the same content (a rotated Secret makes it stale).
-    pub fn is_current(&self, endpoint: &DocEndpoint) -> bool {
+    /// Whether this client is still the one `endpoint` of a `protocol` backend asks for: the
+    /// same settings, name and ALPN, and files with the same content (a rotated Secret makes it
+    /// stale).
+    pub fn is_current(&self, endpoint: &DocEndpoint, protocol: UpstreamProtocol) -> bool {
         endpoint.tls.as_ref() == Some(&self.settings)
+            && protocol == self.protocol
             && default_name(&endpoint.address) == self.default_name
             && read_files(&self.settings).is_ok_and(|(_, digest)| digest == self.files)
     }
@@ -220,6 +243,11 @@ impl TlsClient {
     /// The name the server's certificate is checked for.
     pub fn server_name(&self) -> &str {
         &self.name
+    }
+
+    /// When the client certificate expires (its `notAfter`, unix seconds), if one is offered.
+    pub fn client_cert_expiry(&self) -> Option<i64> {
+        self.client_expiry
     }
 
     /// The `Host` of calls through this client: the server name (with the port unless 443)
@@ -318,19 +346,18 @@ fn read_files(tls: &EndpointTls) -> Result<(Vec<Vec<u8>>, [u8; 32]), TlsError> {
     Ok((contents, digest.finalize().into()))
 }
 
-/// The PEM certificates of a file's `pem` (at least one).
-fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let bad = || TlsError::Pem {
+/// The PEM certificates of the file at `path`, its contents `text` (at least one).
+fn certificates(path: &Path, text: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    pem::certificates(text).map_err(|source| TlsError::Pem {
         path: path.to_owned(),
-        what: "certificate",
-    };
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|_| bad())?;
-    if certs.is_empty() {
-        return Err(bad());
-    }
-    Ok(certs)
+        source,
+    })
+}
+
+/// The `notAfter` of a DER certificate, unix seconds.
+fn not_after(cert: &CertificateDer<'_>) -> Option<i64> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    Some(parsed.validity().not_after.timestamp())
 }
 
 /// The system's roots (`SSL_CERT_FILE` / `SSL_CERT_DIR`, else the distribution's bundle), read

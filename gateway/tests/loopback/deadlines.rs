@@ -4,7 +4,8 @@
 //! permit are released at once, the HTTP/1 connection is closed and the h2 stream reset; a cut
 //! response is an error on the wire (no last chunk, a reset stream), never a clean end; h2
 //! connections hold at most `maxConcurrentStreams` streams and are closed when keep-alive
-//! pings go unanswered.
+//! pings go unanswered. The stalled-client probes run against an HTTP/2 upstream too (the cut
+//! resets the upstream stream; the pool's slot, the connection's last, closes it).
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -44,7 +45,16 @@ fn limits_with(
 
 /// A backend streaming 64 KiB SSE chunks as fast as it can, for a long time.
 async fn firehose() -> Backend {
-    let backend = Backend::start().await;
+    firehose_over(false).await
+}
+
+/// [`firehose`], speaking h2c when `h2`.
+async fn firehose_over(h2: bool) -> Backend {
+    let backend = if h2 {
+        Backend::start_h2(100).await
+    } else {
+        Backend::start().await
+    };
     backend.script.sse_chunks.store(100_000, Ordering::SeqCst);
     backend.script.sse_interval_ms.store(1, Ordering::SeqCst);
     backend
@@ -79,15 +89,35 @@ async fn read_to_close(s: &mut TcpStream, wait: Duration) -> Option<Vec<u8>> {
     }
 }
 
+/// `doc` with its backend speaking HTTP/2 when `h2`.
+fn over(mut doc: poolpilot_api::GatewayLimits, h2: bool) -> poolpilot_api::GatewayLimits {
+    if h2 {
+        doc.backends[0].protocol = poolpilot_api::limits::UpstreamProtocol::Http2;
+    }
+    doc
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_is_cut_at_total_and_frees_its_lease_and_permit() {
-    let backend = firehose().await;
-    let gw = Gw::start(limits_with(
-        backend.addr,
-        1,
-        serde_json::json!({"firstByte": "1s", "total": "1s", "streamIdle": "5s"}),
-        serde_json::json!({"sendTimeout": "60s"}),
-        1,
+    stops_reading_cut_at_total(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_an_h2_upstreams_stream_is_cut_at_total() {
+    stops_reading_cut_at_total(true).await;
+}
+
+async fn stops_reading_cut_at_total(h2: bool) {
+    let backend = firehose_over(h2).await;
+    let gw = Gw::start(over(
+        limits_with(
+            backend.addr,
+            1,
+            serde_json::json!({"firstByte": "1s", "total": "1s", "streamIdle": "5s"}),
+            serde_json::json!({"sendTimeout": "60s"}),
+            1,
+        ),
+        h2,
     ))
     .await;
     let start = Instant::now();
@@ -121,7 +151,16 @@ async fn a_client_that_stops_reading_is_cut_at_total_and_frees_its_lease_and_per
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_is_cut_at_the_send_timeout_without_blaming_the_backend() {
-    let backend = firehose().await;
+    stops_reading_cut_at_send_timeout(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_an_h2_upstreams_stream_is_cut_at_the_send_timeout() {
+    stops_reading_cut_at_send_timeout(true).await;
+}
+
+async fn stops_reading_cut_at_send_timeout(h2: bool) {
+    let backend = firehose_over(h2).await;
     let mut doc = limits_with(
         backend.addr,
         1,
@@ -129,6 +168,7 @@ async fn a_client_that_stops_reading_is_cut_at_the_send_timeout_without_blaming_
         serde_json::json!({"sendTimeout": "1s"}),
         4,
     );
+    doc = over(doc, h2);
     doc.backends[0].outlier_detection = Some(poolpilot_api::limits::OutlierDetection {
         consecutive_failures: 1,
         base_ejection: poolpilot_api::Duration::from_secs(60),

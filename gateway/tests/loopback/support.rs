@@ -1,6 +1,6 @@
 //! Test support for loopback integration tests: a scriptable model backend that counts its
-//! concurrent connections and requests (and can stall, stream SSE, fail, or close idle
-//! connections), the gateway started in-process on 127.0.0.1:0, and small HTTP clients.
+//! concurrent connections and requests (and can stall, stream SSE, fail, close idle
+//! connections, or speak h2c and send `GOAWAY`), the gateway started in-process on 127.0.0.1:0, and small HTTP clients.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::client::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use poolpilot_api::GatewayLimits;
 use poolpilot_gateway::config::{GatewayConfig, Listeners};
 use poolpilot_gateway::{Running, start};
@@ -59,6 +59,9 @@ pub struct Script {
     pub sse_chunk_bytes: AtomicUsize,
     /// Close a keep-alive connection idle this long, ms (0 = never).
     pub idle_close_ms: AtomicU64,
+    /// Raised by one: every connection open then shuts down gracefully (HTTP/2: a `GOAWAY`,
+    /// its streams in flight finish).
+    pub goaway: AtomicU64,
 }
 
 /// What the backend saw.
@@ -71,6 +74,8 @@ pub struct Seen {
     pub health_requests: AtomicUsize,
     pub inflight: AtomicUsize,
     pub max_inflight: AtomicUsize,
+    /// The most calls one connection carried at once (HTTP/2: streams).
+    pub max_per_connection: AtomicUsize,
 }
 
 /// A model backend on 127.0.0.1.
@@ -79,6 +84,8 @@ pub struct Backend {
     pub addr: SocketAddr,
     pub script: Arc<Script>,
     pub seen: Arc<Seen>,
+    /// h2c with this `SETTINGS_MAX_CONCURRENT_STREAMS` (`None`: HTTP/1.1).
+    h2_streams: Option<u32>,
 }
 
 impl Backend {
@@ -88,12 +95,23 @@ impl Backend {
 
     /// A backend listening on `addr` (port 0: one the kernel picks).
     pub async fn start_at(addr: SocketAddr) -> Self {
+        Self::listen(addr, None).await
+    }
+
+    /// A backend on 127.0.0.1 speaking h2c (HTTP/2 with prior knowledge), at most `streams`
+    /// streams a connection.
+    pub async fn start_h2(streams: u32) -> Self {
+        Self::listen("127.0.0.1:0".parse().unwrap(), Some(streams)).await
+    }
+
+    async fn listen(addr: SocketAddr, h2_streams: Option<u32>) -> Self {
         let listener = TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let backend = Self {
             addr,
             script: Arc::default(),
             seen: Arc::default(),
+            h2_streams,
         };
         let b = backend.clone();
         tokio::spawn(async move {
@@ -125,7 +143,10 @@ impl Backend {
             service_fn(move |req| {
                 let (this, last_end, busy) = (this.clone(), last_end.clone(), busy.clone());
                 async move {
-                    busy.fetch_add(1, Ordering::SeqCst);
+                    let on_it = busy.fetch_add(1, Ordering::SeqCst) + 1;
+                    this.seen
+                        .max_per_connection
+                        .fetch_max(on_it, Ordering::SeqCst);
                     let response = this.respond(req).await;
                     busy.fetch_sub(1, Ordering::SeqCst);
                     last_end.store(base.elapsed().as_millis() as u64, Ordering::SeqCst);
@@ -133,21 +154,42 @@ impl Backend {
                 }
             })
         };
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .serve_connection(TokioIo::new(stream), service);
-        tokio::pin!(conn);
-        loop {
-            tokio::select! {
-                _ = conn.as_mut() => break,
-                _ = tokio::time::sleep(Duration::from_millis(10)) => {
-                    let idle_close = self.script.idle_close_ms.load(Ordering::SeqCst);
-                    let idle_ms = base.elapsed().as_millis() as u64 - last_end.load(Ordering::SeqCst);
-                    if idle_close > 0 && busy.load(Ordering::SeqCst) == 0 && idle_ms >= idle_close {
-                        conn.as_mut().graceful_shutdown();
+        let goaway_at = self.script.goaway.load(Ordering::SeqCst);
+        // Shuts the connection down gracefully when its idle timer fires or a GOAWAY is asked.
+        macro_rules! serve {
+            ($conn:expr) => {{
+                let conn = $conn;
+                tokio::pin!(conn);
+                let mut shut = false;
+                loop {
+                    tokio::select! {
+                        _ = conn.as_mut() => break,
+                        _ = tokio::time::sleep(Duration::from_millis(10)) => {
+                            let idle_close = self.script.idle_close_ms.load(Ordering::SeqCst);
+                            let idle_ms = base.elapsed().as_millis() as u64 - last_end.load(Ordering::SeqCst);
+                            let idle = idle_close > 0 && busy.load(Ordering::SeqCst) == 0 && idle_ms >= idle_close;
+                            let goaway = self.script.goaway.load(Ordering::SeqCst) > goaway_at;
+                            if (idle || goaway) && !shut {
+                                shut = goaway;
+                                conn.as_mut().graceful_shutdown();
+                            }
+                        }
                     }
                 }
-            }
+            }};
+        }
+        match self.h2_streams {
+            None => serve!(
+                hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .serve_connection(TokioIo::new(stream), service)
+            ),
+            Some(streams) => serve!(
+                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .timer(TokioTimer::new())
+                    .max_concurrent_streams(streams)
+                    .serve_connection(TokioIo::new(stream), service)
+            ),
         }
         seen.connections.fetch_sub(1, Ordering::SeqCst);
     }

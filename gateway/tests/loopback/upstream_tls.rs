@@ -3,7 +3,7 @@
 //! for the server name, sent as SNI; `Host` set to that name; ALPN `http/1.1`; a reconnect
 //! resumed (the server says so, and the gateway's histogram counts it); a certificate that does
 //! not verify is a 502 naming the cause, counted, and no byte of plain text ever reaches the
-//! server; mTLS; health probes over TLS; files that do not load refuse the document; a rotated
+//! server; mTLS and the client certificate's expiry gauge; health probes over TLS; files that do not load refuse the document; a rotated
 //! CA bundle is used for new connections; and nginx as a TLS upstream (`make upstream-peers`).
 
 use std::net::SocketAddr;
@@ -43,11 +43,22 @@ impl Pki {
 
     /// `(certificate PEM, key PEM)` for `name`.
     pub fn leaf(&self, name: &str) -> (String, String) {
+        let params = rcgen::CertificateParams::new(vec![name.to_owned()]).unwrap();
+        self.sign(params)
+    }
+
+    /// [`Pki::leaf`], valid until `(year, month, day)` at midnight UTC; also returns that time
+    /// as unix seconds.
+    pub fn leaf_until(&self, name: &str, (y, m, d): (i32, u8, u8)) -> ((String, String), i64) {
+        let mut params = rcgen::CertificateParams::new(vec![name.to_owned()]).unwrap();
+        params.not_after = rcgen::date_time_ymd(y, m, d);
+        let not_after = params.not_after.unix_timestamp();
+        (self.sign(params), not_after)
+    }
+
+    fn sign(&self, params: rcgen::CertificateParams) -> (String, String) {
         let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec![name.to_owned()])
-            .unwrap()
-            .signed_by(&key, &self.ca)
-            .unwrap();
+        let cert = params.signed_by(&key, &self.ca).unwrap();
         (cert.pem(), key.serialize_pem())
     }
 
@@ -89,7 +100,8 @@ pub struct TlsSeen {
 }
 
 /// A TLS model server: answers every request 200 with a small JSON body, `Connection: close`
-/// when `close` (every call then takes a new connection).
+/// when `close` (every call then takes a new connection); HTTP/2 when the client's ALPN offers
+/// it, else HTTP/1.1.
 pub struct TlsBackend {
     pub addr: SocketAddr,
     pub seen: Arc<TlsSeen>,
@@ -156,6 +168,7 @@ impl TlsBackend {
                     let Ok(tls) = acceptor.accept(tcp).await else {
                         return;
                     };
+                    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
                     {
                         let (_, conn) = tls.get_ref();
                         let mut conns = seen.conns.lock();
@@ -171,7 +184,14 @@ impl TlsBackend {
                     let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                         let seen = seen.clone();
                         async move {
-                            seen.requests.lock().push(req.headers().clone());
+                            let mut headers = req.headers().clone();
+                            // HTTP/2 names the authority in the request's URI.
+                            if let Some(authority) = req.uri().authority()
+                                && !headers.contains_key("host")
+                            {
+                                headers.insert("host", authority.as_str().parse().unwrap());
+                            }
+                            seen.requests.lock().push(headers);
                             let _ = req.into_body().collect().await;
                             let (status, headers) =
                                 seen.answers.lock().pop_front().unwrap_or((200, Vec::new()));
@@ -191,9 +211,17 @@ impl TlsBackend {
                             )
                         }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
+                    if h2 {
+                        let _ = hyper::server::conn::http2::Builder::new(
+                            hyper_util::rt::TokioExecutor::new(),
+                        )
                         .serve_connection(TokioIo::new(tls), service)
                         .await;
+                    } else {
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(tls), service)
+                            .await;
+                    }
                 });
             }
         });
@@ -426,6 +454,82 @@ async fn mtls_offers_the_client_certificate_the_server_asks_for() {
         "{:?}",
         backend.conns()
     );
+}
+
+/// `poolpilot_upstream_client_cert_expiry_seconds` of `model-a`.
+fn client_cert_expiry(metrics: &str) -> Option<f64> {
+    metric(
+        metrics,
+        r#"poolpilot_upstream_client_cert_expiry_seconds{backend="model-a"}"#,
+    )
+}
+
+#[tokio::test]
+async fn the_client_certificates_expiry_is_a_gauge_that_follows_a_rotated_secret() {
+    let server_pki = Pki::new("model CA");
+    let client_pki = Pki::new("gateway client CA");
+    let servers = [[127, 0, 0, 60], [127, 0, 0, 61]];
+    let mut addrs = Vec::new();
+    for ip in servers {
+        let leaf = server_pki.leaf("model.internal");
+        let server = TlsBackend::start(ip, &leaf, Some(&client_pki.ca_pem()), false).await;
+        addrs.push(server.addr);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ca = server_pki.write_ca(dir.path(), "ca.crt");
+    // Each endpoint its own certificate: the backend's gauge is the one that expires first.
+    let ((cert, key), early) = client_pki.leaf_until("gateway-0", (2031, 5, 17));
+    let ((cert1, key1), late) = client_pki.leaf_until("gateway-1", (2032, 1, 2));
+    assert!(early < late);
+    for (name, text) in [
+        ("0.crt", cert),
+        ("0.key", key),
+        ("1.crt", cert1),
+        ("1.key", key1),
+    ] {
+        std::fs::write(dir.path().join(name), text).unwrap();
+    }
+    let mut backend = backend_json("model-a", &addrs, 4);
+    for i in 0..2 {
+        backend["endpoints"][i]["tls"] = serde_json::json!({
+            "serverName": "model.internal",
+            "caFile": ca,
+            "clientCertificate": {
+                "certFile": dir.path().join(format!("{i}.crt")),
+                "keyFile": dir.path().join(format!("{i}.key")),
+            },
+        });
+    }
+    let gw = Gw::start(from_json(
+        serde_json::json!({"generation": 1, "backends": [backend]}),
+    ))
+    .await;
+    let m = gw.metrics().await;
+    assert_eq!(client_cert_expiry(&m), Some(early as f64), "{m}");
+    assert_eq!(
+        get(gw.proxy, "/", &[]).await.0,
+        200,
+        "the certificates work"
+    );
+
+    // The first endpoint's Secret is renewed: the gauge moves to the new earliest expiry.
+    let ((cert, key), renewed) = client_pki.leaf_until("gateway-0", (2033, 3, 4));
+    std::fs::write(dir.path().join("0.key"), key).unwrap();
+    std::fs::write(dir.path().join("0.crt"), cert).unwrap();
+    assert!(late < renewed);
+    assert_eventually!(
+        client_cert_expiry(&gw.metrics().await) == Some(late as f64),
+        Duration::from_secs(5),
+        "the renewed certificate is read"
+    );
+
+    // A backend without a client certificate has no such series.
+    let plain = Backend::start().await;
+    let mut doc = limits("model-a", &[plain.addr], 4);
+    doc.generation = 2;
+    gw.apply(doc);
+    let m = gw.metrics().await;
+    assert_eq!(client_cert_expiry(&m), None, "{m}");
 }
 
 #[tokio::test]

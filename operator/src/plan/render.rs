@@ -10,7 +10,7 @@ use poolpilot_api::limits::{
     BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, ClientShare, CredentialScheme,
     Credentials, HealthCheck, ListenerLimits, MAX_GENERATION, OutlierDetection, PoolLimits,
     ProxyProtocol, RouteMatch, SlowCalls, SoftThrottle, Timeouts, TokenBudget, TokenCount,
-    TokenWeights, TrustedProxies,
+    TokenWeights, TrustedProxies, UpstreamProtocol,
 };
 use poolpilot_api::policy::upstream::{CredentialSchemeSpec, CredentialsSpec, secret_file};
 use poolpilot_api::policy::{
@@ -422,6 +422,8 @@ fn backend(
         }),
         client_policy,
         credentials: b.credentials.as_ref().map(credentials),
+        // The policy has no field for it yet: its backends speak HTTP/1.1.
+        protocol: UpstreamProtocol::default(),
     }
 }
 

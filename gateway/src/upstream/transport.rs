@@ -1,0 +1,249 @@
+//! The socket under an upstream connection: shared between hyper, which reads and writes it
+//! (through [`Transport`], plain or TLS, counting the bytes of responses read), and the
+//! connection's own checks ([`peek`]: what the kernel holds for an idle socket).
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::net::Shutdown;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, ready};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+
+use super::frames::FrameWatch;
+
+/// The upstream socket and the bytes of responses read from it so far (whether a response
+/// began to arrive: over TLS, the plain text only, so that a `close_notify` or a ticket is no
+/// answer).
+#[derive(Debug)]
+pub(super) struct Socket {
+    pub(super) tcp: TcpStream,
+    pub(super) read: AtomicU64,
+}
+
+impl Socket {
+    /// A socket over `tcp`, nothing read yet.
+    pub(super) fn new(tcp: TcpStream) -> Arc<Self> {
+        Arc::new(Self {
+            tcp,
+            read: AtomicU64::new(0),
+        })
+    }
+}
+
+/// What hyper reads and writes: the shared socket itself, or TLS over it. Counts the bytes of
+/// responses read, and over HTTP/2 shows them to the connection's [`FrameWatch`].
+#[derive(Debug)]
+pub(super) struct Transport {
+    io: Io,
+    socket: Arc<Socket>,
+    frames: Option<FrameWatch>,
+}
+
+#[derive(Debug)]
+enum Io {
+    Plain(SharedStream),
+    Tls(Box<TlsStream<SharedStream>>),
+}
+
+impl Transport {
+    /// The socket in plain text.
+    pub(super) fn plain(socket: Arc<Socket>) -> Self {
+        Self {
+            io: Io::Plain(SharedStream(socket.clone())),
+            socket,
+            frames: None,
+        }
+    }
+
+    /// TLS over the socket, after its handshake.
+    pub(super) fn tls(tls: TlsStream<SharedStream>, socket: Arc<Socket>) -> Self {
+        Self {
+            io: Io::Tls(Box::new(tls)),
+            socket,
+            frames: None,
+        }
+    }
+
+    /// Shows every byte read from now on to `frames` (an HTTP/2 connection's).
+    pub(super) fn watched(mut self, frames: FrameWatch) -> Self {
+        self.frames = Some(frames);
+        self
+    }
+
+    /// Whether it is TLS.
+    pub(super) fn is_tls(&self) -> bool {
+        matches!(self.io, Io::Tls(_))
+    }
+
+    /// The socket.
+    pub(super) fn socket(&self) -> &Arc<Socket> {
+        &self.socket
+    }
+}
+
+impl AsyncRead for Transport {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        let result = match &mut this.io {
+            Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        };
+        let read = &buf.filled()[before..];
+        if !read.is_empty() {
+            this.socket
+                .read
+                .fetch_add(read.len() as u64, Ordering::Relaxed);
+            if let Some(frames) = &mut this.frames {
+                frames.feed(read);
+            }
+        }
+        result
+    }
+}
+
+impl AsyncWrite for Transport {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.io {
+            Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.io {
+            Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match &self.io {
+            Io::Plain(s) => s.is_write_vectored(),
+            Io::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.io {
+            Io::Plain(s) => Pin::new(s).poll_flush(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    /// Plain: the write side's FIN. TLS: a `close_notify`, then the FIN.
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.io {
+            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// The upstream socket, shared by hyper (which reads and writes it through this) and the
+/// connection's own checks.
+#[derive(Debug)]
+pub(super) struct SharedStream(pub(super) Arc<Socket>);
+
+impl AsyncRead for SharedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            ready!(self.0.tcp.poll_read_ready(cx))?;
+            // Into the buffer's uninitialised part as it is (hyper's read buffer is large and
+            // fresh on every read: zeroing it first would cost a memset per read).
+            match self.0.tcp.try_read_buf(buf) {
+                Ok(_) => return Poll::Ready(Ok(())),
+                // Readiness was stale (try_read cleared it): wait again.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for SharedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            ready!(self.0.tcp.poll_write_ready(cx))?;
+            match self.0.tcp.try_write(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                result => return Poll::Ready(result),
+            }
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            ready!(self.0.tcp.poll_write_ready(cx))?;
+            match self.0.tcp.try_write_vectored(bufs) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                result => return Poll::Ready(result),
+            }
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(socket2::SockRef::from(&self.0.tcp).shutdown(Shutdown::Write))
+    }
+}
+
+/// What the kernel says of an idle connection's socket, without waiting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peek {
+    /// Nothing to read: the peer has not closed it.
+    Quiet,
+    /// The peer closed its side (FIN).
+    Closed,
+    /// The connection was reset, or failed.
+    Failed,
+    /// The peer sent bytes nobody asked for: the connection cannot carry a request.
+    Unexpected,
+}
+
+/// Asks the kernel (a non-blocking `MSG_PEEK` of one byte) what an idle socket holds.
+pub fn peek(stream: &TcpStream) -> Peek {
+    let mut byte = [MaybeUninit::<u8>::uninit(); 1];
+    match socket2::SockRef::from(stream).peek(&mut byte) {
+        Ok(0) => Peek::Closed,
+        Ok(_) => Peek::Unexpected,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Peek::Quiet,
+        Err(_) => Peek::Failed,
+    }
+}
