@@ -22,10 +22,15 @@
 //! started from (the least tag among the waiting clients when it was made). A grant to client
 //! `c` raises `F_c` by `cost / w_c`; a correction moves it by `(used − cost) / w_c`. A client
 //! that starts waiting, or is granted at once (nobody waits), first has its tag lifted to `V`:
-//! tokens it did not ask for while others were served are not banked, so "lately" is "since it
-//! last had calls waiting or in flight", not a decayed window. A client with no waiters and no
-//! call in flight whose tag is at or below `V` is forgotten (the lift would restore it), so the
-//! table holds the clients waiting or in flight and those a grant took ahead of `V`.
+//! tokens it did not ask for while others were served are not banked. A grant that leaves
+//! nobody waiting in the class ends its *busy period*, as in start-time fair queueing: `V`
+//! moves up to the largest tag, so every client starts the next busy period even. "Lately" is
+//! therefore "in the current busy period of the class" (since its queue was last empty), not
+//! a decayed window: when nobody waits, every call is served at once and no one is wronged; a
+//! client lifted later only loses credit, and the bound below only needs `V` never to pass a
+//! *waiting* client's tag by a grant. A client with no waiters and no call in flight whose tag
+//! is at or below `V` is forgotten (the lift would restore it), so the table holds the clients
+//! waiting or in flight and, during a busy period, those a grant took ahead of `V`.
 //!
 //! Start-time tags rather than an exponentially decayed count: they need no half-life to
 //! choose (a half-life short against a long completion forgets it while it streams, a long one
@@ -33,10 +38,19 @@
 //! the bound below, which holds over every stretch of grants, however short.
 //!
 //! The next grant of a class goes to the waiting client of least tag (the earlier head on a
-//! tie), and within a client to its oldest waiter. Which class is served is decided as
-//! [`super::queue`] decides it, on each class's *oldest* waiter: fairness reorders clients
-//! within a class, never the classes, so the aging bound between classes holds as proved
-//! there for the class as a whole. O(clients waiting in the class) a grant.
+//! tie), and within a client to its oldest waiter. O(clients waiting in the class) a grant.
+//!
+//! # The aging bound between classes
+//!
+//! Which class is served is decided as [`super::queue`] decides it on two heads, with
+//! interactive's head the waiter it would serve next (its fair pick) and batch's its *oldest*
+//! waiter, whose aging deadline is the class's clock. Once the deadline `d` of the oldest
+//! batch waiter `w` has passed, an interactive grant is made only to a waiter that arrived at
+//! or before `d` (a later one ranks after `w`): while `w` waits, the interactive grants made
+//! after its deadline are at most the interactive waiters that arrived by `d`, each served
+//! once, the bound of [`super::queue`]. The batch turns between them go to batch clients
+//! fairly; `w` heads its client's line, so it is served within its client's fair share of
+//! those turns (the bound below).
 //!
 //! # The fairness bound
 //!
@@ -225,6 +239,16 @@ impl<T> Class<T> {
         self.virtual_time = v.max(r.tag);
         r.tag += ticket.tag(ticket.cost as f64);
         r.inflight += 1;
+        // Nobody waits: the busy period ends, the virtual time moves up to the largest tag
+        // (see the module doc).
+        if self.lanes.is_empty() {
+            let top = self
+                .records
+                .values()
+                .map(|r| r.tag)
+                .fold(f64::MIN, f64::max);
+            self.virtual_time = self.virtual_time.max(top);
+        }
         // Those the virtual time passed and that have nothing waiting or in flight.
         let v = self.virtual_time;
         let lanes = &self.lanes;
@@ -312,15 +336,6 @@ impl<T> FairQueue<T> {
         None
     }
 
-    /// Whether the waiter `id` is still queued.
-    #[cfg(test)]
-    pub fn contains(&self, id: u64) -> bool {
-        self.classes
-            .iter()
-            .flat_map(|c| &c.lanes)
-            .any(|l| l.fifo.iter().any(|(e, _)| e.id == id))
-    }
-
     /// Drops every waiter (their clients' tags stay).
     pub fn clear(&mut self) {
         for class in &mut self.classes {
@@ -393,13 +408,17 @@ impl<T> FairQueue<T> {
         class.forget_if_idle(client);
     }
 
-    /// The class served next, decided on each class's oldest waiter as
-    /// [`super::queue::ClassQueue::next`] decides on its heads: the aging bound between
-    /// classes is the same. With `batch_allowed` false only interactive may be served.
+    /// The class served next, decided as [`super::queue::ClassQueue::next`] decides on its
+    /// heads, with interactive's head the waiter it would serve ([`Self::front`]) and batch's
+    /// its oldest waiter (the class's aging clock): see the module doc for the bound. With
+    /// `batch_allowed` false only interactive may be served.
     pub fn next(&self, aging: Duration, batch_allowed: bool) -> Option<PriorityClass> {
-        let oldest = |c: &Class<T>| c.oldest_lane().map(|l| c.lanes[l].fifo[0].0.since);
-        let interactive = oldest(&self.classes[0]);
-        let batch = oldest(&self.classes[1]).filter(|_| batch_allowed);
+        let interactive = self.front(PriorityClass::Interactive).map(|e| e.since);
+        let c = &self.classes[PriorityClass::Batch.index()];
+        let batch = c
+            .oldest_lane()
+            .map(|l| c.lanes[l].fifo[0].0.since)
+            .filter(|_| batch_allowed);
         match (interactive, batch) {
             (None, None) => None,
             (Some(_), None) => Some(PriorityClass::Interactive),
@@ -415,3 +434,6 @@ impl<T> FairQueue<T> {
         self.classes[class.index()].records.len()
     }
 }
+
+#[cfg(test)]
+mod tests;

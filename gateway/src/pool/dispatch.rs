@@ -457,7 +457,8 @@ impl<C: Connect> Inner<C> {
         }
     }
 
-    /// Takes a leased connection back.
+    /// Takes a leased connection back; `fair` is its grant's charge and the tokens its call
+    /// used, if known, to settle in the fair queue.
     pub(super) fn release(
         self: &Arc<Self>,
         endpoint: u64,
@@ -465,9 +466,9 @@ impl<C: Connect> Inner<C> {
         outcome: Outcome,
         created_at: Instant,
         held: Duration,
-        charge: Charge,
-        used: Option<u64>,
+        fair: (Charge, Option<u64>),
     ) {
+        let (charge, used) = fair;
         let now = Instant::now();
         let mut state = self.state.lock();
         state.held[charge.class.index()] -= 1;

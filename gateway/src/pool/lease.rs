@@ -103,8 +103,7 @@ impl<C: Connect> Drop for Lease<C> {
             self.outcome,
             self.created_at,
             held,
-            self.charge,
-            self.used,
+            (self.charge, self.used),
         );
     }
 }
