@@ -82,6 +82,7 @@ async fn a_short_client_is_not_queued_behind_a_long_clients_completions() {
     let (short, long) = (waits("short"), waits("long"));
     assert_eq!((short.len(), long.len()), (3, 12));
     let worst_short = short.iter().copied().fold(0.0, f64::max);
+    eprintln!("lease waits (ms): short {short:?}, long {long:?}");
     let worst_long = long.iter().copied().fold(0.0, f64::max);
     // FIFO would put each short call behind the long calls queued before it (five rounds,
     // ≈ 2 s); fair, it waits for one long call to end at most (≈ 400 ms). Slack for a loaded
