@@ -19,7 +19,8 @@
 //!
 //! Each class keeps a *tag* per client, `F`: the tokens it was charged divided by its weight,
 //! plus the lifts below; and a *virtual time* `V`, the largest tag any grant of the class
-//! started from (the least tag among the waiting clients when it was made). A grant to client
+//! started from (the least tag among the waiting clients when it was made), or the largest
+//! tag at the end of a busy period (below). A grant to client
 //! `c` raises `F_c` by `cost / w_c`; a correction moves it by `(used − cost) / w_c`. A client
 //! that starts waiting, or is granted at once (nobody waits), first has its tag lifted to `V`:
 //! tokens it did not ask for while others were served are not banked. A grant that leaves
@@ -66,9 +67,10 @@
 //! calls in flight at it (`≤ k·Δ_j / w_j`); `F_i` grew by `i`'s own grants (only up) and fell
 //! by at most its downward corrections, of calls in flight at `j`'s grant or granted since;
 //! those granted since were granted at a tag no higher than `F_j`, so only the `k` in flight
-//! at the grant count: `≤ k·Δ_i / w_i`. When `j` had no grant since it started waiting, its tag
-//! is at most `V` (plus its corrections) and `i`'s is at least `V` minus its refunds: within
-//! the same `S_ji`.
+//! at the grant count: `≤ k·Δ_i / w_i`. When `j` had no grant since it started waiting, it
+//! started at `V`, or above it by what its last grant before (started at most at `V`) and
+//! its corrections since added, `≤ (C_j + k·Δ_j) / w_j`, while `i`'s tag is at least `V`
+//! minus its refunds: within the same `S_ji`.
 //!
 //! *Share.* Over any stretch of grants during which `i` and `j` both have waiters throughout,
 //! no lift touches them, so the tokens they were charged, `R_i` and `R_j`, move their tags

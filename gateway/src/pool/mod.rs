@@ -1,6 +1,7 @@
 //! The per-backend connection pool: a hard cap on open connections per endpoint, waiters in
-//! two priority classes (interactive first, FIFO within a class, batch aging and an optional
-//! share cap on batch: `crate::limits::queue`) with a lease timeout, a bounded pending queue,
+//! two priority classes (interactive first, batch aging and an optional share cap on batch:
+//! `crate::limits::queue`; within a class token-fair between clients, FIFO for one:
+//! `crate::limits::fair`) with a lease timeout, a bounded pending queue,
 //! idle reuse, idle/lifetime expiry, validate-after-idle, runtime resizing, endpoint choice by
 //! spare capacity, and the health state (active probes, passive ejection) that decides which
 //! endpoints may be chosen.
@@ -19,8 +20,8 @@
 //!   └────────────┬────────────┘──connect────►└───────────┘                 │
 //!                │ all full                                      dispatch(): hand idle conns
 //!                ▼                                               and free slots to waiters,
-//!   pending < maxPending ? waiter ──────lease timeout──► 503   interactive first, FIFO
-//!                                                               in a class, batch aged
+//!   pending < maxPending ? waiter ──────lease timeout──► 503   interactive first, batch
+//!                                                               aged, token-fair in a class
 //!                        : 503 pool_queue_full
 //! ```
 //!
