@@ -730,6 +730,9 @@ pub struct ClientOverride {
     /// This client's own token budget, in place of the policy's. None: the policy's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<TokenBudget>,
+    /// This client's weight in the pool queue's token-fair order (1 to 100). None: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
 }
 
 /// A client's token budget: what its calls may cost in model tokens, a minute (and a day), with
@@ -983,6 +986,11 @@ impl GatewayLimits {
                     );
                 }
                 v.positive_u64(&at("maxConcurrency"), o.max_concurrency.into());
+                if let Some(w) = o.weight
+                    && !(1..=100).contains(&w)
+                {
+                    v.push(at("weight"), format!("{w} is not between 1 and 100"));
+                }
                 if let Some(t) = &o.tokens {
                     v.tokens(&at("tokens"), t);
                 }

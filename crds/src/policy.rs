@@ -798,6 +798,13 @@ pub struct ClientOverrideSpec {
     /// pod: `clients.scope`). Omitted: `clients.tokens`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<TokenBudgetSpec>,
+    /// This client's weight in the connection pool queue's token-fair order: among the
+    /// clients waiting in one priority class, each is served tokens in proportion to its
+    /// weight (a client of weight 2 gets twice the tokens of one of weight 1 while both wait).
+    /// Omitted: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub weight: Option<u32>,
 }
 
 /// What the client limits count.

@@ -146,12 +146,14 @@ fn every_violation_is_reported_with_its_field() {
     b.client_policy = Some("nope".into());
     b.endpoints.push(b.endpoints[0].clone());
     doc.client_policies[0].overrides[0].key_sha256 = "abc".into();
+    doc.client_policies[0].overrides[0].weight = Some(101);
     let err = doc.validate().unwrap_err();
     let fields: Vec<&str> = err.violations.iter().map(|v| v.field.as_str()).collect();
     assert_eq!(
         fields,
         [
             "clientPolicies[0].overrides[0].keySha256",
+            "clientPolicies[0].overrides[0].weight",
             "backends[1].name",
             "backends[1].endpoints[2].name",
             "backends[1].pool.maxConnectionsPerEndpoint",

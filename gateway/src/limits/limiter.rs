@@ -62,6 +62,14 @@ impl ClientKey {
         hex::encode(self.0)
     }
 
+    /// The client in the pool queue's token-fair order ([`crate::limits::fair::Ticket`]):
+    /// the digest's first 8 bytes.
+    pub fn fair_id(&self) -> u64 {
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&self.0[..8]);
+        u64::from_be_bytes(first)
+    }
+
     /// A short, non-reversible display form (`sha256:` and 12 hex digits).
     pub fn short(&self) -> String {
         format!("sha256:{}", hex::encode(&self.0[..6]))
@@ -284,6 +292,16 @@ impl ClientLimiter {
             _ => None,
         };
         priority.class_of(pinned, values.into_iter().flatten())
+    }
+
+    /// The weight of `key` in the pool queue's token-fair order: its override's, else 1.
+    pub fn weight_of(&self, key: &ClientKey) -> u32 {
+        self.inner
+            .state
+            .lock()
+            .overrides
+            .get(key)
+            .map_or(crate::limits::fair::DEFAULT_WEIGHT, |o| o.weight)
     }
 
     /// The output tokens a call of `key` that does not say is assumed to reserve (its
@@ -543,6 +561,8 @@ struct Override {
     max_concurrency: u32,
     /// The priority class it pins, if it does.
     class: Option<PriorityClass>,
+    /// Its weight in the pool queue's token-fair order.
+    weight: u32,
 }
 
 /// A client's part of its fleet-wide limits in this pod (`clientShares`).
@@ -595,6 +615,7 @@ fn overrides_of(policy: &ClientPolicy) -> HashMap<ClientKey, Override> {
                 name: o.name.as_str().into(),
                 max_concurrency: o.max_concurrency,
                 class: o.class,
+                weight: o.weight.unwrap_or(crate::limits::fair::DEFAULT_WEIGHT),
             };
             Some((ClientKey(key), entry))
         })

@@ -1,4 +1,5 @@
-//! The two-class waiter queue of the pool and of each client's queue: interactive waiters
+//! The two-class waiter queue of each client's queue, and the class order of the pool's
+//! (`super::fair` keeps it, fair between clients within a class): interactive waiters
 //! before batch ones, FIFO within a class, and aging: a batch waiter ranks as an interactive
 //! waiter that arrived at its aging deadline (its arrival + `agingAfter`).
 //!
@@ -86,23 +87,14 @@ impl<T> ClassQueue<T> {
     }
 
     /// Drops every waiter.
+    #[cfg(test)]
     pub fn clear(&mut self) {
         self.fifo.iter_mut().for_each(VecDeque::clear);
-    }
-
-    /// The head of one class.
-    pub fn front(&self, class: PriorityClass) -> Option<&Entry<T>> {
-        self.fifo[class.index()].front()
     }
 
     /// Takes the head of one class.
     pub fn pop(&mut self, class: PriorityClass) -> Option<Entry<T>> {
         self.fifo[class.index()].pop_front()
-    }
-
-    /// Takes the newest waiter of one class (the last in its line).
-    pub fn pop_back(&mut self, class: PriorityClass) -> Option<Entry<T>> {
-        self.fifo[class.index()].pop_back()
     }
 
     /// The class whose head is served next: the head of smallest rank (see the module doc),

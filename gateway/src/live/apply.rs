@@ -301,8 +301,11 @@ impl Gateway {
         registry.limiters = limiters;
 
         let needs_model = doc.backends.iter().any(|b| b.route.model.is_some());
-        // A call's token estimate reads its body (`max_tokens`, the prompt).
+        // A call's token estimate reads its body (`max_tokens`, the prompt): for a token budget,
+        // and for the pool queue's fairness between the clients a client policy tells apart
+        // (`crate::limits::fair`), whose charges would otherwise be `defaultMaxTokens` each.
         let needs_body = needs_model
+            || doc.backends.iter().any(|b| b.client_policy.is_some())
             || doc
                 .client_policies
                 .iter()

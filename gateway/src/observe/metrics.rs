@@ -172,6 +172,7 @@ pub struct Metrics {
     pool_burst_allowance: Family<BackendLabel, Gauge>,
     pool_burst_connections: Family<BackendLabel, Gauge>,
     pool_bursts: Family<BackendLabel, Counter>,
+    pool_fair_reordered: Family<BackendLabel, Counter>,
     pool_class_pending: Family<BackendClassLabels, Gauge>,
     pool_class_leased: Family<BackendClassLabels, Gauge>,
     pool_class_lease_wait: Family<BackendClassLabels, Histogram, LeaseWaitBuckets>,
@@ -295,6 +296,7 @@ impl Metrics {
             pool_burst_allowance: Family::default(),
             pool_burst_connections: Family::default(),
             pool_bursts: Family::default(),
+            pool_fair_reordered: Family::default(),
             pool_class_pending: Family::default(),
             pool_class_leased: Family::default(),
             pool_class_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets)),
@@ -380,6 +382,11 @@ impl Metrics {
             "poolpilot_pool_bursts",
             "Burst connections opened: beyond the share, on the burst allowance",
             m.pool_bursts.clone(),
+        );
+        r.register(
+            "poolpilot_pool_fair_reordered",
+            "Grants that token-fair queueing made to a client before an older waiter of the same priority class",
+            m.pool_fair_reordered.clone(),
         );
         r.register(
             "poolpilot_pool_class_pending",
@@ -666,6 +673,13 @@ impl Metrics {
     /// The counter of burst connections opened to `backend`.
     pub(crate) fn bursts(&self, backend: &str) -> Counter {
         self.pool_bursts.get_or_create_owned(&BackendLabel {
+            backend: backend.into(),
+        })
+    }
+
+    /// The counter of grants that token fairness reordered on `backend`.
+    pub(crate) fn fair_reordered(&self, backend: &str) -> Counter {
+        self.pool_fair_reordered.get_or_create_owned(&BackendLabel {
             backend: backend.into(),
         })
     }

@@ -20,6 +20,7 @@ use super::error::PoolError;
 use super::lease::{Lease, Outcome};
 use super::select;
 use super::state::{EndpointState, Grant, IdleConn, Inner, State};
+use crate::limits::fair::{Charge, Ticket};
 use crate::limits::queue::Entry;
 use crate::observe::CloseReason;
 
@@ -35,7 +36,8 @@ pub(super) enum Step<T> {
 /// taken for good.
 pub(super) struct Unsettled<C: Connect, H: Holding<C::Conn>> {
     pub(super) pool: Arc<Inner<C>>,
-    pub(super) class: PriorityClass,
+    /// The class and ticket of the lease: what a grant given back is refunded.
+    pub(super) charge: Charge,
     pub(super) held: H,
     /// The wait or the connect ended and `lease()` (or `complete()`) took over.
     pub(super) settled: bool,
@@ -86,7 +88,7 @@ impl<C: Connect, H: Holding<C::Conn>> Drop for Unsettled<C, H> {
         let now = Instant::now();
         let mut state = self.pool.state.lock();
         if let Some(grant) = self.held.grant_to_undo(&mut state) {
-            self.pool.undo(&mut state, grant, self.class);
+            self.pool.undo(&mut state, grant, self.charge);
             self.pool.freed(state, now);
         }
     }
@@ -120,6 +122,7 @@ impl<C: Connect> Inner<C> {
         state: &mut State<C::Conn>,
         now: Instant,
         class: PriorityClass,
+        ticket: Ticket,
     ) -> Result<Step<C::Conn>, PoolError> {
         if state.retired {
             return Err(PoolError::Retired {
@@ -132,6 +135,7 @@ impl<C: Connect> Inner<C> {
             && let Some(grant) = self.find_grant(state, now, class == PriorityClass::Interactive)
         {
             state.held[class.index()] += 1;
+            state.waiters.charge_now(class, ticket);
             self.lease_wait.observe(0.0);
             self.class_wait[class.index()].observe(0.0);
             return Ok(Step::Ready(grant));
@@ -159,12 +163,15 @@ impl<C: Connect> Inner<C> {
         let (tx, mut rx) = oneshot::channel();
         let id = state.next_waiter_id;
         state.next_waiter_id += 1;
-        state.waiters.push(Entry {
-            id,
-            since: now,
-            class,
-            item: tx,
-        });
+        state.waiters.push(
+            Entry {
+                id,
+                since: now,
+                class,
+                item: tx,
+            },
+            ticket,
+        );
         // The waiters ahead may be batch held by its share cap while a connection is free: an
         // interactive newcomer is served at once.
         self.dispatch(state, now);
@@ -269,7 +276,9 @@ impl<C: Connect> Inner<C> {
     }
 
     /// Hands idle connections and free slots to waiters, in the queue's order: interactive
-    /// first, FIFO within a class, aged batch as interactive (see [`crate::limits::queue`]); a
+    /// first, aged batch as interactive (see [`crate::limits::queue`]), within a class the
+    /// client that received the fewest tokens lately, FIFO for one client
+    /// ([`crate::limits::fair`]); a
     /// batch waiter only while batch is under its share cap. Only the waiter the queue serves
     /// next may burst, and only when it is interactive: the burst never reorders the queue
     /// (an aged batch head is not passed by bursting interactive calls). Then closes the idle
@@ -291,24 +300,27 @@ impl<C: Connect> Inner<C> {
                 .front(class)
                 .is_some_and(|w| w.item.is_closed())
             {
-                state.waiters.pop(class);
+                state.waiters.pop_uncharged(class);
                 continue;
             }
             let may_burst = class == PriorityClass::Interactive;
             let Some(grant) = self.find_grant(state, now, may_burst) else {
                 return;
             };
-            let Some(waiter) = state.waiters.pop(class) else {
+            let Some(taken) = state.waiters.pop(class) else {
                 return;
             };
-            let wait = now.duration_since(waiter.since);
+            let wait = now.duration_since(taken.entry.since);
             state.held[class.index()] += 1;
-            match waiter.item.send(grant) {
+            match taken.entry.item.send(grant) {
                 Ok(()) => {
                     self.lease_wait.observe(wait.as_secs_f64());
                     self.class_wait[class.index()].observe(wait.as_secs_f64());
+                    if taken.reordered {
+                        self.fair_reordered.inc();
+                    }
                 }
-                Err(grant) => self.undo(state, grant, class),
+                Err(grant) => self.undo(state, grant, taken.charge),
             }
         }
     }
@@ -325,14 +337,10 @@ impl<C: Connect> Inner<C> {
         }
     }
 
-    /// Gives back a grant nobody took (given to a call of `class`).
-    pub(super) fn undo(
-        &self,
-        state: &mut State<C::Conn>,
-        grant: Grant<C::Conn>,
-        class: PriorityClass,
-    ) {
-        state.held[class.index()] -= 1;
+    /// Gives back a grant nobody took (charged `charge`, refunded).
+    pub(super) fn undo(&self, state: &mut State<C::Conn>, grant: Grant<C::Conn>, charge: Charge) {
+        state.held[charge.class.index()] -= 1;
+        state.waiters.settle(charge, Some(0));
         match grant {
             Grant::Conn { endpoint, idle, .. } => {
                 if let Some(ep) = state.endpoint_mut(endpoint) {
@@ -353,9 +361,10 @@ impl<C: Connect> Inner<C> {
         self: Arc<Self>,
         grant: Grant<C::Conn>,
         start: Instant,
-        class: PriorityClass,
+        charge: Charge,
     ) -> Result<Lease<C>, PoolError> {
         let now = Instant::now();
+        let class = charge.class;
         match grant {
             Grant::Conn {
                 endpoint,
@@ -373,7 +382,8 @@ impl<C: Connect> Inner<C> {
                     reused: true,
                     burst,
                     wait: now.duration_since(start),
-                    class,
+                    charge,
+                    used: None,
                     outcome: Outcome::Close(CloseReason::Error),
                 })
             }
@@ -391,7 +401,7 @@ impl<C: Connect> Inner<C> {
                 };
                 let mut reservation = Unsettled {
                     pool: Arc::clone(&self),
-                    class,
+                    charge,
                     held: ReservedSlot { endpoint },
                     settled: false,
                 };
@@ -432,7 +442,8 @@ impl<C: Connect> Inner<C> {
                             reused: shared,
                             burst,
                             wait: now.duration_since(start),
-                            class,
+                            charge,
+                            used: None,
                             outcome: Outcome::Close(CloseReason::Error),
                         });
                     }
@@ -447,15 +458,17 @@ impl<C: Connect> Inner<C> {
                         timeout,
                     },
                 };
-                // The reserved slot is free again.
+                // The reserved slot is free again, and the call it was for is charged nothing.
                 state.held[class.index()] -= 1;
+                state.waiters.settle(charge, Some(0));
                 self.freed(state, Instant::now());
                 Err(error)
             }
         }
     }
 
-    /// Takes a leased connection back.
+    /// Takes a leased connection back; `fair` is its grant's charge and the tokens its call
+    /// used, if known, to settle in the fair queue.
     pub(super) fn release(
         self: &Arc<Self>,
         endpoint: u64,
@@ -463,11 +476,13 @@ impl<C: Connect> Inner<C> {
         outcome: Outcome,
         created_at: Instant,
         held: Duration,
-        class: PriorityClass,
+        fair: (Charge, Option<u64>),
     ) {
+        let (charge, used) = fair;
         let now = Instant::now();
         let mut state = self.state.lock();
-        state.held[class.index()] -= 1;
+        state.held[charge.class.index()] -= 1;
+        state.waiters.settle(charge, used);
         state.releases.record(now);
         state.hold.record(held);
         // Kept up to share + burst: a connection beyond the share stays only for a waiter that

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use super::connect::Connect;
 use super::state::Inner;
+use crate::limits::fair::Charge;
 use crate::observe::CloseReason;
 
 /// A connection on loan. Dropping it returns the connection to the pool when [`Lease::keep`]
@@ -25,7 +26,10 @@ pub struct Lease<C: Connect> {
     pub(super) reused: bool,
     pub(super) burst: bool,
     pub(super) wait: Duration,
-    pub(super) class: PriorityClass,
+    /// What its grant charged its client in the fair queue ([`crate::limits::fair`]).
+    pub(super) charge: Charge,
+    /// The tokens its call used, once known ([`Lease::settle_tokens`]).
+    pub(super) used: Option<u64>,
     pub(super) outcome: Outcome,
 }
 
@@ -64,7 +68,13 @@ impl<C: Connect> Lease<C> {
 
     /// The priority class it was leased for.
     pub fn class(&self) -> PriorityClass {
-        self.class
+        self.charge.class
+    }
+
+    /// The tokens its call used (at least 1), correcting what its grant charged its client
+    /// in the pool's fair queue when the lease is dropped. Not called: the charge stands.
+    pub fn settle_tokens(&mut self, used: u64) {
+        self.used = Some(used.max(1));
     }
 
     /// The endpoint's name.
@@ -93,7 +103,7 @@ impl<C: Connect> Drop for Lease<C> {
             self.outcome,
             self.created_at,
             held,
-            self.class,
+            (self.charge, self.used),
         );
     }
 }

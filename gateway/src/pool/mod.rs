@@ -1,6 +1,7 @@
 //! The per-backend connection pool: a hard cap on open connections per endpoint, waiters in
-//! two priority classes (interactive first, FIFO within a class, batch aging and an optional
-//! share cap on batch: `crate::limits::queue`) with a lease timeout, a bounded pending queue,
+//! two priority classes (interactive first, batch aging and an optional share cap on batch:
+//! `crate::limits::queue`; within a class token-fair between clients, FIFO for one:
+//! `crate::limits::fair`) with a lease timeout, a bounded pending queue,
 //! idle reuse, idle/lifetime expiry, validate-after-idle, runtime resizing, endpoint choice by
 //! spare capacity, and the health state (active probes, passive ejection) that decides which
 //! endpoints may be chosen.
@@ -19,8 +20,8 @@
 //!   └────────────┬────────────┘──connect────►└───────────┘                 │
 //!                │ all full                                      dispatch(): hand idle conns
 //!                ▼                                               and free slots to waiters,
-//!   pending < maxPending ? waiter ──────lease timeout──► 503   interactive first, FIFO
-//!                                                               in a class, batch aged
+//!   pending < maxPending ? waiter ──────lease timeout──► 503   interactive first, batch
+//!                                                               aged, token-fair in a class
 //!                        : 503 pool_queue_full
 //! ```
 //!
@@ -74,7 +75,7 @@ use parking_lot::Mutex;
 use poolpilot_api::limits::{PoolLimits, Priority, PriorityClass};
 use tokio::time::Instant;
 
-use crate::limits::queue::ClassQueue;
+use crate::limits::fair::{Charge, FairQueue, Ticket};
 use crate::observe::{CloseReason, Metrics};
 pub use connect::{CLOSE_GRACE, Connect, Poolable};
 use dispatch::{QueuePlace, Step, Unsettled, reap_loop};
@@ -128,6 +129,7 @@ impl<C: Connect> Pool<C> {
         let class_wait = PriorityClass::ALL.map(|c| metrics.class_lease_wait(&backend, c));
         let lease_timeouts = metrics.lease_timeouts(&backend);
         let bursts = metrics.bursts(&backend);
+        let fair_reordered = metrics.fair_reordered(&backend);
         let inner = Arc::new(Inner {
             backend: backend.clone(),
             connector,
@@ -135,13 +137,14 @@ impl<C: Connect> Pool<C> {
             class_wait,
             lease_timeouts,
             bursts,
+            fair_reordered,
             state: Mutex::new(State {
                 limits,
                 health_check: None,
                 outlier: None,
                 endpoints: Vec::new(),
                 next_endpoint_id: 0,
-                waiters: ClassQueue::default(),
+                waiters: FairQueue::default(),
                 next_waiter_id: 0,
                 priority: Priority::default(),
                 held: [0; 2],
@@ -163,28 +166,45 @@ impl<C: Connect> Pool<C> {
         &self.inner.backend
     }
 
-    /// Leases a connection for an interactive call (see [`Self::lease_as`]).
+    /// Leases a connection for an interactive call of no known client (see
+    /// [`Self::lease_for`]).
     pub async fn lease(&self) -> Result<Lease<C>, PoolError> {
         self.lease_as(PriorityClass::Interactive).await
     }
 
-    /// Leases a connection for a call of `class`: an idle one if an eligible endpoint has one,
-    /// a new one if an endpoint is below its cap, else waits up to `leaseTimeout`, served in
-    /// the queue's order (interactive first, FIFO within a class, batch aging: see
-    /// `crate::limits::queue`). A batch call also waits while batch holds its share cap.
+    /// Leases a connection for a call of `class` of no known client (each such call takes an
+    /// equal turn: [`Ticket::ANONYMOUS`]); see [`Self::lease_for`].
     pub async fn lease_as(&self, class: PriorityClass) -> Result<Lease<C>, PoolError> {
+        self.lease_for(class, Ticket::ANONYMOUS).await
+    }
+
+    /// Leases a connection for a call of `class` charged `ticket`: an idle one if an eligible
+    /// endpoint has one, a new one if an endpoint is below its cap, else waits up to
+    /// `leaseTimeout`, served in the queue's order (interactive first, batch aging: see
+    /// `crate::limits::queue`; within a class the client that received the fewest tokens
+    /// lately, FIFO for one client: `crate::limits::fair`). A batch call also waits while
+    /// batch holds its share cap.
+    pub async fn lease_for(
+        &self,
+        class: PriorityClass,
+        ticket: Ticket,
+    ) -> Result<Lease<C>, PoolError> {
         let start = Instant::now();
+        let charge = Charge { class, ticket };
         let (step, lease_timeout) = {
             let mut state = self.inner.state.lock();
             let lease_timeout = state.limits.lease_timeout.get();
-            (self.inner.begin(&mut state, start, class)?, lease_timeout)
+            (
+                self.inner.begin(&mut state, start, class, ticket)?,
+                lease_timeout,
+            )
         };
         let grant = match step {
             Step::Ready(grant) => grant,
             Step::Wait(rx, id) => {
                 let mut waiting = Unsettled {
                     pool: Arc::clone(&self.inner),
-                    class,
+                    charge,
                     held: QueuePlace { rx, id },
                     settled: false,
                 };
@@ -237,7 +257,7 @@ impl<C: Connect> Pool<C> {
                 }
             }
         };
-        self.inner.clone().complete(grant, start, class).await
+        self.inner.clone().complete(grant, start, charge).await
     }
 
     /// Sets how the queue treats batch calls: the aging bound and the share cap (the

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use super::connect::{Connect, Poolable};
 use super::rate::{self, HoldTime, ReleaseRate};
-use crate::limits::queue::ClassQueue;
+use crate::limits::fair::FairQueue;
 use crate::observe::{CloseReason, Metrics};
 
 /// One backend's pool, shared by its [`super::Pool`] handles, leases, probe slots and the
@@ -33,6 +33,9 @@ pub(super) struct Inner<C: Connect> {
     pub(super) lease_timeouts: Counter,
     /// Burst connections opened (`poolpilot_pool_bursts_total`).
     pub(super) bursts: Counter,
+    /// Grants that token fairness made before an older waiter of the same class
+    /// (`poolpilot_pool_fair_reordered_total`).
+    pub(super) fair_reordered: Counter,
     pub(super) state: Mutex<State<C::Conn>>,
     /// Notified whenever a slot frees other than by a lease returning to a live pool: a closing
     /// connection's peer let go, an abandoned connect or grant came back, or a lease returned
@@ -47,7 +50,7 @@ pub(super) struct State<T> {
     pub(super) outlier: Option<OutlierDetection>,
     pub(super) endpoints: Vec<EndpointState<T>>,
     pub(super) next_endpoint_id: u64,
-    pub(super) waiters: ClassQueue<oneshot::Sender<Grant<T>>>,
+    pub(super) waiters: FairQueue<oneshot::Sender<Grant<T>>>,
     pub(super) next_waiter_id: u64,
     /// How the queue treats batch (the backend's client policy's `priority`).
     pub(super) priority: Priority,

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use super::body::BodyProgress;
 use super::deadline::{Cut, DeadlineSlot};
+use crate::limits::fair::Ticket;
 use crate::limits::limiter::{ClientKey, ClientPermit};
 use crate::live::{Backend, Route};
 use crate::observe::access::Record;
@@ -39,6 +40,12 @@ pub(super) struct CallContext<'a> {
     pub(super) record: &'a Record,
     /// Its tokens as estimated before it was sent.
     pub(super) estimate: Estimate,
+    /// What its pool lease charges its client in the pool's fair queue
+    /// ([`crate::limits::fair`]).
+    pub(super) ticket: Ticket,
+    /// Whether the ticket's cost is the estimate, corrected by the tokens counted at the
+    /// call's end (else 1 per call, kept).
+    pub(super) settle_fair: bool,
 }
 
 /// One call in progress: what must happen when its response ends.
@@ -57,6 +64,8 @@ pub(super) struct Call {
     pub(super) first_byte: bool,
     /// Its tokens, read from the response as it passes.
     pub(super) meter: Meter<ClientKey>,
+    /// Whether its tokens as counted settle its lease's fair-queue charge.
+    pub(super) settle_fair: bool,
 }
 
 /// How a response body ended.
@@ -106,12 +115,15 @@ impl Call {
         let took = self.sent_at.elapsed().as_secs_f64();
         // Counted and settled before the permit goes: a client's next call sees its budget
         // settled.
-        self.meter.finish(
+        let used = self.meter.finish(
             &self.metrics,
             name,
             self.status,
             matches!(end, End::Complete),
         );
+        if self.settle_fair {
+            self.lease.settle_tokens(used);
+        }
         match end {
             End::Complete => {
                 self.metrics.upstream_duration(name, self.status, took);

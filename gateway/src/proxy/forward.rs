@@ -79,7 +79,7 @@ pub(super) async fn forward(
     loop {
         let mut lease = backend
             .pool
-            .lease_as(call.priority)
+            .lease_for(call.priority, call.ticket)
             .await
             .inspect_err(|e| {
                 if let Some(endpoint) = e.endpoint() {

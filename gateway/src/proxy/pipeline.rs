@@ -18,6 +18,7 @@ use super::deadline::DeadlineSlot;
 use super::error::ProxyError;
 use super::replay::Replay;
 use super::{forward, head, headers, identity, models, route};
+use crate::limits::fair;
 use crate::listen::source::Peer;
 use crate::live::Gateway;
 use crate::observe::NO_CLIENT;
@@ -140,6 +141,19 @@ async fn proxy(
     if let Some(key) = route.backend.credentials() {
         key.apply(&mut parts.headers);
     }
+    // The call's turn in the pool queue, fair between clients by tokens: a call with a body
+    // costs its estimate (settled with the tokens counted at its end), one without costs 1.
+    let settle_fair = length > 0;
+    let weight = route
+        .limiter
+        .as_ref()
+        .map_or(fair::DEFAULT_WEIGHT, |l| l.weight_of(&key));
+    let cost = if settle_fair {
+        estimate.prompt.saturating_add(estimate.output)
+    } else {
+        1
+    };
+    let ticket = fair::Ticket::new(key.fair_id(), weight, cost);
     let progress = body.progress();
     record.body(progress.clone());
     let replay = Replay::of(&parts, &body);
@@ -157,6 +171,8 @@ async fn proxy(
         slot,
         record,
         estimate,
+        ticket,
+        settle_fair,
     };
     let mut response = forward::forward(call, req, replay, permit).await?;
     if let Some(quote) = &quote {

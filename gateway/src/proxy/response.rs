@@ -61,6 +61,7 @@ pub(super) fn respond(
         permit,
         status: parts.status.as_u16(),
         sent_at,
+        settle_fair: call.settle_fair,
     };
     let body = UpstreamBody::new(body, done, deadline);
     Response::from_parts(parts, body.boxed_unsync())

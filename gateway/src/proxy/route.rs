@@ -35,7 +35,8 @@ pub(super) async fn route<'a>(
     }
     let listener = &snapshot.limits.listener;
     // Route, reading at most `routeBodyBytes` of the body when a route needs its `model`, when
-    // a token budget estimates calls from it (`crate::tokens::estimate`), or when the request
+    // a token budget or the pool queue's fairness between a client policy's clients estimates
+    // calls from it (`crate::tokens::estimate`, `crate::limits::fair`), or when the request
     // is replayable (the forward phase can send it again only if the gateway holds its body
     // whole: `super::replay`).
     let buffer = snapshot.needs_body || replay::replayable(&parts.method, &parts.headers);

@@ -121,8 +121,15 @@ impl<K: Copy + Eq + Hash> Meter<K> {
     }
 
     /// The call ended (`complete`: the backend sent all of it) with `status`: its tokens are
-    /// counted, a stream's token times observed, and its reservation settled.
-    pub(crate) fn finish(self, metrics: &Metrics, backend: &str, status: u16, complete: bool) {
+    /// counted, a stream's token times observed, and its reservation settled. Returns its
+    /// tokens as counted (input + output), what its pool lease is settled with.
+    pub(crate) fn finish(
+        self,
+        metrics: &Metrics,
+        backend: &str,
+        status: u16,
+        complete: bool,
+    ) -> u64 {
         let reading = self.reader.finish();
         let counted = count(&reading, self.estimate, status, complete);
         if let Some((n, source)) = counted.input {
@@ -146,10 +153,11 @@ impl<K: Copy + Eq + Hash> Meter<K> {
                 metrics.time_per_output_token(backend, per);
             }
         }
+        let (input, output) = counted.settled();
         if let Some(reservation) = self.reservation {
-            let (input, output) = counted.settled();
             reservation.settle(input, output);
         }
+        input + output
     }
 }
 

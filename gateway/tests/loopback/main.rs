@@ -22,6 +22,7 @@ mod conformance;
 mod credentials;
 mod deadlines;
 mod dns;
+mod fair;
 mod h2_upstream;
 mod hardening;
 mod health;

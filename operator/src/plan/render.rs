@@ -318,6 +318,7 @@ fn document(
                             .tokens
                             .as_ref()
                             .map(|t| token_budget(t, c.scope, plan.holders.len(), rank)),
+                        weight: o.weight,
                     })
                     .collect(),
                 slow_calls: c.slow_calls.as_ref().map(|s| SlowCalls {

@@ -18,6 +18,7 @@ fn policy(max: u32, queue: u32) -> ClientPolicy {
             max_concurrency: 5,
             class: None,
             tokens: None,
+            weight: None,
         }],
         slow_calls: None,
         max_clients: ClientPolicy::DEFAULT_MAX_CLIENTS,
@@ -359,6 +360,7 @@ fn prioritized(trust_header: bool) -> ClientLimiter {
         max_concurrency: 5,
         class: Some(PriorityClass::Interactive),
         tokens: None,
+        weight: None,
     });
     p.priority = Some(poolpilot_api::limits::Priority {
         header: Some("x-poolpilot-priority".into()),

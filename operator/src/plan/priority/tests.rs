@@ -26,6 +26,7 @@ clients:
   - name: frontend
     match: {keySha256: 60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752}
     maxConcurrency: 3
+    weight: 4
   priority:
     header: x-poolpilot-priority
     agingAfter: 100ms
@@ -90,6 +91,8 @@ fn every_pods_document_carries_the_priority_rules_and_the_overrides_classes_undi
         );
         let classes: Vec<_> = cp.overrides.iter().map(|o| o.class).collect();
         assert_eq!(classes, [Some(PriorityClass::Batch), None]);
+        let weights: Vec<_> = cp.overrides.iter().map(|o| o.weight).collect();
+        assert_eq!(weights, [None, Some(4)], "a weight, not divided over pods");
     }
     // The limits are divided as before (9 over 3 pods).
     assert_eq!(
