@@ -323,7 +323,7 @@ host-tools: $(CLUSTER_BIN) ## Install iproute2 when missing, route the cluster's
 NODE_IMAGES      := $(foreach i,operator gateway modelsim pause $(PROM_IMAGES),$(IMAGES_DIR)/$(i).tar)
 export POOLPILOT_IMAGES_DIR := $(IMAGES_DIR)
 CLUSTER_UP_NODE  := --node $(foreach i,$(NODE_IMAGES),--image $(i)) \
-	--node-nofile-class 512 --node-nofile-class 4096
+	--node-nofile-class 512 --node-nofile-class 4096 --node-nofile-class 8192
 
 .PHONY: node-tools
 node-tools: ## Install what the real node runs when missing: containerd, runc, the CNI plugins, iptables, conntrack, nsenter (Debian packages)
@@ -415,7 +415,10 @@ bench: bench-peers bins host-tools ## Proxy benchmarks beside HAProxy and nginx,
 		echo "a cluster is running with the images it started with; the bench starts its own on release images: make cluster-down first"; \
 		exit 1; \
 	fi
-	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-modelsim -p poolpilot-bench
+	@# The images' own release build (the same packages, so the same features: `make images`
+	@# then finds it built), and the benchmark driver apart.
+	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-gateway -p poolpilot-operator -p poolpilot-modelsim
+	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-bench
 	trap '$(MAKE) --no-print-directory cluster-down' EXIT; \
 	$(MAKE) --no-print-directory cluster-up IMAGE_PROFILE=release IMAGE_TARGET_DIR=$(BENCH_TARGET_DIR); \
 	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT) --image-profile release

@@ -137,6 +137,10 @@ pub struct StackSpec {
     /// The gateway pods' RLIMIT_NOFILE ([`nofile_template`]: the RuntimeClass
     /// `nofile-<limit>`); containerd's default (4096) when `None`.
     pub nofile_limit: Option<u64>,
+    /// The gateways' CPU request in place of the manifest's (250m), for stacks of more gateway
+    /// pods than the node's 2 CPUs hold at that request (the scheduler counts requests, not
+    /// use: the loop benchmark's 30-pod rollout).
+    pub gateway_cpu_request: Option<&'static str>,
     /// More operator flags, appended to the overlay's; a `--prometheus-url=` among them
     /// replaces the overlay's (clap refuses a repeated flag).
     pub operator_args: Vec<String>,
@@ -169,6 +173,7 @@ impl Default for StackSpec {
                 BackendSpec::new("model-b", 3, 32),
             ],
             nofile_limit: None,
+            gateway_cpu_request: None,
             operator_args: Vec::new(),
             operator_secrets: Vec::new(),
             gateway_settings: Vec::new(),
@@ -190,7 +195,7 @@ pub struct Stack<'a> {
 /// The pod template fields that give a pod RLIMIT_NOFILE `limit`, as a merge patch of the
 /// template: the RuntimeClass `nofile-<limit>` (applied here, cluster-wide and never deleted),
 /// whose containerd handler sets the limit in the container's OCI spec (`cluster up
-/// --node-nofile-class <limit>`: `make cluster-up` has 512 and 4096).
+/// --node-nofile-class <limit>`: `make cluster-up` has 512, 4096 and 8192, the loop benchmark's).
 pub async fn nofile_template(cluster: &crate::Cluster, limit: u64) -> anyhow::Result<Value> {
     let class = format!("nofile-{limit}");
     cluster
@@ -385,6 +390,9 @@ impl<'a> Stack<'a> {
             }
             GATEWAY_DEPLOYMENT => {
                 object["spec"]["replicas"] = json!(spec.gateways);
+                if let Some(cpu) = spec.gateway_cpu_request {
+                    container["resources"]["requests"]["cpu"] = json!(cpu);
+                }
             }
             backend => {
                 let wanted = spec.backends.iter().find(|b| b.name == backend);

@@ -45,6 +45,7 @@ pub fn stack() -> StackSpec {
         gateways: PODS,
         backends: Vec::new(),
         nofile_limit: Some(8192),
+        gateway_cpu_request: Some("10m"),
         ..StackSpec::default()
     }
 }
