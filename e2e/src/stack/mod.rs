@@ -389,10 +389,10 @@ impl<'a> Stack<'a> {
                 object["spec"]["replicas"] = json!(spec.operators);
             }
             GATEWAY_DEPLOYMENT => {
-                object["spec"]["replicas"] = json!(spec.gateways);
                 if let Some(cpu) = spec.gateway_cpu_request {
                     container["resources"]["requests"]["cpu"] = json!(cpu);
                 }
+                object["spec"]["replicas"] = json!(spec.gateways);
             }
             backend => {
                 let wanted = spec.backends.iter().find(|b| b.name == backend);
