@@ -71,9 +71,6 @@ const GATEWAYS: u32 = 2;
 /// The backends.
 const BACKENDS: [&str; 2] = ["model-a", "model-b"];
 
-/// A target change seen: from, to, and whether the knee guard made it (a step back or a probe).
-type Change = (u32, u32, bool);
-
 /// One backend as one decision left it.
 #[derive(Clone, Debug)]
 struct Seen {
@@ -212,7 +209,7 @@ async fn a_square_wave_changes_each_target_once_per_transition_and_holds_the_bac
         // Per backend and phase: the target changes seen (from the last decision before), and
         // whether the knee guard made it (a step back to its best level or a probe inside its
         // bracket: moves of its own, which `maxStepPercent` does not cap; docs/autoscaling.md).
-        let mut changes: BTreeMap<(&str, usize), Vec<Change>> = BTreeMap::new();
+        let mut changes: BTreeMap<(&str, usize), Vec<(u32, u32, bool)>> = BTreeMap::new();
         for pair in decisions.windows(2) {
             for b in BACKENDS {
                 let (before, after) = (&pair[0].backends[b], &pair[1].backends[b]);
