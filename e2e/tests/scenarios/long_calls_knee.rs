@@ -72,9 +72,6 @@ struct Seen {
 }
 
 #[tokio::test]
-#[ignore = "not met yet: its first runs jumped model-a 2 → 24 per endpoint in one decision (demand 40, \
-            36 of it pending) past a knee near 5 per instance, and no level between was ever \
-            measured, so no knee reason came; run it with `-- --ignored long_calls_knee`"]
 async fn long_calls_settle_near_the_knee_and_a_rising_backend_grows_in_one_step()
 -> anyhow::Result<()> {
     let _serial = serial().await?;
