@@ -370,15 +370,14 @@ pub fn decision_kind(d: &Decision) -> &'static str {
     match d {
         Decision::ScaleUp(_) => "scale_up",
         Decision::ScaleDown(_) => "scale_down",
-        Decision::StepBack(_) => "step_back",
         Decision::Steady { .. } => "steady",
         Decision::WithinDeadband { .. } => "within_deadband",
         Decision::Held { hold, .. } => match hold {
             Hold::BackendSaturated { .. } => "backend_saturated",
             Hold::SaturationPending => "saturation_pending",
-            Hold::Judging { .. } => "judging",
+            Hold::StepFellShort(_) => "step_fell_short",
             Hold::AtKnee(_) => "at_knee",
-            Hold::Measuring { .. } => "measuring_knee",
+            Hold::SlowerAtSameLoad { .. } => "slower_at_same_load",
         },
         Decision::AtUpperBound { .. } => "at_upper_bound",
         Decision::Stabilizing { .. } => "stabilizing",
