@@ -645,6 +645,24 @@ async fn a_pod_refusing_the_token_is_named_with_the_401_in_rolled_out() {
     run.reconciler.abort();
 }
 
+/// The fake API's answer to a request for `path`: the token Secret with `token`, the status
+/// apply with `p`, anything else `{}`.
+fn api_answer(path: &str, p: &ConnectionPolicy, token: &str) -> Value {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+    if path.contains("/secrets/") {
+        let secret = Secret {
+            data: Some([("token".to_owned(), ByteString(token.into()))].into()),
+            ..Secret::default()
+        };
+        serde_json::to_value(secret).unwrap()
+    } else if path.ends_with("/status") {
+        serde_json::to_value(p).unwrap()
+    } else {
+        json!({})
+    }
+}
+
 /// Answers every API request of a reconcile until it ends: the token Secret with `token`, the
 /// status apply with `p`, anything else with `{}`. Returns the reconcile's outcome.
 async fn answer_all(
@@ -653,25 +671,13 @@ async fn answer_all(
     token: &str,
     mut reconciler: tokio::task::JoinHandle<Result<Action>>,
 ) -> Result<Action> {
-    use k8s_openapi::ByteString;
-    use k8s_openapi::api::core::v1::Secret;
     loop {
         tokio::select! {
             done = &mut reconciler => return done.expect("the reconcile task ran"),
             next = api.next_request() => {
                 let (request, send) = next.expect("a request");
                 let path = request.uri().path().to_owned();
-                let answer = if path.contains("/secrets/") {
-                    let secret = Secret {
-                        data: Some([("token".to_owned(), ByteString(token.into()))].into()),
-                        ..Secret::default()
-                    };
-                    serde_json::to_value(secret).unwrap()
-                } else if path.ends_with("/status") {
-                    serde_json::to_value(p).unwrap()
-                } else {
-                    json!({})
-                };
+                let answer = api_answer(&path, p, token);
                 send.send_response(
                     Response::builder()
                         .body(Body::from(serde_json::to_vec(&answer).unwrap()))
@@ -1597,13 +1603,7 @@ async fn answer_recording(
                 let (method, path) = (request.method().clone(), request.uri().path().to_owned());
                 let body = request.into_body().collect_bytes().await.unwrap();
                 let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                let answer = if path.contains("/secrets/") {
-                    json!({"apiVersion": "v1", "kind": "Secret", "data": {"token": "czNjcjN0"}})
-                } else if path.ends_with("/status") {
-                    serde_json::to_value(p).unwrap()
-                } else {
-                    json!({})
-                };
+                let answer = api_answer(&path, p, "s3cr3t");
                 send.send_response(
                     Response::builder()
                         .body(Body::from(serde_json::to_vec(&answer).unwrap()))
