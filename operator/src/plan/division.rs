@@ -212,6 +212,14 @@ pub struct Need {
     pub demand: f64,
 }
 
+impl Need {
+    /// Whether it uses all of a share of `share` per endpoint: its demand reaches [`PRESSED`]
+    /// of it.
+    pub fn pressed(&self, share: u32) -> bool {
+        self.demand >= PRESSED * f64::from(share)
+    }
+}
+
 /// Whether `new` is worth sending in place of `old` (same holders, same target): a pod that
 /// queues or is pressed gets more, or the division moves more than [`DEADBAND`] of the target.
 pub fn moves(old: &[u32], new: &[u32], needs: &[Need], target: u32) -> bool {
@@ -219,8 +227,7 @@ pub fn moves(old: &[u32], new: &[u32], needs: &[Need], target: u32) -> bool {
         return true;
     }
     let gains = |i: usize| new[i] > old[i];
-    let wanting = (0..old.len())
-        .any(|i| gains(i) && (needs[i].queues || needs[i].demand >= PRESSED * f64::from(old[i])));
+    let wanting = (0..old.len()).any(|i| gains(i) && (needs[i].queues || needs[i].pressed(old[i])));
     let moved: u64 = old
         .iter()
         .zip(new)

@@ -164,7 +164,7 @@ fn reason(
             // of its share, or neither (the division moved by more than the deadband).
             let how = if needs[i].queues {
                 "queues"
-            } else if demand >= division::PRESSED * f64::from(was) {
+            } else if needs[i].pressed(was) {
                 "is pressed"
             } else {
                 "shows more demand"
