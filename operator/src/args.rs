@@ -262,4 +262,45 @@ mod tests {
             "0 would send nothing"
         );
     }
+
+    /// The chart spells these flags out with its own values; the kustomize bases leave them at
+    /// the binary's defaults (and the chart-versus-bases e2e test ignores them for that reason),
+    /// so the chart's defaults must be the binary's.
+    #[test]
+    fn the_charts_default_values_are_the_binarys_defaults() {
+        let values: serde_norway::Value = serde_norway::from_str(
+            &std::fs::read_to_string(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../charts/poolpilot/values.yaml"
+            ))
+            .unwrap(),
+        )
+        .unwrap();
+        let defaults = format!(
+            "{:?}",
+            Args::try_parse_from(["poolpilot-operator"]).unwrap()
+        );
+        for (flag, path) in [
+            ("--concurrent-reconciles", "operator.concurrentReconciles"),
+            ("--rollout-concurrency", "operator.rolloutConcurrency"),
+            ("--put-timeout", "operator.putTimeout"),
+            ("--leader-election", "operator.leaderElection"),
+            ("--token-secret", "adminToken.secretName"),
+        ] {
+            let value = path.split('.').fold(&values, |v, key| &v[key]).clone();
+            let value = match value {
+                serde_norway::Value::String(s) => s,
+                serde_norway::Value::Bool(b) => b.to_string(),
+                serde_norway::Value::Number(n) => n.to_string(),
+                other => panic!("{path}: {other:?}"),
+            };
+            let given = Args::try_parse_from(["poolpilot-operator", &format!("{flag}={value}")])
+                .unwrap_or_else(|e| panic!("{flag}={value}: {e}"));
+            assert_eq!(
+                format!("{given:?}"),
+                defaults,
+                "{path} ({value}) is not {flag}'s default"
+            );
+        }
+    }
 }

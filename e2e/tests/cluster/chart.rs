@@ -444,9 +444,13 @@ fn pod_behaviour(deployment: &Value) -> Value {
 #[tokio::test]
 async fn the_chart_and_the_kustomize_bases_deploy_the_same_thing() -> anyhow::Result<()> {
     let (chart, bases) = chart_and_bases().await?;
-    // Flags the chart spells out although the bases leave them at the binary's default.
+    // Flags the chart spells out although the bases leave them at the binary's default (that
+    // these are the defaults is the operator's unit test
+    // `the_charts_default_values_are_the_binarys_defaults`).
     let explicit_defaults = [
         "--concurrent-reconciles=8",
+        "--rollout-concurrency=32",
+        "--put-timeout=5s",
         "--token-secret=poolpilot-admin-token",
         "--leader-election=true",
     ];
