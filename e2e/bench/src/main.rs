@@ -10,6 +10,7 @@ mod load;
 mod parts;
 mod peers;
 mod procs;
+mod regression;
 mod report;
 mod stats;
 mod upstream;
@@ -76,6 +77,10 @@ struct RunArgs {
     /// included verbatim after part 4; a missing file is an error.
     #[arg(long)]
     include: Vec<PathBuf>,
+    /// The report part 1 is checked against (`regression`: the run fails when the gateway's
+    /// standing against a peer falls more than 10%); by default the report `--out` replaces.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
     /// Only these parts (comma-separated from 1,2,3,4,profile); all when empty.
     #[arg(long, env = "BENCH_PARTS", default_value = "")]
     parts: String,
@@ -137,6 +142,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .iter()
         .map(|p| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display())))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    // The committed report, read before this run replaces it.
+    let committed = std::fs::read_to_string(args.baseline.as_ref().unwrap_or(&args.out)).ok();
     let machine = report::Machine::at_start();
     let fds = raise_nofile()?;
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -231,6 +238,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let part1_plot = report::plot_part1(&samples, &out_dir.join(PART1_PLOT))
         .context("drawing part 1")?
         .then(|| PART1_PLOT.to_owned());
+    let regression = regression::check(
+        args.quick,
+        regression::baseline(committed.as_deref()),
+        &samples,
+    );
     let mut machine = machine;
     machine.load_end = poolpilot_bench::machine::loadavg();
     machine.wall_secs = started.elapsed().as_secs_f64();
@@ -246,6 +258,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         analysis,
         includes,
         part1_plot,
+        regression,
     };
     std::fs::write(&args.out, report::render(&results))
         .with_context(|| format!("writing {}", args.out.display()))?;
@@ -253,6 +266,22 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "poolpilot-bench: wrote {} in {:.0} s",
         args.out.display(),
         results.machine.wall_secs
+    );
+    let regressed = results.regression.regressions();
+    anyhow::ensure!(
+        regressed.is_empty(),
+        "part 1 regressed against the committed report (see its \"Regression check\"): {}",
+        regressed
+            .iter()
+            .map(|c| format!(
+                "{} {:?}: {:.2} → {:.2}",
+                c.row.label(),
+                c.metric,
+                c.committed,
+                c.now
+            ))
+            .collect::<Vec<_>>()
+            .join("; ")
     );
     Ok(())
 }

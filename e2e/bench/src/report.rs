@@ -78,6 +78,8 @@ pub struct Results<'a> {
     pub includes: Vec<String>,
     /// Part 1's ratios drawn as SVG, relative to the report (when part 1 ran).
     pub part1_plot: Option<String>,
+    /// Part 1 against the report this run replaces.
+    pub regression: crate::regression::Outcome,
 }
 
 const PROXIES: [Target; 3] = [Target::Poolpilot, Target::Haproxy, Target::Nginx];
@@ -90,17 +92,17 @@ const ALL: [Target; 4] = [
 
 /// Medians over rounds of one (row, target) of part 1.
 #[derive(Clone, Copy, Debug)]
-struct Cell {
-    rps: f64,
+pub(crate) struct Cell {
+    pub(crate) rps: f64,
     p50: f64,
     p99: f64,
     p999: f64,
-    cpu: f64,
+    pub(crate) cpu: f64,
     rss_kib: f64,
     errors: u64,
 }
 
-fn cell(samples: &[Sample], row: Row, target: Target) -> Cell {
+pub(crate) fn cell(samples: &[Sample], row: Row, target: Target) -> Cell {
     let runs: Vec<&Sample> = samples
         .iter()
         .filter(|s| s.row == row && s.target == target)
@@ -117,7 +119,7 @@ fn cell(samples: &[Sample], row: Row, target: Target) -> Cell {
     }
 }
 
-fn rows(samples: &[Sample]) -> Vec<Row> {
+pub(crate) fn rows(samples: &[Sample]) -> Vec<Row> {
     let mut rows: Vec<Row> = Vec::new();
     for s in samples {
         if !rows.contains(&s.row) {
@@ -197,6 +199,7 @@ pub fn render(r: &Results<'_>) -> String {
     );
 
     render_targets(w, r);
+    crate::regression::render(w, &r.regression);
     render_part1(w, r);
     render_part2(w, r);
     render_part3(w, r);
