@@ -80,6 +80,12 @@ pub struct RolloutMemory {
     /// verification of the one before is forgotten, so that a revision seen again (an edit
     /// undone, a target back where it was) is verified anew.
     pub rolling: BTreeMap<(String, String), String>,
+    /// The policy generation (`metadata.generation`) every selected pod last ran a document
+    /// of, per (namespace, policy). A change of tuned numbers only (shares, bursts, client
+    /// limits) under the generation every pod ran is the operator's own (a decision, a
+    /// re-division) and reaches every pod at once; under a newer one it is the user's edit, and
+    /// the rollout's waves verify it on the canaries first.
+    pub rolled_out_generation: BTreeMap<(String, String), i64>,
     /// The highest generation a pod said it runs (409 answers), per namespace.
     pub seen_generation: BTreeMap<String, u64>,
     /// The documents each pod acknowledged last and the one before, per (namespace, pod): a

@@ -237,10 +237,17 @@ pub async fn roll_out<G: Gateways>(
             ..RolloutReport::default()
         });
     }
-    // A re-division (only shares, bursts and client limits moved) goes to every pod in this
+    // The operator's own tuning (only shares, bursts and client limits moved, under the policy
+    // generation every pod ran: an autoscale decision, a re-division) goes to every pod in this
     // reconcile, the pods it lowers first, so that the fleet stays inside the budget while it
-    // moves: no canary, since nothing changes but how the same budget is divided.
-    if let Some(lowering) = retune_wave(ctx, observed, fleet, &states, true) {
+    // moves: no canary, since the loop must act within its interval and nothing changes but
+    // how much each pod holds. The same numbers edited by the user (a newer generation) go
+    // through the waves: the canaries run the edit for the verification period first.
+    let policy_key = (ns.clone(), policy.name_any());
+    let generation = policy.metadata.generation.unwrap_or_default();
+    let own_tuning =
+        ctx.rollouts.lock().rolled_out_generation.get(&policy_key) == Some(&generation);
+    if own_tuning && let Some(lowering) = retune_wave(ctx, observed, fleet, &states, true) {
         let mut pushed = push(ctx, observed, fleet, &lowering, now).await?;
         let after = pod_states(ctx, observed, fleet, &plan.live);
         let lowered = lowering
@@ -307,6 +314,12 @@ pub async fn roll_out<G: Gateways>(
             .map(|(pod, why)| format!("pod {pod} refused revision {desired}: {why}"))
     });
     let complete = states.iter().all(PodState::current);
+    if halted.is_none() && complete {
+        ctx.rollouts
+            .lock()
+            .rolled_out_generation
+            .insert(policy_key, generation);
+    }
     if published
         && !first
         && halted.is_none()

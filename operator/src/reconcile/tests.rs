@@ -1160,6 +1160,55 @@ async fn reconcile_once(p: &ConnectionPolicy, pods: Vec<Pod>, memory: &mut Rollo
     puts
 }
 
+/// Shares, bursts and client limits changed under the generation every pod ran are the
+/// operator's own tuning (a decision, a re-division): every pod at once. The same numbers
+/// changed by an edit of the policy (a newer generation) go to the canary first, the rest after
+/// its verification.
+#[tokio::test]
+async fn the_operators_tuning_reaches_every_pod_at_once_and_a_users_edit_the_canary_first() {
+    let pods = || {
+        vec![
+            pod("gw-0", "127.0.0.7"),
+            pod("gw-1", "127.0.0.8"),
+            pod("gw-2", "127.0.0.9"),
+        ]
+    };
+    let mut p = policy("models", 0);
+    p.spec.backends[0].capacity.max_connections_per_endpoint = 30;
+    let mut memory = RolloutMemory::default();
+    assert_eq!(
+        reconcile_once(&p, pods(), &mut memory).await,
+        3,
+        "the first rollout, all at once"
+    );
+
+    // The same generation, the rollout now Progressive (as if it always was) and the target
+    // moved: what an autoscale decision does to the documents.
+    p.spec.rollout.strategy = poolpilot_api::policy::RolloutStrategy::Progressive;
+    p.spec.rollout.canary_pods = 1;
+    p.spec.rollout.verify_intervals = 2;
+    p.spec.backends[0].capacity.max_connections_per_endpoint = 45;
+    assert_eq!(
+        reconcile_once(&p, pods(), &mut memory).await,
+        3,
+        "the operator's tuning: every pod in this reconcile"
+    );
+
+    // The user edits the same number: a new generation.
+    p.metadata.generation = Some(2);
+    p.spec.backends[0].capacity.max_connections_per_endpoint = 60;
+    assert_eq!(
+        reconcile_once(&p, pods(), &mut memory).await,
+        1,
+        "the user's edit: the canary alone until its verification"
+    );
+    assert_eq!(
+        reconcile_once(&p, pods(), &mut memory).await,
+        0,
+        "the rest wait for the verification, not for another reconcile"
+    );
+}
+
 /// A gateway whose container restarted (same pod, same uid) starts from the ConfigMap's
 /// document: what it acknowledged before no longer holds, and it gets its own document again.
 /// (Seen on clusters left running: a restarted gateway kept the ConfigMap's share while status
