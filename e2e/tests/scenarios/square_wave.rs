@@ -13,8 +13,10 @@
 //!
 //!  low ─2 decisions─► high ─2 decisions─► low … 14 transitions, each right after a decision
 //!  model-a: high 10 → 18 (demand 30 × 1.2 / 2), low 18 → 14 (a 25% step), high 14 → 18, …
-//!  model-b: high 10 → 18, then 30 in flight complete no more than 20 did: throughput flat,
-//!           the knee remembered; later highs are held at it, lows shrink it step by step
+//!  model-b: high 10 → 18, then its instances queue (the sample's saturation query on
+//!           `vllm:num_requests_waiting` reads ≥ 1) and 30 in flight complete no more than 20
+//!           did: growth held (BackendSaturated, or past its knee), the knee remembered; later
+//!           highs are held, lows shrink it step by step
 //! ```
 //!
 //! A transition starts right after a decision, so that each decision sees one phase only (the
@@ -286,7 +288,9 @@ async fn a_square_wave_changes_each_target_once_per_transition_and_holds_the_bac
             .iter()
             .position(|d| {
                 let s = &d.backends["model-b"];
-                s.action == DecisionAction::Hold && s.reason.contains("throughput did not follow")
+                s.action == DecisionAction::Hold
+                    && (s.reason.contains("past its knee")
+                        || s.reason.contains("the backend reports saturation"))
             })
             .with_context(|| format!("model-b's knee is never found{table}"))?;
         let found_at = &decisions[found];
@@ -310,7 +314,9 @@ async fn a_square_wave_changes_each_target_once_per_transition_and_holds_the_bac
             // never grow.
             assert!(
                 s.action == DecisionAction::Hold
-                    && (s.reason.contains("knee") || s.reason.contains("missing data")),
+                    && (s.reason.contains("knee")
+                        || s.reason.contains("the backend reports saturation")
+                        || s.reason.contains("missing data")),
                 "model-b is held at its knee with a reason in phase {}: {s:?}{table}",
                 d.phase
             );

@@ -1,7 +1,7 @@
 //! The autoscale law for one backend: grow in ONE step to demand × (1 + margin) unless the
 //! backend is past its knee (the guard in [`knee`]: a bigger pool makes a saturated backend
 //! slower, but a model server that merely slows down as it batches more calls is not
-//! saturated); shrink slowly (the highest recommendation over the stabilization window, at most
+//! saturated), and step back to the best level when growth made throughput worse; shrink slowly (the highest recommendation over the stabilization window, at most
 //! `maxStepPercent`, at most once per window); ignore changes inside a 10% deadband; on missing
 //! data hold, flag the metrics unavailable after three misses and resume only after two fresh
 //! samples. Every decision, whatever it does, is recorded with its reason and numbers.
@@ -15,7 +15,7 @@ use std::time::Duration;
 use poolpilot_api::ConnectionPolicySpec;
 use poolpilot_api::policy::{BackendSpec, DecisionAction};
 
-use self::knee::{Hold, KneeMemory, Observation, Verdict};
+use self::knee::{Hold, Knee, KneeMemory, Move, Observation};
 use self::words::round;
 use super::input::{BackendSample, SaturationSignal};
 use super::time::{Timestamp, elapsed};
@@ -135,6 +135,8 @@ pub struct Scale {
 }
 
 /// What one decision did.
+// One per backend and interval, moved, never kept in bulk: boxing the hold buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decision {
     /// Grew the target in one step.
@@ -145,8 +147,12 @@ pub enum Decision {
     Steady { recommendation: u32 },
     /// The recommendation differs from the target by less than the deadband.
     WithinDeadband { recommendation: u32 },
-    /// Demand wants more, but the backend is past its knee (or says it is saturated).
+    /// Demand wants more, but the backend is past its knee (or says it is saturated, or the
+    /// last step is being judged).
     Held { recommendation: u32, hold: Hold },
+    /// Returned toward the level that gave the most throughput (or probed below it): growth
+    /// made things worse, and the calls beyond wait in the gateways' queues.
+    StepBack(Scale),
     /// Demand wants more than the upper bound allows: the target sits at the bound.
     AtUpperBound { recommendation: u32 },
     /// Demand wants less, but the stabilization window holds the target.
@@ -161,7 +167,7 @@ impl Decision {
     /// Whether the target changed.
     pub fn scale(&self) -> Option<&Scale> {
         match self {
-            Self::ScaleUp(s) | Self::ScaleDown(s) => Some(s),
+            Self::ScaleUp(s) | Self::ScaleDown(s) | Self::StepBack(s) => Some(s),
             _ => None,
         }
     }
@@ -169,7 +175,10 @@ impl Decision {
     /// Whether the backend is saturated: it wants more than it can safely get.
     pub fn saturated(&self) -> bool {
         match self {
-            Self::Held { hold, .. } => !matches!(hold, Hold::SaturationPending),
+            Self::Held { hold, .. } => {
+                !matches!(hold, Hold::SaturationPending | Hold::Judging { .. })
+            }
+            Self::StepBack(_) => true,
             Self::AtUpperBound { .. } => true,
             _ => false,
         }
@@ -184,7 +193,7 @@ impl Decision {
     pub fn action(&self) -> DecisionAction {
         match self {
             Self::ScaleUp(_) => DecisionAction::ScaleUp,
-            Self::ScaleDown(_) => DecisionAction::ScaleDown,
+            Self::ScaleDown(_) | Self::StepBack(_) => DecisionAction::ScaleDown,
             Self::Steady { .. } | Self::WithinDeadband { .. } => DecisionAction::NoChange,
             Self::Held { .. }
             | Self::AtUpperBound { .. }
@@ -261,11 +270,14 @@ fn guard_input_missing(s: &BackendSample, bounds: &Bounds) -> Option<&'static st
 
 /// This interval as the knee guard keeps it, when the sample has its throughput and the load
 /// held steady over its window (a window across a change of load mixes two loads, and its
-/// averages and rates do not match each other).
+/// averages and rates do not match each other). The calls it counts are those of the interval
+/// (`interval` long, or the window when that is shorter): windows of successive samples
+/// overlap, and no call counts twice.
 fn observation(
     s: &BackendSample,
     leased: f64,
     endpoints: u32,
+    interval: Duration,
     now: Timestamp,
 ) -> Option<Observation> {
     let e = f64::from(endpoints);
@@ -282,7 +294,8 @@ fn observation(
         completed: completed / e,
         bytes: bytes / e,
         ttfb: usable(s.ttfb).filter(|t| *t > 0.0),
-        calls: completed * s.window.as_secs_f64(),
+        calls: completed * s.window.min(interval).as_secs_f64(),
+        streams: leased,
     })
 }
 
@@ -397,8 +410,12 @@ fn decide_fresh(
     {
         mem.recommendations.pop_front();
     }
-    let obs = observation(s, leased, endpoints, now);
-    let found = obs.and_then(|o| mem.knee.observe(o, bounds.interval, bounds.capacity));
+    let obs = observation(s, leased, endpoints, bounds.interval, now);
+    mem.knee.capacity = bounds.capacity;
+    if let Some(o) = obs {
+        mem.knee.observe(o);
+    }
+    let level = obs.and_then(|o| knee::level_of(o.in_flight));
 
     let demand_text = format!(
         "demand {} (leased {} + pending {}) × {} over {endpoints} endpoints",
@@ -420,6 +437,74 @@ fn decide_fresh(
     }
     mem.saturation = None;
 
+    let query_hold = match s.saturation {
+        SaturationSignal::Value(value)
+            if bounds.saturation_threshold.is_some_and(|t| value >= t) =>
+        {
+            Some(Hold::BackendSaturated {
+                value,
+                threshold: bounds.saturation_threshold.unwrap_or_default(),
+            })
+        }
+        SaturationSignal::NotConfigured | SaturationSignal::Pending
+            if bounds.saturation_threshold.is_some() =>
+        {
+            Some(Hold::SaturationPending)
+        }
+        _ => None,
+    };
+    // The guard's move: it acts only where demand wants more than the best level it knows, or
+    // while a step is judged.
+    let mv = mem
+        .knee
+        .plan(current, recommendation, (bounds.min, bounds.upper), level);
+    match &mv {
+        Move::Back { to, knee } if *to < current && f64::from(current - to) >= band => {
+            let reason = format!(
+                "{demand_text}; stepped back to the best level: {}; calls beyond {to} per endpoint wait in the gateways' queues",
+                knee.evidence()
+            );
+            return step_back(mem, *to, reason, knee, now);
+        }
+        Move::Probe { to, knee } if *to < current => {
+            let reason = format!(
+                "{demand_text}; probing {} in flight per endpoint against the best level {}: {}",
+                to,
+                knee.best.in_flight,
+                knee.evidence()
+            );
+            return step_back(mem, *to, reason, knee, now);
+        }
+        Move::Remeasure { to, step } if *to < current => {
+            let reason = format!(
+                "{demand_text}; measuring {to} in flight per endpoint again: the step from it gave less than a healthy step so far, on too little evidence to tell: {}",
+                step.describe()
+            );
+            let scale = change(mem, *to, reason, now);
+            let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+            return (Decision::StepBack(scale), why);
+        }
+        Move::Probe { to, knee } if *to > current && query_hold.is_none() => {
+            let reason = format!(
+                "{demand_text}; probing {} in flight per endpoint against the best level {}: {}",
+                to,
+                knee.best.in_flight,
+                knee.evidence()
+            );
+            let scale = change(mem, *to, reason, now);
+            let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+            return (Decision::ScaleUp(scale), why);
+        }
+        _ => {}
+    }
+    let knee = match &mv {
+        Move::Cap(k)
+        | Move::Back { knee: k, .. }
+        | Move::Probe { knee: k, .. }
+        | Move::Measure { knee: k, .. } => Some(*k),
+        Move::Free | Move::Judging { .. } | Move::Remeasure { .. } => None,
+    };
+
     if recommendation > current {
         let over_upper = (wanted > bounds.upper).then(|| {
             format!(
@@ -431,9 +516,10 @@ fn decide_fresh(
             mem.saturation = over_upper;
             return if wanted > bounds.upper {
                 let why = format!(
-                    "held at {current}: {demand_text} wants {wanted} per endpoint; the upper bound {} is within {}% of the target",
+                    "held at {current}: {demand_text} wants {wanted} per endpoint; the upper bound {} is within {}% of the target{}",
                     bounds.upper,
-                    round(DEADBAND * 100.0)
+                    round(DEADBAND * 100.0),
+                    limits(knee.as_ref(), s.saturation)
                 );
                 (Decision::AtUpperBound { recommendation }, why)
             } else {
@@ -444,65 +530,50 @@ fn decide_fresh(
                 (Decision::WithinDeadband { recommendation }, why)
             };
         }
-        let verdict = match s.saturation {
-            SaturationSignal::Value(value)
-                if bounds.saturation_threshold.is_some_and(|t| value >= t) =>
-            {
-                Verdict::Hold(Hold::BackendSaturated {
-                    value,
-                    threshold: bounds.saturation_threshold.unwrap_or_default(),
-                })
+        let hold = query_hold.or_else(|| match &mv {
+            Move::Judging { step, so_far } => Some(Hold::Judging {
+                step: *step,
+                so_far: *so_far,
+            }),
+            Move::Measure { at, knee } => Some(Hold::Measuring {
+                at: *at,
+                knee: *knee,
+            }),
+            _ => knee
+                .filter(|k| k.cap() <= current || f64::from(k.cap() - current) < band)
+                .map(Hold::AtKnee),
+        });
+        if let Some(hold) = hold {
+            let what = hold.describe();
+            if !matches!(hold, Hold::SaturationPending | Hold::Judging { .. }) {
+                mem.saturation = Some(format!("{what}: growth to {recommendation} held"));
             }
-            SaturationSignal::NotConfigured | SaturationSignal::Pending
-                if bounds.saturation_threshold.is_some() =>
-            {
-                Verdict::Hold(Hold::SaturationPending)
-            }
-            _ => mem.knee.judge(
-                obs.as_ref(),
-                found,
-                current,
-                recommendation,
-                bounds.capacity,
-            ),
-        };
-        // A knee below the recommendation caps the growth; a cap the deadband swallows holds.
-        let knee = mem.knee.knee.filter(|k| k.cap() < recommendation);
-        let to = match (verdict, knee) {
-            (Verdict::Grow(to), Some(k)) if to <= current || f64::from(to - current) < band => {
-                Err(Hold::AtKnee(k))
-            }
-            (Verdict::Grow(to), _) => Ok(to),
-            (Verdict::Hold(hold), _) => Err(hold),
-        };
-        let to = match to {
-            Err(hold) => {
-                let what = hold.describe(now);
-                if !matches!(hold, Hold::SaturationPending) {
-                    mem.saturation = Some(format!("{what}: growth to {recommendation} held"));
-                }
-                let why = format!("held at {current}: growth to {recommendation} held: {what}");
-                return (
-                    Decision::Held {
-                        recommendation,
-                        hold,
-                    },
-                    why,
-                );
-            }
-            Ok(to) => to,
-        };
+            let why = format!("held at {current}: growth to {recommendation} held: {what}");
+            return (
+                Decision::Held {
+                    recommendation,
+                    hold,
+                },
+                why,
+            );
+        }
+        let to = knee.map_or(recommendation, |k| recommendation.min(k.cap()));
         mem.saturation = over_upper;
         let reason = if let Some(k) = knee.filter(|_| to < recommendation) {
-            format!(
-                "{demand_text}, capped at the knee: throughput stopped following above {} in flight per endpoint",
-                round(k.in_flight)
-            )
+            format!("{demand_text}, capped at the knee: {}", k.evidence())
         } else if wanted > bounds.upper {
             format!("{demand_text}, capped at the upper bound {}", bounds.upper)
         } else {
             demand_text
         };
+        if knee.is_none() {
+            let fills = (demand / f64::from(endpoints.max(1))).min(f64::from(to));
+            mem.knee.stepped(
+                level.unwrap_or(current),
+                to,
+                knee::level_of(fills).unwrap_or(to),
+            );
+        }
         let scale = change(mem, to, reason, now);
         let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
         return (Decision::ScaleUp(scale), why);
@@ -513,8 +584,9 @@ fn decide_fresh(
             bounds.upper
         ));
         let why = format!(
-            "held at {current}: {demand_text} wants {wanted} per endpoint, the upper bound is {}",
-            bounds.upper
+            "held at {current}: {demand_text} wants {wanted} per endpoint, the upper bound is {}{}",
+            bounds.upper,
+            limits(knee.as_ref(), s.saturation)
         );
         return (Decision::AtUpperBound { recommendation }, why);
     }
@@ -572,6 +644,38 @@ fn decide_fresh(
     let scale = change(mem, to, reason, now);
     let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
     (Decision::ScaleDown(scale), why)
+}
+
+/// What else limits a backend held at its upper bound, in words (empty: only the bound): the
+/// knee evidence, and the backend's own queue when its saturation query reads one.
+fn limits(knee: Option<&Knee>, saturation: SaturationSignal) -> String {
+    let mut out = String::new();
+    if let Some(k) = knee {
+        out.push_str(&format!("; past its knee: {}", k.evidence()));
+    }
+    if let SaturationSignal::Value(v) = saturation
+        && v > 0.0
+    {
+        out.push_str(&format!(
+            "; the backend reports a queue: its saturation query is {}",
+            round(v)
+        ));
+    }
+    out
+}
+
+/// Lowers the target to `to` for the knee guard (back to the best level, or a probe below it).
+fn step_back(
+    mem: &mut BackendMemory,
+    to: u32,
+    reason: String,
+    knee: &Knee,
+    now: Timestamp,
+) -> (Decision, String) {
+    mem.saturation = Some(format!("past its knee: {}", knee.evidence()));
+    let scale = change(mem, to, reason, now);
+    let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+    (Decision::StepBack(scale), why)
 }
 
 /// Sets the target and records the change.
