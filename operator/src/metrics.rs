@@ -378,6 +378,7 @@ pub fn decision_kind(d: &Decision) -> &'static str {
             Hold::SaturationPending => "saturation_pending",
             Hold::Judging { .. } => "judging",
             Hold::AtKnee(_) => "at_knee",
+            Hold::AtCeiling(_) => "at_backend_queue",
             Hold::Measuring { .. } => "measuring_knee",
         },
         Decision::AtUpperBound { .. } => "at_upper_bound",

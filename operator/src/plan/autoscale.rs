@@ -278,11 +278,14 @@ fn observation(
     leased: f64,
     endpoints: u32,
     interval: Duration,
-    now: Timestamp,
+    (now, last_change): (Timestamp, Option<Timestamp>),
 ) -> Option<Observation> {
     let e = f64::from(endpoints);
     let completed = usable(s.completed)?;
     let bytes = usable(s.bytes)?;
+    if !settled(s, leased, completed, (now, last_change)) {
+        return None;
+    }
     if let Some(latest) = usable(s.leased_now)
         && (latest - leased).abs() > UNSTEADY * latest.max(leased)
     {
@@ -297,6 +300,32 @@ fn observation(
         calls: completed * s.window.min(interval).as_secs_f64(),
         streams: leased,
     })
+}
+
+/// The mean time a call spends at the backend, by Little's law over the window: calls in flight
+/// over calls completed per second (`None`: nothing completed, the calls last longer than the
+/// window).
+pub fn mean_call_duration(leased: f64, completed: f64) -> Option<f64> {
+    (completed > 0.0 && leased.is_finite()).then(|| leased / completed)
+}
+
+/// Whether the window of `s` shows the current target alone: it began at least one mean call
+/// duration after the target last changed. Before that, calls started at the earlier level
+/// are still in flight (and complete, or not, at its pace): their window mixes two levels, and
+/// a step judged on it is judged on what the old level left behind.
+fn settled(
+    s: &BackendSample,
+    leased: f64,
+    completed: f64,
+    (now, last_change): (Timestamp, Option<Timestamp>),
+) -> bool {
+    let Some(changed) = last_change else {
+        return true;
+    };
+    let Some(duration) = mean_call_duration(leased, completed) else {
+        return false;
+    };
+    elapsed(changed, now).as_secs_f64() + 1e-9 >= s.window.as_secs_f64() + duration
 }
 
 /// Makes one decision for a backend with `endpoints` endpoints from `sample`, updating `mem`
@@ -410,8 +439,35 @@ fn decide_fresh(
     {
         mem.recommendations.pop_front();
     }
-    let obs = observation(s, leased, endpoints, bounds.interval, now);
+    let obs = observation(
+        s,
+        leased,
+        endpoints,
+        bounds.interval,
+        (now, mem.last_change),
+    );
     mem.knee.capacity = bounds.capacity;
+    mem.knee.max_step_percent = bounds.max_step_percent;
+    mem.knee.forget_old_ceiling(now);
+    let in_flight_now = usable(s.leased_now).unwrap_or(leased) / f64::from(endpoints.max(1));
+    if let (SaturationSignal::Value(value), Some(threshold)) =
+        (s.saturation, bounds.saturation_threshold)
+        && endpoints > 0
+    {
+        if value >= threshold {
+            // The backend's own queue: what it serves at once is in flight less its queue.
+            mem.knee.ceiling = Some(knee::Ceiling::read(in_flight_now, value, now));
+        } else if obs.is_some()
+            && mem
+                .knee
+                .ceiling
+                .is_some_and(|c| in_flight_now >= f64::from(c.level) * knee::MIN_RATIO)
+        {
+            // A level well above the queue's reading, served without a queue once settled:
+            // the backend got more slots (or faster); the reading no longer holds.
+            mem.knee.ceiling = None;
+        }
+    }
     if let Some(o) = obs {
         mem.knee.observe(o);
     }
@@ -455,6 +511,27 @@ fn decide_fresh(
     };
     // The guard's move: it acts only where demand wants more than the best level it knows, or
     // while a step is judged.
+    // The backend's own queue at the current in-flight: step back to what it serves at once
+    // (evidence, not a guess: the calls beyond wait in the gateways' queues instead, where
+    // lease timeouts and Retry-After reach the clients).
+    if let (Some(Hold::BackendSaturated { value, threshold }), Some(c)) =
+        (&query_hold, mem.knee.ceiling)
+    {
+        let to = bounds.clamp(c.level);
+        if to < current && f64::from(current - to) >= band {
+            let reason = format!(
+                "{demand_text}; stepped back: the backend reports saturation: its saturation query is {} ≥ threshold {}: {}; calls beyond {to} per endpoint wait in the gateways' queues",
+                round(*value),
+                round(*threshold),
+                c.describe()
+            );
+            mem.saturation = Some(format!("the backend reports saturation: {}", c.describe()));
+            mem.knee.judging = None;
+            let scale = change(mem, to, reason, now);
+            let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+            return (Decision::StepBack(scale), why);
+        }
+    }
     let mv = mem
         .knee
         .plan(current, recommendation, (bounds.min, bounds.upper), level);
@@ -466,7 +543,9 @@ fn decide_fresh(
             );
             return step_back(mem, *to, reason, knee, now);
         }
-        Move::Probe { to, knee } if *to < current => {
+        // While the backend still reports its queue, a probe below the best level waits: its
+        // throughput would be judged while the backend drains what it queued.
+        Move::Probe { to, knee } if *to < current && query_hold.is_none() => {
             let reason = format!(
                 "{demand_text}; probing {} in flight per endpoint against the best level {}: {}",
                 to,
@@ -474,15 +553,6 @@ fn decide_fresh(
                 knee.evidence()
             );
             return step_back(mem, *to, reason, knee, now);
-        }
-        Move::Remeasure { to, step } if *to < current => {
-            let reason = format!(
-                "{demand_text}; measuring {to} in flight per endpoint again: the step from it gave less than a healthy step so far, on too little evidence to tell: {}",
-                step.describe()
-            );
-            let scale = change(mem, *to, reason, now);
-            let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
-            return (Decision::StepBack(scale), why);
         }
         Move::Probe { to, knee } if *to > current && query_hold.is_none() => {
             let reason = format!(
@@ -502,7 +572,7 @@ fn decide_fresh(
         | Move::Back { knee: k, .. }
         | Move::Probe { knee: k, .. }
         | Move::Measure { knee: k, .. } => Some(*k),
-        Move::Free | Move::Judging { .. } | Move::Remeasure { .. } => None,
+        Move::Free | Move::Judging { .. } => None,
     };
 
     if recommendation > current {
@@ -541,7 +611,16 @@ fn decide_fresh(
             }),
             _ => knee
                 .filter(|k| k.cap() <= current || f64::from(k.cap() - current) < band)
-                .map(Hold::AtKnee),
+                .map(Hold::AtKnee)
+                .or_else(|| {
+                    mem.knee
+                        .ceiling
+                        .filter(|c| {
+                            knee.is_none()
+                                && (c.level <= current || f64::from(c.level - current) < band)
+                        })
+                        .map(Hold::AtCeiling)
+                }),
         });
         if let Some(hold) = hold {
             let what = hold.describe();
@@ -557,10 +636,19 @@ fn decide_fresh(
                 why,
             );
         }
-        let to = knee.map_or(recommendation, |k| recommendation.min(k.cap()));
+        let ceiling = mem.knee.ceiling.filter(|_| knee.is_none());
+        let to = knee.map_or(recommendation, |k| {
+            recommendation.min(k.cap().max(bounds.min))
+        });
+        let to = ceiling.map_or(to, |c| to.min(c.level.max(bounds.min)));
         mem.saturation = over_upper;
         let reason = if let Some(k) = knee.filter(|_| to < recommendation) {
             format!("{demand_text}, capped at the knee: {}", k.evidence())
+        } else if let Some(c) = ceiling.filter(|_| to < recommendation) {
+            format!(
+                "{demand_text}, capped below the backend's own queue: {}",
+                c.describe()
+            )
         } else if wanted > bounds.upper {
             format!("{demand_text}, capped at the upper bound {}", bounds.upper)
         } else {
@@ -692,5 +780,7 @@ fn change(mem: &mut BackendMemory, to: u32, reason: String, now: Timestamp) -> S
     scale
 }
 
+#[cfg(test)]
+mod sim;
 #[cfg(test)]
 mod tests;

@@ -45,6 +45,9 @@ pub const SPREAD_INTERVALS: u32 = 3;
 /// Decisions a step is judged for at most, holding growth, before its comparison counts as it
 /// stands.
 pub const MAX_JUDGING: u32 = 3;
+/// Decisions a probe waits at most for its level to be measured: the intervals after a step
+/// do not count until the calls started before it are done (one mean call duration).
+pub const MAX_PROBE_WAIT: u32 = 8;
 /// A step that rose in-flight ×r and throughput less than `r^FLAT_GRADIENT` (significantly)
 /// fell short: a backend below its knee gives more, even batching.
 pub const FLAT_GRADIENT: f64 = 0.3;
@@ -438,6 +441,11 @@ pub struct Knee {
     /// Whether a level above the best one gave at least [`FALL`] less than it: the throughput
     /// has a peak to locate (otherwise it stays flat past the best level, which stands).
     pub falls: bool,
+    /// The backend's own queue, when it showed: the knee is at or below what it serves at once.
+    pub ceiling: Option<Ceiling>,
+    /// Whether a level above the best one is evidence (it gave no more than the best: the
+    /// best is the lowest level that ties with the most).
+    pub measured_above: bool,
 }
 
 /// The estimated peak of a backend's throughput.
@@ -455,20 +463,33 @@ impl Knee {
     /// level of the two around it that the fitted parabola gives more: up from beyond their
     /// geometric mean (the fit is in log in-flight).
     pub fn cap(&self) -> u32 {
-        self.peak.map_or(self.best.in_flight, |p| {
+        let cap = self.peak.map_or(self.best.in_flight, |p| {
             let floor = p.at.floor().clamp(1.0, f64::from(u32::MAX - 1));
             let up = p.at >= (floor * (floor + 1.0)).sqrt();
             floor as u32 + u32::from(up)
-        })
+        });
+        match self.ceiling {
+            // Only the backend's queue says where growth stops: at what it serves at once (the
+            // levels measured are all below it, and none is known better than it) or, once a
+            // level above the best one below it was measured too, at the best one.
+            Some(c) if !self.own() && !self.measured_above => c.level,
+            Some(c) => cap.min(c.level),
+            None => cap,
+        }
+    }
+
+    /// Whether the levels themselves show the knee (not only the backend's queue).
+    pub fn own(&self) -> bool {
+        self.above.is_some()
+            || self
+                .below
+                .is_some_and(|b| matches!(b.effect, Effect::Short | Effect::Slower))
     }
 
     /// Whether there is evidence that more in flight does not pay: a level above that gave no
     /// more, or a step from below that fell short.
     fn evident(&self) -> bool {
-        self.above.is_some()
-            || self
-                .below
-                .is_some_and(|b| matches!(b.effect, Effect::Short | Effect::Slower))
+        self.own() || self.ceiling.is_some()
     }
 
     /// The evidence in words.
@@ -488,6 +509,9 @@ impl Knee {
             ),
             _ => String::new(),
         };
+        if let Some(c) = &self.ceiling {
+            parts.push(c.describe());
+        }
         format!(
             "the most throughput is at {} in flight per endpoint ({}){peak}",
             self.best.in_flight,
@@ -507,6 +531,13 @@ pub struct Judging {
     pub reference: u32,
     /// Decisions since the step.
     pub decisions: u32,
+    /// Of those, decisions that held growth on a trusted comparison that pointed to a knee.
+    pub judged: u32,
+    /// Whether the guard made the step (a probe inside the bracket around the best level): it
+    /// holds until its level has a settled interval that is evidence, for at most
+    /// [`MAX_PROBE_WAIT`] decisions; a step the law made holds growth only while its evidence
+    /// points to a knee.
+    pub probe: bool,
 }
 
 /// What the guard says about the target.
@@ -544,14 +575,6 @@ pub enum Move {
     },
     /// Grow to at most the best level; at it, hold.
     Cap(Knee),
-    /// Return to a lower level to measure it again: the step from it gave less than a healthy
-    /// step so far, on too little evidence at that level to tell.
-    Remeasure {
-        /// The lower level.
-        to: u32,
-        /// The step from it to the current level.
-        step: Comparison,
-    },
 }
 
 /// Why the guard holds growth.
@@ -578,6 +601,9 @@ pub enum Hold {
     },
     /// The target reaches the best level: more in flight gave no more throughput.
     AtKnee(Knee),
+    /// The target reaches what the backend served at once when its own queue last showed
+    /// (remembered across holds: growth after the queue drained stops there).
+    AtCeiling(Ceiling),
     /// Past its knee, whose peak is still uncertain: the target stays at a level around it
     /// to measure it.
     Measuring {
@@ -601,21 +627,69 @@ impl Hold {
                 "the backend's saturation query has not been evaluated yet".to_owned()
             }
             Self::Judging { step, so_far } => format!(
-                "judging the step to {} in flight per endpoint against {} (decision {} of at most {MAX_JUDGING}): {}",
+                "judging the step to {} in flight per endpoint against {} (decision {} of at most {}): {}",
                 step.level,
                 step.reference,
                 step.decisions,
+                if step.probe {
+                    MAX_PROBE_WAIT
+                } else {
+                    MAX_JUDGING
+                },
                 so_far.as_ref().map_or_else(
                     || format!("no steady interval at {} yet", step.level),
                     |c| format!("{}, not enough evidence yet", c.describe())
                 )
             ),
             Self::AtKnee(knee) => format!("past its knee: {}", knee.evidence()),
+            Self::AtCeiling(c) => format!("past its knee: {}", c.describe()),
             Self::Measuring { at, knee } => format!(
                 "past its knee, measuring {at} in flight per endpoint to locate its peak: {}",
                 knee.evidence()
             ),
         }
+    }
+}
+
+/// What the backend's own queue said: at `seen_at` in flight per endpoint it had `waiting`
+/// calls waiting for a batch slot, so it serves about `level` at once. Growth stops there
+/// (calls beyond wait in the gateways' queues, not in the backend), and the knee is at or
+/// below it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Ceiling {
+    /// What the backend serves at once per endpoint: in flight less its queue (at least 1).
+    pub level: u32,
+    /// In flight per endpoint when its queue showed.
+    pub seen_at: f64,
+    /// Its saturation query then.
+    pub waiting: f64,
+    /// When it was last read.
+    pub at: Timestamp,
+}
+
+impl Ceiling {
+    /// From a reading of the backend's queue (`waiting`, the largest over its instances) at
+    /// `in_flight` per endpoint.
+    pub fn read(in_flight: f64, waiting: f64, at: Timestamp) -> Self {
+        let level = (in_flight - waiting)
+            .floor()
+            .clamp(1.0, f64::from(u32::MAX)) as u32;
+        Self {
+            level,
+            seen_at: in_flight,
+            waiting,
+            at,
+        }
+    }
+
+    /// The reading in words.
+    pub fn describe(&self) -> String {
+        format!(
+            "the backend's own queue read {} at {} in flight per endpoint: it serves about {} at once",
+            round(self.waiting),
+            round(self.seen_at),
+            self.level
+        )
     }
 }
 
@@ -629,6 +703,13 @@ pub struct KneeMemory {
     /// The declared capacity per endpoint (`capacity.maxConnectionsPerEndpoint`): what batching
     /// may cost a call is measured against it (0: unknown, a step only needs `rise^0.3`).
     pub capacity: u32,
+    /// `autoscale.scaleDown.maxStepPercent`: a probe below the best level into levels never
+    /// measured is a shrink without evidence, at most this share of it (0: 50%).
+    pub max_step_percent: u32,
+    /// The backend's own queue, the last time it showed (kept across holds: growth after the
+    /// queue drains stops here), until [`KNEE_MEMORY`] passes without a reading or a level above
+    /// it is served without a queue.
+    pub ceiling: Option<Ceiling>,
 }
 
 /// The level an interval at `in_flight` per endpoint counts in (`None`: too few in flight).
@@ -644,6 +725,7 @@ impl KneeMemory {
         let now = obs.at;
         self.levels
             .retain(|_, l| elapsed(l.last, now) <= KNEE_MEMORY);
+        self.forget_old_ceiling(now);
         let Some(key) = level_of(obs.in_flight) else {
             return;
         };
@@ -661,6 +743,17 @@ impl KneeMemory {
             .entry(key)
             .or_insert_with(|| Level::new(key, now))
             .add(&obs);
+    }
+
+    /// Forgets the backend's queue reading once [`KNEE_MEMORY`] passed without another: the
+    /// backend may have been rolled out with more slots since.
+    pub fn forget_old_ceiling(&mut self, now: Timestamp) {
+        if self
+            .ceiling
+            .is_some_and(|c| elapsed(c.at, now) > KNEE_MEMORY)
+        {
+            self.ceiling = None;
+        }
     }
 
     /// The knee, when the levels show one.
@@ -704,6 +797,8 @@ impl KneeMemory {
             below,
             peak: if falls { self.peak(best) } else { None },
             falls,
+            ceiling: self.ceiling,
+            measured_above: evidence().any(|l| l.in_flight > best.in_flight && far(l, best)),
         };
         knee.evident().then_some(knee)
     }
@@ -844,8 +939,13 @@ impl KneeMemory {
     ) -> Move {
         if let Some(mut step) = self.judging.take() {
             step.decisions += 1;
+            let most = if step.probe {
+                MAX_PROBE_WAIT
+            } else {
+                MAX_JUDGING
+            };
             if step.target == current
-                && step.decisions <= MAX_JUDGING
+                && step.decisions <= most
                 && let Some(reference) = self.levels.get(&step.reference)
             {
                 let so_far = self.levels.get(&step.level).map(|l| {
@@ -856,9 +956,22 @@ impl KneeMemory {
                     }
                 });
                 match so_far {
+                    // A probe stands until its level is measured: leaving it on no evidence
+                    // would undo it before it told anything.
+                    None if step.probe => {
+                        self.judging = Some(step);
+                        return Move::Judging { step, so_far };
+                    }
+                    Some(c) if step.probe && !c.trusted => {
+                        self.judging = Some(step);
+                        return Move::Judging { step, so_far };
+                    }
                     Some(c) if c.sufficient() => {}
                     // Growth waits only where the evidence so far points to a knee.
-                    Some(c) if c.suspicious() => {
+                    Some(c) if c.suspicious() && step.judged < MAX_JUDGING => {
+                        if c.trusted {
+                            step.judged += 1;
+                        }
                         self.judging = Some(step);
                         return Move::Judging { step, so_far };
                     }
@@ -867,11 +980,11 @@ impl KneeMemory {
             }
         }
         let Some(knee) = self.knee() else {
-            // Only where the law would not grow anyway: a step into the unknown comes first.
-            return level
-                .filter(|_| wanted <= current)
-                .and_then(|l| self.remeasure(l, current, min))
-                .unwrap_or(Move::Free);
+            // No evidence of a knee: the law decides. A level is never left for a lower one on
+            // evidence too thin to call it worse (a step down to the light load's level undoes
+            // growth the crowd needs, and judges nothing: it is the next step up that repeats).
+            let _ = level;
+            return Move::Free;
         };
         let (best, cap) = (knee.best.in_flight, knee.cap());
         if wanted < cap.min(best) {
@@ -893,48 +1006,45 @@ impl KneeMemory {
                 (f64::from(best) > f64::from(lo) * NARROW && m > lo && m < best).then_some(m)
             }
             None => {
-                let m = (best / 2).max(min);
-                (f64::from(best) >= f64::from(m) * NARROW).then_some(m)
+                // Nothing measured below: a shrink into the unknown, at most maxStepPercent.
+                let share = match self.max_step_percent {
+                    0 => 0.5,
+                    p => f64::from(p.min(100)) / 100.0,
+                };
+                let floor = (f64::from(best) * (1.0 - share) - 1e-9).ceil() as u32;
+                let m = (best / 2).max(floor).max(min);
+                (m < best && f64::from(best) >= f64::from(m) * MIN_RATIO).then_some(m)
             }
         };
+        let down = down.map(|m| m.max(min)).filter(|m| *m < best);
         let fresh = |m: &u32| !measured(*m) && *m != current;
+        // Only the levels' own evidence brackets a knee to probe: the backend's queue alone
+        // says where growth stops, not that a lower level gives more.
+        let (up, down) = if knee.own() { (up, down) } else { (None, None) };
         if let Some(to) = up.filter(fresh).or(down.filter(fresh)) {
             self.judging = Some(Judging {
                 target: to,
                 level: to,
                 reference: best,
                 decisions: 0,
+                judged: 0,
+                probe: true,
             });
             return Move::Probe { to, knee };
         }
-        match self.refine(&knee, current, (min, wanted.min(upper))) {
+        match self
+            .refine(&knee, current, (min, wanted.min(upper)))
+            .filter(|_| knee.own())
+        {
             Some(at) if at == current => return Move::Measure { at, knee },
             Some(to) => return Move::Probe { to, knee },
             None => {}
         }
+        let cap = cap.max(min);
         if current > cap {
             return Move::Back { to: cap, knee };
         }
         Move::Cap(knee)
-    }
-
-    /// The lower level to measure again, when the step from it to this interval's `level` gave
-    /// less than a healthy step, and that level is too noisy to tell (the target is `current`).
-    fn remeasure(&self, level: u32, current: u32, min: u32) -> Option<Move> {
-        let cur = self.levels.get(&level).filter(|_| level <= current)?;
-        let lower = self
-            .levels
-            .range(..level)
-            .rev()
-            .map(|(_, l)| l)
-            .find(|l| cur.mean_in_flight() >= l.mean_in_flight() * MIN_RATIO - 1e-9)
-            .filter(|l| l.in_flight >= min)?;
-        let step = Comparison::of(cur, lower, self.capacity);
-        let noisy = lower.noise(step.bytes) > MAX_LEVEL_NOISE;
-        (!step.trusted && noisy && step.suspicious()).then_some(Move::Remeasure {
-            to: lower.in_flight,
-            step,
-        })
     }
 
     /// Records that the law grew the target to `target`, where the demand fills `level`, from
@@ -947,6 +1057,8 @@ impl KneeMemory {
             level,
             reference: from,
             decisions: 0,
+            judged: 0,
+            probe: false,
         });
     }
 }
