@@ -1220,3 +1220,157 @@ fn long_calls_on_a_backend_that_keeps_rising_get_their_growth_in_one_step() {
     }
     assert!(runs >= 300, "{runs}");
 }
+
+// === the two cluster failures of the first knee guard, replayed ===
+
+/// One interval of the long-calls scenario's model-a as the cluster's gateways reported it (2
+/// endpoints, 864-byte answers, a 10 s window), with its waiting-queue query.
+fn cluster(leased: f64, pending: f64, completed: f64, waiting: f64) -> BackendSample {
+    BackendSample {
+        leased: Some(leased),
+        pending: Some(pending),
+        leased_now: Some(leased),
+        pending_now: Some(pending),
+        completed: Some(completed),
+        bytes: Some(completed * 864.0),
+        ttfb: (completed > 0.0).then_some(5.0),
+        window: Duration::from_secs(10),
+        saturation: SaturationSignal::Value(waiting),
+        unscraped: 0,
+        current: None,
+        classes: Default::default(),
+    }
+}
+
+/// The cluster's long_calls_knee run: 2 → 24 in one decision, then at 50 s 24 → 2 ("measuring
+/// 2 in flight per endpoint again") on intervals whose calls had started at 2, held at 2 while
+/// the queue drained (8, 7.13, 4.47, 1.8), then 2 → 24 again for good. Replayed on the same
+/// samples: the step back goes to what the backend serves at once (12 of its 20 in flight per
+/// endpoint, 8 waiting), never to 2; the intervals right after a change are not judged; after
+/// the queue drained growth stops at the remembered reading, and every hold names it.
+#[test]
+fn the_clusters_long_calls_trajectory_no_longer_jumps_past_the_knee_twice() {
+    let b = Bounds {
+        min: 2,
+        upper: 25,
+        margin: 0.2,
+        window: Duration::from_secs(30),
+        max_step_percent: 50,
+        capacity: 64,
+        interval: Duration::from_secs(10),
+        saturation_threshold: Some(1.0),
+    };
+    let mut mem = memory(&b, 2);
+    // Light load, then the crowd (40 callers) as the cluster saw it, interval by interval.
+    let mut samples = vec![cluster(2.0, 0.0, 0.4, 0.0); 3];
+    samples.push(cluster(4.0, 36.0, 0.8, 0.0));
+    samples.push(cluster(40.0, 0.0, 0.0, 8.0));
+    samples.push(cluster(40.0, 0.0, 0.0, 8.0));
+    for (completed, waiting) in [(1.5, 7.13), (0.5, 4.47), (1.5, 1.8)] {
+        samples.push(cluster(24.0, 16.0, completed, waiting));
+    }
+    let mut said = Vec::new();
+    for (i, s) in samples.iter().enumerate() {
+        let d = decide(&b, &mut mem, s, 2, at(10 * i as i64));
+        said.push((mem.target, mem.last_decision.clone().unwrap().reason, d));
+    }
+    // Then the queue is gone and the crowd still wants 24: as many in flight as the target
+    // allows, and the waiting gauge at 0.
+    for i in 0..12 {
+        let t = mem.target;
+        let s = cluster(
+            f64::from(t) * 2.0,
+            40.0 - f64::from(t) * 2.0,
+            f64::from(t) * 2.0 / 8.0,
+            0.0,
+        );
+        let d = decide(&b, &mut mem, &s, 2, at(10 * (samples.len() + i) as i64));
+        said.push((mem.target, mem.last_decision.clone().unwrap().reason, d));
+    }
+    let table: String = said
+        .iter()
+        .map(|(t, why, _)| format!("\n  {t:>2} {why}"))
+        .collect();
+    eprintln!("the cluster's long_calls_knee samples, replayed:{table}");
+    assert_eq!(
+        said[3].0, 24,
+        "the crowd gets its growth in one step{table}"
+    );
+    // The next decision steps back to what the backend serves at once, naming its queue.
+    let (target, why, d) = &said[4];
+    assert!(matches!(d, Decision::StepBack(_)), "{table}");
+    assert_eq!(*target, 12, "20 in flight per endpoint, 8 waiting{table}");
+    assert!(
+        why.contains("the backend reports saturation: its saturation query is 8 ≥ threshold 1"),
+        "{table}"
+    );
+    // Never back to the light load's level, never past the reading again.
+    assert!(
+        said[4..].iter().all(|(t, why, _)| *t >= 2
+            && *t <= 12
+            && !why.contains("measuring 2 in flight per endpoint again")),
+        "{table}"
+    );
+    assert!(said[5..].iter().all(|(t, _, _)| *t != 24), "{table}");
+    // Once drained, every decision that holds growth names the queue's reading or the knee.
+    for (_, why, d) in &said[samples.len()..] {
+        if d.holds_growth() {
+            assert!(why.contains("knee"), "{why}{table}");
+        }
+    }
+}
+
+/// The cluster's square_wave runs: model-b (6 batch slots per instance, min 10) went 10 → 6
+/// and, under the high load, 10 → 5: probes below the best level, below min and by more than
+/// maxStepPercent. Replayed: the high phases (20 in flight for 30 callers, 4 waiting per
+/// instance) hold at 10 naming the backend's queue; nothing goes below min, nothing shrinks
+/// under the high load.
+#[test]
+fn the_clusters_square_wave_never_shrinks_model_b_below_min_or_under_the_high_load() {
+    let b = Bounds {
+        min: 10,
+        upper: 25,
+        margin: 0.2,
+        window: Duration::from_secs(8),
+        max_step_percent: 25,
+        capacity: 32,
+        interval: Duration::from_secs(5),
+        saturation_threshold: Some(1.0),
+    };
+    let mut mem = memory(&b, 10);
+    let high = BackendSample {
+        window: Duration::from_secs(4),
+        ..cluster(20.0, 10.0, 30.0, 4.0)
+    };
+    let low = BackendSample {
+        window: Duration::from_secs(4),
+        ..cluster(6.0, 0.0, 15.0, 0.0)
+    };
+    let mut t = 0;
+    let mut before = mem.target;
+    for phase in 0..=14 {
+        let is_high = phase % 2 == 1;
+        for _ in 0..2 {
+            t += 5;
+            let d = decide(&b, &mut mem, if is_high { &high } else { &low }, 2, at(t));
+            let why = mem.last_decision.clone().unwrap().reason;
+            let after = mem.target;
+            assert!(after >= 10, "phase {phase}: {before} → {after}: {why}");
+            if is_high {
+                assert!(after >= before, "phase {phase}: {before} → {after}: {why}");
+                assert!(
+                    d.holds_growth()
+                        && (why.contains("the backend reports saturation") || why.contains("knee")),
+                    "phase {phase}: {d:?} {why}"
+                );
+            }
+            if after < before {
+                assert!(
+                    f64::from(after) >= (f64::from(before) * 0.75 - 1e-9).ceil(),
+                    "phase {phase}: {before} → {after}: {why}"
+                );
+            }
+            before = after;
+        }
+    }
+}
