@@ -13,10 +13,11 @@
 //!
 //!  low ─2 decisions─► high ─2 decisions─► low … 14 transitions, each right after a decision
 //!  model-a: high 10 → 18 (demand 30 × 1.2 / 2), low 18 → 14 (a 25% step), high 14 → 18, …
-//!  model-b: high 10 → 18, then its instances queue (the sample's saturation query on
-//!           `vllm:num_requests_waiting` reads ≥ 1) and 30 in flight complete no more than 20
-//!           did: growth held (BackendSaturated, or past its knee), the knee remembered; later
-//!           highs are held, lows shrink it step by step
+//!  model-b: at 10 (min) its 6 slots per instance are full and calls queue behind them (the
+//!           sample's saturation query on `vllm:num_requests_waiting` reads ≥ 1): growth to 18
+//!           held (BackendSaturated), the reading remembered; later highs are held at 10
+//!           (the queue, or past its knee), lows keep min: the guard never takes a target
+//!           below min or shrinks it under the high load
 //! ```
 //!
 //! A transition starts right after a decision, so that each decision sees one phase only (the
