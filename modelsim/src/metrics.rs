@@ -145,6 +145,18 @@ impl Metrics {
             "Inference requests waiting for a concurrency slot",
             m.queued.clone(),
         );
+        // The same two gauges under the names vLLM exports them by, so that a policy's
+        // saturation query reads modelsim as it reads vLLM (docs/vllm.md).
+        r.register(
+            "vllm:num_requests_waiting",
+            "Requests waiting for a batch slot (as vLLM names it: modelsim_requests_queued)",
+            m.queued.clone(),
+        );
+        r.register(
+            "vllm:num_requests_running",
+            "Requests in the running batch (as vLLM names it: modelsim_requests_in_flight)",
+            m.in_flight.clone(),
+        );
         r.register(
             "modelsim_requests_queued_peak",
             "Highest queued requests since start or peak reset",
@@ -350,6 +362,25 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_queue_and_the_batch_are_also_exported_under_vllms_names() {
+        let m = Metrics::new(4, 8);
+        m.queued.set(3);
+        m.in_flight.set(4);
+        let text = m.encode();
+        for line in [
+            "modelsim_requests_queued 3",
+            "vllm:num_requests_waiting 3",
+            "modelsim_requests_in_flight 4",
+            "vllm:num_requests_running 4",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from\n{text}"
+            );
+        }
+    }
 
     #[test]
     fn exposition_names_the_contract_metrics() {

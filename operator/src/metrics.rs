@@ -370,14 +370,16 @@ pub fn decision_kind(d: &Decision) -> &'static str {
     match d {
         Decision::ScaleUp(_) => "scale_up",
         Decision::ScaleDown(_) => "scale_down",
+        Decision::StepBack(_) => "step_back",
         Decision::Steady { .. } => "steady",
         Decision::WithinDeadband { .. } => "within_deadband",
         Decision::Held { hold, .. } => match hold {
             Hold::BackendSaturated { .. } => "backend_saturated",
             Hold::SaturationPending => "saturation_pending",
-            Hold::StepFellShort(_) => "step_fell_short",
+            Hold::Judging { .. } => "judging",
             Hold::AtKnee(_) => "at_knee",
-            Hold::SlowerAtSameLoad { .. } => "slower_at_same_load",
+            Hold::AtCeiling(_) => "at_backend_queue",
+            Hold::Measuring { .. } => "measuring_knee",
         },
         Decision::AtUpperBound { .. } => "at_upper_bound",
         Decision::Stabilizing { .. } => "stabilizing",

@@ -178,10 +178,11 @@ pub const CONDITIONS: &[ConditionDoc] = &[
                 "True",
                 "Saturated",
                 "a backend's demand exceeds its upper bound (capacity × (1 − headroom), or \
-                 `autoscale.max`), or its growth is held because it is past its knee: its own \
-                 saturation query says so, a step added in-flight calls and no throughput, or \
-                 (at half its declared capacity or more) it answers slower at the same load; \
-                 the message names the backend with the numbers (and any overcommit, below)",
+                 `autoscale.max`), or its growth is held or stepped back because it is past its \
+                 knee: its own saturation query says so, or a level with more calls in flight \
+                 gave significantly no more throughput (or only a slower first byte) than the \
+                 best level measured; the message names the backend with the numbers (and any \
+                 overcommit, below)",
             ),
             reason(
                 "True",
@@ -233,6 +234,15 @@ pub const EVENTS: &[EventDoc] = &[
         meaning: "a backend's target shrank, with the numbers",
     },
     EventDoc {
+        type_: "Warning",
+        reason: "SteppedBack",
+        meaning: "the knee guard lowered a backend's target: growth was followed by \
+                  significantly less throughput (or a slower first byte) at the same demand, so \
+                  it returns toward the level that gave the most, or probes below it; the note \
+                  has both levels with their throughput, noise and calls. The calls beyond wait \
+                  in the gateways' queues",
+    },
+    EventDoc {
         type_: "Normal",
         reason: "WouldScaleUp",
         meaning: "`mode: Recommend`: a backend's recommended target grew; nothing was sent to \
@@ -246,9 +256,9 @@ pub const EVENTS: &[EventDoc] = &[
     EventDoc {
         type_: "Warning",
         reason: "GrowthHeld",
-        meaning: "a backend's growth has been held for 3 decisions in a row (past its knee, or \
-                  at its upper bound); the note names the backend and the last decision's \
-                  reason with its numbers. Once per hold",
+        meaning: "a backend's growth has been held for 3 decisions in a row (past its knee, \
+                  judging a step, or at its upper bound); the note names the backend and the \
+                  last decision's reason with its numbers. Once per hold",
     },
     EventDoc {
         type_: "Normal",

@@ -937,3 +937,35 @@ fn cel_refuses_token_budgets_that_break_their_rules() {
         Some(serde_norway::from_str("{perMinute: 600, perDay: 1}").unwrap());
     assert_refused(&p, "tokens.perDay must be at least tokens.perMinute");
 }
+
+/// The saturation query the docs show for vLLM (and modelsim, which exports the same gauge names)
+/// is the one the vLLM sample configures: a reader who copies either gets the other.
+#[test]
+fn the_documented_vllm_saturation_query_is_the_one_the_vllm_sample_configures() {
+    let root = crate_dir().join("..");
+    let read = |path: &str| std::fs::read_to_string(root.join(path)).unwrap_or_default();
+    let sample: ConnectionPolicy =
+        serde_norway::from_str(&read("manifests/samples/vllm/connectionpolicy.yaml"))
+            .expect("the vLLM sample parses");
+    let saturation = sample.spec.backends[0]
+        .saturation
+        .as_ref()
+        .expect("the vLLM sample configures its waiting queue as the saturation signal");
+    assert!(
+        saturation.query.contains("vllm:num_requests_waiting"),
+        "{}",
+        saturation.query
+    );
+    for doc in ["docs/vllm.md", "docs/autoscaling.md"] {
+        assert!(
+            read(doc).contains(&saturation.query),
+            "{doc} does not show the query the vLLM sample configures: {}",
+            saturation.query
+        );
+    }
+    assert!(
+        read("docs/autoscaling.md").contains(&format!("threshold: {}", saturation.threshold)),
+        "docs/autoscaling.md shows another threshold than the sample's {}",
+        saturation.threshold
+    );
+}

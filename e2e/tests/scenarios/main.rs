@@ -14,6 +14,7 @@ mod fd_budget;
 mod flash_crowd;
 mod happy_path;
 mod hostile_clients;
+mod long_calls_knee;
 mod operator_down;
 mod partial_scrape;
 mod policy_edit;

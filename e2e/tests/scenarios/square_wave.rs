@@ -13,8 +13,11 @@
 //!
 //!  low ─2 decisions─► high ─2 decisions─► low … 14 transitions, each right after a decision
 //!  model-a: high 10 → 18 (demand 30 × 1.2 / 2), low 18 → 14 (a 25% step), high 14 → 18, …
-//!  model-b: high 10 → 18, then 30 in flight complete no more than 20 did: throughput flat,
-//!           the knee remembered; later highs are held at it, lows shrink it step by step
+//!  model-b: at 10 (min) its 6 slots per instance are full and calls queue behind them (the
+//!           sample's saturation query on `vllm:num_requests_waiting` reads ≥ 1): growth to 18
+//!           held (BackendSaturated), the reading remembered; later highs are held at 10
+//!           (the queue, or past its knee), lows keep min: the guard never takes a target
+//!           below min or shrinks it under the high load
 //! ```
 //!
 //! A transition starts right after a decision, so that each decision sees one phase only (the
@@ -286,7 +289,9 @@ async fn a_square_wave_changes_each_target_once_per_transition_and_holds_the_bac
             .iter()
             .position(|d| {
                 let s = &d.backends["model-b"];
-                s.action == DecisionAction::Hold && s.reason.contains("throughput did not follow")
+                s.action == DecisionAction::Hold
+                    && (s.reason.contains("past its knee")
+                        || s.reason.contains("the backend reports saturation"))
             })
             .with_context(|| format!("model-b's knee is never found{table}"))?;
         let found_at = &decisions[found];
@@ -310,7 +315,9 @@ async fn a_square_wave_changes_each_target_once_per_transition_and_holds_the_bac
             // never grow.
             assert!(
                 s.action == DecisionAction::Hold
-                    && (s.reason.contains("knee") || s.reason.contains("missing data")),
+                    && (s.reason.contains("knee")
+                        || s.reason.contains("the backend reports saturation")
+                        || s.reason.contains("missing data")),
                 "model-b is held at its knee with a reason in phase {}: {s:?}{table}",
                 d.phase
             );

@@ -1,7 +1,7 @@
 //! The autoscale law for one backend: grow in ONE step to demand × (1 + margin) unless the
 //! backend is past its knee (the guard in [`knee`]: a bigger pool makes a saturated backend
 //! slower, but a model server that merely slows down as it batches more calls is not
-//! saturated); shrink slowly (the highest recommendation over the stabilization window, at most
+//! saturated), and step back to the best level when growth made throughput worse; shrink slowly (the highest recommendation over the stabilization window, at most
 //! `maxStepPercent`, at most once per window); ignore changes inside a 10% deadband; on missing
 //! data hold, flag the metrics unavailable after three misses and resume only after two fresh
 //! samples. Every decision, whatever it does, is recorded with its reason and numbers.
@@ -15,7 +15,7 @@ use std::time::Duration;
 use poolpilot_api::ConnectionPolicySpec;
 use poolpilot_api::policy::{BackendSpec, DecisionAction};
 
-use self::knee::{Hold, KneeMemory, Observation, Verdict};
+use self::knee::{Hold, Knee, KneeMemory, Move, Observation};
 use self::words::round;
 use super::input::{BackendSample, SaturationSignal};
 use super::time::{Timestamp, elapsed};
@@ -135,6 +135,8 @@ pub struct Scale {
 }
 
 /// What one decision did.
+// One per backend and interval, moved, never kept in bulk: boxing the hold buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decision {
     /// Grew the target in one step.
@@ -145,8 +147,12 @@ pub enum Decision {
     Steady { recommendation: u32 },
     /// The recommendation differs from the target by less than the deadband.
     WithinDeadband { recommendation: u32 },
-    /// Demand wants more, but the backend is past its knee (or says it is saturated).
+    /// Demand wants more, but the backend is past its knee (or says it is saturated, or the
+    /// last step is being judged).
     Held { recommendation: u32, hold: Hold },
+    /// Returned toward the level that gave the most throughput (or probed below it): growth
+    /// made things worse, and the calls beyond wait in the gateways' queues.
+    StepBack(Scale),
     /// Demand wants more than the upper bound allows: the target sits at the bound.
     AtUpperBound { recommendation: u32 },
     /// Demand wants less, but the stabilization window holds the target.
@@ -161,7 +167,7 @@ impl Decision {
     /// Whether the target changed.
     pub fn scale(&self) -> Option<&Scale> {
         match self {
-            Self::ScaleUp(s) | Self::ScaleDown(s) => Some(s),
+            Self::ScaleUp(s) | Self::ScaleDown(s) | Self::StepBack(s) => Some(s),
             _ => None,
         }
     }
@@ -169,7 +175,10 @@ impl Decision {
     /// Whether the backend is saturated: it wants more than it can safely get.
     pub fn saturated(&self) -> bool {
         match self {
-            Self::Held { hold, .. } => !matches!(hold, Hold::SaturationPending),
+            Self::Held { hold, .. } => {
+                !matches!(hold, Hold::SaturationPending | Hold::Judging { .. })
+            }
+            Self::StepBack(_) => true,
             Self::AtUpperBound { .. } => true,
             _ => false,
         }
@@ -184,7 +193,7 @@ impl Decision {
     pub fn action(&self) -> DecisionAction {
         match self {
             Self::ScaleUp(_) => DecisionAction::ScaleUp,
-            Self::ScaleDown(_) => DecisionAction::ScaleDown,
+            Self::ScaleDown(_) | Self::StepBack(_) => DecisionAction::ScaleDown,
             Self::Steady { .. } | Self::WithinDeadband { .. } => DecisionAction::NoChange,
             Self::Held { .. }
             | Self::AtUpperBound { .. }
@@ -261,16 +270,22 @@ fn guard_input_missing(s: &BackendSample, bounds: &Bounds) -> Option<&'static st
 
 /// This interval as the knee guard keeps it, when the sample has its throughput and the load
 /// held steady over its window (a window across a change of load mixes two loads, and its
-/// averages and rates do not match each other).
+/// averages and rates do not match each other). The calls it counts are those of the interval
+/// (`interval` long, or the window when that is shorter): windows of successive samples
+/// overlap, and no call counts twice.
 fn observation(
     s: &BackendSample,
     leased: f64,
     endpoints: u32,
-    now: Timestamp,
+    interval: Duration,
+    (now, last_change): (Timestamp, Option<Timestamp>),
 ) -> Option<Observation> {
     let e = f64::from(endpoints);
     let completed = usable(s.completed)?;
     let bytes = usable(s.bytes)?;
+    if !settled(s, leased, completed, (now, last_change)) {
+        return None;
+    }
     if let Some(latest) = usable(s.leased_now)
         && (latest - leased).abs() > UNSTEADY * latest.max(leased)
     {
@@ -282,8 +297,35 @@ fn observation(
         completed: completed / e,
         bytes: bytes / e,
         ttfb: usable(s.ttfb).filter(|t| *t > 0.0),
-        calls: completed * s.window.as_secs_f64(),
+        calls: completed * s.window.min(interval).as_secs_f64(),
+        streams: leased,
     })
+}
+
+/// The mean time a call spends at the backend, by Little's law over the window: calls in flight
+/// over calls completed per second (`None`: nothing completed, the calls last longer than the
+/// window).
+pub fn mean_call_duration(leased: f64, completed: f64) -> Option<f64> {
+    (completed > 0.0 && leased.is_finite()).then(|| leased / completed)
+}
+
+/// Whether the window of `s` shows the current target alone: it began at least one mean call
+/// duration after the target last changed. Before that, calls started at the earlier level
+/// are still in flight (and complete, or not, at its pace): their window mixes two levels, and
+/// a step judged on it is judged on what the old level left behind.
+fn settled(
+    s: &BackendSample,
+    leased: f64,
+    completed: f64,
+    (now, last_change): (Timestamp, Option<Timestamp>),
+) -> bool {
+    let Some(changed) = last_change else {
+        return true;
+    };
+    let Some(duration) = mean_call_duration(leased, completed) else {
+        return false;
+    };
+    elapsed(changed, now).as_secs_f64() + 1e-9 >= s.window.as_secs_f64() + duration
 }
 
 /// Makes one decision for a backend with `endpoints` endpoints from `sample`, updating `mem`
@@ -397,8 +439,39 @@ fn decide_fresh(
     {
         mem.recommendations.pop_front();
     }
-    let obs = observation(s, leased, endpoints, now);
-    let found = obs.and_then(|o| mem.knee.observe(o, bounds.interval, bounds.capacity));
+    let obs = observation(
+        s,
+        leased,
+        endpoints,
+        bounds.interval,
+        (now, mem.last_change),
+    );
+    mem.knee.capacity = bounds.capacity;
+    mem.knee.max_step_percent = bounds.max_step_percent;
+    mem.knee.forget_old_ceiling(now);
+    let in_flight_now = usable(s.leased_now).unwrap_or(leased) / f64::from(endpoints.max(1));
+    if let (SaturationSignal::Value(value), Some(threshold)) =
+        (s.saturation, bounds.saturation_threshold)
+        && endpoints > 0
+    {
+        if value >= threshold {
+            // The backend's own queue: what it serves at once is in flight less its queue.
+            mem.knee.ceiling = Some(knee::Ceiling::read(in_flight_now, value, now));
+        } else if obs.is_some()
+            && mem
+                .knee
+                .ceiling
+                .is_some_and(|c| in_flight_now >= f64::from(c.level) * knee::MIN_RATIO)
+        {
+            // A level well above the queue's reading, served without a queue once settled:
+            // the backend got more slots (or faster); the reading no longer holds.
+            mem.knee.ceiling = None;
+        }
+    }
+    if let Some(o) = obs {
+        mem.knee.observe(o);
+    }
+    let level = obs.and_then(|o| knee::level_of(o.in_flight));
 
     let demand_text = format!(
         "demand {} (leased {} + pending {}) × {} over {endpoints} endpoints",
@@ -420,6 +493,88 @@ fn decide_fresh(
     }
     mem.saturation = None;
 
+    let query_hold = match s.saturation {
+        SaturationSignal::Value(value)
+            if bounds.saturation_threshold.is_some_and(|t| value >= t) =>
+        {
+            Some(Hold::BackendSaturated {
+                value,
+                threshold: bounds.saturation_threshold.unwrap_or_default(),
+            })
+        }
+        SaturationSignal::NotConfigured | SaturationSignal::Pending
+            if bounds.saturation_threshold.is_some() =>
+        {
+            Some(Hold::SaturationPending)
+        }
+        _ => None,
+    };
+    // The guard's move: it acts only where demand wants more than the best level it knows, or
+    // while a step is judged.
+    // The backend's own queue at the current in-flight: step back to what it serves at once
+    // (evidence, not a guess: the calls beyond wait in the gateways' queues instead, where
+    // lease timeouts and Retry-After reach the clients).
+    if let (Some(Hold::BackendSaturated { value, threshold }), Some(c)) =
+        (&query_hold, mem.knee.ceiling)
+    {
+        let to = bounds.clamp(c.level);
+        if to < current && f64::from(current - to) >= band {
+            let reason = format!(
+                "{demand_text}; stepped back: the backend reports saturation: its saturation query is {} ≥ threshold {}: {}; calls beyond {to} per endpoint wait in the gateways' queues",
+                round(*value),
+                round(*threshold),
+                c.describe()
+            );
+            mem.saturation = Some(format!("the backend reports saturation: {}", c.describe()));
+            mem.knee.judging = None;
+            let scale = change(mem, to, reason, now);
+            let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+            return (Decision::StepBack(scale), why);
+        }
+    }
+    let mv = mem
+        .knee
+        .plan(current, recommendation, (bounds.min, bounds.upper), level);
+    match &mv {
+        Move::Back { to, knee } if *to < current && f64::from(current - to) >= band => {
+            let reason = format!(
+                "{demand_text}; stepped back to the best level: {}; calls beyond {to} per endpoint wait in the gateways' queues",
+                knee.evidence()
+            );
+            return step_back(mem, *to, reason, knee, now);
+        }
+        // While the backend still reports its queue, a probe below the best level waits: its
+        // throughput would be judged while the backend drains what it queued.
+        Move::Probe { to, knee } if *to < current && query_hold.is_none() => {
+            let reason = format!(
+                "{demand_text}; probing {} in flight per endpoint against the best level {}: {}",
+                to,
+                knee.best.in_flight,
+                knee.evidence()
+            );
+            return step_back(mem, *to, reason, knee, now);
+        }
+        Move::Probe { to, knee } if *to > current && query_hold.is_none() => {
+            let reason = format!(
+                "{demand_text}; probing {} in flight per endpoint against the best level {}: {}",
+                to,
+                knee.best.in_flight,
+                knee.evidence()
+            );
+            let scale = change(mem, *to, reason, now);
+            let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+            return (Decision::ScaleUp(scale), why);
+        }
+        _ => {}
+    }
+    let knee = match &mv {
+        Move::Cap(k)
+        | Move::Back { knee: k, .. }
+        | Move::Probe { knee: k, .. }
+        | Move::Measure { knee: k, .. } => Some(*k),
+        Move::Free | Move::Judging { .. } => None,
+    };
+
     if recommendation > current {
         let over_upper = (wanted > bounds.upper).then(|| {
             format!(
@@ -431,9 +586,10 @@ fn decide_fresh(
             mem.saturation = over_upper;
             return if wanted > bounds.upper {
                 let why = format!(
-                    "held at {current}: {demand_text} wants {wanted} per endpoint; the upper bound {} is within {}% of the target",
+                    "held at {current}: {demand_text} wants {wanted} per endpoint; the upper bound {} is within {}% of the target{}",
                     bounds.upper,
-                    round(DEADBAND * 100.0)
+                    round(DEADBAND * 100.0),
+                    limits(knee.as_ref(), s.saturation)
                 );
                 (Decision::AtUpperBound { recommendation }, why)
             } else {
@@ -444,65 +600,68 @@ fn decide_fresh(
                 (Decision::WithinDeadband { recommendation }, why)
             };
         }
-        let verdict = match s.saturation {
-            SaturationSignal::Value(value)
-                if bounds.saturation_threshold.is_some_and(|t| value >= t) =>
-            {
-                Verdict::Hold(Hold::BackendSaturated {
-                    value,
-                    threshold: bounds.saturation_threshold.unwrap_or_default(),
-                })
+        let hold = query_hold.or_else(|| match &mv {
+            Move::Judging { step, so_far } => Some(Hold::Judging {
+                step: *step,
+                so_far: *so_far,
+            }),
+            Move::Measure { at, knee } => Some(Hold::Measuring {
+                at: *at,
+                knee: *knee,
+            }),
+            _ => knee
+                .filter(|k| k.cap() <= current || f64::from(k.cap() - current) < band)
+                .map(Hold::AtKnee)
+                .or_else(|| {
+                    mem.knee
+                        .ceiling
+                        .filter(|c| {
+                            knee.is_none()
+                                && (c.level <= current || f64::from(c.level - current) < band)
+                        })
+                        .map(Hold::AtCeiling)
+                }),
+        });
+        if let Some(hold) = hold {
+            let what = hold.describe();
+            if !matches!(hold, Hold::SaturationPending | Hold::Judging { .. }) {
+                mem.saturation = Some(format!("{what}: growth to {recommendation} held"));
             }
-            SaturationSignal::NotConfigured | SaturationSignal::Pending
-                if bounds.saturation_threshold.is_some() =>
-            {
-                Verdict::Hold(Hold::SaturationPending)
-            }
-            _ => mem.knee.judge(
-                obs.as_ref(),
-                found,
-                current,
-                recommendation,
-                bounds.capacity,
-            ),
-        };
-        // A knee below the recommendation caps the growth; a cap the deadband swallows holds.
-        let knee = mem.knee.knee.filter(|k| k.cap() < recommendation);
-        let to = match (verdict, knee) {
-            (Verdict::Grow(to), Some(k)) if to <= current || f64::from(to - current) < band => {
-                Err(Hold::AtKnee(k))
-            }
-            (Verdict::Grow(to), _) => Ok(to),
-            (Verdict::Hold(hold), _) => Err(hold),
-        };
-        let to = match to {
-            Err(hold) => {
-                let what = hold.describe(now);
-                if !matches!(hold, Hold::SaturationPending) {
-                    mem.saturation = Some(format!("{what}: growth to {recommendation} held"));
-                }
-                let why = format!("held at {current}: growth to {recommendation} held: {what}");
-                return (
-                    Decision::Held {
-                        recommendation,
-                        hold,
-                    },
-                    why,
-                );
-            }
-            Ok(to) => to,
-        };
+            let why = format!("held at {current}: growth to {recommendation} held: {what}");
+            return (
+                Decision::Held {
+                    recommendation,
+                    hold,
+                },
+                why,
+            );
+        }
+        let ceiling = mem.knee.ceiling.filter(|_| knee.is_none());
+        let to = knee.map_or(recommendation, |k| {
+            recommendation.min(k.cap().max(bounds.min))
+        });
+        let to = ceiling.map_or(to, |c| to.min(c.level.max(bounds.min)));
         mem.saturation = over_upper;
         let reason = if let Some(k) = knee.filter(|_| to < recommendation) {
+            format!("{demand_text}, capped at the knee: {}", k.evidence())
+        } else if let Some(c) = ceiling.filter(|_| to < recommendation) {
             format!(
-                "{demand_text}, capped at the knee: throughput stopped following above {} in flight per endpoint",
-                round(k.in_flight)
+                "{demand_text}, capped below the backend's own queue: {}",
+                c.describe()
             )
         } else if wanted > bounds.upper {
             format!("{demand_text}, capped at the upper bound {}", bounds.upper)
         } else {
             demand_text
         };
+        if knee.is_none() {
+            let fills = (demand / f64::from(endpoints.max(1))).min(f64::from(to));
+            mem.knee.stepped(
+                level.unwrap_or(current),
+                to,
+                knee::level_of(fills).unwrap_or(to),
+            );
+        }
         let scale = change(mem, to, reason, now);
         let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
         return (Decision::ScaleUp(scale), why);
@@ -513,8 +672,9 @@ fn decide_fresh(
             bounds.upper
         ));
         let why = format!(
-            "held at {current}: {demand_text} wants {wanted} per endpoint, the upper bound is {}",
-            bounds.upper
+            "held at {current}: {demand_text} wants {wanted} per endpoint, the upper bound is {}{}",
+            bounds.upper,
+            limits(knee.as_ref(), s.saturation)
         );
         return (Decision::AtUpperBound { recommendation }, why);
     }
@@ -574,6 +734,38 @@ fn decide_fresh(
     (Decision::ScaleDown(scale), why)
 }
 
+/// What else limits a backend held at its upper bound, in words (empty: only the bound): the
+/// knee evidence, and the backend's own queue when its saturation query reads one.
+fn limits(knee: Option<&Knee>, saturation: SaturationSignal) -> String {
+    let mut out = String::new();
+    if let Some(k) = knee {
+        out.push_str(&format!("; past its knee: {}", k.evidence()));
+    }
+    if let SaturationSignal::Value(v) = saturation
+        && v > 0.0
+    {
+        out.push_str(&format!(
+            "; the backend reports a queue: its saturation query is {}",
+            round(v)
+        ));
+    }
+    out
+}
+
+/// Lowers the target to `to` for the knee guard (back to the best level, or a probe below it).
+fn step_back(
+    mem: &mut BackendMemory,
+    to: u32,
+    reason: String,
+    knee: &Knee,
+    now: Timestamp,
+) -> (Decision, String) {
+    mem.saturation = Some(format!("past its knee: {}", knee.evidence()));
+    let scale = change(mem, to, reason, now);
+    let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+    (Decision::StepBack(scale), why)
+}
+
 /// Sets the target and records the change.
 fn change(mem: &mut BackendMemory, to: u32, reason: String, now: Timestamp) -> Scale {
     let scale = Scale {
@@ -588,5 +780,7 @@ fn change(mem: &mut BackendMemory, to: u32, reason: String, now: Timestamp) -> S
     scale
 }
 
+#[cfg(test)]
+mod sim;
 #[cfg(test)]
 mod tests;

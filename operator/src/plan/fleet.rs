@@ -408,7 +408,7 @@ fn burst_budget(policy: &PolicyInput, b: &BackendSpec, mem: &BackendMemory) -> O
     if let Some(max) = policy.spec.autoscale.max {
         budget = budget.min(max);
     }
-    Some(mem.knee.knee.map_or(budget, |k| budget.min(k.cap())))
+    Some(mem.knee.cap().map_or(budget, |c| budget.min(c)))
 }
 
 /// The division a policy's status recorded for a backend, when it still divides its target

@@ -91,7 +91,9 @@ pub fn events(
     };
     for b in &plan.backends {
         match &b.decision {
-            Some(Decision::ScaleUp(s) | Decision::ScaleDown(s)) if mode == Mode::Recommend => {
+            Some(Decision::ScaleUp(s) | Decision::ScaleDown(s) | Decision::StepBack(s))
+                if mode == Mode::Recommend =>
+            {
                 let reason = if s.to > s.from {
                     "WouldScaleUp"
                 } else {
@@ -113,6 +115,14 @@ pub fn events(
             Some(Decision::ScaleDown(s)) => out.push(event(
                 EventType::Normal,
                 "ScaledDown",
+                format!("{}: target {} → {}: {}", b.name, s.from, s.to, s.reason),
+                "Scale",
+            )),
+            // The knee guard lowered the target: growth made the backend worse (or it probes
+            // below the best level).
+            Some(Decision::StepBack(s)) => out.push(event(
+                EventType::Warning,
+                "SteppedBack",
                 format!("{}: target {} → {}: {}", b.name, s.from, s.to, s.reason),
                 "Scale",
             )),

@@ -1106,6 +1106,18 @@ mod event_catalogue {
                 mode,
             ));
         }
+        let stepped = events(
+            &none,
+            &none,
+            &plan(Some(Decision::StepBack(down.clone()))),
+            Mode::Enforce,
+        );
+        assert_eq!(
+            (stepped[0].type_, stepped[0].reason.as_str()),
+            (EventType::Warning, "SteppedBack"),
+            "a step back is told as a warning"
+        );
+        add(stepped);
         let shadow = events(
             &none,
             &none,

@@ -1,71 +1,99 @@
-//! The knee guard: tells a backend past its knee (more connections only queue in it) from one
-//! that is merely busier (model servers batch, so their calls slow down as concurrency rises
-//! long before they saturate). Growth is held only on evidence, each kind with numbers a user
-//! can check in Prometheus (docs/autoscaling.md has the rule, its parameters and a worked
-//! example):
+//! The knee guard: finds the in-flight level per endpoint where a backend gives the most
+//! throughput, and keeps the target from growing past it (more connections only queue in a
+//! backend past its knee, and a model server that thrashes gets slower for every call). It judges
+//! by evidence accumulated per in-flight level over as many intervals as it takes, so long model
+//! calls (a few completions per interval) are judged as surely as short ones
+//! (docs/autoscaling.md has the rule, its parameters and a worked example):
 //!
 //! ```text
-//!  backend's own signal   saturation query ≥ threshold                          BackendSaturated
-//!  a measured step        in-flight rose ≥ 1.5× since a recent interval, and
-//!                         throughput (completed calls/s or response bytes/s,
-//!                         whichever rose more) rose less than a backend below
-//!                         its knee gives: rise^0.3, and what batching allows
-//!                         for a backend with the declared capacity              StepFellShort → knee
-//!  a remembered knee      growth stops at the in-flight where throughput
-//!                         stopped following (10 minutes, or until throughput
-//!                         beyond it shows the backend takes more)                AtKnee
-//!  latency, only at ≥ ½   median time to first byte ≥ 2× what it was at a
-//!  declared capacity      comparable in-flight (±20%)                            SlowerAtSameLoad
+//!  level        every interval with a steady load adds to the level of its in-flight (rounded,
+//!               per endpoint): throughput (response bytes/s; calls/s when no bytes are
+//!               sampled), calls seen (the evidence), intervals, time to first byte
+//!  noise        of a level: max(1/√evidence, the spread of its intervals (≥ 3), 2%); a level
+//!               noisier than 25% is no evidence yet
+//!  significant  beyond SIGNIFICANCE × the two levels' combined noise; a healthy step gives at
+//!               least rise^FLAT_GRADIENT and what batching at the declared capacity allows
+//!  judging      a step to a new level holds further growth while its gain so far is short of
+//!               a healthy step's and the evidence does not suffice, ≤ 3 decisions
+//!  knee         among the levels that are evidence, the best level (the lowest one that ties
+//!               with the most throughput measured) with a level above it that gave no more
+//!               (flat on enough evidence, short, lower, or 2× the time to first byte), or
+//!               below it one from which the step to it fell short
+//!  peak         with levels on both sides of the best one: the vertex of a parabola fitted to
+//!               log throughput over log in-flight (weights 1/noise²), within its neighbours;
+//!               the flat top of a throughput curve hides its peak from pairwise comparisons
+//!  then         probe the middle of the bracket around the best level (judged against it;
+//!               a tie: the lower level wins), step back to the peak, or hold there;
+//!               without a knee, measure a too noisy lower level again
 //! ```
-//!
-//! What batching allows: a call may take up to [`BATCHING_SLOWDOWN`]× as long with every
-//! declared slot busy as alone, linearly in between, and a quarter more for noise. A backend
-//! whose throughput per call in flight fell further than that did not take the calls as a
-//! backend with its declared capacity would: they queued.
-//!
-//! Throughput counts response bytes as well as calls: longer outputs make fewer calls per
-//! second but not fewer bytes, so output lengths alone never look like a knee. Below half the
-//! declared capacity latency alone never holds growth: batching slows calls there, and the
-//! declared capacity is the user's word that the backend takes more.
 
-use std::collections::VecDeque;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::words::{bytes_text, ratio_text, round};
+use super::words::{bytes_text, round};
 use crate::plan::time::{Timestamp, elapsed};
 
-/// In-flight (per endpoint) must have risen at least this much since the reference interval
-/// for the step to be judged: smaller steps drown in noise.
-pub const MIN_RISE: f64 = 1.5;
-/// A step whose throughput gain stays below `rise^FLAT_GRADIENT` added connections and next to
-/// no throughput, whatever the declared capacity: the backend is past its knee.
+/// A difference is significant beyond this many times the combined noise of two levels.
+pub const SIGNIFICANCE: f64 = 2.0;
+/// No level is known better than this relative noise.
+pub const NOISE_FLOOR: f64 = 0.02;
+/// A level noisier than this (relative) is no evidence yet: it is compared once it has
+/// accumulated more.
+pub const MAX_LEVEL_NOISE: f64 = 0.25;
+/// Intervals a level needs before the spread of its intervals counts in its noise.
+pub const SPREAD_INTERVALS: u32 = 3;
+/// Decisions a step is judged for at most, holding growth, before its comparison counts as it
+/// stands.
+pub const MAX_JUDGING: u32 = 3;
+/// Decisions a probe waits at most for its level to be measured: the intervals after a step
+/// do not count until the calls started before it are done (one mean call duration).
+pub const MAX_PROBE_WAIT: u32 = 8;
+/// A step that rose in-flight ×r and throughput less than `r^FLAT_GRADIENT` (significantly)
+/// fell short: a backend below its knee gives more, even batching.
 pub const FLAT_GRADIENT: f64 = 0.3;
 /// How much longer a call may take with every declared slot of its endpoint busy than alone,
 /// from batching (linear in between): what a backend below its knee may lose in throughput per
 /// call as in-flight rises.
 pub const BATCHING_SLOWDOWN: f64 = 3.0;
-/// Slack on that for noise: a step falls short only below its expected gain / `NOISE`.
-pub const NOISE: f64 = 1.25;
-/// The reference of a step is at most this many intervals old.
-pub const REFERENCE_INTERVALS: u32 = 10;
-/// Completed calls an interval needs before its throughput is judged (fewer: too noisy).
-pub const MIN_CALLS: f64 = 30.0;
-/// How long a knee (and the intervals kept to compare with) is remembered; after that growth
-/// may probe past it once, and the probe's effect is judged again.
-pub const KNEE_MEMORY: Duration = Duration::from_secs(600);
-/// Throughput this many times the knee's, measured beyond the knee, shows the backend takes
-/// more now (it was scaled up, or a noisy neighbour left): the knee is forgotten.
-pub const KNEE_MOVED: f64 = 1.25;
-/// Latency holds growth only at or above this share of the declared capacity per endpoint.
-pub const TRUST_FRACTION: f64 = 0.5;
-/// Time to first byte this many times its value at a comparable in-flight holds growth.
+/// Slack on that allowance: a step is short of a healthy one only below its gain / `SLACK`.
+pub const SLACK: f64 = 1.25;
+/// Two levels whose throughput differs by less than this share are a tie even when the
+/// evidence cannot say more: the lower level wins.
+pub const TIE: f64 = 0.1;
+/// Levels closer than this ratio of in-flight are not compared: the difference drowns in noise.
+pub const MIN_RATIO: f64 = 1.2;
+/// A bracket around the best level narrower than this ratio is not probed further.
+pub const NARROW: f64 = 1.45;
+/// Time to first byte this many times the lower level's at a level that gave no more throughput:
+/// the calls wait in the backend.
 pub const TTFB_TOLERANCE: f64 = 2.0;
-/// In-flight levels within this relative distance count as comparable.
-pub const COMPARABLE: f64 = 0.2;
-/// At most this many intervals are kept.
-const MAX_OBSERVATIONS: usize = 256;
+/// How long a level's evidence is kept after its last interval: a level not measured for
+/// longer is forgotten, so a knee found from it is probed again (the level the target holds
+/// at keeps its evidence as long as it is measured).
+pub const KNEE_MEMORY: Duration = Duration::from_secs(600);
+/// A level above the best one that gives this share less than it shows a throughput that
+/// falls past a peak (rather than staying flat): the peak is located.
+pub const FALL: f64 = 0.1;
+/// Levels within this in-flight ratio of the best one take part in the estimate of the peak.
+pub const PEAK_SPAN: f64 = 3.0;
+/// The peak's standard error (of its log: relative) up to which its estimate stands; above it,
+/// the levels around it are measured more.
+pub const PEAK_ERROR: f64 = 0.08;
+/// The levels measured to locate an uncertain peak: this ratio below and above it.
+pub const REFINE_SPAN: f64 = 2.0;
+/// Such a level is measured well enough with this many intervals ...
+pub const REFINE_INTERVALS: u32 = 8;
+/// ... or this relative noise.
+pub const REFINE_NOISE: f64 = 0.08;
+/// A level within this ratio of a level to measure counts as it.
+const NEAR: f64 = 1.25;
+/// The target stays at the level it measures while that level's noise is at least this share
+/// of the noisier one's (no churn between two as noisy).
+const STAY: f64 = 0.8;
+/// At most this many levels are kept (the oldest go first).
+const MAX_LEVELS: usize = 64;
 
-/// One interval of a backend as the gateways saw it: the point a later step is judged from.
+/// One interval of a backend as the gateways saw it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Observation {
     /// When.
@@ -78,128 +106,480 @@ pub struct Observation {
     pub bytes: f64,
     /// Median time to first byte, in seconds (`None`: not measured).
     pub ttfb: Option<f64>,
-    /// Calls completed over the averaging window, all endpoints: how much the throughput
-    /// figures can be trusted.
+    /// Calls completed within the interval, all endpoints.
     pub calls: f64,
+    /// Calls in flight, all endpoints: each streamed bytes within the interval.
+    pub streams: f64,
 }
 
-impl Observation {
-    /// Whether enough calls completed to judge its throughput.
-    fn judged(&self) -> bool {
-        self.calls >= MIN_CALLS && (self.completed > 0.0 || self.bytes > 0.0)
+/// A sum of per-interval values and of their squares.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Sum {
+    /// Σ x.
+    pub total: f64,
+    /// Σ x².
+    pub squares: f64,
+}
+
+impl Sum {
+    fn add(&mut self, x: f64) {
+        self.total += x;
+        self.squares += x * x;
+    }
+}
+
+/// What was observed at one in-flight level per endpoint.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Level {
+    /// The level: in-flight per endpoint, rounded.
+    pub in_flight: u32,
+    /// Intervals observed.
+    pub intervals: u32,
+    /// Σ in-flight per endpoint over its intervals (unrounded).
+    pub in_flight_sum: f64,
+    /// Response bytes per second per endpoint, per interval.
+    pub bytes: Sum,
+    /// Completed calls per second per endpoint, per interval.
+    pub calls: Sum,
+    /// Whether every interval had response bytes.
+    pub all_bytes: bool,
+    /// Calls completed over its intervals, all endpoints.
+    pub completions: f64,
+    /// Calls that streamed within its intervals, all endpoints (in flight, summed per interval).
+    pub streams: f64,
+    /// Σ median time to first byte over the intervals that had one, and how many did.
+    pub ttfb: (f64, u32),
+    /// Its first interval.
+    pub first: Timestamp,
+    /// Its last interval.
+    pub last: Timestamp,
+}
+
+impl Level {
+    fn new(in_flight: u32, at: Timestamp) -> Self {
+        Self {
+            in_flight,
+            intervals: 0,
+            in_flight_sum: 0.0,
+            bytes: Sum::default(),
+            calls: Sum::default(),
+            all_bytes: true,
+            completions: 0.0,
+            streams: 0.0,
+            ttfb: (0.0, 0),
+            first: at,
+            last: at,
+        }
     }
 
-    /// The larger of its throughput gains over `then` (calls and bytes each, where `then` had
-    /// some); `None` when neither can be compared.
-    fn gain_over(&self, then: &Observation) -> Option<f64> {
-        let ratio = |now: f64, then: f64| (then > 0.0).then(|| now / then);
-        match (
-            ratio(self.completed, then.completed),
-            ratio(self.bytes, then.bytes),
-        ) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
+    fn add(&mut self, o: &Observation) {
+        self.intervals += 1;
+        self.in_flight_sum += o.in_flight;
+        self.bytes.add(o.bytes);
+        self.calls.add(o.completed);
+        self.all_bytes &= o.bytes > 0.0;
+        self.completions += o.calls;
+        self.streams += o.streams;
+        if let Some(t) = o.ttfb {
+            self.ttfb.0 += t;
+            self.ttfb.1 += 1;
+        }
+        self.last = o.at;
+    }
+
+    /// Its mean in-flight per endpoint (the level itself is rounded).
+    pub fn mean_in_flight(&self) -> f64 {
+        if self.intervals > 0 {
+            self.in_flight_sum / f64::from(self.intervals)
+        } else {
+            f64::from(self.in_flight)
+        }
+    }
+
+    /// Whether its throughput is counted in response bytes.
+    pub fn by_bytes(&self) -> bool {
+        self.all_bytes && self.bytes.total > 0.0
+    }
+
+    fn sum(&self, bytes: bool) -> &Sum {
+        if bytes { &self.bytes } else { &self.calls }
+    }
+
+    /// Mean throughput per endpoint: bytes/s (`bytes`) or completed calls/s.
+    pub fn throughput(&self, bytes: bool) -> f64 {
+        self.sum(bytes).total / f64::from(self.intervals.max(1))
+    }
+
+    /// Its relative noise: `1/√evidence` (evidence: the calls that made the throughput, those
+    /// that completed and, for bytes, those that streamed), the standard error of its intervals'
+    /// spread once it has [`SPREAD_INTERVALS`], at least [`NOISE_FLOOR`].
+    pub fn noise(&self, bytes: bool) -> f64 {
+        let evidence = if bytes {
+            self.completions + self.streams
+        } else {
+            self.completions
+        };
+        let counted = 1.0 / evidence.max(1.0).sqrt();
+        let n = f64::from(self.intervals);
+        let mean = self.throughput(bytes);
+        let spread = if self.intervals >= SPREAD_INTERVALS && mean > 0.0 {
+            let s = self.sum(bytes);
+            let var = ((s.squares - s.total * s.total / n) / (n - 1.0)).max(0.0);
+            var.sqrt() / mean / n.sqrt()
+        } else {
+            0.0
+        };
+        counted.max(spread).max(NOISE_FLOOR)
+    }
+
+    /// Mean median time to first byte, seconds.
+    pub fn ttfb(&self) -> Option<f64> {
+        (self.ttfb.1 > 0).then(|| self.ttfb.0 / f64::from(self.ttfb.1))
+    }
+
+    /// Its throughput in words.
+    fn text(&self, bytes: bool) -> String {
+        let t = self.throughput(bytes);
+        if bytes {
+            format!("{}/s", bytes_text(t))
+        } else {
+            format!("{} calls/s", round(t))
         }
     }
 }
 
-/// A rise in in-flight between two intervals, and what it did to throughput.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Step {
-    /// The reference interval (lower in-flight).
-    pub from: Observation,
-    /// This interval.
-    pub to: Observation,
+/// What a higher level did compared with a lower one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Significantly more throughput, as a backend below its knee gives.
+    Better,
+    /// No significant difference either way.
+    Flat,
+    /// More throughput, but significantly less than `rise^FLAT_GRADIENT`.
+    Short,
+    /// Significantly less throughput.
+    Worse,
+    /// No more throughput and at least [`TTFB_TOLERANCE`]× the time to first byte.
+    Slower,
 }
 
-impl Step {
-    /// In-flight now over in-flight then.
-    pub fn rise(&self) -> f64 {
-        self.to.in_flight / self.from.in_flight
+/// A higher level against a lower one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Comparison {
+    /// The lower level.
+    pub lower: Level,
+    /// The higher level.
+    pub higher: Level,
+    /// Whether throughput is compared in bytes (both levels have them) or calls.
+    pub bytes: bool,
+    /// Throughput at the higher level over the lower's.
+    pub gain: f64,
+    /// The least gain a backend below its knee gives for this rise ([`Comparison::least`]).
+    pub least: f64,
+    /// A difference beyond this (relative) is significant: [`SIGNIFICANCE`] × the combined noise.
+    pub significant: f64,
+    /// Whether both levels are evidence ([`MAX_LEVEL_NOISE`]); otherwise the effect is flat.
+    pub trusted: bool,
+    /// What it shows.
+    pub effect: Effect,
+}
+
+impl Comparison {
+    /// `higher` (more in flight) against `lower`, for a backend declared with `capacity` slots
+    /// per endpoint.
+    pub fn of(higher: &Level, lower: &Level, capacity: u32) -> Self {
+        let bytes = higher.by_bytes() && lower.by_bytes();
+        let (h, l) = (higher.throughput(bytes), lower.throughput(bytes));
+        let gain = if l > 0.0 {
+            h / l
+        } else if h > 0.0 {
+            f64::INFINITY
+        } else {
+            1.0
+        };
+        let (nh, nl) = (higher.noise(bytes), lower.noise(bytes));
+        let noise = nh.hypot(nl);
+        let trusted = nh.max(nl) <= MAX_LEVEL_NOISE;
+        let significant = SIGNIFICANCE * noise;
+        let least = Self::least_for(higher.mean_in_flight(), lower.mean_in_flight(), capacity);
+        let slower = higher
+            .ttfb()
+            .zip(lower.ttfb())
+            .is_some_and(|(h, l)| l > 0.0 && h >= TTFB_TOLERANCE * l);
+        // The noise is relative: the gain is uncertain by a factor of (1 + significant).
+        let optimistic = gain * (1.0 + significant);
+        let effect = if !trusted {
+            Effect::Flat
+        } else if optimistic < 1.0 {
+            Effect::Worse
+        } else if slower && gain <= 1.0 + significant {
+            Effect::Slower
+        } else if optimistic < least {
+            Effect::Short
+        } else if gain > 1.0 + significant {
+            Effect::Better
+        } else {
+            Effect::Flat
+        };
+        Self {
+            lower: *lower,
+            higher: *higher,
+            bytes,
+            gain,
+            least,
+            significant,
+            trusted,
+            effect,
+        }
     }
 
-    /// The larger throughput gain (calls or bytes).
-    pub fn gain(&self) -> f64 {
-        self.to.gain_over(&self.from).unwrap_or(0.0)
-    }
-
-    /// `ln(gain) / ln(rise)`: 1 when throughput rose with the connections, 0 when it stayed
-    /// flat, negative when it fell.
-    pub fn gradient(&self) -> f64 {
-        self.gain().max(f64::MIN_POSITIVE).ln() / self.rise().ln()
-    }
-
-    /// The least throughput gain a backend below its knee gives for this rise, with `capacity`
-    /// declared slots per endpoint: `rise^FLAT_GRADIENT`, and the rise less what batching from
-    /// `from` to `to` in-flight may cost per call (up to [`BATCHING_SLOWDOWN`]× at capacity),
-    /// less [`NOISE`]; whichever is larger.
-    pub fn expected(&self, capacity: u32) -> f64 {
+    /// The least gain a backend below its knee gives for a rise from `lower` to `higher` in
+    /// flight per endpoint with `capacity` declared slots: the larger of `rise^FLAT_GRADIENT`
+    /// and the rise less what batching may cost each call (up to [`BATCHING_SLOWDOWN`]× with
+    /// every declared slot busy, linearly in between), less [`SLACK`].
+    pub fn least_for(higher: f64, lower: f64, capacity: u32) -> f64 {
+        let (h, l) = (higher, lower.max(0.5));
+        let rise = (h / l).max(1.0);
         let per_slot = (BATCHING_SLOWDOWN - 1.0) / f64::from(capacity.max(1));
-        let batching =
-            (1.0 + per_slot * self.from.in_flight) / (1.0 + per_slot * self.to.in_flight);
-        (self.rise() * batching / NOISE).max(self.rise().powf(FLAT_GRADIENT))
+        let batching = (1.0 + per_slot * l) / (1.0 + per_slot * h);
+        (rise * batching / SLACK).max(rise.powf(FLAT_GRADIENT))
     }
 
-    /// Where throughput stopped following: the in-flight per endpoint that, at the reference
-    /// interval's throughput per call, yields today's throughput (within the step).
-    pub fn knee(&self) -> f64 {
-        (self.from.in_flight * self.gain()).clamp(self.from.in_flight, self.to.in_flight)
+    /// The least gain a backend below its knee gives for this rise.
+    pub fn least(&self) -> f64 {
+        self.least
     }
 
-    /// The step in words, with its numbers.
+    /// Whether the evidence suffices: the effect is significant, or the noise is small enough
+    /// that a step below the knee would have shown as better and a flat one as short.
+    pub fn sufficient(&self) -> bool {
+        self.trusted
+            && (self.effect != Effect::Flat || self.significant <= (self.least() - 1.0) / 2.0)
+    }
+
+    /// Whether the higher level shows, on sufficient evidence, that it gives no more than the
+    /// lower: less, short of a healthy step, slower, or flat with noise too small to hide one.
+    pub fn no_more(&self) -> bool {
+        match self.effect {
+            Effect::Worse | Effect::Short | Effect::Slower => true,
+            Effect::Flat => self.sufficient(),
+            Effect::Better => false,
+        }
+    }
+
+    /// Whether the higher level gives no more than the lower, for the choice of the best
+    /// level (a tie: the lower wins): no more and slower to the first byte, flat with noise
+    /// small enough to have shown a healthy step, or flat or short within [`TIE`].
+    pub fn tie(&self) -> bool {
+        self.trusted
+            && match self.effect {
+                Effect::Slower => true,
+                Effect::Flat => self.sufficient() || self.gain <= 1.0 + TIE,
+                Effect::Short => self.gain <= 1.0 + TIE,
+                Effect::Better | Effect::Worse => false,
+            }
+    }
+
+    /// Whether the higher level gave less than a healthy step so far (significant or not).
+    pub fn suspicious(&self) -> bool {
+        self.gain < self.least()
+    }
+
+    /// Whether the higher level gave significantly more throughput than the lower.
+    pub fn more(&self) -> bool {
+        self.trusted && self.gain > 1.0 + self.significant
+    }
+
+    /// The comparison in words, with its numbers.
     pub fn describe(&self) -> String {
-        let (from, to) = (&self.from, &self.to);
+        let (l, h) = (&self.lower, &self.higher);
+        let unit = if self.bytes {
+            "response bytes"
+        } else {
+            "completed calls"
+        };
+        let what = match self.effect {
+            Effect::Better => "more",
+            Effect::Flat => "no significant change",
+            Effect::Short => "short of a healthy step",
+            Effect::Worse => "less",
+            Effect::Slower => "no more, and slower to the first byte",
+        };
+        let ttfb = match (l.ttfb(), h.ttfb()) {
+            (Some(a), Some(b)) if self.effect == Effect::Slower => {
+                format!(", time to first byte {}s → {}s", round(a), round(b))
+            }
+            _ => String::new(),
+        };
         format!(
-            "in flight {} → {} per endpoint (×{}), completed calls {} → {}/s (×{}), response bytes {} → {}/s (×{})",
-            round(from.in_flight),
-            round(to.in_flight),
-            round(self.rise()),
-            round(from.completed),
-            round(to.completed),
-            ratio_text(to.completed, from.completed),
-            bytes_text(from.bytes),
-            bytes_text(to.bytes),
-            ratio_text(to.bytes, from.bytes),
+            "{unit} {} at {} in flight per endpoint → {} at {} (×{}, {what}: significant beyond ±{}%, {} and {} calls seen){ttfb}",
+            l.text(self.bytes),
+            l.in_flight,
+            h.text(self.bytes),
+            h.in_flight,
+            round(self.gain),
+            round(self.significant * 100.0),
+            round(l.completions),
+            round(h.completions),
         )
     }
 }
 
-/// Where a backend's throughput stopped following its in-flight calls.
+/// Where a backend gives the most, and the evidence that more in flight does not pay.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Knee {
-    /// In-flight per endpoint beyond which throughput did not follow.
-    pub in_flight: f64,
-    /// The measured step that found it.
-    pub step: Step,
-    /// The gain that step should have had ([`Step::expected`]).
-    pub expected: f64,
+    /// The best level: the lowest one not significantly below the most throughput measured.
+    pub best: Level,
+    /// The lowest level above it (at least [`MIN_RATIO`]) that shows it gives no more, against
+    /// it.
+    pub above: Option<Comparison>,
+    /// It against the highest level below it (at least [`MIN_RATIO`]).
+    pub below: Option<Comparison>,
+    /// Where the throughput peaks, from the levels on both sides of the best one
+    /// ([`KneeMemory::peak`]; `None`: not measured on both sides yet).
+    pub peak: Option<Peak>,
+    /// Whether a level above the best one gave at least [`FALL`] less than it: the throughput
+    /// has a peak to locate (otherwise it stays flat past the best level, which stands).
+    pub falls: bool,
+    /// The backend's own queue, when it showed: the knee is at or below what it serves at once.
+    pub ceiling: Option<Ceiling>,
+    /// Whether a level above the best one is evidence (it gave no more than the best: the
+    /// best is the lowest level that ties with the most).
+    pub measured_above: bool,
+}
+
+/// The estimated peak of a backend's throughput.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Peak {
+    /// In flight per endpoint.
+    pub at: f64,
+    /// The standard error of its log (relative).
+    pub error: f64,
 }
 
 impl Knee {
-    /// The largest target per endpoint worth having: the knee, rounded up.
+    /// The largest target per endpoint worth having: the estimated peak, or the best level
+    /// until the levels on both sides of it are measured. The peak is rounded to the whole
+    /// level of the two around it that the fitted parabola gives more: up from beyond their
+    /// geometric mean (the fit is in log in-flight).
     pub fn cap(&self) -> u32 {
-        (self.in_flight - 1e-9)
-            .ceil()
-            .clamp(1.0, f64::from(u32::MAX)) as u32
+        let cap = self.peak.map_or(self.best.in_flight, |p| {
+            let floor = p.at.floor().clamp(1.0, f64::from(u32::MAX - 1));
+            let up = p.at >= (floor * (floor + 1.0)).sqrt();
+            floor as u32 + u32::from(up)
+        });
+        match self.ceiling {
+            // Only the backend's queue says where growth stops: at what it serves at once (the
+            // levels measured are all below it, and none is known better than it) or, once a
+            // level above the best one below it was measured too, at the best one.
+            Some(c) if !self.own() && !self.measured_above => c.level,
+            Some(c) => cap.min(c.level),
+            None => cap,
+        }
     }
 
-    /// When it was found.
-    pub fn found(&self) -> Timestamp {
-        self.step.to.at
+    /// Whether the levels themselves show the knee (not only the backend's queue).
+    pub fn own(&self) -> bool {
+        self.above.is_some()
+            || self
+                .below
+                .is_some_and(|b| matches!(b.effect, Effect::Short | Effect::Slower))
     }
 
-    /// The step that found it, in words.
-    fn evidence(&self) -> String {
+    /// Whether there is evidence that more in flight does not pay: a level above that gave no
+    /// more, or a step from below that fell short.
+    fn evident(&self) -> bool {
+        self.own() || self.ceiling.is_some()
+    }
+
+    /// The evidence in words.
+    pub fn evidence(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(a) = &self.above {
+            parts.push(a.describe());
+        }
+        if let Some(b) = &self.below {
+            parts.push(b.describe());
+        }
+        let peak = match self.peak {
+            Some(p) if self.cap() != self.best.in_flight => format!(
+                "; its peak, from the levels around it, is at {} per endpoint (±{}%)",
+                round(p.at),
+                round(p.error * 100.0)
+            ),
+            _ => String::new(),
+        };
+        if let Some(c) = &self.ceiling {
+            parts.push(c.describe());
+        }
         format!(
-            "{}: ×{} where a backend below its knee gives at least ×{}",
-            self.step.describe(),
-            round(self.step.gain()),
-            round(self.expected)
+            "the most throughput is at {} in flight per endpoint ({}){peak}",
+            self.best.in_flight,
+            parts.join("; ")
         )
     }
 }
 
+/// A step being judged: growth waits until its level's evidence suffices.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Judging {
+    /// The target stepped to.
+    pub target: u32,
+    /// The level it runs at (the target, or the demand when that is less).
+    pub level: u32,
+    /// The level it is judged against.
+    pub reference: u32,
+    /// Decisions since the step.
+    pub decisions: u32,
+    /// Of those, decisions that held growth on a trusted comparison that pointed to a knee.
+    pub judged: u32,
+    /// Whether the guard made the step (a probe inside the bracket around the best level): it
+    /// holds until its level has a settled interval that is evidence, for at most
+    /// [`MAX_PROBE_WAIT`] decisions; a step the law made holds growth only while its evidence
+    /// points to a knee.
+    pub probe: bool,
+}
+
+/// What the guard says about the target.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Move {
+    /// No evidence of a knee: the law decides.
+    Free,
+    /// The step to the current level is being judged: hold growth.
+    Judging {
+        /// The step.
+        step: Judging,
+        /// Its comparison so far (`None`: no interval at the new level yet).
+        so_far: Option<Comparison>,
+    },
+    /// Try this level inside the bracket around the best level.
+    Probe {
+        /// The level.
+        to: u32,
+        /// The knee it probes.
+        knee: Knee,
+    },
+    /// Stay at this level, one of those around an uncertain peak, to measure it more.
+    Measure {
+        /// The level (the current target).
+        at: u32,
+        /// The knee whose peak it locates.
+        knee: Knee,
+    },
+    /// Return to the best level.
+    Back {
+        /// The best level.
+        to: u32,
+        /// The evidence.
+        knee: Knee,
+    },
+    /// Grow to at most the best level; at it, hold.
+    Cap(Knee),
+}
+
 /// Why the guard holds growth.
+// One per backend and decision, moved, never kept in bulk: boxing the evidence buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Hold {
     /// The backend's own saturation query is at or above its threshold.
@@ -212,27 +592,31 @@ pub enum Hold {
     /// The saturation query is configured but has not been run since it was (the poller picks
     /// new queries up at its next round).
     SaturationPending,
-    /// This interval's step added in-flight calls and less throughput than a backend below its
-    /// knee gives.
-    StepFellShort(Knee),
-    /// The target already reaches the remembered knee.
+    /// The last step's evidence does not suffice yet.
+    Judging {
+        /// The step.
+        step: Judging,
+        /// Its comparison so far (`None`: no interval at the new level yet).
+        so_far: Option<Comparison>,
+    },
+    /// The target reaches the best level: more in flight gave no more throughput.
     AtKnee(Knee),
-    /// The backend is slower at the same load than it was.
-    SlowerAtSameLoad {
-        /// Median time to first byte now, seconds.
-        ttfb: f64,
-        /// The comparable interval.
-        then: Observation,
-        /// In-flight per endpoint now.
-        in_flight: f64,
-        /// The declared capacity per endpoint.
-        capacity: u32,
+    /// The target reaches what the backend served at once when its own queue last showed
+    /// (remembered across holds: growth after the queue drained stops there).
+    AtCeiling(Ceiling),
+    /// Past its knee, whose peak is still uncertain: the target stays at a level around it
+    /// to measure it.
+    Measuring {
+        /// The level measured.
+        at: u32,
+        /// The knee.
+        knee: Knee,
     },
 }
 
 impl Hold {
-    /// The hold in words, with its numbers, relative to `now`.
-    pub fn describe(&self, now: Timestamp) -> String {
+    /// The hold in words, with its numbers.
+    pub fn describe(&self) -> String {
         match self {
             Self::BackendSaturated { value, threshold } => format!(
                 "the backend reports saturation: its saturation query is {} ≥ threshold {}",
@@ -242,173 +626,469 @@ impl Hold {
             Self::SaturationPending => {
                 "the backend's saturation query has not been evaluated yet".to_owned()
             }
-            Self::StepFellShort(knee) => format!(
-                "throughput did not follow in-flight: {}; knee ≈ {} in flight per endpoint",
-                knee.evidence(),
-                round(knee.in_flight)
+            Self::Judging { step, so_far } => format!(
+                "judging the step to {} in flight per endpoint against {} (decision {} of at most {}): {}",
+                step.level,
+                step.reference,
+                step.decisions,
+                if step.probe {
+                    MAX_PROBE_WAIT
+                } else {
+                    MAX_JUDGING
+                },
+                so_far.as_ref().map_or_else(
+                    || format!("no steady interval at {} yet", step.level),
+                    |c| format!("{}, not enough evidence yet", c.describe())
+                )
             ),
-            Self::AtKnee(knee) => format!(
-                "past its knee: throughput stopped following above {} in flight per endpoint ({} ago: {})",
-                round(knee.in_flight),
-                ago(knee.found(), now),
+            Self::AtKnee(knee) => format!("past its knee: {}", knee.evidence()),
+            Self::AtCeiling(c) => format!("past its knee: {}", c.describe()),
+            Self::Measuring { at, knee } => format!(
+                "past its knee, measuring {at} in flight per endpoint to locate its peak: {}",
                 knee.evidence()
-            ),
-            Self::SlowerAtSameLoad {
-                ttfb,
-                then,
-                in_flight,
-                capacity,
-            } => format!(
-                "slower at the same load: median time to first byte {}s is {}× the {}s measured {} ago at a comparable {} in flight per endpoint (now {}, {}% of the declared capacity {})",
-                round(*ttfb),
-                round(ttfb / then.ttfb.unwrap_or(f64::NAN)),
-                round(then.ttfb.unwrap_or(f64::NAN)),
-                ago(then.at, now),
-                round(then.in_flight),
-                round(*in_flight),
-                (in_flight / f64::from((*capacity).max(1)) * 100.0).round(),
-                capacity
             ),
         }
     }
 }
 
-/// `1m30s`, `45s`.
-fn ago(then: Timestamp, now: Timestamp) -> String {
-    let secs = elapsed(then, now).as_secs();
-    if secs >= 60 {
-        format!("{}m{}s", secs / 60, secs % 60)
-    } else {
-        format!("{secs}s")
+/// What the backend's own queue said: at `seen_at` in flight per endpoint it had `waiting`
+/// calls waiting for a batch slot, so it serves about `level` at once. Growth stops there
+/// (calls beyond wait in the gateways' queues, not in the backend), and the knee is at or
+/// below it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Ceiling {
+    /// What the backend serves at once per endpoint: in flight less its queue (at least 1).
+    pub level: u32,
+    /// In flight per endpoint when its queue showed.
+    pub seen_at: f64,
+    /// Its saturation query then.
+    pub waiting: f64,
+    /// When it was last read.
+    pub at: Timestamp,
+}
+
+impl Ceiling {
+    /// From a reading of the backend's queue (`waiting`, the largest over its instances) at
+    /// `in_flight` per endpoint.
+    pub fn read(in_flight: f64, waiting: f64, at: Timestamp) -> Self {
+        let level = (in_flight - waiting)
+            .floor()
+            .clamp(1.0, f64::from(u32::MAX)) as u32;
+        Self {
+            level,
+            seen_at: in_flight,
+            waiting,
+            at,
+        }
+    }
+
+    /// The reading in words.
+    pub fn describe(&self) -> String {
+        format!(
+            "the backend's own queue read {} at {} in flight per endpoint: it serves about {} at once",
+            round(self.waiting),
+            round(self.seen_at),
+            self.level
+        )
     }
 }
 
-/// The guard's answer to growth.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Verdict {
-    /// Grow to this target per endpoint (the one wanted, or a knee's cap below it).
-    Grow(u32),
-    /// Hold the target, for this reason.
-    Hold(Hold),
-}
-
-/// What the guard remembers about one backend: recent intervals and the knee, if known.
+/// What the guard remembers about one backend: its levels and the step being judged.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct KneeMemory {
-    /// Recent intervals, oldest first (within [`KNEE_MEMORY`]).
-    pub observations: VecDeque<Observation>,
-    /// The knee, if a step found one within [`KNEE_MEMORY`].
-    pub knee: Option<Knee>,
+    /// By in-flight per endpoint.
+    pub levels: BTreeMap<u32, Level>,
+    /// The step being judged, if one is.
+    pub judging: Option<Judging>,
+    /// The declared capacity per endpoint (`capacity.maxConnectionsPerEndpoint`): what batching
+    /// may cost a call is measured against it (0: unknown, a step only needs `rise^0.3`).
+    pub capacity: u32,
+    /// `autoscale.scaleDown.maxStepPercent`: a probe below the best level into levels never
+    /// measured is a shrink without evidence, at most this share of it (0: 50%).
+    pub max_step_percent: u32,
+    /// The backend's own queue, the last time it showed (kept across holds: growth after the
+    /// queue drains stops here), until [`KNEE_MEMORY`] passes without a reading or a level above
+    /// it is served without a queue.
+    pub ceiling: Option<Ceiling>,
+}
+
+/// The level an interval at `in_flight` per endpoint counts in (`None`: too few in flight).
+pub fn level_of(in_flight: f64) -> Option<u32> {
+    (in_flight.is_finite() && in_flight >= 0.5)
+        .then(|| in_flight.round().min(f64::from(u32::MAX)) as u32)
 }
 
 impl KneeMemory {
-    /// Records this interval, forgetting what is too old, the knee when throughput beyond it
-    /// shows the backend takes more, and learning a knee when the step from a recent interval
-    /// with clearly fewer calls in flight fell short of what a backend with `capacity` declared
-    /// slots per endpoint gives. Returns that knee when this interval found it. `interval` is
-    /// the autoscale interval (the reference's age limit).
-    pub fn observe(&mut self, obs: Observation, interval: Duration, capacity: u32) -> Option<Knee> {
+    /// Adds this interval to its level, first forgetting levels not measured for longer than
+    /// [`KNEE_MEMORY`].
+    pub fn observe(&mut self, obs: Observation) {
         let now = obs.at;
-        while self
-            .observations
-            .front()
-            .is_some_and(|o| elapsed(o.at, now) > KNEE_MEMORY)
-            || self.observations.len() >= MAX_OBSERVATIONS
-        {
-            self.observations.pop_front();
-        }
-        if let Some(knee) = self.knee {
-            let expired = elapsed(knee.found(), now) > KNEE_MEMORY;
-            let moved = obs.judged()
-                && obs.in_flight > knee.in_flight * (1.0 + COMPARABLE / 2.0)
-                && obs
-                    .gain_over(&knee.step.to)
-                    .is_some_and(|g| g >= KNEE_MOVED);
-            if expired || moved {
-                self.knee = None;
+        self.levels
+            .retain(|_, l| elapsed(l.last, now) <= KNEE_MEMORY);
+        self.forget_old_ceiling(now);
+        let Some(key) = level_of(obs.in_flight) else {
+            return;
+        };
+        if !self.levels.contains_key(&key) && self.levels.len() >= MAX_LEVELS {
+            let oldest = self
+                .levels
+                .iter()
+                .min_by_key(|(_, l)| l.last)
+                .map(|(k, _)| *k);
+            if let Some(k) = oldest {
+                self.levels.remove(&k);
             }
         }
-        let found = self.step_to(&obs, interval).and_then(|step| {
-            let expected = step.expected(capacity);
-            (step.gain() < expected).then(|| Knee {
-                in_flight: step.knee(),
-                step,
-                expected,
-            })
-        });
-        if found.is_some() {
-            self.knee = found;
-        }
-        self.observations.push_back(obs);
-        found
+        self.levels
+            .entry(key)
+            .or_insert_with(|| Level::new(key, now))
+            .add(&obs);
     }
 
-    /// The step from the most recent judged interval, at most [`REFERENCE_INTERVALS`] old,
-    /// whose in-flight was at most `obs`'s / [`MIN_RISE`].
-    fn step_to(&self, obs: &Observation, interval: Duration) -> Option<Step> {
-        if !obs.judged() {
+    /// Forgets the backend's queue reading once [`KNEE_MEMORY`] passed without another: the
+    /// backend may have been rolled out with more slots since.
+    pub fn forget_old_ceiling(&mut self, now: Timestamp) {
+        if self
+            .ceiling
+            .is_some_and(|c| elapsed(c.at, now) > KNEE_MEMORY)
+        {
+            self.ceiling = None;
+        }
+    }
+
+    /// The knee, when the levels show one.
+    pub fn knee(&self) -> Option<Knee> {
+        // Only levels that are evidence take part: one noisier than MAX_LEVEL_NOISE could give
+        // the most throughput by luck, and every comparison with it would be untrusted.
+        let evidence = || {
+            self.levels
+                .values()
+                .filter(|l| l.noise(l.by_bytes()) <= MAX_LEVEL_NOISE)
+        };
+        let max = evidence().max_by(|a, b| {
+            let bytes = a.by_bytes() && b.by_bytes();
+            a.throughput(bytes).total_cmp(&b.throughput(bytes))
+        })?;
+        // The lowest level that gives as much as the most throughput measured, on sufficient
+        // evidence (flat: the lower level wins).
+        let best = evidence()
+            .find(|l| l.in_flight >= max.in_flight || Comparison::of(max, l, self.capacity).tie())
+            .unwrap_or(max);
+        let far =
+            |a: &Level, b: &Level| a.mean_in_flight() >= b.mean_in_flight() * MIN_RATIO - 1e-9;
+        let above = evidence()
+            .filter(|l| l.in_flight > best.in_flight && far(l, best))
+            .map(|l| Comparison::of(l, best, self.capacity))
+            .find(Comparison::no_more);
+        let below = evidence()
+            .filter(|l| l.in_flight < best.in_flight)
+            .rev()
+            .find(|l| far(best, l))
+            .map(|l| Comparison::of(best, l, self.capacity));
+        // A curve that falls past the best level has a peak there to locate; one that stays
+        // flat (the knee of a backend that queues what it cannot serve) is held at its lowest
+        // level that gives the most.
+        let falls = evidence()
+            .filter(|l| l.in_flight > best.in_flight)
+            .any(|l| Comparison::of(l, best, self.capacity).gain < 1.0 - FALL);
+        let knee = Knee {
+            best: *best,
+            above,
+            below,
+            peak: if falls { self.peak(best) } else { None },
+            falls,
+            ceiling: self.ceiling,
+            measured_above: evidence().any(|l| l.in_flight > best.in_flight && far(l, best)),
+        };
+        knee.evident().then_some(knee)
+    }
+
+    /// Where the throughput peaks, estimated from the levels within [`PEAK_SPAN`] of the best
+    /// one that are evidence ([`MAX_LEVEL_NOISE`]), once at least one lies on each side of it:
+    /// the vertex of the parabola fitted to log throughput over log in-flight, each level
+    /// weighted by 1/noise², kept within the levels fitted, with its standard error. Near its
+    /// peak a throughput curve is flat: levels ±25% around it differ by a few percent, less
+    /// than their noise, and the best level measured is as likely one of them as the peak; the
+    /// curvature of the levels on both sides locates it. `None` without a level on each side,
+    /// or when the fit is not concave (no peak between them).
+    pub fn peak(&self, best: &Level) -> Option<Peak> {
+        let around: Vec<&Level> = self
+            .levels
+            .values()
+            .filter(|l| {
+                let r = l.mean_in_flight() / best.mean_in_flight();
+                (1.0 / PEAK_SPAN..=PEAK_SPAN).contains(&r) && l.intervals > 0
+            })
+            .collect();
+        let bytes = around.iter().all(|l| l.by_bytes());
+        let x0 = best.mean_in_flight().ln();
+        let points: Vec<(f64, f64, f64)> = around
+            .iter()
+            .filter(|l| l.noise(bytes) <= MAX_LEVEL_NOISE && l.throughput(bytes) > 0.0)
+            .map(|l| {
+                let n = l.noise(bytes);
+                (
+                    l.mean_in_flight().ln() - x0,
+                    l.throughput(bytes).ln(),
+                    1.0 / (n * n),
+                )
+            })
+            .collect();
+        let xs = || points.iter().map(|p| p.0);
+        let lo = xs().filter(|x| *x < -1e-9).min_by(f64::total_cmp)?;
+        let hi = xs().filter(|x| *x > 1e-9).max_by(f64::total_cmp)?;
+        // Weighted least squares of y = a + b·x + c·x²: the normal equations, whose inverse is
+        // the covariance of (a, b, c).
+        let mut m = [[0.0f64; 3]; 3];
+        let mut v = [0.0f64; 3];
+        for &(x, y, w) in &points {
+            let basis = [1.0, x, x * x];
+            for i in 0..3 {
+                for j in 0..3 {
+                    m[i][j] += w * basis[i] * basis[j];
+                }
+                v[i] += w * basis[i] * y;
+            }
+        }
+        let cov = inverse3(m)?;
+        let [_, b, c] = [0, 1, 2].map(|i| (0..3).map(|j| cov[i][j] * v[j]).sum::<f64>());
+        if c >= 0.0 {
             return None;
         }
-        let oldest = interval.mul_f64(f64::from(REFERENCE_INTERVALS) + 0.5);
-        self.observations
-            .iter()
-            .rev()
-            .take_while(|o| elapsed(o.at, obs.at) <= oldest)
-            .find(|o| o.judged() && o.in_flight > 0.0 && o.in_flight * MIN_RISE <= obs.in_flight)
-            .map(|from| Step {
-                from: *from,
-                to: *obs,
-            })
-    }
-
-    /// The most recent earlier judged interval at an in-flight within [`COMPARABLE`] of
-    /// `obs`'s, with a time to first byte.
-    fn comparable(&self, obs: &Observation) -> Option<&Observation> {
-        self.observations.iter().rev().find(|o| {
-            o.at < obs.at
-                && o.judged()
-                && o.ttfb.is_some_and(|t| t > 0.0)
-                && (o.in_flight - obs.in_flight).abs() <= COMPARABLE * obs.in_flight
+        let vertex = -b / (2.0 * c);
+        // The vertex's standard error, to first order in (b, c).
+        let g = [0.0, -1.0 / (2.0 * c), b / (2.0 * c * c)];
+        let var: f64 = (0..3)
+            .flat_map(|i| (0..3).map(move |j| (i, j)))
+            .map(|(i, j)| g[i] * cov[i][j] * g[j])
+            .sum();
+        Some(Peak {
+            at: (x0 + vertex.clamp(lo, hi)).exp(),
+            error: var.max(0.0).sqrt(),
         })
     }
 
-    /// Whether growth from `current` may go to `wanted` (targets per endpoint), given this
-    /// interval's observation (`None`: nothing to judge, growth is not held by the guard) and
-    /// the knee it found, if any: grow (to at most `wanted`, capped at a known knee) or hold.
-    pub fn judge(
-        &self,
-        obs: Option<&Observation>,
-        found_now: Option<Knee>,
+    /// The level to measure next while the peak is uncertain (its standard error above
+    /// [`PEAK_ERROR`]): the noisier of the levels [`REFINE_SPAN`]× below and above it (an
+    /// existing level within [`NEAR`] of each counts as it), until each has
+    /// [`REFINE_INTERVALS`] intervals or noise at most [`REFINE_NOISE`]; the current target
+    /// while it is one of them and not much less noisy than the other. `None`: the peak is
+    /// known well enough (or cannot be measured better), the knee's cap stands.
+    fn refine(&self, knee: &Knee, current: u32, (min, top): (u32, u32)) -> Option<u32> {
+        if !knee.falls || knee.peak.is_some_and(|p| p.error <= PEAK_ERROR) {
+            return None;
+        }
+        let centre = knee.peak.map_or(knee.best.mean_in_flight(), |p| p.at);
+        let near = |x: f64| {
+            self.levels
+                .values()
+                .filter(|l| (l.mean_in_flight() / x).ln().abs() <= NEAR.ln())
+                .min_by(|a, b| {
+                    let d = |l: &Level| (l.mean_in_flight() / x).ln().abs();
+                    d(a).total_cmp(&d(b))
+                })
+                .map_or_else(
+                    || {
+                        (x.round().max(0.0).min(f64::from(u32::MAX)) as u32)
+                            .clamp(min, top.max(min))
+                    },
+                    |l| l.in_flight,
+                )
+        };
+        let noise = |k: u32| {
+            self.levels
+                .get(&k)
+                .map_or(f64::INFINITY, |l| l.noise(l.by_bytes()))
+        };
+        let done = |k: u32| {
+            self.levels.get(&k).is_some_and(|l| {
+                l.intervals >= REFINE_INTERVALS || l.noise(l.by_bytes()) <= REFINE_NOISE
+            })
+        };
+        let open: Vec<u32> = [near(centre / REFINE_SPAN), near(centre * REFINE_SPAN)]
+            .into_iter()
+            .filter(|k| (min..=top).contains(k) && *k != knee.best.in_flight && !done(*k))
+            .collect();
+        let noisiest = open
+            .iter()
+            .copied()
+            .max_by(|a, b| noise(*a).total_cmp(&noise(*b)))?;
+        Some(
+            if open.contains(&current) && noise(current) >= STAY * noise(noisiest) {
+                current
+            } else {
+                noisiest
+            },
+        )
+    }
+
+    /// The largest target per endpoint worth having, when a knee is known.
+    pub fn cap(&self) -> Option<u32> {
+        self.knee().map(|k| k.cap())
+    }
+
+    /// What the target `current` should do while demand recommends `wanted` (targets per
+    /// endpoint, within [`min`, `upper`]) and this interval ran at `level` (`None`: no steady
+    /// interval).
+    pub fn plan(
+        &mut self,
         current: u32,
         wanted: u32,
-        capacity: u32,
-    ) -> Verdict {
-        if let Some(knee) = found_now {
-            return Verdict::Hold(Hold::StepFellShort(knee));
-        }
-        let mut to = wanted;
-        if let Some(knee) = self.knee {
-            if current >= knee.cap() {
-                return Verdict::Hold(Hold::AtKnee(knee));
+        (min, upper): (u32, u32),
+        level: Option<u32>,
+    ) -> Move {
+        if let Some(mut step) = self.judging.take() {
+            step.decisions += 1;
+            let most = if step.probe {
+                MAX_PROBE_WAIT
+            } else {
+                MAX_JUDGING
+            };
+            if step.target == current
+                && step.decisions <= most
+                && let Some(reference) = self.levels.get(&step.reference)
+            {
+                let so_far = self.levels.get(&step.level).map(|l| {
+                    if l.in_flight >= reference.in_flight {
+                        Comparison::of(l, reference, self.capacity)
+                    } else {
+                        Comparison::of(reference, l, self.capacity)
+                    }
+                });
+                match so_far {
+                    // A probe stands until its level is measured: leaving it on no evidence
+                    // would undo it before it told anything.
+                    None if step.probe => {
+                        self.judging = Some(step);
+                        return Move::Judging { step, so_far };
+                    }
+                    Some(c) if step.probe && !c.trusted => {
+                        self.judging = Some(step);
+                        return Move::Judging { step, so_far };
+                    }
+                    Some(c) if c.sufficient() => {}
+                    // Growth waits only where the evidence so far points to a knee.
+                    Some(c) if c.suspicious() && step.judged < MAX_JUDGING => {
+                        if c.trusted {
+                            step.judged += 1;
+                        }
+                        self.judging = Some(step);
+                        return Move::Judging { step, so_far };
+                    }
+                    _ => self.judging = Some(step),
+                }
             }
-            to = to.min(knee.cap());
         }
-        if let Some(obs) = obs
-            && obs.in_flight >= TRUST_FRACTION * f64::from(capacity)
-            && let Some(ttfb) = obs.ttfb.filter(|t| *t > 0.0)
-            && obs.judged()
-            && let Some(then) = self.comparable(obs)
-            && ttfb >= TTFB_TOLERANCE * then.ttfb.unwrap_or(f64::INFINITY)
-        {
-            return Verdict::Hold(Hold::SlowerAtSameLoad {
-                ttfb,
-                then: *then,
-                in_flight: obs.in_flight,
-                capacity,
+        let Some(knee) = self.knee() else {
+            // No evidence of a knee: the law decides. A level is never left for a lower one on
+            // evidence too thin to call it worse (a step down to the light load's level undoes
+            // growth the crowd needs, and judges nothing: it is the next step up that repeats).
+            let _ = level;
+            return Move::Free;
+        };
+        let (best, cap) = (knee.best.in_flight, knee.cap());
+        if wanted < cap.min(best) {
+            return Move::Free;
+        }
+        let measured = |l: u32| self.levels.contains_key(&l);
+        let middle = |a: u32, b: u32| (f64::from(a) * f64::from(b)).sqrt().round() as u32;
+        // Above first (towards the demand), then below.
+        let up = knee.above.and_then(|a| {
+            let hi = a.higher.in_flight;
+            let m = middle(best, hi).min(upper);
+            (f64::from(hi) > f64::from(best) * NARROW && m > best && m < hi && m <= wanted)
+                .then_some(m)
+        });
+        let down = match knee.below {
+            Some(b) => {
+                let lo = b.lower.in_flight;
+                let m = middle(lo, best);
+                (f64::from(best) > f64::from(lo) * NARROW && m > lo && m < best).then_some(m)
+            }
+            None => {
+                // Nothing measured below: a shrink into the unknown, at most maxStepPercent.
+                let share = match self.max_step_percent {
+                    0 => 0.5,
+                    p => f64::from(p.min(100)) / 100.0,
+                };
+                let floor = (f64::from(best) * (1.0 - share) - 1e-9).ceil() as u32;
+                let m = (best / 2).max(floor).max(min);
+                (m < best && f64::from(best) >= f64::from(m) * MIN_RATIO).then_some(m)
+            }
+        };
+        let down = down.map(|m| m.max(min)).filter(|m| *m < best);
+        let fresh = |m: &u32| !measured(*m) && *m != current;
+        // Only the levels' own evidence brackets a knee to probe: the backend's queue alone
+        // says where growth stops, not that a lower level gives more.
+        let (up, down) = if knee.own() { (up, down) } else { (None, None) };
+        if let Some(to) = up.filter(fresh).or(down.filter(fresh)) {
+            self.judging = Some(Judging {
+                target: to,
+                level: to,
+                reference: best,
+                decisions: 0,
+                judged: 0,
+                probe: true,
             });
+            return Move::Probe { to, knee };
         }
-        Verdict::Grow(to)
+        match self
+            .refine(&knee, current, (min, wanted.min(upper)))
+            .filter(|_| knee.own())
+        {
+            Some(at) if at == current => return Move::Measure { at, knee },
+            Some(to) => return Move::Probe { to, knee },
+            None => {}
+        }
+        let cap = cap.max(min);
+        if current > cap {
+            return Move::Back { to: cap, knee };
+        }
+        Move::Cap(knee)
     }
+
+    /// Records that the law grew the target to `target`, where the demand fills `level`, from
+    /// the level `from` (this interval's, or the old target's without one): the step is judged
+    /// against it.
+    pub fn stepped(&mut self, from: u32, target: u32, level: u32) {
+        let (lo, hi) = (from.min(level), from.max(level));
+        self.judging = (f64::from(hi) >= f64::from(lo.max(1)) * MIN_RATIO).then_some(Judging {
+            target,
+            level,
+            reference: from,
+            decisions: 0,
+            judged: 0,
+            probe: false,
+        });
+    }
+}
+
+/// The inverse of `m` (its adjugate over its determinant), `None` when `m` is singular.
+fn inverse3(m: [[f64; 3]; 3]) -> Option<[[f64; 3]; 3]> {
+    let minor =
+        |r0: usize, r1: usize, c0: usize, c1: usize| m[r0][c0] * m[r1][c1] - m[r0][c1] * m[r1][c0];
+    let det =
+        m[0][0] * minor(1, 2, 1, 2) - m[0][1] * minor(1, 2, 0, 2) + m[0][2] * minor(1, 2, 0, 1);
+    let scale = m.iter().flatten().fold(0.0f64, |a, x| a.max(x.abs()));
+    if !det.is_finite() || det.abs() <= 1e-12 * scale.powi(3) {
+        return None;
+    }
+    let others = |i: usize| match i {
+        0 => (1, 2),
+        1 => (0, 2),
+        _ => (0, 1),
+    };
+    let mut out = [[0.0; 3]; 3];
+    for (i, row) in out.iter_mut().enumerate() {
+        for (j, x) in row.iter_mut().enumerate() {
+            // The cofactor of m[j][i] (transposed: the adjugate).
+            let (r0, r1) = others(j);
+            let (c0, c1) = others(i);
+            let sign = if (i + j) % 2 == 0 { 1.0 } else { -1.0 };
+            *x = sign * minor(r0, r1, c0, c1) / det;
+        }
+    }
+    Some(out)
 }
 
 #[cfg(test)]

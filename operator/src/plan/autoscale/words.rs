@@ -6,15 +6,6 @@ pub(super) fn round(v: f64) -> String {
     s.trim_end_matches('0').trim_end_matches('.').to_owned()
 }
 
-/// `now` as a multiple of `then`, `-` when `then` is zero.
-pub(super) fn ratio_text(now: f64, then: f64) -> String {
-    if then > 0.0 {
-        round(now / then)
-    } else {
-        "-".to_owned()
-    }
-}
-
 /// Bytes per second for people: `830 B`, `52.4 kB`, `1.2 MB`.
 pub(super) fn bytes_text(b: f64) -> String {
     if b >= 1e6 {

@@ -1,220 +1,407 @@
-//! Tests of the knee guard's parts: a step's gradient and knee, which interval a step is judged
-//! from, what is remembered and for how long, and latency at a comparable in-flight.
+//! Tests of the knee guard's parts: a level's noise, what a comparison of two levels shows and
+//! when its evidence suffices, which level is best and what brackets it, what a step is judged
+//! for, where the guard probes, steps back or holds, and how long levels are kept.
+
+use std::collections::BTreeMap;
 
 use super::*;
+
+/// No declared capacity known: batching may cost anything, a step only needs `rise^0.3`.
+const WIDE: u32 = 0;
 
 fn at(secs: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + secs).unwrap()
 }
 
-/// An interval at `in_flight` per endpoint completing `completed` calls/s of 1 kB each.
-fn obs(secs: i64, in_flight: f64, completed: f64) -> Observation {
+/// An interval at `in_flight` per endpoint (one endpoint) giving `bytes` per second, with
+/// `calls` completed in it and a time to first byte of 0.2 s.
+fn obs(secs: i64, in_flight: f64, bytes: f64, calls: f64) -> Observation {
     Observation {
         at: at(secs),
         in_flight,
-        completed,
-        bytes: completed * 1000.0,
-        ttfb: Some(0.1),
-        calls: completed * 30.0,
+        completed: calls / 10.0,
+        bytes,
+        ttfb: Some(0.2),
+        calls,
+        streams: 0.0,
     }
 }
 
-const INTERVAL: Duration = Duration::from_secs(15);
-/// A declared capacity so large that batching allows nothing: only flat steps fall short.
-const WIDE: u32 = 1_000_000;
-
-#[test]
-fn a_step_that_doubles_throughput_has_gradient_one_and_a_flat_one_zero() {
-    let up = Step {
-        from: obs(0, 10.0, 10.0),
-        to: obs(15, 20.0, 20.0),
-    };
-    assert!((up.gradient() - 1.0).abs() < 1e-12);
-    assert_eq!(up.knee(), 20.0, "no knee inside a step that scaled");
-    let flat = Step {
-        from: obs(0, 10.0, 10.0),
-        to: obs(15, 20.0, 10.0),
-    };
-    assert!(flat.gradient().abs() < 1e-12);
-    assert_eq!(flat.knee(), 10.0);
-    let half = Step {
-        from: obs(0, 10.0, 10.0),
-        to: obs(15, 20.0, 13.0),
-    };
-    assert_eq!(
-        half.knee(),
-        13.0,
-        "the in-flight that makes 13/s at 1 s per call"
-    );
-    let fell = Step {
-        from: obs(0, 10.0, 10.0),
-        to: obs(15, 20.0, 5.0),
-    };
-    assert!(fell.gradient() < 0.0);
-    assert_eq!(fell.knee(), 10.0, "never below the reference");
-}
-
-#[test]
-fn a_step_falls_short_below_what_batching_at_the_declared_capacity_allows() {
-    // 3 → 15 in flight per endpoint, throughput ×2: every call produced 60% less.
-    let step = Step {
-        from: obs(0, 3.0, 7.5),
-        to: obs(15, 15.0, 15.0),
-    };
-    // With 32 declared slots, batching from 3 to 15 busy costs a call at most
-    // (1 + 2·3/32) / (1 + 2·15/32) = 0.61 of its throughput: ×5 × 0.61 / 1.25 = ×2.45.
-    assert!(
-        (step.expected(32) - 2.452).abs() < 1e-3,
-        "{}",
-        step.expected(32)
-    );
-    assert_eq!(step.knee(), 6.0, "×2 from 3: 6 calls' worth");
+/// A level of `intervals` intervals at `bytes` per second each, `calls` completed in each.
+fn level(in_flight: u32, bytes: f64, calls: f64, intervals: u32) -> Level {
     let mut m = KneeMemory::default();
-    m.observe(step.from, INTERVAL, 32);
-    let knee = m.observe(step.to, INTERVAL, 32).expect("short of ×2.45");
-    assert_eq!(knee.cap(), 6);
-    // A server batching like the declared one (3× as slow with all 32 slots busy) does not.
-    let batching = Step {
-        from: obs(0, 3.0, 3.0 / 1.1875),
-        to: obs(15, 15.0, 15.0 / 1.9375),
-    };
-    assert!(batching.gain() > batching.expected(32) * 1.2);
-    // Above the declared capacity batching allows everything; flat still falls short.
-    let beyond = Step {
-        from: obs(0, 40.0, 40.0),
-        to: obs(15, 60.0, 41.0),
-    };
-    assert!((beyond.expected(32) - 1.5f64.powf(FLAT_GRADIENT)).abs() < 1e-12);
-    assert!(beyond.gain() < beyond.expected(32));
+    for i in 0..intervals {
+        m.observe(obs(i64::from(i) * 10, f64::from(in_flight), bytes, calls));
+    }
+    m.levels[&in_flight]
 }
 
 #[test]
-fn bytes_rising_with_in_flight_is_throughput_even_when_calls_per_second_are_flat() {
-    // Twice the calls in flight, outputs twice as long: as many calls per second, twice the
-    // bytes. The backend did twice the work.
-    let longer = Step {
-        from: obs(0, 10.0, 10.0),
-        to: Observation {
-            bytes: 20_000.0,
-            ..obs(15, 20.0, 10.0)
-        },
-    };
-    assert!((longer.gradient() - 1.0).abs() < 1e-12);
+fn a_levels_noise_is_counted_measured_or_floored() {
+    // 25 calls: 1/√25 = 20%.
+    assert!((level(10, 1000.0, 25.0, 1).noise(true) - 0.2).abs() < 1e-12);
+    // 4 intervals of 2500 calls: 1%, floored at 2%.
+    assert_eq!(level(10, 1000.0, 2500.0, 4).noise(true), NOISE_FLOOR);
+    // Streams count for bytes, not for calls.
+    let mut m = KneeMemory::default();
+    m.observe(Observation {
+        streams: 75.0,
+        ..obs(0, 10.0, 1000.0, 25.0)
+    });
+    let l = m.levels[&10];
+    assert!((l.noise(true) - 0.1).abs() < 1e-12, "1/√100");
+    assert!((l.noise(false) - 0.2).abs() < 1e-12, "1/√25");
+    // Intervals that disagree more than their calls say: the spread's standard error counts.
+    let mut m = KneeMemory::default();
+    for (i, b) in [800.0, 1200.0, 800.0, 1200.0].into_iter().enumerate() {
+        m.observe(obs(i as i64 * 10, 10.0, b, 2500.0));
+    }
+    let spread = m.levels[&10].noise(true);
+    // sd 230.9 of a mean 1000, over √4.
+    assert!((spread - 0.1155).abs() < 1e-3, "{spread}");
+}
+
+#[test]
+fn a_comparison_tells_better_flat_short_worse_and_slower() {
+    let l = level(10, 1000.0, 400.0, 1); // 5% noise
+    let effect = |h: Level| Comparison::of(&h, &l, WIDE).effect;
+    // Significant beyond 2 × √(5%² + 5%²) = 14.1%.
+    assert_eq!(effect(level(20, 1800.0, 400.0, 1)), Effect::Better);
+    // ×2 in flight: a healthy step gives at least 2^0.3 = 1.23. ×1.1 is within the noise of
+    // that, ×1.05 short of it.
+    assert_eq!(effect(level(20, 1100.0, 400.0, 1)), Effect::Flat);
+    assert_eq!(effect(level(20, 1050.0, 400.0, 1)), Effect::Short);
     assert_eq!(
-        longer.describe(),
-        "in flight 10 → 20 per endpoint (×2), completed calls 10 → 10/s (×1), response bytes 10 kB → 20 kB/s (×2)"
+        effect(level(40, 1100.0, 400.0, 1)),
+        Effect::Short,
+        "4^0.3 = 1.52"
+    );
+    assert_eq!(effect(level(20, 800.0, 400.0, 1)), Effect::Worse);
+    let mut slow = level(20, 1000.0, 400.0, 1);
+    slow.ttfb = (0.4, 1);
+    assert_eq!(
+        effect(slow),
+        Effect::Slower,
+        "2× the first byte, no more throughput"
+    );
+    let mut slow_but_more = level(20, 1800.0, 400.0, 1);
+    slow_but_more.ttfb = (0.4, 1);
+    assert_eq!(
+        effect(slow_but_more),
+        Effect::Better,
+        "batching: slower, but more"
+    );
+    // Calls count where a level has no bytes.
+    let mut no_bytes = level(20, 0.0, 400.0, 1);
+    no_bytes.calls = Sum {
+        total: 20.0,
+        squares: 400.0,
+    };
+    let c = Comparison::of(&no_bytes, &l, WIDE);
+    assert!(!c.bytes && (c.gain - 0.5).abs() < 1e-12, "{c:?}");
+    assert_eq!(
+        Comparison::of(&level(20, 800.0, 400.0, 1), &l, WIDE).describe(),
+        "response bytes 1 kB/s at 10 in flight per endpoint → 800 B/s at 20 (×0.8, less: significant beyond ±14.14%, 400 and 400 calls seen)"
     );
 }
 
 #[test]
-fn a_step_is_judged_from_the_latest_interval_with_clearly_fewer_calls_in_flight() {
-    let mut m = KneeMemory::default();
-    assert_eq!(m.observe(obs(0, 4.0, 4.0), INTERVAL, WIDE), None);
-    assert_eq!(m.observe(obs(15, 9.0, 9.0), INTERVAL, WIDE), None);
-    // 12 is not 1.5 × 9: the step from 4 is judged (and rose).
-    assert_eq!(
-        m.step_to(&obs(30, 12.0, 12.0), INTERVAL).map(|s| s.from.at),
-        Some(at(0))
+fn a_flat_step_is_judged_once_its_noise_could_not_hide_a_healthy_one() {
+    // ×4 in flight: a healthy step gives at least ×1.52; a flat one is told from it once the
+    // significance is at most half of 0.52.
+    let noisy = Comparison::of(
+        &level(40, 1100.0, 16.0, 1),
+        &level(10, 1000.0, 16.0, 1),
+        WIDE,
     );
-    // 13.5 is: the step from 9.
-    assert_eq!(
-        m.step_to(&obs(30, 13.5, 9.0), INTERVAL).map(|s| s.from.at),
-        Some(at(15))
+    assert_eq!(noisy.effect, Effect::Flat);
+    assert!(!noisy.sufficient() && !noisy.no_more(), "{noisy:?}");
+    let sure = Comparison::of(
+        &level(40, 1100.0, 16.0, 8),
+        &level(10, 1000.0, 16.0, 8),
+        WIDE,
     );
-    assert!(
-        m.observe(obs(30, 13.5, 9.0), INTERVAL, WIDE).is_some(),
-        "9 → 13.5 in flight, no more throughput"
-    );
-    // Too few calls to judge, either side.
-    let few = |secs, c: f64| Observation {
-        calls: MIN_CALLS - 1.0,
-        ..obs(secs, c, c)
-    };
-    let mut m = KneeMemory::default();
-    m.observe(few(0, 4.0), INTERVAL, WIDE);
-    assert_eq!(m.step_to(&obs(15, 20.0, 4.0), INTERVAL), None);
-    assert_eq!(m.step_to(&few(15, 20.0), INTERVAL), None);
-    // Too old a reference.
-    let mut m = KneeMemory::default();
-    m.observe(obs(0, 4.0, 4.0), INTERVAL, WIDE);
-    let late = 15 * i64::from(REFERENCE_INTERVALS) + 15;
-    assert_eq!(m.step_to(&obs(late, 20.0, 4.0), INTERVAL), None);
+    assert!(sure.sufficient() && sure.no_more(), "{sure:?}");
 }
 
 #[test]
-fn the_knee_is_forgotten_when_the_backend_takes_more_or_after_ten_minutes() {
-    let learn = || {
-        let mut m = KneeMemory::default();
-        m.observe(obs(0, 10.0, 10.0), INTERVAL, WIDE);
-        let knee = m
-            .observe(obs(15, 20.0, 10.0), INTERVAL, WIDE)
-            .expect("flat");
-        assert_eq!(m.knee, Some(knee));
-        m
-    };
-    // Beyond the knee with a quarter more throughput: the backend takes more now.
-    let mut m = learn();
-    m.observe(obs(30, 12.0, 12.4), INTERVAL, WIDE);
-    assert!(m.knee.is_some(), "×1.24 is not enough");
-    m.observe(obs(45, 12.0, 12.5), INTERVAL, WIDE);
-    assert_eq!(m.knee, None, "×1.25 beyond the knee");
-    // Near the knee, more throughput proves nothing about beyond it.
-    let mut m = learn();
-    m.observe(obs(30, 10.5, 20.0), INTERVAL, WIDE);
-    assert!(m.knee.is_some());
-    // Ten minutes on, it is measured again.
-    let mut m = learn();
-    m.observe(obs(15 + 600, 10.0, 10.0), INTERVAL, WIDE);
-    assert!(m.knee.is_some());
-    m.observe(obs(15 + 601, 10.0, 10.0), INTERVAL, WIDE);
-    assert_eq!(m.knee, None);
-    assert!(
-        m.observations.iter().all(|o| o.at >= at(15)),
-        "older intervals are dropped too"
+fn the_best_level_is_the_lowest_one_not_significantly_below_the_most() {
+    let mut m = KneeMemory::default();
+    // 5% noise each; 10 gives 1000, 14 gives 1050 (not significantly more, nor short of a
+    // healthy step), 20 gives 700.
+    for (i, (c, b)) in [(10.0, 1000.0), (14.0, 1050.0), (20.0, 700.0)]
+        .into_iter()
+        .enumerate()
+    {
+        m.observe(obs(i as i64 * 10, c, b, 400.0));
+    }
+    let knee = m.knee().expect("20 gave less");
+    assert_eq!(knee.best.in_flight, 10, "flat: the lower level");
+    assert_eq!(
+        knee.above.map(|a| (a.higher.in_flight, a.effect)),
+        Some((20, Effect::Worse)),
+        "{knee:?}"
     );
+    assert_eq!(knee.below, None);
+    assert_eq!(m.cap(), Some(10));
+    // A backend whose throughput follows: no knee.
+    let mut m = KneeMemory::default();
+    for (i, c) in [4.0, 8.0, 16.0].into_iter().enumerate() {
+        m.observe(obs(i as i64 * 10, c, c * 100.0, 400.0));
+    }
+    assert_eq!(m.knee(), None);
+    // A step from below that fell short: the knee is inside it.
+    let mut m = KneeMemory::default();
+    m.observe(obs(0, 4.0, 400.0, 400.0));
+    m.observe(obs(10, 40.0, 600.0, 400.0));
+    let knee = m.knee().expect("×10 in flight, ×1.5 throughput");
+    assert_eq!(knee.best.in_flight, 40);
+    assert_eq!(knee.below.map(|b| b.effect), Some(Effect::Short));
 }
 
 #[test]
-fn growth_stops_at_a_known_knee_and_is_held_from_there() {
+fn a_step_is_judged_while_its_evidence_points_to_a_knee_for_at_most_three_decisions() {
     let mut m = KneeMemory::default();
-    m.observe(obs(0, 10.0, 10.0), INTERVAL, WIDE);
-    let knee = m.observe(obs(15, 20.0, 10.4), INTERVAL, WIDE).unwrap();
-    assert_eq!(knee.cap(), 11);
-    assert_eq!(
-        m.judge(None, Some(knee), 20, 30, 100),
-        Verdict::Hold(Hold::StepFellShort(knee))
-    );
-    assert_eq!(m.judge(None, None, 8, 30, 100), Verdict::Grow(11));
-    assert_eq!(m.judge(None, None, 8, 10, 100), Verdict::Grow(10));
-    assert_eq!(
-        m.judge(None, None, 11, 30, 100),
-        Verdict::Hold(Hold::AtKnee(knee))
-    );
+    m.observe(obs(0, 10.0, 1000.0, 16.0));
+    m.stepped(10, 20, 20);
+    // No interval at 20 yet: no evidence, no hold.
+    assert_eq!(m.plan(20, 30, (1, 40), None), Move::Free);
+    // 20 gave as much as 10, within the noise of 16 calls: judged, growth waits (decisions 2
+    // and 3 of 3).
+    for (i, decision) in [(1, 2), (2, 3)] {
+        m.observe(obs(10 * i, 20.0, 1000.0, 16.0));
+        let Move::Judging { step, so_far } = m.plan(20, 30, (1, 40), None) else {
+            panic!("judging")
+        };
+        assert_eq!(
+            (step.level, step.reference, step.decisions),
+            (20, 10, decision)
+        );
+        assert_eq!(so_far.unwrap().effect, Effect::Flat);
+    }
+    // Then the comparison counts as it stands: flat, not a knee on this evidence.
+    m.observe(obs(30, 20.0, 1000.0, 16.0));
+    assert_eq!(m.plan(20, 30, (1, 40), None), Move::Free);
+    assert_eq!(m.judging, None);
+    // A step whose throughput rose as a healthy one does is never held.
+    let mut m = KneeMemory::default();
+    m.observe(obs(0, 10.0, 1000.0, 16.0));
+    m.stepped(10, 20, 20);
+    m.observe(obs(10, 20.0, 1900.0, 16.0));
+    assert_eq!(m.plan(20, 30, (1, 40), None), Move::Free);
 }
 
 #[test]
-fn latency_is_compared_at_a_comparable_in_flight_and_only_near_the_declared_capacity() {
-    let with_ttfb = |secs, c: f64, ttfb| Observation {
-        ttfb: Some(ttfb),
-        ..obs(secs, c, c)
-    };
+fn the_guard_probes_the_bracket_then_steps_back_or_holds_at_the_peak() {
     let mut m = KneeMemory::default();
-    m.observe(with_ttfb(0, 30.0, 0.1), INTERVAL, WIDE);
-    m.observe(with_ttfb(15, 60.0, 0.3), INTERVAL, WIDE);
-    let now = with_ttfb(30, 55.0, 0.25);
-    m.observe(now, INTERVAL, WIDE);
-    // 55 compares with 60 (within 20%), not with 30: 0.25 s against 0.3 s, not against 0.1 s.
-    assert_eq!(m.comparable(&now).map(|o| o.at), Some(at(15)));
-    assert_eq!(m.judge(Some(&now), None, 60, 80, 100), Verdict::Grow(80));
-    let slow = with_ttfb(45, 58.0, 0.6);
-    m.observe(slow, INTERVAL, WIDE);
+    m.observe(obs(0, 10.0, 1000.0, 400.0));
+    m.observe(obs(10, 40.0, 600.0, 400.0));
+    // 40 gave less than 10: probe the middle (above first), judged against 10.
+    let Move::Probe { to, knee } = m.plan(40, 48, (1, 48), None) else {
+        panic!("probe")
+    };
+    assert_eq!((to, knee.cap()), (20, 10));
+    assert_eq!(m.judging.map(|j| (j.level, j.reference)), Some((20, 10)));
+    // 20 gave less too: the middle of [10, 20].
+    m.observe(obs(20, 20.0, 850.0, 400.0));
     assert!(matches!(
-        m.judge(Some(&slow), None, 60, 80, 100),
-        Verdict::Hold(Hold::SlowerAtSameLoad { .. })
+        m.plan(20, 48, (1, 48), None),
+        Move::Probe { to: 14, .. }
     ));
+    // 14 fell short of a healthy step (×1.4 in flight, ×0.95): [10, 14] is narrow; below 10
+    // nothing is known: probe half of it.
+    m.observe(obs(30, 14.0, 950.0, 400.0));
+    assert!(matches!(
+        m.plan(14, 48, (1, 48), None),
+        Move::Probe { to: 5, .. }
+    ));
+    // 5 gave less than 10: the middle of [5, 10].
+    m.observe(obs(40, 5.0, 600.0, 400.0));
+    assert!(matches!(
+        m.plan(5, 48, (1, 48), None),
+        Move::Probe { to: 7, .. }
+    ));
+    m.observe(obs(50, 7.0, 800.0, 400.0));
+    // Every bracket is narrow now. 40, 20 and 14 gave less than 10: the curve falls past it,
+    // and the parabola through the levels within 3× of 10 puts its peak at 12.1 (±4.9%):
+    // grow to 12, back to it from above, and hold there.
+    let knee = m.knee().unwrap();
+    assert!(knee.falls);
+    let peak = knee.peak.unwrap();
+    assert!(
+        (peak.at - 12.14).abs() < 0.01 && (peak.error - 0.049).abs() < 0.001,
+        "{peak:?}"
+    );
+    assert_eq!((knee.best.in_flight, knee.cap()), (10, 12));
+    assert!(matches!(m.plan(7, 48, (1, 48), None), Move::Cap(_)));
+    assert!(matches!(
+        m.plan(14, 48, (1, 48), None),
+        Move::Back { to: 12, .. }
+    ));
+    assert!(matches!(m.plan(12, 48, (1, 48), None), Move::Cap(_)));
+    // Demand below the best level: the law decides.
+    assert_eq!(m.plan(14, 9, (1, 48), None), Move::Free);
+}
+
+#[test]
+fn levels_are_measured_anew_after_ten_minutes() {
+    let mut m = KneeMemory::default();
+    m.observe(obs(0, 10.0, 1000.0, 400.0));
+    m.observe(obs(10, 20.0, 600.0, 400.0));
+    assert!(m.knee().is_some());
+    m.observe(obs(600, 20.0, 600.0, 400.0));
+    assert!(m.knee().is_some(), "10 is ten minutes old, not older");
+    m.observe(obs(601, 20.0, 600.0, 400.0));
+    assert_eq!(m.levels.keys().copied().collect::<Vec<_>>(), [20]);
+    assert_eq!(m.knee(), None);
+    // Too few in flight to be a level.
+    m.observe(obs(610, 0.4, 0.0, 0.0));
+    assert_eq!(m.levels.len(), 1);
+}
+
+#[test]
+fn a_level_the_target_holds_at_keeps_its_evidence_while_it_is_measured() {
+    let mut m = KneeMemory::default();
+    m.observe(obs(0, 10.0, 1000.0, 400.0));
+    m.observe(obs(10, 20.0, 600.0, 400.0));
+    for t in [300, 590, 700] {
+        m.observe(obs(t, 10.0, 1000.0, 400.0));
+    }
+    // 20 was last measured 690 s ago, 10 just now.
+    assert_eq!(m.levels.keys().copied().collect::<Vec<_>>(), [10]);
+    assert_eq!(m.levels[&10].intervals, 4);
+}
+
+/// Throughput per endpoint of a backend whose batch thrashes, peaking at `peak` in flight with
+/// 1000 B/s: symmetric in log in-flight around the peak, as modelsim's law is.
+fn thrashing(c: f64, peak: f64) -> f64 {
+    let x = c / peak;
+    2000.0 * x / (1.0 + x * x)
+}
+
+#[test]
+fn the_peak_of_a_backend_that_thrashes_is_located_from_the_levels_on_both_sides() {
+    let mut m = KneeMemory::default();
+    for (i, c) in [2.0, 3.0, 5.0, 8.0, 12.0, 16.0].into_iter().enumerate() {
+        m.observe(obs(i as i64 * 10, c, thrashing(c, 7.0), 2500.0));
+    }
+    let knee = m.knee().expect("16 gave less than 5 and 8");
+    // 5 and 8 tie within their noise (946 and 991 B/s, ±2% each): the lower is the best level;
+    // 16 gave 22% less than it: the curve falls.
+    assert_eq!(knee.best.in_flight, 5);
+    assert!(knee.falls);
+    let peak = knee.peak.expect("levels on both sides of 5");
+    assert!((peak.at - 7.0).abs() < 0.35, "{peak:?}");
+    assert!(peak.error < PEAK_ERROR, "{peak:?}");
+    assert_eq!(knee.cap(), 7);
+    assert!(
+        knee.evidence().ends_with(&format!(
+            "; its peak, from the levels around it, is at {} per endpoint (±{}%)",
+            round(peak.at),
+            round(peak.error * 100.0)
+        )),
+        "{}",
+        knee.evidence()
+    );
+    // The target holds at the peak, not at the best level measured (after probing the bracket
+    // [5, 8] at its middle, 6, which moves the peak by less than it rounds to).
+    let (end, visits) = settle(&mut m, 16, 60, |c| obs(0, c, thrashing(c, 7.0), 2500.0));
+    assert_eq!(end, 7, "{visits:?}");
+}
+
+/// Follows the guard's moves from `current` for at most `decisions` intervals (each observed
+/// by `interval` at its in-flight, 10 s after the last) while demand wants 40: where the target
+/// ends once the guard caps it (at the cap), and how often each level was visited.
+fn settle(
+    m: &mut KneeMemory,
+    mut current: u32,
+    decisions: u32,
+    interval: impl Fn(f64) -> Observation,
+) -> (u32, BTreeMap<u32, u32>) {
+    let mut visits = BTreeMap::new();
+    let mut t = m.levels.values().map(|l| l.last).max().unwrap_or(at(0));
+    for _ in 0..decisions {
+        t = Timestamp::from_second(t.as_second() + 10).unwrap();
+        m.observe(Observation {
+            at: t,
+            ..interval(f64::from(current))
+        });
+        *visits.entry(current).or_insert(0) += 1;
+        match m.plan(current, 40, (1, 40), Some(current)) {
+            Move::Measure { at, .. } => assert_eq!(at, current),
+            Move::Judging { .. } => {}
+            Move::Probe { to, .. } | Move::Back { to, .. } => current = to,
+            Move::Cap(k) if k.cap() == current => return (current, visits),
+            Move::Cap(k) => current = k.cap(),
+            other => panic!("{other:?} after {visits:?}"),
+        }
+    }
+    panic!("not capped in {decisions} decisions: {visits:?}")
+}
+
+#[test]
+fn a_backend_that_stays_flat_past_its_knee_is_held_at_the_lowest_level_that_gives_the_most() {
+    let mut m = KneeMemory::default();
+    for (i, (c, b)) in [(5.0, 500.0), (10.0, 1000.0), (15.0, 1010.0), (24.0, 1000.0)]
+        .into_iter()
+        .enumerate()
+    {
+        m.observe(obs(i as i64 * 10, c, b, 2500.0));
+    }
+    let knee = m.knee().expect("15 and 24 gave no more than 10");
+    assert!(!knee.falls, "no level gave 10% less than 10");
+    assert_eq!((knee.best.in_flight, knee.peak, knee.cap()), (10, None, 10));
+}
+
+#[test]
+fn a_lucky_interval_on_a_noisy_level_is_no_evidence() {
+    let mut m = KneeMemory::default();
+    m.observe(obs(0, 10.0, 1000.0, 400.0));
+    // 9 calls: noise 1/√9 = 33%, more than 25%.
+    m.observe(obs(10, 14.0, 2000.0, 9.0));
+    m.observe(obs(20, 20.0, 700.0, 400.0));
+    let knee = m.knee().expect("20 gave less than 10");
     assert_eq!(
-        m.judge(Some(&slow), None, 60, 80, 117),
-        Verdict::Grow(80),
-        "58 in flight is under half of 117"
+        knee.best.in_flight, 10,
+        "14's one lucky interval counts for nothing"
+    );
+    assert_eq!(
+        knee.above.map(|a| (a.higher.in_flight, a.effect)),
+        Some((20, Effect::Worse))
+    );
+}
+
+#[test]
+fn an_uncertain_peak_is_measured_at_the_levels_around_it_then_held() {
+    let mut m = KneeMemory::default();
+    // Few calls per interval: the levels around the best one are noisy, and so is the peak.
+    let mut t = 0;
+    let mut at = |m: &mut KneeMemory, c: f64| {
+        t += 10;
+        m.observe(obs(t, c, thrashing(c, 8.0), 30.0));
+    };
+    for c in [4.0, 8.0, 8.0, 8.0, 16.0, 32.0] {
+        at(&mut m, c);
+    }
+    let knee = m.knee().expect("16 and 32 gave less");
+    assert!(knee.falls);
+    assert!(knee.peak.is_none_or(|p| p.error > PEAK_ERROR), "{knee:?}");
+    // The levels around the peak are measured (the noisier of those 2× below and above it,
+    // staying there while it is the noisier) until each has 8 intervals or the peak is known,
+    // then the target holds at the peak.
+    let (current, visits) = settle(&mut m, 8, 60, |c| obs(0, c, thrashing(c, 8.0), 30.0));
+    assert!(
+        visits.values().any(|v| *v > 1),
+        "a level was measured over several intervals: {visits:?}"
+    );
+    let knee = m.knee().unwrap();
+    assert!(
+        visits.values().all(|v| *v <= REFINE_INTERVALS),
+        "each level around the peak measured at most {REFINE_INTERVALS} times: {visits:?}"
+    );
+    assert_eq!(knee.cap(), current, "{visits:?}");
+    assert!(
+        (6..=10).contains(&current),
+        "held near 8: {current}, {knee:?}"
     );
 }
