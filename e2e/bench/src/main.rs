@@ -240,7 +240,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .then(|| PART1_PLOT.to_owned());
     let regression = regression::check(
         args.quick,
-        regression::baseline(committed.as_deref()),
+        report::committed_part1(committed.as_deref()),
         &samples,
     );
     let mut machine = machine;

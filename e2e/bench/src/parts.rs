@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use crate::load::{self, Call, LoadResult, Stream};
 use crate::peers::{self, Env, PeerSettings, Target};
 use crate::procs::Proc;
-use crate::stats::percentile;
+use crate::stats::{median, percentile};
 
 /// Durations and sizes; `quick` shrinks all of them to validate the harness.
 #[derive(Clone, Debug)]
@@ -627,4 +627,52 @@ pub fn sse_summary(target: Target, streams: &[Stream]) -> SseRun {
         complete: streams.iter().filter(|s| s.complete).count(),
         streams: streams.len(),
     }
+}
+
+/// Medians over rounds of one (row, target) of part 1.
+#[derive(Clone, Copy, Debug)]
+pub struct Cell {
+    /// req/s.
+    pub rps: f64,
+    /// Latency percentiles, µs.
+    pub p50: f64,
+    /// 99th.
+    pub p99: f64,
+    /// 99.9th.
+    pub p999: f64,
+    /// Proxy CPU seconds per 10k requests.
+    pub cpu: f64,
+    /// Peak RSS, KiB.
+    pub rss_kib: f64,
+    /// Failed requests over every round.
+    pub errors: u64,
+}
+
+/// The medians of `target`'s runs in `row`.
+pub fn cell(samples: &[Sample], row: Row, target: Target) -> Cell {
+    let runs: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.row == row && s.target == target)
+        .collect();
+    let m = |f: &dyn Fn(&Sample) -> f64| median(&runs.iter().map(|s| f(s)).collect::<Vec<_>>());
+    Cell {
+        rps: m(&|s| s.load.rps),
+        p50: m(&|s| s.load.p50_us),
+        p99: m(&|s| s.load.p99_us),
+        p999: m(&|s| s.load.p999_us),
+        cpu: m(&|s| s.cpu_per_10k),
+        rss_kib: m(&|s| s.peak_rss_kib),
+        errors: runs.iter().map(|s| s.load.errors).sum(),
+    }
+}
+
+/// The rows of part 1 in the order they ran.
+pub fn rows(samples: &[Sample]) -> Vec<Row> {
+    let mut rows: Vec<Row> = Vec::new();
+    for s in samples {
+        if !rows.contains(&s.row) {
+            rows.push(s.row);
+        }
+    }
+    rows
 }

@@ -5,7 +5,9 @@ use std::fmt::Write as _;
 
 use poolpilot_bench::machine::{loadavg, utc_now};
 
-use crate::parts::{Bench, ContentionRun, IdleRun, Plan, Profile, Row, Sample, SseRun};
+use crate::parts::{
+    Bench, Cell, ContentionRun, IdleRun, Plan, Profile, Row, Sample, SseRun, cell, rows,
+};
 use crate::peers::{self, Target};
 use crate::procs::first_line;
 use crate::stats::{median, ms, ms_signed, num, ratio};
@@ -89,45 +91,6 @@ const ALL: [Target; 4] = [
     Target::Haproxy,
     Target::Nginx,
 ];
-
-/// Medians over rounds of one (row, target) of part 1.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Cell {
-    pub(crate) rps: f64,
-    p50: f64,
-    p99: f64,
-    p999: f64,
-    pub(crate) cpu: f64,
-    rss_kib: f64,
-    errors: u64,
-}
-
-pub(crate) fn cell(samples: &[Sample], row: Row, target: Target) -> Cell {
-    let runs: Vec<&Sample> = samples
-        .iter()
-        .filter(|s| s.row == row && s.target == target)
-        .collect();
-    let m = |f: &dyn Fn(&Sample) -> f64| median(&runs.iter().map(|s| f(s)).collect::<Vec<_>>());
-    Cell {
-        rps: m(&|s| s.load.rps),
-        p50: m(&|s| s.load.p50_us),
-        p99: m(&|s| s.load.p99_us),
-        p999: m(&|s| s.load.p999_us),
-        cpu: m(&|s| s.cpu_per_10k),
-        rss_kib: m(&|s| s.peak_rss_kib),
-        errors: runs.iter().map(|s| s.load.errors).sum(),
-    }
-}
-
-pub(crate) fn rows(samples: &[Sample]) -> Vec<Row> {
-    let mut rows: Vec<Row> = Vec::new();
-    for s in samples {
-        if !rows.contains(&s.row) {
-            rows.push(s.row);
-        }
-    }
-    rows
-}
 
 fn mib(kib: f64) -> String {
     num(kib / 1024.0, 1)
@@ -436,6 +399,16 @@ pub fn samples_from_report(markdown: &str) -> anyhow::Result<Vec<Sample>> {
     }
     anyhow::ensure!(!samples.is_empty(), "part 1 has no rows");
     Ok(samples)
+}
+
+/// The committed report's part 1, or why there is none to compare with.
+pub fn committed_part1(committed: Option<&str>) -> Result<Vec<Sample>, String> {
+    let markdown = committed.ok_or("there is no committed report to compare with")?;
+    if markdown.contains("**quick mode**") {
+        return Err("the committed report is from a quick run".into());
+    }
+    samples_from_report(markdown)
+        .map_err(|e| format!("the committed report's part 1 cannot be read ({e})"))
 }
 
 /// The line that shows part 1's picture, after its ratio table.
@@ -801,5 +774,56 @@ mod tests {
         assert_eq!((a.rps, a.p99, a.cpu), (b.rps, b.p99, b.cpu));
         assert!(samples_from_report("## 2. only\n").is_err());
         assert!(!dir.path().join("none.svg").exists());
+    }
+
+    #[test]
+    fn missing_quick_or_unreadable_committed_reports_skip_the_regression_check() {
+        use crate::regression::{Outcome, check};
+        let now = vec![sample(
+            Row::Concurrency(16),
+            Target::Poolpilot,
+            10.0,
+            1000.0,
+            9.0,
+        )];
+        assert!(matches!(
+            check(false, committed_part1(None), &now),
+            Outcome::Skipped(_)
+        ));
+        assert!(matches!(
+            check(
+                false,
+                committed_part1(Some("Written by `make bench` (**quick mode** …)")),
+                &now
+            ),
+            Outcome::Skipped(_)
+        ));
+        assert!(matches!(
+            check(false, committed_part1(Some("# no part 1 here")), &now),
+            Outcome::Skipped(_)
+        ));
+    }
+
+    /// The committed report is read back from its own table: the check sees what a report
+    /// written by this harness says.
+    #[test]
+    fn the_committed_reports_part_1_is_read_back_for_the_regression_check() {
+        use crate::regression::{Outcome, check, render};
+        let committed =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../BENCHMARKS.md"))
+                .unwrap();
+        let samples = committed_part1(Some(&committed)).unwrap();
+        let outcome = check(false, Ok(samples.clone()), &samples);
+        let Outcome::Checked(all) = &outcome else {
+            panic!("{outcome:?}")
+        };
+        assert!(
+            all.len() >= 4 * crate::regression::Metric::ALL.len(),
+            "{all:?}"
+        );
+        assert!(all.iter().all(|c| (c.relative() - 1.0).abs() < 1e-12));
+        let mut text = String::new();
+        render(&mut text, &outcome);
+        assert!(text.contains("**None regressed**"), "{text}");
     }
 }
