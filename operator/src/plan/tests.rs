@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use poolpilot_api::limits::{Endpoint, TokenCount};
+use poolpilot_api::limits::{Endpoint, TokenCount, UpstreamProtocol};
 use poolpilot_api::policy::{Mode, StartFrom};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 use proptest::prelude::*;
@@ -629,6 +629,43 @@ fn invalid_specs_list_every_broken_rule() {
             "missing {e:?} in {errors:#?}"
         );
     }
+}
+
+#[test]
+fn a_backends_protocol_reaches_its_document_and_auto_needs_tls_as_the_crd_rule_says() {
+    let rendered = |extra: &str| {
+        let p = policy("a", 0, &spec("model-a", 64, extra), 1);
+        let doc = plan_once(&input_of(vec![p], pods(1))).documents["gw-0"].clone();
+        doc.validate().expect("rendered documents validate");
+        doc.backends[0].protocol
+    };
+    assert_eq!(rendered(""), UpstreamProtocol::Http1, "the default");
+    assert_eq!(rendered("  protocol: Http1\n"), UpstreamProtocol::Http1);
+    assert_eq!(rendered("  protocol: Http2\n"), UpstreamProtocol::Http2);
+
+    let external = |tls: &str| {
+        format!(
+            "gatewaySelector: {{matchLabels: {{app: gw}}}}\nbackends:\n- name: p\n  protocol: Auto\n  endpoints: {{external: [{{host: api.example.com, port: 443{tls}}}, {{host: b.example.com, port: 443, tls: {{}}}}]}}\n  capacity: {{maxConnectionsPerEndpoint: 8}}\n"
+        )
+    };
+    let auto_rule = "spec.backends[0].protocol: Auto negotiates by ALPN, over TLS only: set tls on every endpoints.external, or say Http1 or Http2 (h2c) for plain endpoints";
+    let errors = |spec: &str| validate::validate_spec(&policy("a", 0, spec, 1).spec).err();
+    assert_eq!(errors(&external(", tls: {}")), None);
+    assert_eq!(errors(&external("")), Some(vec![auto_rule.to_owned()]));
+    assert_eq!(
+        errors(&spec("model-a", 64, "  protocol: Auto\n")),
+        Some(vec![auto_rule.to_owned()]),
+        "a Service's endpoints are plain"
+    );
+    assert_eq!(
+        errors(&spec("model-a", 64, "  protocol: Http2\n")),
+        None,
+        "h2c"
+    );
+
+    let p = policy("a", 0, &external(", tls: {}"), 1);
+    let doc = plan_once(&input_of(vec![p], pods(1))).documents["gw-0"].clone();
+    assert_eq!(doc.backends[0].protocol, UpstreamProtocol::Auto);
 }
 
 #[test]
