@@ -49,7 +49,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use self::h2::{H2Conn, H2Conns, H2Stream, Opened};
-use crate::pool::{Connect, Poolable};
+use crate::pool::{Connect, Multiplexed, Poolable};
 use crate::proxy::body::RequestBody;
 use transport::{SharedStream, Socket, Transport};
 
@@ -467,6 +467,11 @@ impl Connect for HttpConnector {
             Opened::Stream(slot, shared) => Ok(UpstreamConn(Conn::H2(slot, shared))),
             Opened::Other(h1) => Ok(h1),
         }
+    }
+
+    /// The HTTP/2 connections open to `addr` and their stream slots.
+    fn multiplexed(&self, addr: SocketAddr) -> Multiplexed {
+        self.h2.sockets(addr)
     }
 
     /// Plain HTTP/1.1 addresses: the pool's plain probe. TLS ones: the same exchange over a

@@ -148,7 +148,8 @@ struct AdminReloadLabels {
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// One endpoint's pool as its gauges show it (`poolpilot_pool_max_connections`,
-/// `poolpilot_endpoint_healthy`, `poolpilot_pool_connections` by state).
+/// `poolpilot_endpoint_healthy`, `poolpilot_pool_connections` by state, `poolpilot_pool_sockets`,
+/// `poolpilot_upstream_h2_max_concurrent_streams`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct EndpointGauges<'a> {
     pub(crate) endpoint: &'a str,
@@ -157,6 +158,8 @@ pub(crate) struct EndpointGauges<'a> {
     pub(crate) leased: u32,
     pub(crate) idle: u32,
     pub(crate) closing: u32,
+    pub(crate) sockets: u32,
+    pub(crate) max_streams: Option<u32>,
 }
 
 /// Every metric family of the gateway, registered in one registry. Cheap to clone; clones
@@ -167,6 +170,8 @@ pub struct Metrics {
     pool_connections: Family<ConnectionLabels, Gauge>,
     pool_pending: Family<BackendLabel, Gauge>,
     pool_max_connections: Family<EndpointLabels, Gauge>,
+    pool_sockets: Family<EndpointLabels, Gauge>,
+    h2_max_streams: Family<EndpointLabels, Gauge>,
     pool_lease_wait: Family<BackendLabel, Histogram, LeaseWaitBuckets>,
     pool_lease_timeouts: Family<BackendLabel, Counter>,
     pool_burst_allowance: Family<BackendLabel, Gauge>,
@@ -291,6 +296,8 @@ impl Metrics {
             pool_connections: Family::default(),
             pool_pending: Family::default(),
             pool_max_connections: Family::default(),
+            pool_sockets: Family::default(),
+            h2_max_streams: Family::default(),
             pool_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets.clone())),
             pool_lease_timeouts: Family::default(),
             pool_burst_allowance: Family::default(),
@@ -356,6 +363,16 @@ impl Metrics {
             "poolpilot_pool_max_connections",
             "Cap on open connections per endpoint in this pod (the per-pod share in force)",
             m.pool_max_connections.clone(),
+        );
+        r.register(
+            "poolpilot_pool_sockets",
+            "Sockets open or being opened to the endpoint (its file descriptors): the connections of HTTP/1.1, one per HTTP/2 connection however many streams it carries",
+            m.pool_sockets.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_h2_max_concurrent_streams",
+            "The smallest SETTINGS_MAX_CONCURRENT_STREAMS of the endpoint's usable HTTP/2 connections (4294967295: none set); absent without one",
+            m.h2_max_streams.clone(),
         );
         r.register_with_unit(
             "poolpilot_pool_lease_wait",
@@ -729,6 +746,8 @@ impl Metrics {
         self.pool_class_leased.clear();
         self.client_class_queued.clear();
         self.pool_max_connections.clear();
+        self.pool_sockets.clear();
+        self.h2_max_streams.clear();
         self.pool_reuse_ratio.clear();
         self.client_cert_expiry.clear();
         self.endpoint_healthy.clear();
@@ -755,6 +774,12 @@ impl Metrics {
         self.endpoint_healthy
             .get_or_create(&labels)
             .set(ep.healthy.into());
+        self.pool_sockets
+            .get_or_create(&labels)
+            .set(ep.sockets.into());
+        if let Some(max) = ep.max_streams {
+            self.h2_max_streams.get_or_create(&labels).set(max.into());
+        }
         for (state, value) in [
             ("leased", ep.leased),
             ("idle", ep.idle),

@@ -77,7 +77,7 @@ use tokio::time::Instant;
 
 use crate::limits::fair::{Charge, FairQueue, Ticket};
 use crate::observe::{CloseReason, Metrics};
-pub use connect::{CLOSE_GRACE, Connect, Poolable};
+pub use connect::{CLOSE_GRACE, Connect, Multiplexed, Poolable};
 use dispatch::{QueuePlace, Step, Unsettled, reap_loop};
 pub use error::PoolError;
 pub use health::ProbeSlot;
@@ -401,19 +401,26 @@ impl<C: Connect> Pool<C> {
                 .endpoints
                 .iter()
                 .filter(|ep| !ep.removed)
-                .map(|ep| EndpointStats {
-                    name: ep.name.to_string(),
-                    address: ep.address,
-                    leased: ep.leased,
-                    idle: ep.idle.len() as u32,
-                    connecting: ep.connecting,
-                    closing: ep.closing,
-                    max,
-                    healthy: state.eligible(ep, now),
-                    ejected: ep.health.is_ejected(now),
-                    drained: ep.drained,
-                    created: ep.created.get(),
-                    reused: ep.reused.get(),
+                .map(|ep| {
+                    let idle = ep.idle.len() as u32;
+                    let shared = self.inner.connector.multiplexed(ep.address);
+                    let slots = ep.leased + idle + ep.connecting + ep.closing;
+                    EndpointStats {
+                        name: ep.name.to_string(),
+                        address: ep.address,
+                        leased: ep.leased,
+                        idle,
+                        connecting: ep.connecting,
+                        closing: ep.closing,
+                        sockets: slots.saturating_sub(shared.streams) + shared.connections,
+                        max_streams_per_connection: shared.max_streams,
+                        max,
+                        healthy: state.eligible(ep, now),
+                        ejected: ep.health.is_ejected(now),
+                        drained: ep.drained,
+                        created: ep.created.get(),
+                        reused: ep.reused.get(),
+                    }
                 })
                 .collect(),
         }

@@ -34,6 +34,7 @@ use tokio::time::Instant;
 use super::frames::{FrameWatch, PeerFrames};
 use super::send_error::SendError;
 use super::transport::Transport;
+use crate::pool::Multiplexed;
 use crate::proxy::body::RequestBody;
 
 /// One HTTP/2 connection, shared by its stream slots.
@@ -245,10 +246,11 @@ struct AddrConns {
 }
 
 impl AddrConns {
-    /// A slot on an open connection with room, if there is one (dead ones are forgotten).
+    /// A slot on an open connection with room, if there is one (gone ones are forgotten; one
+    /// going away stays listed, for [`H2Conns::sockets`], while its streams finish).
     fn slot(&self) -> Option<H2Stream> {
         let mut conns = self.conns.lock();
-        conns.retain(|c| c.upgrade().is_some_and(|c| c.usable()));
+        conns.retain(|c| c.strong_count() > 0);
         conns
             .iter()
             .filter_map(Weak::upgrade)
@@ -265,6 +267,26 @@ pub(super) enum Opened<T> {
 }
 
 impl H2Conns {
+    /// What is open to `addr` over HTTP/2.
+    pub(super) fn sockets(&self, addr: SocketAddr) -> Multiplexed {
+        let Some(entry) = self.by_addr.lock().get(&addr).cloned() else {
+            return Multiplexed::default();
+        };
+        let conns = entry.conns.lock();
+        conns
+            .iter()
+            .filter_map(Weak::upgrade)
+            .fold(Multiplexed::default(), |mut m, c| {
+                m.connections += 1;
+                m.streams += c.slots.load(Ordering::Acquire);
+                if c.usable() {
+                    let max = c.peer.max_streams();
+                    m.max_streams = Some(m.max_streams.map_or(max, |m| m.min(max)));
+                }
+                m
+            })
+    }
+
     /// A slot for `addr`: on an open connection while one has room (no new connection), else on
     /// the one `open` makes, one opening at a time per address.
     pub(super) async fn slot<T, F>(&self, addr: SocketAddr, open: F) -> std::io::Result<Opened<T>>

@@ -119,6 +119,85 @@ async fn the_servers_stream_limit_bounds_each_connection_and_new_ones_open_only_
     assert_eq!(seen.accepted.load(Ordering::SeqCst), 3);
 }
 
+/// `/v1/stats`' endpoint of `model-a` and the pod's socket gauge for it, once `leased` slots
+/// are leased (within 5 s).
+async fn while_leased(gw: &Gw, leased: u64) -> (serde_json::Value, Option<f64>) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, _, stats) = gw.admin_get("/v1/stats").await;
+        let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+        let ep = stats_endpoint(&stats);
+        if ep["leased"] == leased {
+            let m = gw.metrics().await;
+            let sockets = metric(
+                &m,
+                r#"poolpilot_pool_sockets{backend="model-a",endpoint="model-a-0"}"#,
+            );
+            return (stats, sockets);
+        }
+        assert!(Instant::now() < deadline, "never {leased} leased: {stats}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_count_streams_and_sockets_apart() {
+    // 8 streams at once on connections of 3 streams each: 8 slots leased over 3 sockets.
+    let backend = Backend::start_h2(3).await;
+    backend.script.delay_ms.store(1500, Ordering::SeqCst);
+    let gw = Gw::start(h2_limits(backend.addr, 8, relaxed())).await;
+    let crowd = {
+        let gw_proxy = gw.proxy;
+        tokio::spawn(async move {
+            let calls: Vec<_> = (0..8)
+                .map(|_| tokio::spawn(async move { get(gw_proxy, "/v1/x", &[]).await.0 }))
+                .collect();
+            let mut statuses = Vec::new();
+            for c in calls {
+                statuses.push(c.await.unwrap());
+            }
+            statuses
+        })
+    };
+    let (stats, sockets) = while_leased(&gw, 8).await;
+    let ep = stats_endpoint(&stats);
+    assert_eq!(
+        ep["sockets"], 3,
+        "⌈8 / 3⌉ connections carry the 8 streams: {stats}"
+    );
+    assert_eq!(
+        ep["maxStreamsPerConnection"], 3,
+        "the server's SETTINGS: {stats}"
+    );
+    assert_eq!(stats["upstreamSockets"], 3, "{stats}");
+    assert_eq!(
+        stats["upstreamConnections"], 8,
+        "slots, as the caps count: {stats}"
+    );
+    assert_eq!(sockets, Some(3.0));
+    assert_eq!(backend.seen.accepted.load(Ordering::SeqCst), 3);
+    assert!(crowd.await.unwrap().iter().all(|s| *s == 200));
+
+    // HTTP/1.1: every slot is a socket of its own, and no stream limit is shown.
+    let backend = Backend::start().await;
+    backend.script.delay_ms.store(1500, Ordering::SeqCst);
+    let gw = Gw::start(limits("model-a", &[backend.addr], 4)).await;
+    let calls: Vec<_> = (0..4)
+        .map(|_| {
+            let proxy = gw.proxy;
+            tokio::spawn(async move { get(proxy, "/v1/x", &[]).await.0 })
+        })
+        .collect();
+    let (stats, sockets) = while_leased(&gw, 4).await;
+    let ep = stats_endpoint(&stats);
+    assert_eq!(ep["sockets"], 4, "{stats}");
+    assert!(ep.get("maxStreamsPerConnection").is_none(), "{stats}");
+    assert_eq!(sockets, Some(4.0));
+    for c in calls {
+        assert_eq!(c.await.unwrap(), 200);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn goaway_mid_load_fails_no_call() {
     let backend = Backend::start_h2(100).await;
