@@ -439,6 +439,54 @@ fn fd_check_clamps_with_the_exact_numbers() {
 }
 
 #[test]
+fn fd_check_counts_sockets_for_http2_backends_not_streams() {
+    // The numbers of the test above: 7 endpoints × 82 slots + 768 is over 1024 for HTTP/1.1.
+    let extra = "listener: {maxConnections: 512}\nfileDescriptors: {reserve: 256}\nautoscale: {enabled: false, max: 82}\n";
+    let run = |protocol: &str, h2_max_streams: Option<f64>| {
+        let p = policy(
+            "a",
+            0,
+            &spec("model-a", 200, &format!("  protocol: {protocol}\n{extra}")),
+            7,
+        );
+        let mut input = input_with_fds(vec![p], pods(1), 2048);
+        input.samples.backends.insert(
+            (key("a"), "model-a".to_owned()),
+            BackendSample {
+                h2_max_streams,
+                ..BackendSample::default()
+            },
+        );
+        let plan = plan_once(&input);
+        let pp = &plan.policies[0];
+        assert!(!pp.backends.is_empty(), "{:?}", pp.acceptance);
+        (pp.backends[0].per_pod, pp.fds.within(), pp.fds.message())
+    };
+    assert_eq!(
+        run("Http1", Some(2.0)).0,
+        36,
+        "a socket a slot, whatever a sample says"
+    );
+    // HTTP/2 with the documented default of 100 streams: one socket per endpoint, 7 + 768.
+    let (per_pod, within, message) = run("Http2", None);
+    assert_eq!((per_pod, within), (82, Some(true)), "{message}");
+    assert_eq!(message, "needs 775 fds, pods allow 1024 (pod gw-0)");
+    // The servers' own limit when the pods report it: ⌈82 / 3⌉ = 28 sockets × 7 + 768 fits.
+    let (per_pod, within, message) = run("Http2", Some(3.0));
+    assert_eq!((per_pod, within), (82, Some(true)), "{message}");
+    assert_eq!(message, "needs 964 fds, pods allow 1024 (pod gw-0)");
+    // Two streams a socket: 41 × 7 + 768 = 1055 does not; the share is scaled to whole
+    // sockets, 72 streams on 36 sockets per endpoint, 252 + 768 = 1020.
+    let (per_pod, within, message) = run("Http2", Some(2.0));
+    assert_eq!(per_pod, 72, "{message}");
+    assert_eq!(within, Some(false));
+    assert_eq!(
+        message,
+        "needs 1055 fds, pods allow 1024 (pod gw-0); pool shares scaled down to need 1020"
+    );
+}
+
+#[test]
 fn fd_check_spans_every_policy_on_the_same_pods_and_respects_min() {
     let extra = |min| {
         format!(

@@ -40,6 +40,7 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         unscraped: 0,
         current: None,
         classes: Default::default(),
+        h2_max_streams: None,
     }
 }
 
@@ -849,6 +850,7 @@ impl Server {
             unscraped: 0,
             current: None,
             classes: Default::default(),
+            h2_max_streams: None,
         }
     }
 }
