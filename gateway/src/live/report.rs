@@ -147,6 +147,7 @@ impl Gateway {
                         closing: ep.closing,
                         sockets: ep.sockets,
                         max_streams: ep.max_streams_per_connection,
+                        h2_fallback: ep.http2_fallback.is_some(),
                     },
                 );
             }

@@ -68,6 +68,12 @@ struct TlsFailureLabels {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BackendReasonLabels {
+    backend: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct BackendClassLabels {
     backend: String,
     class: &'static str,
@@ -160,6 +166,7 @@ pub(crate) struct EndpointGauges<'a> {
     pub(crate) closing: u32,
     pub(crate) sockets: u32,
     pub(crate) max_streams: Option<u32>,
+    pub(crate) h2_fallback: bool,
 }
 
 /// Every metric family of the gateway, registered in one registry. Cheap to clone; clones
@@ -193,6 +200,8 @@ pub struct Metrics {
     upstream_retries: Family<RetryLabels, Counter>,
     tls_handshake: HistogramFamily<HandshakeLabels>,
     tls_failures: Family<TlsFailureLabels, Counter>,
+    h2_fallbacks: Family<BackendReasonLabels, Counter>,
+    h2_fallback: Family<EndpointLabels, Gauge>,
     pool_reuse_ratio: Family<BackendLabel, Gauge<f64, AtomicU64>>,
     client_cert_expiry: Family<BackendLabel, Gauge>,
     upstream_cooldowns: Family<BackendLabel, Counter>,
@@ -319,6 +328,8 @@ impl Metrics {
             upstream_retries: Family::default(),
             tls_handshake: Family::new_with_constructor(handshake_histogram),
             tls_failures: Family::default(),
+            h2_fallbacks: Family::default(),
+            h2_fallback: Family::default(),
             pool_reuse_ratio: Family::default(),
             client_cert_expiry: Family::default(),
             upstream_cooldowns: Family::default(),
@@ -485,6 +496,16 @@ impl Metrics {
             "poolpilot_upstream_tls_failures",
             "Upstream TLS handshakes that failed, by reason (certificate: the server's did not verify; alert: the server refused; handshake: anything else); never retried in plain text",
             m.tls_failures.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_h2_fallbacks",
+            "Times an address of a protocol: auto backend went to HTTP/1.1 for the fallback cooldown, by reason (alpn_http1: the server picked http/1.1; h2_refused: it picked h2, then failed the HTTP/2 handshake)",
+            m.h2_fallbacks.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_h2_fallback",
+            "1 while an endpoint of a protocol: auto backend is called over HTTP/1.1 for the fallback cooldown (its TLS offers only http/1.1 until then)",
+            m.h2_fallback.clone(),
         );
         r.register_with_unit(
             "poolpilot_upstream_client_cert_expiry",
@@ -747,6 +768,7 @@ impl Metrics {
         self.client_class_queued.clear();
         self.pool_max_connections.clear();
         self.pool_sockets.clear();
+        self.h2_fallback.clear();
         self.h2_max_streams.clear();
         self.pool_reuse_ratio.clear();
         self.client_cert_expiry.clear();
@@ -779,6 +801,9 @@ impl Metrics {
             .set(ep.sockets.into());
         if let Some(max) = ep.max_streams {
             self.h2_max_streams.get_or_create(&labels).set(max.into());
+        }
+        if ep.h2_fallback {
+            self.h2_fallback.get_or_create(&labels).set(1);
         }
         for (state, value) in [
             ("leased", ep.leased),
@@ -887,6 +912,15 @@ impl Metrics {
                 kind,
             })
             .observe(secs);
+    }
+
+    pub(crate) fn h2_fallback(&self, backend: &str, reason: &'static str) {
+        self.h2_fallbacks
+            .get_or_create(&BackendReasonLabels {
+                backend: backend.into(),
+                reason,
+            })
+            .inc();
     }
 
     pub(crate) fn tls_failure(&self, backend: &str, reason: TlsFailure) {

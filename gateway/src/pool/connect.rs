@@ -64,6 +64,9 @@ pub struct Multiplexed {
     /// The smallest `SETTINGS_MAX_CONCURRENT_STREAMS` of the usable ones (`u32::MAX`: a
     /// server that sent none); `None` without one.
     pub max_streams: Option<u32>,
+    /// The address is called over HTTP/1.1 until then instead of asking for HTTP/2 (the
+    /// `auto` fallback), and why.
+    pub fallback: Option<(Instant, &'static str)>,
 }
 
 /// Opens connections to endpoints.

@@ -86,7 +86,7 @@ pub use probe::{exchange as probe_exchange, plain as probe_exchange_plain};
 pub(crate) use rate::whole_seconds as rate_whole_seconds;
 use rate::{HoldTime, ReleaseRate};
 use state::{EndpointState, Health, Inner, State};
-pub use stats::{BurstStats, ClassStats, EndpointStats, PoolStats};
+pub use stats::{BurstStats, ClassStats, EndpointStats, Fallback, PoolStats};
 
 /// One address the pool connects to, under the pool's cap per endpoint: an `ip:port` endpoint
 /// of the limits document, or one address a DNS-named endpoint resolved to.
@@ -414,6 +414,12 @@ impl<C: Connect> Pool<C> {
                         closing: ep.closing,
                         sockets: slots.saturating_sub(shared.streams) + shared.connections,
                         max_streams_per_connection: shared.max_streams,
+                        http2_fallback: shared.fallback.filter(|(until, _)| *until > now).map(
+                            |(until, reason)| Fallback {
+                                reason,
+                                remaining_seconds: (until - now).as_millis().div_ceil(1000) as u64,
+                            },
+                        ),
                         max,
                         healthy: state.eligible(ep, now),
                         ejected: ep.health.is_ejected(now),

@@ -28,6 +28,10 @@ pub struct EndpointStats {
     /// (`4294967295`: the server set none); absent without one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_streams_per_connection: Option<u32>,
+    /// A `protocol: auto` endpoint called over HTTP/1.1 for the fallback cooldown: why, and
+    /// for how much longer; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http2_fallback: Option<Fallback>,
     /// The cap in force: the share, beyond which only burst connections are opened.
     pub max: u32,
     /// Whether requests may be sent to it (probes pass, not ejected).
@@ -40,6 +44,17 @@ pub struct EndpointStats {
     pub created: u64,
     /// Leases it served with an idle pooled connection so far.
     pub reused: u64,
+}
+
+/// An `auto` endpoint's HTTP/2 fallback in force, as `/v1/stats` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Fallback {
+    /// `alpn_http1` (the server picked `http/1.1`) or `h2_refused` (it picked `h2`, then failed
+    /// the HTTP/2 handshake).
+    pub reason: &'static str,
+    /// Whole seconds until new connections offer `h2` again (rounded up).
+    pub remaining_seconds: u64,
 }
 
 /// Counts of one backend's pool.

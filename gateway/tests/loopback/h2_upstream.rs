@@ -380,3 +380,61 @@ async fn alpn_chooses_http2_for_protocol_auto_and_http1_by_default() {
     assert_eq!(get(gw.proxy, "/", &[]).await.0, 200);
     assert_eq!(other.conns()[0].alpn.as_deref(), Some("http/1.1"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_falls_back_to_http1_for_a_cooldown_when_the_server_refuses_h2() {
+    let pki = Pki::new("model CA");
+    let backend = TlsBackend::start([127, 0, 0, 64], &pki.leaf("model.test"), None, false).await;
+    backend.seen.refuse_h2.store(true, Ordering::SeqCst);
+    let dir = tempfile::tempdir().unwrap();
+    let ca = pki.write_ca(dir.path(), "ca.crt");
+    let tls = serde_json::json!({"serverName": "model.test", "caFile": ca});
+    let mut doc = serde_json::to_value(tls_limits(backend.addr, tls)).unwrap();
+    doc["backends"][0]["protocol"] = "auto".into();
+    let gw = Gw::start(from_json(doc)).await;
+
+    // The first call's connection picks h2 and is closed unanswered: the call goes on a new
+    // connection offering http/1.1 alone, and is not lost.
+    assert_eq!(get(gw.proxy, "/v1/x", &[]).await.0, 200);
+    // A crowd within the cooldown: HTTP/1.1 connections side by side, none asks for h2.
+    let statuses = crowd(&gw, 6).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let conns = backend.conns();
+    let alpn: Vec<_> = conns
+        .iter()
+        .map(|c| c.alpn.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(alpn[0], "h2", "{alpn:?}");
+    assert!(
+        alpn[1..].iter().all(|a| a == "http/1.1"),
+        "every later connection offered http/1.1 alone: {alpn:?}"
+    );
+    assert!(alpn.len() >= 2, "{alpn:?}");
+
+    let (_, _, stats) = gw.admin_get("/v1/stats").await;
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    let fallback = &stats_endpoint(&stats)["http2Fallback"];
+    assert_eq!(fallback["reason"], "h2_refused", "{stats}");
+    let remaining = fallback["remainingSeconds"].as_u64().unwrap();
+    assert!((50..=60).contains(&remaining), "the 60 s cooldown: {stats}");
+    let m = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"poolpilot_upstream_h2_fallbacks_total{backend="model-a",reason="h2_refused"}"#
+        ),
+        Some(1.0),
+        "counted once per cooldown: {m}"
+    );
+    let endpoint = stats_endpoint(&stats)["name"].as_str().unwrap().to_owned();
+    assert_eq!(
+        metric(
+            &m,
+            &format!(
+                r#"poolpilot_upstream_h2_fallback{{backend="model-a",endpoint="{endpoint}"}}"#
+            )
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}

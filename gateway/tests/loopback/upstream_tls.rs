@@ -97,6 +97,9 @@ pub struct TlsSeen {
     pub requests: Mutex<Vec<http::HeaderMap>>,
     /// The next answers, as `(status, headers)`; when none is left: 200.
     pub answers: Mutex<std::collections::VecDeque<Answer>>,
+    /// Close every connection whose ALPN chose `h2` right after the TLS handshake (a server
+    /// whose HTTP/2 is broken), before any HTTP/2 frame.
+    pub refuse_h2: std::sync::atomic::AtomicBool,
 }
 
 /// A TLS model server: answers every request 200 with a small JSON body, `Connection: close`
@@ -180,6 +183,9 @@ impl TlsBackend {
                             .map(|p| String::from_utf8_lossy(p).into_owned());
                         c.resumed = conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
                         c.client_cert = conn.peer_certificates().is_some_and(|c| !c.is_empty());
+                    }
+                    if h2 && seen.refuse_h2.load(std::sync::atomic::Ordering::SeqCst) {
+                        return;
                     }
                     let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                         let seen = seen.clone();
