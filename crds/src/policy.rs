@@ -1123,6 +1123,11 @@ pub struct BackendStatus {
     /// no change), with its reason and numbers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_decision: Option<DecisionRecord>,
+    /// `protocol: Auto`: endpoint addresses the gateway pods call over HTTP/1.1 for the
+    /// fallback cooldown at their latest scrape (the server picked `http/1.1` or refused `h2`;
+    /// summed over the pods, each counting the addresses it fell back on). Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http1_fallback: Option<u32>,
 }
 
 /// One pod's share of a divided limit: a backend's target, or a client's `maxConcurrency`.

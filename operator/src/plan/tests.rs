@@ -487,6 +487,31 @@ fn fd_check_counts_sockets_for_http2_backends_not_streams() {
 }
 
 #[test]
+fn the_pods_http1_fallback_shows_in_status() {
+    let spec = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: p\n  protocol: Auto\n  endpoints: {external: [{host: api.example.com, port: 443, tls: {}}]}\n  capacity: {maxConnectionsPerEndpoint: 8}\n";
+    let fallback = |h2_fallback: Option<f64>| {
+        let mut input = input_of(vec![policy("a", 0, spec, 1)], pods(2));
+        input.samples.backends.insert(
+            (key("a"), "p".to_owned()),
+            BackendSample {
+                h2_fallback,
+                ..BackendSample::default()
+            },
+        );
+        let memory = Memory::default();
+        let fleet = plan(&input, &mut memory.clone(), at(0));
+        status_now(&input, &fleet, &memory, at(0)).backends[0].http1_fallback
+    };
+    assert_eq!(
+        fallback(Some(2.0)),
+        Some(2),
+        "two pods fell back on the address"
+    );
+    assert_eq!(fallback(None), None, "no pod reports one");
+    assert_eq!(fallback(Some(0.0)), None);
+}
+
+#[test]
 fn fd_check_spans_every_policy_on_the_same_pods_and_respects_min() {
     let extra = |min| {
         format!(

@@ -41,6 +41,7 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         current: None,
         classes: Default::default(),
         h2_max_streams: None,
+        h2_fallback: None,
     }
 }
 
@@ -851,6 +852,7 @@ impl Server {
             current: None,
             classes: Default::default(),
             h2_max_streams: None,
+            h2_fallback: None,
         }
     }
 }
