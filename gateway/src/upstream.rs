@@ -204,7 +204,7 @@ impl HttpConnector {
             .transport(addr, client.as_deref(), protocol, http1_only)
             .await?;
         if h2 {
-            return match H2Conn::open(transport, addr, authority).await {
+            return match H2Conn::open(transport, addr, authority, self.keepalive).await {
                 Ok(conn) => Ok(Ok(conn)),
                 Err(e) => Err(io::Error::new(e.kind(), H2Refused(e))),
             };
@@ -254,8 +254,11 @@ impl HttpConnector {
     }
 }
 
-/// TCP keepalive of upstream connections: the first probe after `idle` without traffic, then one
-/// every `interval`; after `count` unanswered probes the kernel resets the connection.
+/// Keepalive of upstream connections. TCP: the first probe after `idle` without traffic, then
+/// one every `interval`; after `count` unanswered probes the kernel resets the connection.
+/// HTTP/2: hyper's `PING` every `ping_interval` (while idle too), the connection dropped when one
+/// goes unanswered for `ping_timeout`: a server that stopped answering (a hung process behind a
+/// live TCP stack, a proxy holding the socket) is found in seconds, not after the kernel's probes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Keepalive {
     /// Idle time before the first probe.
@@ -264,6 +267,10 @@ pub struct Keepalive {
     pub interval: Duration,
     /// Unanswered probes before the connection is dropped.
     pub count: u32,
+    /// HTTP/2: a `PING` after this long without a frame from the server (idle or not).
+    pub ping_interval: Duration,
+    /// HTTP/2: an unanswered `PING` drops the connection after this long.
+    pub ping_timeout: Duration,
 }
 
 impl Keepalive {
@@ -638,6 +645,8 @@ mod tests {
             idle: Duration::from_secs(7),
             interval: Duration::from_secs(3),
             count: 4,
+            ping_interval: Duration::from_secs(10),
+            ping_timeout: Duration::from_secs(5),
         };
         let (conn, _peer) = pair(HttpConnector::new(Some(keepalive))).await;
         let socket = socket2::SockRef::from(&conn.stream.tcp);

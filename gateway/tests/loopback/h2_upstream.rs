@@ -5,6 +5,7 @@
 //! byte, stream idle, total) cutting one stream and leaving the connection to the others; ALPN
 //! choosing HTTP/2 for `protocol: auto`.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -435,6 +436,134 @@ async fn auto_falls_back_to_http1_for_a_cooldown_when_the_server_refuses_h2() {
             )
         ),
         Some(1.0),
+        "{m}"
+    );
+}
+
+/// A TCP relay in front of `to`: connections are forwarded both ways until [`Relay::freeze`],
+/// after which the connections open then stop forwarding anything (their sockets stay open: a
+/// server that stopped answering behind a live TCP stack); later connections are forwarded.
+struct Relay {
+    addr: std::net::SocketAddr,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    frozen_below: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Relay {
+    async fn start(to: std::net::SocketAddr) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let frozen_below = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (a, f) = (accepted.clone(), frozen_below.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let index = a.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = tokio::net::TcpStream::connect(to).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                for (mut from, mut to, f) in [
+                    (
+                        Box::new(cr) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+                        Box::new(sw) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+                        f.clone(),
+                    ),
+                    (Box::new(sr), Box::new(cw), f.clone()),
+                ] {
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = match from.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            if index < f.load(Ordering::SeqCst) {
+                                // Frozen: hold both sockets, forward nothing, ever.
+                                std::future::pending::<()>().await;
+                            }
+                            if to.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Self {
+            addr,
+            accepted,
+            frozen_below,
+        }
+    }
+
+    /// Stops forwarding on every connection open now.
+    fn freeze(&self) {
+        self.frozen_below
+            .store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// A gateway whose upstream HTTP/2 connections ping every 200 ms and give up on a ping after
+/// 300 ms, applying `limits`.
+async fn pinging_gw(limits: poolpilot_api::GatewayLimits) -> Gw {
+    let gw = Gw::start_edited(None, Duration::from_secs(5), Duration::ZERO, |config, _| {
+        config.upstream_keepalive.http2_ping_interval = poolpilot_api::Duration::from_millis(200);
+        config.upstream_keepalive.http2_ping_timeout = poolpilot_api::Duration::from_millis(300);
+    })
+    .await;
+    gw.gateway()
+        .apply(limits, poolpilot_gateway::LimitsSource::Api)
+        .expect("test limits are valid");
+    gw
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pings_drop_a_connection_whose_server_stopped_answering() {
+    let backend = Backend::start_h2(100).await;
+    let relay = Relay::start(backend.addr).await;
+    let gw = pinging_gw(h2_limits(relay.addr, 8, relaxed())).await;
+    assert_eq!(get(gw.proxy, "/v1/x", &[]).await.0, 200);
+    assert_eq!(relay.accepted.load(Ordering::SeqCst), 1);
+
+    // Idle: the server goes silent; its ping goes unanswered and the connection is dropped.
+    relay.freeze();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, _, stats) = gw.admin_get("/v1/stats").await;
+        let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+        if stats_endpoint(&stats)["sockets"] == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the silent connection stays: {stats}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The next call gets a fresh connection.
+    assert_eq!(get(gw.proxy, "/v1/x", &[]).await.0, 200);
+    assert_eq!(relay.accepted.load(Ordering::SeqCst), 2);
+
+    // In flight: a GET waiting for its answer when the server goes silent is sent again on a
+    // fresh connection once the ping gives up, and answered.
+    backend.script.delay_ms.store(400, Ordering::SeqCst);
+    let call = tokio::spawn({
+        let proxy = gw.proxy;
+        async move { get(proxy, "/v1/x", &[]).await.0 }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    relay.freeze();
+    let started = Instant::now();
+    assert_eq!(call.await.unwrap(), 200, "not lost: a GET can go again");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(relay.accepted.load(Ordering::SeqCst), 3);
+    let m = gw.metrics().await;
+    assert!(
+        metric(&m, r#"poolpilot_upstream_retries_total{backend="model-a",reason="reused_connection_closed"}"#)
+            .is_some_and(|n| n >= 1.0),
         "{m}"
     );
 }
