@@ -567,3 +567,46 @@ async fn pings_drop_a_connection_whose_server_stopped_answering() {
         "{m}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_stays_on_http1_for_the_cooldown_when_alpn_picks_it() {
+    let pki = Pki::new("model CA");
+    let backend = TlsBackend::start_offering(
+        [127, 0, 0, 65],
+        &pki.leaf("model.test"),
+        None,
+        true,
+        &[b"http/1.1"],
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = pki.write_ca(dir.path(), "ca.crt");
+    let tls = serde_json::json!({"serverName": "model.test", "caFile": ca});
+    let mut doc = serde_json::to_value(tls_limits(backend.addr, tls)).unwrap();
+    doc["backends"][0]["protocol"] = "auto".into();
+    let gw = Gw::start(from_json(doc)).await;
+    // `Connection: close`: every call takes a new connection. The first one asks for h2 and
+    // gets http/1.1; the rest, within the cooldown, do not ask again.
+    for _ in 0..4 {
+        assert_eq!(get(gw.proxy, "/v1/x", &[]).await.0, 200);
+    }
+    let conns = backend.conns();
+    assert_eq!(conns.len(), 4, "{conns:?}");
+    assert!(conns.iter().all(|c| c.alpn.as_deref() == Some("http/1.1")));
+    let (_, _, stats) = gw.admin_get("/v1/stats").await;
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(
+        stats_endpoint(&stats)["http2Fallback"]["reason"],
+        "alpn_http1",
+        "{stats}"
+    );
+    let m = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"poolpilot_upstream_h2_fallbacks_total{backend="model-a",reason="alpn_http1"}"#
+        ),
+        Some(1.0),
+        "once for the cooldown, not per connection: {m}"
+    );
+}

@@ -115,9 +115,20 @@ impl TlsBackend {
     /// requires a client certificate that CA signed.
     pub async fn start(
         ip: [u8; 4],
+        leaf: &(String, String),
+        client_ca: Option<&str>,
+        close: bool,
+    ) -> Self {
+        Self::start_offering(ip, leaf, client_ca, close, &[b"h2", b"http/1.1"]).await
+    }
+
+    /// [`TlsBackend::start`], its ALPN choosing among `alpn` (in its order of preference).
+    pub async fn start_offering(
+        ip: [u8; 4],
         (cert, key): &(String, String),
         client_ca: Option<&str>,
         close: bool,
+        alpn: &[&[u8]],
     ) -> Self {
         let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert.as_bytes())
             .map(Result::unwrap)
@@ -142,7 +153,7 @@ impl TlsBackend {
             None => builder.with_no_client_auth(),
         };
         let mut config = builder.with_single_cert(chain, key).unwrap();
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
         let listener = TcpListener::bind(SocketAddr::from((ip, 0))).await.unwrap();
         let addr = listener.local_addr().unwrap();
