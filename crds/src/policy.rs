@@ -149,6 +149,11 @@ pub enum StartFrom {
         "rule": "!has(self.credentials) || !has(self.endpoints.external) || self.endpoints.external.all(e, has(e.tls))",
         "message": "credentials go to external endpoints over TLS only: set tls on every endpoints.external",
         "fieldPath": ".credentials"
+    },
+    {
+        "rule": "!has(self.protocol) || self.protocol != 'Auto' || (has(self.endpoints.external) && self.endpoints.external.all(e, has(e.tls)))",
+        "message": "protocol Auto negotiates by ALPN, over TLS only: set tls on every endpoints.external, or say Http1 or Http2 (h2c) for plain endpoints",
+        "fieldPath": ".protocol"
     }
 ]))]
 pub struct BackendSpec {
@@ -198,6 +203,12 @@ pub struct BackendSpec {
     /// client's headers go through as they came.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials: Option<upstream::CredentialsSpec>,
+    /// The HTTP version of the calls: `Http1` (the default), `Http2` (many calls share one
+    /// connection: the pool's share and `capacity` count concurrent streams, the file
+    /// descriptors count connections) or `Auto` (what the server picks by ALPN, TLS endpoints
+    /// only).
+    #[serde(default, skip_serializing_if = "upstream::ProtocolSpec::is_default")]
+    pub protocol: upstream::ProtocolSpec,
 }
 
 /// A backend's own saturation signal, read from Prometheus.
@@ -1112,6 +1123,11 @@ pub struct BackendStatus {
     /// no change), with its reason and numbers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_decision: Option<DecisionRecord>,
+    /// `protocol: Auto`: endpoint addresses the gateway pods call over HTTP/1.1 for the
+    /// fallback cooldown at their latest scrape (the server picked `http/1.1` or refused `h2`;
+    /// summed over the pods, each counting the addresses it fell back on). Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http1_fallback: Option<u32>,
 }
 
 /// One pod's share of a divided limit: a backend's target, or a client's `maxConcurrency`.

@@ -179,6 +179,14 @@ pub struct KeepaliveConfig {
     /// Unanswered probes before the kernel drops the connection.
     #[serde(default = "KeepaliveConfig::default_count")]
     pub count: u32,
+    /// HTTP/2 connections: a `PING` after this long without a frame from the server, idle
+    /// connections included.
+    #[serde(default = "KeepaliveConfig::default_http2_ping_interval")]
+    pub http2_ping_interval: Duration,
+    /// HTTP/2 connections: a `PING` unanswered this long drops the connection (its streams
+    /// fail as if it closed unanswered: replayable calls go again on a fresh one).
+    #[serde(default = "KeepaliveConfig::default_http2_ping_timeout")]
+    pub http2_ping_timeout: Duration,
 }
 
 impl KeepaliveConfig {
@@ -200,12 +208,24 @@ impl KeepaliveConfig {
         3
     }
 
+    /// As often as the TCP probes go once they start; an HTTP/2 `PING` costs a frame, not a
+    /// socket, and the path's load balancers see traffic.
+    fn default_http2_ping_interval() -> Duration {
+        Duration::from_secs(10)
+    }
+
+    fn default_http2_ping_timeout() -> Duration {
+        Duration::from_secs(5)
+    }
+
     /// The settings for the connector; `None` when off.
     pub fn settings(&self) -> Option<crate::upstream::Keepalive> {
         self.enabled.then(|| crate::upstream::Keepalive {
             idle: self.idle.get(),
             interval: self.interval.get(),
             count: self.count,
+            ping_interval: self.http2_ping_interval.get(),
+            ping_timeout: self.http2_ping_timeout.get(),
         })
     }
 }
@@ -217,6 +237,8 @@ impl Default for KeepaliveConfig {
             idle: Self::default_idle(),
             interval: Self::default_interval(),
             count: Self::default_count(),
+            http2_ping_interval: Self::default_http2_ping_interval(),
+            http2_ping_timeout: Self::default_http2_ping_timeout(),
         }
     }
 }
@@ -382,10 +404,12 @@ impl GatewayConfig {
         if keepalive.enabled
             && (keepalive.idle.get() < std::time::Duration::from_secs(1)
                 || keepalive.interval.get() < std::time::Duration::from_secs(1)
-                || keepalive.count == 0)
+                || keepalive.count == 0
+                || keepalive.http2_ping_interval.get().is_zero()
+                || keepalive.http2_ping_timeout.get().is_zero())
         {
             return Err(ConfigError::Invalid(format!(
-                "{}: upstreamKeepalive needs idle and interval of at least 1s and a count of at least 1",
+                "{}: upstreamKeepalive needs idle and interval of at least 1s, a count of at least 1, and HTTP/2 ping interval and timeout longer than 0s",
                 path.display()
             )));
         }

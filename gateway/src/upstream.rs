@@ -42,14 +42,14 @@ use http::{HeaderValue, Request, Response, header};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use poolpilot_api::limits::UpstreamProtocol;
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use self::h2::{H2Conn, H2Conns, H2Stream, Opened};
-use crate::pool::{Connect, Poolable};
+use crate::pool::{Connect, Multiplexed, Poolable};
 use crate::proxy::body::RequestBody;
 use transport::{SharedStream, Socket, Transport};
 
@@ -74,7 +74,19 @@ pub struct HttpConnector {
     tls: Arc<RwLock<HashMap<SocketAddr, Arc<TlsClient>>>>,
     protocol: Arc<RwLock<UpstreamProtocol>>,
     h2: Arc<H2Conns>,
+    /// `auto`: the addresses called over HTTP/1.1 until a time, and why ([`H2_FALLBACK_COOLDOWN`]).
+    fallback: Arc<Mutex<HashMap<SocketAddr, (Instant, &'static str)>>>,
 }
+
+/// How long an address of an `auto` backend is called over HTTP/1.1 (its TLS offering
+/// `http/1.1` alone) after its server picked `http/1.1` by ALPN, or picked `h2` and then failed
+/// the HTTP/2 handshake; the first new connection after it asks for `h2` again.
+pub const H2_FALLBACK_COOLDOWN: Duration = Duration::from_secs(60);
+
+/// An HTTP/2 handshake that failed after ALPN (or prior knowledge) said HTTP/2.
+#[derive(Debug, thiserror::Error)]
+#[error("the server failed the HTTP/2 handshake: {0}")]
+struct H2Refused(#[source] io::Error);
 
 impl HttpConnector {
     /// A connector with `keepalive` (`None`: off) and no TLS addresses.
@@ -97,7 +109,35 @@ impl HttpConnector {
 
     /// Sets the HTTP version of new connections (the backend's `protocol`).
     pub fn set_protocol(&self, protocol: UpstreamProtocol) {
-        *self.protocol.write() = protocol;
+        let mut current = self.protocol.write();
+        if *current != protocol {
+            self.fallback.lock().clear();
+        }
+        *current = protocol;
+    }
+
+    /// Whether `addr` is in its HTTP/2 fallback cooldown now (a cooldown that ran out is
+    /// forgotten).
+    fn cooling(&self, addr: SocketAddr) -> bool {
+        let mut fallback = self.fallback.lock();
+        match fallback.get(&addr) {
+            Some((until, _)) if *until > Instant::now() => true,
+            Some(_) => {
+                fallback.remove(&addr);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Puts `addr` in its HTTP/2 fallback cooldown for `reason`, counted once per cooldown.
+    fn fall_back(&self, addr: SocketAddr, client: &TlsClient, reason: &'static str) {
+        let until = Instant::now() + H2_FALLBACK_COOLDOWN;
+        let before = self.fallback.lock().insert(addr, (until, reason));
+        if before.is_none_or(|(was, _)| was <= Instant::now()) {
+            tracing::info!(%addr, reason, cooldown = ?H2_FALLBACK_COOLDOWN, "upstream falls back to HTTP/1.1");
+            client.count_h2_fallback(reason);
+        }
     }
 
     /// The HTTP version of new connections.
@@ -128,6 +168,7 @@ impl HttpConnector {
         addr: SocketAddr,
         client: Option<&TlsClient>,
         protocol: UpstreamProtocol,
+        http1_only: bool,
     ) -> io::Result<(Transport, Arc<Socket>, Option<HeaderValue>, bool)> {
         let socket = Socket::new(self.tcp(addr).await?);
         let Some(client) = client else {
@@ -135,7 +176,7 @@ impl HttpConnector {
             return Ok((Transport::plain(socket.clone()), socket, None, h2));
         };
         let tls = client
-            .handshake(SharedStream(socket.clone()))
+            .handshake_offering(SharedStream(socket.clone()), http1_only)
             .await
             .map_err(io::Error::other)?;
         let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
@@ -149,17 +190,24 @@ impl HttpConnector {
         Ok((Transport::tls(tls, socket.clone()), socket, authority, h2))
     }
 
-    /// Opens one connection: HTTP/2 (`Ok`) or HTTP/1.1 (`Err`), as the server speaks.
+    /// Opens one connection: HTTP/2 (`Ok`) or HTTP/1.1 (`Err`), as the server speaks; over
+    /// TLS offering `http/1.1` alone when `http1_only`. An HTTP/2 handshake that fails is
+    /// [`H2Refused`].
     async fn open(
         &self,
         addr: SocketAddr,
         client: Option<Arc<TlsClient>>,
         protocol: UpstreamProtocol,
+        http1_only: bool,
     ) -> io::Result<Result<Arc<H2Conn>, UpstreamConn>> {
-        let (transport, socket, authority, h2) =
-            self.transport(addr, client.as_deref(), protocol).await?;
+        let (transport, socket, authority, h2) = self
+            .transport(addr, client.as_deref(), protocol, http1_only)
+            .await?;
         if h2 {
-            return H2Conn::open(transport, addr, authority).await.map(Ok);
+            return match H2Conn::open(transport, addr, authority, self.keepalive).await {
+                Ok(conn) => Ok(Ok(conn)),
+                Err(e) => Err(io::Error::new(e.kind(), H2Refused(e))),
+            };
         }
         let tls = transport.is_tls();
         let (sender, driver) = http1::Builder::new()
@@ -176,10 +224,41 @@ impl HttpConnector {
             tls,
         }))))
     }
+
+    /// [`Self::open`] for a connection that asks for HTTP/2; for `auto` over TLS, a server that
+    /// does not take it puts the address in its fallback cooldown: one that picked `http/1.1`
+    /// is used as it is, one that failed the HTTP/2 handshake is left for a new connection
+    /// offering `http/1.1` alone, at once (the call waiting for it is not lost).
+    async fn open_asking_h2(
+        &self,
+        addr: SocketAddr,
+        client: Option<Arc<TlsClient>>,
+        protocol: UpstreamProtocol,
+    ) -> io::Result<Result<Arc<H2Conn>, UpstreamConn>> {
+        let opened = self.open(addr, client.clone(), protocol, false).await;
+        let Some(client) = client.filter(|_| protocol == UpstreamProtocol::Auto) else {
+            return opened;
+        };
+        match opened {
+            Ok(Err(h1)) => {
+                self.fall_back(addr, &client, "alpn_http1");
+                Ok(Err(h1))
+            }
+            Err(e) if e.get_ref().is_some_and(|e| e.is::<H2Refused>()) => {
+                tracing::debug!(%addr, error = %e, "HTTP/2 refused after ALPN chose it");
+                self.fall_back(addr, &client, "h2_refused");
+                self.open(addr, Some(client), protocol, true).await
+            }
+            other => other,
+        }
+    }
 }
 
-/// TCP keepalive of upstream connections: the first probe after `idle` without traffic, then one
-/// every `interval`; after `count` unanswered probes the kernel resets the connection.
+/// Keepalive of upstream connections. TCP: the first probe after `idle` without traffic, then
+/// one every `interval`; after `count` unanswered probes the kernel resets the connection.
+/// HTTP/2: hyper's `PING` every `ping_interval` (while idle too), the connection dropped when one
+/// goes unanswered for `ping_timeout`: a server that stopped answering (a hung process behind a
+/// live TCP stack, a proxy holding the socket) is found in seconds, not after the kernel's probes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Keepalive {
     /// Idle time before the first probe.
@@ -188,6 +267,10 @@ pub struct Keepalive {
     pub interval: Duration,
     /// Unanswered probes before the connection is dropped.
     pub count: u32,
+    /// HTTP/2: a `PING` after this long without a frame from the server (idle or not).
+    pub ping_interval: Duration,
+    /// HTTP/2: an unanswered `PING` drops the connection after this long.
+    pub ping_timeout: Duration,
 }
 
 impl Keepalive {
@@ -444,13 +527,14 @@ impl Connect for HttpConnector {
     async fn connect(&self, addr: SocketAddr) -> io::Result<UpstreamConn> {
         let client = self.tls_of(addr);
         let protocol = *self.protocol.read();
+        let cooling = protocol == UpstreamProtocol::Auto && client.is_some() && self.cooling(addr);
         let h2 = match protocol {
             UpstreamProtocol::Http1 => false,
-            UpstreamProtocol::Auto => client.is_some(),
+            UpstreamProtocol::Auto => client.is_some() && !cooling,
             UpstreamProtocol::Http2 => true,
         };
         if !h2 {
-            return match self.open(addr, client, protocol).await? {
+            return match self.open(addr, client, protocol, cooling).await? {
                 Err(h1) => Ok(h1),
                 // A TLS client of the protocol before the last change still offered `h2`.
                 Ok(conn) => conn
@@ -461,11 +545,19 @@ impl Connect for HttpConnector {
         }
         match self
             .h2
-            .slot(addr, self.open(addr, client, protocol))
+            .slot(addr, self.open_asking_h2(addr, client, protocol))
             .await?
         {
             Opened::Stream(slot, shared) => Ok(UpstreamConn(Conn::H2(slot, shared))),
             Opened::Other(h1) => Ok(h1),
+        }
+    }
+
+    /// The HTTP/2 connections open to `addr` and their stream slots.
+    fn multiplexed(&self, addr: SocketAddr) -> Multiplexed {
+        Multiplexed {
+            fallback: self.fallback.lock().get(&addr).copied(),
+            ..self.h2.sockets(addr)
         }
     }
 
@@ -479,7 +571,8 @@ impl Connect for HttpConnector {
             return crate::pool::probe_exchange_plain(addr, path, timeout).await;
         }
         let deadline = Instant::now() + timeout;
-        let connect = self.transport(addr, client.as_deref(), protocol);
+        let cooling = protocol == UpstreamProtocol::Auto && client.is_some() && self.cooling(addr);
+        let connect = self.transport(addr, client.as_deref(), protocol, cooling);
         let Ok(Ok((transport, _, authority, h2))) =
             tokio::time::timeout_at(deadline, connect).await
         else {
@@ -511,12 +604,49 @@ mod tests {
         (conn, accepted.unwrap().0)
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn the_http2_fallback_lasts_its_cooldown_and_is_forgotten_after() {
+        let connector = HttpConnector::default();
+        connector.set_protocol(UpstreamProtocol::Auto);
+        let addr: SocketAddr = "127.0.0.1:8443".parse().unwrap();
+        assert!(!connector.cooling(addr));
+        let until = Instant::now() + H2_FALLBACK_COOLDOWN;
+        connector
+            .fallback
+            .lock()
+            .insert(addr, (until, "alpn_http1"));
+        assert_eq!(
+            connector.multiplexed(addr).fallback,
+            Some((until, "alpn_http1"))
+        );
+        tokio::time::advance(H2_FALLBACK_COOLDOWN - Duration::from_secs(1)).await;
+        assert!(
+            connector.cooling(addr),
+            "still cooling a second before its end"
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(
+            !connector.cooling(addr),
+            "over: the next connection asks for h2"
+        );
+        assert_eq!(connector.multiplexed(addr).fallback, None, "and forgotten");
+
+        connector
+            .fallback
+            .lock()
+            .insert(addr, (Instant::now() + H2_FALLBACK_COOLDOWN, "h2_refused"));
+        connector.set_protocol(UpstreamProtocol::Http2);
+        assert!(!connector.cooling(addr), "a new protocol starts afresh");
+    }
+
     #[tokio::test]
     async fn connections_send_keepalive_probes_as_configured() {
         let keepalive = Keepalive {
             idle: Duration::from_secs(7),
             interval: Duration::from_secs(3),
             count: 4,
+            ping_interval: Duration::from_secs(10),
+            ping_timeout: Duration::from_secs(5),
         };
         let (conn, _peer) = pair(HttpConnector::new(Some(keepalive))).await;
         let socket = socket2::SockRef::from(&conn.stream.tcp);

@@ -133,6 +133,18 @@ impl Queries {
                 ),
             ),
             q(
+                "h2_max_streams",
+                format!(
+                    "min by (namespace, backend) (last_over_time(poolpilot_upstream_h2_max_concurrent_streams[{fresh}]))"
+                ),
+            ),
+            q(
+                "h2_fallback",
+                format!(
+                    "sum by (namespace, backend) (last_over_time(poolpilot_upstream_h2_fallback[{fresh}]))"
+                ),
+            ),
+            q(
                 "ttfb",
                 format!(
                     "histogram_quantile(0.5, sum by (namespace, backend, le) (rate(poolpilot_upstream_time_to_first_byte_seconds_bucket[{w}])))"
@@ -249,6 +261,10 @@ pub struct Snapshot {
     pub bytes: Option<BTreeMap<(String, String, String), f64>>,
     /// Median time to first byte per (namespace, backend).
     pub ttfb: Option<BTreeMap<(String, String), f64>>,
+    /// The smallest HTTP/2 stream limit a backend's servers sent, per (namespace, backend).
+    pub h2_max_streams: Option<BTreeMap<(String, String), f64>>,
+    /// Addresses on the HTTP/1.1 fallback of `auto`, summed over the pods, per (namespace, backend).
+    pub h2_fallback: Option<BTreeMap<(String, String), f64>>,
     /// Each saturation query as it ran and its value (`None`: failed, empty or NaN).
     pub saturation: BTreeMap<SaturationKey, (String, Option<f64>)>,
     /// `process_max_fds` per (namespace, pod).
@@ -343,6 +359,8 @@ impl Snapshot {
             completed: by_pod_backend("completed"),
             bytes: by_pod_backend("bytes"),
             ttfb: by("ttfb", "backend"),
+            h2_max_streams: by("h2_max_streams", "backend"),
+            h2_fallback: by("h2_fallback", "backend"),
             saturation: BTreeMap::new(),
             max_fds: by("max_fds", "pod"),
             open_fds: by("open_fds", "pod"),
@@ -477,6 +495,8 @@ impl Snapshot {
                         completed: counter(&self.completed),
                         bytes: counter(&self.bytes),
                         ttfb: fleet(&self.ttfb),
+                        h2_max_streams: fleet(&self.h2_max_streams),
+                        h2_fallback: fleet(&self.h2_fallback),
                         window: self.window,
                         saturation,
                         unscraped,
@@ -722,6 +742,20 @@ mod tests {
                 )]),
             ),
             (
+                "h2_max_streams",
+                Some(vec![row(
+                    &[("namespace", "ns"), ("backend", "model-a")],
+                    250.0,
+                )]),
+            ),
+            (
+                "h2_fallback",
+                Some(vec![row(
+                    &[("namespace", "ns"), ("backend", "model-a")],
+                    2.0,
+                )]),
+            ),
+            (
                 "max_fds",
                 Some(vec![row(&[("namespace", "ns"), ("pod", "gw-0")], 1024.0)]),
             ),
@@ -751,7 +785,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 17, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 19, "one round for every policy in the cluster");
         let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
             promql("leased"),
@@ -771,6 +805,15 @@ mod tests {
             "histogram_quantile(0.5, sum by (namespace, backend, le) (rate(poolpilot_upstream_time_to_first_byte_seconds_bucket[30s])))"
         );
         assert_eq!(
+            promql("h2_max_streams"),
+            "min by (namespace, backend) (last_over_time(poolpilot_upstream_h2_max_concurrent_streams[30s]))",
+            "the smallest limit any pod's connections carry"
+        );
+        assert_eq!(
+            promql("h2_fallback"),
+            "sum by (namespace, backend) (last_over_time(poolpilot_upstream_h2_fallback[30s]))"
+        );
+        assert_eq!(
             promql("max_fds"),
             "max by (namespace, pod) (last_over_time(process_max_fds[30s]))"
         );
@@ -786,6 +829,8 @@ mod tests {
         assert_eq!(b.completed, Some(20.0), "gw-1 completed nothing yet");
         assert_eq!(b.bytes, Some(10_000.0));
         assert_eq!(b.ttfb, Some(0.25));
+        assert_eq!(b.h2_max_streams, Some(250.0));
+        assert_eq!(b.h2_fallback, Some(2.0));
         assert_eq!(b.window, Duration::from_secs(30));
         assert_eq!(b.saturation, SaturationSignal::NotConfigured);
         assert_eq!(

@@ -874,6 +874,49 @@ fn cel_holds_external_tls_and_credentials_to_their_rules() {
 }
 
 #[test]
+fn cel_refuses_auto_without_tls_and_takes_h2c() {
+    let with = |protocol: &str, endpoints: serde_json::Value| {
+        let mut p = sample();
+        let b = &mut p.spec.backends[0];
+        b.endpoints = serde_json::from_value(endpoints).unwrap();
+        b.protocol = serde_json::from_value(serde_json::json!(protocol)).unwrap();
+        cel_errors(&p)
+    };
+    let tls = serde_json::json!({"external": [
+        {"host": "api.example.com", "port": 443, "tls": {}},
+        {"host": "eu.example.com", "port": 8443, "tls": {"serverName": "api.example.com"}}
+    ]});
+    let one_plain = serde_json::json!({"external": [
+        {"host": "api.example.com", "port": 443, "tls": {}},
+        {"host": "eu.example.com", "port": 8080}
+    ]});
+    let service = serde_json::json!({"service": {"name": "vllm", "port": 8000}});
+    let auto = "protocol Auto negotiates by ALPN, over TLS only: set tls on every endpoints.external, or say Http1 or Http2 (h2c) for plain endpoints";
+    assert_eq!(with("Auto", tls.clone()), Vec::<String>::new());
+    assert_eq!(with("Auto", one_plain.clone()), [auto]);
+    assert_eq!(with("Auto", service.clone()), [auto]);
+    for protocol in ["Http1", "Http2"] {
+        for endpoints in [&tls, &one_plain, &service] {
+            assert_eq!(
+                with(protocol, endpoints.clone()),
+                Vec::<String>::new(),
+                "{protocol} {endpoints}"
+            );
+        }
+    }
+    let schema = spec_schema(&["backends", "protocol"]);
+    assert_eq!(
+        schema["enum"],
+        serde_json::json!(["Http1", "Auto", "Http2"]),
+        "no other value is taken: {schema}"
+    );
+    assert!(
+        serde_json::from_value::<upstream::ProtocolSpec>(serde_json::json!("h2")).is_err(),
+        "nor spelled otherwise"
+    );
+}
+
+#[test]
 fn the_providers_example_is_accepted() {
     let p: ConnectionPolicy =
         serde_norway::from_str(include_str!("../../examples/providers.yaml")).unwrap();

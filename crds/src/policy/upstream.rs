@@ -1,6 +1,7 @@
 //! How a policy says the gateways reach a provider beyond its address: TLS to an external
 //! endpoint ([`ExternalTls`]: the name to verify, a CA bundle and a client certificate from
-//! Secrets) and the provider's key injected in place of the client's ([`CredentialsSpec`]).
+//! Secrets), the HTTP version of its calls ([`ProtocolSpec`]) and the provider's key injected in
+//! place of the client's ([`CredentialsSpec`]).
 //! Secrets are named, never copied: the gateway pods mount them under [`SECRETS_DIR`] (the
 //! chart's `gateway.upstreamSecrets`), and the operator renders the files' paths into the limits
 //! document ([`secret_file`]), so no key ever passes through the operator, a ConfigMap or status.
@@ -23,7 +24,7 @@ const DNS_NAME: &str =
     r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\.)*[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$";
 
 /// TLS to an external endpoint: always verified (there is no way to turn verification off),
-/// ALPN `http/1.1`, sessions resumed on reconnect.
+/// ALPN as the backend's `protocol` says (`http/1.1` by default), sessions resumed on reconnect.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ExternalTls {
@@ -48,6 +49,30 @@ pub struct ExternalTls {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253), pattern(DNS_NAME))]
     pub server_name: Option<String>,
+}
+
+/// The HTTP version of a backend's calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ProtocolSpec {
+    /// HTTP/1.1 on every endpoint: one call per connection at a time; TLS offers only
+    /// `http/1.1` by ALPN.
+    #[default]
+    Http1,
+    /// What the server picks by ALPN: TLS endpoints offer `h2` and `http/1.1`. Needs `tls` on
+    /// every endpoint (a plain endpoint has no ALPN to ask with). A server that refuses `h2`
+    /// is called over HTTP/1.1 and asked again only after a cooldown.
+    Auto,
+    /// HTTP/2 on every endpoint: many calls share one connection, `capacity` and the pool's
+    /// share count concurrent streams. TLS offers only `h2` by ALPN (a server that does not
+    /// pick it fails the connection); plain endpoints speak h2c with prior knowledge.
+    Http2,
+}
+
+impl ProtocolSpec {
+    /// Whether it is the default, `Http1` (left out of a serialized policy).
+    pub fn is_default(&self) -> bool {
+        *self == Self::Http1
+    }
 }
 
 /// A key of a Secret in the policy's namespace.

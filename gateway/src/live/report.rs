@@ -41,16 +41,21 @@ impl Gateway {
             .collect();
         clients.sort_by_key(|c| std::cmp::Reverse(c.1.inflight));
         clients.truncate(10);
-        let upstream: u32 = snapshot
+        let (upstream, sockets) = snapshot
             .routes
             .iter()
             .flat_map(|r| r.backend.pool.stats().endpoints)
-            .map(|e| e.leased + e.idle + e.connecting + e.closing)
-            .sum();
+            .fold((0u32, 0u32), |(slots, sockets), e| {
+                (
+                    slots + e.leased + e.idle + e.connecting + e.closing,
+                    sockets + e.sockets,
+                )
+            });
         serde_json::json!({
             "revision": snapshot.limits.revision,
             "generation": snapshot.limits.generation,
             "upstreamConnections": upstream,
+            "upstreamSockets": sockets,
             "retryAfterCompliance": self.inner.refusals.compliance().into_iter().map(|(client, c)| {
                 let total = c.early + c.on_time;
                 serde_json::json!({
@@ -140,6 +145,9 @@ impl Gateway {
                         leased: ep.leased,
                         idle: ep.idle,
                         closing: ep.closing,
+                        sockets: ep.sockets,
+                        max_streams: ep.max_streams_per_connection,
+                        h2_fallback: ep.http2_fallback.is_some(),
                     },
                 );
             }

@@ -68,6 +68,12 @@ struct TlsFailureLabels {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BackendReasonLabels {
+    backend: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct BackendClassLabels {
     backend: String,
     class: &'static str,
@@ -148,7 +154,8 @@ struct AdminReloadLabels {
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// One endpoint's pool as its gauges show it (`poolpilot_pool_max_connections`,
-/// `poolpilot_endpoint_healthy`, `poolpilot_pool_connections` by state).
+/// `poolpilot_endpoint_healthy`, `poolpilot_pool_connections` by state, `poolpilot_pool_sockets`,
+/// `poolpilot_upstream_h2_max_concurrent_streams`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct EndpointGauges<'a> {
     pub(crate) endpoint: &'a str,
@@ -157,6 +164,9 @@ pub(crate) struct EndpointGauges<'a> {
     pub(crate) leased: u32,
     pub(crate) idle: u32,
     pub(crate) closing: u32,
+    pub(crate) sockets: u32,
+    pub(crate) max_streams: Option<u32>,
+    pub(crate) h2_fallback: bool,
 }
 
 /// Every metric family of the gateway, registered in one registry. Cheap to clone; clones
@@ -167,6 +177,8 @@ pub struct Metrics {
     pool_connections: Family<ConnectionLabels, Gauge>,
     pool_pending: Family<BackendLabel, Gauge>,
     pool_max_connections: Family<EndpointLabels, Gauge>,
+    pool_sockets: Family<EndpointLabels, Gauge>,
+    h2_max_streams: Family<EndpointLabels, Gauge>,
     pool_lease_wait: Family<BackendLabel, Histogram, LeaseWaitBuckets>,
     pool_lease_timeouts: Family<BackendLabel, Counter>,
     pool_burst_allowance: Family<BackendLabel, Gauge>,
@@ -188,6 +200,8 @@ pub struct Metrics {
     upstream_retries: Family<RetryLabels, Counter>,
     tls_handshake: HistogramFamily<HandshakeLabels>,
     tls_failures: Family<TlsFailureLabels, Counter>,
+    h2_fallbacks: Family<BackendReasonLabels, Counter>,
+    h2_fallback: Family<EndpointLabels, Gauge>,
     pool_reuse_ratio: Family<BackendLabel, Gauge<f64, AtomicU64>>,
     client_cert_expiry: Family<BackendLabel, Gauge>,
     upstream_cooldowns: Family<BackendLabel, Counter>,
@@ -291,6 +305,8 @@ impl Metrics {
             pool_connections: Family::default(),
             pool_pending: Family::default(),
             pool_max_connections: Family::default(),
+            pool_sockets: Family::default(),
+            h2_max_streams: Family::default(),
             pool_lease_wait: Family::new_with_constructor(LeaseWaitBuckets(buckets.clone())),
             pool_lease_timeouts: Family::default(),
             pool_burst_allowance: Family::default(),
@@ -312,6 +328,8 @@ impl Metrics {
             upstream_retries: Family::default(),
             tls_handshake: Family::new_with_constructor(handshake_histogram),
             tls_failures: Family::default(),
+            h2_fallbacks: Family::default(),
+            h2_fallback: Family::default(),
             pool_reuse_ratio: Family::default(),
             client_cert_expiry: Family::default(),
             upstream_cooldowns: Family::default(),
@@ -356,6 +374,16 @@ impl Metrics {
             "poolpilot_pool_max_connections",
             "Cap on open connections per endpoint in this pod (the per-pod share in force)",
             m.pool_max_connections.clone(),
+        );
+        r.register(
+            "poolpilot_pool_sockets",
+            "Sockets open or being opened to the endpoint (its file descriptors): the connections of HTTP/1.1, one per HTTP/2 connection however many streams it carries",
+            m.pool_sockets.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_h2_max_concurrent_streams",
+            "The smallest SETTINGS_MAX_CONCURRENT_STREAMS of the endpoint's usable HTTP/2 connections (4294967295: none set); absent without one",
+            m.h2_max_streams.clone(),
         );
         r.register_with_unit(
             "poolpilot_pool_lease_wait",
@@ -468,6 +496,16 @@ impl Metrics {
             "poolpilot_upstream_tls_failures",
             "Upstream TLS handshakes that failed, by reason (certificate: the server's did not verify; alert: the server refused; handshake: anything else); never retried in plain text",
             m.tls_failures.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_h2_fallbacks",
+            "Times an address of a protocol: auto backend went to HTTP/1.1 for the fallback cooldown, by reason (alpn_http1: the server picked http/1.1; h2_refused: it picked h2, then failed the HTTP/2 handshake)",
+            m.h2_fallbacks.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_h2_fallback",
+            "1 while an endpoint of a protocol: auto backend is called over HTTP/1.1 for the fallback cooldown (its TLS offers only http/1.1 until then)",
+            m.h2_fallback.clone(),
         );
         r.register_with_unit(
             "poolpilot_upstream_client_cert_expiry",
@@ -729,6 +767,9 @@ impl Metrics {
         self.pool_class_leased.clear();
         self.client_class_queued.clear();
         self.pool_max_connections.clear();
+        self.pool_sockets.clear();
+        self.h2_fallback.clear();
+        self.h2_max_streams.clear();
         self.pool_reuse_ratio.clear();
         self.client_cert_expiry.clear();
         self.endpoint_healthy.clear();
@@ -755,6 +796,15 @@ impl Metrics {
         self.endpoint_healthy
             .get_or_create(&labels)
             .set(ep.healthy.into());
+        self.pool_sockets
+            .get_or_create(&labels)
+            .set(ep.sockets.into());
+        if let Some(max) = ep.max_streams {
+            self.h2_max_streams.get_or_create(&labels).set(max.into());
+        }
+        if ep.h2_fallback {
+            self.h2_fallback.get_or_create(&labels).set(1);
+        }
         for (state, value) in [
             ("leased", ep.leased),
             ("idle", ep.idle),
@@ -862,6 +912,15 @@ impl Metrics {
                 kind,
             })
             .observe(secs);
+    }
+
+    pub(crate) fn h2_fallback(&self, backend: &str, reason: &'static str) {
+        self.h2_fallbacks
+            .get_or_create(&BackendReasonLabels {
+                backend: backend.into(),
+                reason,
+            })
+            .inc();
     }
 
     pub(crate) fn tls_failure(&self, backend: &str, reason: TlsFailure) {

@@ -1,5 +1,5 @@
 //! What the pool pools: a [`Poolable`] connection, the [`Connect`] that opens one (and probes
-//! an endpoint the same way), and how long
+//! an endpoint the same way, and says which of its slots share a socket: [`Multiplexed`]), and how long
 //! a closed connection may keep its slot while the peer still holds its side ([`CLOSE_GRACE`]).
 //! The pool is generic over them, so that its tests pool fake connections and its benchmark
 //! measures the pool, not a socket.
@@ -52,6 +52,23 @@ pub trait Poolable: Send + std::fmt::Debug + 'static {
 /// side. A backend that ignores the close (or is wedged) cannot keep a slot for longer.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
+/// The connections to one address that carry many pooled slots each (HTTP/2: a slot is a
+/// stream), as `/v1/stats` and the gauges count them; the rest of the address's slots are a
+/// connection each.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Multiplexed {
+    /// Connections (sockets) open, going away ones included.
+    pub connections: u32,
+    /// Stream slots on them, leased or idle in the pool.
+    pub streams: u32,
+    /// The smallest `SETTINGS_MAX_CONCURRENT_STREAMS` of the usable ones (`u32::MAX`: a
+    /// server that sent none); `None` without one.
+    pub max_streams: Option<u32>,
+    /// The address is called over HTTP/1.1 until then instead of asking for HTTP/2 (the
+    /// `auto` fallback), and why.
+    pub fallback: Option<(Instant, &'static str)>,
+}
+
 /// Opens connections to endpoints.
 pub trait Connect: Send + Sync + std::fmt::Debug + 'static {
     /// The connection type pooled.
@@ -70,5 +87,12 @@ pub trait Connect: Send + Sync + std::fmt::Debug + 'static {
         timeout: Duration,
     ) -> impl Future<Output = bool> + Send {
         super::probe::plain(addr, path, timeout)
+    }
+
+    /// The connections to `addr` that carry many slots, and their slots. The default: none,
+    /// every slot is a connection of its own.
+    fn multiplexed(&self, addr: SocketAddr) -> Multiplexed {
+        let _ = addr;
+        Multiplexed::default()
     }
 }

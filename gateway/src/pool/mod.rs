@@ -77,7 +77,7 @@ use tokio::time::Instant;
 
 use crate::limits::fair::{Charge, FairQueue, Ticket};
 use crate::observe::{CloseReason, Metrics};
-pub use connect::{CLOSE_GRACE, Connect, Poolable};
+pub use connect::{CLOSE_GRACE, Connect, Multiplexed, Poolable};
 use dispatch::{QueuePlace, Step, Unsettled, reap_loop};
 pub use error::PoolError;
 pub use health::ProbeSlot;
@@ -86,7 +86,7 @@ pub use probe::{exchange as probe_exchange, plain as probe_exchange_plain};
 pub(crate) use rate::whole_seconds as rate_whole_seconds;
 use rate::{HoldTime, ReleaseRate};
 use state::{EndpointState, Health, Inner, State};
-pub use stats::{BurstStats, ClassStats, EndpointStats, PoolStats};
+pub use stats::{BurstStats, ClassStats, EndpointStats, Fallback, PoolStats};
 
 /// One address the pool connects to, under the pool's cap per endpoint: an `ip:port` endpoint
 /// of the limits document, or one address a DNS-named endpoint resolved to.
@@ -401,19 +401,32 @@ impl<C: Connect> Pool<C> {
                 .endpoints
                 .iter()
                 .filter(|ep| !ep.removed)
-                .map(|ep| EndpointStats {
-                    name: ep.name.to_string(),
-                    address: ep.address,
-                    leased: ep.leased,
-                    idle: ep.idle.len() as u32,
-                    connecting: ep.connecting,
-                    closing: ep.closing,
-                    max,
-                    healthy: state.eligible(ep, now),
-                    ejected: ep.health.is_ejected(now),
-                    drained: ep.drained,
-                    created: ep.created.get(),
-                    reused: ep.reused.get(),
+                .map(|ep| {
+                    let idle = ep.idle.len() as u32;
+                    let shared = self.inner.connector.multiplexed(ep.address);
+                    let slots = ep.leased + idle + ep.connecting + ep.closing;
+                    EndpointStats {
+                        name: ep.name.to_string(),
+                        address: ep.address,
+                        leased: ep.leased,
+                        idle,
+                        connecting: ep.connecting,
+                        closing: ep.closing,
+                        sockets: slots.saturating_sub(shared.streams) + shared.connections,
+                        max_streams_per_connection: shared.max_streams,
+                        http2_fallback: shared.fallback.filter(|(until, _)| *until > now).map(
+                            |(until, reason)| Fallback {
+                                reason,
+                                remaining_seconds: (until - now).as_millis().div_ceil(1000) as u64,
+                            },
+                        ),
+                        max,
+                        healthy: state.eligible(ep, now),
+                        ejected: ep.health.is_ejected(now),
+                        drained: ep.drained,
+                        created: ep.created.get(),
+                        reused: ep.reused.get(),
+                    }
                 })
                 .collect(),
         }

@@ -6,19 +6,32 @@ use std::net::SocketAddr;
 
 /// Counts of one endpoint, for `/v1/stats` and the gauges.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct EndpointStats {
     /// Endpoint name.
     pub name: String,
     /// Its address.
     pub address: SocketAddr,
-    /// Connections carrying a request.
+    /// Slots carrying a request (an HTTP/1.1 connection, or a stream of an HTTP/2 one).
     pub leased: u32,
-    /// Connections idle in the pool.
+    /// Slots idle in the pool.
     pub idle: u32,
-    /// Connections being opened.
+    /// Slots being opened.
     pub connecting: u32,
-    /// Connections closed by the pool that the peer has not closed yet (they keep their slot).
+    /// Slots closed by the pool whose connection the peer has not closed yet (they keep their
+    /// place under the cap).
     pub closing: u32,
+    /// Sockets open (or being opened) to it, what its file descriptors count: the slots of
+    /// HTTP/1.1, one per HTTP/2 connection however many streams it carries.
+    pub sockets: u32,
+    /// The smallest `SETTINGS_MAX_CONCURRENT_STREAMS` of its usable HTTP/2 connections
+    /// (`4294967295`: the server set none); absent without one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_streams_per_connection: Option<u32>,
+    /// A `protocol: auto` endpoint called over HTTP/1.1 for the fallback cooldown: why, and
+    /// for how much longer; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http2_fallback: Option<Fallback>,
     /// The cap in force: the share, beyond which only burst connections are opened.
     pub max: u32,
     /// Whether requests may be sent to it (probes pass, not ejected).
@@ -31,6 +44,17 @@ pub struct EndpointStats {
     pub created: u64,
     /// Leases it served with an idle pooled connection so far.
     pub reused: u64,
+}
+
+/// An `auto` endpoint's HTTP/2 fallback in force, as `/v1/stats` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Fallback {
+    /// `alpn_http1` (the server picked `http/1.1`) or `h2_refused` (it picked `h2`, then failed
+    /// the HTTP/2 handshake).
+    pub reason: &'static str,
+    /// Whole seconds until new connections offer `h2` again (rounded up).
+    pub remaining_seconds: u64,
 }
 
 /// Counts of one backend's pool.

@@ -13,6 +13,10 @@
 //! - **Driven by its own task**: many calls share the connection, so its IO runs in a task of its
 //!   own (unlike HTTP/1.1, driven by the one call on it); a call's deadlines cut its stream
 //!   (hyper resets it when the call drops it), never the connection.
+//! - **Pinged**: with upstream keepalive on, hyper sends a `PING` every `http2PingInterval`
+//!   (idle or not); one unanswered for `http2PingTimeout` ends the connection, its idle slots
+//!   are dropped, and a stream that had no answer yet fails as closed unanswered (a replayable
+//!   call goes again on a fresh connection).
 //! - **Closed with its last slot**: the connection goes once no slot is left on it (hyper then
 //!   ends it with a `GOAWAY`); the last slot keeps its place in the pool until the connection's
 //!   IO is gone.
@@ -31,9 +35,11 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
+use super::Keepalive;
 use super::frames::{FrameWatch, PeerFrames};
 use super::send_error::SendError;
 use super::transport::Transport;
+use crate::pool::Multiplexed;
 use crate::proxy::body::RequestBody;
 
 /// One HTTP/2 connection, shared by its stream slots.
@@ -56,12 +62,20 @@ impl H2Conn {
         transport: Transport,
         addr: SocketAddr,
         authority: Option<HeaderValue>,
+        keepalive: Option<Keepalive>,
     ) -> std::io::Result<Arc<Self>> {
         let peer = PeerFrames::new();
         let tls = transport.is_tls();
         let transport = transport.watched(FrameWatch::new(peer.clone()));
-        let (sender, conn) = http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
+        let mut builder = http2::Builder::new(TokioExecutor::new());
+        builder.timer(TokioTimer::new());
+        if let Some(k) = keepalive {
+            builder
+                .keep_alive_interval(k.ping_interval)
+                .keep_alive_timeout(k.ping_timeout)
+                .keep_alive_while_idle(true);
+        }
+        let (sender, conn) = builder
             .handshake::<_, RequestBody>(TokioIo::new(transport))
             .await
             .map_err(std::io::Error::other)?;
@@ -163,7 +177,9 @@ impl H2Stream {
                 }
                 None => {
                     let error = e.into_error();
-                    if refused(&error) {
+                    // Refused, or the connection went before any answer: its ping went
+                    // unanswered (a timeout), or it ended under the stream (canceled).
+                    if refused(&error) || error.is_timeout() || error.is_canceled() {
                         SendError::ClosedUnanswered(error)
                     } else {
                         SendError::Failed(error)
@@ -245,10 +261,11 @@ struct AddrConns {
 }
 
 impl AddrConns {
-    /// A slot on an open connection with room, if there is one (dead ones are forgotten).
+    /// A slot on an open connection with room, if there is one (gone ones are forgotten; one
+    /// going away stays listed, for [`H2Conns::sockets`], while its streams finish).
     fn slot(&self) -> Option<H2Stream> {
         let mut conns = self.conns.lock();
-        conns.retain(|c| c.upgrade().is_some_and(|c| c.usable()));
+        conns.retain(|c| c.strong_count() > 0);
         conns
             .iter()
             .filter_map(Weak::upgrade)
@@ -265,6 +282,26 @@ pub(super) enum Opened<T> {
 }
 
 impl H2Conns {
+    /// What is open to `addr` over HTTP/2.
+    pub(super) fn sockets(&self, addr: SocketAddr) -> Multiplexed {
+        let Some(entry) = self.by_addr.lock().get(&addr).cloned() else {
+            return Multiplexed::default();
+        };
+        let conns = entry.conns.lock();
+        conns
+            .iter()
+            .filter_map(Weak::upgrade)
+            .fold(Multiplexed::default(), |mut m, c| {
+                m.connections += 1;
+                m.streams += c.slots.load(Ordering::Acquire);
+                if c.usable() {
+                    let max = c.peer.max_streams();
+                    m.max_streams = Some(m.max_streams.map_or(max, |m| m.min(max)));
+                }
+                m
+            })
+    }
+
     /// A slot for `addr`: on an open connection while one has room (no new connection), else on
     /// the one `open` makes, one opening at a time per address.
     pub(super) async fn slot<T, F>(&self, addr: SocketAddr, open: F) -> std::io::Result<Opened<T>>
@@ -313,7 +350,7 @@ pub(super) async fn probe(
     deadline: Instant,
 ) -> bool {
     let exchange = async {
-        let conn = H2Conn::open(transport, addr, authority).await.ok()?;
+        let conn = H2Conn::open(transport, addr, authority, None).await.ok()?;
         let mut slot = conn.slot()?;
         let body: RequestBody = http_body_util::Empty::new()
             .map_err(|never| match never {})

@@ -11,7 +11,8 @@
 //!   `notAfter` is read (x509-parser) for the expiry gauge of the backend.
 //! - **ALPN** as the backend's `protocol` says: `http/1.1` alone (the default: a server that
 //!   speaks HTTP/1.1 only is not made to guess), `h2` then `http/1.1` (`auto`: the server
-//!   picks), or `h2` alone (`http2`).
+//!   picks; an address in its HTTP/2 fallback cooldown is offered `http/1.1` alone, with the
+//!   same session cache), or `h2` alone (`http2`).
 //! - **Resumption**: one in-memory session cache per endpoint's configuration
 //!   (rustls's `ClientSessionMemoryCache`, tickets and TLS 1.2 session IDs), kept for as long
 //!   as the configuration stays the same, so that a reconnect skips the full handshake.
@@ -131,6 +132,9 @@ pub struct TlsClient {
     /// whose validity could not be read).
     client_expiry: Option<i64>,
     connector: TlsConnector,
+    /// `auto`: the same configuration (and session cache) offering `http/1.1` alone, for an
+    /// address in its HTTP/2 fallback cooldown.
+    http1_connector: Option<TlsConnector>,
     backend: Arc<str>,
     metrics: Metrics,
 }
@@ -203,6 +207,11 @@ impl TlsClient {
             UpstreamProtocol::Http2 => vec![b"h2".to_vec()],
         };
         config.resumption = Resumption::in_memory_sessions(SESSION_CACHE);
+        let http1_connector = (protocol == UpstreamProtocol::Auto).then(|| {
+            let mut http1 = config.clone();
+            http1.alpn_protocols = vec![b"http/1.1".to_vec()];
+            TlsConnector::from(Arc::new(http1))
+        });
         let authority = match &server_name {
             ServerName::DnsName(_) => {
                 let port = endpoint.address.port();
@@ -225,6 +234,7 @@ impl TlsClient {
             authority,
             client_expiry,
             connector: TlsConnector::from(Arc::new(config)),
+            http1_connector,
             backend: backend.clone(),
             metrics: metrics.clone(),
         }))
@@ -256,18 +266,36 @@ impl TlsClient {
         self.authority.as_ref()
     }
 
+    /// Counts an address of this endpoint going to HTTP/1.1 for the `auto` fallback cooldown.
+    pub(crate) fn count_h2_fallback(&self, reason: &'static str) {
+        self.metrics.h2_fallback(&self.backend, reason);
+    }
+
     /// The handshake on a fresh connection, timed and counted. A certificate that does not
     /// verify is [`TlsError::Verification`].
     pub async fn handshake<S>(&self, stream: S) -> Result<TlsStream<S>, TlsError>
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
+        self.handshake_offering(stream, false).await
+    }
+
+    /// [`Self::handshake`], offering `http/1.1` alone by ALPN when `http1_only` (an `auto`
+    /// client's fallback; other clients offer what they always do).
+    pub(crate) async fn handshake_offering<S>(
+        &self,
+        stream: S,
+        http1_only: bool,
+    ) -> Result<TlsStream<S>, TlsError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         let start = Instant::now();
-        match self
-            .connector
-            .connect(self.server_name.clone(), stream)
-            .await
-        {
+        let connector = match &self.http1_connector {
+            Some(http1) if http1_only => http1,
+            _ => &self.connector,
+        };
+        match connector.connect(self.server_name.clone(), stream).await {
             Ok(tls) => {
                 let kind = match tls.get_ref().1.handshake_kind() {
                     Some(HandshakeKind::Resumed) => TlsHandshake::Resumed,

@@ -97,6 +97,9 @@ pub struct TlsSeen {
     pub requests: Mutex<Vec<http::HeaderMap>>,
     /// The next answers, as `(status, headers)`; when none is left: 200.
     pub answers: Mutex<std::collections::VecDeque<Answer>>,
+    /// Close every connection whose ALPN chose `h2` right after the TLS handshake (a server
+    /// whose HTTP/2 is broken), before any HTTP/2 frame.
+    pub refuse_h2: std::sync::atomic::AtomicBool,
 }
 
 /// A TLS model server: answers every request 200 with a small JSON body, `Connection: close`
@@ -112,9 +115,20 @@ impl TlsBackend {
     /// requires a client certificate that CA signed.
     pub async fn start(
         ip: [u8; 4],
+        leaf: &(String, String),
+        client_ca: Option<&str>,
+        close: bool,
+    ) -> Self {
+        Self::start_offering(ip, leaf, client_ca, close, &[b"h2", b"http/1.1"]).await
+    }
+
+    /// [`TlsBackend::start`], its ALPN choosing among `alpn` (in its order of preference).
+    pub async fn start_offering(
+        ip: [u8; 4],
         (cert, key): &(String, String),
         client_ca: Option<&str>,
         close: bool,
+        alpn: &[&[u8]],
     ) -> Self {
         let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert.as_bytes())
             .map(Result::unwrap)
@@ -139,7 +153,7 @@ impl TlsBackend {
             None => builder.with_no_client_auth(),
         };
         let mut config = builder.with_single_cert(chain, key).unwrap();
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
         let listener = TcpListener::bind(SocketAddr::from((ip, 0))).await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -180,6 +194,9 @@ impl TlsBackend {
                             .map(|p| String::from_utf8_lossy(p).into_owned());
                         c.resumed = conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
                         c.client_cert = conn.peer_certificates().is_some_and(|c| !c.is_empty());
+                    }
+                    if h2 && seen.refuse_h2.load(std::sync::atomic::Ordering::SeqCst) {
+                        return;
                     }
                     let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                         let seen = seen.clone();

@@ -8,12 +8,38 @@
 //! budget with them loses them, and only then are its shares scaled. A pod-wide
 //! `listener.maxUpstreamConnections` bounds what the pools can open: the pools then count for the
 //! smaller of the two.
+//!
+//! The pools count slots, the descriptors count sockets: an HTTP/2 backend's share is
+//! concurrent streams, many to one connection, so its pool needs ⌈(share + burst) ÷ streams⌉
+//! sockets per endpoint ([`streams_per_socket`]: the smallest `SETTINGS_MAX_CONCURRENT_STREAMS`
+//! the pods report, else [`DEFAULT_H2_STREAMS`]). `Auto` counts as HTTP/1.1, a socket a slot: its
+//! servers may answer HTTP/1.1.
 
 use std::collections::BTreeMap;
 
+use poolpilot_api::policy::upstream::ProtocolSpec;
+
 use super::budget::{FdReport, allowed, share};
-use super::input::PolicyInput;
+use super::input::{BackendSample, PolicyInput};
 use super::output::PolicyPlan;
+
+/// Streams per HTTP/2 connection while no pod reports its servers' limit: RFC 9113's
+/// recommended least `SETTINGS_MAX_CONCURRENT_STREAMS` (§5.1.2), what hyper's and most model
+/// servers' HTTP/2 stacks allow or more.
+pub const DEFAULT_H2_STREAMS: u32 = 100;
+
+/// Slots one socket of a backend carries: 1 but for `Http2`, whose connections carry the
+/// smallest stream limit the pods report (`h2_max_streams`), [`DEFAULT_H2_STREAMS`] until one
+/// does.
+pub fn streams_per_socket(protocol: ProtocolSpec, sample: &BackendSample) -> u32 {
+    match protocol {
+        ProtocolSpec::Http1 | ProtocolSpec::Auto => 1,
+        ProtocolSpec::Http2 => sample
+            .h2_max_streams
+            .filter(|s| s.is_finite() && *s >= 1.0)
+            .map_or(DEFAULT_H2_STREAMS, |s| s.min(f64::from(u32::MAX)) as u32),
+    }
+}
 
 /// One pool on one pod, as the water-filling sees it.
 #[derive(Clone, Copy, Debug)]
@@ -24,12 +50,19 @@ struct Pool {
     burst: u32,
     endpoints: u32,
     min_share: u32,
+    /// Slots per socket (1: HTTP/1.1).
+    streams: u32,
 }
 
 impl Pool {
     fn fds(&self, with_burst: bool) -> u64 {
         let per = self.share + if with_burst { self.burst } else { 0 };
-        u64::from(per) * u64::from(self.endpoints)
+        self.sockets(per) * u64::from(self.endpoints)
+    }
+
+    /// Sockets per endpoint for `slots` slots.
+    fn sockets(&self, slots: u32) -> u64 {
+        u64::from(slots).div_ceil(u64::from(self.streams.max(1)))
     }
 }
 
@@ -72,6 +105,7 @@ pub fn check(policies: &[PolicyInput], plans: &mut [PolicyPlan], limits: &BTreeM
                         burst: b.burst,
                         endpoints: b.endpoints,
                         min_share: share(b.bounds.min, holders).min(own),
+                        streams: b.streams_per_socket,
                     }
                 })
             })
@@ -202,19 +236,15 @@ fn water_fill(pools: &[Pool], avail: u64) -> Vec<u32> {
             .iter()
             .zip(&at_min)
             .filter(|(_, m)| **m)
-            .map(|(p, _)| u64::from(p.min_share) * u64::from(p.endpoints))
+            .map(|(p, _)| p.sockets(p.min_share) * u64::from(p.endpoints))
             .sum();
         let free: u64 = pools
             .iter()
             .zip(&at_min)
             .filter(|(_, m)| !**m)
-            .map(|(p, _)| u64::from(p.share) * u64::from(p.endpoints))
+            .map(|(p, _)| p.sockets(p.share) * u64::from(p.endpoints))
             .sum();
-        let factor = if free == 0 {
-            0.0
-        } else {
-            avail.saturating_sub(fixed) as f64 / free as f64
-        };
+        let room = avail.saturating_sub(fixed);
         let mut changed = false;
         let caps: Vec<u32> = pools
             .iter()
@@ -223,7 +253,16 @@ fn water_fill(pools: &[Pool], avail: u64) -> Vec<u32> {
                 if *m {
                     return p.min_share;
                 }
-                let c = (f64::from(p.share) * factor.min(1.0)).floor() as u32;
+                // share × room ÷ free, rounded down (exactly: no float rounding below a whole
+                // socket), never above the share.
+                let mut c = match free {
+                    0 => 0,
+                    free => (u64::from(p.share) * room / free).min(u64::from(p.share)) as u32,
+                };
+                // Whole sockets: a scaled HTTP/2 share fills the sockets it needs.
+                if p.streams > 1 && c >= p.streams && c < p.share {
+                    c -= c % p.streams;
+                }
                 if c < p.min_share {
                     *m = true;
                     changed = true;
@@ -251,6 +290,7 @@ mod tests {
             burst: 0,
             endpoints,
             min_share,
+            streams: 1,
         }
     }
 
@@ -274,6 +314,54 @@ mod tests {
             [80, 20],
             "the first pool is held at its min; the other takes the rest"
         );
+    }
+
+    #[test]
+    fn streams_per_socket_is_one_but_for_http2() {
+        let sample = |s: Option<f64>| BackendSample {
+            h2_max_streams: s,
+            ..BackendSample::default()
+        };
+        assert_eq!(
+            streams_per_socket(ProtocolSpec::Http1, &sample(Some(8.0))),
+            1
+        );
+        assert_eq!(
+            streams_per_socket(ProtocolSpec::Auto, &sample(Some(8.0))),
+            1
+        );
+        assert_eq!(
+            streams_per_socket(ProtocolSpec::Http2, &sample(Some(8.0))),
+            8
+        );
+        for unknown in [None, Some(0.0), Some(f64::NAN)] {
+            assert_eq!(
+                streams_per_socket(ProtocolSpec::Http2, &sample(unknown)),
+                DEFAULT_H2_STREAMS
+            );
+        }
+        assert_eq!(
+            streams_per_socket(ProtocolSpec::Http2, &sample(Some(4294967295.0))),
+            u32::MAX,
+            "a server that sets no limit"
+        );
+    }
+
+    #[test]
+    fn water_fill_counts_sockets_of_http2_pools_and_keeps_them_whole() {
+        let h2 = |share, endpoints, streams| Pool {
+            streams,
+            ..pool(share, endpoints, 1)
+        };
+        // 300 streams on 3 sockets × 2 endpoints; 6 fds fit all of it, 4 fit 2 sockets each.
+        assert_eq!(water_fill(&[h2(300, 2, 100)], 6), [300]);
+        let caps = water_fill(&[h2(300, 2, 100)], 4);
+        assert_eq!(caps, [200]);
+        // Beside an HTTP/1.1 pool: 50 + 2 sockets, scaled by 26/52.
+        let pools = [pool(50, 1, 1), h2(200, 1, 100)];
+        let caps = water_fill(&pools, 26);
+        assert_eq!(caps, [25, 100]);
+        assert!(pools[0].sockets(caps[0]) + pools[1].sockets(caps[1]) <= 26);
     }
 
     #[test]

@@ -209,6 +209,7 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                     bounds,
                     decision,
                     held: mem.held,
+                    streams_per_socket: super::fds::streams_per_socket(b.protocol, &sample),
                     sample,
                 };
                 plan.settle_per_pod();

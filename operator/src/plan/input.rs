@@ -98,6 +98,14 @@ pub struct BackendSample {
     pub bytes: Option<f64>,
     /// Median time from sending a request to the first byte of its response body, seconds.
     pub ttfb: Option<f64>,
+    /// The smallest `SETTINGS_MAX_CONCURRENT_STREAMS` the backend's HTTP/2 servers sent, over
+    /// the pods' connections at the latest scrape (`poolpilot_upstream_h2_max_concurrent_streams`);
+    /// `None` without one.
+    pub h2_max_streams: Option<f64>,
+    /// `protocol: Auto`: the addresses the pods call over HTTP/1.1 for the fallback cooldown,
+    /// summed over the pods at the latest scrape (`poolpilot_upstream_h2_fallback`); `None`:
+    /// none.
+    pub h2_fallback: Option<f64>,
     /// The window the averages and rates are taken over.
     pub window: std::time::Duration,
     /// The backend's own saturation signal, when it has a saturation query.

@@ -44,6 +44,9 @@ pub struct BackendPlan {
     pub held: u32,
     /// The sample the decision was made from.
     pub sample: BackendSample,
+    /// Slots one socket carries, for the fd check: 1 for HTTP/1.1 (and `Auto`, whose servers
+    /// may answer HTTP/1.1), for HTTP/2 the servers' stream limit ([`super::fds::streams_per_socket`]).
+    pub streams_per_socket: u32,
 }
 
 impl BackendPlan {

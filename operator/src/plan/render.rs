@@ -12,7 +12,9 @@ use poolpilot_api::limits::{
     ProxyProtocol, RouteMatch, SlowCalls, SoftThrottle, Timeouts, TokenBudget, TokenCount,
     TokenWeights, TrustedProxies, UpstreamProtocol,
 };
-use poolpilot_api::policy::upstream::{CredentialSchemeSpec, CredentialsSpec, secret_file};
+use poolpilot_api::policy::upstream::{
+    CredentialSchemeSpec, CredentialsSpec, ProtocolSpec, secret_file,
+};
 use poolpilot_api::policy::{
     BackendSpec, ClientScope, TokenBudgetSpec, TokenCountSpec, TrustedProxyProtocol,
 };
@@ -423,8 +425,11 @@ fn backend(
         }),
         client_policy,
         credentials: b.credentials.as_ref().map(credentials),
-        // The policy has no field for it yet: its backends speak HTTP/1.1.
-        protocol: UpstreamProtocol::default(),
+        protocol: match b.protocol {
+            ProtocolSpec::Http1 => UpstreamProtocol::Http1,
+            ProtocolSpec::Auto => UpstreamProtocol::Auto,
+            ProtocolSpec::Http2 => UpstreamProtocol::Http2,
+        },
     }
 }
 

@@ -76,6 +76,11 @@ pub fn compute(
                     .filter(|d| d.is_finite() && pooled > 0.0)
                     .map(|d| (d / pooled * 1000.0).round() / 1000.0),
                 demand_by_class: super::priority::status(&b.sample.classes),
+                http1_fallback: b
+                    .sample
+                    .h2_fallback
+                    .filter(|v| v.is_finite() && *v >= 0.5)
+                    .map(|v| v.round() as u32),
                 last_scale: mem
                     .and_then(|m| m.last_scale.as_ref())
                     .map(|s| ScaleRecord {

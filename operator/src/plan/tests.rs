@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use poolpilot_api::limits::{Endpoint, TokenCount};
+use poolpilot_api::limits::{Endpoint, TokenCount, UpstreamProtocol};
 use poolpilot_api::policy::{Mode, StartFrom};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 use proptest::prelude::*;
@@ -439,6 +439,79 @@ fn fd_check_clamps_with_the_exact_numbers() {
 }
 
 #[test]
+fn fd_check_counts_sockets_for_http2_backends_not_streams() {
+    // The numbers of the test above: 7 endpoints × 82 slots + 768 is over 1024 for HTTP/1.1.
+    let extra = "listener: {maxConnections: 512}\nfileDescriptors: {reserve: 256}\nautoscale: {enabled: false, max: 82}\n";
+    let run = |protocol: &str, h2_max_streams: Option<f64>| {
+        let p = policy(
+            "a",
+            0,
+            &spec("model-a", 200, &format!("  protocol: {protocol}\n{extra}")),
+            7,
+        );
+        let mut input = input_with_fds(vec![p], pods(1), 2048);
+        input.samples.backends.insert(
+            (key("a"), "model-a".to_owned()),
+            BackendSample {
+                h2_max_streams,
+                ..BackendSample::default()
+            },
+        );
+        let plan = plan_once(&input);
+        let pp = &plan.policies[0];
+        assert!(!pp.backends.is_empty(), "{:?}", pp.acceptance);
+        (pp.backends[0].per_pod, pp.fds.within(), pp.fds.message())
+    };
+    assert_eq!(
+        run("Http1", Some(2.0)).0,
+        36,
+        "a socket a slot, whatever a sample says"
+    );
+    // HTTP/2 with the documented default of 100 streams: one socket per endpoint, 7 + 768.
+    let (per_pod, within, message) = run("Http2", None);
+    assert_eq!((per_pod, within), (82, Some(true)), "{message}");
+    assert_eq!(message, "needs 775 fds, pods allow 1024 (pod gw-0)");
+    // The servers' own limit when the pods report it: ⌈82 / 3⌉ = 28 sockets × 7 + 768 fits.
+    let (per_pod, within, message) = run("Http2", Some(3.0));
+    assert_eq!((per_pod, within), (82, Some(true)), "{message}");
+    assert_eq!(message, "needs 964 fds, pods allow 1024 (pod gw-0)");
+    // Two streams a socket: 41 × 7 + 768 = 1055 does not; the share is scaled to whole
+    // sockets, 72 streams on 36 sockets per endpoint, 252 + 768 = 1020.
+    let (per_pod, within, message) = run("Http2", Some(2.0));
+    assert_eq!(per_pod, 72, "{message}");
+    assert_eq!(within, Some(false));
+    assert_eq!(
+        message,
+        "needs 1055 fds, pods allow 1024 (pod gw-0); pool shares scaled down to need 1020"
+    );
+}
+
+#[test]
+fn the_pods_http1_fallback_shows_in_status() {
+    let spec = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: p\n  protocol: Auto\n  endpoints: {external: [{host: api.example.com, port: 443, tls: {}}]}\n  capacity: {maxConnectionsPerEndpoint: 8}\n";
+    let fallback = |h2_fallback: Option<f64>| {
+        let mut input = input_of(vec![policy("a", 0, spec, 1)], pods(2));
+        input.samples.backends.insert(
+            (key("a"), "p".to_owned()),
+            BackendSample {
+                h2_fallback,
+                ..BackendSample::default()
+            },
+        );
+        let memory = Memory::default();
+        let fleet = plan(&input, &mut memory.clone(), at(0));
+        status_now(&input, &fleet, &memory, at(0)).backends[0].http1_fallback
+    };
+    assert_eq!(
+        fallback(Some(2.0)),
+        Some(2),
+        "two pods fell back on the address"
+    );
+    assert_eq!(fallback(None), None, "no pod reports one");
+    assert_eq!(fallback(Some(0.0)), None);
+}
+
+#[test]
 fn fd_check_spans_every_policy_on_the_same_pods_and_respects_min() {
     let extra = |min| {
         format!(
@@ -629,6 +702,43 @@ fn invalid_specs_list_every_broken_rule() {
             "missing {e:?} in {errors:#?}"
         );
     }
+}
+
+#[test]
+fn a_backends_protocol_reaches_its_document_and_auto_needs_tls_as_the_crd_rule_says() {
+    let rendered = |extra: &str| {
+        let p = policy("a", 0, &spec("model-a", 64, extra), 1);
+        let doc = plan_once(&input_of(vec![p], pods(1))).documents["gw-0"].clone();
+        doc.validate().expect("rendered documents validate");
+        doc.backends[0].protocol
+    };
+    assert_eq!(rendered(""), UpstreamProtocol::Http1, "the default");
+    assert_eq!(rendered("  protocol: Http1\n"), UpstreamProtocol::Http1);
+    assert_eq!(rendered("  protocol: Http2\n"), UpstreamProtocol::Http2);
+
+    let external = |tls: &str| {
+        format!(
+            "gatewaySelector: {{matchLabels: {{app: gw}}}}\nbackends:\n- name: p\n  protocol: Auto\n  endpoints: {{external: [{{host: api.example.com, port: 443{tls}}}, {{host: b.example.com, port: 443, tls: {{}}}}]}}\n  capacity: {{maxConnectionsPerEndpoint: 8}}\n"
+        )
+    };
+    let auto_rule = "spec.backends[0].protocol: Auto negotiates by ALPN, over TLS only: set tls on every endpoints.external, or say Http1 or Http2 (h2c) for plain endpoints";
+    let errors = |spec: &str| validate::validate_spec(&policy("a", 0, spec, 1).spec).err();
+    assert_eq!(errors(&external(", tls: {}")), None);
+    assert_eq!(errors(&external("")), Some(vec![auto_rule.to_owned()]));
+    assert_eq!(
+        errors(&spec("model-a", 64, "  protocol: Auto\n")),
+        Some(vec![auto_rule.to_owned()]),
+        "a Service's endpoints are plain"
+    );
+    assert_eq!(
+        errors(&spec("model-a", 64, "  protocol: Http2\n")),
+        None,
+        "h2c"
+    );
+
+    let p = policy("a", 0, &external(", tls: {}"), 1);
+    let doc = plan_once(&input_of(vec![p], pods(1))).documents["gw-0"].clone();
+    assert_eq!(doc.backends[0].protocol, UpstreamProtocol::Auto);
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use poolpilot_api::ConnectionPolicySpec;
 use poolpilot_api::limits::EndpointAddress;
 use poolpilot_api::policy::Mode;
+use poolpilot_api::policy::upstream::ProtocolSpec;
 
 use super::input::PolicyInput;
 
@@ -272,6 +273,18 @@ pub fn validate_spec(spec: &ConnectionPolicySpec) -> Result<(), Vec<String>> {
                 at("endpoints"),
                 "set exactly one of service, addresses and external".into(),
             ),
+        }
+        if b.protocol == ProtocolSpec::Auto
+            && !b
+                .endpoints
+                .external
+                .as_ref()
+                .is_some_and(|e| e.iter().all(|e| e.tls.is_some()))
+        {
+            err(
+                at("protocol"),
+                "Auto negotiates by ALPN, over TLS only: set tls on every endpoints.external, or say Http1 or Http2 (h2c) for plain endpoints".into(),
+            );
         }
         let p = &b.pool;
         positive(&mut err, &at("pool.leaseTimeout"), p.lease_timeout);

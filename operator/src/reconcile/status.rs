@@ -277,6 +277,7 @@ pub(super) mod tests {
                 decision,
                 held,
                 sample: BackendSample::default(),
+                streams_per_socket: 1,
             }],
             fds: FdReport::default(),
             metrics_available: None,

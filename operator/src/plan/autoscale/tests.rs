@@ -43,6 +43,8 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         unscraped: 0,
         current: None,
         classes: Default::default(),
+        h2_max_streams: None,
+        h2_fallback: None,
     }
 }
 
@@ -794,6 +796,8 @@ impl Server {
             unscraped: 0,
             current: None,
             classes: Default::default(),
+            h2_max_streams: None,
+            h2_fallback: None,
         }
     }
 }
