@@ -271,7 +271,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         "short",
         None,
     )?;
-    let solo = p99(&short, "short alone").await?;
+    let solo = p99(&short, "short alone", true).await?;
     let long = Load::start_as(
         LoadSpec {
             clients: 1,
@@ -289,7 +289,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     )?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let long_from = long.now();
-    let fair = p99(&short, "short beside long, token-fair").await?;
+    let fair = p99(&short, "short beside long, token-fair", true).await?;
     let long_tally = long.window(long_from, long.now());
     figure(SCENARIO, "token-fair: long's calls meanwhile", &long_tally);
     assert!(
@@ -327,7 +327,8 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         })
         .await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let weighted = p99(&short, "short beside long weighted 100").await?;
+    // A figure only: short may now wait past the lease timeout and fail.
+    let weighted = p99(&short, "short beside long weighted 100", false).await?;
     figure(
         SCENARIO,
         "long weighted 100: short's p99 over its p99 alone",
@@ -338,8 +339,9 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `short`'s p99 call duration over the next [`MEASURE`], printed as a figure of `phase`.
-async fn p99(short: &Load, phase: &str) -> anyhow::Result<Duration> {
+/// `short`'s p99 call duration over the next [`MEASURE`], printed as a figure of `phase`;
+/// `strict`: its calls must not fail either.
+async fn p99(short: &Load, phase: &str, strict: bool) -> anyhow::Result<Duration> {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let from = short.now();
     tokio::time::sleep(MEASURE).await;
@@ -359,7 +361,7 @@ async fn p99(short: &Load, phase: &str) -> anyhow::Result<Duration> {
         ),
     );
     anyhow::ensure!(
-        tally.error_rate() < 0.01,
+        !strict || tally.error_rate() < 0.01,
         "{phase}: short's calls fail: {tally}"
     );
     Ok(p99)
