@@ -609,8 +609,12 @@ pub struct ClientsSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<PrioritySpec>,
     /// Each client's token budget: what its calls may cost in model tokens a minute (and a
-    /// day), counted across the fleet or per pod as `scope` says (`Fleet`: divided evenly over
-    /// the selected pods). Each gateway pod admits a call only if its estimate fits (its
+    /// day), counted across the fleet or per pod as `scope` says. `Fleet`: an override's budget
+    /// (its own `tokens`, else this one) is divided over the selected pods by where its tokens
+    /// were used over the last interval (each pod's `poolpilot_client_tokens_total`), and
+    /// re-divided every autoscale interval, so that a client pinned to one pod gets over 95% of
+    /// its budget there (a pod without its calls keeps a twentieth of the even part); a client
+    /// without an override gets the even part on each pod. Each gateway pod admits a call only if its estimate fits (its
     /// `max_completion_tokens` or `max_tokens`, else `defaultMaxTokens`, plus its prompt's
     /// bytes ÷ 4), refuses it otherwise with 429 (OpenAI's `rate_limit_exceeded`, with
     /// `Retry-After` and the `x-ratelimit-*` headers) before it reaches a backend, and settles
@@ -1064,6 +1068,46 @@ pub struct ConnectionPolicyStatus {
     /// Listed only while the policy has at most 50 pods.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub clients: Vec<ClientStatus>,
+    /// Each token budget's use (`clients.tokens` and the overrides' budgets): one entry per
+    /// override with a budget (its own, or the policy's), and one for `other`, the clients
+    /// without an override (each of which has the whole budget on its own; its use is theirs
+    /// together). With `clients.scope: Fleet` an override's budget is divided over the pods by
+    /// where its tokens are used, and `shares` lists each pod's part (while the policy has at
+    /// most 50 pods).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<TokenBudgetStatus>,
+}
+
+/// One token budget and its use.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenBudgetStatus {
+    /// The override's name, or `other` for the clients without one.
+    pub client: String,
+    /// The budget's `perMinute` (across the fleet, or per pod: `clients.scope`).
+    pub per_minute: u64,
+    /// Tokens a minute charged to it over the selected pods, averaged over the metrics window
+    /// (settled, in the budget's units). Absent: a ready pod had no sample.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_per_minute: Option<f64>,
+    /// Each pod's part of a fleet-wide budget and the use it was divided by, in pod name order.
+    /// Empty: the budget is split evenly (or per pod).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<PodTokens>,
+}
+
+/// One pod's part of a token budget.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTokens {
+    /// The gateway pod.
+    pub pod: String,
+    /// Its part of `perMinute`.
+    pub per_minute: u64,
+    /// Tokens a minute the client was charged there when the budget was last divided. Absent:
+    /// no sample of the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_per_minute: Option<f64>,
 }
 
 /// One client's fleet-wide limits divided over the pods.

@@ -36,6 +36,9 @@ pub struct LoadSpec {
     pub max_workers: usize,
     /// Timeout of one call, from sending to the end of the body.
     pub call_timeout: Duration,
+    /// Wait as a refusal's `Retry-After` says (at most 5 s) before calling again, as the
+    /// OpenAI SDKs do, instead of calling again at once.
+    pub honour_retry_after: bool,
 }
 
 impl LoadSpec {
@@ -55,6 +58,7 @@ impl LoadSpec {
             clients: workers,
             max_workers: workers,
             call_timeout,
+            honour_retry_after: false,
         }
     }
 }
@@ -162,7 +166,7 @@ enum Outcome {
     Failed {
         reason: String,
         status: Option<u16>,
-        retry_after: bool,
+        retry_after: Option<Duration>,
     },
 }
 
@@ -170,6 +174,9 @@ enum Outcome {
 struct Record {
     /// Whole seconds since the start → outcomes of calls that ended in that second.
     seconds: BTreeMap<u64, Tally>,
+    /// Whole seconds since the start → how long each successful call that ended then took,
+    /// from sending it to the end of its body.
+    latencies: BTreeMap<u64, Vec<Duration>>,
 }
 
 /// A running load. Dropping it stops the workers.
@@ -227,7 +234,7 @@ impl Load {
                 body,
                 watch.clone(),
                 Arc::clone(&record),
-                started,
+                (started, spec.honour_retry_after),
             ));
         }
         Ok(Self {
@@ -269,6 +276,20 @@ impl Load {
         self.window(now.saturating_sub(seconds), now)
     }
 
+    /// The `q` quantile (0 to 1, nearest rank) of the durations of the successful calls that
+    /// ended in seconds `[from, to)` since the start; `None` without one.
+    pub fn latency_quantile(&self, from: u64, to: u64, q: f64) -> Option<Duration> {
+        let record = self.record.lock();
+        let mut all: Vec<Duration> = record
+            .latencies
+            .range(from..to)
+            .flat_map(|(_, l)| l.iter().copied())
+            .collect();
+        all.sort_unstable();
+        let rank = ((q.clamp(0.0, 1.0) * all.len() as f64).ceil() as usize).max(1);
+        all.get(rank - 1).copied()
+    }
+
     /// Every second so far, `(second, outcomes)`, seconds without a call included.
     pub fn seconds(&self) -> Vec<(u64, Tally)> {
         let record = self.record.lock();
@@ -292,7 +313,7 @@ async fn worker(
     body: String,
     mut active: watch::Receiver<usize>,
     record: Arc<Mutex<Record>>,
-    started: Instant,
+    (started, honour_retry_after): (Instant, bool),
 ) {
     loop {
         if *active.borrow_and_update() <= index {
@@ -301,15 +322,22 @@ async fn worker(
             }
             continue;
         }
+        let sent = Instant::now();
         let outcome = call(&client, &url, &key, &body).await;
+        let took = sent.elapsed();
         let failed_fast = matches!(&outcome, Outcome::Failed { status: None, .. });
+        let mut wait = None;
         let second = started.elapsed().as_secs();
         {
             let mut r = record.lock();
+            let r = &mut *r;
             let tally = r.seconds.entry(second).or_default();
             tally.calls += 1;
             match outcome {
-                Outcome::Ok => tally.ok += 1,
+                Outcome::Ok => {
+                    tally.ok += 1;
+                    r.latencies.entry(second).or_default().push(took);
+                }
                 Outcome::Failed {
                     reason,
                     status,
@@ -319,11 +347,14 @@ async fn worker(
                     if let Some(status) = status {
                         *tally.statuses.entry(status).or_default() += 1;
                     }
-                    tally.retry_after += u64::from(retry_after);
+                    tally.retry_after += u64::from(retry_after.is_some());
+                    wait = retry_after.filter(|_| honour_retry_after);
                 }
             }
         }
-        if failed_fast {
+        if let Some(wait) = wait {
+            tokio::time::sleep(wait.min(Duration::from_secs(5))).await;
+        } else if failed_fast {
             // No answer at all (connection refused while a pod restarts): do not spin.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -349,12 +380,16 @@ async fn call(client: &reqwest::Client, url: &str, key: &str, body: &str) -> Out
                 }
                 .to_owned(),
                 status: None,
-                retry_after: false,
+                retry_after: None,
             };
         }
     };
     let status = response.status();
-    let retry_after = response.headers().contains_key("retry-after");
+    // Seconds, as the gateway writes it (an HTTP date counts as present, waited for 1 s).
+    let retry_after = response.headers().get("retry-after").map(|v| {
+        let secs = v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok());
+        Duration::from_secs(secs.unwrap_or(1))
+    });
     let bytes = response.bytes().await;
     match bytes {
         Ok(_) if status.is_success() => Outcome::Ok,
@@ -378,7 +413,7 @@ async fn call(client: &reqwest::Client, url: &str, key: &str, body: &str) -> Out
             }
             .to_owned(),
             status: Some(status.as_u16()),
-            retry_after: false,
+            retry_after: None,
         },
     }
 }
@@ -386,6 +421,36 @@ async fn call(client: &reqwest::Client, url: &str, key: &str, body: &str) -> Out
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn latency_quantiles_are_nearest_rank_over_the_window_of_successful_calls() {
+        let (workers, _) = watch::channel(0);
+        let load = Load {
+            started: Instant::now(),
+            workers,
+            record: Arc::new(Mutex::new(Record::default())),
+            tasks: JoinSet::new(),
+        };
+        {
+            let mut r = load.record.lock();
+            r.latencies
+                .insert(1, (1..=50).map(Duration::from_millis).collect());
+            r.latencies
+                .insert(2, (51..=100).map(Duration::from_millis).collect());
+            r.latencies.insert(5, vec![Duration::from_secs(9)]);
+        }
+        let ms = |d: Option<Duration>| d.map(|d| d.as_millis());
+        assert_eq!(ms(load.latency_quantile(0, 3, 0.99)), Some(99));
+        assert_eq!(ms(load.latency_quantile(0, 3, 0.5)), Some(50));
+        assert_eq!(ms(load.latency_quantile(0, 3, 0.0)), Some(1));
+        assert_eq!(ms(load.latency_quantile(2, 3, 1.0)), Some(100));
+        assert_eq!(
+            ms(load.latency_quantile(0, 6, 1.0)),
+            Some(9000),
+            "second 5 counts"
+        );
+        assert_eq!(load.latency_quantile(3, 5, 0.5), None);
+    }
 
     #[test]
     fn tallies_add_up_and_rate_their_errors() {

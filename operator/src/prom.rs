@@ -181,6 +181,12 @@ impl Queries {
                 ),
             ),
             q(
+                "client_tokens",
+                format!(
+                    "60 * sum by (namespace, pod, client_policy, client) (rate(poolpilot_client_tokens_total[{w}]))"
+                ),
+            ),
+            q(
                 "p90",
                 format!(
                     "histogram_quantile(0.9, sum by (namespace, pod, le) (rate(poolpilot_upstream_request_duration_seconds_bucket[{w}])))"
@@ -281,6 +287,8 @@ pub struct Snapshot {
     pub upstream_5xx: Option<BTreeMap<(String, String), f64>>,
     /// p90 of upstream call duration per (namespace, pod); absent (NaN) without calls.
     pub p90: Option<BTreeMap<(String, String), f64>>,
+    /// Tokens a minute charged to clients' budgets per (namespace, pod, client policy, client).
+    pub client_tokens: Option<ByClass>,
 }
 
 /// The finite samples of `rows` by the key `key` reads from their labels; rows without it, and
@@ -369,6 +377,14 @@ impl Snapshot {
             lease_timeouts: by("lease_timeouts", "pod"),
             upstream_5xx: by("upstream_5xx", "pod"),
             p90: by("p90", "pod"),
+            client_tokens: keyed(get("client_tokens"), |l| {
+                Some((
+                    label(l, "namespace")?,
+                    label(l, "pod")?,
+                    label(l, "client_policy")?,
+                    label(l, "client")?,
+                ))
+            }),
         }
     }
 
@@ -528,6 +544,22 @@ impl Snapshot {
                             },
                         );
                     }
+                }
+            }
+            // Each scraped pod's token use per client of the policy (its client policy in the
+            // documents is named after it): a series it does not report is no use yet.
+            if let Some(m) = &self.client_tokens {
+                let name = crate::plan::render::client_policy_base(&key.name);
+                for pod in pods.iter().filter(|p| is_scraped(p)) {
+                    let used: BTreeMap<String, f64> = m
+                        .range(
+                            (ns.clone(), pod.clone(), name.clone(), String::new())
+                                ..(ns.clone(), pod.clone(), format!("{name}\0"), String::new()),
+                        )
+                        .filter(|((.., policy, _), _)| policy == &name)
+                        .map(|((.., client), v)| (client.clone(), v.max(0.0)))
+                        .collect();
+                    out.token_use.insert((key.clone(), pod.clone()), used);
                 }
             }
             for pod in pods {
@@ -785,7 +817,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 19, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 20, "one round for every policy in the cluster");
         let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
             promql("leased"),
@@ -817,6 +849,54 @@ mod tests {
             promql("max_fds"),
             "max by (namespace, pod) (last_over_time(process_max_fds[30s]))"
         );
+        assert_eq!(
+            promql("client_tokens"),
+            "60 * sum by (namespace, pod, client_policy, client) (rate(poolpilot_client_tokens_total[30s]))"
+        );
+    }
+
+    #[test]
+    fn token_use_is_read_per_scraped_pod_and_client_of_the_policy_only() {
+        let mut r = round();
+        let used = |pod, policy, client, v| {
+            row(
+                &[
+                    ("namespace", "ns"),
+                    ("pod", pod),
+                    ("client_policy", policy),
+                    ("client", client),
+                ],
+                v,
+            )
+        };
+        r.insert(
+            "client_tokens",
+            Some(vec![
+                used("gw-0", "p", "batch", 1200.0),
+                used("gw-0", "p", "other", 30.0),
+                used("gw-0", "p2", "batch", 999.0),
+                used("gw-9", "p", "batch", 5.0),
+                used("gw-1", "p", "batch", 7.0),
+            ]),
+        );
+        let s = fold(&r).samples("ns", &selection(), at(5), Duration::from_secs(30));
+        let gw0 = &s.token_use[&(key(), "gw-0".into())];
+        assert_eq!(
+            gw0,
+            &BTreeMap::from([("batch".to_owned(), 1200.0), ("other".to_owned(), 30.0)]),
+            "another policy's series are not this one's"
+        );
+        assert!(
+            !s.token_use.contains_key(&(key(), "gw-1".into())),
+            "gw-1 is not scraped: its use is missing, not its series' value"
+        );
+        // A scraped pod without a series used nothing; a failed query is missing.
+        r.insert("client_tokens", Some(vec![]));
+        let s = fold(&r).samples("ns", &selection(), at(5), Duration::from_secs(30));
+        assert_eq!(s.token_use[&(key(), "gw-0".into())], BTreeMap::new());
+        r.insert("client_tokens", None);
+        let s = fold(&r).samples("ns", &selection(), at(5), Duration::from_secs(30));
+        assert!(s.token_use.is_empty());
     }
 
     #[test]

@@ -25,3 +25,4 @@ mod scale_gateways;
 mod shadow_mode;
 mod skewed_load;
 mod square_wave;
+mod token_budgets;

@@ -320,10 +320,17 @@ impl ClientLimiter {
         key: ClientKey,
         estimate: Estimate,
     ) -> Result<Option<TokenReservation<ClientKey>>, Box<TokenRejection>> {
-        let label = self.inner.state.lock().label(&key);
+        let (label, policy) = {
+            let state = self.inner.state.lock();
+            (state.label(&key), state.policy.name.clone())
+        };
+        let counted = |r: TokenReservation<ClientKey>| {
+            r.count_in(self.inner.metrics.client_tokens(&policy, &label))
+        };
         self.inner
             .tokens
             .reserve(key, &label, estimate)
+            .map(|r| r.map(counted))
             .inspect_err(|_| self.inner.metrics.client_rejected(&label, "client_tokens"))
     }
 

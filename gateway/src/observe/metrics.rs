@@ -129,6 +129,12 @@ struct ClientLabel {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClientPolicyLabels {
+    client_policy: String,
+    client: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ClientReasonLabels {
     client: String,
     reason: &'static str,
@@ -210,6 +216,7 @@ pub struct Metrics {
     time_to_first_token: HistogramFamily<BackendLabel>,
     time_per_output_token: HistogramFamily<BackendLabel>,
     client_inflight: Family<ClientLabel, Gauge>,
+    client_tokens: Family<ClientPolicyLabels, Counter<f64, AtomicU64>>,
     client_rejected: Family<ClientReasonLabels, Counter>,
     client_queue_wait: HistogramFamily<ClientLabel>,
     endpoint_healthy: Family<EndpointLabels, Gauge>,
@@ -338,6 +345,7 @@ impl Metrics {
             time_to_first_token: Family::new_with_constructor(token_time_histogram),
             time_per_output_token: Family::new_with_constructor(token_time_histogram),
             client_inflight: Family::default(),
+            client_tokens: Family::default(),
             client_rejected: Family::default(),
             client_queue_wait: Family::new_with_constructor(wait_histogram),
             endpoint_healthy: Family::default(),
@@ -544,6 +552,11 @@ impl Metrics {
             "Streamed calls: from the first output chunk to the last, over the output tokens after the first (OpenTelemetry's gen_ai.server.time_per_output_token)",
             Unit::Seconds,
             m.time_per_output_token.clone(),
+        );
+        r.register(
+            "poolpilot_client_tokens",
+            "Tokens charged to clients' token budgets, settled (the budget's units: total, output or weighted), by client policy and client (an override's name, or other); the operator divides the fleet-wide budgets by each pod's rate of it",
+            m.client_tokens.clone(),
         );
         r.register(
             "poolpilot_client_inflight",
@@ -869,6 +882,15 @@ impl Metrics {
                 source,
             })
             .inc_by(n);
+    }
+
+    /// The counter of the tokens charged to the budgets of `client` (override name or
+    /// `other`) of client policy `policy`, for a reservation to add its settled cost to.
+    pub(crate) fn client_tokens(&self, policy: &str, client: &str) -> Counter<f64, AtomicU64> {
+        self.client_tokens.get_or_create_owned(&ClientPolicyLabels {
+            client_policy: policy.into(),
+            client: client.into(),
+        })
     }
 
     pub(crate) fn time_to_first_token(&self, backend: &str, secs: f64) {

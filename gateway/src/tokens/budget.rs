@@ -21,6 +21,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use poolpilot_api::limits::TokenBudget;
+use prometheus_client::metrics::counter::Counter;
+use std::sync::atomic::AtomicU64;
 use tokio::time::Instant;
 
 use super::estimate::Estimate;
@@ -384,6 +386,7 @@ impl<K: Copy + Eq + Hash> TokenBudgets<K> {
             reserved: cost,
             quote,
             settled: false,
+            used: None,
         }))
     }
 
@@ -439,6 +442,8 @@ pub struct TokenReservation<K: Copy + Eq + Hash> {
     reserved: f64,
     quote: Quote,
     settled: bool,
+    /// Where its settled cost is counted (`poolpilot_client_tokens_total`), if anywhere.
+    used: Option<Counter<f64, AtomicU64>>,
 }
 
 impl<K: Copy + Eq + Hash> TokenReservation<K> {
@@ -447,11 +452,22 @@ impl<K: Copy + Eq + Hash> TokenReservation<K> {
         self.quote
     }
 
+    /// Counts its settled cost in `counter` too.
+    pub fn count_in(mut self, counter: Counter<f64, AtomicU64>) -> Self {
+        self.used = Some(counter);
+        self
+    }
+
     /// Settles the call: `prompt` and `completion` tokens used, in the budget's units; the
-    /// difference with the reservation is given back or taken.
+    /// difference with the reservation is given back or taken, and the cost counted.
     pub fn settle(mut self, prompt: u64, completion: u64) {
         let cost = self.budget.cost(prompt, completion);
         self.adjust(cost - self.reserved, false);
+        if let Some(used) = &self.used
+            && cost > 0.0
+        {
+            used.inc_by(cost);
+        }
         self.settled = true;
     }
 

@@ -139,6 +139,16 @@ async fn remaining_tokens_fall_call_by_call_and_the_call_over_budget_never_reach
         Some(1.0),
         "{text}"
     );
+    // What the budgets were charged, settled: 7 calls of 60 (alice's 6, bob's 1; the refusal
+    // costs nothing), the series the operator divides fleet-wide budgets by.
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_client_tokens_total{client_policy=\"default\",client=\"other\"}"
+        ),
+        Some(420.0),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

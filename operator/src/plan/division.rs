@@ -66,27 +66,52 @@ pub fn floor(target: u32, pods: usize) -> u32 {
 
 /// The even split: `target ÷ n` rounded down, one more for the first `target mod n`, at least 1.
 pub fn even(target: u32, pods: usize) -> Vec<u32> {
-    let n = u32::try_from(pods).unwrap_or(u32::MAX).max(1);
+    narrow(even_u64(u64::from(target), pods))
+}
+
+/// [`even`] of a `u64` target (a token budget).
+pub fn even_u64(target: u64, pods: usize) -> Vec<u64> {
+    let n = (pods as u64).max(1);
     (0..pods)
-        .map(|i| (target / n + u32::from((i as u64) < u64::from(target % n))).max(1))
+        .map(|i| (target / n + u64::from((i as u64) < target % n)).max(1))
+        .collect()
+}
+
+/// Shares of a `u32` target back from the `u64` arithmetic (each is at most the target, or 1).
+fn narrow(shares: Vec<u64>) -> Vec<u32> {
+    shares
+        .into_iter()
+        .map(|s| u32::try_from(s).unwrap_or(u32::MAX))
         .collect()
 }
 
 /// Divides `target` over the holders by their claims (see the module docs): one share per
 /// claim, in order.
 pub fn divide(target: u32, claims: &[Claim]) -> Vec<u32> {
+    let floor = floor(target, claims.len());
+    narrow(divide_above(u64::from(target), claims, u64::from(floor)))
+}
+
+/// Divides `target` over the holders by their claims above a `floor` each (the division of
+/// [`divide`] with a floor of the caller's: a token budget's is smaller than a quarter of the
+/// even share, so that a client pinned to one pod gets nearly all of it there). Every pod at
+/// the even split when the floors leave nothing to pour.
+pub fn divide_above(target: u64, claims: &[Claim], floor: u64) -> Vec<u64> {
     let n = claims.len();
     if n == 0 {
         return Vec::new();
     }
-    let floor = floor(target, n);
-    if u64::from(floor) * n as u64 >= u64::from(target) {
+    let floor = floor.max(1);
+    if u128::from(floor) * n as u128 >= u128::from(target) {
         // Nothing above the floors (or not even room for them): every pod at the floor of 1 or
         // the even split, whichever the target allows.
-        return even(target, n);
+        return even_u64(target, n);
     }
-    let mut lower: Vec<u32> = claims.iter().map(|c| c.in_flight.max(floor)).collect();
-    if lower.iter().map(|&l| u64::from(l)).sum::<u64>() > u64::from(target) {
+    let mut lower: Vec<u64> = claims
+        .iter()
+        .map(|c| u64::from(c.in_flight).max(floor))
+        .collect();
+    if lower.iter().map(|&l| u128::from(l)).sum::<u128>() > u128::from(target) {
         lower = vec![floor; n];
     }
     let weight: Vec<f64> = claims
@@ -105,20 +130,20 @@ pub fn divide(target: u32, claims: &[Claim]) -> Vec<u32> {
 
 /// The real-valued shares: `max(lower, λ × weight)` adding up to `target`, or the remainder above
 /// the lower bounds split evenly when no pod has weight.
-fn pour(target: u32, lower: &[u32], weight: &[f64]) -> Vec<f64> {
-    let target = f64::from(target);
+fn pour(target: u64, lower: &[u64], weight: &[f64]) -> Vec<f64> {
+    let target = target as f64;
     let mut at_lower: Vec<bool> = weight.iter().map(|&w| w <= 0.0).collect();
     if at_lower.iter().all(|&b| b) {
-        let rest = target - lower.iter().map(|&l| f64::from(l)).sum::<f64>();
+        let rest = target - lower.iter().map(|&l| l as f64).sum::<f64>();
         let each = rest / lower.len() as f64;
-        return lower.iter().map(|&l| f64::from(l) + each).collect();
+        return lower.iter().map(|&l| l as f64 + each).collect();
     }
     loop {
         let fixed: f64 = lower
             .iter()
             .zip(&at_lower)
             .filter(|(_, a)| **a)
-            .map(|(&l, _)| f64::from(l))
+            .map(|(&l, _)| l as f64)
             .sum();
         let weights: f64 = weight
             .iter()
@@ -130,15 +155,12 @@ fn pour(target: u32, lower: &[u32], weight: &[f64]) -> Vec<f64> {
             // Every pod with weight fell to its lower bound (only float error gets here): the
             // rest goes evenly.
             let rest = (target - fixed) / lower.len() as f64;
-            return lower
-                .iter()
-                .map(|&l| f64::from(l) + rest.max(0.0))
-                .collect();
+            return lower.iter().map(|&l| l as f64 + rest.max(0.0)).collect();
         }
         let lambda = (target - fixed) / weights;
         let mut changed = false;
         for i in 0..lower.len() {
-            if !at_lower[i] && lambda * weight[i] < f64::from(lower[i]) {
+            if !at_lower[i] && lambda * weight[i] < lower[i] as f64 {
                 at_lower[i] = true;
                 changed = true;
             }
@@ -147,7 +169,7 @@ fn pour(target: u32, lower: &[u32], weight: &[f64]) -> Vec<f64> {
             return (0..lower.len())
                 .map(|i| {
                     if at_lower[i] {
-                        f64::from(lower[i])
+                        lower[i] as f64
                     } else {
                         lambda * weight[i]
                     }
@@ -159,21 +181,21 @@ fn pour(target: u32, lower: &[u32], weight: &[f64]) -> Vec<f64> {
 
 /// Rounds the real shares down (never below their lower bound) and hands the remainder out by
 /// the largest fractional part, the earlier pod on a tie, so that they add up to `target`.
-fn round(target: u32, lower: &[u32], exact: &[f64]) -> Vec<u32> {
-    let mut shares: Vec<u32> = exact
+fn round(target: u64, lower: &[u64], exact: &[f64]) -> Vec<u64> {
+    let mut shares: Vec<u64> = exact
         .iter()
         .zip(lower)
-        .map(|(&x, &l)| (x.floor().min(f64::from(u32::MAX)) as u32).max(l))
+        .map(|(&x, &l)| (x.floor().min(target as f64) as u64).max(l))
         .collect();
-    let mut left = i64::from(target) - shares.iter().map(|&s| i64::from(s)).sum::<i64>();
+    let mut left = i128::from(target) - shares.iter().map(|&s| i128::from(s)).sum::<i128>();
     let mut order: Vec<usize> = (0..shares.len()).collect();
     order.sort_by(|&a, &b| {
         let fa = exact[a] - exact[a].floor();
         let fb = exact[b] - exact[b].floor();
         fb.total_cmp(&fa).then(a.cmp(&b))
     });
-    // Float error may leave the sum one off either way: give to the largest fractions, take
-    // from the smallest that stay above their lower bound.
+    // Float error may leave the sum off either way: give to the largest fractions, take from
+    // the smallest that stay above their lower bound.
     for &i in order.iter().cycle().take(order.len() * 2) {
         if left <= 0 {
             break;
@@ -181,13 +203,20 @@ fn round(target: u32, lower: &[u32], exact: &[f64]) -> Vec<u32> {
         shares[i] += 1;
         left -= 1;
     }
-    for &i in order.iter().rev() {
-        if left >= 0 {
-            break;
+    while left < 0 {
+        let mut took = false;
+        for &i in order.iter().rev() {
+            if left >= 0 {
+                break;
+            }
+            if shares[i] > lower[i] {
+                shares[i] -= 1;
+                left += 1;
+                took = true;
+            }
         }
-        if shares[i] > lower[i] {
-            shares[i] -= 1;
-            left += 1;
+        if !took {
+            break;
         }
     }
     shares
@@ -223,18 +252,25 @@ impl Need {
 /// Whether `new` is worth sending in place of `old` (same holders, same target): a pod that
 /// queues or is pressed gets more, or the division moves more than [`DEADBAND`] of the target.
 pub fn moves(old: &[u32], new: &[u32], needs: &[Need], target: u32) -> bool {
+    let wide = |v: &[u32]| v.iter().map(|&s| u64::from(s)).collect::<Vec<u64>>();
+    moves_u64(&wide(old), &wide(new), needs, u64::from(target))
+}
+
+/// [`moves`] of `u64` shares (a token budget's).
+pub fn moves_u64(old: &[u64], new: &[u64], needs: &[Need], target: u64) -> bool {
     if old.len() != new.len() || old.len() != needs.len() {
         return true;
     }
     let gains = |i: usize| new[i] > old[i];
-    let wanting = (0..old.len()).any(|i| gains(i) && (needs[i].queues || needs[i].pressed(old[i])));
-    let moved: u64 = old
+    let pressed = |i: usize| needs[i].demand >= PRESSED * old[i] as f64;
+    let wanting = (0..old.len()).any(|i| gains(i) && (needs[i].queues || pressed(i)));
+    let moved: u128 = old
         .iter()
         .zip(new)
-        .map(|(&a, &b)| u64::from(a.abs_diff(b)))
-        .sum::<u64>()
+        .map(|(&a, &b)| u128::from(a.abs_diff(b)))
+        .sum::<u128>()
         / 2;
-    wanting || (moved > 1 && moved as f64 > DEADBAND * f64::from(target))
+    wanting || (moved > 1 && moved as f64 > DEADBAND * target as f64)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use super::input::{
 use super::memory::Memory;
 use super::output::{BackendPlan, FleetPlan, MetricsState, PolicyPlan};
 use super::time::Timestamp;
-use super::{clients, division, fds, memo, render, selector, shares, validate};
+use super::{clients, division, fds, memo, render, selector, shares, tokens, validate};
 
 /// Plans the namespace: validation and conflicts, autoscaling (only for backends whose interval is
 /// due at `now`), budgets, the fd check and the rendered documents (the last rendering when its
@@ -283,9 +283,24 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                 BTreeMap::new()
             }
         };
+        let (token_shares, token_use) = token_budgets(
+            policy,
+            input,
+            memory,
+            (&holders, &is_ready),
+            accepted,
+            {
+                backends
+                    .iter()
+                    .any(|b| b.decision.as_ref().is_some_and(on_fresh_data))
+            },
+            now,
+        );
         plans.push(PolicyPlan {
             key: policy.key.clone(),
             client_shares,
+            token_shares,
+            token_use,
             acceptance: acceptance[i].clone(),
             selected,
             holders,
@@ -479,4 +494,82 @@ fn previous_target(policy: &PolicyInput, backend: &str) -> Option<u32> {
         .iter()
         .find(|b| b.name == backend)
         .map(|b| b.target)
+}
+
+/// The fleet-wide token budgets of a policy's named clients divided by where their tokens are
+/// used ([`tokens`]; with `clients.scope: Fleet` and autoscale on, re-judged when `due`: a
+/// decision ran on fresh data), and the tokens a minute each client label was charged over the
+/// holders (when every ready one has a sample).
+fn token_budgets(
+    policy: &PolicyInput,
+    input: &FleetInput,
+    memory: &mut Memory,
+    (holders, ready): (&[String], &[bool]),
+    accepted: bool,
+    due: bool,
+    now: Timestamp,
+) -> (
+    BTreeMap<String, tokens::TokenDivision>,
+    Option<BTreeMap<String, f64>>,
+) {
+    let uses: Vec<Option<&BTreeMap<String, f64>>> = holders
+        .iter()
+        .map(|h| {
+            input
+                .samples
+                .token_use
+                .get(&(policy.key.clone(), h.clone()))
+        })
+        .collect();
+    let complete = (0..holders.len()).all(|i| !ready[i] || uses[i].is_some());
+    let total = (complete && uses.iter().any(Option::is_some)).then(|| {
+        let mut total: BTreeMap<String, f64> = BTreeMap::new();
+        for used in uses.iter().flatten() {
+            for (client, v) in used.iter() {
+                *total.entry(client.clone()).or_default() += v;
+            }
+        }
+        total
+    });
+    let Some(c) = policy
+        .spec
+        .clients
+        .as_ref()
+        .filter(|c| accepted && c.scope == ClientScope::Fleet && policy.spec.autoscale.enabled)
+    else {
+        memory.token_divisions.remove(&policy.key);
+        return (BTreeMap::new(), total);
+    };
+    // Each override with a budget (its own, else the policy's), by name.
+    let budgets: BTreeMap<String, u64> = c
+        .overrides
+        .iter()
+        .filter_map(|o| {
+            let t = o.tokens.as_ref().or(c.tokens.as_ref())?;
+            Some((o.name.clone(), t.per_minute))
+        })
+        .collect();
+    let last = memory
+        .token_divisions
+        .get(&policy.key)
+        .cloned()
+        .unwrap_or_else(|| {
+            let status = policy.status.as_ref().map_or(&[][..], |s| &s.tokens);
+            tokens::restored(status, holders, &budgets, now)
+        });
+    let divided: BTreeMap<String, tokens::TokenDivision> = budgets
+        .iter()
+        .map(|(name, &budget)| {
+            let used: Vec<Option<f64>> = uses
+                .iter()
+                .map(|u| u.map(|u| u.get(name).copied().unwrap_or(0.0)))
+                .collect();
+            let d = tokens::divide(holders, ready, &used, budget, last.get(name), due, now);
+            (name.clone(), d)
+        })
+        .collect();
+    memory
+        .token_divisions
+        .insert(policy.key.clone(), divided.clone());
+    (divided, total)
 }

@@ -212,6 +212,10 @@ pub struct Samples {
     pub pools: BTreeMap<(PolicyKey, String, String), PodPool>,
     /// Per pod name.
     pub pods: BTreeMap<String, PodSample>,
+    /// Per policy and scraped pod: the tokens a minute charged to each of its clients' budgets
+    /// there, by client label (an override's name, or `other`), for the division of fleet-wide
+    /// token budgets. A pod absent: no fresh sample.
+    pub token_use: BTreeMap<(PolicyKey, String), BTreeMap<String, f64>>,
 }
 
 /// The whole input of one planning run for one namespace.

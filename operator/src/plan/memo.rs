@@ -95,6 +95,7 @@ impl Rendered {
             .map(|(rendered, fresh)| {
                 let mut plan = rendered.clone();
                 plan.metrics_available = fresh.metrics_available;
+                plan.token_use = fresh.token_use;
                 for (b, f) in plan.backends.iter_mut().zip(fresh.backends) {
                     b.decision = f.decision;
                     b.sample = f.sample;
@@ -110,6 +111,7 @@ impl Rendered {
 fn without_run_facts(plan: &PolicyPlan) -> PolicyPlan {
     let mut plan = plan.clone();
     plan.metrics_available = None;
+    plan.token_use = Default::default();
     for b in &mut plan.backends {
         b.decision = None;
         b.sample = Default::default();

@@ -9,6 +9,7 @@ use super::clients::ClientDivision;
 use super::input::PolicyKey;
 use super::memo;
 use super::shares::Divided;
+use super::tokens::TokenDivision;
 
 /// What the planner remembers between runs (the runtime keeps it in memory; after a restart it
 /// is rebuilt from status).
@@ -24,17 +25,20 @@ pub struct Memory {
     pub bursts: BTreeMap<(PolicyKey, String), u32>,
     /// The busiest clients' limits divided over the holders, per policy and client key.
     pub client_divisions: BTreeMap<PolicyKey, BTreeMap<String, ClientDivision>>,
+    /// The named clients' token budgets divided over the holders, per policy and override name.
+    pub token_divisions: BTreeMap<PolicyKey, BTreeMap<String, TokenDivision>>,
     /// The last rendering, reused while its inputs are unchanged.
     pub rendered: Option<Arc<memo::Rendered>>,
 }
 
 impl Memory {
     /// Forgets what was remembered of `policy` (deleted, or not in force): its backends'
-    /// autoscale memory, divisions, bursts and client divisions.
+    /// autoscale memory, divisions, bursts, client and token divisions.
     pub fn forget(&mut self, policy: &PolicyKey) {
         self.backends.retain(|(k, _), _| k != policy);
         self.divisions.retain(|(k, _), _| k != policy);
         self.bursts.retain(|(k, _), _| k != policy);
         self.client_divisions.remove(policy);
+        self.token_divisions.remove(policy);
     }
 }

@@ -37,6 +37,7 @@ pub mod selector;
 pub mod shares;
 pub mod status;
 pub mod time;
+pub mod tokens;
 pub mod validate;
 pub mod waves;
 

@@ -10,6 +10,7 @@ use super::autoscale::{Bounds, Decision};
 use super::budget::FdReport;
 use super::clients::ClientDivision;
 use super::input::{BackendSample, PolicyKey};
+use super::tokens::TokenDivision;
 use super::validate::Acceptance;
 
 /// The plan for one backend of an accepted policy.
@@ -110,6 +111,13 @@ pub struct PolicyPlan {
     /// Its busiest clients' fleet-wide limits divided over the holders by where their calls
     /// arrive, by client key (empty: every client gets the even split).
     pub client_shares: BTreeMap<String, ClientDivision>,
+    /// Its named clients' fleet-wide token budgets divided over the holders by where their
+    /// tokens are used, by override name (empty: every budget is split evenly, or per pod).
+    pub token_shares: BTreeMap<String, TokenDivision>,
+    /// The tokens a minute charged to each client label's budgets over the selected pods (an
+    /// override's name, or `other`; a label absent used none), `None` while a ready pod has
+    /// no sample. A fact of this run, for status.
+    pub token_use: Option<BTreeMap<String, f64>>,
     /// The document its ConfigMap holds, for pods that start later: the policies on its first
     /// selected pod, each backend at the base share (the smallest). Shared by every policy on
     /// the same pods.

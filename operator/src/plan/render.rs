@@ -23,6 +23,7 @@ use sha2::{Digest, Sha256};
 use super::budget;
 use super::input::{Acked, FleetInput, GatewayPod, PolicyInput};
 use super::output::PolicyPlan;
+use super::tokens::TokenDivision;
 use super::validate::Acceptance;
 
 /// Renders every pod's document (pods no accepted policy selects get an empty one, which removes
@@ -316,10 +317,19 @@ fn document(
                         key_sha256: o.client.key_sha256.clone(),
                         max_concurrency: part(o.max_concurrency, 1),
                         class: o.class.map(super::priority::class),
-                        tokens: o
-                            .tokens
-                            .as_ref()
-                            .map(|t| token_budget(t, c.scope, plan.holders.len(), rank)),
+                        // A named client's budget divided by where its tokens are used, on a
+                        // holder's own document; else its own budget's even part.
+                        tokens: match (plan.token_shares.get(&o.name), rank) {
+                            (Some(d), Some(r)) => o
+                                .tokens
+                                .as_ref()
+                                .or(c.tokens.as_ref())
+                                .map(|t| divided_budget(t, d, r)),
+                            _ => o
+                                .tokens
+                                .as_ref()
+                                .map(|t| token_budget(t, c.scope, plan.holders.len(), rank)),
+                        },
                         weight: o.weight,
                     })
                     .collect(),
@@ -448,15 +458,21 @@ fn credentials(c: &CredentialsSpec) -> Credentials {
     }
 }
 
-/// A client-policy name for a policy: its name when it fits the document's 63-character label
-/// rule, else a prefix plus a short hash; unique within one document.
-fn client_policy_name(policy: &str, used: &mut BTreeSet<String>) -> String {
-    let mut name = if policy.len() <= 63 {
+/// The client-policy name of a policy in the documents (the `client_policy` label of its
+/// gateway metrics): its name when it fits the document's 63-character label rule, else a
+/// prefix plus a short hash.
+pub fn client_policy_base(policy: &str) -> String {
+    if policy.len() <= 63 {
         policy.to_owned()
     } else {
         let hash = hex::encode(&Sha256::digest(policy.as_bytes())[..4]);
         format!("{}-{hash}", &policy[..54])
-    };
+    }
+}
+
+/// A client-policy name for a policy: [`client_policy_base`], unique within one document.
+fn client_policy_name(policy: &str, used: &mut BTreeSet<String>) -> String {
+    let mut name = client_policy_base(policy);
     let base = name.clone();
     let mut n = 1;
     while !used.insert(name.clone()) {
@@ -464,6 +480,18 @@ fn client_policy_name(policy: &str, used: &mut BTreeSet<String>) -> String {
         name = format!("{}-{n}", &base[..base.len().min(60)]);
     }
     name
+}
+
+/// A token budget in the document of the holder at `rank`, its part of a division by use:
+/// `perMinute` its share, `perDay` and `requestsPerMinute` in the same proportion.
+fn divided_budget(t: &TokenBudgetSpec, d: &TokenDivision, rank: usize) -> TokenBudget {
+    let mut budget = token_budget(t, ClientScope::PerPod, 1, Some(rank));
+    budget.per_minute = d.shares.get(rank).copied().unwrap_or(1).max(1);
+    budget.per_day = t.per_day.map(|day| d.part_of(day, rank));
+    budget.requests_per_minute = t
+        .requests_per_minute
+        .map(|r| u32::try_from(d.part_of(r.into(), rank)).unwrap_or(r));
+    budget
 }
 
 /// A token budget in a pod's document: with `Fleet` scope this pod's part of each bucket

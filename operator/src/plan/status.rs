@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
     BackendStatus, ClientStatus, DecisionRecord, Mode, PodFailure, PodRun, PodShare, PodsStatus,
-    ScaleRecord,
+    ScaleRecord, TokenBudgetStatus,
 };
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
@@ -116,6 +116,43 @@ pub fn compute(
         Vec::new()
     };
 
+    // Each token budget's use, and its division where it has one.
+    let tokens: Vec<TokenBudgetStatus> = match policy.spec.clients.as_ref() {
+        Some(c) if plan.acceptance.is_accepted() => {
+            let used = |client: &str| {
+                plan.token_use
+                    .as_ref()
+                    .map(|u| u.get(client).copied().unwrap_or(0.0))
+            };
+            let listed = if plan.holders.len() <= MAX_SHARES_LISTED {
+                MAX_SHARES_LISTED
+            } else {
+                0
+            };
+            let named = c.overrides.iter().filter_map(|o| {
+                let t = o.tokens.as_ref().or(c.tokens.as_ref())?;
+                Some(super::tokens::status(
+                    &o.name,
+                    t.per_minute,
+                    used(&o.name),
+                    plan.token_shares.get(&o.name),
+                    listed,
+                ))
+            });
+            let other = c.tokens.as_ref().map(|t| {
+                super::tokens::status(
+                    super::tokens::OTHER,
+                    t.per_minute,
+                    used(super::tokens::OTHER),
+                    None,
+                    0,
+                )
+            });
+            named.chain(other).collect()
+        }
+        _ => Vec::new(),
+    };
+
     let mut failures: Vec<PodFailure> = refusals(&rollout.pods)
         .into_iter()
         .chain(rollout.unreachable.clone())
@@ -157,6 +194,7 @@ pub fn compute(
             omitted,
         }),
         clients,
+        tokens,
     }
 }
 

@@ -2269,3 +2269,124 @@ fn a_round_of_reconciles_divides_each_backend_once() {
         assert_eq!(p.backends[0].shares.len(), 4, "{}", p.key.name);
     }
 }
+
+#[test]
+fn a_named_clients_fleet_token_budget_follows_its_use_to_the_pod_it_is_pinned_to() {
+    // 60000 tokens a minute over 3 pods; the override `batch` (the policy's budget) sends all
+    // of its calls to gw-1. Run 1 splits evenly; run 2, having seen its use there, gives gw-1
+    // all but a floor of 60000 ÷ 3 ÷ 20 = 1000 on each other pod. The clients without an
+    // override keep the even split: the metric does not tell them apart.
+    let key_hash = "b".repeat(64);
+    let extra = format!(
+        "autoscale: {{min: 8, max: 8}}\nclients:\n  identity: {{header: x-api-key}}\n  maxConcurrency: 8\n  tokens: {{perMinute: 60000, perDay: 6000000, requestsPerMinute: 300}}\n  overrides:\n  - name: batch\n    match: {{keySha256: {key_hash}}}\n    maxConcurrency: 8\n"
+    );
+    let p = policy("a", 0, &spec("model-a", 64, &extra), 3);
+    let mut input = input_with_fds(vec![p], pods(3), 65_536);
+    input
+        .samples
+        .backends
+        .insert((key("a"), "model-a".into()), busy_sample(3.0, 0.0));
+    set_pools(&mut input, &[(1.0, 0.0), (1.0, 0.0), (1.0, 0.0)]);
+    let use_on = |input: &mut FleetInput, used: [f64; 3]| {
+        for (i, v) in used.iter().enumerate() {
+            input.samples.token_use.insert(
+                (key("a"), format!("gw-{i}")),
+                BTreeMap::from([("batch".to_owned(), *v), ("other".to_owned(), 10.0)]),
+            );
+        }
+    };
+    let parts = |f: &FleetPlan| -> Vec<(u64, Option<u64>, Option<u32>, u64)> {
+        (0..3)
+            .map(|i| {
+                let c = &f.documents[&format!("gw-{i}")].client_policies[0];
+                let t = c.overrides[0].tokens.as_ref().expect("a divided budget");
+                let policy = c.tokens.as_ref().expect("the policy's budget");
+                (
+                    t.per_minute,
+                    t.per_day,
+                    t.requests_per_minute,
+                    policy.per_minute,
+                )
+            })
+            .collect()
+    };
+    use_on(&mut input, [0.0; 3]);
+    let mut memory = Memory::default();
+    let first = plan(&input, &mut memory, at(0));
+    assert_eq!(
+        parts(&first),
+        vec![(20_000, Some(2_000_000), Some(100), 20_000); 3]
+    );
+    use_on(&mut input, [0.0, 19_500.0, 0.0]);
+    let second = plan(&input, &mut memory, at(15));
+    assert_eq!(
+        parts(&second),
+        [
+            (1_000, Some(100_000), Some(5), 20_000),
+            (58_000, Some(5_800_000), Some(290), 20_000),
+            (1_000, Some(100_000), Some(5), 20_000),
+        ]
+    );
+    for doc in second.documents.values() {
+        doc.validate().expect("a valid document");
+    }
+    let status = status_now(&input, &second, &memory, at(15));
+    let batch = status
+        .tokens
+        .iter()
+        .find(|t| t.client == "batch")
+        .expect("batch");
+    assert_eq!(
+        (batch.per_minute, batch.used_per_minute),
+        (60_000, Some(19_500.0))
+    );
+    let shown: Vec<(&str, u64)> = batch
+        .shares
+        .iter()
+        .map(|s| (s.pod.as_str(), s.per_minute))
+        .collect();
+    assert_eq!(shown, [("gw-0", 1_000), ("gw-1", 58_000), ("gw-2", 1_000)]);
+    let other = status
+        .tokens
+        .iter()
+        .find(|t| t.client == "other")
+        .expect("other");
+    assert_eq!(
+        (other.per_minute, other.used_per_minute, other.shares.len()),
+        (60_000, Some(30.0), 0)
+    );
+
+    // A new operator with the status as stored and Prometheus away keeps the division.
+    let mut restarted = input.clone();
+    restarted.policies[0].status = Some(status);
+    restarted.samples.token_use.clear();
+    let again = plan(&restarted, &mut Memory::default(), at(30));
+    assert_eq!(parts(&again), parts(&second));
+
+    // `scope: PerPod`: every pod gets the whole budget, whatever the use.
+    let per_pod = extra.replace("clients:\n", "clients:\n  scope: PerPod\n");
+    let mut input = input_with_fds(
+        vec![policy("a", 0, &spec("model-a", 64, &per_pod), 3)],
+        pods(3),
+        65_536,
+    );
+    use_on(&mut input, [0.0, 19_500.0, 0.0]);
+    let fleet = plan(&input, &mut Memory::default(), at(0));
+    assert!(
+        parts_per_pod(&fleet).iter().all(|&m| m == 60_000),
+        "{:?}",
+        parts_per_pod(&fleet)
+    );
+}
+
+/// The policy's `perMinute` in each of three pods' documents.
+fn parts_per_pod(f: &FleetPlan) -> Vec<u64> {
+    (0..3)
+        .map(|i| {
+            f.documents[&format!("gw-{i}")].client_policies[0]
+                .tokens
+                .as_ref()
+                .map_or(0, |t| t.per_minute)
+        })
+        .collect()
+}

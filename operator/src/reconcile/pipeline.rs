@@ -368,6 +368,8 @@ async fn refuse<G: Gateways>(
         fds: plan::budget::FdReport::default(),
         metrics_available: None,
         client_shares: Default::default(),
+        token_shares: Default::default(),
+        token_use: None,
         document: None,
     };
     let input = observe::policy_input(&observed.focus.namespace, policy, &[]);

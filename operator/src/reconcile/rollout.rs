@@ -12,6 +12,7 @@ use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
+use poolpilot_api::limits::TokenBudget;
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 use serde_json::json;
 use tracing::{info, warn};
@@ -338,7 +339,8 @@ pub async fn roll_out<G: Gateways>(
 }
 
 /// How a document differs from another when it differs only in the numbers the operator tunes
-/// (pool shares, bursts, client limits): what a new division of the targets makes.
+/// (pool shares, bursts, client limits, the parts of token budgets): what a new division of
+/// the targets makes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tuning {
     /// Every tuned number is the same or lower.
@@ -363,6 +365,23 @@ pub fn tuning(old: &GatewayLimits, new: &GatewayLimits) -> Option<Tuning> {
     fn tuned(raised: &mut bool, a: &mut u32, b: u32) {
         *raised |= *a > b;
         *a = b;
+    }
+    // A token budget's parts are tuned numbers too (its division over the pods); a budget
+    // that appears or goes is content.
+    fn tuned_tokens(raised: &mut bool, a: &mut Option<TokenBudget>, b: &Option<TokenBudget>) {
+        let (Some(a), Some(b)) = (a, b) else {
+            return;
+        };
+        *raised |= a.per_minute > b.per_minute;
+        a.per_minute = b.per_minute;
+        if let (Some(x), Some(y)) = (&mut a.per_day, b.per_day) {
+            *raised |= *x > y;
+            *x = y;
+        }
+        if let (Some(x), Some(y)) = (&mut a.requests_per_minute, b.requests_per_minute) {
+            *raised |= *x > y;
+            *x = y;
+        }
     }
     let mut same = new.clone();
     same.revision.clone_from(&old.revision);
@@ -390,8 +409,10 @@ pub fn tuning(old: &GatewayLimits, new: &GatewayLimits) -> Option<Tuning> {
         }
         tuned(&mut raised, &mut c.max_concurrency, o.max_concurrency);
         tuned(&mut raised, &mut c.max_queue, o.max_queue);
+        tuned_tokens(&mut raised, &mut c.tokens, &o.tokens);
         for (a, b) in c.overrides.iter_mut().zip(&o.overrides) {
             tuned(&mut raised, &mut a.max_concurrency, b.max_concurrency);
+            tuned_tokens(&mut raised, &mut a.tokens, &b.tokens);
         }
         if let (Some(a), Some(b)) = (&mut c.slow_calls, &o.slow_calls) {
             tuned(

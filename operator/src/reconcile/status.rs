@@ -282,6 +282,8 @@ pub(super) mod tests {
             fds: FdReport::default(),
             metrics_available: None,
             client_shares: Default::default(),
+            token_shares: Default::default(),
+            token_use: None,
             document: None,
         }
     }

@@ -1385,6 +1385,40 @@ fn a_re_division_is_a_tuning_that_lowers_or_raises_and_anything_else_is_content(
         "the share removed: back to the policy's limit"
     );
 
+    // A token budget's part on this pod: tuned, as its division over the pods moves it.
+    let budget = |per_minute: u64| {
+        let mut d = doc.clone();
+        d.client_policies[0].tokens = Some(
+            serde_json::from_value(
+                serde_json::json!({"perMinute": per_minute, "perDay": 10 * per_minute}),
+            )
+            .unwrap(),
+        );
+        d
+    };
+    assert_eq!(
+        rollout::tuning(&budget(900), &budget(300)),
+        Some(Tuning::Lowers)
+    );
+    assert_eq!(
+        rollout::tuning(&budget(300), &budget(900)),
+        Some(Tuning::Raises)
+    );
+    assert_eq!(
+        rollout::tuning(&doc, &budget(300)),
+        None,
+        "a budget that appears is content"
+    );
+    let mut counted = budget(300);
+    if let Some(t) = &mut counted.client_policies[0].tokens {
+        t.default_max_tokens = 7;
+    }
+    assert_eq!(
+        rollout::tuning(&budget(300), &counted),
+        None,
+        "how a budget counts is content"
+    );
+
     let mut moved = doc.clone();
     moved.backends[0].endpoints[0].address.set_port(9000);
     assert_eq!(

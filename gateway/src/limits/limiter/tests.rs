@@ -675,3 +675,39 @@ async fn a_token_reservation_rides_in_the_permit_and_a_refusal_is_counted() {
     l.set_policy(p);
     assert!(l.reserve_tokens(key, estimate).unwrap().is_none());
 }
+
+#[tokio::test(start_paused = true)]
+async fn settled_tokens_are_counted_by_policy_and_client_and_a_call_never_sent_is_not() {
+    let mut p = policy(4, 0);
+    p.tokens = Some(serde_json::from_value(serde_json::json!({"perMinute": 1000})).unwrap());
+    let metrics = Metrics::new();
+    let l = ClientLimiter::new(p, metrics.clone());
+    let estimate = Estimate {
+        prompt: 10,
+        output: 80,
+    };
+    let series = |client: &str| {
+        let text = metrics.encode();
+        let name = format!(
+            "poolpilot_client_tokens_total{{client_policy=\"{}\",client=\"{client}\"}} ",
+            l.inner.state.lock().policy.name
+        );
+        text.lines()
+            .find_map(|line| line.strip_prefix(name.as_str()))
+            .map(|v| v.parse::<f64>().expect("a number"))
+    };
+    let other = ClientKey::of(b"someone");
+    let batch = ClientKey::of(b"batch-key");
+    l.reserve_tokens(other, estimate)
+        .unwrap()
+        .expect("a budget")
+        .settle(7, 30);
+    l.reserve_tokens(batch, estimate)
+        .unwrap()
+        .expect("a budget")
+        .settle(1, 2);
+    // Dropped unsettled: the call never reached a backend and used nothing.
+    drop(l.reserve_tokens(other, estimate).unwrap());
+    assert_eq!(series("other"), Some(37.0), "{}", metrics.encode());
+    assert_eq!(series("batch-team"), Some(3.0), "{}", metrics.encode());
+}
