@@ -86,8 +86,9 @@ pub struct FleetResult {
     pub queries_per_round: BTreeMap<String, f64>,
     /// Rounds in the steady window.
     pub rounds: f64,
-    /// Instant queries Prometheus served over the operator's whole run, and the operator's
-    /// rounds by then (Prometheus read first: every query it served was counted by then).
+    /// Instant queries Prometheus served from the operator's start to the steady window's end
+    /// (its count before the operator subtracted), and the operator's rounds by then
+    /// (Prometheus read first: every query it served was counted by then).
     pub served: (f64, f64),
     /// Seconds from the fleet-wide edit's API write to the last pod running it (`None`: not
     /// within the plan's rollout timeout).
@@ -313,6 +314,8 @@ async fn run_inner(
     if let Some(n) = plan.concurrent_reconciles {
         cmd.args(["--concurrent-reconciles", &n.to_string()]);
     }
+    // The queries Prometheus served before the operator (this run's own readiness checks).
+    let served_before = served_queries(&get_text(&format!("{}/metrics", prometheus.1)).await?);
     let start = Instant::now();
     let operator = Arc::new(Process::spawn(cmd, &operator_log)?);
     let rss_max = Arc::new(AtomicU64::new(0));
@@ -338,7 +341,7 @@ async fn run_inner(
         &metrics_url,
         &prometheus.1,
         &operator,
-        start,
+        (start, served_before),
         progress,
     )
     .await;
@@ -533,7 +536,7 @@ async fn measure(
     metrics_url: &str,
     prometheus_url: &str,
     operator: &Process,
-    start: Instant,
+    (start, served_before): (Instant, f64),
     progress: &(dyn Fn(&str) + Sync),
 ) -> anyhow::Result<FleetResult> {
     // Cold start: every policy settled and every pod on its document.
@@ -589,7 +592,7 @@ async fn measure(
     let after = scrape(metrics_url).await?;
     let window = window_start.elapsed();
     let (queries_per_round, rounds) = queries_per_round(&before, &after);
-    let served_total = served_queries(&prom_after);
+    let served_total = served_queries(&prom_after) - served_before;
     let rounds_total = metric_sum(&after, "poolpilot_operator_prometheus_rounds_total", &[]);
     let steady_hist = bucket_delta(
         &histogram(&before, RECONCILE_HISTOGRAM),

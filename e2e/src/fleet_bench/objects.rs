@@ -227,7 +227,9 @@ pub fn pod_status(ip: Ipv4Addr) -> Value {
 
 /// A policy of the run: `name` with the one backend `backend` selecting `selector`, autoscale on
 /// with its bounds pinned at `target` (decisions every interval, no change), Progressive rollout
-/// with one canary and `verifyIntervals: 0`.
+/// with one canary and `verifyIntervals: 0`. The targets give each pod 2 connections per backend
+/// and the fleet reports 1 leased on each ([`FleetPlan::fleet_spec`]): demand × margin stays
+/// under the target, so no backend counts as saturated.
 fn policy(
     plan: &FleetPlan,
     name: &str,
@@ -287,15 +289,15 @@ pub fn group_policy(plan: &FleetPlan, k: usize) -> anyhow::Result<Value> {
     )
 }
 
-/// The fleet-wide policy: one backend on every pod, one connection per pod, `pool.maxPending`
-/// `max_pending` (the rollout's edit changes it).
+/// The fleet-wide policy: one backend on every pod, a target of 2 connections per pod,
+/// `pool.maxPending` `max_pending` (the rollout's edit changes it).
 pub fn fleet_policy(plan: &FleetPlan, max_pending: u32) -> anyhow::Result<Value> {
     policy(
         plan,
         FLEET_POLICY,
         FLEET_BACKEND,
         json!({GATEWAY_LABEL.0: GATEWAY_LABEL.1}),
-        plan.pods.max(1) as u32,
+        2 * plan.pods.max(1) as u32,
         max_pending,
     )
 }
