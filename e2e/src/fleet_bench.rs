@@ -368,6 +368,14 @@ async fn create_pods(
     plan: &FleetPlan,
     spec: &crate::fleet_sim::FleetSpec,
 ) -> anyhow::Result<()> {
+    // The ServiceAccount admission refuses pods until the namespace's `default` account exists.
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> = ns.api();
+    crate::eventually(
+        "the namespace's default ServiceAccount",
+        Duration::from_secs(60),
+        || async { Ok(accounts.get("default").await?) },
+    )
+    .await?;
     let pods: Api<Pod> = ns.api();
     futures::stream::iter(0..plan.pods)
         .map(|i| {

@@ -204,6 +204,7 @@ pub fn pod_object(plan: &FleetPlan, spec: &FleetSpec, i: usize) -> Value {
         },
         "spec": {
             "schedulingGates": [{"name": SIMULATED_GATE}],
+            "automountServiceAccountToken": false,
             "containers": [{"name": "gateway", "image": "poolpilot-fleet-sim.invalid/none"}],
         },
     })
