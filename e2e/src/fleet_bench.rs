@@ -41,7 +41,7 @@ use tokio::process::Child;
 use tokio::time::Instant;
 
 use crate::TestNamespace;
-use crate::credentials::{Pki, TOKEN_SECRET, server_name};
+use crate::credentials::{AdminCredentials, TOKEN_SECRET};
 use crate::fleet_sim::{Fleet, server_config};
 use crate::stack::{bucket_delta, histogram, metric_sum, quantile};
 
@@ -224,10 +224,9 @@ async fn run_inner(
 
     // Credentials as an install makes them: a token in the namespace's Secret, a CA and the
     // pods' certificate for the name the operator checks.
-    let credentials = crate::credentials::AdminCredentials::generate(ns.name())?;
-    let pki = Pki::generate("poolpilot fleet-bench CA", &server_name(ns.name()))?;
+    let credentials = AdminCredentials::generate(ns.name())?;
     let ca_file = dir.path().join("ca.crt");
-    std::fs::write(&ca_file, &pki.ca_pem)?;
+    std::fs::write(&ca_file, &credentials.ca_pem)?;
     let secrets: Api<Secret> = ns.api();
     secrets
         .create(
@@ -242,7 +241,8 @@ async fn run_inner(
     // The fleet, serving before its pods exist in the API.
     let port = free_port()?;
     let spec = plan.fleet_spec(ns.name(), &credentials.token, port);
-    let mut fleet = Fleet::start(spec.clone(), server_config(&pki.cert_pem, &pki.key_pem)?)
+    let tls = server_config(&credentials.cert_pem, &credentials.key_pem)?;
+    let mut fleet = Fleet::start(spec.clone(), tls)
         .await
         .context("starting the simulated fleet")?;
     let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
