@@ -97,6 +97,12 @@ pub struct FleetResult {
     pub rollout_reached: usize,
     /// PUTs the operator sent during the rollout.
     pub rollout_puts: f64,
+    /// A change of every group policy (their backends' `pool.maxPending`): seconds the API
+    /// writes took, and seconds from the first write until every policy settled on its new
+    /// generation and every pod ran the change (`None`: not within the settle timeout).
+    pub change_all: (f64, Option<f64>),
+    /// Policies settled when that wait ended.
+    pub change_settled: usize,
     /// The operator's resident memory: highest sample (every 500 ms) and its own peak (`VmHWM`).
     pub rss: (u64, Option<u64>),
     /// The operator's CPU seconds by the settle, and by the end.
@@ -512,6 +518,22 @@ fn pods_with_max_pending(fleet: &Fleet, max_pending: u32) -> usize {
         .count()
 }
 
+/// Pods of `fleet` each of whose group backends has `pool.maxPending` `max_pending`.
+fn pods_with_group_pending(fleet: &Fleet, max_pending: u32) -> usize {
+    fleet
+        .pods
+        .iter()
+        .filter(|p| {
+            p.limits().is_some_and(|l| {
+                l.backends
+                    .iter()
+                    .filter(|b| b.name != FLEET_BACKEND)
+                    .all(|b| b.pool.max_pending == max_pending)
+            })
+        })
+        .count()
+}
+
 /// Kubernetes API requests per second by verb between two operator `/metrics` texts.
 fn api_rates(before: &str, after: &str, seconds: f64) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
@@ -637,15 +659,67 @@ async fn measure(
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let end = scrape(metrics_url).await?;
-    let cpu_end = operator
-        .proc_file("stat")
-        .and_then(|s| stat_cpu_seconds(&s));
+    let end_rollout = scrape(metrics_url).await?;
     progress(&format!(
         "rollout of the fleet-wide edit: {} ({reached} of {} pods)",
         rollout.map_or("not within the timeout".to_owned(), |s| format!("{s:.2} s")),
         plan.pods
     ));
+
+    // A change of every group policy at once.
+    let changed = GROUP_MAX_PENDING + 1;
+    let change = Instant::now();
+    futures::stream::iter(0..plan.group_policies())
+        .map(|k| async move {
+            let backends = group_policy_with(plan, k, changed)?["spec"]["backends"].clone();
+            policies
+                .patch(
+                    &policy_name(k),
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"backends": backends}})),
+                )
+                .await?;
+            anyhow::Ok(())
+        })
+        .buffer_unordered(CREATE_CONCURRENCY)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<anyhow::Result<Vec<()>>>()
+        .context("changing every group policy")?;
+    let writes = change.elapsed().as_secs_f64();
+    let mut change_settle = None;
+    let mut change_settled = 0;
+    while change.elapsed() < plan.settle_timeout {
+        let on_it = pods_with_group_pending(fleet, changed);
+        if let Ok(list) = policies.list(&ListParams::default()).await {
+            change_settled = list
+                .items
+                .iter()
+                .filter(|p| objects::settled(plan, p))
+                .count();
+        }
+        if on_it == plan.pods && change_settled == plan.policies {
+            change_settle = Some(change.elapsed().as_secs_f64());
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    progress(&format!(
+        "change of every group policy: written in {writes:.1} s, {}",
+        change_settle.map_or(
+            format!(
+                "{change_settled} of {} settled within the timeout",
+                plan.policies
+            ),
+            |s| format!("settled in {s:.1} s")
+        )
+    ));
+
+    let end = scrape(metrics_url).await?;
+    let cpu_end = operator
+        .proc_file("stat")
+        .and_then(|s| stat_cpu_seconds(&s));
 
     Ok(FleetResult {
         plan: plan.clone(),
@@ -667,7 +741,9 @@ async fn measure(
         served: (served_total, rounds_total),
         rollout,
         rollout_reached: reached,
-        rollout_puts: puts(&end) - puts(&before_rollout),
+        rollout_puts: puts(&end_rollout) - puts(&before_rollout),
+        change_all: (writes, change_settle),
+        change_settled,
         rss: (0, None),
         cpu: (cpu_settle, cpu_end),
     })

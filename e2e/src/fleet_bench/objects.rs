@@ -29,6 +29,9 @@ pub const FLEET_POLICY: &str = "fleet-wide";
 pub const FLEET_BACKEND: &str = "fleet-b";
 /// The `pool.maxPending` of the fleet-wide backend before the rollout's edit; the edit adds one.
 pub const FLEET_MAX_PENDING: u32 = 16;
+/// The `pool.maxPending` of every group backend before the change of every policy; the change
+/// adds one.
+pub const GROUP_MAX_PENDING: u32 = 16;
 /// The static address every backend names: a pod-range address no pod holds. The simulated
 /// gateways never call it.
 pub const BACKEND_ADDRESS: Ipv4Addr = crate::hermetic::UNHELD_POD_ADDRESS;
@@ -276,8 +279,13 @@ fn policy(
 }
 
 /// Group policy `k`: one backend `b-NNNN` on its group's pods, a target of 2 connections per
-/// pod.
+/// pod, `pool.maxPending` [`GROUP_MAX_PENDING`].
 pub fn group_policy(plan: &FleetPlan, k: usize) -> anyhow::Result<Value> {
+    group_policy_with(plan, k, GROUP_MAX_PENDING)
+}
+
+/// [`group_policy`] with `pool.maxPending` `max_pending` (the change of every policy sets it).
+pub fn group_policy_with(plan: &FleetPlan, k: usize, max_pending: u32) -> anyhow::Result<Value> {
     let g = plan.group_of_policy(k);
     let target = 2 * plan.group_size(g).max(1) as u32;
     policy(
@@ -286,7 +294,7 @@ pub fn group_policy(plan: &FleetPlan, k: usize) -> anyhow::Result<Value> {
         &backend_name(k),
         json!({GROUP_LABEL: group_name(g)}),
         target,
-        16,
+        max_pending,
     )
 }
 

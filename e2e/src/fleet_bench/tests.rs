@@ -123,6 +123,16 @@ fn policies_parse_select_their_group_and_fit_their_capacity() {
         fleet_policy(&plan, 17).unwrap()["spec"]["backends"][0]["pool"]["maxPending"],
         17
     );
+    assert_eq!(
+        all[3]["spec"]["backends"][0]["pool"]["maxPending"],
+        GROUP_MAX_PENDING
+    );
+    let changed = group_policy_with(&plan, 3, GROUP_MAX_PENDING + 1).unwrap();
+    assert_eq!(
+        changed["spec"]["backends"][0]["pool"]["maxPending"],
+        GROUP_MAX_PENDING + 1
+    );
+    assert_eq!(changed["metadata"]["name"], all[3]["metadata"]["name"]);
 }
 
 fn with_status(
@@ -223,6 +233,8 @@ fn served_per_metric_round_and_the_highest_metric() {
         rollout: None,
         rollout_reached: 0,
         rollout_puts: 0.0,
+        change_all: (12.0, Some(45.0)),
+        change_settled: 0,
         rss: (0, None),
         cpu: (None, None),
     };
@@ -340,4 +352,12 @@ async fn wrong_pods_are_those_off_their_groups_document() {
     }
     assert!(wrong_pods(&plan, &fleet).is_empty());
     assert_eq!(pods_with_max_pending(&fleet, 1_000_000), 0);
+    let mp = fleet.pods[0].limits().unwrap().backends[0].pool.max_pending;
+    assert_eq!(
+        pods_with_max_pending(&fleet, mp),
+        4,
+        "the fleet-wide backend's"
+    );
+    assert_eq!(pods_with_group_pending(&fleet, mp), 4);
+    assert_eq!(pods_with_group_pending(&fleet, mp + 1), 0);
 }

@@ -5,7 +5,9 @@
 //! process of this machine. Asserted as properties: every policy settles (Accepted and RolledOut
 //! on its generation, every selected pod updated), every pod runs exactly its group's backends,
 //! no more than one PromQL query per metric per round (the operator's counters and Prometheus'
-//! own count of the queries it served), and an edit of the fleet-wide policy reaches every pod.
+//! own count of the queries it served), an edit of the fleet-wide policy reaches every pod, and
+//! after a change of every group policy at once every policy settles again on its new generation
+//! with every pod running the change.
 //! Timings are printed as `figure fleet …` lines, not asserted.
 
 use poolpilot_e2e::fleet_bench::{self, FleetPlan};
@@ -27,6 +29,8 @@ async fn the_operator_settles_100_policies_on_50_simulated_pods() -> anyhow::Res
         figure("fleet", &format!("{size} reconcile_p99_cold"), opt(r.cold_reconcile.1));
         figure("fleet", &format!("{size} rollout"), opt(r.rollout));
         figure("fleet", &format!("{size} rollout_puts"), r.rollout_puts);
+        figure("fleet", &format!("{size} change_all_writes"), opt(Some(r.change_all.0)));
+        figure("fleet", &format!("{size} change_all_settle"), opt(r.change_all.1));
         figure(
             "fleet",
             &format!("{size} queries_per_round"),
@@ -77,6 +81,13 @@ async fn the_operator_settles_100_policies_on_50_simulated_pods() -> anyhow::Res
             r.rollout_reached,
             plan.pods,
             plan.rollout_timeout
+        );
+        anyhow::ensure!(
+            r.change_all.1.is_some(),
+            "after a change of every group policy {} of {} policies settled within {:?}",
+            r.change_settled,
+            plan.policies,
+            plan.settle_timeout
         );
         Ok(())
     })

@@ -271,6 +271,20 @@ fn render_details(w: &mut String, plan: &FleetPlan, r: &FleetResult) {
             ),
         ),
         (
+            "a change of every group policy: written · settled".to_owned(),
+            format!(
+                "{:.1} s · {}",
+                r.change_all.0,
+                r.change_all.1.map_or(
+                    format!(
+                        "{} of {} policies within the timeout",
+                        r.change_settled, plan.policies
+                    ),
+                    |s| format!("{s:.1} s from the first write")
+                )
+            ),
+        ),
+        (
             "operator RSS: highest sample · VmHWM".to_owned(),
             format!("{} · {}", mib(r.rss.0), r.rss.1.map_or("–".to_owned(), mib)),
         ),
@@ -316,7 +330,7 @@ fn render_method(w: &mut String, plan: &FleetPlan) {
          the steady window, and Prometheus' own `prometheus_http_requests_total{{handler=\"/api/v1/query\"}}` \
          (no one else queries it) ÷ the operator's rounds ÷ its metrics over the whole run. The rollout \
          edits `fleet-wide`'s `pool.maxPending` and is timed from the API write's return to the last \
-         pod running it, read from the fleet every 10 ms. RSS is `/proc/<pid>/status`' `VmRSS` every \
+         pod running it, read from the fleet every 10 ms. Then every group policy is changed at once (its          backend's `pool.maxPending`, {gp} merge patches 16 at a time) and timed from the first write until          every policy has settled on its new generation and every pod runs the change. RSS is `/proc/<pid>/status`' `VmRSS` every \
          500 ms and `VmHWM` at the end; CPU `/proc/<pid>/stat`.\n\n\
          ```sh\n\
          make cluster-up\n\
@@ -365,6 +379,8 @@ mod tests {
             rollout: Some(3.2),
             rollout_reached: plan.pods,
             rollout_puts: 1000.0,
+            change_all: (12.0, Some(45.0)),
+            change_settled: 0,
             rss: (300 << 20, Some(310 << 20)),
             cpu: (Some(30.0), Some(50.0)),
         }
@@ -426,6 +442,7 @@ mod tests {
         assert_eq!(md.matches("| yes |").count(), 5, "{md}");
         assert!(md.contains("| 42.0 s | yes |"));
         assert!(md.contains("100 groups of 10"));
+        assert!(md.contains("| a change of every group policy: written · settled | 12.0 s · 45.0 s from the first write |"), "{md}");
         assert!(md.contains(&format!("{} series", plan.series())));
         let failed = render(&plan, &run, &Err(anyhow::anyhow!("no `Prometheus`")));
         assert!(failed.contains("**Not measured: the run failed.** `no 'Prometheus'`"));
