@@ -73,8 +73,9 @@ struct RunArgs {
     /// Hand-written analysis included verbatim in the report, when the file exists.
     #[arg(long)]
     analysis: Option<PathBuf>,
-    /// Markdown fragments written by other harnesses (`poolpilot-loop-bench`'s parts 5–6, `poolpilot-fleet-bench`'s part 7),
-    /// included verbatim after part 4; a missing file is an error.
+    /// Markdown fragments written by other harnesses (`poolpilot-loop-bench`'s parts 5–6,
+    /// `poolpilot-fleet-bench`'s part 7), included verbatim after part 4; a missing file is an
+    /// error.
     #[arg(long)]
     include: Vec<PathBuf>,
     /// The report part 1 is checked against (`regression`: the run fails when the gateway's
