@@ -402,15 +402,18 @@ BENCH_TARGET_DIR ?= $(CACHE)/target-bench
 BENCH_BIN        := $(BENCH_TARGET_DIR)/release
 
 LOOP_BENCH_OUT   ?= e2e/bench/control-loop.md
+FLEET_BENCH_OUT  ?= e2e/bench/operator-fleet.md
 SOFT_THROTTLE_OUT ?= e2e/bench/soft-throttle.md
 
 .PHONY: bench
-# The node runs images, so parts 5–6 run on a cluster of its own started on the release images
+# The node runs images, so parts 5–7 run on a cluster of its own started on the release images
 # (built from $(BENCH_TARGET_DIR), the binaries parts 1–4 measure) and stopped before the proxy
-# parts, which then have the machine to themselves. A cluster already running (`make demo`,
-# `make cluster-up`) runs the images it started with: the bench asks to stop it rather than
-# measure those.
-bench: bench-peers bins host-tools ## Proxy benchmarks beside HAProxy and nginx, control loop and operator scale on the embedded cluster (release images), rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
+# parts, which then have the machine to themselves. Part 7 (the operator at 2,000 policies ×
+# 1,000 simulated pods) runs the release operator as a process of this machine against that
+# cluster's API server: the simulated pods listen on 127/8 addresses here, which no pod reaches.
+# A cluster already running (`make demo`, `make cluster-up`) runs the images it started with: the
+# bench asks to stop it rather than measure those.
+bench: bench-peers bins host-tools ## Proxy benchmarks beside HAProxy and nginx, control loop and operator scale (up to 2,000 policies × 1,000 simulated pods) on the embedded cluster (release builds), rewriting BENCHMARKS.md (BENCH_QUICK=1: short validation run)
 	@if $(CLUSTER_RUNNING); then \
 		echo "a cluster is running with the images it started with; the bench starts its own on release images: make cluster-down first"; \
 		exit 1; \
@@ -421,12 +424,13 @@ bench: bench-peers bins host-tools ## Proxy benchmarks beside HAProxy and nginx,
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) cargo build --release -p poolpilot-bench
 	trap '$(MAKE) --no-print-directory cluster-down' EXIT; \
 	$(MAKE) --no-print-directory cluster-up IMAGE_PROFILE=release IMAGE_TARGET_DIR=$(BENCH_TARGET_DIR); \
-	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT) --image-profile release
+	$(RUST_BIN)/poolpilot-loop-bench --out $(LOOP_BENCH_OUT) --image-profile release; \
+	$(RUST_BIN)/poolpilot-fleet-bench --out $(FLEET_BENCH_OUT) --operator-bin $(BENCH_BIN)/poolpilot-operator
 	POOLPILOT_BENCH_FRAGMENT=$(CURDIR)/$(SOFT_THROTTLE_OUT) CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) \
 		cargo test --release -p poolpilot-gateway --test loopback -- --ignored soft_throttle::
 	$(BENCH_BIN)/poolpilot-bench run --gateway-bin $(BENCH_BIN)/poolpilot-gateway \
 		--run-dir $(CACHE)/bench-run --out BENCHMARKS.md --analysis e2e/bench/analysis.md \
-		--include $(LOOP_BENCH_OUT) --include $(SOFT_THROTTLE_OUT)
+		--include $(LOOP_BENCH_OUT) --include $(FLEET_BENCH_OUT) --include $(SOFT_THROTTLE_OUT)
 
 .PHONY: upstream-peers
 upstream-peers: ## Install the real upstream servers the gateway's loopback tests start when missing: nginx, dnsmasq (Debian packages)

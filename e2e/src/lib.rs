@@ -15,6 +15,7 @@ pub mod chart_readme;
 pub mod cluster;
 pub mod credentials;
 mod crypto;
+pub mod fleet_bench;
 pub mod fleet_sim;
 pub mod hermetic;
 pub mod load;

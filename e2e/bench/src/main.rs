@@ -1,6 +1,6 @@
 //! `poolpilot-bench`: the gateway side by side with HAProxy and nginx on one machine (
 //! parts 1–4), writing `BENCHMARKS.md` and the gateway's profile, with the fragments of other
-//! harnesses (parts 5–6, `--include`).
+//! harnesses (parts 5–7, `--include`).
 //!
 //! `poolpilot-bench run` drives everything; `poolpilot-bench upstream ADDR` is the upstream it
 //! starts (the same binary, so every proxy fronts the same server).
@@ -73,8 +73,9 @@ struct RunArgs {
     /// Hand-written analysis included verbatim in the report, when the file exists.
     #[arg(long)]
     analysis: Option<PathBuf>,
-    /// Markdown fragments written by other harnesses (e.g. `poolpilot-loop-bench`'s parts 5–6),
-    /// included verbatim after part 4; a missing file is an error.
+    /// Markdown fragments written by other harnesses (`poolpilot-loop-bench`'s parts 5–6,
+    /// `poolpilot-fleet-bench`'s part 7), included verbatim after part 4; a missing file is an
+    /// error.
     #[arg(long)]
     include: Vec<PathBuf>,
     /// The report part 1 is checked against (`regression`: the run fails when the gateway's

@@ -1,5 +1,5 @@
 //! Writes `BENCHMARKS.md`: machine, targets met or not, the four tables, the included fragments
-//! of parts 5–6, the profile's hot spots, the exact peer configs and how to reproduce one row.
+//! of parts 5–7, the profile's hot spots, the exact peer configs and how to reproduce one row.
 
 use std::fmt::Write as _;
 
@@ -76,7 +76,7 @@ pub struct Results<'a> {
     pub profile_file: String,
     /// Hand-written analysis to include verbatim.
     pub analysis: Option<String>,
-    /// Fragments of other harnesses (parts 5–6), included verbatim after part 4.
+    /// Fragments of other harnesses (parts 5–7), included verbatim after part 4.
     pub includes: Vec<String>,
     /// Part 1's ratios drawn as SVG, relative to the report (when part 1 ran).
     pub part1_plot: Option<String>,
@@ -118,11 +118,12 @@ pub fn render(r: &Results<'_>) -> String {
         },
         r.machine.started,
         if r.includes.is_empty() {
-            "Parts 5–6 (control loop and operator scale, on the embedded cluster) are \
+            "Parts 5–7 (control loop and operator scale, on the embedded cluster) are \
              not measured in this run."
         } else {
-            "Parts 5–6 (control loop and operator scale, on the embedded cluster) come \
-             from `poolpilot-loop-bench` in the same `make bench`, included below as it wrote them."
+            "Parts 5–7 (control loop and operator scale, on the embedded cluster) come \
+             from `poolpilot-loop-bench` and `poolpilot-fleet-bench` in the same `make bench`, \
+             included below as they wrote them."
         }
     );
 

@@ -33,7 +33,10 @@ pub use policies::{
     client_max_concurrency, one_backend_policy, only_backend, quick_policy, sample_policy, set,
     share,
 };
-pub use prom_text::{decisions_by_kind, metric_sum, operator_decisions, operator_metrics};
+pub use prom_text::{
+    bucket_delta, decisions_by_kind, histogram, metric_sum, operator_decisions, operator_metrics,
+    quantile,
+};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

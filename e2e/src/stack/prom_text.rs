@@ -1,5 +1,5 @@
 //! Prometheus text expositions as the scenarios read them: fetching a pod's `/metrics` and
-//! summing series, the operator's decisions by kind.
+//! summing series, the operator's decisions by kind, histograms' buckets and quantiles.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -69,6 +69,73 @@ pub fn metric_sum(text: &str, metric: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
+/// The cumulative buckets `(le, count)` of histogram `name` in an exposition, by `le` (`+Inf`
+/// last).
+pub fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut out: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (labels, value) = rest.rsplit_once("} ")?;
+            let le = labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("le=\""))?
+                .trim_end_matches('"');
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, value.trim().parse().ok()?))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// `after − before`, bucket by bucket (buckets missing before count from zero).
+pub fn bucket_delta(before: &[(f64, f64)], after: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    after
+        .iter()
+        .map(|&(le, n)| {
+            let was = before
+                .iter()
+                .find(|(l, _)| *l == le)
+                .map_or(0.0, |(_, n)| *n);
+            (le, n - was)
+        })
+        .collect()
+}
+
+/// The `q` quantile of cumulative buckets, interpolated linearly inside its bucket as
+/// Prometheus' `histogram_quantile` does; `None` without observations. A quantile in the `+Inf`
+/// bucket is the highest finite bound.
+pub fn quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut lower = (0.0, 0.0);
+    for &(le, n) in buckets {
+        if n >= rank {
+            if le.is_infinite() {
+                return Some(lower.0);
+            }
+            let inside = n - lower.1;
+            let frac = if inside > 0.0 {
+                (rank - lower.1) / inside
+            } else {
+                1.0
+            };
+            return Some(lower.0 + (le - lower.0) * frac);
+        }
+        lower = (le, n);
+    }
+    Some(lower.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,5 +171,29 @@ mod tests {
             decisions_by_kind(text),
             BTreeMap::from([("hold".to_owned(), 5.0), ("scale_up".to_owned(), 1.0)])
         );
+    }
+    const TEXT: &str = "# TYPE x histogram\n\
+        x_bucket{le=\"0.001\"} 10\n\
+        x_bucket{le=\"0.002\"} 30\n\
+        x_bucket{le=\"+Inf\"} 40\n\
+        x_sum 1.0\n\
+        x_count 40\n";
+
+    #[test]
+    fn histograms_parse_subtract_and_interpolate() {
+        let h = histogram(TEXT, "x");
+        assert_eq!(h, vec![(0.001, 10.0), (0.002, 30.0), (f64::INFINITY, 40.0)]);
+        let before = vec![(0.001, 10.0), (0.002, 10.0), (f64::INFINITY, 10.0)];
+        let d = bucket_delta(&before, &h);
+        assert_eq!(d, vec![(0.001, 0.0), (0.002, 20.0), (f64::INFINITY, 30.0)]);
+        // 15 of 30 observations: halfway into (0.001, 0.002].
+        let p50 = quantile(&d, 0.5).unwrap();
+        assert!((p50 - 0.00175).abs() < 1e-9, "{p50}");
+        assert_eq!(
+            quantile(&d, 0.99),
+            Some(0.002),
+            "in +Inf: the last finite bound"
+        );
+        assert_eq!(quantile(&bucket_delta(&h, &h), 0.5), None);
     }
 }

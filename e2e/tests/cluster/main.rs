@@ -1,7 +1,7 @@
 //! The cluster tests: the embedded control plane, its node, Prometheus' discovery, the
-//! hermetic routes, the manifests, the Helm chart, the operator under its RBAC and the product's
-//! `/metrics` on the embedded cluster, one module per subject (the scenarios are their own
-//! binary, `tests/scenarios/`). One binary, so that they are compiled and linked once and their
+//! hermetic routes, the manifests, the Helm chart, the operator under its RBAC, the operator at
+//! 100 policies × 50 simulated pods and the product's `/metrics` on the embedded cluster, one
+//! module per subject (the scenarios are their own binary, `tests/scenarios/`). One binary, so that they are compiled and linked once and their
 //! tests, which mostly wait on the cluster, overlap on the test threads (`make e2e` runs 4).
 //!
 //! Tests of different modules run at the same time on one cluster: each works in its own
@@ -18,6 +18,7 @@ mod discovery;
 mod docs;
 mod exclusive;
 mod exposition;
+mod fleet;
 mod hermetic;
 mod manifests;
 mod node;
