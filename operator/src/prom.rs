@@ -818,6 +818,11 @@ mod tests {
         };
         let all = q.all();
         assert_eq!(all.len(), 20, "one round for every policy in the cluster");
+        let sizing = include_str!("../../docs/operating.md");
+        assert!(
+            sizing.contains(&format!("a fixed round of {} queries", all.len())),
+            "docs/operating.md's sizing table names another count of queries per round"
+        );
         let promql = |name| &all.iter().find(|q| q.name == name).unwrap().promql;
         assert_eq!(
             promql("leased"),
