@@ -177,7 +177,7 @@ impl Sim {
             for e in 0..b.endpoints {
                 let u = self.active[e].len() as f64 / b.slots as f64;
                 let slow = 1.0 + b.batch * u + b.saturation * u * u;
-                let mut finished = 0;
+                let mut finished: u32 = 0;
                 self.active[e].retain_mut(|c| {
                     c.left -= DT / slow;
                     if c.left <= 0.0 {
@@ -236,6 +236,8 @@ impl Sim {
             unscraped: 0,
             current: None,
             classes: Default::default(),
+            h2_max_streams: None,
+            h2_fallback: None,
         };
         let now = clock(self.t);
         let d: Decision = decide(

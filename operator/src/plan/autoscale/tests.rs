@@ -1017,6 +1017,8 @@ impl Thrashing {
             unscraped: 0,
             current: None,
             classes: Default::default(),
+            h2_max_streams: None,
+            h2_fallback: None,
         }
     }
 }
@@ -1243,6 +1245,8 @@ fn cluster(leased: f64, pending: f64, completed: f64, waiting: f64) -> BackendSa
         unscraped: 0,
         current: None,
         classes: Default::default(),
+        h2_max_streams: None,
+        h2_fallback: None,
     }
 }
 
