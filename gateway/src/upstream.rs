@@ -49,12 +49,14 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use self::h2::{H2Conn, H2Conns, H2Stream, Opened};
+pub use self::keepalive::Keepalive;
 use crate::pool::{Connect, Multiplexed, Poolable};
 use crate::proxy::body::RequestBody;
 use transport::{SharedStream, Socket, Transport};
 
 mod frames;
 mod h2;
+mod keepalive;
 mod send_error;
 pub mod tls;
 mod transport;
@@ -251,35 +253,6 @@ impl HttpConnector {
             }
             other => other,
         }
-    }
-}
-
-/// Keepalive of upstream connections. TCP: the first probe after `idle` without traffic, then
-/// one every `interval`; after `count` unanswered probes the kernel resets the connection.
-/// HTTP/2: hyper's `PING` every `ping_interval` (while idle too), the connection dropped when one
-/// goes unanswered for `ping_timeout`: a server that stopped answering (a hung process behind a
-/// live TCP stack, a proxy holding the socket) is found in seconds, not after the kernel's probes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Keepalive {
-    /// Idle time before the first probe.
-    pub idle: Duration,
-    /// Time between probes.
-    pub interval: Duration,
-    /// Unanswered probes before the connection is dropped.
-    pub count: u32,
-    /// HTTP/2: a `PING` after this long without a frame from the server (idle or not).
-    pub ping_interval: Duration,
-    /// HTTP/2: an unanswered `PING` drops the connection after this long.
-    pub ping_timeout: Duration,
-}
-
-impl Keepalive {
-    fn apply(&self, stream: &TcpStream) -> io::Result<()> {
-        let keepalive = socket2::TcpKeepalive::new()
-            .with_time(self.idle)
-            .with_interval(self.interval)
-            .with_retries(self.count);
-        socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
     }
 }
 

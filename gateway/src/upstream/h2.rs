@@ -35,8 +35,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::Keepalive;
 use super::frames::{FrameWatch, PeerFrames};
+use super::keepalive::Keepalive;
 use super::send_error::SendError;
 use super::transport::Transport;
 use crate::pool::Multiplexed;
