@@ -43,7 +43,7 @@ use tokio::time::Instant;
 use crate::TestNamespace;
 use crate::credentials::{AdminCredentials, TOKEN_SECRET};
 use crate::fleet_sim::{Fleet, server_config};
-use crate::stack::{bucket_delta, histogram, metric_sum, quantile};
+use crate::stack::{bucket_delta, get_text, histogram, metric_sum, quantile};
 
 /// API calls in flight at once while the run creates its objects.
 const CREATE_CONCURRENCY: usize = 16;
@@ -167,21 +167,9 @@ fn raise_fd_limit() -> anyhow::Result<u64> {
     Ok(hard)
 }
 
-fn http() -> anyhow::Result<reqwest::Client> {
-    Ok(reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()?)
-}
-
-async fn get_text(url: &str) -> anyhow::Result<String> {
-    Ok(http()?
-        .get(url)
-        .send()
-        .await?
-        .error_for_status()?
-        .text()
-        .await?)
-}
+/// How long a read of Prometheus' or the operator's `/metrics`, or of a query, may take (a
+/// fleet's exposition is large).
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Runs `plan` in `ns` with the operator at `operator_bin`, telling its progress through
 /// `progress`. The simulated Pod objects are deleted before it returns, whatever happened (a
@@ -321,7 +309,8 @@ async fn run_inner(
         cmd.args(["--concurrent-reconciles", &n.to_string()]);
     }
     // The queries Prometheus served before the operator (this run's own readiness checks).
-    let served_before = served_queries(&get_text(&format!("{}/metrics", prometheus.1)).await?);
+    let served_before =
+        served_queries(&get_text(&format!("{}/metrics", prometheus.1), READ_TIMEOUT).await?);
     let start = Instant::now();
     let operator = Arc::new(Process::spawn(cmd, &operator_log)?);
     let rss_max = Arc::new(AtomicU64::new(0));
@@ -467,7 +456,8 @@ async fn start_prometheus(
         "Prometheus scraped the fleet",
         Duration::from_secs(60) + interval * 2,
         || async {
-            let body: serde_json::Value = serde_json::from_str(&get_text(&up).await?)?;
+            let body: serde_json::Value =
+                serde_json::from_str(&get_text(&up, READ_TIMEOUT).await?)?;
             let result = body["data"]["result"]
                 .as_array()
                 .cloned()
@@ -553,7 +543,7 @@ fn api_rates(before: &str, after: &str, seconds: f64) -> BTreeMap<String, f64> {
 /// The operator's `/metrics`, retried while it starts.
 async fn scrape(url: &str) -> anyhow::Result<String> {
     crate::eventually("the operator's /metrics", Duration::from_secs(30), || {
-        get_text(url)
+        get_text(url, READ_TIMEOUT)
     })
     .await
 }
@@ -618,7 +608,7 @@ async fn measure(
     let before = scrape(metrics_url).await?;
     let window_start = Instant::now();
     tokio::time::sleep(plan.window).await;
-    let prom_after = get_text(&prom_metrics).await?;
+    let prom_after = get_text(&prom_metrics, READ_TIMEOUT).await?;
     let after = scrape(metrics_url).await?;
     let window = window_start.elapsed();
     let (queries_per_round, rounds) = queries_per_round(&before, &after);

@@ -4,20 +4,19 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-fn http_client() -> anyhow::Result<reqwest::Client> {
-    Ok(reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()?)
-}
+/// How long a scenario's read of a `/metrics` text may take.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// An operator pod's `/metrics` text, from its URL ([`Stack::operator_metrics_url`]).
 pub async fn operator_metrics(url: &str) -> anyhow::Result<String> {
-    get_text(url).await
+    get_text(url, READ_TIMEOUT).await
 }
 
-/// The body of a successful `GET url`.
-async fn get_text(url: &str) -> anyhow::Result<String> {
-    Ok(http_client()?
+/// The body of a successful `GET url`, answered within `timeout`.
+pub async fn get_text(url: &str, timeout: Duration) -> anyhow::Result<String> {
+    Ok(reqwest::Client::builder()
+        .timeout(timeout)
+        .build()?
         .get(url)
         .send()
         .await?
