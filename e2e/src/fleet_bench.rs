@@ -47,6 +47,22 @@ use crate::stack::{bucket_delta, get_text, histogram, metric_sum, quantile};
 
 /// API calls in flight at once while the run creates its objects.
 const CREATE_CONCURRENCY: usize = 16;
+
+/// Makes one API call per item, at most [`CREATE_CONCURRENCY`] at once, and waits for all of
+/// them; the first error among their results, if any.
+async fn bounded<T, F, Fut>(items: impl IntoIterator<Item = T>, call: F) -> anyhow::Result<()>
+where
+    F: FnMut(T) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    futures::stream::iter(items)
+        .map(call)
+        .buffer_unordered(CREATE_CONCURRENCY)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect()
+}
 /// The reconcile-duration histogram.
 const RECONCILE_HISTOGRAM: &str = "poolpilot_operator_reconcile_duration_seconds";
 
@@ -263,21 +279,16 @@ async fn run_inner(
 
     let policies: Api<ConnectionPolicy> = ns.api();
     let all = all_policies(plan)?;
-    futures::stream::iter(all)
-        .map(|p| {
-            let policies = policies.clone();
-            async move {
-                let p: ConnectionPolicy = serde_json::from_value(p)?;
-                policies.create(&PostParams::default(), &p).await?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(CREATE_CONCURRENCY)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<anyhow::Result<Vec<()>>>()
-        .context("creating the policies")?;
+    bounded(all, |p| {
+        let policies = policies.clone();
+        async move {
+            let p: ConnectionPolicy = serde_json::from_value(p)?;
+            policies.create(&PostParams::default(), &p).await?;
+            anyhow::Ok(())
+        }
+    })
+    .await
+    .context("creating the policies")?;
     let setup = setup_start.elapsed().as_secs_f64();
     progress(&format!(
         "{} policies created ({setup:.1} s with the pods)",
@@ -372,30 +383,25 @@ async fn create_pods(
     )
     .await?;
     let pods: Api<Pod> = ns.api();
-    futures::stream::iter(0..plan.pods)
-        .map(|i| {
-            let pods = pods.clone();
-            async move {
-                let pod: Pod = serde_json::from_value(pod_object(plan, spec, i))?;
-                let name = spec.name(i);
-                pods.create(&PostParams::default(), &pod)
-                    .await
-                    .with_context(|| format!("creating pod {name}"))?;
-                pods.patch_status(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Strategic(pod_status(spec.address(i)?)),
-                )
+    bounded(0..plan.pods, |i| {
+        let pods = pods.clone();
+        async move {
+            let pod: Pod = serde_json::from_value(pod_object(plan, spec, i))?;
+            let name = spec.name(i);
+            pods.create(&PostParams::default(), &pod)
                 .await
-                .with_context(|| format!("writing pod {name}'s status"))?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(CREATE_CONCURRENCY)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<anyhow::Result<Vec<()>>>()?;
+                .with_context(|| format!("creating pod {name}"))?;
+            pods.patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Strategic(pod_status(spec.address(i)?)),
+            )
+            .await
+            .with_context(|| format!("writing pod {name}'s status"))?;
+            anyhow::Ok(())
+        }
+    })
+    .await?;
     crate::eventually(
         "every simulated pod listed ready with its address",
         Duration::from_secs(60),
@@ -659,24 +665,19 @@ async fn measure(
     // A change of every group policy at once.
     let changed = GROUP_MAX_PENDING + 1;
     let change = Instant::now();
-    futures::stream::iter(0..plan.group_policies())
-        .map(|k| async move {
-            let backends = group_policy_with(plan, k, changed)?["spec"]["backends"].clone();
-            policies
-                .patch(
-                    &policy_name(k),
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"backends": backends}})),
-                )
-                .await?;
-            anyhow::Ok(())
-        })
-        .buffer_unordered(CREATE_CONCURRENCY)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<anyhow::Result<Vec<()>>>()
-        .context("changing every group policy")?;
+    bounded(0..plan.group_policies(), |k| async move {
+        let backends = group_policy_with(plan, k, changed)?["spec"]["backends"].clone();
+        policies
+            .patch(
+                &policy_name(k),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"backends": backends}})),
+            )
+            .await?;
+        anyhow::Ok(())
+    })
+    .await
+    .context("changing every group policy")?;
     let writes = change.elapsed().as_secs_f64();
     let mut change_settle = None;
     let mut change_settled = 0;
