@@ -186,6 +186,8 @@ fn raise_fd_limit() -> anyhow::Result<u64> {
 /// How long a read of Prometheus' or the operator's `/metrics`, or of a query, may take (a
 /// fleet's exposition is large).
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Policies that did not settle told one by one (with their conditions) when the wait ends.
+const UNSETTLED_TOLD: usize = 10;
 
 /// Runs `plan` in `ns` with the operator at `operator_bin`, telling its progress through
 /// `progress`. The simulated Pod objects are deleted before it returns, whatever happened (a
@@ -570,14 +572,16 @@ async fn measure(
     let mut settled = 0;
     let mut wrong = Vec::new();
     let mut last_told = Instant::now();
+    let mut unsettled = Vec::new();
     while start.elapsed() < plan.settle_timeout {
         wrong = wrong_pods(plan, fleet);
         if let Ok(list) = policies.list(&ListParams::default()).await {
-            settled = list
+            unsettled = list
                 .items
                 .iter()
-                .filter(|p| objects::settled(plan, p))
-                .count();
+                .filter_map(|p| objects::unsettled_why(plan, p))
+                .collect();
+            settled = list.items.len() - unsettled.len();
         }
         if wrong.is_empty() && settled == plan.policies {
             settle = Some(start.elapsed().as_secs_f64());
@@ -607,6 +611,9 @@ async fn measure(
         plan.policies,
         wrong.len()
     ));
+    for why in unsettled.iter().take(UNSETTLED_TOLD) {
+        progress(&format!("not settled: {why}"));
+    }
 
     // The steady window. At its end Prometheus is read first, so that every query it served
     // was counted by the operator's read that follows.
@@ -681,14 +688,16 @@ async fn measure(
     let writes = change.elapsed().as_secs_f64();
     let mut change_settle = None;
     let mut change_settled = 0;
+    let mut unsettled = Vec::new();
     while change.elapsed() < plan.settle_timeout {
         let on_it = pods_with_group_pending(fleet, changed);
         if let Ok(list) = policies.list(&ListParams::default()).await {
-            change_settled = list
+            unsettled = list
                 .items
                 .iter()
-                .filter(|p| objects::settled(plan, p))
-                .count();
+                .filter_map(|p| objects::unsettled_why(plan, p))
+                .collect();
+            change_settled = list.items.len() - unsettled.len();
         }
         if on_it == plan.pods && change_settled == plan.policies {
             change_settle = Some(change.elapsed().as_secs_f64());
@@ -706,6 +715,9 @@ async fn measure(
             |s| format!("settled in {s:.1} s")
         )
     ));
+    for why in unsettled.iter().take(UNSETTLED_TOLD) {
+        progress(&format!("not settled after the change: {why}"));
+    }
 
     let end = scrape(metrics_url).await?;
     let cpu_end = operator

@@ -369,6 +369,37 @@ pub fn settled(plan: &FleetPlan, policy: &ConnectionPolicy) -> bool {
             .is_some_and(|p| p.selected as usize == expected && p.updated as usize == expected)
 }
 
+/// Why `policy` has not settled for `plan`, in one line (`None`: it has): its generation,
+/// each condition with its generation, reason and message, and its pods.
+pub fn unsettled_why(plan: &FleetPlan, policy: &ConnectionPolicy) -> Option<String> {
+    if settled(plan, policy) {
+        return None;
+    }
+    let name = policy.metadata.name.as_deref().unwrap_or("?");
+    let expected = selected_by(plan, name);
+    let Some(status) = &policy.status else {
+        return Some(format!("{name}: no status"));
+    };
+    let conditions: Vec<String> = status
+        .conditions
+        .iter()
+        .map(|c| {
+            format!(
+                "{}={} (generation {:?}, {}: {})",
+                c.type_, c.status, c.observed_generation, c.reason, c.message
+            )
+        })
+        .collect();
+    let pods = status.pods.as_ref().map_or("no pods".to_owned(), |p| {
+        format!("{} selected, {} updated", p.selected, p.updated)
+    });
+    Some(format!(
+        "{name} generation {:?}, {pods} of {expected:?} expected; {}",
+        policy.metadata.generation,
+        conditions.join("; ")
+    ))
+}
+
 /// PromQL queries the operator counted per round, by query (`poolpilot_operator_prometheus_
 /// queries_total{query}` ÷ `_rounds_total`) between two `/metrics` texts, and the rounds.
 pub fn queries_per_round(before: &str, after: &str) -> (BTreeMap<String, f64>, f64) {

@@ -182,6 +182,26 @@ fn a_policy_settles_on_its_generation_with_every_pod_updated() {
     let mut bare = with_status("p-0000", 1, 1, 10, 10);
     bare.status = None;
     assert!(!settled(&plan, &bare));
+    assert_eq!(
+        unsettled_why(&plan, &bare).as_deref(),
+        Some("p-0000: no status")
+    );
+}
+
+#[test]
+fn a_policy_that_did_not_settle_says_its_conditions_and_pods() {
+    let plan = FleetPlan::small();
+    assert_eq!(
+        unsettled_why(&plan, &with_status("p-0000", 1, 1, 10, 10)),
+        None
+    );
+    assert_eq!(
+        unsettled_why(&plan, &with_status("p-0000", 2, 1, 10, 9)).as_deref(),
+        Some(
+            "p-0000 generation Some(2), 10 selected, 9 updated of Some(10) expected; \
+             Accepted=True (generation Some(1), R: ); RolledOut=True (generation Some(1), R: )"
+        )
+    );
 }
 
 #[test]

@@ -454,19 +454,13 @@ fn decide_fresh(
         (s.saturation, bounds.saturation_threshold)
         && endpoints > 0
     {
-        if value >= threshold {
-            // The backend's own queue: what it serves at once is in flight less its queue.
-            mem.knee.ceiling = Some(knee::Ceiling::read(in_flight_now, value, now));
-        } else if obs.is_some()
-            && mem
-                .knee
-                .ceiling
-                .is_some_and(|c| in_flight_now >= f64::from(c.level) * knee::MIN_RATIO)
-        {
-            // A level well above the queue's reading, served without a queue once settled:
-            // the backend got more slots (or faster); the reading no longer holds.
-            mem.knee.ceiling = None;
-        }
+        mem.knee.read_queue(
+            value >= threshold,
+            value,
+            in_flight_now,
+            obs.map(|o| o.in_flight),
+            now,
+        );
     }
     if let Some(o) = obs {
         mem.knee.observe(o);

@@ -1304,6 +1304,7 @@ fn status_reports_conditions_targets_and_pods() {
         desired: rev.clone(),
         acked: acked.map(Into::into),
         refused: None,
+        unanswered_at: None,
     };
     let halfway = RolloutReport {
         pods: vec![pod_state("gw-0", Some(&rev)), pod_state("gw-1", None)],
@@ -1815,6 +1816,7 @@ fn status_lists_what_each_pod_runs_since_when_and_its_last_error_bounded_to_fift
         acked: acked.map(|(r, _)| r.to_owned()),
         generation: acked.map(|(_, g)| g),
         refused: refused.map(Into::into),
+        unanswered_at: None,
     };
     // gw-0 runs the current revision; gw-1 an older one and refused the new one; gw-10 is
     // unreachable; the others run nothing known yet.

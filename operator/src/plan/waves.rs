@@ -1,7 +1,10 @@
 //! Rollout waves, decided purely: which pods get their new document now. `AllAtOnce` updates every
 //! stale pod; `Progressive` updates `canaryPods` pods first, waits until they ran the revision for
 //! the verify period, then updates the rest. A refusal (NACK) or a regression halts the rollout;
-//! pods that appear later simply count as stale and get the current document.
+//! pods that appear later simply count as stale and get the current document. The canaries are
+//! the stale pods that answered last time, by name: one that did not answer is tried again
+//! after them (the least recently failed first), so that one unreachable pod never holds the
+//! rollout.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -23,6 +26,9 @@ pub struct PodState {
     pub generation: Option<u64>,
     /// Its refusal of `desired`, if it refused it.
     pub refused: Option<String>,
+    /// When the last document sent to it went unanswered (no IP, a failed connection, no
+    /// answer in time), if it did and it has acknowledged none since.
+    pub unanswered_at: Option<Timestamp>,
 }
 
 impl PodState {
@@ -174,7 +180,10 @@ pub fn next_wave(
             let updated = sorted.len() - stale.len();
             let canaries = (strategy.canary_pods.max(1) as usize).min(sorted.len());
             if updated < canaries {
-                let push = stale.into_iter().take(canaries - updated).collect();
+                let push = canary_order(&sorted)
+                    .into_iter()
+                    .take(canaries - updated)
+                    .collect();
                 return Wave {
                     push,
                     ..Wave::default()
@@ -216,6 +225,16 @@ pub fn next_wave(
     }
 }
 
+/// The stale pods in the order canaries are chosen from: those whose last document was
+/// answered (or that never got one), by name, then those that did not answer, the least
+/// recently failed first.
+fn canary_order(sorted: &[&PodState]) -> Vec<String> {
+    let mut stale: Vec<&PodState> = sorted.iter().copied().filter(|p| !p.current()).collect();
+    // A stable sort keeps the names' order among pods that answered.
+    stale.sort_by_key(|p| (p.unanswered_at.is_some(), p.unanswered_at));
+    stale.into_iter().map(|p| p.name.clone()).collect()
+}
+
 /// Counts per outcome, for status.
 pub fn updated_count(pods: &[PodState]) -> usize {
     pods.iter().filter(|p| p.current()).count()
@@ -243,6 +262,7 @@ mod tests {
             desired: "new".into(),
             acked: acked.map(Into::into),
             refused: None,
+            unanswered_at: None,
         }
     }
 
@@ -261,6 +281,41 @@ mod tests {
         ];
         let w = next_wave(PROGRESSIVE, &pods, None, &Verdict::Healthy, at(0));
         assert_eq!(w.push, ["gw-a"], "the first pod by name is the canary");
+    }
+
+    #[test]
+    fn a_canary_that_did_not_answer_gives_way_to_the_next_stale_pod_and_is_tried_after_them() {
+        let failed = |name: &str, secs: i64| PodState {
+            unanswered_at: Some(at(secs)),
+            ..pod(name, Some("old"))
+        };
+        // gw-a, first by name, timed out on its document: gw-b is the canary now.
+        let pods = [
+            failed("gw-a", 5),
+            pod("gw-b", Some("old")),
+            pod("gw-c", None),
+        ];
+        let w = next_wave(PROGRESSIVE, &pods, None, &Verdict::Healthy, at(10));
+        assert_eq!(w.push, ["gw-b"]);
+        let two = Strategy {
+            canary_pods: 2,
+            ..PROGRESSIVE
+        };
+        let w = next_wave(two, &pods, None, &Verdict::Healthy, at(10));
+        assert_eq!(w.push, ["gw-b", "gw-c"]);
+        // Every stale pod failed: they are tried in turn, the least recently failed first, not
+        // the first by name forever.
+        let pods = [failed("gw-a", 20), failed("gw-b", 5), failed("gw-c", 12)];
+        let w = next_wave(PROGRESSIVE, &pods, None, &Verdict::Healthy, at(30));
+        assert_eq!(w.push, ["gw-b"]);
+        // Past the canaries the rest, reachable or not, follow together.
+        let pods = [
+            pod("gw-a", Some("new")),
+            failed("gw-b", 5),
+            pod("gw-c", None),
+        ];
+        let w = next_wave(PROGRESSIVE, &pods, Some(at(0)), &Verdict::Healthy, at(30));
+        assert_eq!(w.push, ["gw-b", "gw-c"]);
     }
 
     #[test]

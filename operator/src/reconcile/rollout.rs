@@ -189,6 +189,7 @@ pub async fn roll_out<G: Gateways>(
         apply_configmap(ctx, policy, &durable, doc).await?;
     }
 
+    forget_gone_pods(ctx, ns);
     let states = pod_states(ctx, observed, fleet, &plan.live);
     let spec = &policy.spec.rollout;
     let strategy = Strategy {
@@ -600,6 +601,7 @@ pub fn not_rolled_out(observed: &Observed, fleet: &FleetPlan) -> RolloutReport {
                 acked: acked.map(|a| a.revision.clone()),
                 generation: acked.map(|a| a.generation),
                 refused: None,
+                unanswered_at: None,
             }
         })
         .collect();
@@ -726,6 +728,24 @@ async fn apply_owned<G: Gateways>(
     .map_err(|source| RolloutError::ConfigMap { name, source })
 }
 
+/// Drops what the rollout memory knows of the pods of `ns` that are gone or run anew (their
+/// acknowledgements, their unanswered documents): a Deployment's pods come and go under new
+/// names, and the memory must not grow with every pod that ever ran.
+fn forget_gone_pods<G: Gateways>(ctx: &Context<G>, ns: &str) {
+    let instances: BTreeMap<String, String> = ctx
+        .stores
+        .pods
+        .state()
+        .iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns))
+        .map(|p| (p.name_any(), observe::instance(p)))
+        .collect();
+    let gone = |(n, p, i): &(String, String, String)| n == ns && instances.get(p) != Some(i);
+    let mut memory = ctx.rollouts.lock();
+    memory.acked.retain(|k, _| !gone(k));
+    memory.unanswered.retain(|k, _| !gone(k));
+}
+
 /// The rollout state of the pods `live` (selected, neither terminating nor stopped).
 fn pod_states<G: Gateways>(
     ctx: &Context<G>,
@@ -747,6 +767,10 @@ fn pod_states<G: Gateways>(
                 .find(|p| p.namespace().as_deref() == Some(ns.as_str()) && &p.name_any() == name)
                 .map(|p| observe::instance(p))
                 .unwrap_or_default();
+            let unanswered_at = memory
+                .unanswered
+                .get(&(ns.clone(), name.clone(), instance.clone()))
+                .copied();
             let known = memory
                 .acked
                 .get(&(ns.clone(), name.clone(), instance))
@@ -763,6 +787,7 @@ fn pod_states<G: Gateways>(
                 acked,
                 generation,
                 refused,
+                unanswered_at,
             })
         })
         .collect()
@@ -836,6 +861,9 @@ async fn push<G: Gateways>(
 ) -> Result<Pushed, RolloutError> {
     let mut failed = BTreeMap::new();
     let mut slow = BTreeSet::new();
+    // The pods that gave no answer (no IP, a failed connection, none in time, not a sensible
+    // one): remembered, so that the next canary is one that answers.
+    let mut unanswered = Vec::new();
     if pods.is_empty() {
         return Ok(Pushed { failed, slow });
     }
@@ -856,6 +884,7 @@ async fn push<G: Gateways>(
             let doc = fleet.documents.get(name)?;
             let Some(addr) = observed.admin.get(name) else {
                 failed.insert(name.clone(), "the pod has no IP yet".to_owned());
+                unanswered.push(name.clone());
                 return None;
             };
             Some((name.clone(), *addr, doc.clone()))
@@ -889,7 +918,8 @@ async fn push<G: Gateways>(
                     name.clone(),
                     format!("no answer within {after:?} (--put-timeout); tried again at the next reconcile"),
                 );
-                slow.insert(name);
+                slow.insert(name.clone());
+                unanswered.push(name);
                 ctx.metrics
                     .puts
                     .get_or_create(&OutcomeLabel { outcome: "timeout" })
@@ -913,10 +943,13 @@ async fn push<G: Gateways>(
                     .entry((ns.clone(), ack.revision.clone()))
                     .or_insert(now);
                 let instance = instances.get(&name).cloned().unwrap_or_default();
-                // A pod that took a document has nothing outstanding to refuse.
+                // A pod that took a document has nothing outstanding to refuse, and answers.
                 memory
                     .refused
                     .retain(|(n, p, _), _| !(n == ns && p == &name));
+                memory
+                    .unanswered
+                    .remove(&(ns.clone(), name.clone(), instance.clone()));
                 memory.acked.insert((ns.clone(), name, instance), ack);
                 "acked"
             }
@@ -961,7 +994,8 @@ async fn push<G: Gateways>(
                 } else {
                     crate::report(&e)
                 };
-                failed.insert(name, why);
+                failed.insert(name.clone(), why);
+                unanswered.push(name);
                 if matches!(e, PutError::Unauthorized) {
                     "unauthorized"
                 } else {
@@ -973,6 +1007,10 @@ async fn push<G: Gateways>(
             .puts
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
+    }
+    for name in unanswered {
+        let instance = instances.get(&name).cloned().unwrap_or_default();
+        memory.unanswered.insert((ns.clone(), name, instance), now);
     }
     Ok(Pushed { failed, slow })
 }

@@ -1161,15 +1161,83 @@ mod event_catalogue {
 /// One reconcile answered as the apiserver would for a quiet namespace ([`answer_all`]); how
 /// many PUTs the gateways got.
 async fn reconcile_once(p: &ConnectionPolicy, pods: Vec<Pod>, memory: &mut RolloutMemory) -> usize {
-    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, FakeGateways::default());
+    reconcile_with(p, pods, FakeGateways::default(), memory)
+        .await
+        .len()
+}
+
+/// [`reconcile_once`] with these gateways; the addresses PUT to, in order.
+async fn reconcile_with(
+    p: &ConnectionPolicy,
+    pods: Vec<Pod>,
+    gateways: FakeGateways,
+    memory: &mut RolloutMemory,
+) -> Vec<SocketAddr> {
+    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods, gateways);
     *ctx.rollouts.lock() = memory.clone();
     let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
     with_timeout(answer_all(&mut api, p, "s3cr3t", reconciler))
         .await
         .expect("the reconcile succeeded");
-    let puts = gateways.puts.lock().len();
     memory.clone_from(&ctx.rollouts.lock());
-    puts
+    gateways.puts.lock().iter().map(|(a, _, _)| *a).collect()
+}
+
+/// A canary that gives no answer (a gateway still starting, one hung or cut off) is not tried
+/// first forever: the next reconcile takes the next stale pod as its canary, the rest follow
+/// it, and the pod that did not answer is tried again with them.
+#[tokio::test]
+async fn a_canary_that_gives_no_answer_gives_way_to_the_next_pod_and_the_rollout_goes_on() {
+    let p = progressive_without_verification();
+    let pods = || {
+        vec![
+            pod("gw-0", "127.0.0.7"),
+            pod("gw-1", "127.0.0.8"),
+            pod("gw-2", "127.0.0.9"),
+        ]
+    };
+    let addr = |last: u8| SocketAddr::from(([127, 0, 0, last], 9901));
+    let stuck = || FakeGateways {
+        starting: vec![addr(7)],
+        ..FakeGateways::default()
+    };
+    let mut memory = RolloutMemory::default();
+    assert_eq!(
+        reconcile_with(&p, pods(), stuck(), &mut memory).await,
+        [addr(7)],
+        "gw-0, first by name, is the first canary"
+    );
+    let mut second = reconcile_with(&p, pods(), stuck(), &mut memory).await;
+    assert_eq!(
+        second.first(),
+        Some(&addr(8)),
+        "gw-1 is the canary now: {second:?}"
+    );
+    second[1..].sort();
+    assert_eq!(
+        second,
+        [addr(8), addr(7), addr(9)],
+        "the rest follow the canary that answered, gw-0 among them"
+    );
+    // gw-0 answers again: it takes the revision, and is no longer remembered as unanswered.
+    assert_eq!(
+        reconcile_with(&p, pods(), FakeGateways::default(), &mut memory).await,
+        [addr(7)]
+    );
+    assert!(memory.unanswered.is_empty(), "{:?}", memory.unanswered);
+    // A pod that is gone takes what was known of it along.
+    reconcile_with(
+        &p,
+        pods()[1..].to_vec(),
+        FakeGateways::default(),
+        &mut memory,
+    )
+    .await;
+    assert!(
+        memory.acked.keys().all(|(_, pod, _)| pod != "gw-0"),
+        "{:?}",
+        memory.acked
+    );
 }
 
 /// Shares, bursts and client limits changed under the generation every pod ran are the

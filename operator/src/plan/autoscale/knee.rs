@@ -90,6 +90,11 @@ const NEAR: f64 = 1.25;
 /// The target stays at the level it measures while that level's noise is at least this share
 /// of the noisier one's (no churn between two as noisy).
 const STAY: f64 = 0.8;
+/// Decisions in a row that must see a level well above the backend's queue reading served
+/// without a queue before the reading is dropped. One is not enough: a saturation query
+/// averages over its own window (often longer than the operator's), so the first decision after
+/// a load rises sees the gateways' new in-flight at once and the backend's queue only diluted.
+pub const UNQUEUED_TO_FORGET: u32 = 3;
 /// At most this many levels are kept (the oldest go first).
 const MAX_LEVELS: usize = 64;
 
@@ -708,8 +713,10 @@ pub struct KneeMemory {
     pub max_step_percent: u32,
     /// The backend's own queue, the last time it showed (kept across holds: growth after the
     /// queue drains stops here), until [`KNEE_MEMORY`] passes without a reading or a level above
-    /// it is served without a queue.
+    /// it is served without a queue on [`UNQUEUED_TO_FORGET`] decisions in a row.
     pub ceiling: Option<Ceiling>,
+    /// Decisions in a row that saw a level well above the ceiling served without a queue.
+    pub unqueued: u32,
 }
 
 /// The level an interval at `in_flight` per endpoint counts in (`None`: too few in flight).
@@ -743,6 +750,41 @@ impl KneeMemory {
             .entry(key)
             .or_insert_with(|| Level::new(key, now))
             .add(&obs);
+    }
+
+    /// Takes the backend's saturation query as it read (`queued`: at or above its threshold)
+    /// at `in_flight_now` per endpoint, `settled` the in-flight of this decision's steady
+    /// interval (`None`: the interval was not steady). A queue is remembered as what the
+    /// backend serves at once; the reading is dropped only once a level well above it
+    /// ([`MIN_RATIO`]), steady and now, went without a queue on [`UNQUEUED_TO_FORGET`]
+    /// decisions in a row: the backend got more slots (or faster).
+    pub fn read_queue(
+        &mut self,
+        queued: bool,
+        waiting: f64,
+        in_flight_now: f64,
+        settled: Option<f64>,
+        now: Timestamp,
+    ) {
+        if queued {
+            self.ceiling = Some(Ceiling::read(in_flight_now, waiting, now));
+            self.unqueued = 0;
+            return;
+        }
+        let Some(c) = self.ceiling else {
+            self.unqueued = 0;
+            return;
+        };
+        let above = f64::from(c.level) * MIN_RATIO;
+        if in_flight_now >= above && settled.is_some_and(|s| s >= above) {
+            self.unqueued += 1;
+            if self.unqueued >= UNQUEUED_TO_FORGET {
+                self.ceiling = None;
+                self.unqueued = 0;
+            }
+        } else {
+            self.unqueued = 0;
+        }
     }
 
     /// Forgets the backend's queue reading once [`KNEE_MEMORY`] passed without another: the

@@ -576,6 +576,49 @@ fn the_backends_own_saturation_signal_holds_growth_and_names_its_value() {
 }
 
 #[test]
+fn a_diluted_queue_reading_as_the_load_rises_keeps_the_remembered_queue_and_three_in_a_row_drop_it()
+{
+    // The square wave's backend: 6 batch slots per endpoint, target at its min of 10, 2
+    // endpoints. Its saturation query averages over a window longer than the operator's.
+    let b = Bounds {
+        saturation_threshold: Some(1.0),
+        ..bounds(10, 25)
+    };
+    let mut mem = memory(&b, 10);
+    let load = |leased: f64, pending: f64, waiting: f64| BackendSample {
+        saturation: SaturationSignal::Value(waiting),
+        leased_now: Some(leased),
+        ..sample(leased, pending)
+    };
+    let high = |waiting| load(20.0, 10.0, waiting);
+    let held = |d: &Decision| matches!(d, Decision::Held { .. });
+    // The high load: 10 in flight per endpoint, 4 of them waiting in the backend.
+    let d = decide(&b, &mut mem, &high(4.0), 2, at(15));
+    assert!(held(&d), "{d:?}");
+    assert_eq!(mem.knee.ceiling.map(|c| c.level), Some(6));
+    // The low load (3 per endpoint, no queue): nothing said about the reading.
+    decide(&b, &mut mem, &load(6.0, 0.0, 0.0), 2, at(30));
+    assert_eq!(mem.knee.ceiling.map(|c| c.level), Some(6));
+    // The load rises again: the gateways' in-flight shows it at once, the query's average only
+    // half (0.8). The reading stands and growth stays held.
+    let d = decide(&b, &mut mem, &high(0.8), 2, at(45));
+    assert!(held(&d), "one diluted reading: {d:?}");
+    assert!(mem.target == 10 && mem.knee.ceiling.is_some());
+    // The next reading shows the queue again: the count of readings without one starts over.
+    let d = decide(&b, &mut mem, &high(4.0), 2, at(60));
+    assert!(held(&d), "{d:?}");
+    for (i, t) in [75, 90].into_iter().enumerate() {
+        let d = decide(&b, &mut mem, &high(0.0), 2, at(t));
+        assert!(held(&d), "reading {} without a queue: {d:?}", i + 1);
+    }
+    // Three decisions in a row at 10 per endpoint (well above 6) without a queue: the backend
+    // serves more at once now; the reading goes and growth resumes in one step.
+    let d = decide(&b, &mut mem, &high(0.0), 2, at(105));
+    assert_eq!(d.scale().map(|s| (s.from, s.to)), Some((10, 18)), "{d:?}");
+    assert_eq!(mem.knee.ceiling, None);
+}
+
+#[test]
 fn a_step_that_added_no_throughput_is_stepped_back_and_growth_stops_at_the_best_level() {
     let b = bounds(1, 560);
     let mut mem = memory(&b, 10);
