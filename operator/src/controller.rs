@@ -303,6 +303,7 @@ impl Term {
             saturation: self.saturation.clone(),
             memory: Mutex::default(),
             rollouts: Mutex::default(),
+            selections: Mutex::default(),
             client_reports: Mutex::default(),
             retries: Default::default(),
             gateways: self.gateways.clone(),

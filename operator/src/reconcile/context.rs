@@ -18,6 +18,7 @@ use super::backoff;
 use crate::gateway::Gateways;
 use crate::metrics::Metrics;
 use crate::plan::input::ClientUse;
+use crate::plan::selector::SelectionMemo;
 use crate::plan::{Acked, Memory, PolicyKey, Timestamp};
 use crate::prom::{SaturationQueries, Snapshot};
 
@@ -199,6 +200,9 @@ pub struct Context<G: Gateways> {
     pub memory: Mutex<BTreeMap<String, Memory>>,
     /// Rollout memory.
     pub rollouts: Mutex<RolloutMemory>,
+    /// Which pods each distinct selector selects, per namespace, while its pods stay the same
+    /// ([`SelectionMemo`]).
+    pub selections: Mutex<BTreeMap<String, SelectionMemo>>,
     /// The gateways' latest reports of their busiest clients (step 1b, `clients.rs`).
     pub client_reports: Mutex<ClientReports>,
     /// Failures in a row per policy, for the retry back-off of [`error_policy`].

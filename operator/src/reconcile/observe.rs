@@ -3,11 +3,12 @@
 //! static addresses), documents already published (ConfigMaps), what each pod acknowledged, and
 //! the latest Prometheus samples.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::{IpAddr, SocketAddr};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 use poolpilot_api::limits::{ClientCertificate, Endpoint, EndpointAddress, EndpointTls};
@@ -17,7 +18,7 @@ use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 
 use super::context::Context;
 use crate::gateway::Gateways;
-use crate::plan::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyKey, Timestamp, selector};
+use crate::plan::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyKey, Timestamp};
 use crate::prom::Selection;
 
 /// The label EndpointSlices carry with their Service's name.
@@ -111,17 +112,34 @@ pub fn observe<G: Gateways>(
         .into_iter()
         .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
         .collect();
-    let selected = |labels: &BTreeMap<String, String>| {
-        policies
-            .iter()
-            .any(|p| selector::matches(p.selector(), labels))
-            || (removing && selector::matches(&policy.spec.gateway_selector, labels))
+    // Which of the namespace's pods each policy selects (and, when removing, the removed
+    // policy): each distinct selector matched once while the pods stay the same.
+    let keys: Vec<(String, &BTreeMap<String, String>)> =
+        pods.iter().map(|p| (p.name_any(), p.labels())).collect();
+    let keyed: Vec<(&str, &BTreeMap<String, String>)> =
+        keys.iter().map(|(n, l)| (n.as_str(), *l)).collect();
+    let mut selectors: Vec<&LabelSelector> = policies.iter().map(PolicyInput::selector).collect();
+    if removing {
+        selectors.push(&policy.spec.gateway_selector);
+    }
+    let by_policy = {
+        let mut memos = ctx.selections.lock();
+        let memo = memos.entry(ns.clone()).or_default();
+        let by_policy = memo.select(&keyed, &selectors);
+        if keyed.is_empty() {
+            memos.remove(&ns);
+        }
+        by_policy
     };
+    let mut selected = vec![false; pods.len()];
+    for i in by_policy.iter().flat_map(|s| s.iter()) {
+        selected[*i] = true;
+    }
     let snapshot = ctx.snapshot.read().clone();
     let acks = ctx.rollouts.lock().acked.clone();
     let mut gateway_pods = Vec::new();
     let mut admin = BTreeMap::new();
-    for pod in pods.iter().filter(|p| selected(p.labels())) {
+    for (_, pod) in pods.iter().enumerate().filter(|(i, _)| selected[*i]) {
         let name = pod.name_any();
         let ip: Option<IpAddr> = pod
             .status
@@ -166,10 +184,17 @@ pub fn observe<G: Gateways>(
         .filter_map(|cm| published_document(cm))
         .collect();
 
-    let selection: Vec<Selection> = selector::select(&policies, &gateway_pods)
-        .into_iter()
+    let ready_pods: HashSet<&str> = gateway_pods
+        .iter()
+        .filter(|g| g.ready)
+        .map(|g| g.name.as_str())
+        .collect();
+    let selection: Vec<Selection> = by_policy
+        .iter()
         .zip(&policies)
-        .map(|(pods, p)| {
+        .map(|(indexes, p)| {
+            let mut pods: Vec<String> = indexes.iter().map(|i| keys[*i].0.clone()).collect();
+            pods.sort();
             let backends = p
                 .spec
                 .backends
@@ -181,7 +206,7 @@ pub fn observe<G: Gateways>(
                 .collect();
             let ready = pods
                 .iter()
-                .filter(|name| gateway_pods.iter().any(|g| &g.name == *name && g.ready))
+                .filter(|name| ready_pods.contains(name.as_str()))
                 .cloned()
                 .collect();
             Selection {

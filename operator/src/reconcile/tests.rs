@@ -184,6 +184,7 @@ fn context_full<G: Gateways + Clone>(
         saturation: Default::default(),
         memory: Mutex::default(),
         rollouts: Mutex::default(),
+        selections: Mutex::default(),
         client_reports: Mutex::default(),
         retries: Default::default(),
         gateways: gateways.clone(),
