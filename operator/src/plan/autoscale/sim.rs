@@ -514,6 +514,55 @@ fn draw(seed: u64, i: u64, lo: f64, hi: f64) -> f64 {
     lo + (hi - lo) * ((z >> 11) as f64 / (1u64 << 53) as f64)
 }
 
+/// How the runs of a knee property ended: how many within ±25% of their knee, how far from it
+/// the runs ended, and with what share of the peak's throughput.
+#[derive(Debug, Default)]
+pub struct KneeTally {
+    pub runs: u32,
+    pub within: u32,
+    errors: Vec<f64>,
+    shares: Vec<f64>,
+}
+
+impl KneeTally {
+    /// Counts a run that ended at `end` per endpoint against its knee `k`, with `share` of the
+    /// peak's throughput: whether it ended within ±25% of `k`.
+    pub fn add(&mut self, k: u32, end: u32, share: f64) -> bool {
+        let error = (f64::from(end) / f64::from(k.max(1)) - 1.0).abs();
+        let near = error <= 0.25 + 1e-9;
+        self.runs += 1;
+        self.within += u32::from(near);
+        self.errors.push(error);
+        self.shares.push(share);
+        near
+    }
+
+    /// The tally in one line: the runs within ±25%, quantiles of |end/k − 1| and of the share.
+    pub fn summary(&self) -> String {
+        let sorted = |v: &[f64]| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let (errors, shares) = (sorted(&self.errors), sorted(&self.shares));
+        let pick = |v: &[f64], q: f64| {
+            v.get(((v.len() as f64 - 1.0) * q) as usize)
+                .copied()
+                .unwrap_or_default()
+        };
+        format!(
+            "{}/{} end within ±25% of k; |end/k − 1|: median {:.3}, 90th percentile {:.3}, largest {:.3}; throughput at the end: median {:.3}, least {:.3} of the peak",
+            self.within,
+            self.runs,
+            pick(&errors, 0.5),
+            pick(&errors, 0.9),
+            pick(&errors, 1.0),
+            pick(&shares, 0.5),
+            pick(&shares, 0.0),
+        )
+    }
+}
+
 /// Decisions under the crowd in a knee run.
 const KNEE_CROWD: usize = 60;
 
@@ -615,37 +664,21 @@ pub fn knee_run(seed: u64, from_above: bool) -> Option<KneeRun> {
 fn long_calls_closed_loop_end_near_the_knee_from_below_and_from_above() {
     const RUNS: u64 = 300;
     for from_above in [false, true] {
-        let (mut runs, mut within, mut errors, mut shares) = (0u32, 0u32, Vec::new(), Vec::new());
+        let mut tally = KneeTally::default();
         let mut failures = Vec::new();
         for seed in 0..RUNS {
             let Some(run) = knee_run(seed + u64::from(from_above) * RUNS, from_above) else {
                 continue;
             };
-            runs += 1;
-            let error = f64::from(run.end) / f64::from(run.k) - 1.0;
-            errors.push(error.abs());
-            shares.push(run.share);
-            if error.abs() <= 0.25 + 1e-9 {
-                within += 1;
-            } else {
+            if !tally.add(run.k, run.end, run.share) {
                 failures.push(run);
             }
         }
-        errors.sort_by(f64::total_cmp);
-        shares.sort_by(f64::total_cmp);
-        let pick = |v: &[f64], q: f64| {
-            v.get(((v.len() as f64 - 1.0) * q) as usize)
-                .copied()
-                .unwrap_or_default()
-        };
+        let (runs, within) = (tally.runs, tally.within);
         eprintln!(
-            "closed loop, from {}: {within}/{runs} end within ±25% of k; |end/k − 1|: median {:.3}, 90th percentile {:.3}, largest {:.3}; throughput at the end: median {:.3}, least {:.3} of the peak",
+            "closed loop, from {}: {}",
             if from_above { "above" } else { "below" },
-            pick(&errors, 0.5),
-            pick(&errors, 0.9),
-            pick(&errors, 1.0),
-            pick(&shares, 0.5),
-            pick(&shares, 0.0),
+            tally.summary()
         );
         for f in failures.iter().take(3) {
             eprintln!(

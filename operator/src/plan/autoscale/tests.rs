@@ -6,6 +6,7 @@
 
 use proptest::prelude::*;
 
+use super::sim::KneeTally;
 use super::*;
 use crate::metrics::decision_kind;
 
@@ -1189,39 +1190,22 @@ fn long_calls_end_near_the_knee_after_a_crowd_from_below_and_from_above() {
     const RUNS: u64 = 2000;
     let mut outcomes = Vec::new();
     for from_above in [false, true] {
-        let (mut runs, mut within, mut errors, mut shares) = (0u32, 0u32, Vec::new(), Vec::new());
+        let mut tally = KneeTally::default();
         let mut failures = Vec::new();
         for seed in 0..RUNS {
             let Some(run) = long_call_run(seed + u64::from(from_above) * RUNS, from_above, false)
             else {
                 continue;
             };
-            runs += 1;
-            let k = f64::from(run.k);
-            let error = f64::from(run.end) / k - 1.0;
-            errors.push(error.abs());
-            shares.push(run.share);
-            if error.abs() <= 0.25 + 1e-9 {
-                within += 1;
-            } else {
+            if !tally.add(run.k, run.end, run.share) {
                 failures.push(run);
             }
         }
-        errors.sort_by(f64::total_cmp);
-        shares.sort_by(f64::total_cmp);
-        let pick = |v: &[f64], q: f64| {
-            v.get(((v.len() as f64 - 1.0) * q) as usize)
-                .copied()
-                .unwrap_or_default()
-        };
+        let (runs, within) = (tally.runs, tally.within);
         eprintln!(
-            "from {}: {within}/{runs} end within ±25% of k; |end/k − 1|: median {:.3}, 99th percentile {:.3}, largest {:.3}; throughput at the end: median {:.3}, least {:.3} of the peak",
+            "from {}: {}",
             if from_above { "above" } else { "below" },
-            pick(&errors, 0.5),
-            pick(&errors, 0.99),
-            pick(&errors, 1.0),
-            pick(&shares, 0.5),
-            pick(&shares, 0.0),
+            tally.summary()
         );
         for f in failures.iter().take(5) {
             eprintln!("  failed: {f:?}");
