@@ -63,13 +63,9 @@ impl SelectionMemo {
     }
 
     /// Distinct selectors remembered.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn remembered(&self) -> usize {
         self.by_selector.len()
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.by_selector.is_empty()
     }
 }
 
@@ -147,7 +143,7 @@ mod tests {
         let got = memo.select(&pods, &[&sel_a, &sel_b, &sel_a, &all]);
         let got: Vec<Vec<usize>> = got.iter().map(|s| s.to_vec()).collect();
         assert_eq!(got, [vec![0, 2], vec![1], vec![0, 2], vec![0, 1, 2]]);
-        assert_eq!(memo.len(), 3, "three distinct selectors");
+        assert_eq!(memo.remembered(), 3, "three distinct selectors");
         // The same pods: the selections come from the memo (the same allocation).
         let first = memo.select(&pods, &[&sel_a]);
         let again = memo.select(&pods, &[&sel_a]);
@@ -155,7 +151,7 @@ mod tests {
         // A pod relabelled: matched anew.
         let pods = [("gw-0", &a), ("gw-1", &a), ("gw-2", &a)];
         assert_eq!(memo.select(&pods, &[&sel_a])[0].to_vec(), [0, 1, 2]);
-        assert_eq!(memo.len(), 1, "started over");
+        assert_eq!(memo.remembered(), 1, "started over");
         // Agrees with `matches` pod by pod.
         for selector in [&sel_a, &sel_b, &all] {
             let via_memo = memo.select(&pods, &[selector])[0].to_vec();

@@ -163,11 +163,8 @@ pub fn next_wave(
             ..Wave::default()
         };
     }
-    let stale: Vec<String> = sorted
-        .iter()
-        .filter(|p| !p.current())
-        .map(|p| p.name.clone())
-        .collect();
+    let stale_pods: Vec<&PodState> = sorted.iter().copied().filter(|p| !p.current()).collect();
+    let stale: Vec<String> = stale_pods.iter().map(|p| p.name.clone()).collect();
     if stale.is_empty() {
         return Wave::default();
     }
@@ -180,7 +177,7 @@ pub fn next_wave(
             let updated = sorted.len() - stale.len();
             let canaries = (strategy.canary_pods.max(1) as usize).min(sorted.len());
             if updated < canaries {
-                let push = canary_order(&sorted)
+                let push = canary_order(stale_pods)
                     .into_iter()
                     .take(canaries - updated)
                     .collect();
@@ -225,11 +222,10 @@ pub fn next_wave(
     }
 }
 
-/// The stale pods in the order canaries are chosen from: those whose last document was
-/// answered (or that never got one), by name, then those that did not answer, the least
-/// recently failed first.
-fn canary_order(sorted: &[&PodState]) -> Vec<String> {
-    let mut stale: Vec<&PodState> = sorted.iter().copied().filter(|p| !p.current()).collect();
+/// The stale pods (given by name) in the order canaries are chosen from: those whose last
+/// document was answered (or that never got one), by name, then those that did not answer, the
+/// least recently failed first.
+fn canary_order(mut stale: Vec<&PodState>) -> Vec<String> {
     // A stable sort keeps the names' order among pods that answered.
     stale.sort_by_key(|p| (p.unanswered_at.is_some(), p.unanswered_at));
     stale.into_iter().map(|p| p.name.clone()).collect()
