@@ -728,18 +728,22 @@ async fn apply_owned<G: Gateways>(
     .map_err(|source| RolloutError::ConfigMap { name, source })
 }
 
-/// Drops what the rollout memory knows of the pods of `ns` that are gone or run anew (their
-/// acknowledgements, their unanswered documents): a Deployment's pods come and go under new
-/// names, and the memory must not grow with every pod that ever ran.
-fn forget_gone_pods<G: Gateways>(ctx: &Context<G>, ns: &str) {
-    let instances: BTreeMap<String, String> = ctx
-        .stores
+/// The run ([`observe::instance`]) of each pod of `ns` in the store, by name.
+fn pod_instances<G: Gateways>(ctx: &Context<G>, ns: &str) -> BTreeMap<String, String> {
+    ctx.stores
         .pods
         .state()
         .iter()
         .filter(|p| p.namespace().as_deref() == Some(ns))
         .map(|p| (p.name_any(), observe::instance(p)))
-        .collect();
+        .collect()
+}
+
+/// Drops what the rollout memory knows of the pods of `ns` that are gone or run anew (their
+/// acknowledgements, their unanswered documents): a Deployment's pods come and go under new
+/// names, and the memory must not grow with every pod that ever ran.
+fn forget_gone_pods<G: Gateways>(ctx: &Context<G>, ns: &str) {
+    let instances = pod_instances(ctx, ns);
     let gone = |(n, p, i): &(String, String, String)| n == ns && instances.get(p) != Some(i);
     let mut memory = ctx.rollouts.lock();
     memory.acked.retain(|k, _| !gone(k));
@@ -899,14 +903,7 @@ async fn push<G: Gateways>(
     )
     .await;
 
-    let instances: BTreeMap<String, String> = ctx
-        .stores
-        .pods
-        .state()
-        .iter()
-        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
-        .map(|p| (p.name_any(), observe::instance(p)))
-        .collect();
+    let instances = pod_instances(ctx, ns);
     let mut memory = ctx.rollouts.lock();
     for (name, doc, delivery) in results {
         let revision = doc.revision.clone();
