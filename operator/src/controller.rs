@@ -304,6 +304,7 @@ impl Term {
             memory: Mutex::default(),
             rollouts: Mutex::default(),
             selections: Mutex::default(),
+            passes: Default::default(),
             client_reports: Mutex::default(),
             retries: Default::default(),
             gateways: self.gateways.clone(),

@@ -109,6 +109,9 @@ pub struct Metrics {
     pub leader: Gauge,
     /// Generations read back that were too large to be real, and ignored.
     pub generations_ignored: Counter,
+    /// Reconciles by how they got their namespace's plan: a pass planned for them (and every
+    /// reconcile waiting with them), or the last one reused (nothing it was made from changed).
+    pub passes: Family<OutcomeLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -127,6 +130,7 @@ impl Default for Metrics {
             policies: PolicyConditions::default(),
             leader: Gauge::default(),
             generations_ignored: Counter::default(),
+            passes: Family::default(),
         }
     }
 }
@@ -184,6 +188,11 @@ impl Metrics {
             "generations_ignored",
             "Generations read back (ConfigMap annotations, pod answers, statuses) too large to be real, and ignored",
             self.generations_ignored.clone(),
+        );
+        registry.register(
+            "namespace_passes",
+            "Namespace plans reconciles got, by outcome: planned (a pass for every reconcile waiting) or reused (nothing it was made from changed)",
+            self.passes.clone(),
         );
         registry.register(
             "leader",

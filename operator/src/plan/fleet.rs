@@ -22,6 +22,21 @@ use super::{clients, division, fds, memo, render, selector, shares, tokens, vali
 pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPlan {
     let selection = selector::select(&input.policies, &input.pods);
     let acceptance = validate::accept(&input.policies, &selection);
+    plan_with(input, &selection, &acceptance, memory, now)
+}
+
+/// [`plan`] given which pods each policy selects ([`selector::select`]) and the verdicts on them
+/// ([`validate::accept`]), one per policy of `input` in its order: the runtime makes both once
+/// per namespace pass, for validation and planning alike.
+pub fn plan_with(
+    input: &FleetInput,
+    selection: &[Vec<String>],
+    acceptance: &[validate::Acceptance],
+    memory: &mut Memory,
+    now: Timestamp,
+) -> FleetPlan {
+    debug_assert_eq!(selection.len(), input.policies.len());
+    debug_assert_eq!(acceptance.len(), input.policies.len());
 
     // Remember the latest fd limits, so a missing sample holds the last known one.
     for (pod, s) in &input.samples.pods {
@@ -51,8 +66,11 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
             .iter()
             .map(|h| ready_set.contains(h.as_str()))
             .collect();
-        // Another policy's reconcile: this policy's divisions were made by its own.
-        let unfocused = input.focus.as_ref().is_some_and(|f| f != &policy.key);
+        // Not one of the reconciles this run plans for: its divisions were made by its own.
+        let unfocused = input
+            .focus
+            .as_ref()
+            .is_some_and(|f| !f.contains(&policy.key));
         let accepted = acceptance[i].is_accepted();
         let mut backends = Vec::new();
         let mut metrics = None;
@@ -78,9 +96,7 @@ pub fn plan(input: &FleetInput, memory: &mut Memory, now: Timestamp) -> FleetPla
                 let decision = if !policy.spec.autoscale.enabled {
                     mem.target = bounds.upper;
                     None
-                } else if input.focus.as_ref().is_none_or(|f| f == &policy.key)
-                    && mem.due(policy.spec.autoscale.interval.get(), now)
-                {
+                } else if mem.due(policy.spec.autoscale.interval.get(), now) {
                     Some(autoscale::decide(&bounds, mem, &sample, endpoints, now))
                 } else {
                     mem.target = bounds.clamp(mem.target);

@@ -2,7 +2,7 @@
 //! Prometheus samples, the documents already published. Plain data, no decisions: every other
 //! planning module reads these types, and this one reads none of them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -233,7 +233,9 @@ pub struct FleetInput {
     pub generation_floor: u64,
     /// The busiest clients each pod reported for each policy (`None` for a pod: no fresh report).
     pub clients: BTreeMap<(PolicyKey, String), Vec<ClientUse>>,
-    /// The policy being reconciled: only its backends get autoscale decisions this run (the
-    /// others keep their targets until their own reconcile). `None`: every policy decides.
-    pub focus: Option<PolicyKey>,
+    /// The policies being reconciled: only their backends' divisions are judged again when no
+    /// decision ran (the others keep theirs while they fit). `None`: every policy. Decisions
+    /// do not depend on it: every backend whose interval is due decides, whichever reconcile
+    /// plans, so that one run serves every reconcile until the next decision is due.
+    pub focus: Option<BTreeSet<PolicyKey>>,
 }

@@ -45,7 +45,7 @@ pub mod waves;
 pub(crate) mod tests;
 
 pub use budget::FdReport;
-pub use fleet::plan;
+pub use fleet::{plan, plan_with};
 pub use input::{
     Acked, BackendSample, FleetInput, GatewayPod, PodSample, PolicyInput, PolicyKey, Samples,
     SaturationSignal,

@@ -158,8 +158,8 @@ pub struct FleetPlan {
     /// The document each selected pod should run, by pod name.
     pub documents: BTreeMap<String, Arc<GatewayLimits>>,
     /// How many backends' divisions over their holders this run computed. The others, of
-    /// policies not in focus whose division in memory still fits, were kept as they were: a
-    /// round of one reconcile per policy divides each backend once, in its own policy's.
+    /// policies not in focus that made no decision and whose division in memory still fits,
+    /// were kept as they were.
     pub divided: usize,
 }
 

@@ -32,6 +32,9 @@ pub struct RolloutReport {
     /// Of those, the pods that did not answer within the per-pod timeout (tried again at the
     /// next reconcile, not sooner: a hung pod would only hold its slot again).
     pub slow: BTreeSet<String>,
+    /// Of those, the pods that answered they run a newer generation (409): the next pass
+    /// numbers their document above it.
+    pub older: BTreeSet<String>,
     /// Why the rollout waits, if it does.
     pub waiting: Option<String>,
     /// Why the rollout stopped, if it did.

@@ -1110,7 +1110,7 @@ fn autoscale_runs_once_per_interval_inside_the_plan() {
 }
 
 #[test]
-fn only_the_focus_policy_decides() {
+fn every_backend_due_decides_whichever_reconcile_plans_and_none_decides_twice() {
     let a = policy("a", 0, &spec("model-a", 700, ""), 1);
     let b = policy("b", 1, &spec("model-b", 700, ""), 1);
     let busy = BackendSample {
@@ -1123,7 +1123,7 @@ fn only_the_focus_policy_decides() {
     let mut input = FleetInput {
         policies: vec![a, b],
         pods: pods(1),
-        focus: Some(key("a")),
+        focus: Some([key("a")].into()),
         ..FleetInput::default()
     };
     for k in ["a", "b"] {
@@ -1134,18 +1134,24 @@ fn only_the_focus_policy_decides() {
             .insert((key(k), backend.to_owned()), busy);
     }
     let mut memory = Memory::default();
+    // a's reconcile plans: b's decision is due too, and made in the same run.
     let fleet = plan(&input, &mut memory, at(400));
-    assert!(
-        fleet.policy(&key("a")).unwrap().backends[0]
-            .decision
-            .is_some()
-    );
-    assert_eq!(fleet.policy(&key("b")).unwrap().backends[0].decision, None);
-    assert_eq!(
-        fleet.policy(&key("b")).unwrap().backends[0].target,
-        560,
-        "b keeps its target"
-    );
+    for k in ["a", "b"] {
+        assert!(
+            fleet.policy(&key(k)).unwrap().backends[0]
+                .decision
+                .is_some(),
+            "{k} decided"
+        );
+    }
+    // b's reconcile right after: nothing is due, nothing decides again.
+    input.focus = Some([key("b")].into());
+    let fleet = plan(&input, &mut memory, at(405));
+    for k in ["a", "b"] {
+        let b = &fleet.policy(&key(k)).unwrap().backends[0];
+        assert_eq!(b.decision, None, "{k} decided once");
+        assert_eq!(b.target, 560, "{k} keeps the target its decision made");
+    }
 }
 
 #[test]
@@ -1155,7 +1161,7 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
     let mut input = FleetInput {
         policies: vec![a, b],
         pods: pods(3),
-        focus: Some(key("a")),
+        focus: Some([key("a")].into()),
         ..FleetInput::default()
     };
     let steady = BackendSample {
@@ -1182,11 +1188,14 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
             ..steady
         },
     );
-    input.focus = Some(key("b"));
+    input.focus = Some([key("b")].into());
     input.policies[1].status = Some(ConnectionPolicyStatus {
         observed_generation: Some(1),
         ..ConnectionPolicyStatus::default()
     });
+    // b's next decision falls due (no samples: it holds its target).
+    let b_memory = memory.backends.get_mut(&(key("b"), "model-b".into()));
+    b_memory.expect("b decided at the first run").last_decision = None;
     let again = plan(&input, &mut memory, at(5));
     assert!(
         again
@@ -2182,10 +2191,10 @@ fn a_new_operator_keeps_the_client_divisions_it_finds_in_status() {
     assert!(parts(&plan(&more, &mut Memory::default(), at(15))).is_empty());
 }
 
-/// A round of reconciles, one per policy (each in focus once), divides each backend once, in
-/// its own policy's reconcile: the other reconciles keep the division in memory, and plan
-/// with the very shares its own reconcile made. A new set of holders is divided anew at once,
-/// in whichever reconcile sees it first.
+/// A round of reconciles, one per policy (each in focus once): the first one's run makes every
+/// decision due and divides each backend; each later one judges its own policy's division
+/// again and keeps the others' in memory, planning with the very shares their own reconciles
+/// made. A new set of holders is divided anew at once, in whichever reconcile sees it first.
 #[test]
 fn a_round_of_reconciles_divides_each_backend_once() {
     let n = 12;
@@ -2226,7 +2235,7 @@ fn a_round_of_reconciles_divides_each_backend_once() {
         let mut divided = 0;
         let mut own = BTreeMap::new();
         for name in &names {
-            input.focus = Some(key(name));
+            input.focus = Some([key(name)].into());
             let fleet = plan(input, memory, at(t));
             divided += fleet.divided;
             own.insert(
@@ -2244,15 +2253,20 @@ fn a_round_of_reconciles_divides_each_backend_once() {
         "the first reconcile divides every backend"
     );
 
-    // The crowd moves to gw-2: each policy's own reconcile re-divides its backend, once.
+    // The crowd moves to gw-2: the first run decides and divides every backend, each later
+    // reconcile judges its own again.
     set_demand(&mut input, 2);
     let (divided, own) = round(&mut input, &mut memory, 15);
-    assert_eq!(divided, n, "one division per backend per round");
+    assert_eq!(
+        divided,
+        n + (n - 1),
+        "every backend at its decision, each again in its own reconcile"
+    );
     for shares in own.values() {
         assert!(shares[2] > shares[0] && shares[2] > shares[1], "{shares:?}");
     }
     // Any later reconcile plans every other policy with the shares its own reconcile made.
-    input.focus = Some(key("p0"));
+    input.focus = Some([key("p0")].into());
     let fleet = plan(&input, &mut memory, at(20));
     assert_eq!(fleet.divided, 1);
     for name in &names[1..] {

@@ -15,11 +15,11 @@ use poolpilot_api::policy::ClientScope;
 use tracing::debug;
 
 use super::context::Context;
-use super::observe::Observed;
+use super::observe;
 use crate::gateway::{ClientsReport, Gateways};
-use crate::plan::PolicyKey;
 use crate::plan::input::ClientUse;
 use crate::plan::time::{Timestamp, elapsed};
+use crate::plan::{FleetInput, PolicyKey};
 
 /// Longest wait for one pod's report.
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -27,96 +27,99 @@ pub const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 pub const CONCURRENCY: usize = 16;
 
 /// Asks the live pods of the policy being reconciled for their busiest clients, when its client
-/// limits are fleet-wide, and fills `observed.input.clients` with every pod's report of the
-/// namespace younger than two intervals.
-pub async fn poll<G: Gateways>(
-    ctx: &Context<G>,
-    policy: &ConnectionPolicy,
-    observed: &mut Observed,
-    now: Timestamp,
-) {
-    let ns = observed.focus.namespace.clone();
+/// limits are fleet-wide, and keeps their reports ([`Context::client_reports`]) for the
+/// namespace pass to [`fill`] the planner's input from.
+pub async fn poll<G: Gateways>(ctx: &Context<G>, policy: &ConnectionPolicy, key: &PolicyKey) {
+    let ns = &key.namespace;
     let fleet_wide = policy
         .spec
         .clients
         .as_ref()
         .is_some_and(|c| c.scope == ClientScope::Fleet)
         && policy.spec.autoscale.enabled;
-    let token = ctx.rollouts.lock().tokens.get(&ns).map(|(t, _)| t.clone());
-    if fleet_wide && let Some(token) = token {
-        let selected =
-            crate::plan::selector::select(&observed.input.policies, &observed.input.pods);
-        let index = observed
-            .input
-            .policies
-            .iter()
-            .position(|p| p.key == observed.focus);
-        let pods: Vec<(String, std::net::SocketAddr)> = index
-            .map(|i| selected[i].clone())
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|p| {
-                observed
-                    .input
-                    .pods
-                    .iter()
-                    .any(|x| &x.name == p && !x.stopped && !x.terminating)
-            })
-            .filter_map(|p| Some((p.clone(), *observed.admin.get(&p)?)))
-            .collect();
-        let answers: Vec<(String, Option<ClientsReport>)> = futures::stream::iter(pods)
-            .map(|(pod, addr)| {
-                let token = token.clone();
-                let ns = ns.clone();
-                async move {
-                    let report = tokio::time::timeout(
-                        REPORT_TIMEOUT,
-                        ctx.gateways.clients(&ns, addr, &token),
-                    )
-                    .await;
-                    match report {
-                        Ok(Ok(r)) => (pod, Some(r)),
-                        Ok(Err(e)) => {
-                            debug!(%pod, error = %e, "no client report");
-                            (pod, None)
-                        }
-                        Err(_) => {
-                            debug!(%pod, "no client report within {REPORT_TIMEOUT:?}");
-                            (pod, None)
-                        }
+    if !fleet_wide {
+        return;
+    }
+    let Some(token) = ctx.rollouts.lock().tokens.get(ns).map(|(t, _)| t.clone()) else {
+        return;
+    };
+    // The policy's live pods with an address, straight from the cache: one selector to match.
+    let pods: Vec<(String, std::net::SocketAddr)> = ctx
+        .stores
+        .pods
+        .state()
+        .iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && !observe::is_stopped(p))
+        .filter(|p| crate::plan::selector::matches(&policy.spec.gateway_selector, p.labels()))
+        .filter_map(|p| Some((p.name_any(), observe::admin_address(ctx, p)?)))
+        .collect();
+    let answers: Vec<(String, Option<ClientsReport>)> = futures::stream::iter(pods)
+        .map(|(pod, addr)| {
+            let token = token.clone();
+            async move {
+                let report =
+                    tokio::time::timeout(REPORT_TIMEOUT, ctx.gateways.clients(ns, addr, &token))
+                        .await;
+                match report {
+                    Ok(Ok(r)) => (pod, Some(r)),
+                    Ok(Err(e)) => {
+                        debug!(%pod, error = %e, "no client report");
+                        (pod, None)
+                    }
+                    Err(_) => {
+                        debug!(%pod, "no client report within {REPORT_TIMEOUT:?}");
+                        (pod, None)
                     }
                 }
-            })
-            .buffer_unordered(CONCURRENCY)
-            .collect()
-            .await;
-        let sent = ctx.rollouts.lock().sent.clone();
-        let mut reports = ctx.client_reports.lock();
-        for (pod, report) in answers {
-            let Some(report) = report else { continue };
-            let doc = sent
-                .get(&(ns.clone(), pod.clone()))
-                .and_then(|s| s.current.clone());
-            let by_policy = by_policy(&report, doc.as_deref());
-            reports.insert((ns.clone(), pod), (now, by_policy));
-        }
-    }
-    let interval = policy.spec.autoscale.interval.get();
+            }
+        })
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await;
+    let now = (ctx.clock)();
+    let sent = ctx.rollouts.lock().sent.clone();
     let mut reports = ctx.client_reports.lock();
-    let pods: Vec<String> = observed.input.pods.iter().map(|p| p.name.clone()).collect();
-    reports.retain(&ns, &pods);
+    for (pod, report) in answers {
+        let Some(report) = report else { continue };
+        let doc = sent
+            .get(&(ns.clone(), pod.clone()))
+            .and_then(|s| s.current.clone());
+        let by_policy = by_policy(&report, doc.as_deref());
+        reports.insert((ns.clone(), pod), (now, by_policy));
+    }
+    debug!(policy = %key, "client reports polled");
+}
+
+/// Fills `input.clients` with every report of its namespace `ns` younger than two intervals of
+/// the policy it is about (a pod that did not answer since has no report: the planner keeps
+/// the division in force), and forgets the reports of pods that are gone.
+pub fn fill<G: Gateways>(ctx: &Context<G>, ns: &str, input: &mut FleetInput, now: Timestamp) {
+    let intervals: BTreeMap<&PolicyKey, Duration> = input
+        .policies
+        .iter()
+        .map(|p| (&p.key, p.spec.autoscale.interval.get()))
+        .collect();
+    let mut clients = BTreeMap::new();
+    let mut reports = ctx.client_reports.lock();
+    let pods: Vec<String> = input.pods.iter().map(|p| p.name.clone()).collect();
+    reports.retain(ns, &pods);
     for ((n, pod), (at, by_policy)) in reports.iter() {
-        if n != &ns || elapsed(*at, now) > interval * 2 {
+        if n != ns {
             continue;
         }
-        for (key, clients) in by_policy {
-            observed
-                .input
-                .clients
-                .insert((key.clone(), pod.clone()), clients.clone());
+        for (key, used) in by_policy {
+            let fresh = intervals
+                .get(key)
+                .is_some_and(|interval| elapsed(*at, now) <= *interval * 2);
+            if fresh {
+                clients.insert((key.clone(), pod.clone()), used.clone());
+            }
         }
     }
-    debug!(policy = %policy.name_any(), reports = observed.input.clients.len(), "client reports");
+    drop(reports);
+    debug!(namespace = ns, reports = clients.len(), "client reports");
+    input.clients = clients;
 }
 
 /// A report's clients per ConnectionPolicy: each client policy of the pod's document is the one

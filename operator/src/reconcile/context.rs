@@ -150,12 +150,21 @@ pub type ClientReport = (Timestamp, BTreeMap<PolicyKey, Vec<ClientUse>>);
 #[derive(Clone, Debug, Default)]
 pub struct ClientReports {
     by_pod: BTreeMap<(String, String), ClientReport>,
+    /// Reports recorded so far, per namespace: a namespace pass made before the last one is
+    /// stale.
+    recorded: BTreeMap<String, u64>,
 }
 
 impl ClientReports {
     /// Records a pod's report.
     pub fn insert(&mut self, pod: (String, String), report: ClientReport) {
+        *self.recorded.entry(pod.0.clone()).or_default() += 1;
         self.by_pod.insert(pod, report);
+    }
+
+    /// How many reports of `ns` were recorded so far.
+    pub fn recorded(&self, ns: &str) -> u64 {
+        self.recorded.get(ns).copied().unwrap_or_default()
     }
 
     /// Every report, by (namespace, pod).
@@ -203,6 +212,8 @@ pub struct Context<G: Gateways> {
     /// Which pods each distinct selector selects, per namespace, while its pods stay the same
     /// ([`SelectionMemo`]).
     pub selections: Mutex<BTreeMap<String, SelectionMemo>>,
+    /// The namespaces' plans, shared by their reconciles ([`super::pass`]).
+    pub passes: super::pass::Passes,
     /// The gateways' latest reports of their busiest clients (step 1b, `clients.rs`).
     pub client_reports: Mutex<ClientReports>,
     /// Failures in a row per policy, for the retry back-off of [`error_policy`].

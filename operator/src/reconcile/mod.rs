@@ -1,9 +1,13 @@
 //! The reconciler: one ConnectionPolicy at a time, as a named pipeline
 //!
 //! ```text
-//!  observe (caches) → clients (gateways, read) → validate (pure) → plan (pure)
+//!  clients (gateways, read) → observe (caches) → validate (pure) → plan (pure)
 //!      → roll out (API + gateways) → status (API)
 //! ```
+//!
+//! Observe, validate and plan read the whole namespace, so the reconciles of a namespace share
+//! them: one [`pass`] plans for every reconcile waiting, and the last one serves while nothing
+//! it was made from changed.
 //!
 //! Each step is its own module with its own error type. A policy that fails validation skips the
 //! rollout and reports `Accepted=False`; one in `mode: Recommend` (shadow mode) is planned the
@@ -12,8 +16,9 @@
 //! newer CRD, say) is reported in an `InvalidPolicy` Event and skipped: the others go on.
 //!
 //! Each step is its own module with its own error type; [`pipeline`] runs them in order over
-//! the shared [`context`], and [`error`] names the step that failed. This file only declares
-//! the modules and re-exports the reconciler's public surface.
+//! the shared [`context`], and [`error`] names the step that failed. This file declares the
+//! modules, re-exports the reconciler's public surface and holds [`cpu_bound`], which the steps
+//! share.
 
 pub mod backoff;
 pub mod clients;
@@ -21,6 +26,7 @@ pub mod context;
 pub mod error;
 pub mod events;
 pub mod observe;
+pub mod pass;
 pub mod pipeline;
 pub mod rollout;
 pub mod status;
@@ -28,6 +34,17 @@ pub mod validate;
 
 #[cfg(test)]
 mod tests;
+
+/// Runs CPU-bound work (planning a namespace with many policies takes a while), or a wait for
+/// the memory lock such work holds, without holding up the runtime's other tasks, `/healthz`
+/// among them: on the multi-threaded runtime the worker hands its other tasks over first. (The
+/// current-thread runtime of unit tests just runs it.)
+pub(crate) fn cpu_bound<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
 
 pub use context::{
     Config, Context, DEFAULT_ROLLOUT_CONCURRENCY, FIELD_MANAGER, PushBound, RolloutMemory,

@@ -47,44 +47,92 @@ pub enum ObserveError {
 /// What observe saw.
 #[derive(Clone, Debug)]
 pub struct Observed {
+    /// The namespace.
+    pub namespace: String,
     /// The planner's input for the namespace.
     pub input: FleetInput,
-    /// The policy being reconciled.
-    pub focus: PolicyKey,
+    /// Which pods each policy of `input` selects (names, sorted), in the policies' order.
+    pub selected: Vec<Vec<String>>,
     /// Admin address per pod name (pods with an IP).
     pub admin: BTreeMap<String, SocketAddr>,
 }
 
-/// Observes `policy`'s namespace. With `removing`, the policy is left out of the fleet (its
-/// backends disappear from the documents) but its pods stay in it.
+/// `policy`'s key (its namespace and name).
+pub fn key(policy: &ConnectionPolicy) -> Result<PolicyKey, ObserveError> {
+    Ok(PolicyKey {
+        namespace: policy
+            .namespace()
+            .ok_or_else(|| ObserveError::NoNamespace(policy.name_any()))?,
+        name: policy.name_any(),
+    })
+}
+
+/// Observes `policy`'s namespace as its own reconcile sees it: the policy as handed over (which
+/// may be newer than the cache) and the cache's others. With `removing`, the policy is left out
+/// of the fleet (its backends disappear from the documents) but its pods stay in it.
 pub fn observe<G: Gateways>(
     ctx: &Context<G>,
     policy: &ConnectionPolicy,
     removing: bool,
     now: Timestamp,
 ) -> Result<Observed, ObserveError> {
-    let ns = policy
-        .namespace()
-        .ok_or_else(|| ObserveError::NoNamespace(policy.name_any()))?;
-    let focus = PolicyKey {
-        namespace: ns.clone(),
-        name: policy.name_any(),
-    };
-
-    // The cached objects, not copies of them (with their managed fields and last-applied
-    // annotations they are far larger than what planning takes from them).
+    let focus = key(policy)?;
     let others = ctx.stores.policies.state();
-    let mut objects: Vec<&ConnectionPolicy> = others
-        .iter()
-        .filter_map(|p| p.0.as_ref().ok())
-        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()) && p.name_any() != focus.name)
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        // A policy refused for a backend namespace is not in force (its own reconcile says so).
-        .filter(|p| refused_namespaces(&ctx.config.backend_namespaces, p).is_empty())
+    let mut objects: Vec<&ConnectionPolicy> = in_force(ctx, &others, &focus.namespace)
+        .filter(|p| p.name_any() != focus.name)
         .collect();
     if !removing {
         objects.push(policy);
     }
+    let extra = removing.then_some(&policy.spec.gateway_selector);
+    Ok(observe_policies(ctx, &focus.namespace, objects, extra, now))
+}
+
+/// Observes namespace `ns` with every policy of the cache that is in force there: what the
+/// namespace pass plans.
+pub fn namespace<G: Gateways>(ctx: &Context<G>, ns: &str, now: Timestamp) -> Observed {
+    let all = ctx.stores.policies.state();
+    let objects = in_force(ctx, &all, ns).collect();
+    observe_policies(ctx, ns, objects, None, now)
+}
+
+/// The cached policies of `ns` in force: readable, not being deleted, and not refused for a
+/// backend namespace (their own reconciles say so).
+fn in_force<'a, G: Gateways>(
+    ctx: &'a Context<G>,
+    all: &'a [std::sync::Arc<kube::core::DeserializeGuard<ConnectionPolicy>>],
+    ns: &'a str,
+) -> impl Iterator<Item = &'a ConnectionPolicy> + 'a {
+    all.iter()
+        .filter_map(|p| p.0.as_ref().ok())
+        .filter(move |p| p.namespace().as_deref() == Some(ns))
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| refused_namespaces(&ctx.config.backend_namespaces, p).is_empty())
+}
+
+/// The admin address of `pod`: its IP and the admin port (its annotation's, or the operator's
+/// `--admin-port`). `None` before it has an IP.
+pub fn admin_address<G: Gateways>(ctx: &Context<G>, pod: &Pod) -> Option<SocketAddr> {
+    let ip: IpAddr = pod.status.as_ref()?.pod_ip.as_deref()?.parse().ok()?;
+    let port = pod
+        .annotations()
+        .get(ADMIN_PORT_ANNOTATION)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(ctx.config.admin_port);
+    Some(SocketAddr::new(ip, port))
+}
+
+/// Observes `ns` with `objects` as its policies; `extra`, a removed policy's selector, keeps
+/// its pods in the fleet.
+fn observe_policies<G: Gateways>(
+    ctx: &Context<G>,
+    ns: &str,
+    mut objects: Vec<&ConnectionPolicy>,
+    extra: Option<&LabelSelector>,
+    now: Timestamp,
+) -> Observed {
+    // The cached objects, not copies of them (with their managed fields and last-applied
+    // annotations they are far larger than what planning takes from them).
     objects.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
 
     // The namespace's slices and those of the namespaces the operator may read backends from.
@@ -101,17 +149,18 @@ pub fn observe<G: Gateways>(
         .collect();
     let policies: Vec<PolicyInput> = objects
         .iter()
-        .map(|p| policy_input(&ns, p, &slices))
+        .map(|p| policy_input(ns, p, &slices))
         .collect();
 
     // Pods any policy selects, plus the removed policy's own pods.
-    let pods: Vec<_> = ctx
+    let mut pods: Vec<_> = ctx
         .stores
         .pods
         .state()
         .into_iter()
-        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+        .filter(|p| p.namespace().as_deref() == Some(ns))
         .collect();
+    pods.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     // Which of the namespace's pods each policy selects (and, when removing, the removed
     // policy): each distinct selector matched once while the pods stay the same.
     let keys: Vec<(String, &BTreeMap<String, String>)> =
@@ -119,15 +168,13 @@ pub fn observe<G: Gateways>(
     let keyed: Vec<(&str, &BTreeMap<String, String>)> =
         keys.iter().map(|(n, l)| (n.as_str(), *l)).collect();
     let mut selectors: Vec<&LabelSelector> = policies.iter().map(PolicyInput::selector).collect();
-    if removing {
-        selectors.push(&policy.spec.gateway_selector);
-    }
+    selectors.extend(extra);
     let by_policy = {
         let mut memos = ctx.selections.lock();
-        let memo = memos.entry(ns.clone()).or_default();
+        let memo = memos.entry(ns.to_owned()).or_default();
         let by_policy = memo.select(&keyed, &selectors);
         if keyed.is_empty() {
-            memos.remove(&ns);
+            memos.remove(ns);
         }
         by_policy
     };
@@ -141,32 +188,23 @@ pub fn observe<G: Gateways>(
     let mut admin = BTreeMap::new();
     for (_, pod) in pods.iter().enumerate().filter(|(i, _)| selected[*i]) {
         let name = pod.name_any();
-        let ip: Option<IpAddr> = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.pod_ip.as_deref())
-            .and_then(|ip| ip.parse().ok());
         let acked = acks
-            .get(&(ns.clone(), name.clone(), instance(pod)))
+            .get(&(ns.to_owned(), name.clone(), instance(pod)))
             .cloned()
             .or_else(|| {
                 snapshot
                     .limits_info
-                    .get(&(ns.clone(), name.clone()))
+                    .get(&(ns.to_owned(), name.clone()))
                     .cloned()
             });
-        if let Some(ip) = ip {
-            let port = pod
-                .annotations()
-                .get(ADMIN_PORT_ANNOTATION)
-                .and_then(|p| p.parse().ok())
-                .unwrap_or(ctx.config.admin_port);
-            admin.insert(name.clone(), SocketAddr::new(ip, port));
+        let address = admin_address(ctx, pod);
+        if let Some(address) = address {
+            admin.insert(name.clone(), address);
         }
         gateway_pods.push(GatewayPod {
             name,
             labels: pod.labels().clone(),
-            ip,
+            ip: address.map(|a| a.ip()),
             ready: is_ready(pod),
             terminating: pod.metadata.deletion_timestamp.is_some(),
             stopped: is_stopped(pod),
@@ -174,13 +212,13 @@ pub fn observe<G: Gateways>(
         });
     }
 
-    let seen = ctx.rollouts.lock().seen_generation.get(&ns).copied();
+    let seen = ctx.rollouts.lock().seen_generation.get(ns).copied();
     let published: Vec<Acked> = ctx
         .stores
         .configmaps
         .state()
         .iter()
-        .filter(|cm| cm.namespace().as_deref() == Some(ns.as_str()))
+        .filter(|cm| cm.namespace().as_deref() == Some(ns))
         .filter_map(|cm| published_document(cm))
         .collect();
 
@@ -189,12 +227,12 @@ pub fn observe<G: Gateways>(
         .filter(|g| g.ready)
         .map(|g| g.name.as_str())
         .collect();
+    // The pods are in name order, so each selection is too.
     let selection: Vec<Selection> = by_policy
         .iter()
         .zip(&policies)
         .map(|(indexes, p)| {
-            let mut pods: Vec<String> = indexes.iter().map(|i| keys[*i].0.clone()).collect();
-            pods.sort();
+            let pods: Vec<String> = indexes.iter().map(|i| keys[*i].0.clone()).collect();
             let backends = p
                 .spec
                 .backends
@@ -217,9 +255,10 @@ pub fn observe<G: Gateways>(
             }
         })
         .collect();
-    let samples = snapshot.samples(&ns, &selection, now, ctx.config.snapshot_max_age);
+    let samples = snapshot.samples(ns, &selection, now, ctx.config.snapshot_max_age);
 
-    Ok(Observed {
+    Observed {
+        namespace: ns.to_owned(),
         input: FleetInput {
             policies,
             pods: gateway_pods,
@@ -229,11 +268,11 @@ pub fn observe<G: Gateways>(
             generation_floor: seen.unwrap_or_default(),
             // Filled by the next step, from the gateways' reports.
             clients: BTreeMap::new(),
-            focus: Some(focus.clone()),
+            focus: None,
         },
-        focus,
+        selected: selection.into_iter().map(|s| s.pods).collect(),
         admin,
-    })
+    }
 }
 
 /// The revision and generation of the document a ConfigMap holds: from its annotations, or

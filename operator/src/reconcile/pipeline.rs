@@ -19,7 +19,7 @@ use tracing::{info, instrument, warn};
 use super::context::Context;
 use super::error::{Error, Result};
 use super::events::{event_note, implausible_generation_event, unreadable_event};
-use super::{clients, observe, rollout, status, validate};
+use super::{clients, cpu_bound, observe, pass, rollout, status, validate};
 use crate::gateway::Gateways;
 use crate::metrics::{Metrics, StepLabel};
 use crate::plan::{self, Memory};
@@ -127,72 +127,41 @@ where
     out
 }
 
-/// Runs CPU-bound work (planning a namespace with many policies takes a while), or a wait for
-/// the memory lock such work holds, without holding up the runtime's other tasks, `/healthz`
-/// among them: on the multi-threaded runtime the worker hands its other tasks over first. (The
-/// current-thread runtime of unit tests just runs it.)
-fn cpu_bound<T>(work: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
-        _ => work(),
-    }
-}
-
 async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
     let refused = observe::refused_namespaces(&ctx.config.backend_namespaces, policy);
     if !refused.is_empty() {
         return refuse(policy, ctx, refused).await;
     }
-    let now = (ctx.clock)();
+    let key = observe::key(policy)?;
     let m = &ctx.metrics;
-    // 1. observe (no API calls: caches and the latest Prometheus snapshot; CPU only, its cost
-    //    grows with the namespace, so off the async workers)
-    let mut observed = step(m, "observe", async {
-        cpu_bound(|| observe::observe(ctx, policy, false, now))
-    })
-    .await?;
-    report_implausible_generations(ctx, policy, &observed).await;
-    // 1b. the busiest clients of each pod, for fleet-wide client limits (never fails)
+    // 1. the busiest clients of its pods, for fleet-wide client limits (gateways, read-only;
+    //    never fails): the plan below divides by them
     step(m, "clients", async {
-        clients::poll(ctx, policy, &mut observed, now).await;
+        clients::poll(ctx, policy, &key).await;
         Ok::<_, Error>(())
     })
     .await?;
+    // 2. observe, validate and plan: the namespace's pass, shared with every reconcile of the
+    //    namespace waiting meanwhile, or the last one while nothing it was made from changed
+    //    (caches and the latest Prometheus snapshot, no API calls; CPU off the async workers)
+    let pass = step(m, "plan", pass::plan_for(ctx, policy, &key)).await?;
+    let now = (ctx.clock)();
+    report_implausible_generations(ctx, policy, &pass.observed).await;
     // The poller runs this policy's saturation queries from its next round on.
     ctx.saturation.set(
-        &observed.focus,
+        &key,
         policy
             .spec
             .backends
             .iter()
             .filter_map(|b| Some((b.name.clone(), b.saturation.as_ref()?.query.clone()))),
     );
-    // 2. validate (no client required)
-    let verdict = step(m, "validate", async {
-        Ok::<_, Error>(cpu_bound(|| validate::check(&observed)))
-    })
-    .await?;
-    // 3. plan (no client required; CPU only, off the async workers)
-    let fleet = step(m, "plan", async {
-        Ok::<_, Error>(cpu_bound(|| {
-            let mut memory = ctx.memory.lock();
-            let mem = memory.entry(observed.focus.namespace.clone()).or_default();
-            plan::plan(&observed.input, mem, now)
-        }))
-    })
-    .await?;
-    let Some(policy_plan) = fleet.policy(&observed.focus) else {
-        return Err(Error::Plan(format!("no plan for {}", observed.focus)));
+    let Some(this) = pass.policy(&key) else {
+        return Err(Error::Plan(format!("no plan for {key}")));
     };
-    for b in &policy_plan.backends {
-        if let Some(d) = &b.decision {
-            m.decision(d);
-        }
-        if b.rebalanced.is_some() {
-            m.rebalance();
-        }
-    }
-    // 4. roll out (client and gateways required), only for an accepted policy (rendering may
+    let verdict = validate::check(Some(this.verdict));
+    let policy_plan = this.plan;
+    // 3. roll out (client and gateways required), only for an accepted policy (rendering may
     //    still reject one whose document does not validate)
     let report = match &verdict {
         // Shadow mode: the same plan, published instead of rolled out.
@@ -200,7 +169,7 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
             step(
                 m,
                 "rollout",
-                rollout::recommend(ctx, policy, &observed, &fleet),
+                rollout::recommend(ctx, policy, &key, &pass.observed, &pass.fleet),
             )
             .await?
         }
@@ -208,60 +177,56 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
             step(
                 m,
                 "rollout",
-                rollout::roll_out(ctx, policy, &observed, &fleet, now),
+                rollout::roll_out(ctx, policy, &key, &pass.observed, &pass.fleet, now),
             )
             .await?
         }
         Ok(()) => {
             info!(acceptance = ?policy_plan.acceptance, "rendered document refused; nothing rolled out");
-            rollout::not_rolled_out(&observed, &fleet)
+            rollout::not_rolled_out(&key, &pass.observed, &pass.fleet)
         }
         Err(rejected) => {
             info!(%rejected, "policy not accepted; nothing rolled out");
-            rollout::not_rolled_out(&observed, &fleet)
+            rollout::not_rolled_out(&key, &pass.observed, &pass.fleet)
         }
     };
-    // 5. status (client required), from this policy's autoscale memory.
+    // 4. status (client required), from this policy's autoscale memory.
     // The lock may be held by another reconcile's plan: wait for it off the async workers too.
     let memory = cpu_bound(|| {
         let all = ctx.memory.lock();
-        let namespace = all.get(&observed.focus.namespace);
+        let namespace = all.get(&key.namespace);
         plan::Memory {
             backends: policy_plan
                 .backends
                 .iter()
                 .filter_map(|b| {
-                    let key = (observed.focus.clone(), b.name.clone());
-                    let mem = namespace?.backends.get(&key)?.clone();
-                    Some((key, mem))
+                    let at = (key.clone(), b.name.clone());
+                    let mem = namespace?.backends.get(&at)?.clone();
+                    Some((at, mem))
                 })
                 .collect(),
             ..plan::Memory::default()
         }
     });
-    log_decisions(policy_plan, &memory);
-    let status = plan::status::compute(
-        observed
-            .input
-            .policies
-            .iter()
-            .find(|p| p.key == observed.focus)
-            .ok_or_else(|| Error::Plan("focus policy missing".into()))?,
-        policy_plan,
-        &memory,
-        &report,
-        now,
-    );
+    // The status as handed over (the pass may be older than this policy's last status write):
+    // conditions keep their transition times from it.
+    let input = plan::PolicyInput {
+        status: policy.status.clone(),
+        ..this.input.clone()
+    };
+    let status = plan::status::compute(&input, policy_plan, &memory, &report, now);
     step(m, "status", status::apply(ctx, policy, policy_plan, status)).await?;
 
     // A pod that has an IP but did not take its document is most likely still starting (its
     // admin port not yet listening) and stays unready until it does: try again soon. Pods
-    // without an IP bring their own reconcile when they get one.
-    // A pod that did not answer in time is tried again at the next reconcile, as usual.
-    let starting = report
-        .unreachable
-        .keys()
-        .any(|pod| observed.admin.contains_key(pod) && !report.slow.contains(pod));
+    // without an IP bring their own reconcile when they get one. A pod that did not answer in
+    // time is tried again at the next reconcile, as usual, and so is one that runs a newer
+    // generation (the next pass numbers its document above it).
+    let starting = report.unreachable.keys().any(|pod| {
+        pass.observed.admin.contains_key(pod)
+            && !report.slow.contains(pod)
+            && !report.older.contains(pod)
+    });
     let interval = if starting {
         RETRY_STARTING_PODS
     } else {
@@ -271,55 +236,41 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     Ok(Action::requeue(interval.max(Duration::from_secs(1))))
 }
 
-/// Each decision of this run, at info, with the numbers it was made from: what status shows
-/// as `lastDecision`, for `kubectl logs`.
-fn log_decisions(plan: &plan::PolicyPlan, memory: &Memory) {
-    for b in &plan.backends {
-        let Some(decision) = &b.decision else {
-            continue;
-        };
-        let reason = memory
-            .backends
-            .get(&(plan.key.clone(), b.name.clone()))
-            .and_then(|m| m.last_decision.as_ref())
-            .map_or("", |d| d.reason.as_str());
-        let s = &b.sample;
-        info!(
-            backend = %b.name,
-            action = ?decision.action(),
-            target = b.target,
-            endpoints = b.endpoints,
-            leased = s.leased,
-            pending = s.pending,
-            completed_per_s = s.completed,
-            bytes_per_s = s.bytes,
-            ttfb_s = s.ttfb,
-            held_intervals = b.held,
-            "autoscale decision: {reason}"
-        );
-    }
-}
-
 async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
-    let now = (ctx.clock)();
-    let observed = step(&ctx.metrics, "observe", async {
-        cpu_bound(|| observe::observe(ctx, policy, true, now))
-    })
-    .await?;
-    ctx.saturation.set(&observed.focus, []);
-    let fleet = cpu_bound(|| {
-        let mut memory = ctx.memory.lock();
-        let mem = memory.entry(observed.focus.namespace.clone()).or_default();
-        mem.forget(&observed.focus);
-        plan::plan(&observed.input, mem, now)
-    });
+    let key = observe::key(policy)?;
+    let (observed, fleet) =
+        step(&ctx.metrics, "plan", async { without(ctx, policy, &key) }).await?;
     step(
         &ctx.metrics,
         "cleanup",
         rollout::remove(ctx, policy, &observed, &fleet),
     )
     .await?;
+    if observed.input.policies.is_empty() {
+        ctx.passes.forget(&key.namespace);
+    }
     Ok(Action::await_change())
+}
+
+/// Observes and plans `policy`'s namespace without it (deleted, or not in force), forgetting
+/// what the planner remembered of it; its pods stay in the fleet, so that their documents lose
+/// its backends.
+fn without<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    key: &plan::PolicyKey,
+) -> Result<(observe::Observed, plan::FleetPlan)> {
+    ctx.saturation.set(key, []);
+    cpu_bound(|| {
+        let now = (ctx.clock)();
+        let observed = observe::observe(ctx, policy, true, now)?;
+        let verdicts = plan::validate::accept(&observed.input.policies, &observed.selected);
+        let mut memory = ctx.memory.lock();
+        let mem = memory.entry(key.namespace.clone()).or_default();
+        mem.forget(key);
+        let fleet = plan::plan_with(&observed.input, &observed.selected, &verdicts, mem, now);
+        Ok((observed, fleet))
+    })
 }
 
 /// A policy with a backend in a namespace this operator may not read backends from
@@ -331,18 +282,10 @@ async fn refuse<G: Gateways>(
     ctx: &Context<G>,
     why: Vec<String>,
 ) -> Result<Action> {
+    let key = observe::key(policy)?;
+    let (observed, fleet) =
+        step(&ctx.metrics, "plan", async { without(ctx, policy, &key) }).await?;
     let now = (ctx.clock)();
-    let observed = step(&ctx.metrics, "observe", async {
-        cpu_bound(|| observe::observe(ctx, policy, true, now))
-    })
-    .await?;
-    ctx.saturation.set(&observed.focus, []);
-    let fleet = cpu_bound(|| {
-        let mut memory = ctx.memory.lock();
-        let mem = memory.entry(observed.focus.namespace.clone()).or_default();
-        mem.forget(&observed.focus);
-        plan::plan(&observed.input, mem, now)
-    });
     step(
         &ctx.metrics,
         "rollout",
@@ -358,7 +301,7 @@ async fn refuse<G: Gateways>(
         .map(|p| p.name.clone())
         .collect();
     let policy_plan = plan::PolicyPlan {
-        key: observed.focus.clone(),
+        key: key.clone(),
         acceptance: plan::validate::Acceptance::Invalid(why),
         selected,
         holders: Vec::new(),
@@ -372,7 +315,7 @@ async fn refuse<G: Gateways>(
         token_use: None,
         document: None,
     };
-    let input = observe::policy_input(&observed.focus.namespace, policy, &[]);
+    let input = observe::policy_input(&key.namespace, policy, &[]);
     let computed = plan::status::compute(
         &input,
         &policy_plan,

@@ -25,7 +25,7 @@ use crate::gateway::{Gateways, PutError};
 use crate::metrics::OutcomeLabel;
 use crate::plan::status::RolloutReport;
 use crate::plan::waves::{self, PodState, Strategy};
-use crate::plan::{Acked, FleetPlan, Timestamp, plausible_generation};
+use crate::plan::{Acked, FleetPlan, PolicyKey, Timestamp, plausible_generation};
 
 /// Why the rollout step failed.
 #[derive(Debug, thiserror::Error)]
@@ -152,12 +152,13 @@ fn durable_configmap<G: Gateways>(
 pub async fn roll_out<G: Gateways>(
     ctx: &Context<G>,
     policy: &ConnectionPolicy,
+    key: &PolicyKey,
     observed: &Observed,
     fleet: &FleetPlan,
     now: Timestamp,
 ) -> Result<RolloutReport, RolloutError> {
-    let ns = &observed.focus.namespace;
-    let Some(plan) = fleet.policy(&observed.focus) else {
+    let ns = &observed.namespace;
+    let Some(plan) = fleet.policy(key) else {
         return Ok(RolloutReport::default());
     };
     // Pods that never got a PUT follow the ConfigMap: a new document reaches it only once every
@@ -271,6 +272,7 @@ pub async fn roll_out<G: Gateways>(
             pods: states,
             unreachable: pushed.failed,
             slow: pushed.slow,
+            older: pushed.older,
             ..RolloutReport::default()
         });
     }
@@ -334,6 +336,7 @@ pub async fn roll_out<G: Gateways>(
         pods: states,
         unreachable: pushed.failed,
         slow: pushed.slow,
+        older: pushed.older,
         waiting: wave.waiting,
         halted,
     })
@@ -469,7 +472,7 @@ fn retune_wave<G: Gateways>(
     states: &[PodState],
     lowering_first: bool,
 ) -> Option<Vec<String>> {
-    let ns = &observed.focus.namespace;
+    let ns = &observed.namespace;
     let memory = ctx.rollouts.lock();
     let mut lowering = Vec::new();
     let mut raising = Vec::new();
@@ -511,7 +514,7 @@ async fn roll_back<G: Gateways>(
     canaries: &[String],
     now: Timestamp,
 ) -> Result<(usize, Pushed), RolloutError> {
-    let ns = &observed.focus.namespace;
+    let ns = &observed.namespace;
     let mut failed = BTreeMap::new();
     let mut documents = BTreeMap::new();
     {
@@ -564,10 +567,11 @@ pub fn recommended_configmap_name(policy: &str) -> String {
 pub async fn recommend<G: Gateways>(
     ctx: &Context<G>,
     policy: &ConnectionPolicy,
+    key: &PolicyKey,
     observed: &Observed,
     fleet: &FleetPlan,
 ) -> Result<RolloutReport, RolloutError> {
-    let Some(plan) = fleet.policy(&observed.focus) else {
+    let Some(plan) = fleet.policy(key) else {
         return Ok(RolloutReport::default());
     };
     if let Some(doc) = &plan.document {
@@ -581,9 +585,9 @@ pub async fn recommend<G: Gateways>(
 }
 
 /// The report of a policy that is not rolled out (not accepted).
-pub fn not_rolled_out(observed: &Observed, fleet: &FleetPlan) -> RolloutReport {
+pub fn not_rolled_out(key: &PolicyKey, observed: &Observed, fleet: &FleetPlan) -> RolloutReport {
     let live = fleet
-        .policy(&observed.focus)
+        .policy(key)
         .map(|p| p.live.clone())
         .unwrap_or_default();
     let pods = live
@@ -757,20 +761,20 @@ fn pod_states<G: Gateways>(
     fleet: &FleetPlan,
     live: &[String],
 ) -> Vec<PodState> {
-    let ns = &observed.focus.namespace;
+    let ns = &observed.namespace;
+    let instances = pod_instances(ctx, ns);
+    let pods: BTreeMap<&str, &crate::plan::GatewayPod> = observed
+        .input
+        .pods
+        .iter()
+        .map(|p| (p.name.as_str(), p))
+        .collect();
     let memory = ctx.rollouts.lock();
     live.iter()
         .filter_map(|name| {
             let desired = fleet.documents.get(name)?.revision.clone();
-            let pod = observed.input.pods.iter().find(|p| &p.name == name)?;
-            let instance = ctx
-                .stores
-                .pods
-                .state()
-                .iter()
-                .find(|p| p.namespace().as_deref() == Some(ns.as_str()) && &p.name_any() == name)
-                .map(|p| observe::instance(p))
-                .unwrap_or_default();
+            let pod = pods.get(name.as_str())?;
+            let instance = instances.get(name).cloned().unwrap_or_default();
             let unanswered_at = memory
                 .unanswered
                 .get(&(ns.clone(), name.clone(), instance.clone()))
@@ -803,12 +807,14 @@ fn pod_states<G: Gateways>(
 struct Pushed {
     failed: BTreeMap<String, String>,
     slow: BTreeSet<String>,
+    older: BTreeSet<String>,
 }
 
 impl Pushed {
     fn extend(&mut self, other: Pushed) {
         self.failed.extend(other.failed);
         self.slow.extend(other.slow);
+        self.older.extend(other.older);
     }
 }
 
@@ -865,13 +871,18 @@ async fn push<G: Gateways>(
 ) -> Result<Pushed, RolloutError> {
     let mut failed = BTreeMap::new();
     let mut slow = BTreeSet::new();
+    let mut older = BTreeSet::new();
     // The pods that gave no answer (no IP, a failed connection, none in time, not a sensible
     // one): remembered, so that the next canary is one that answers.
     let mut unanswered = Vec::new();
     if pods.is_empty() {
-        return Ok(Pushed { failed, slow });
+        return Ok(Pushed {
+            failed,
+            slow,
+            older,
+        });
     }
-    let ns = &observed.focus.namespace;
+    let ns = &observed.namespace;
     let token = token(ctx, ns).await?;
     let previous = {
         let mut memory = ctx.rollouts.lock();
@@ -969,6 +980,7 @@ async fn push<G: Gateways>(
             }) => {
                 let seen = memory.seen_generation.entry(ns.clone()).or_default();
                 *seen = (*seen).max(g);
+                older.insert(name.clone());
                 failed.insert(
                     name,
                     format!("runs generation {g}; the next document goes above it"),
@@ -1009,7 +1021,11 @@ async fn push<G: Gateways>(
         let instance = instances.get(&name).cloned().unwrap_or_default();
         memory.unanswered.insert((ns.clone(), name, instance), now);
     }
-    Ok(Pushed { failed, slow })
+    Ok(Pushed {
+        failed,
+        slow,
+        older,
+    })
 }
 
 /// Reads the admin token from the Secret in `ns`.

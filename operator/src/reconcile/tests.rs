@@ -185,6 +185,7 @@ fn context_full<G: Gateways + Clone>(
         memory: Mutex::default(),
         rollouts: Mutex::default(),
         selections: Mutex::default(),
+        passes: Default::default(),
         client_reports: Mutex::default(),
         retries: Default::default(),
         gateways: gateways.clone(),
@@ -1836,4 +1837,136 @@ async fn unchanged_writes_nothing(p: &ConnectionPolicy, clocks: [fn() -> Timesta
         assert!(requests.is_empty(), "at {}: {requests:?}", clock());
         assert!(gateways.puts.lock().is_empty(), "nothing sent to the pods");
     }
+}
+
+/// The operator's metrics as Prometheus text.
+fn metrics_text(ctx: &Context<FakeGateways>) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    ctx.metrics.clone().register(&mut registry);
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+    out
+}
+
+#[tokio::test]
+async fn reconciles_waiting_together_share_one_namespace_pass_and_each_makes_its_decision() {
+    // Three autoscaled policies on the same pod, each with a backend of its own.
+    let policies: Vec<ConnectionPolicy> = ["a", "b", "c"]
+        .into_iter()
+        .map(|n| {
+            let mut p = policy(n, 0);
+            p.spec.backends[0].name = format!("model-{n}");
+            p.spec.autoscale.enabled = true;
+            p
+        })
+        .collect();
+    let (ctx, mut api, gateways) = context_with(
+        policies.clone(),
+        vec![gateway_pod()],
+        FakeGateways::default(),
+    );
+    // The three reconciles start while another pass plans: they wait for the next together.
+    let turn = ctx.passes.hold_turn("ns").await;
+    let reconciles: Vec<_> = policies
+        .iter()
+        .map(|p| tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone())))
+        .collect();
+    with_timeout(async {
+        while ctx.passes.waiting("ns") < 3 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    drop(turn);
+    let all = tokio::spawn(async move {
+        let mut last = Ok(Action::await_change());
+        for r in reconciles {
+            last = r.await.expect("the reconcile task ran");
+            last.as_ref().expect("the reconcile succeeded");
+        }
+        last
+    });
+    with_timeout(answer_all(&mut api, &policies[0], "s3cr3t", all))
+        .await
+        .expect("every reconcile succeeded");
+
+    assert_eq!(
+        ctx.passes.started("ns"),
+        1,
+        "one pass planned for the three"
+    );
+    let text = metrics_text(&ctx);
+    assert!(
+        text.contains("namespace_passes_total{outcome=\"planned\"} 3"),
+        "{text}"
+    );
+    // Each reconcile was in the pass's focus: each backend got its decision.
+    let memory = ctx.memory.lock();
+    for p in &policies {
+        let key = (
+            crate::plan::PolicyKey {
+                namespace: "ns".into(),
+                name: p.metadata.name.clone().unwrap(),
+            },
+            p.spec.backends[0].name.clone(),
+        );
+        assert!(
+            memory["ns"].backends[&key].last_decision.is_some(),
+            "{key:?} decided"
+        );
+    }
+    // The pod runs one document with the three backends.
+    let puts = gateways.puts.lock();
+    let last = &puts.last().expect("a document went out").2;
+    assert_eq!(last.backends.len(), 3, "{last:?}");
+    assert!(
+        puts.iter().all(|(_, _, d)| d.revision == last.revision),
+        "every reconcile sent the same pass's document"
+    );
+}
+
+#[tokio::test]
+async fn a_reconcile_reuses_the_last_pass_while_nothing_it_was_made_from_changed() {
+    let p = policy("models", 0);
+    let (ctx, mut api, _gateways) = context_with(
+        vec![p.clone()],
+        vec![gateway_pod()],
+        FakeGateways::default(),
+    );
+    reconcile_in(&ctx, &mut api, &p).await;
+    // Its own status write and a second reconcile: nothing the plan was made from changed.
+    reconcile_in(&ctx, &mut api, &p).await;
+    assert_eq!(ctx.passes.started("ns"), 1);
+    let text = metrics_text(&ctx);
+    assert!(
+        text.contains("namespace_passes_total{outcome=\"reused\"} 1"),
+        "{text}"
+    );
+
+    // A new Prometheus snapshot: the next reconcile plans again.
+    ctx.snapshot.write().at = Some(now());
+    reconcile_in(&ctx, &mut api, &p).await;
+    assert_eq!(ctx.passes.started("ns"), 2);
+
+    // An edit the cache has not caught up with (the object handed over is newer): planned on
+    // its own, as handed over.
+    let mut edited = p.clone();
+    edited.metadata.generation = Some(2);
+    edited.spec.backends[0]
+        .capacity
+        .max_connections_per_endpoint = 32;
+    reconcile_in(&ctx, &mut api, &edited).await;
+    let text = metrics_text(&ctx);
+    assert!(
+        text.contains("namespace_passes_total{outcome=\"private\"} 1"),
+        "{text}"
+    );
+}
+
+/// One reconcile of `p`, every API request answered.
+async fn reconcile_in(ctx: &Arc<Context<FakeGateways>>, api: &mut ApiHandle, p: &ConnectionPolicy) {
+    let reconciler = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    with_timeout(answer_all(api, p, "s3cr3t", reconciler))
+        .await
+        .expect("the reconcile succeeded");
 }

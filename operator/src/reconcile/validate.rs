@@ -2,8 +2,7 @@
 //! the schema may not have enforced, and no older policy on the same pods defines one of its
 //! backends. A rejected policy is reported in status and not rolled out.
 
-use super::observe::Observed;
-use crate::plan::{selector, validate};
+use crate::plan::validate;
 
 /// Why a policy is not accepted.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -19,16 +18,10 @@ pub enum Rejected {
     Absent,
 }
 
-/// Checks the observed focus policy.
-pub fn check(observed: &Observed) -> Result<(), Rejected> {
-    let policies = &observed.input.policies;
-    let selection = selector::select(policies, &observed.input.pods);
-    let verdicts = validate::accept(policies, &selection);
-    let i = policies
-        .iter()
-        .position(|p| p.key == observed.focus)
-        .ok_or(Rejected::Absent)?;
-    match &verdicts[i] {
+/// The verdict on the reconciled policy, as its namespace pass judged it (`None`: the pass
+/// does not hold it).
+pub fn check(verdict: Option<&validate::Acceptance>) -> Result<(), Rejected> {
+    match verdict.ok_or(Rejected::Absent)? {
         validate::Acceptance::Accepted => Ok(()),
         validate::Acceptance::Invalid(e) => Err(Rejected::Invalid(e.clone())),
         validate::Acceptance::Conflicted(why) => Err(Rejected::Conflicted(why.clone())),

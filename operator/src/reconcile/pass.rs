@@ -1,0 +1,371 @@
+//! The namespace pass: observe, validate and plan a namespace once for every reconcile waiting
+//! on it, instead of once per policy.
+//!
+//! Planning reads the whole namespace (every policy on the same pods shares their documents and
+//! their file descriptors), so with `n` policies one reconcile costs `O(n)` and a round of them
+//! `O(n²)`: at 2,000 policies a reconcile that plans alone takes seconds. Here the reconciles of
+//! a namespace share their plans:
+//!
+//! - **Reused**: the last pass serves a reconcile when nothing it was made from changed — the
+//!   [`fingerprint`] of the namespace's pods, policy generations, EndpointSlices, Prometheus
+//!   snapshot, client reports and the generation floor is the same, the pass holds the policy as
+//!   handed over (its generation and spec), and none of its autoscale decisions is due.
+//! - **Planned**: otherwise the reconcile waits for the next pass, which plans for it and for
+//!   every reconcile waiting with it (they are its `focus`: their decisions are made and their
+//!   divisions judged again). One pass runs at a time per namespace; the first waiter to get
+//!   the turn leads it, and a waiter whose turn comes after a pass that started after it
+//!   registered takes that pass instead of planning again.
+//!
+//! What the fingerprint leaves out is what only the rollout moves: the pods' acknowledgements and
+//! the published ConfigMaps. Every reconcile sends the same pass's documents, so a pod one
+//! reconcile updated is current for the next; a pass planned later numbers its documents above
+//! whatever the pods run by then.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+use poolpilot_api::ConnectionPolicy;
+use tracing::info;
+
+use super::context::Context;
+use super::observe::{self, Observed};
+use super::{clients, cpu_bound};
+use crate::gateway::Gateways;
+use crate::metrics::OutcomeLabel;
+use crate::plan::validate::Acceptance;
+use crate::plan::{self, FleetPlan, Memory, PolicyInput, PolicyKey, PolicyPlan, Timestamp};
+
+/// One plan of a namespace, and what it was made from.
+#[derive(Debug)]
+pub struct Pass {
+    /// What was observed: every policy in force, the pods they select, the samples, the
+    /// clients' reports.
+    pub observed: Observed,
+    /// The verdict on each policy of `observed.input`, in its order.
+    pub verdicts: Vec<Acceptance>,
+    /// The plan.
+    pub fleet: FleetPlan,
+    /// Where each policy is in `observed.input.policies`, `verdicts` and `fleet.policies`.
+    index: HashMap<PolicyKey, usize>,
+    /// The namespace's [`fingerprint`] when it started.
+    world: u64,
+    /// Its place among the namespace's passes (1 for the first; 0 for a private one).
+    seq: u64,
+    /// When it was planned.
+    pub at: Timestamp,
+}
+
+/// One policy's part of a pass.
+#[derive(Clone, Copy, Debug)]
+pub struct PolicyPass<'a> {
+    /// The policy as planned.
+    pub input: &'a PolicyInput,
+    /// Its verdict.
+    pub verdict: &'a Acceptance,
+    /// Its plan.
+    pub plan: &'a PolicyPlan,
+}
+
+impl Pass {
+    /// `key`'s part of the pass, if the policy was in force when it was made.
+    pub fn policy(&self, key: &PolicyKey) -> Option<PolicyPass<'_>> {
+        let &i = self.index.get(key)?;
+        Some(PolicyPass {
+            input: &self.observed.input.policies[i],
+            verdict: &self.verdicts[i],
+            plan: &self.fleet.policies[i],
+        })
+    }
+
+    /// Whether it planned `policy` (`key`) as it is: at its generation, with its spec.
+    fn holds(&self, key: &PolicyKey, policy: &ConnectionPolicy) -> bool {
+        self.policy(key).is_some_and(|p| {
+            p.input.generation == policy.metadata.generation.unwrap_or_default()
+                && p.input.spec == policy.spec
+        })
+    }
+}
+
+/// The passes of every namespace.
+#[derive(Debug, Default)]
+pub struct Passes {
+    namespaces: parking_lot::Mutex<BTreeMap<String, Arc<Namespace>>>,
+}
+
+/// One namespace's passes: the last one, the reconciles waiting for the next, and the turn to
+/// plan.
+#[derive(Debug, Default)]
+struct Namespace {
+    state: parking_lot::Mutex<State>,
+    /// Held by the reconcile planning a pass (tokio's mutex is fair: waiters get it in turn).
+    turn: Arc<tokio::sync::Mutex<()>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    latest: Option<Arc<Pass>>,
+    /// The reconciles waiting for the next pass.
+    waiting: BTreeSet<PolicyKey>,
+    /// Passes started so far.
+    started: u64,
+}
+
+impl Passes {
+    fn namespace(&self, ns: &str) -> Arc<Namespace> {
+        self.namespaces
+            .lock()
+            .entry(ns.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Forgets a namespace with no policy left (its last pass holds every pod's document).
+    pub fn forget(&self, ns: &str) {
+        self.namespaces.lock().remove(ns);
+    }
+}
+
+#[cfg(test)]
+impl Passes {
+    /// Takes `ns`'s turn, so that its reconciles wait for the next pass together.
+    pub(crate) async fn hold_turn(&self, ns: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        self.namespace(ns).turn.clone().lock_owned().await
+    }
+
+    /// How many reconciles of `ns` wait for the next pass.
+    pub(crate) fn waiting(&self, ns: &str) -> usize {
+        self.namespace(ns).state.lock().waiting.len()
+    }
+
+    /// How many passes of `ns` were planned (private ones aside).
+    pub(crate) fn started(&self, ns: &str) -> u64 {
+        self.namespace(ns).state.lock().started
+    }
+}
+
+/// The plan of `policy`'s namespace for its reconcile: the last pass if it still holds
+/// (the module's words say when), else the next one, planned with every reconcile waiting. A
+/// policy the caches have not caught up with (the object handed over is newer) is planned on
+/// its own, as handed over.
+pub async fn plan_for<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    key: &PolicyKey,
+) -> Result<Arc<Pass>, observe::ObserveError> {
+    let namespace = ctx.passes.namespace(&key.namespace);
+    let world = fingerprint(ctx, &key.namespace);
+    let registered = {
+        let mut state = namespace.state.lock();
+        if let Some(last) = &state.latest
+            && last.world == world
+            && last.holds(key, policy)
+            && !decision_due(ctx, policy, key, last)
+        {
+            counted(ctx, "reused");
+            return Ok(last.clone());
+        }
+        state.waiting.insert(key.clone());
+        state.started
+    };
+    let pass = {
+        let _turn = namespace.turn.lock().await;
+        let served = {
+            let state = namespace.state.lock();
+            state.latest.clone().filter(|last| last.seq > registered)
+        };
+        match served {
+            Some(pass) => pass,
+            None => {
+                let (focus, seq) = {
+                    let mut state = namespace.state.lock();
+                    state.waiting.insert(key.clone());
+                    state.started += 1;
+                    (std::mem::take(&mut state.waiting), state.started)
+                };
+                let pass = Arc::new(cpu_bound(|| run(ctx, &key.namespace, focus, seq)));
+                namespace.state.lock().latest = Some(pass.clone());
+                pass
+            }
+        }
+    };
+    if pass.holds(key, policy) {
+        counted(ctx, "planned");
+        return Ok(pass);
+    }
+    // The cache is behind the object handed over: plan it as it is, for this reconcile only.
+    counted(ctx, "private");
+    let focus = BTreeSet::from([key.clone()]);
+    Ok(Arc::new(cpu_bound(|| {
+        private(ctx, policy, &key.namespace, focus)
+    })?))
+}
+
+fn counted<G: Gateways>(ctx: &Context<G>, outcome: &'static str) {
+    ctx.metrics
+        .passes
+        .get_or_create(&OutcomeLabel { outcome })
+        .inc();
+}
+
+/// Whether one of `policy`'s autoscale decisions is due (a reconcile then plans, so that it
+/// makes the decision).
+fn decision_due<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    key: &PolicyKey,
+    last: &Pass,
+) -> bool {
+    let accepted = last.policy(key).is_some_and(|p| p.verdict.is_accepted());
+    if !accepted || !policy.spec.autoscale.enabled {
+        return false;
+    }
+    let now = (ctx.clock)();
+    let interval = policy.spec.autoscale.interval.get();
+    let memory = ctx.memory.lock();
+    let namespace = memory.get(&key.namespace);
+    policy.spec.backends.iter().any(|b| {
+        namespace
+            .and_then(|m| m.backends.get(&(key.clone(), b.name.clone())))
+            .is_none_or(|m| m.due(interval, now))
+    })
+}
+
+/// Plans `ns` for the reconciles in `focus`.
+fn run<G: Gateways>(ctx: &Context<G>, ns: &str, focus: BTreeSet<PolicyKey>, seq: u64) -> Pass {
+    // Taken first: a change while this pass observes makes the next reconcile plan again.
+    let world = fingerprint(ctx, ns);
+    let now = (ctx.clock)();
+    let observed = observe::namespace(ctx, ns, now);
+    planned(ctx, ns, observed, focus, world, seq, now)
+}
+
+/// Plans `policy` as handed over, with the cache's other policies of `ns`.
+fn private<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    ns: &str,
+    focus: BTreeSet<PolicyKey>,
+) -> Result<Pass, observe::ObserveError> {
+    let now = (ctx.clock)();
+    let observed = observe::observe(ctx, policy, false, now)?;
+    Ok(planned(ctx, ns, observed, focus, 0, 0, now))
+}
+
+fn planned<G: Gateways>(
+    ctx: &Context<G>,
+    ns: &str,
+    mut observed: Observed,
+    focus: BTreeSet<PolicyKey>,
+    world: u64,
+    seq: u64,
+    now: Timestamp,
+) -> Pass {
+    clients::fill(ctx, ns, &mut observed.input, now);
+    observed.input.focus = Some(focus);
+    let verdicts = plan::validate::accept(&observed.input.policies, &observed.selected);
+    let fleet = {
+        let mut memory = ctx.memory.lock();
+        let mem = memory.entry(ns.to_owned()).or_default();
+        let fleet = plan::plan_with(&observed.input, &observed.selected, &verdicts, mem, now);
+        told(ctx, &fleet, mem);
+        fleet
+    };
+    let index = observed
+        .input
+        .policies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.key.clone(), i))
+        .collect();
+    Pass {
+        observed,
+        verdicts,
+        fleet,
+        index,
+        world,
+        seq,
+        at: now,
+    }
+}
+
+/// Counts and logs the pass's decisions and re-divisions, once each.
+fn told<G: Gateways>(ctx: &Context<G>, fleet: &FleetPlan, memory: &Memory) {
+    for plan in &fleet.policies {
+        for b in &plan.backends {
+            if b.rebalanced.is_some() {
+                ctx.metrics.rebalance();
+            }
+            let Some(decision) = &b.decision else {
+                continue;
+            };
+            ctx.metrics.decision(decision);
+            let reason = memory
+                .backends
+                .get(&(plan.key.clone(), b.name.clone()))
+                .and_then(|m| m.last_decision.as_ref())
+                .map_or("", |d| d.reason.as_str());
+            let s = &b.sample;
+            info!(
+                policy = %plan.key.name,
+                namespace = %plan.key.namespace,
+                backend = %b.name,
+                action = ?decision.action(),
+                target = b.target,
+                endpoints = b.endpoints,
+                leased = s.leased,
+                pending = s.pending,
+                completed_per_s = s.completed,
+                bytes_per_s = s.bytes,
+                ttfb_s = s.ttfb,
+                held_intervals = b.held,
+                "autoscale decision: {reason}"
+            );
+        }
+    }
+}
+
+/// A digest of what a pass of `ns` is made from, apart from the rollout's own traces (see the
+/// module's words): the pods (each one's resource version), the policies (name, uid,
+/// generation, whether being deleted), the EndpointSlices it may read, when the Prometheus
+/// snapshot was taken, how many client reports came, and the generation floor. A policy's status
+/// write changes none of it.
+pub fn fingerprint<G: Gateways>(ctx: &Context<G>, ns: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    let in_ns = |n: Option<String>| n.as_deref() == Some(ns);
+    for pod in ctx.stores.pods.state() {
+        if in_ns(pod.namespace()) {
+            (pod.name_any(), pod.resource_version()).hash(&mut h);
+        }
+    }
+    for policy in ctx.stores.policies.state() {
+        if in_ns(policy.namespace()) {
+            let meta = match &policy.0 {
+                Ok(p) => &p.metadata,
+                Err(invalid) => &invalid.metadata,
+            };
+            (
+                &meta.name,
+                &meta.uid,
+                meta.generation,
+                meta.deletion_timestamp.is_some(),
+                policy.0.is_ok(),
+            )
+                .hash(&mut h);
+        }
+    }
+    let allowed = &ctx.config.backend_namespaces;
+    for slice in ctx.stores.slices.iter().flat_map(Store::state) {
+        let n = slice.namespace().unwrap_or_default();
+        if n == ns || allowed.contains(&n) {
+            (n, slice.name_any(), slice.resource_version()).hash(&mut h);
+        }
+    }
+    ctx.snapshot.read().at.hash(&mut h);
+    ctx.client_reports.lock().recorded(ns).hash(&mut h);
+    ctx.rollouts.lock().seen_generation.get(ns).hash(&mut h);
+    h.finish()
+}
