@@ -315,6 +315,10 @@ async fn run_inner(
         .args(["--listen", &listen])
         .args(["--leader-election", "false"])
         .args(["--identity", "fleet-bench"]);
+    // The caller's log filter, for a closer look at a run (`RUST_LOG=…,poolpilot_operator=debug`).
+    if let Ok(filter) = std::env::var("RUST_LOG") {
+        cmd.env("RUST_LOG", filter);
+    }
     if let Some(n) = plan.rollout_concurrency {
         cmd.args(["--rollout-concurrency", &n.to_string()]);
     }

@@ -98,8 +98,9 @@ pub struct Args {
     /// 1,000 pods goes out in 1,000 ÷ this many rounds of one PUT each.
     #[arg(long, env = "POOLPILOT_ROLLOUT_CONCURRENCY", default_value_t = crate::reconcile::DEFAULT_ROLLOUT_CONCURRENCY as u16, value_parser = clap::value_parser!(u16).range(1..))]
     pub rollout_concurrency: u16,
-    /// How many policies are reconciled at once (at least 1). Each reconcile holds a copy of its
-    /// namespace while it runs, so this bounds the operator's memory with many policies.
+    /// How many policies are reconciled at once (at least 1). The reconciles of a namespace
+    /// share its plan (one pass plans for every one waiting), so this bounds how many roll out
+    /// and write their status at once, and how many one pass can serve.
     #[arg(long, env = "POOLPILOT_CONCURRENT_RECONCILES", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrent_reconciles: u16,
     /// Longest time between two reconciles of a policy.

@@ -15,7 +15,7 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::{Predicate, PredicateConfig, WatchStreamExt, predicates, watcher};
 use kube::{Client, ResourceExt};
 use kube_lease_manager::LeaseManagerBuilder;
 use parking_lot::{Mutex, RwLock};
@@ -271,7 +271,16 @@ impl Term {
             .modify(strip_bookkeeping::<DeserializeGuard<ConnectionPolicy>>),
         )
         .default_backoff()
-        .touched_objects();
+        .touched_objects()
+        // A policy's own status writes do not reconcile it again (with thousands of policies
+        // those echoes would queue ahead of the first reconciles of the rest): only a change of
+        // its spec (its generation; marking it deleted bumps that too) or of its finalizers
+        // does. What else a reconcile reads has triggers of its own (pods, EndpointSlices,
+        // ConfigMaps), and every policy is requeued at its interval.
+        .predicate_filter(
+            predicates::generation.combine(predicates::finalizers),
+            PredicateConfig::default(),
+        );
         let controller = Controller::for_stream(watch, policies.clone()).with_config(
             controller::Config::default().concurrency(self.args.concurrent_reconciles),
         );

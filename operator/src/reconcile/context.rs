@@ -150,21 +150,12 @@ pub type ClientReport = (Timestamp, BTreeMap<PolicyKey, Vec<ClientUse>>);
 #[derive(Clone, Debug, Default)]
 pub struct ClientReports {
     by_pod: BTreeMap<(String, String), ClientReport>,
-    /// Reports recorded so far, per namespace: a namespace pass made before the last one is
-    /// stale.
-    recorded: BTreeMap<String, u64>,
 }
 
 impl ClientReports {
     /// Records a pod's report.
     pub fn insert(&mut self, pod: (String, String), report: ClientReport) {
-        *self.recorded.entry(pod.0.clone()).or_default() += 1;
         self.by_pod.insert(pod, report);
-    }
-
-    /// How many reports of `ns` were recorded so far.
-    pub fn recorded(&self, ns: &str) -> u64 {
-        self.recorded.get(ns).copied().unwrap_or_default()
     }
 
     /// Every report, by (namespace, pod).

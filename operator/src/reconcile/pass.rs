@@ -8,18 +8,20 @@
 //!
 //! - **Reused**: the last pass serves a reconcile when nothing it was made from changed — the
 //!   [`fingerprint`] of the namespace's pods, policy generations, EndpointSlices, Prometheus
-//!   snapshot, client reports and the generation floor is the same, the pass holds the policy as
-//!   handed over (its generation and spec), and none of its autoscale decisions is due.
+//!   snapshot and generation floor is the same, the pass holds the policy as handed over (its
+//!   generation and spec), and none of its autoscale decisions is due.
 //! - **Planned**: otherwise the reconcile waits for the next pass, which plans for it and for
 //!   every reconcile waiting with it (they are its `focus`: their decisions are made and their
 //!   divisions judged again). One pass runs at a time per namespace; the first waiter to get
 //!   the turn leads it, and a waiter whose turn comes after a pass that started after it
 //!   registered takes that pass instead of planning again.
 //!
-//! What the fingerprint leaves out is what only the rollout moves: the pods' acknowledgements and
-//! the published ConfigMaps. Every reconcile sends the same pass's documents, so a pod one
-//! reconcile updated is current for the next; a pass planned later numbers its documents above
-//! whatever the pods run by then.
+//! What the fingerprint leaves out is what only the rollout moves, the pods' acknowledgements and
+//! the published ConfigMaps, and what only a decision reads, the clients' reports. Every
+//! reconcile sends the same pass's documents, so a pod one reconcile updated is current for the
+//! next, and a pass planned later numbers its documents above whatever the pods run by then;
+//! the busiest clients' division is judged again only with a decision, and a decision due
+//! always plans anew, with the reports of that moment.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -37,7 +39,9 @@ use super::{clients, cpu_bound};
 use crate::gateway::Gateways;
 use crate::metrics::OutcomeLabel;
 use crate::plan::validate::Acceptance;
-use crate::plan::{self, FleetPlan, Memory, PolicyInput, PolicyKey, PolicyPlan, Timestamp};
+use crate::plan::{
+    self, BackendPlan, FleetPlan, Memory, PolicyInput, PolicyKey, PolicyPlan, Timestamp,
+};
 
 /// One plan of a namespace, and what it was made from.
 #[derive(Debug)]
@@ -112,6 +116,34 @@ struct State {
     waiting: BTreeSet<PolicyKey>,
     /// Passes started so far.
     started: u64,
+    /// The decisions and re-divisions passes made that the policy's own reconcile has not told
+    /// yet (in its Events), per policy: a pass decides for every policy due, whichever
+    /// reconcile it plans for, and each is told once, by the next reconcile of its policy.
+    news: BTreeMap<PolicyKey, Vec<BackendPlan>>,
+}
+
+/// The most untold news kept per policy (a policy whose reconciles stopped, being deleted,
+/// keeps no more than this).
+const NEWS_KEPT: usize = 16;
+
+impl State {
+    fn record(&mut self, pass: &Pass) {
+        for plan in &pass.fleet.policies {
+            let news: Vec<BackendPlan> = plan
+                .backends
+                .iter()
+                .filter(|b| b.decision.is_some() || b.rebalanced.is_some())
+                .cloned()
+                .collect();
+            if news.is_empty() {
+                continue;
+            }
+            let kept = self.news.entry(plan.key.clone()).or_default();
+            kept.extend(news);
+            let over = kept.len().saturating_sub(NEWS_KEPT);
+            kept.drain(..over);
+        }
+    }
 }
 
 impl Passes {
@@ -155,18 +187,41 @@ pub async fn plan_for<G: Gateways>(
     ctx: &Context<G>,
     policy: &ConnectionPolicy,
     key: &PolicyKey,
-) -> Result<Arc<Pass>, observe::ObserveError> {
+) -> Result<Planned, observe::ObserveError> {
     let namespace = ctx.passes.namespace(&key.namespace);
+    let pass = pass_for(ctx, &namespace, policy, key).await?;
+    let news = namespace.state.lock().news.remove(key).unwrap_or_default();
+    Ok(Planned { pass, news })
+}
+
+/// A reconcile's plan: its namespace's pass, and what passes decided for its policy that no
+/// reconcile of it has told yet.
+#[derive(Debug)]
+pub struct Planned {
+    /// The pass.
+    pub pass: Arc<Pass>,
+    /// The policy's backends as planned at each decision or re-division not told yet (oldest
+    /// first).
+    pub news: Vec<BackendPlan>,
+}
+
+async fn pass_for<G: Gateways>(
+    ctx: &Context<G>,
+    namespace: &Namespace,
+    policy: &ConnectionPolicy,
+    key: &PolicyKey,
+) -> Result<Arc<Pass>, observe::ObserveError> {
     let world = fingerprint(ctx, &key.namespace);
     let registered = {
         let mut state = namespace.state.lock();
-        if let Some(last) = &state.latest
-            && last.world == world
-            && last.holds(key, policy)
-            && !decision_due(ctx, policy, key, last)
-        {
-            counted(ctx, "reused");
-            return Ok(last.clone());
+        if let Some(last) = &state.latest {
+            let (same, held) = (last.world == world, last.holds(key, policy));
+            let due = same && held && decision_due(ctx, policy, key, last);
+            if same && held && !due {
+                counted(ctx, "reused");
+                return Ok(last.clone());
+            }
+            tracing::debug!(policy = %key, changed = !same, held, due, "the last pass does not hold; waiting for the next");
         }
         state.waiting.insert(key.clone());
         state.started
@@ -187,7 +242,9 @@ pub async fn plan_for<G: Gateways>(
                     (std::mem::take(&mut state.waiting), state.started)
                 };
                 let pass = Arc::new(cpu_bound(|| run(ctx, &key.namespace, focus, seq)));
-                namespace.state.lock().latest = Some(pass.clone());
+                let mut state = namespace.state.lock();
+                state.record(&pass);
+                state.latest = Some(pass.clone());
                 pass
             }
         }
@@ -199,9 +256,9 @@ pub async fn plan_for<G: Gateways>(
     // The cache is behind the object handed over: plan it as it is, for this reconcile only.
     counted(ctx, "private");
     let focus = BTreeSet::from([key.clone()]);
-    Ok(Arc::new(cpu_bound(|| {
-        private(ctx, policy, &key.namespace, focus)
-    })?))
+    let pass = Arc::new(cpu_bound(|| private(ctx, policy, &key.namespace, focus))?);
+    namespace.state.lock().record(&pass);
+    Ok(pass)
 }
 
 fn counted<G: Gateways>(ctx: &Context<G>, outcome: &'static str) {
@@ -220,7 +277,17 @@ fn decision_due<G: Gateways>(
     last: &Pass,
 ) -> bool {
     let accepted = last.policy(key).is_some_and(|p| p.verdict.is_accepted());
-    if !accepted || !policy.spec.autoscale.enabled {
+    accepted && decisions_due(ctx, policy, key)
+}
+
+/// Whether one of `policy`'s autoscale decisions is due, by the planner's memory (a backend it
+/// has no memory of yet is due).
+pub fn decisions_due<G: Gateways>(
+    ctx: &Context<G>,
+    policy: &ConnectionPolicy,
+    key: &PolicyKey,
+) -> bool {
+    if !policy.spec.autoscale.enabled {
         return false;
     }
     let now = (ctx.clock)();
@@ -271,7 +338,7 @@ fn planned<G: Gateways>(
         let mut memory = ctx.memory.lock();
         let mem = memory.entry(ns.to_owned()).or_default();
         let fleet = plan::plan_with(&observed.input, &observed.selected, &verdicts, mem, now);
-        told(ctx, &fleet, mem);
+        count_and_log(ctx, &fleet, mem);
         fleet
     };
     let index = observed
@@ -293,7 +360,7 @@ fn planned<G: Gateways>(
 }
 
 /// Counts and logs the pass's decisions and re-divisions, once each.
-fn told<G: Gateways>(ctx: &Context<G>, fleet: &FleetPlan, memory: &Memory) {
+fn count_and_log<G: Gateways>(ctx: &Context<G>, fleet: &FleetPlan, memory: &Memory) {
     for plan in &fleet.policies {
         for b in &plan.backends {
             if b.rebalanced.is_some() {
@@ -328,11 +395,11 @@ fn told<G: Gateways>(ctx: &Context<G>, fleet: &FleetPlan, memory: &Memory) {
     }
 }
 
-/// A digest of what a pass of `ns` is made from, apart from the rollout's own traces (see the
-/// module's words): the pods (each one's resource version), the policies (name, uid,
-/// generation, whether being deleted), the EndpointSlices it may read, when the Prometheus
-/// snapshot was taken, how many client reports came, and the generation floor. A policy's status
-/// write changes none of it.
+/// A digest of what a pass of `ns` is made from, apart from the rollout's own traces and the
+/// clients' reports (see the module's words): the pods (each one's resource version), the
+/// policies (name, uid, generation, whether being deleted), the EndpointSlices it may read, when
+/// the Prometheus snapshot was taken, and the generation floor. A policy's status write changes
+/// none of it.
 pub fn fingerprint<G: Gateways>(ctx: &Context<G>, ns: &str) -> u64 {
     let mut h = DefaultHasher::new();
     let in_ns = |n: Option<String>| n.as_deref() == Some(ns);
@@ -365,7 +432,6 @@ pub fn fingerprint<G: Gateways>(ctx: &Context<G>, ns: &str) -> u64 {
         }
     }
     ctx.snapshot.read().at.hash(&mut h);
-    ctx.client_reports.lock().recorded(ns).hash(&mut h);
     ctx.rollouts.lock().seen_generation.get(ns).hash(&mut h);
     h.finish()
 }

@@ -135,16 +135,19 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     let key = observe::key(policy)?;
     let m = &ctx.metrics;
     // 1. the busiest clients of its pods, for fleet-wide client limits (gateways, read-only;
-    //    never fails): the plan below divides by them
+    //    never fails), when a decision is due: the plan below divides by them then
     step(m, "clients", async {
-        clients::poll(ctx, policy, &key).await;
+        if pass::decisions_due(ctx, policy, &key) {
+            clients::poll(ctx, policy, &key).await;
+        }
         Ok::<_, Error>(())
     })
     .await?;
     // 2. observe, validate and plan: the namespace's pass, shared with every reconcile of the
     //    namespace waiting meanwhile, or the last one while nothing it was made from changed
     //    (caches and the latest Prometheus snapshot, no API calls; CPU off the async workers)
-    let pass = step(m, "plan", pass::plan_for(ctx, policy, &key)).await?;
+    let planned = step(m, "plan", pass::plan_for(ctx, policy, &key)).await?;
+    let pass = &planned.pass;
     let now = (ctx.clock)();
     report_implausible_generations(ctx, policy, &pass.observed).await;
     // The poller runs this policy's saturation queries from its next round on.
@@ -215,7 +218,13 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
         ..this.input.clone()
     };
     let status = plan::status::compute(&input, policy_plan, &memory, &report, now);
-    step(m, "status", status::apply(ctx, policy, policy_plan, status)).await?;
+    // Its Events tell the decisions and re-divisions made for it since its last reconcile (in
+    // whichever pass made them), each once.
+    let told = plan::PolicyPlan {
+        backends: planned.news.clone(),
+        ..policy_plan.clone()
+    };
+    step(m, "status", status::apply(ctx, policy, &told, status)).await?;
 
     // A pod that has an IP but did not take its document is most likely still starting (its
     // admin port not yet listening) and stays unready until it does: try again soon. Pods

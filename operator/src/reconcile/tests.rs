@@ -1970,3 +1970,34 @@ async fn reconcile_in(ctx: &Arc<Context<FakeGateways>>, api: &mut ApiHandle, p: 
         .await
         .expect("the reconcile succeeded");
 }
+
+#[tokio::test]
+async fn a_decision_made_in_another_policys_pass_is_told_once_by_its_own_next_reconcile() {
+    let [a, b] = ["a", "b"].map(|n| {
+        let mut p = policy(n, 0);
+        p.spec.backends[0].name = format!("model-{n}");
+        p.spec.autoscale.enabled = true;
+        p
+    });
+    let (ctx, _api, _gateways) = context_with(
+        vec![a.clone(), b.clone()],
+        vec![gateway_pod()],
+        FakeGateways::default(),
+    );
+    let key = |p: &ConnectionPolicy| observe::key(p).unwrap();
+    // a's reconcile plans: both decisions are due, both made in its pass.
+    let first = pass::plan_for(&ctx, &a, &key(&a)).await.unwrap();
+    let decided = |news: &[crate::plan::BackendPlan]| -> Vec<String> {
+        news.iter()
+            .filter(|b| b.decision.is_some())
+            .map(|b| b.name.clone())
+            .collect()
+    };
+    assert_eq!(decided(&first.news), ["model-a"]);
+    // b's reconcile reuses that pass and tells b's decision; its next one has nothing to tell.
+    let second = pass::plan_for(&ctx, &b, &key(&b)).await.unwrap();
+    assert!(Arc::ptr_eq(&first.pass, &second.pass), "the pass reused");
+    assert_eq!(decided(&second.news), ["model-b"]);
+    let third = pass::plan_for(&ctx, &b, &key(&b)).await.unwrap();
+    assert!(third.news.is_empty(), "{:?}", third.news);
+}
