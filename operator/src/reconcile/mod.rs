@@ -26,6 +26,7 @@ pub mod context;
 pub mod error;
 pub mod events;
 pub mod observe;
+pub mod observed;
 pub mod pass;
 pub mod pipeline;
 pub mod rollout;

@@ -17,6 +17,7 @@ use poolpilot_api::policy::upstream::{ExternalTls, secret_file};
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 
 use super::context::Context;
+use super::observed::Observed;
 use crate::gateway::Gateways;
 use crate::plan::{Acked, FleetInput, GatewayPod, PolicyInput, PolicyKey, Timestamp};
 use crate::prom::Selection;
@@ -42,19 +43,6 @@ pub enum ObserveError {
     /// The policy has no namespace (it is namespaced, so the object is malformed).
     #[error("policy {0} has no namespace")]
     NoNamespace(String),
-}
-
-/// What observe saw.
-#[derive(Clone, Debug)]
-pub struct Observed {
-    /// The namespace.
-    pub namespace: String,
-    /// The planner's input for the namespace.
-    pub input: FleetInput,
-    /// Which pods each policy of `input` selects (names, sorted), in the policies' order.
-    pub selected: Vec<Vec<String>>,
-    /// Admin address per pod name (pods with an IP).
-    pub admin: BTreeMap<String, SocketAddr>,
 }
 
 /// `policy`'s key (its namespace and name).

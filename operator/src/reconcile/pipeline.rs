@@ -19,6 +19,7 @@ use tracing::{info, instrument, warn};
 use super::context::Context;
 use super::error::{Error, Result};
 use super::events::{event_note, implausible_generation_event, unreadable_event};
+use super::observed::Observed;
 use super::{clients, cpu_bound, observe, pass, rollout, status, validate};
 use crate::gateway::Gateways;
 use crate::metrics::{Metrics, StepLabel};
@@ -268,7 +269,7 @@ fn without<G: Gateways>(
     ctx: &Context<G>,
     policy: &ConnectionPolicy,
     key: &plan::PolicyKey,
-) -> Result<(observe::Observed, plan::FleetPlan)> {
+) -> Result<(Observed, plan::FleetPlan)> {
     ctx.saturation.set(key, []);
     cpu_bound(|| {
         let now = (ctx.clock)();
@@ -347,7 +348,7 @@ async fn refuse<G: Gateways>(
 async fn report_implausible_generations<G: Gateways>(
     ctx: &Context<G>,
     policy: &ConnectionPolicy,
-    observed: &observe::Observed,
+    observed: &Observed,
 ) {
     let reference = policy.object_ref(&());
     for note in plan::implausible_generations(&observed.input) {

@@ -18,9 +18,8 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::context::{Context, FIELD_MANAGER, PushBound};
-use super::observe::{
-    self, DOCUMENT_KEY, GENERATION_ANNOTATION, MANAGED_BY, Observed, REVISION_ANNOTATION,
-};
+use super::observe::{self, DOCUMENT_KEY, GENERATION_ANNOTATION, MANAGED_BY, REVISION_ANNOTATION};
+use super::observed::Observed;
 use crate::gateway::{Gateways, PutError};
 use crate::metrics::OutcomeLabel;
 use crate::plan::status::RolloutReport;
