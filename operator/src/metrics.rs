@@ -191,7 +191,7 @@ impl Metrics {
         );
         registry.register(
             "namespace_passes",
-            "Namespace plans reconciles got, by outcome: planned (a pass for every reconcile waiting) or reused (nothing it was made from changed)",
+            "Namespace plans reconciles got, by outcome: planned (a pass for every reconcile waiting), reused (nothing it was made from changed) or private (the policy handed over is newer than the cache: planned on its own)",
             self.passes.clone(),
         );
         registry.register(
