@@ -1,10 +1,11 @@
 //! What the namespace passes keep between reconciles: each namespace's last [`Pass`], the
 //! reconciles waiting for its next one, the turn to plan, and the decisions not told yet.
 //!
-//! Apart from the planning in the parent module, which reads the [`Context`] that holds these:
-//! this module imports none of the reconciler's steps, so the context can own it.
+//! The [`Context`] holds these and the planning in the parent module reads the context, so this
+//! module imports neither the context nor any of the reconciler's steps: the imports would go
+//! round in a circle.
 //!
-//! [`Context`]: super::super::context::Context
+//! [`Context`]: crate::reconcile::Context
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -27,7 +28,7 @@ pub struct Pass {
     pub fleet: FleetPlan,
     /// Where each policy is in `observed.input.policies`, `verdicts` and `fleet.policies`.
     pub(super) index: HashMap<PolicyKey, usize>,
-    /// The namespace's [`fingerprint`] when it started.
+    /// The namespace's [`fingerprint`](super::fingerprint) when it started.
     pub(super) world: u64,
     /// Its place among the namespace's passes (1 for the first; 0 for a private one).
     pub(super) seq: u64,
