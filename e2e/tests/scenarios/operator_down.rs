@@ -392,21 +392,31 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
             "poolpilot_operator_decisions_total",
             &["kind=\"rebalance\""],
         );
-        let mut shares = (0, 0);
-        for (g, l) in &limits_before_handover {
-            let now = g.limits().await?;
-            shares = (shares.0 + share(l), shares.1 + share(&now));
-            if rebalances == 0.0 {
-                assert_eq!(
-                    (&now.revision, share(&now)),
-                    (&l.revision, share(l)),
-                    "{} keeps its limits across the handover (no rebalance)",
-                    g.name
-                );
+        // A rebalance reaches the pods one PUT at a time (the pods it lowers first): the sum is
+        // read once the pods run it, a few reconciles at most.
+        let pool_before: u32 = limits_before_handover.iter().map(|(_, l)| share(l)).sum();
+        let settle = Instant::now();
+        let pool_now = loop {
+            let mut pool_now = 0;
+            for (g, l) in &limits_before_handover {
+                let now = g.limits().await?;
+                pool_now += share(&now);
+                if rebalances == 0.0 {
+                    assert_eq!(
+                        (&now.revision, share(&now)),
+                        (&l.revision, share(l)),
+                        "{} keeps its limits across the handover (no rebalance)",
+                        g.name
+                    );
+                }
             }
-        }
+            if pool_now == pool_before || settle.elapsed() > INTERVAL * 3 {
+                break pool_now;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
         assert_eq!(
-            shares.1, shares.0,
+            pool_now, pool_before,
             "the shares the gateways run add up to the same pool after the handover \
              ({rebalances} rebalances)"
         );
