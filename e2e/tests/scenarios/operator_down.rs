@@ -395,8 +395,7 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
         // A rebalance reaches the pods one PUT at a time (the pods it lowers first): the sum is
         // read once the pods run it, a few reconciles at most.
         let pool_before: u32 = limits_before_handover.iter().map(|(_, l)| share(l)).sum();
-        let settle = Instant::now();
-        let pool_now = loop {
+        eventually("the same pool after the handover", INTERVAL * 3, || async {
             let mut pool_now = 0;
             for (g, l) in &limits_before_handover {
                 let now = g.limits().await?;
@@ -410,16 +409,14 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
                     );
                 }
             }
-            if pool_now == pool_before || settle.elapsed() > INTERVAL * 3 {
-                break pool_now;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
-        assert_eq!(
-            pool_now, pool_before,
-            "the shares the gateways run add up to the same pool after the handover \
-             ({rebalances} rebalances)"
-        );
+            anyhow::ensure!(
+                pool_now == pool_before,
+                "the shares the gateways run add up to {pool_now}, not the pool of {pool_before} \
+                 they added up to before the handover ({rebalances} rebalances)"
+            );
+            Ok(())
+        })
+        .await?;
         let kinds: Vec<String> = operator_metrics(&new_leader_metrics)
             .await?
             .lines()
