@@ -24,6 +24,10 @@ pub use upstream::{
 /// value, never a real history, and adding one to it can never wrap.
 pub const MAX_GENERATION: u64 = (1 << 53) - 1;
 
+/// The largest limits document a gateway takes (`PUT /v1/limits`), and so the largest one it
+/// can answer `GET /v1/limits` with: far beyond a pod selected by every policy of a namespace.
+pub const MAX_DOCUMENT_BYTES: usize = 4 * 1024 * 1024;
+
 /// Everything a gateway pod enforces, in one versioned document.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -26,12 +26,10 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use poolpilot_api::GatewayLimits;
+use poolpilot_api::limits::MAX_DOCUMENT_BYTES;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-
-/// The largest limits document taken, as the gateway's admin API.
-const MAX_DOCUMENT_BYTES: usize = 4 * 1024 * 1024;
 
 /// What the fleet simulates.
 #[derive(Clone, Debug)]

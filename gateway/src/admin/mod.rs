@@ -21,6 +21,7 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use poolpilot_api::GatewayLimits;
+use poolpilot_api::limits::MAX_DOCUMENT_BYTES;
 
 pub use listener::AdminListener;
 pub use token::AdminTokens;
@@ -28,9 +29,6 @@ pub use token::AdminTokens;
 use crate::live::{ApplyError, Gateway, LimitsSource};
 use crate::proxy::body::ResponseBody;
 use crate::proxy::error::json_response;
-
-/// Largest limits document accepted.
-const MAX_DOCUMENT_BYTES: usize = 4 * 1024 * 1024;
 
 /// Answers one admin request; a body must arrive within `body_timeout`.
 pub async fn route(

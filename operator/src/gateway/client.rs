@@ -3,20 +3,22 @@
 //! answers `200 {revision, generation}`, `422 {error}` (invalid, the old limits stay), `409` (it
 //! runs a newer generation) or `401` (bad token); an answer longer than
 //! [`MAX_ANSWER_BYTES`] is not read. `GET /v1/clients` reads a pod's busiest clients (for the
-//! division of fleet-wide client limits, `plan/clients.rs`).
+//! division of fleet-wide client limits, `plan/clients.rs`); `GET /v1/limits` the document a pod
+//! runs (what an operator that just took over knows of no PUT of its own).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use poolpilot_api::GatewayLimits;
+use poolpilot_api::limits::MAX_DOCUMENT_BYTES;
 use serde::Deserialize;
 
 use super::tls::{GatewayTrust, TrustError};
 use crate::plan::Acked;
 
-/// The longest answer read from a gateway: its answers are a few hundred bytes, a refusal lists
-/// every violation of a document in a few kilobytes.
+/// The longest answer read from a gateway but its document: its answers are a few hundred
+/// bytes, a refusal lists every violation of a document in a few kilobytes.
 pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 /// Why a pod did not take a document.
@@ -75,7 +77,7 @@ impl PutError {
     }
 }
 
-/// Why a pod's report of its busiest clients could not be read.
+/// Why a pod's report (its busiest clients, the document it runs) could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
     /// The token was not accepted (401).
@@ -89,8 +91,8 @@ pub enum ReportError {
         /// Body, truncated.
         body: String,
     },
-    /// The answer is not a report.
-    #[error("not a client report: {0}")]
+    /// The answer is not what was asked for.
+    #[error("not the report asked for: {0}")]
     Invalid(String),
     /// No answer.
     #[error("request failed")]
@@ -101,6 +103,9 @@ pub enum ReportError {
     /// The answer was longer than any the gateway sends.
     #[error("answer longer than {0} bytes; not read")]
     TooLarge(usize),
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    TimedOut(Duration),
 }
 
 /// A pod's busiest clients per client policy (`GET /v1/clients`).
@@ -155,6 +160,14 @@ pub trait Gateways: Send + Sync + 'static {
         addr: SocketAddr,
         token: &str,
     ) -> impl Future<Output = Result<ClientsReport, ReportError>> + Send;
+
+    /// GETs the limits document the pod at `addr` in `namespace` runs from its admin API.
+    fn limits(
+        &self,
+        namespace: &str,
+        addr: SocketAddr,
+        token: &str,
+    ) -> impl Future<Output = Result<GatewayLimits, ReportError>> + Send;
 }
 
 /// The real client.
@@ -213,18 +226,18 @@ impl HttpGateways {
     }
 }
 
-/// The body of an answer, `None` when it is (or says it will be) longer than
-/// [`MAX_ANSWER_BYTES`]: reading stops there.
-async fn read_capped(mut resp: reqwest::Response) -> Result<Option<Vec<u8>>, reqwest::Error> {
-    if resp
-        .content_length()
-        .is_some_and(|n| n > MAX_ANSWER_BYTES as u64)
-    {
+/// The body of an answer, `None` when it is (or says it will be) longer than `limit`: reading
+/// stops there.
+async fn read_capped(
+    mut resp: reqwest::Response,
+    limit: usize,
+) -> Result<Option<Vec<u8>>, reqwest::Error> {
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
         return Ok(None);
     }
     let mut body = Vec::new();
     while let Some(chunk) = resp.chunk().await? {
-        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+        if body.len() + chunk.len() > limit {
             return Ok(None);
         }
         body.extend_from_slice(&chunk);
@@ -251,7 +264,10 @@ impl Gateways for HttpGateways {
             .await
             .map_err(PutError::Transport)?;
         let status = resp.status().as_u16();
-        let Some(body) = read_capped(resp).await.map_err(PutError::Transport)? else {
+        let Some(body) = read_capped(resp, MAX_ANSWER_BYTES)
+            .await
+            .map_err(PutError::Transport)?
+        else {
             return Err(PutError::TooLarge {
                 status,
                 limit: MAX_ANSWER_BYTES,
@@ -275,18 +291,47 @@ impl Gateways for HttpGateways {
             .send()
             .await
             .map_err(ReportError::Transport)?;
-        let status = resp.status().as_u16();
-        let Some(body) = read_capped(resp).await.map_err(ReportError::Transport)? else {
-            return Err(ReportError::TooLarge(MAX_ANSWER_BYTES));
-        };
-        match status {
-            200 => serde_json::from_slice(&body).map_err(|e| ReportError::Invalid(e.to_string())),
-            401 => Err(ReportError::Unauthorized),
-            _ => Err(ReportError::Unexpected {
-                status,
-                body: String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
-            }),
-        }
+        report(resp, MAX_ANSWER_BYTES).await
+    }
+
+    async fn limits(
+        &self,
+        namespace: &str,
+        addr: SocketAddr,
+        token: &str,
+    ) -> Result<GatewayLimits, ReportError> {
+        let (client, url) = self
+            .endpoint(namespace, addr, "/v1/limits")
+            .map_err(ReportError::Trust)?;
+        let resp = client
+            .get(url)
+            .bearer_auth(token)
+            .send()
+            .await
+            .map_err(ReportError::Transport)?;
+        report(resp, MAX_DOCUMENT_BYTES).await
+    }
+}
+
+/// A `GET`'s answer read (at most `limit` bytes) and parsed: 200 with a `T`, or why not.
+async fn report<T: serde::de::DeserializeOwned>(
+    resp: reqwest::Response,
+    limit: usize,
+) -> Result<T, ReportError> {
+    let status = resp.status().as_u16();
+    let Some(body) = read_capped(resp, limit)
+        .await
+        .map_err(ReportError::Transport)?
+    else {
+        return Err(ReportError::TooLarge(limit));
+    };
+    match status {
+        200 => serde_json::from_slice(&body).map_err(|e| ReportError::Invalid(e.to_string())),
+        401 => Err(ReportError::Unauthorized),
+        _ => Err(ReportError::Unexpected {
+            status,
+            body: String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
+        }),
     }
 }
 
@@ -383,6 +428,61 @@ mod tests {
         );
         assert!(
             sent.load(Ordering::Relaxed) < 16 * 1024 * 1024,
+            "{} bytes read",
+            sent.load(Ordering::Relaxed)
+        );
+    }
+
+    /// A loopback "gateway" answering every request with `answer` (head and body).
+    async fn answering_gateway(answer: String) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let answer = answer.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    let _ = stream.read(&mut buf).await;
+                    let _ = stream.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        addr
+    }
+
+    /// The document a pod runs may be far longer than any other answer: it is read up to the
+    /// largest document a gateway takes, and no further.
+    #[tokio::test]
+    async fn the_document_a_pod_runs_is_read_up_to_the_largest_a_gateway_takes() {
+        let gateways = HttpGateways::new(Duration::from_secs(10)).unwrap();
+        let mut long = doc();
+        long.revision = "r".repeat(2 * MAX_ANSWER_BYTES);
+        let body = serde_json::to_string(&long).unwrap();
+        let addr = answering_gateway(format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        ))
+        .await;
+        assert_eq!(gateways.limits("ns", addr, "token").await.unwrap(), long);
+
+        let addr =
+            answering_gateway("HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n".to_owned())
+                .await;
+        let error = gateways.limits("ns", addr, "token").await.unwrap_err();
+        assert!(matches!(error, ReportError::Unauthorized), "{error:?}");
+
+        let (addr, sent) = endless_gateway(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .await;
+        let error = gateways.limits("ns", addr, "token").await.unwrap_err();
+        assert!(
+            matches!(error, ReportError::TooLarge(MAX_DOCUMENT_BYTES)),
+            "{error:?}"
+        );
+        // What the socket buffers took beyond it, as in the test of the PUTs' cap.
+        assert!(
+            sent.load(Ordering::Relaxed) < MAX_DOCUMENT_BYTES + 16 * 1024 * 1024,
             "{} bytes read",
             sent.load(Ordering::Relaxed)
         );

@@ -73,9 +73,9 @@ pub const DEFAULT_ROLLOUT_CONCURRENCY: usize = 32;
 pub struct RolloutMemory {
     /// The last acknowledgement per (namespace, pod, run of the pod: [`observe::instance`]).
     pub acked: BTreeMap<(String, String, String), Acked>,
-    /// When the last document sent to a pod went unanswered (no IP, a failed connection, no
-    /// answer in time), per (namespace, pod, run of the pod), until it acknowledges one: the
-    /// rollout picks its canaries among the pods that answer.
+    /// When the last document sent to a pod (or the read of the one it runs) went unanswered
+    /// (no IP, a failed connection, no answer in time), per (namespace, pod, run of the pod),
+    /// until it acknowledges one: the rollout picks its canaries among the pods that answer.
     pub unanswered: BTreeMap<(String, String, String), Timestamp>,
     /// Refusals per (namespace, pod, revision).
     pub refused: BTreeMap<(String, String, String), String>,

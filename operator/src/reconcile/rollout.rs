@@ -15,12 +15,12 @@ use kube::{Resource, ResourceExt};
 use poolpilot_api::limits::TokenBudget;
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::context::{Context, FIELD_MANAGER, PushBound};
 use super::observe::{self, DOCUMENT_KEY, GENERATION_ANNOTATION, MANAGED_BY, REVISION_ANNOTATION};
 use super::observed::Observed;
-use crate::gateway::{Gateways, PutError};
+use crate::gateway::{Gateways, PutError, ReportError};
 use crate::metrics::OutcomeLabel;
 use crate::plan::status::RolloutReport;
 use crate::plan::waves::{self, PodState, Strategy};
@@ -247,8 +247,11 @@ pub async fn roll_out<G: Gateways>(
     // through the waves: the canaries run the edit for the verification period first.
     let policy_key = (ns.clone(), policy.name_any());
     let generation = policy.metadata.generation.unwrap_or_default();
-    let own_tuning =
-        ctx.rollouts.lock().rolled_out_generation.get(&policy_key) == Some(&generation);
+    let own_tuning = rolled_out_generation(ctx, &policy_key, policy) == Some(generation);
+    let mut states = states;
+    if own_tuning && learn_running(ctx, observed, &states, now).await? {
+        states = pod_states(ctx, observed, fleet, &plan.live);
+    }
     if own_tuning && let Some(lowering) = retune_wave(ctx, observed, fleet, &states, true) {
         let mut pushed = push(ctx, observed, fleet, &lowering, now).await?;
         let after = pod_states(ctx, observed, fleet, &plan.live);
@@ -502,6 +505,120 @@ fn retune_wave<G: Gateways>(
         lowering.extend(raising);
         lowering
     })
+}
+
+/// The policy generation every selected pod last ran a document of (see
+/// [`RolloutMemory::rolled_out_generation`]): as this operator rolled it out or, when it has
+/// rolled out nothing of the policy yet (it just started, or took over from a leader that
+/// did), as the status says, a `RolledOut` condition true at the generation it observed.
+///
+/// [`RolloutMemory::rolled_out_generation`]: super::context::RolloutMemory::rolled_out_generation
+fn rolled_out_generation<G: Gateways>(
+    ctx: &Context<G>,
+    key: &(String, String),
+    policy: &ConnectionPolicy,
+) -> Option<i64> {
+    let mut memory = ctx.rollouts.lock();
+    if let Some(g) = memory.rolled_out_generation.get(key) {
+        return Some(*g);
+    }
+    let told = policy
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "RolledOut" && c.status == "True")?
+        .observed_generation?;
+    memory.rolled_out_generation.insert(key.clone(), told);
+    Some(told)
+}
+
+/// Reads the documents the stale pods run when this operator sent them none (it just started,
+/// or took over from another leader), from their admin API (`GET /v1/limits`, bounded as the
+/// PUTs are). Knowing them, a re-division goes to the pods it lowers first, as the previous
+/// leader's would have; not knowing them, it would go through the canaries, which may raise one
+/// pod before another is lowered: more than the backend's budget held for a while. A pod that
+/// cannot tell is left to the rollout's waves; one that gives no answer is remembered as
+/// unanswered, as after a PUT, and not asked again. Whether any was learned.
+async fn learn_running<G: Gateways>(
+    ctx: &Context<G>,
+    observed: &Observed,
+    states: &[PodState],
+    now: Timestamp,
+) -> Result<bool, RolloutError> {
+    let ns = &observed.namespace;
+    let unknown: Vec<(String, SocketAddr)> = {
+        let memory = ctx.rollouts.lock();
+        states
+            .iter()
+            .filter(|p| !p.current() && p.refused.is_none() && p.unanswered_at.is_none())
+            .filter(|p| {
+                memory
+                    .sent
+                    .get(&(ns.clone(), p.name.clone()))
+                    .is_none_or(|s| s.current.is_none())
+            })
+            .filter_map(|p| Some((p.name.clone(), *observed.admin.get(&p.name)?)))
+            .collect()
+    };
+    if unknown.is_empty() {
+        return Ok(false);
+    }
+    let (token, previous) = tokens(ctx, ns).await?;
+    let bound = ctx.config.pushes;
+    let reads = unknown.into_iter().map(|(name, addr)| {
+        let (token, previous) = (token.as_str(), previous.as_deref());
+        async move {
+            let attempt = async {
+                let mut result = ctx.gateways.limits(ns, addr, token).await;
+                if let (Err(ReportError::Unauthorized), Some(previous)) = (&result, previous) {
+                    result = ctx.gateways.limits(ns, addr, previous).await;
+                }
+                result
+            };
+            let result = tokio::time::timeout(bound.timeout, attempt)
+                .await
+                .unwrap_or_else(|_| Err(ReportError::TimedOut(bound.timeout)));
+            (name, result)
+        }
+    });
+    let results: Vec<_> = futures::stream::iter(reads)
+        .buffer_unordered(bound.concurrency.max(1))
+        .collect()
+        .await;
+    let instances = pod_instances(ctx, ns);
+    let mut memory = ctx.rollouts.lock();
+    let mut learned = false;
+    for (name, result) in results {
+        let doc = match result {
+            Ok(doc) if plausible_generation(doc.generation) => doc,
+            Ok(doc) => {
+                debug!(namespace = %ns, pod = %name, generation = doc.generation, "a pod runs an implausible generation; the rollout's waves decide");
+                continue;
+            }
+            Err(e) => {
+                debug!(namespace = %ns, pod = %name, error = %crate::report(&e), "could not read the document a pod runs; the rollout's waves decide");
+                if matches!(e, ReportError::TimedOut(_) | ReportError::Transport(_)) {
+                    let instance = instances.get(&name).cloned().unwrap_or_default();
+                    memory.unanswered.insert((ns.clone(), name, instance), now);
+                }
+                continue;
+            }
+        };
+        let instance = instances.get(&name).cloned().unwrap_or_default();
+        let seen = memory.seen_generation.entry(ns.clone()).or_default();
+        *seen = (*seen).max(doc.generation);
+        memory.acked.insert(
+            (ns.clone(), name.clone(), instance),
+            Acked {
+                revision: doc.revision.clone(),
+                generation: doc.generation,
+            },
+        );
+        memory.sent.entry((ns.clone(), name)).or_default().current = Some(Arc::new(doc));
+        learned = true;
+    }
+    Ok(learned)
 }
 
 /// Sends each of `canaries` the document it acknowledged before the current one, at a
@@ -882,16 +999,7 @@ async fn push<G: Gateways>(
         });
     }
     let ns = &observed.namespace;
-    let token = token(ctx, ns).await?;
-    let previous = {
-        let mut memory = ctx.rollouts.lock();
-        let seen = memory.tokens.entry(ns.clone()).or_default();
-        if seen.0 != token {
-            let before = std::mem::replace(&mut seen.0, token.clone());
-            seen.1 = Some(before).filter(|t| !t.is_empty());
-        }
-        seen.1.clone()
-    };
+    let (token, previous) = tokens(ctx, ns).await?;
     let sends: Vec<(String, SocketAddr, Arc<GatewayLimits>)> = pods
         .iter()
         .filter_map(|name| {
@@ -1025,6 +1133,22 @@ async fn push<G: Gateways>(
         slow,
         older,
     })
+}
+
+/// The admin token of `ns` ([`token`]) and, after a rotation, the one before it (which pods
+/// whose mounted copy the kubelet has not refreshed yet still hold).
+async fn tokens<G: Gateways>(
+    ctx: &Context<G>,
+    ns: &str,
+) -> Result<(String, Option<String>), RolloutError> {
+    let token = token(ctx, ns).await?;
+    let mut memory = ctx.rollouts.lock();
+    let seen = memory.tokens.entry(ns.to_owned()).or_default();
+    if seen.0 != token {
+        let before = std::mem::replace(&mut seen.0, token.clone());
+        seen.1 = Some(before).filter(|t| !t.is_empty());
+    }
+    Ok((token, seen.1.clone()))
 }
 
 /// Reads the admin token from the Secret in `ns`.

@@ -48,6 +48,9 @@ struct FakeGateways {
     starting: Vec<SocketAddr>,
     /// What `GET /v1/clients` answers per pod address (404 for the others).
     reports: Arc<Mutex<BTreeMap<SocketAddr, crate::gateway::ClientsReport>>>,
+    /// The document each pod address runs (what `GET /v1/limits` answers; 404 for the
+    /// others): the last one it acknowledged.
+    running: Arc<Mutex<BTreeMap<SocketAddr, GatewayLimits>>>,
 }
 
 impl Gateways for FakeGateways {
@@ -72,10 +75,13 @@ impl Gateways for FakeGateways {
         }
         match self.refuse {
             Some(why) => Err(PutError::Refused(why.to_owned())),
-            None => Ok(Acked {
-                revision: doc.revision.clone(),
-                generation: doc.generation,
-            }),
+            None => {
+                self.running.lock().insert(addr, doc.clone());
+                Ok(Acked {
+                    revision: doc.revision.clone(),
+                    generation: doc.generation,
+                })
+            }
         }
     }
 
@@ -92,6 +98,22 @@ impl Gateways for FakeGateways {
             .ok_or(crate::gateway::ReportError::Unexpected {
                 status: 404,
                 body: "no report".into(),
+            })
+    }
+
+    async fn limits(
+        &self,
+        _namespace: &str,
+        addr: SocketAddr,
+        _token: &str,
+    ) -> Result<GatewayLimits, crate::gateway::ReportError> {
+        self.running
+            .lock()
+            .get(&addr)
+            .cloned()
+            .ok_or(crate::gateway::ReportError::Unexpected {
+                status: 404,
+                body: "no document".into(),
             })
     }
 }
@@ -1289,6 +1311,93 @@ async fn the_operators_tuning_reaches_every_pod_at_once_and_a_users_edit_the_can
         0,
         "the rest wait for the verification, not for another reconcile"
     );
+}
+
+/// An operator that just started, or took over from another leader, sent nothing itself: it
+/// learns what each pod runs from the pods (`GET /v1/limits`) and that the policy's generation
+/// was rolled out from its status, so that a re-division after the handover goes as its
+/// predecessor's would have: the pods it lowers first, then the ones it raises, in one
+/// reconcile and without a canary, the fleet inside its budget all along. Unlearned (a pod
+/// that cannot tell, a status that says nothing), the rollout's waves decide: one canary.
+#[tokio::test]
+async fn an_operator_that_took_over_learns_what_the_pods_run_and_re_divides_lowering_first() {
+    let pods = || {
+        vec![
+            pod("gw-0", "127.0.0.7"),
+            pod("gw-1", "127.0.0.8"),
+            pod("gw-2", "127.0.0.9"),
+        ]
+    };
+    let addr = |last: u8| SocketAddr::from(([127, 0, 0, last], 9901));
+    let mut p = policy("models", 0);
+    p.spec.backends[0].capacity.max_connections_per_endpoint = 30;
+    // The previous leader's rollout: every pod runs the even division.
+    let before = FakeGateways::default();
+    reconcile_with(&p, pods(), before.clone(), &mut RolloutMemory::default()).await;
+    let even = before.running.lock().clone();
+    assert_eq!(even.len(), 3, "{even:?}");
+    let share = |d: &GatewayLimits| d.backends[0].pool.max_connections_per_endpoint;
+    assert!(share(&even[&addr(7)]) >= 2, "{even:?}");
+    // ... then a re-division it made before it went: gw-0 holds two more, gw-1 two fewer.
+    let moved = |by: i64, doc: &GatewayLimits| {
+        let mut doc = doc.clone();
+        let pool = &mut doc.backends[0].pool.max_connections_per_endpoint;
+        *pool = pool.checked_add_signed(by as i32).unwrap();
+        doc.generation += 1;
+        doc.revision = doc.content_revision();
+        doc
+    };
+    let running = BTreeMap::from([
+        (addr(7), moved(2, &even[&addr(7)])),
+        (addr(8), moved(-2, &even[&addr(8)])),
+        (addr(9), even[&addr(9)].clone()),
+    ]);
+    let pool: u32 = running.values().map(share).sum();
+
+    // The new leader, under a rollout that would verify a canary for two intervals.
+    p.spec.rollout.strategy = poolpilot_api::policy::RolloutStrategy::Progressive;
+    p.spec.rollout.canary_pods = 1;
+    p.spec.rollout.verify_intervals = 2;
+    let told = |status: &str| poolpilot_api::ConnectionPolicyStatus {
+        conditions: vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+            type_: "RolledOut".into(),
+            status: status.into(),
+            reason: "RolledOut".into(),
+            message: "3/3 pods run revision r".into(),
+            observed_generation: Some(1),
+            last_transition_time: Time(now()),
+        }],
+        ..Default::default()
+    };
+    let gateways = |running: BTreeMap<SocketAddr, GatewayLimits>| FakeGateways {
+        running: Arc::new(Mutex::new(running)),
+        ..FakeGateways::default()
+    };
+    p.status = Some(told("True"));
+    let after = gateways(running.clone());
+    let sent = reconcile_with(&p, pods(), after.clone(), &mut RolloutMemory::default()).await;
+    assert_eq!(
+        sent,
+        [addr(7), addr(8)],
+        "the pod it lowers, then the pod it raises; the third already runs its share"
+    );
+    let now_running = after.running.lock().clone();
+    assert_eq!(now_running, even, "every pod runs the division again");
+    assert_eq!(now_running.values().map(share).sum::<u32>(), pool);
+
+    // Pods that cannot tell what they run: the waves, a canary alone.
+    let sent = reconcile_with(
+        &p,
+        pods(),
+        gateways(BTreeMap::new()),
+        &mut RolloutMemory::default(),
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "the canary alone: {sent:?}");
+    // A status that does not say the generation was rolled out: a canary alone too.
+    p.status = Some(told("False"));
+    let sent = reconcile_with(&p, pods(), gateways(running), &mut RolloutMemory::default()).await;
+    assert_eq!(sent.len(), 1, "the canary alone: {sent:?}");
 }
 
 /// A gateway whose container restarted (same pod, same uid) starts from the ConfigMap's
