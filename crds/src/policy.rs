@@ -1029,7 +1029,10 @@ pub enum RolloutStrategy {
     AllAtOnce,
 }
 
-/// What the operator observed, decided and applied.
+/// What the operator observed, decided and applied. What it decided and applied is written at
+/// once; what it only observed (demand, utilization, tokens used, the last decision's time and
+/// numbers while its action holds, messages, the shared document's revision) is refreshed at
+/// least every `policies ÷ --status-refresh-rate` seconds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ConnectionPolicyStatus {

@@ -103,6 +103,13 @@ pub struct Args {
     /// and write their status at once, and how many one pass can serve.
     #[arg(long, env = "POOLPILOT_CONCURRENT_RECONCILES", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrent_reconciles: u16,
+    /// Status writes per second spent refreshing observations (demand, utilization, the last
+    /// decision's time and numbers, messages) over all policies: a policy whose status moved only
+    /// in those is written once its turn comes, at least every `policies ÷ rate` seconds; a
+    /// target, share, condition state or rollout step is written at once. 0: every change at
+    /// once.
+    #[arg(long, env = "POOLPILOT_STATUS_REFRESH_RATE", default_value_t = crate::reconcile::refresh::DEFAULT_REFRESH_RATE, value_parser = refresh_rate)]
+    pub status_refresh_rate: f64,
     /// Longest time between two reconciles of a policy.
     #[arg(long, env = "POOLPILOT_MAX_REQUEUE", default_value = "60s")]
     pub max_requeue: Duration,
@@ -171,6 +178,16 @@ impl Args {
             trust,
             headers: self.prometheus_headers.clone(),
         }
+    }
+}
+
+/// `--status-refresh-rate`: a finite number of writes per second, 0 or more.
+fn refresh_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if r.is_finite() && r >= 0.0 => Ok(r),
+        _ => Err(format!(
+            "{s:?} is not a rate: writes per second, 0 or more (0: every change at once)"
+        )),
     }
 }
 
@@ -262,6 +279,15 @@ mod tests {
             Args::try_parse_from(["poolpilot-operator", "--rollout-concurrency", "0"]).is_err(),
             "0 would send nothing"
         );
+        for rate in ["-1", "NaN", "inf", "fast"] {
+            assert!(
+                Args::try_parse_from(["poolpilot-operator", "--status-refresh-rate", rate])
+                    .is_err(),
+                "{rate}"
+            );
+        }
+        let a = Args::try_parse_from(["poolpilot-operator", "--status-refresh-rate", "0"]).unwrap();
+        assert_eq!(a.status_refresh_rate, 0.0);
     }
 
     /// The chart spells these flags out with its own values; the kustomize bases leave them at
@@ -285,6 +311,7 @@ mod tests {
             ("--concurrent-reconciles", "operator.concurrentReconciles"),
             ("--rollout-concurrency", "operator.rolloutConcurrency"),
             ("--put-timeout", "operator.putTimeout"),
+            ("--status-refresh-rate", "operator.statusRefreshRate"),
             ("--leader-election", "operator.leaderElection"),
             ("--token-secret", "adminToken.secretName"),
         ] {

@@ -315,6 +315,7 @@ impl Term {
             selections: Mutex::default(),
             passes: Default::default(),
             client_reports: Mutex::default(),
+            status_refresh: reconcile::refresh::StatusRefresh::new(self.args.status_refresh_rate),
             retries: Default::default(),
             gateways: self.gateways.clone(),
             recorder: Recorder::new(

@@ -112,6 +112,9 @@ pub struct Metrics {
     /// Reconciles by how they got their namespace's plan: a pass planned for them (and every
     /// reconcile waiting with them), or the last one reused (nothing it was made from changed).
     pub passes: Family<OutcomeLabel, Counter>,
+    /// Status writes by outcome: written, or deferred (only observations moved, and the
+    /// policy's turn to refresh them has not come).
+    pub status_writes: Family<OutcomeLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -131,6 +134,7 @@ impl Default for Metrics {
             leader: Gauge::default(),
             generations_ignored: Counter::default(),
             passes: Family::default(),
+            status_writes: Family::default(),
         }
     }
 }
@@ -193,6 +197,11 @@ impl Metrics {
             "namespace_passes",
             "Namespace plans reconciles got, by outcome: planned (a pass for every reconcile waiting), reused (nothing it was made from changed) or private (the policy handed over is newer than the cache: planned on its own)",
             self.passes.clone(),
+        );
+        registry.register(
+            "status_writes",
+            "Status writes by outcome: written, or deferred (only the observations moved and the policy's refresh, --status-refresh-rate, is not due)",
+            self.status_writes.clone(),
         );
         registry.register(
             "leader",

@@ -451,6 +451,7 @@ async fn the_chart_and_the_kustomize_bases_deploy_the_same_thing() -> anyhow::Re
         "--concurrent-reconciles=8",
         "--rollout-concurrency=32",
         "--put-timeout=5s",
+        "--status-refresh-rate=20",
         "--token-secret=poolpilot-admin-token",
         "--leader-election=true",
     ];

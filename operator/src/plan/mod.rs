@@ -30,6 +30,7 @@ pub mod fleet;
 pub mod input;
 pub mod memo;
 pub mod memory;
+pub mod observations;
 pub mod output;
 pub mod priority;
 pub mod render;

@@ -207,6 +207,8 @@ pub struct Context<G: Gateways> {
     pub passes: super::pass::Passes,
     /// The gateways' latest reports of their busiest clients (step 1b, `clients.rs`).
     pub client_reports: Mutex<ClientReports>,
+    /// When each policy's status was last written, for the refresh of its observations.
+    pub status_refresh: super::refresh::StatusRefresh,
     /// Failures in a row per policy, for the retry back-off of [`error_policy`].
     pub retries: backoff::RetryBackoff,
     /// The gateway admin client.

@@ -259,6 +259,12 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
     if observed.input.policies.is_empty() {
         ctx.passes.forget(&key.namespace);
     }
+    ctx.status_refresh
+        .forget(&format!("{}/{}", key.namespace, key.name));
+    ctx.rollouts
+        .lock()
+        .rolled_out_generation
+        .remove(&(key.namespace.clone(), key.name.clone()));
     Ok(Action::await_change())
 }
 

@@ -1,6 +1,7 @@
 //! Step 5, status (API): server-side apply of the computed status with the operator's one field
-//! manager, then Events for what changed: scale decisions, an fd budget breach, missing metrics,
-//! a finished or halted rollout, a rejected policy.
+//! manager (at once when anything but observations changed, else at the policy's refresh:
+//! `refresh.rs`), then Events for what changed: scale decisions, an fd budget breach, missing
+//! metrics, a finished or halted rollout, a rejected policy.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams};
@@ -14,8 +15,10 @@ use tracing::warn;
 use super::context::{Context, FIELD_MANAGER};
 use super::events::event_note;
 use crate::gateway::Gateways;
+use crate::metrics::OutcomeLabel;
 use crate::plan::PolicyPlan;
 use crate::plan::autoscale::{Decision, HELD_EVENT_AFTER};
+use crate::plan::observations::observations_only;
 
 /// Why the status step failed.
 #[derive(Debug, thiserror::Error)]
@@ -43,7 +46,21 @@ pub async fn apply<G: Gateways>(
         Api::namespaced(ctx.client.clone(), &policy.namespace().unwrap_or_default());
     let old = policy.status.clone().unwrap_or_default();
     let events = events(&old, &status, plan, policy.spec.mode);
-    if policy.status.as_ref() != Some(&status) {
+    let key = format!("{}/{name}", policy.namespace().unwrap_or_default());
+    let now = (ctx.clock)();
+    // A status that moved only in its observations waits for its turn (`refresh.rs`); the
+    // stored one stays what the next reconcile compares with, so nothing done is lost.
+    let deferred = policy.status.is_some()
+        && observations_only(&old, &status)
+        && !ctx.status_refresh.due(&key, &old, now);
+    if deferred {
+        ctx.metrics
+            .status_writes
+            .get_or_create(&OutcomeLabel {
+                outcome: "deferred",
+            })
+            .inc();
+    } else if policy.status.as_ref() != Some(&status) {
         let patch = json!({
             "apiVersion": "poolpilot.io/v1alpha1",
             "kind": "ConnectionPolicy",
@@ -59,6 +76,11 @@ pub async fn apply<G: Gateways>(
             name: name.clone(),
             source,
         })?;
+        ctx.status_refresh.written(&key, now);
+        ctx.metrics
+            .status_writes
+            .get_or_create(&OutcomeLabel { outcome: "written" })
+            .inc();
     }
     let reference = policy.object_ref(&());
     for e in events {

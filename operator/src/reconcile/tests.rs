@@ -209,6 +209,7 @@ fn context_full<G: Gateways + Clone>(
         selections: Mutex::default(),
         passes: Default::default(),
         client_reports: Mutex::default(),
+        status_refresh: Default::default(),
         retries: Default::default(),
         gateways: gateways.clone(),
         recorder: Recorder::new(
@@ -1945,6 +1946,83 @@ async fn unchanged_writes_nothing(p: &ConnectionPolicy, clocks: [fn() -> Timesta
         outcome.expect("the second reconcile succeeded");
         assert!(requests.is_empty(), "at {}: {requests:?}", clock());
         assert!(gateways.puts.lock().is_empty(), "nothing sent to the pods");
+    }
+}
+
+/// A decision later, a status that moved only in what the operator observed (the decision's
+/// time and numbers) waits for the policy's refresh: not written while its turn has not come
+/// (counted as deferred), written once it has. An edit of the policy is written at once.
+#[tokio::test]
+async fn a_status_that_moved_only_in_its_observations_waits_for_its_refresh() {
+    let mut p = policy("models", 0);
+    p.spec.autoscale.enabled = true;
+    let pods = || vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
+    let (ctx, mut api, _) = context_with(vec![p.clone()], pods(), FakeGateways::default());
+    let first = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
+    let (outcome, requests) = with_timeout(answer_recording(&mut api, &p, first)).await;
+    outcome.expect("the first reconcile succeeded");
+    let patch = |requests: &[(Method, String, Value)], suffix: &str| {
+        requests
+            .iter()
+            .find(|(m, path, _)| *m == Method::PATCH && path.ends_with(suffix))
+            .map(|(_, _, body)| body.clone())
+    };
+    let written: poolpilot_api::ConnectionPolicyStatus = serde_json::from_value(
+        patch(&requests, "/models/status").expect("the first status")["status"].clone(),
+    )
+    .unwrap();
+    let configmap: ConfigMap =
+        serde_json::from_value(patch(&requests, "/models-limits").expect("the ConfigMap")).unwrap();
+    let mut stored = p.clone();
+    stored.status = Some(written);
+
+    // The next decision, 15 s later, by an operator whose refresh comes every 100 s (a single
+    // policy at 0.01 writes a second), by one at the default rate, and after an edit.
+    let mut edited = stored.clone();
+    edited.metadata.generation = Some(2);
+    edited.spec.backends[0]
+        .capacity
+        .max_connections_per_endpoint = 48;
+    for (policy, rate, written) in [
+        (&stored, 0.01, false),
+        (&stored, super::refresh::DEFAULT_REFRESH_RATE, true),
+        (&edited, 0.01, true),
+    ] {
+        let (again, mut api, _) = context_full(
+            vec![DeserializeGuard(Ok(policy.clone()))],
+            pods(),
+            vec![configmap.clone()],
+            FakeGateways::default(),
+        );
+        *again.rollouts.lock() = ctx.rollouts.lock().clone();
+        *again.memory.lock() = ctx.memory.lock().clone();
+        let again = Arc::new(Context {
+            clock: || Timestamp::from_second(now().as_second() + 15).unwrap(),
+            status_refresh: super::refresh::StatusRefresh::new(rate),
+            ..Arc::into_inner(again).unwrap()
+        });
+        let second = tokio::spawn(reconcile(Arc::new(policy.clone()), again.clone()));
+        let (outcome, requests) = with_timeout(answer_recording(&mut api, policy, second)).await;
+        outcome.expect("the second reconcile succeeded");
+        let what = format!("generation {:?} at {rate}/s", policy.metadata.generation);
+        let status = patch(&requests, "/models/status");
+        assert_eq!(status.is_some(), written, "{what}: {requests:?}");
+        let text = metrics_text(&again);
+        let outcome = if written { "written" } else { "deferred" };
+        assert!(
+            text.contains(&format!("status_writes_total{{outcome=\"{outcome}\"}} 1")),
+            "{what}: {text}"
+        );
+        if let Some(status) = status {
+            let new: poolpilot_api::ConnectionPolicyStatus =
+                serde_json::from_value(status["status"].clone()).unwrap();
+            let old = policy.status.as_ref().unwrap();
+            assert_eq!(
+                crate::plan::observations::observations_only(old, &new),
+                policy.metadata.generation == Some(1),
+                "{what}: only the observations moved, unless the policy was edited"
+            );
+        }
     }
 }
 
