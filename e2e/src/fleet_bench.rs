@@ -191,7 +191,9 @@ const UNSETTLED_TOLD: usize = 10;
 
 /// Runs `plan` in `ns` with the operator at `operator_bin`, telling its progress through
 /// `progress`. The simulated Pod objects are deleted before it returns, whatever happened (a
-/// failing run's namespace dump would otherwise ask `kubectl logs` of each of them).
+/// failing run's namespace dump would otherwise ask `kubectl logs` of each of them), and the
+/// policies lose the operator's finalizer: the operator is gone, and the namespace's deletion
+/// would otherwise wait on thousands of them until the cluster stops, loading every run after.
 pub async fn run(
     ns: &TestNamespace,
     plan: &FleetPlan,
@@ -211,6 +213,26 @@ pub async fn run(
             &ListParams::default().labels(GROUP_LABEL),
         )
         .await;
+    let policies: Api<ConnectionPolicy> = ns.api();
+    if let Ok(list) = policies.list_metadata(&ListParams::default()).await {
+        let names = list.items.into_iter().filter_map(|p| p.metadata.name);
+        let released = bounded(names, |name| {
+            let policies = policies.clone();
+            async move {
+                let patch = Patch::Merge(json!({"metadata": {"finalizers": null}}));
+                policies
+                    .patch_metadata(&name, &PatchParams::default(), &patch)
+                    .await?;
+                Ok(())
+            }
+        })
+        .await;
+        if let Err(e) = released {
+            progress(&format!(
+                "could not release every policy's finalizer: {e:#}"
+            ));
+        }
+    }
     outcome
 }
 

@@ -1,6 +1,7 @@
 //! Step 4, roll out (API and gateways): server-side apply of the policy's durable ConfigMap
 //! (owned by the policy, so it goes when the policy goes), then `PUT /v1/limits` to the pods of
-//! the current wave (canaries first under Progressive), recording acknowledgements and refusals.
+//! the current wave (canaries first under Progressive), recording acknowledgements and refusals
+//! (an operator that just started or took over first asks the pods what they run).
 //! Also the cleanup of a deleted policy: its pods get documents without its backends.
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -45,7 +45,6 @@ pub async fn apply<G: Gateways>(
     let api: Api<ConnectionPolicy> =
         Api::namespaced(ctx.client.clone(), &policy.namespace().unwrap_or_default());
     let old = policy.status.clone().unwrap_or_default();
-    let events = events(&old, &status, plan, policy.spec.mode);
     let key = format!("{}/{name}", policy.namespace().unwrap_or_default());
     let now = (ctx.clock)();
     // A status that moved only in its observations waits for its turn (`refresh.rs`); the
@@ -53,7 +52,11 @@ pub async fn apply<G: Gateways>(
     let deferred = policy.status.is_some()
         && observations_only(&old, &status)
         && !ctx.status_refresh.due(&key, &old, now);
+    let mut events = events(&old, &status, plan, policy.spec.mode);
     if deferred {
+        // Told when the status that names the new revision is written, not at every
+        // reconcile until then.
+        events.retain(|e| e.reason != "RolledOut");
         ctx.metrics
             .status_writes
             .get_or_create(&OutcomeLabel {

@@ -2007,6 +2007,12 @@ async fn a_status_that_moved_only_in_its_observations_waits_for_its_refresh() {
         let what = format!("generation {:?} at {rate}/s", policy.metadata.generation);
         let status = patch(&requests, "/models/status");
         assert_eq!(status.is_some(), written, "{what}: {requests:?}");
+        if !written {
+            assert!(
+                requests.is_empty(),
+                "{what}: nothing else either: {requests:?}"
+            );
+        }
         let text = metrics_text(&again);
         let outcome = if written { "written" } else { "deferred" };
         assert!(
