@@ -282,16 +282,8 @@ impl Gateways for HttpGateways {
         addr: SocketAddr,
         token: &str,
     ) -> Result<ClientsReport, ReportError> {
-        let (client, url) = self
-            .endpoint(namespace, addr, "/v1/clients")
-            .map_err(ReportError::Trust)?;
-        let resp = client
-            .get(url)
-            .bearer_auth(token)
-            .send()
+        self.get(namespace, addr, token, "/v1/clients", MAX_ANSWER_BYTES)
             .await
-            .map_err(ReportError::Transport)?;
-        report(resp, MAX_ANSWER_BYTES).await
     }
 
     async fn limits(
@@ -300,8 +292,24 @@ impl Gateways for HttpGateways {
         addr: SocketAddr,
         token: &str,
     ) -> Result<GatewayLimits, ReportError> {
+        self.get(namespace, addr, token, "/v1/limits", MAX_DOCUMENT_BYTES)
+            .await
+    }
+}
+
+impl HttpGateways {
+    /// `GET path` from the admin API at `addr` of a pod in `namespace`, its answer read (at most
+    /// `limit` bytes) and parsed: 200 with a `T`, or why not.
+    async fn get<T: serde::de::DeserializeOwned>(
+        &self,
+        namespace: &str,
+        addr: SocketAddr,
+        token: &str,
+        path: &str,
+        limit: usize,
+    ) -> Result<T, ReportError> {
         let (client, url) = self
-            .endpoint(namespace, addr, "/v1/limits")
+            .endpoint(namespace, addr, path)
             .map_err(ReportError::Trust)?;
         let resp = client
             .get(url)
@@ -309,7 +317,7 @@ impl Gateways for HttpGateways {
             .send()
             .await
             .map_err(ReportError::Transport)?;
-        report(resp, MAX_DOCUMENT_BYTES).await
+        report(resp, limit).await
     }
 }
 
