@@ -1906,42 +1906,74 @@ async fn a_reconcile_with_nothing_changed_writes_nothing() {
     unchanged_writes_nothing(&on, [now, in_5s]).await;
 }
 
-/// One reconcile of `p` on two pods, then one at each of `clocks` from what it left.
-async fn unchanged_writes_nothing(p: &ConnectionPolicy, clocks: [fn() -> Timestamp; 2]) {
-    let pods = || vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
-    let (ctx, mut api, gateways) = context_with(vec![p.clone()], pods(), FakeGateways::default());
+/// The two gateway pods of the tests that reconcile a policy again from what a first reconcile
+/// left.
+fn two_pods() -> Vec<Pod> {
+    vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")]
+}
+
+/// The `PATCH` of the path ending in `suffix` among `requests`, its body.
+fn patch_of(requests: &[(Method, String, Value)], suffix: &str) -> Option<Value> {
+    requests
+        .iter()
+        .find(|(m, path, _)| *m == Method::PATCH && path.ends_with(suffix))
+        .map(|(_, _, body)| body.clone())
+}
+
+/// What a first reconcile of `p` on [`two_pods`] left: its context, the policy as the watches
+/// show it next (with the status written), the ConfigMap applied, and the gateways.
+async fn first_reconcile(
+    p: &ConnectionPolicy,
+) -> (
+    Arc<Context<FakeGateways>>,
+    ConnectionPolicy,
+    ConfigMap,
+    FakeGateways,
+) {
+    let (ctx, mut api, gateways) =
+        context_with(vec![p.clone()], two_pods(), FakeGateways::default());
     let first = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
     let (outcome, requests) = with_timeout(answer_recording(&mut api, p, first)).await;
     outcome.expect("the first reconcile succeeded");
     let find = |suffix: &str| {
-        requests
-            .iter()
-            .find(|(m, path, _)| *m == Method::PATCH && path.ends_with(suffix))
-            .map(|(_, _, body)| body.clone())
-            .unwrap_or_else(|| panic!("no PATCH of …{suffix}: {requests:?}"))
+        patch_of(&requests, suffix).unwrap_or_else(|| panic!("no PATCH of …{suffix}: {requests:?}"))
     };
-    let status: poolpilot_api::ConnectionPolicyStatus =
-        serde_json::from_value(find("/models/status")["status"].clone()).unwrap();
-    let configmap: ConfigMap = serde_json::from_value(find("/models-limits")).unwrap();
-    assert_eq!(gateways.puts.lock().len(), 2);
-
-    // What the watches show next: the policy with its status, the ConfigMap applied.
     let mut stored = p.clone();
-    stored.status = Some(status);
+    stored.status = Some(serde_json::from_value(find("/models/status")["status"].clone()).unwrap());
+    let configmap: ConfigMap = serde_json::from_value(find("/models-limits")).unwrap();
+    (ctx, stored, configmap, gateways)
+}
+
+/// A context that goes on from `ctx` (its rollout and autoscale memory) with `policy` and
+/// `configmap` in its caches, at `clock`; its API handle and gateways.
+fn going_on_from(
+    ctx: &Context<FakeGateways>,
+    policy: &ConnectionPolicy,
+    configmap: &ConfigMap,
+    clock: fn() -> Timestamp,
+) -> (Context<FakeGateways>, ApiHandle, FakeGateways) {
+    let (again, api, gateways) = context_full(
+        vec![DeserializeGuard(Ok(policy.clone()))],
+        two_pods(),
+        vec![configmap.clone()],
+        FakeGateways::default(),
+    );
+    *again.rollouts.lock() = ctx.rollouts.lock().clone();
+    *again.memory.lock() = ctx.memory.lock().clone();
+    let again = Context {
+        clock,
+        ..Arc::into_inner(again).unwrap()
+    };
+    (again, api, gateways)
+}
+
+/// One reconcile of `p` on two pods, then one at each of `clocks` from what it left.
+async fn unchanged_writes_nothing(p: &ConnectionPolicy, clocks: [fn() -> Timestamp; 2]) {
+    let (ctx, stored, configmap, gateways) = first_reconcile(p).await;
+    assert_eq!(gateways.puts.lock().len(), 2);
     for clock in clocks {
-        let (again, mut api, gateways) = context_full(
-            vec![DeserializeGuard(Ok(stored.clone()))],
-            pods(),
-            vec![configmap.clone()],
-            FakeGateways::default(),
-        );
-        *again.rollouts.lock() = ctx.rollouts.lock().clone();
-        *again.memory.lock() = ctx.memory.lock().clone();
-        let again = Arc::new(Context {
-            clock,
-            ..Arc::into_inner(again).unwrap()
-        });
-        let second = tokio::spawn(reconcile(Arc::new(stored.clone()), again));
+        let (again, mut api, gateways) = going_on_from(&ctx, &stored, &configmap, clock);
+        let second = tokio::spawn(reconcile(Arc::new(stored.clone()), Arc::new(again)));
         let (outcome, requests) = with_timeout(answer_recording(&mut api, &stored, second)).await;
         outcome.expect("the second reconcile succeeded");
         assert!(requests.is_empty(), "at {}: {requests:?}", clock());
@@ -1956,25 +1988,7 @@ async fn unchanged_writes_nothing(p: &ConnectionPolicy, clocks: [fn() -> Timesta
 async fn a_status_that_moved_only_in_its_observations_waits_for_its_refresh() {
     let mut p = policy("models", 0);
     p.spec.autoscale.enabled = true;
-    let pods = || vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
-    let (ctx, mut api, _) = context_with(vec![p.clone()], pods(), FakeGateways::default());
-    let first = tokio::spawn(reconcile(Arc::new(p.clone()), ctx.clone()));
-    let (outcome, requests) = with_timeout(answer_recording(&mut api, &p, first)).await;
-    outcome.expect("the first reconcile succeeded");
-    let patch = |requests: &[(Method, String, Value)], suffix: &str| {
-        requests
-            .iter()
-            .find(|(m, path, _)| *m == Method::PATCH && path.ends_with(suffix))
-            .map(|(_, _, body)| body.clone())
-    };
-    let written: poolpilot_api::ConnectionPolicyStatus = serde_json::from_value(
-        patch(&requests, "/models/status").expect("the first status")["status"].clone(),
-    )
-    .unwrap();
-    let configmap: ConfigMap =
-        serde_json::from_value(patch(&requests, "/models-limits").expect("the ConfigMap")).unwrap();
-    let mut stored = p.clone();
-    stored.status = Some(written);
+    let (ctx, stored, configmap, _) = first_reconcile(&p).await;
 
     // The next decision, 15 s later, by an operator whose refresh comes every 100 s (a single
     // policy at 0.01 writes a second), by one at the default rate, and after an edit.
@@ -1983,29 +1997,22 @@ async fn a_status_that_moved_only_in_its_observations_waits_for_its_refresh() {
     edited.spec.backends[0]
         .capacity
         .max_connections_per_endpoint = 48;
+    let in_15s = || Timestamp::from_second(now().as_second() + 15).unwrap();
     for (policy, rate, written) in [
         (&stored, 0.01, false),
         (&stored, super::refresh::DEFAULT_REFRESH_RATE, true),
         (&edited, 0.01, true),
     ] {
-        let (again, mut api, _) = context_full(
-            vec![DeserializeGuard(Ok(policy.clone()))],
-            pods(),
-            vec![configmap.clone()],
-            FakeGateways::default(),
-        );
-        *again.rollouts.lock() = ctx.rollouts.lock().clone();
-        *again.memory.lock() = ctx.memory.lock().clone();
+        let (again, mut api, _) = going_on_from(&ctx, policy, &configmap, in_15s);
         let again = Arc::new(Context {
-            clock: || Timestamp::from_second(now().as_second() + 15).unwrap(),
             status_refresh: super::refresh::StatusRefresh::new(rate),
-            ..Arc::into_inner(again).unwrap()
+            ..again
         });
         let second = tokio::spawn(reconcile(Arc::new(policy.clone()), again.clone()));
         let (outcome, requests) = with_timeout(answer_recording(&mut api, policy, second)).await;
         outcome.expect("the second reconcile succeeded");
         let what = format!("generation {:?} at {rate}/s", policy.metadata.generation);
-        let status = patch(&requests, "/models/status");
+        let status = patch_of(&requests, "/models/status");
         assert_eq!(status.is_some(), written, "{what}: {requests:?}");
         if !written {
             assert!(
