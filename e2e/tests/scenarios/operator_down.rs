@@ -289,10 +289,6 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
             .await?;
         let revision_before = s.revision.clone();
         let pool_before: u32 = limits_before_handover.iter().map(|(_, l)| share(l)).sum();
-        let gateways: Vec<GatewayPod> = limits_before_handover
-            .iter()
-            .map(|(g, _)| g.clone())
-            .collect();
 
         let standby = operators
             .iter()
@@ -372,7 +368,8 @@ async fn operator_down_restart_and_handover_keep_the_tuned_limits() -> anyhow::R
             assert_eq!(Held::of(&s).targets, held.targets, "targets after the handover");
             // A re-division by the new leader goes to the pods it lowers first: the fleet
             // never holds more than the pool.
-            if let Some(shares) = shares_at_once(&gateways).await? {
+            let gateways = limits_before_handover.iter().map(|(g, _)| g);
+            if let Some(shares) = shares_at_once(gateways).await? {
                 anyhow::ensure!(
                     shares.iter().sum::<u32>() <= pool_before,
                     "the gateways hold {shares:?} at once, more than the pool of {pool_before}"
@@ -507,11 +504,13 @@ async fn status(stack: &Stack<'_>) -> anyhow::Result<ConnectionPolicyStatus> {
 /// model-a's share on each gateway at one moment: read twice over, and `None` when a document
 /// moved between the two reads (a PUT landing in the middle of one read would mix two
 /// divisions).
-async fn shares_at_once(gateways: &[GatewayPod]) -> anyhow::Result<Option<Vec<u32>>> {
+async fn shares_at_once<'a>(
+    gateways: impl Iterator<Item = &'a GatewayPod> + Clone,
+) -> anyhow::Result<Option<Vec<u32>>> {
     let mut reads = Vec::new();
     for _ in 0..2 {
         let mut read = Vec::new();
-        for g in gateways {
+        for g in gateways.clone() {
             let l = g.limits().await?;
             let share = share(&l);
             read.push((l.revision, share));
