@@ -43,7 +43,7 @@ use tokio::time::Instant;
 use crate::TestNamespace;
 use crate::credentials::{AdminCredentials, TOKEN_SECRET};
 use crate::fleet_sim::{Fleet, server_config};
-use crate::stack::{bucket_delta, get_text, histogram, metric_sum, quantile};
+use crate::stack::{bucket_delta, get_text, histogram, histogram_where, metric_sum, quantile};
 
 /// API calls in flight at once while the run creates its objects.
 const CREATE_CONCURRENCY: usize = 16;
@@ -88,6 +88,10 @@ pub struct FleetResult {
     pub cold_reconciles: f64,
     /// Kubernetes API requests per second during the cold start, by verb.
     pub cold_api: BTreeMap<String, f64>,
+    /// Where the cold start's reconciles spent their time: each step of the pipeline.
+    pub cold_steps: Vec<StepTimes>,
+    /// The cold start's namespace passes by outcome (`reused`, `planned`, `private`).
+    pub cold_passes: BTreeMap<String, f64>,
     /// Reconcile latency p50 and p99 in the steady window, seconds.
     pub steady_reconcile: (Option<f64>, Option<f64>),
     /// Reconcile latency p99 over the operator's whole run, seconds.
@@ -123,6 +127,49 @@ pub struct FleetResult {
     pub rss: (u64, Option<u64>),
     /// The operator's CPU seconds by the settle, and by the end.
     pub cpu: (Option<f64>, Option<f64>),
+}
+
+/// One step of the reconcile pipeline over a stretch of the run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepTimes {
+    /// The step (`poolpilot_operator_step_duration_seconds{step}`).
+    pub step: String,
+    /// How often it ran.
+    pub count: f64,
+    /// Its p50 and p99, seconds.
+    pub p50_p99: (Option<f64>, Option<f64>),
+}
+
+/// The steps of the pipeline, as the operator labels them.
+const STEPS: [&str; 4] = ["clients", "plan", "rollout", "status"];
+
+/// The steps' times in one operator `/metrics` text (counted from the operator's start).
+pub fn step_times(text: &str) -> Vec<StepTimes> {
+    STEPS
+        .iter()
+        .map(|step| {
+            let label = format!("step=\"{step}\"");
+            let h = histogram_where(text, "poolpilot_operator_step_duration_seconds", &[&label]);
+            StepTimes {
+                step: (*step).to_owned(),
+                count: h.last().map_or(0.0, |b| b.1),
+                p50_p99: (quantile(&h, 0.5), quantile(&h, 0.99)),
+            }
+        })
+        .collect()
+}
+
+/// Namespace passes by outcome in one operator `/metrics` text.
+pub fn passes(text: &str) -> BTreeMap<String, f64> {
+    ["reused", "planned", "private"]
+        .iter()
+        .map(|o| {
+            let label = format!("outcome=\"{o}\"");
+            // An empty sum is −0.0: `+ 0.0` makes it print as 0.
+            let n = metric_sum(text, "poolpilot_operator_namespace_passes_total", &[&label]) + 0.0;
+            ((*o).to_owned(), n)
+        })
+        .collect()
 }
 
 impl FleetResult {
@@ -375,6 +422,7 @@ async fn run_inner(
         &metrics_url,
         &prometheus.1,
         &operator,
+        &logs,
         (start, served_before),
         progress,
     )
@@ -574,6 +622,14 @@ fn api_rates(before: &str, after: &str, seconds: f64) -> BTreeMap<String, f64> {
     out
 }
 
+/// Keeps an operator `/metrics` text with the run's logs, for a closer look afterwards (a
+/// failure to write it is only said: the run goes on).
+fn keep(logs: &Path, name: &str, text: &str) {
+    if let Err(e) = std::fs::write(logs.join(name), text) {
+        eprintln!("cannot keep {name} in {}: {e}", logs.display());
+    }
+}
+
 /// The operator's `/metrics`, retried while it starts.
 async fn scrape(url: &str) -> anyhow::Result<String> {
     crate::eventually("the operator's /metrics", Duration::from_secs(30), || {
@@ -590,6 +646,7 @@ async fn measure(
     metrics_url: &str,
     prometheus_url: &str,
     operator: &Process,
+    logs: &Path,
     (start, served_before): (Instant, f64),
     progress: &(dyn Fn(&str) + Sync),
 ) -> anyhow::Result<FleetResult> {
@@ -627,6 +684,7 @@ async fn measure(
     }
     let cold_seconds = start.elapsed().as_secs_f64();
     let at_settle = scrape(metrics_url).await?;
+    keep(logs, "operator-metrics-settled.txt", &at_settle);
     let cpu_settle = operator
         .proc_file("stat")
         .and_then(|s| stat_cpu_seconds(&s));
@@ -746,6 +804,7 @@ async fn measure(
     }
 
     let end = scrape(metrics_url).await?;
+    keep(logs, "operator-metrics-end.txt", &end);
     let cpu_end = operator
         .proc_file("stat")
         .and_then(|s| stat_cpu_seconds(&s));
@@ -760,6 +819,8 @@ async fn measure(
         cold_reconcile: (quantile(&cold_hist, 0.5), quantile(&cold_hist, 0.99)),
         cold_reconciles: reconciles(&at_settle),
         cold_api: api_rates("", &at_settle, cold_seconds),
+        cold_steps: step_times(&at_settle),
+        cold_passes: passes(&at_settle),
         steady_reconcile: (quantile(&steady_hist, 0.5), quantile(&steady_hist, 0.99)),
         run_p99: quantile(&histogram(&end, RECONCILE_HISTOGRAM), 0.99),
         steady_reconciles_per_interval: (reconciles(&after) - reconciles(&before)) / intervals,

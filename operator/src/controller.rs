@@ -1,7 +1,7 @@
 //! Wiring: the Kubernetes client (every request counted by verb), caches of pods, EndpointSlices
 //! and the operator's ConfigMaps, the Prometheus poller, the `/metrics` server, leader election,
-//! and the Controller over ConnectionPolicy (each reconcile timed) that also reacts to the
-//! selected pods, the backends' EndpointSlices and its own ConfigMaps. One watch per kind: the
+//! and the Controller over ConnectionPolicy (each reconcile timed, the periodic ones paced) that
+//! also reacts to the selected pods, the backends' EndpointSlices and its own ConfigMaps. One watch per kind: the
 //! caches that the reconciles read also trigger them (no second watch by the Controller), and
 //! they keep no `managedFields` nor last-applied annotations. Runs until SIGTERM or Ctrl-C.
 
@@ -271,19 +271,28 @@ impl Term {
             .modify(strip_bookkeeping::<DeserializeGuard<ConnectionPolicy>>),
         )
         .default_backoff()
-        .touched_objects()
+        // A deleted policy has nothing left to reconcile (its cleanup ran behind the finalizer
+        // while it was being deleted).
+        .applied_objects()
         // A policy's own status writes do not reconcile it again (with thousands of policies
         // those echoes would queue ahead of the first reconciles of the rest): only a change of
         // its spec (its generation; marking it deleted bumps that too) or of its finalizers
         // does. What else a reconcile reads has triggers of its own (pods, EndpointSlices,
-        // ConfigMaps), and every policy is requeued at its interval.
+        // ConfigMaps), and every policy is reconciled again at its interval.
         .predicate_filter(
             predicates::generation.combine(predicates::finalizers),
             PredicateConfig::default(),
         );
-        let controller = Controller::for_stream(watch, policies.clone()).with_config(
-            controller::Config::default().concurrency(self.args.concurrent_reconciles),
-        );
+        // Every reason to reconcile goes to the reconcile queue, which hands the Controller only
+        // what its free slots take: changes first, then the periodic reconciles due
+        // (`reconcile/queue.rs`). The Controller's own triggers are the queue's.
+        let queue = Arc::new(reconcile::queue::ReconcileQueue::new(usize::from(
+            self.args.concurrent_reconciles,
+        )));
+        let controller = Controller::for_stream(futures::stream::pending(), policies.clone())
+            .with_config(
+                controller::Config::default().concurrency(self.args.concurrent_reconciles),
+            );
         // `poolpilot_operator_leader` is 1 and `poolpilot_operator_policies` counts from this
         // cache while this replica leads.
         let _leading = self.metrics.leading(policies.clone());
@@ -316,6 +325,7 @@ impl Term {
             passes: Default::default(),
             client_reports: Mutex::default(),
             status_refresh: reconcile::refresh::StatusRefresh::new(self.args.status_refresh_rate),
+            queue: queue.clone(),
             retries: Default::default(),
             gateways: self.gateways.clone(),
             recorder: Recorder::new(
@@ -328,7 +338,7 @@ impl Term {
             metrics: self.metrics.clone(),
             clock: crate::clock::now,
         });
-        let (by_pod, by_slice) = (policies.clone(), policies);
+        let (by_pod, by_slice) = (policies.clone(), policies.clone());
         let pods = self
             .pods
             .touched()
@@ -341,10 +351,50 @@ impl Term {
             .configmaps
             .touched()
             .flat_map(|cm| futures::stream::iter(owning_policies(&cm)));
+        let named = |r: ObjectRef<DeserializeGuard<ConnectionPolicy>>| {
+            (r.namespace.unwrap_or_default(), r.name)
+        };
+        let changes = futures::stream::select_all([
+            watch
+                .filter_map(|changed| {
+                    future::ready(match changed {
+                        Ok(policy) => {
+                            Some((policy.namespace().unwrap_or_default(), policy.name_any()))
+                        }
+                        Err(e) => {
+                            warn!(error = %crate::report(&e), "ConnectionPolicy watch error");
+                            None
+                        }
+                    })
+                })
+                .boxed(),
+            pods.map(named).boxed(),
+            slices.map(named).boxed(),
+            configmaps.map(named).boxed(),
+        ]);
+        tokio::spawn(queue_changes(changes, queue.clone(), stop.clone()));
+        let (lag, cache, given_back) = (
+            self.metrics.requeue_lag.clone(),
+            policies.clone(),
+            queue.clone(),
+        );
+        let handed = queue.handed_over().filter_map(move |((ns, name), late)| {
+            let (lag, cache, given_back) = (lag.clone(), cache.clone(), given_back.clone());
+            async move {
+                let policy = ObjectRef::new(&name).within(&ns);
+                // The Controller runs only what its cache holds: one that is gone frees its slot.
+                if cache.wait_until_ready().await.is_err() || cache.get(&policy).is_none() {
+                    given_back.gone(&(ns, name));
+                    return None;
+                }
+                if let Some(late) = late {
+                    lag.observe(late.as_secs_f64());
+                }
+                Some(policy)
+            }
+        });
         controller
-            .reconcile_on(pods)
-            .reconcile_on(slices)
-            .reconcile_on(configmaps)
+            .reconcile_on(handed)
             .graceful_shutdown_on(stop.cancelled_owned())
             .run(timed_reconcile, reconcile::error_policy, ctx)
             .for_each(|res| {
@@ -364,9 +414,29 @@ async fn timed_reconcile(
 ) -> crate::Result<Action> {
     let start = Instant::now();
     let histogram = ctx.metrics.reconcile_duration.clone();
+    let queue = ctx.queue.clone();
+    let _slot = queue.start(&(policy.namespace().unwrap_or_default(), policy.name_any()));
     let out = reconcile::reconcile_object(policy, ctx).await;
     histogram.observe(start.elapsed().as_secs_f64());
     out
+}
+
+/// Puts every change `changes` tells into `queue`, until `stop`.
+async fn queue_changes(
+    changes: impl futures::Stream<Item = reconcile::queue::PolicyRef> + Unpin,
+    queue: Arc<reconcile::queue::ReconcileQueue>,
+    stop: CancellationToken,
+) {
+    let mut changes = changes;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            changed = changes.next() => match changed {
+                Some(policy) => queue.changed(policy),
+                None => return,
+            },
+        }
+    }
 }
 
 /// The policies of a cache that this operator can read, each with its reference.
@@ -449,7 +519,7 @@ struct Cached<K: kube::Resource<DynamicType = ()> + 'static> {
 
 impl<K: kube::Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Cached<K> {
     /// The objects touched from now on. A receiver that falls behind skips what it missed: the
-    /// store has the latest state, and every policy is reconciled again within `maxRequeue`.
+    /// store has the latest state, and every policy is reconciled again within `--max-requeue`.
     fn touched(&self) -> impl futures::Stream<Item = Arc<K>> + Send + 'static {
         use tokio::sync::broadcast::error::RecvError;
         futures::stream::unfold(self.touched.subscribe(), |mut rx| async move {

@@ -115,6 +115,9 @@ pub struct Metrics {
     /// Status writes by outcome: written, or deferred (only observations moved, and the
     /// policy's turn to refresh them has not come).
     pub status_writes: Family<OutcomeLabel, Counter>,
+    /// How late each periodic reconcile was handed to the Controller (its time came while every
+    /// reconcile slot was taken).
+    pub requeue_lag: Histogram,
 }
 
 impl Default for Metrics {
@@ -135,6 +138,7 @@ impl Default for Metrics {
             generations_ignored: Counter::default(),
             passes: Family::default(),
             status_writes: Family::default(),
+            requeue_lag: reconcile_histogram(),
         }
     }
 }
@@ -202,6 +206,11 @@ impl Metrics {
             "status_writes",
             "Status writes by outcome: written, or deferred (only the observations moved and the policy's refresh, --status-refresh-rate, is not due)",
             self.status_writes.clone(),
+        );
+        registry.register(
+            "requeue_lag_seconds",
+            "How late periodic reconciles were handed to the controller: above zero, every reconcile slot was taken when their time came",
+            self.requeue_lag.clone(),
         );
         registry.register(
             "leader",

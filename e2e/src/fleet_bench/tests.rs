@@ -242,6 +242,8 @@ fn served_per_metric_round_and_the_highest_metric() {
         cold_reconcile: (None, None),
         cold_reconciles: 0.0,
         cold_api: Default::default(),
+        cold_steps: Vec::new(),
+        cold_passes: Default::default(),
         steady_reconcile: (None, None),
         run_p99: None,
         steady_reconciles_per_interval: 0.0,
@@ -380,4 +382,37 @@ async fn wrong_pods_are_those_off_their_groups_document() {
     );
     assert_eq!(pods_with_group_pending(&fleet, mp), 4);
     assert_eq!(pods_with_group_pending(&fleet, mp + 1), 0);
+}
+
+#[test]
+fn the_cold_starts_steps_and_passes_are_read_from_the_operators_metrics() {
+    let text = "\
+        poolpilot_operator_step_duration_seconds_bucket{step=\"plan\",le=\"0.01\"} 90\n\
+        poolpilot_operator_step_duration_seconds_bucket{step=\"plan\",le=\"1.0\"} 100\n\
+        poolpilot_operator_step_duration_seconds_bucket{step=\"plan\",le=\"+Inf\"} 100\n\
+        poolpilot_operator_step_duration_seconds_bucket{step=\"status\",le=\"0.01\"} 5\n\
+        poolpilot_operator_step_duration_seconds_bucket{step=\"status\",le=\"+Inf\"} 5\n\
+        poolpilot_operator_namespace_passes_total{outcome=\"reused\"} 80\n\
+        poolpilot_operator_namespace_passes_total{outcome=\"planned\"} 20\n";
+    let steps = step_times(text);
+    assert_eq!(
+        steps
+            .iter()
+            .map(|t| (t.step.as_str(), t.count))
+            .collect::<Vec<_>>(),
+        [
+            ("clients", 0.0),
+            ("plan", 100.0),
+            ("rollout", 0.0),
+            ("status", 5.0)
+        ]
+    );
+    let plan = &steps[1];
+    assert!(plan.p50_p99.0.is_some_and(|p| p <= 0.01), "{plan:?}");
+    assert!(plan.p50_p99.1.is_some_and(|p| p > 0.01), "{plan:?}");
+    assert_eq!(steps[0].p50_p99, (None, None), "a step that never ran");
+    let passes = passes(text);
+    assert_eq!(passes["reused"], 80.0);
+    assert_eq!(passes["planned"], 20.0);
+    assert_eq!(format!("{:.0}", passes["private"]), "0", "none, not -0");
 }

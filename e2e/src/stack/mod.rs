@@ -34,8 +34,8 @@ pub use policies::{
     share,
 };
 pub use prom_text::{
-    bucket_delta, decisions_by_kind, get_text, histogram, metric_sum, operator_decisions,
-    operator_metrics, quantile,
+    bucket_delta, decisions_by_kind, get_text, histogram, histogram_where, metric_sum,
+    operator_decisions, operator_metrics, quantile,
 };
 
 use std::collections::BTreeMap;

@@ -71,12 +71,21 @@ pub fn metric_sum(text: &str, metric: &str, labels: &[&str]) -> f64 {
 /// The cumulative buckets `(le, count)` of histogram `name` in an exposition, by `le` (`+Inf`
 /// last).
 pub fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
+    histogram_where(text, name, &[])
+}
+
+/// [`histogram`], of the series whose labels contain each of `labels` (`step="plan"`).
+pub fn histogram_where(text: &str, name: &str, labels: &[&str]) -> Vec<(f64, f64)> {
     let prefix = format!("{name}_bucket{{");
     let mut out: Vec<(f64, f64)> = text
         .lines()
         .filter_map(|l| {
             let rest = l.strip_prefix(&prefix)?;
-            let (labels, value) = rest.rsplit_once("} ")?;
+            let (labels_of, value) = rest.rsplit_once("} ")?;
+            if !labels.iter().all(|want| labels_of.contains(want)) {
+                return None;
+            }
+            let labels = labels_of;
             let le = labels
                 .split(',')
                 .find_map(|kv| kv.strip_prefix("le=\""))?
@@ -194,5 +203,23 @@ mod tests {
             "in +Inf: the last finite bound"
         );
         assert_eq!(quantile(&bucket_delta(&h, &h), 0.5), None);
+    }
+
+    #[test]
+    fn a_labelled_histogram_is_read_apart_from_its_siblings() {
+        let text = "\
+            s_bucket{step=\"plan\",le=\"0.1\"} 3\n\
+            s_bucket{step=\"plan\",le=\"+Inf\"} 4\n\
+            s_bucket{step=\"status\",le=\"0.1\"} 7\n\
+            s_bucket{step=\"status\",le=\"+Inf\"} 9\n";
+        assert_eq!(
+            histogram_where(text, "s", &["step=\"plan\""]),
+            vec![(0.1, 3.0), (f64::INFINITY, 4.0)]
+        );
+        assert_eq!(
+            histogram_where(text, "s", &["step=\"status\""]),
+            vec![(0.1, 7.0), (f64::INFINITY, 9.0)]
+        );
+        assert!(histogram_where(text, "s", &["step=\"rollout\""]).is_empty());
     }
 }

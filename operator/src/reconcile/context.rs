@@ -209,6 +209,9 @@ pub struct Context<G: Gateways> {
     pub client_reports: Mutex<ClientReports>,
     /// When each policy's status was last written, for the refresh of its observations.
     pub status_refresh: super::refresh::StatusRefresh,
+    /// What waits to be reconciled (changes, then each policy's next periodic reconcile),
+    /// handed to the Controller as slots free up ([`super::queue`]).
+    pub queue: Arc<super::queue::ReconcileQueue>,
     /// Failures in a row per policy, for the retry back-off of [`error_policy`].
     pub retries: backoff::RetryBackoff,
     /// The gateway admin client.

@@ -29,6 +29,7 @@ pub mod observe;
 pub mod observed;
 pub mod pass;
 pub mod pipeline;
+pub mod queue;
 pub mod refresh;
 pub mod rollout;
 pub mod status;

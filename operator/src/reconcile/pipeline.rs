@@ -1,5 +1,7 @@
 //! The pipeline of one reconcile: observe → validate → plan → roll out → status, each step
 //! timed and its failure counted; the finalizer's cleanup; what follows a failed reconcile.
+//! A reconcile that ends well plans the policy's next one in the reconcile queue (`queue.rs`),
+//! not with the Controller's own requeue.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,12 +40,26 @@ pub async fn reconcile_object<G: Gateways>(
 ) -> Result<Action> {
     let result = match &object.0 {
         Ok(policy) => reconcile(Arc::new(policy.clone()), ctx.clone()).await,
-        Err(invalid) => skip_unreadable(&object, invalid, &ctx).await,
+        Err(invalid) => {
+            ctx.queue.forget(&policy_ref(&*object));
+            skip_unreadable(&object, invalid, &ctx).await
+        }
     };
     if result.is_ok() {
         ctx.retries.succeeded(&retry_key(&object));
     }
     result
+}
+
+/// A policy as the reconcile queue ([`super::queue`]) knows it.
+fn policy_ref(object: &impl ResourceExt) -> super::queue::PolicyRef {
+    (object.namespace().unwrap_or_default(), object.name_any())
+}
+
+/// Plans `policy`'s next periodic reconcile `after` from now, in the reconcile queue.
+fn requeue<G: Gateways>(ctx: &Context<G>, policy: &ConnectionPolicy, after: Duration) -> Action {
+    ctx.queue.schedule(policy_ref(policy), after);
+    Action::await_change()
 }
 
 /// A policy's key in [`Context::retries`].
@@ -243,7 +259,7 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
         policy.spec.autoscale.interval.get()
     };
     let interval = interval.min(ctx.config.max_requeue);
-    Ok(Action::requeue(interval.max(Duration::from_secs(1))))
+    Ok(requeue(ctx, policy, interval.max(Duration::from_secs(1))))
 }
 
 async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Result<Action> {
@@ -265,6 +281,7 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
         .lock()
         .rolled_out_generation
         .remove(&(key.namespace.clone(), key.name.clone()));
+    ctx.queue.forget(&policy_ref(policy));
     Ok(Action::await_change())
 }
 
@@ -345,7 +362,7 @@ async fn refuse<G: Gateways>(
         status::apply(ctx, policy, &policy_plan, computed),
     )
     .await?;
-    Ok(Action::requeue(ctx.config.max_requeue))
+    Ok(requeue(ctx, policy, ctx.config.max_requeue))
 }
 
 /// Tells about generations read back that are too large to be real (the planner ignores them):

@@ -191,6 +191,8 @@ pub async fn roll_out<G: Gateways>(
     }
 
     forget_gone_pods(ctx, ns);
+    // Read from the Secret once, by the first read or send that needs them.
+    let tokens = Tokens::new(ctx, ns);
     let states = pod_states(ctx, observed, fleet, &plan.live);
     let spec = &policy.spec.rollout;
     let strategy = Strategy {
@@ -250,17 +252,17 @@ pub async fn roll_out<G: Gateways>(
     let generation = policy.metadata.generation.unwrap_or_default();
     let own_tuning = rolled_out_generation(ctx, &policy_key, policy) == Some(generation);
     let mut states = states;
-    if own_tuning && learn_running(ctx, observed, &states, now).await? {
+    if own_tuning && learn_running(ctx, observed, &states, &tokens, now).await? {
         states = pod_states(ctx, observed, fleet, &plan.live);
     }
     if own_tuning && let Some(lowering) = retune_wave(ctx, observed, fleet, &states, true) {
-        let mut pushed = push(ctx, observed, fleet, &lowering, now).await?;
+        let mut pushed = push(ctx, observed, fleet, &lowering, &tokens, now).await?;
         let after = pod_states(ctx, observed, fleet, &plan.live);
         let lowered = lowering
             .iter()
             .all(|p| after.iter().any(|s| &s.name == p && s.current()));
         if lowered && let Some(rest) = retune_wave(ctx, observed, fleet, &after, false) {
-            pushed.extend(push(ctx, observed, fleet, &rest, now).await?);
+            pushed.extend(push(ctx, observed, fleet, &rest, &tokens, now).await?);
         }
         let states = pod_states(ctx, observed, fleet, &plan.live);
         let complete = states.iter().all(PodState::current);
@@ -280,7 +282,7 @@ pub async fn roll_out<G: Gateways>(
         });
     }
     let mut wave = waves::next_wave(strategy, &states, since, &verdict, now);
-    let mut pushed = push(ctx, observed, fleet, &wave.push, now).await?;
+    let mut pushed = push(ctx, observed, fleet, &wave.push, &tokens, now).await?;
     if strategy.verify.is_zero() && !wave.push.is_empty() && wave.halted.is_none() {
         // Without verification the rest follow the canaries as soon as they acknowledged: in
         // this reconcile, not the next. A canary that did not take it is not tried twice.
@@ -290,7 +292,7 @@ pub async fn roll_out<G: Gateways>(
             .any(|p| wave.push.contains(&p.name) && p.current())
         {
             let rest = waves::next_wave(strategy, &after, since, &verdict, now);
-            pushed.extend(push(ctx, observed, fleet, &rest.push, now).await?);
+            pushed.extend(push(ctx, observed, fleet, &rest.push, &tokens, now).await?);
             wave = rest;
         }
     }
@@ -300,7 +302,7 @@ pub async fn roll_out<G: Gateways>(
             .filter(|p| p.current())
             .map(|p| p.name.clone())
             .collect();
-        let (back, failed) = roll_back(ctx, observed, &canaries, now).await?;
+        let (back, failed) = roll_back(ctx, observed, &canaries, &tokens, now).await?;
         pushed.extend(failed);
         let why = format!(
             "canary regression: {why}; {back} of {} canary pod(s) rolled back to their previous document, the other pods never got revision {desired}",
@@ -545,6 +547,7 @@ async fn learn_running<G: Gateways>(
     ctx: &Context<G>,
     observed: &Observed,
     states: &[PodState],
+    tokens: &Tokens<'_, G>,
     now: Timestamp,
 ) -> Result<bool, RolloutError> {
     let ns = &observed.namespace;
@@ -565,7 +568,7 @@ async fn learn_running<G: Gateways>(
     if unknown.is_empty() {
         return Ok(false);
     }
-    let (token, previous) = tokens(ctx, ns).await?;
+    let (token, previous) = tokens.get().await?;
     let bound = ctx.config.pushes;
     let reads = unknown.into_iter().map(|(name, addr)| {
         let (token, previous) = (token.as_str(), previous.as_deref());
@@ -629,6 +632,7 @@ async fn roll_back<G: Gateways>(
     ctx: &Context<G>,
     observed: &Observed,
     canaries: &[String],
+    tokens: &Tokens<'_, G>,
     now: Timestamp,
 ) -> Result<(usize, Pushed), RolloutError> {
     let ns = &observed.namespace;
@@ -664,7 +668,7 @@ async fn roll_back<G: Gateways>(
         documents,
         ..FleetPlan::default()
     };
-    let mut pushed = push(ctx, observed, &back, &pods, now).await?;
+    let mut pushed = push(ctx, observed, &back, &pods, tokens, now).await?;
     let rolled = pods.len() - pushed.failed.len();
     pushed.failed.extend(failed);
     if rolled > 0 {
@@ -751,7 +755,8 @@ pub async fn remove<G: Gateways>(
         })
         .map(|p| p.name.clone())
         .collect();
-    let failed = push(ctx, observed, fleet, &mine, (ctx.clock)())
+    let tokens = Tokens::new(ctx, &observed.namespace);
+    let failed = push(ctx, observed, fleet, &mine, &tokens, (ctx.clock)())
         .await?
         .failed;
     for (pod, why) in &failed {
@@ -984,6 +989,7 @@ async fn push<G: Gateways>(
     observed: &Observed,
     fleet: &FleetPlan,
     pods: &[String],
+    tokens: &Tokens<'_, G>,
     now: Timestamp,
 ) -> Result<Pushed, RolloutError> {
     let mut failed = BTreeMap::new();
@@ -1000,7 +1006,7 @@ async fn push<G: Gateways>(
         });
     }
     let ns = &observed.namespace;
-    let (token, previous) = tokens(ctx, ns).await?;
+    let (token, previous) = tokens.get().await?;
     let sends: Vec<(String, SocketAddr, Arc<GatewayLimits>)> = pods
         .iter()
         .filter_map(|name| {
@@ -1016,7 +1022,7 @@ async fn push<G: Gateways>(
     let results = send_all(
         &ctx.gateways,
         ns,
-        (&token, previous.as_deref()),
+        (token, previous.as_deref()),
         sends,
         ctx.config.pushes,
     )
@@ -1134,6 +1140,31 @@ async fn push<G: Gateways>(
         slow,
         older,
     })
+}
+
+/// The admin tokens of one namespace ([`tokens`]), read from its Secret at most once for all
+/// the reads and sends of one reconcile.
+struct Tokens<'a, G: Gateways> {
+    ctx: &'a Context<G>,
+    ns: &'a str,
+    read: tokio::sync::OnceCell<(String, Option<String>)>,
+}
+
+impl<'a, G: Gateways> Tokens<'a, G> {
+    fn new(ctx: &'a Context<G>, ns: &'a str) -> Self {
+        Self {
+            ctx,
+            ns,
+            read: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    /// The tokens, read by the first call (a failed read is tried again by the next).
+    async fn get(&self) -> Result<&(String, Option<String>), RolloutError> {
+        self.read
+            .get_or_try_init(|| tokens(self.ctx, self.ns))
+            .await
+    }
 }
 
 /// The admin token of `ns` ([`token`]) and, after a rotation, the one before it (which pods

@@ -29,6 +29,7 @@ use super::*;
 use crate::gateway::{Gateways, PutError};
 use crate::metrics::Metrics;
 use crate::plan::{Acked, Timestamp};
+use crate::reconcile::queue::ReconcileQueue;
 
 type ApiHandle = Handle<Request<Body>, Response<Body>>;
 
@@ -210,6 +211,7 @@ fn context_full<G: Gateways + Clone>(
         passes: Default::default(),
         client_reports: Mutex::default(),
         status_refresh: Default::default(),
+        queue: Arc::new(ReconcileQueue::new(8)),
         retries: Default::default(),
         gateways: gateways.clone(),
         recorder: Recorder::new(
@@ -480,7 +482,16 @@ async fn accepted_policy_applies_configmap_puts_to_the_pod_then_writes_status_an
     assert_eq!(event["regarding"]["name"], "models");
 
     let action = run.outcome().await.expect("the reconcile succeeded");
-    assert_eq!(action, Action::requeue(Duration::from_secs(15)));
+    assert_eq!(
+        action,
+        Action::await_change(),
+        "no requeue by the Controller"
+    );
+    assert_eq!(
+        requeued_after(&run.ctx, "models"),
+        Some(Duration::from_secs(15)),
+        "the queue has the next one at the policy's interval"
+    );
     let puts = run.puts();
     assert_eq!(puts.len(), 1);
     assert_eq!(puts[0].0, "127.0.0.7:9901".parse().unwrap());
@@ -526,6 +537,10 @@ async fn deleting_a_policy_removes_its_backends_from_its_pods_then_the_finalizer
     let mut p = policy("models", 0);
     p.metadata.deletion_timestamp = Some(Time(now()));
     let mut run = Scenario::start(p);
+    // A periodic reconcile planned before the deletion.
+    run.ctx
+        .queue
+        .schedule(("ns".into(), "models".into()), Duration::from_secs(15));
 
     run.token_secret().await;
     let patch = run.policy_patch().await;
@@ -535,6 +550,11 @@ async fn deleting_a_policy_removes_its_backends_from_its_pods_then_the_finalizer
     );
 
     run.outcome().await.expect("the cleanup succeeded");
+    assert_eq!(
+        requeued_after(&run.ctx, "models"),
+        None,
+        "a deleted policy is not reconciled again"
+    );
     let puts = run.puts();
     assert_eq!(puts.len(), 1);
     assert!(
@@ -597,8 +617,7 @@ async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_sam
     let mut run = Scenario::start_alone(p, pods, FakeGateways::default());
 
     run.configmap_apply().await;
-    // The token is read for each wave: the canary's, then the rest's.
-    run.token_secret().await;
+    // The token is read once, for the canary's wave and the rest's.
     run.token_secret().await;
     let status = run.status_patch().await;
     assert_eq!(status["status"]["updated"], "3/3", "{status}");
@@ -898,6 +917,10 @@ async fn a_policy_this_operator_cannot_read_is_reported_and_skipped_while_the_ot
 async fn an_unreadable_policy_being_deleted_loses_only_the_operators_finalizer() {
     let unreadable = from_a_newer_crd("from-the-future", true);
     let (ctx, mut api, _) = context_full(vec![], vec![], vec![], FakeGateways::default());
+    ctx.queue.schedule(
+        ("ns".into(), "from-the-future".into()),
+        Duration::from_secs(15),
+    );
     let skipped = tokio::spawn(reconcile_object(Arc::new(unreadable), ctx.clone()));
     expect_event(&mut api).await;
     let patch = with_timeout(expect(
@@ -914,6 +937,11 @@ async fn an_unreadable_policy_being_deleted_loses_only_the_operators_finalizer()
     assert_eq!(
         with_timeout(skipped).await.unwrap().unwrap(),
         Action::await_change()
+    );
+    assert_eq!(
+        requeued_after(&ctx, "from-the-future"),
+        None,
+        "looked at again only when it changes"
     );
 }
 
@@ -963,10 +991,10 @@ async fn starting_pods_get_their_share_and_terminating_pods_keep_theirs_until_go
             .contains("pod gw-1 not updated: unexpected answer 503"),
         "{rolled}"
     );
-    let action = run.outcome().await.expect("the reconcile succeeded");
+    run.outcome().await.expect("the reconcile succeeded");
     assert_eq!(
-        action,
-        Action::requeue(Duration::from_secs(1)),
+        requeued_after(&run.ctx, "models"),
+        Some(Duration::from_secs(1)),
         "the starting pod is tried again soon"
     );
     let mut sent: Vec<(String, u32)> = run
@@ -1761,7 +1789,16 @@ async fn a_backend_in_a_namespace_not_allowed_is_refused_in_status() {
         puts.iter().all(|(_, _, doc)| doc.backends.is_empty()),
         "nothing of it reaches the pods: {puts:?}"
     );
-    run.reconciler.abort();
+    let event = run.event().await;
+    assert_eq!(event["type"], "Warning", "{event}");
+    run.outcome()
+        .await
+        .expect("the refusal is reported, not failed");
+    assert_eq!(
+        requeued_after(&run.ctx, "models"),
+        Some(Duration::from_secs(60)),
+        "looked at again after --max-requeue"
+    );
 
     // An allowed namespace is accepted.
     let mut p = policy("models", 0);
@@ -1840,9 +1877,10 @@ async fn a_hung_pod_is_reported_and_tried_at_the_next_reconcile_while_the_others
             }
         }
     };
+    assert_eq!(action, Action::await_change());
     assert_eq!(
-        action,
-        Action::requeue(Duration::from_secs(15)),
+        requeued_after(&ctx, "models"),
+        Some(Duration::from_secs(15)),
         "at the policy's interval"
     );
     assert_eq!(ctx.rollouts.lock().acked.len(), 1, "gw-0 acknowledged");
@@ -2040,6 +2078,11 @@ async fn a_status_that_moved_only_in_its_observations_waits_for_its_refresh() {
 }
 
 /// The operator's metrics as Prometheus text.
+/// The wait before `name`'s next periodic reconcile that its last reconcile gave the pacer.
+fn requeued_after<G: Gateways>(ctx: &Context<G>, name: &str) -> Option<Duration> {
+    ctx.queue.asked(&("ns".to_owned(), name.to_owned()))
+}
+
 fn metrics_text(ctx: &Context<FakeGateways>) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     ctx.metrics.clone().register(&mut registry);

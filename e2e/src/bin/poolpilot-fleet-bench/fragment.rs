@@ -235,6 +235,30 @@ fn render_details(w: &mut String, plan: &FleetPlan, r: &FleetResult) {
             rates(&r.cold_api),
         ),
         (
+            "cold start: steps (runs, p50 · p99)".to_owned(),
+            r.cold_steps
+                .iter()
+                .map(|t| {
+                    format!(
+                        "{} {:.0}, {} · {}",
+                        t.step,
+                        t.count,
+                        secs(t.p50_p99.0),
+                        secs(t.p50_p99.1)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
+        (
+            "cold start: namespace passes (by outcome)".to_owned(),
+            r.cold_passes
+                .iter()
+                .map(|(o, n)| format!("{o} {n:.0}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+        (
             "cold start: operator CPU".to_owned(),
             r.cpu
                 .0
@@ -368,6 +392,12 @@ mod tests {
             cold_reconcile: (Some(0.01), Some(0.4)),
             cold_reconciles: 4100.0,
             cold_api: [("patch".to_owned(), 50.0), ("create".to_owned(), 10.0)].into(),
+            cold_steps: vec![poolpilot_e2e::fleet_bench::StepTimes {
+                step: "plan".into(),
+                count: 4000.0,
+                p50_p99: (Some(0.004), Some(0.6)),
+            }],
+            cold_passes: [("planned".to_owned(), 300.0), ("reused".to_owned(), 3700.0)].into(),
             steady_reconcile: (Some(0.005), Some(0.05)),
             run_p99: Some(0.5),
             steady_reconciles_per_interval: 2000.0,
@@ -444,6 +474,13 @@ mod tests {
         assert!(md.contains("100 groups of 10"));
         assert!(md.contains("| a change of every group policy: written · settled | 12.0 s · 45.0 s from the first write |"), "{md}");
         assert!(md.contains(&format!("{} series", plan.series())));
+        assert!(
+            md.contains("| cold start: steps (runs, p50 · p99) | plan 4000, 4 ms · 600 ms |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| cold start: namespace passes (by outcome) | planned 300, reused 3700 |")
+        );
         let failed = render(&plan, &run, &Err(anyhow::anyhow!("no `Prometheus`")));
         assert!(failed.contains("**Not measured: the run failed.** `no 'Prometheus'`"));
         assert!(!failed.contains("### Targets"));
