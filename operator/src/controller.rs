@@ -1,9 +1,11 @@
 //! Wiring: the Kubernetes client (every request counted by verb), caches of pods, EndpointSlices
 //! and the operator's ConfigMaps, the Prometheus poller, the `/metrics` server, leader election,
-//! and the Controller over ConnectionPolicy (each reconcile timed, the periodic ones paced) that
-//! also reacts to the selected pods, the backends' EndpointSlices and its own ConfigMaps. One watch per kind: the
-//! caches that the reconciles read also trigger them (no second watch by the Controller), and
-//! they keep no `managedFields` nor last-applied annotations. Runs until SIGTERM or Ctrl-C.
+//! and the Controller over ConnectionPolicy (each reconcile timed), which takes its reconciles
+//! from the reconcile queue: the policies' changes, those of the pods they select, of the
+//! backends' EndpointSlices and of the operator's own ConfigMaps, then each policy's periodic
+//! reconcile. One watch per kind: the caches that the reconciles read also trigger them (no
+//! second watch by the Controller), and they keep no `managedFields` nor last-applied
+//! annotations. Runs until SIGTERM or Ctrl-C.
 
 use std::sync::Arc;
 
