@@ -169,8 +169,8 @@ impl ReconcileQueue {
         Running(self)
     }
 
-    /// The reconciles as they are handed over, each with how late it is when periodic, until
-    /// the queue is dropped.
+    /// The reconciles as they are handed over, each with how late it is when periodic. The
+    /// stream never ends: the Controller's shutdown drops it.
     pub fn handed_over(
         self: Arc<Self>,
     ) -> impl Stream<Item = (PolicyRef, Option<Duration>)> + Send {
