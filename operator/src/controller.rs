@@ -360,9 +360,7 @@ impl Term {
             watch
                 .filter_map(|changed| {
                     future::ready(match changed {
-                        Ok(policy) => {
-                            Some((policy.namespace().unwrap_or_default(), policy.name_any()))
-                        }
+                        Ok(policy) => Some(reconcile::queue::policy_ref(&policy)),
                         Err(e) => {
                             warn!(error = %crate::report(&e), "ConnectionPolicy watch error");
                             None
@@ -417,7 +415,7 @@ async fn timed_reconcile(
     let start = Instant::now();
     let histogram = ctx.metrics.reconcile_duration.clone();
     let queue = ctx.queue.clone();
-    let _slot = queue.start(&(policy.namespace().unwrap_or_default(), policy.name_any()));
+    let _slot = queue.start(&reconcile::queue::policy_ref(&*policy));
     let out = reconcile::reconcile_object(policy, ctx).await;
     histogram.observe(start.elapsed().as_secs_f64());
     out

@@ -81,12 +81,11 @@ pub fn histogram_where(text: &str, name: &str, labels: &[&str]) -> Vec<(f64, f64
         .lines()
         .filter_map(|l| {
             let rest = l.strip_prefix(&prefix)?;
-            let (labels_of, value) = rest.rsplit_once("} ")?;
-            if !labels.iter().all(|want| labels_of.contains(want)) {
+            let (series, value) = rest.rsplit_once("} ")?;
+            if !labels.iter().all(|want| series.contains(want)) {
                 return None;
             }
-            let labels = labels_of;
-            let le = labels
+            let le = series
                 .split(',')
                 .find_map(|kv| kv.strip_prefix("le=\""))?
                 .trim_end_matches('"');

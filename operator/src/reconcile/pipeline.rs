@@ -22,6 +22,7 @@ use super::context::Context;
 use super::error::{Error, Result};
 use super::events::{event_note, implausible_generation_event, unreadable_event};
 use super::observed::Observed;
+use super::queue::policy_ref;
 use super::{clients, cpu_bound, observe, pass, rollout, status, validate};
 use crate::gateway::Gateways;
 use crate::metrics::{Metrics, StepLabel};
@@ -49,11 +50,6 @@ pub async fn reconcile_object<G: Gateways>(
         ctx.retries.succeeded(&retry_key(&object));
     }
     result
-}
-
-/// A policy as the reconcile queue ([`super::queue`]) knows it.
-fn policy_ref(object: &impl ResourceExt) -> super::queue::PolicyRef {
-    (object.namespace().unwrap_or_default(), object.name_any())
 }
 
 /// Plans `policy`'s next periodic reconcile `after` from now, in the reconcile queue.

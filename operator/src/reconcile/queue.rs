@@ -24,12 +24,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
+use kube::ResourceExt;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// A policy: (namespace, name).
 pub type PolicyRef = (String, String);
+
+/// `object` as the queue knows it.
+pub fn policy_ref(object: &impl ResourceExt) -> PolicyRef {
+    (object.namespace().unwrap_or_default(), object.name_any())
+}
 
 /// How long a reconcile handed over counts as waiting for its slot.
 pub const HANDED_FOR: Duration = Duration::from_secs(30);
