@@ -341,10 +341,12 @@ pub async fn sse(addr: SocketAddr, streams: usize, n: u32, ms: u32) -> anyhow::R
 }
 
 /// Opens `count` connections to `addr` from source address `from`, makes one keep-alive request
-/// on each (so every proxy holds a parsed, idle HTTP session), and returns them still open.
+/// for `path` on each (so every proxy holds a parsed, idle HTTP session), and returns them still
+/// open.
 pub async fn open_idle(
     addr: SocketAddr,
     from: IpAddr,
+    path: &'static str,
     count: usize,
 ) -> anyhow::Result<Vec<TcpStream>> {
     let opening = std::sync::Arc::new(tokio::sync::Semaphore::new(128));
@@ -356,9 +358,8 @@ pub async fn open_idle(
             let socket = TcpSocket::new_v4()?;
             socket.bind(SocketAddr::new(from, 0))?;
             let mut stream = socket.connect(addr).await?;
-            stream
-                .write_all(b"GET /v1/fast HTTP/1.1\r\nhost: bench\r\n\r\n")
-                .await?;
+            let request = format!("GET {path} HTTP/1.1\r\nhost: bench\r\n\r\n");
+            stream.write_all(request.as_bytes()).await?;
             read_response(&mut stream).await?;
             anyhow::Ok(stream)
         }));

@@ -6,6 +6,7 @@
 //! starts (the same binary, so every proxy fronts the same server).
 
 mod clock;
+mod cpus;
 mod load;
 mod parts;
 mod peers;
@@ -93,11 +94,39 @@ fn main() -> anyhow::Result<()> {
         Command::Upstream { addr } => upstream::serve(addr),
         Command::Plot { report } => plot_from_report(&report),
         Command::Run(args) => {
+            // Pinned before the runtime starts its threads, which inherit the mask: the
+            // driver's own load (the fixed-rate row, parts 2–4) stays off the proxy's CPU.
+            let pinning = Pinning::of_machine();
+            let mut set = CpuSet::new();
+            set.set(pinning.load_cpu.parse()?)?;
+            sched_setaffinity(Pid::from_raw(0), &set)?;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
                 .enable_all()
                 .build()?;
-            rt.block_on(run(args))
+            rt.block_on(run(args, pinning))
+        }
+    }
+}
+
+/// Which CPUs the proxy and everything else run on.
+struct Pinning {
+    /// CPUs of the machine (as this process may use them).
+    cpus: usize,
+    /// The proxy's CPU.
+    proxy_cpu: &'static str,
+    /// The upstream's, the load generators' and the driver's.
+    load_cpu: &'static str,
+}
+
+impl Pinning {
+    fn of_machine() -> Self {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let (proxy_cpu, load_cpu) = if cpus >= 2 { ("0", "1") } else { ("0", "0") };
+        Self {
+            cpus,
+            proxy_cpu,
+            load_cpu,
         }
     }
 }
@@ -135,7 +164,7 @@ fn raise_nofile() -> anyhow::Result<u64> {
     Ok(hard)
 }
 
-async fn run(args: RunArgs) -> anyhow::Result<()> {
+async fn run(args: RunArgs, pinning: Pinning) -> anyhow::Result<()> {
     let started = tokio::time::Instant::now();
     // Read first: a missing fragment must not cost a whole run.
     let includes = args
@@ -147,11 +176,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let committed = std::fs::read_to_string(args.baseline.as_ref().unwrap_or(&args.out)).ok();
     let machine = report::Machine::at_start();
     let fds = raise_nofile()?;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (proxy_cpu, load_cpu) = if cpus >= 2 { ("0", "1") } else { ("0", "0") };
-    let mut set = CpuSet::new();
-    set.set(load_cpu.parse()?)?;
-    sched_setaffinity(Pid::from_raw(0), &set)?;
+    let Pinning {
+        cpus,
+        proxy_cpu,
+        load_cpu,
+    } = pinning;
     std::fs::create_dir_all(&args.run_dir)?;
     let wrk_script = args.run_dir.join("summary.lua");
     std::fs::write(&wrk_script, load::WRK_SCRIPT)?;
@@ -178,6 +207,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             run_dir: args.run_dir.clone(),
             gateway_bin: args.gateway_bin.clone(),
             proxy_cpu: proxy_cpu.into(),
+            all_cpus: format!("0-{}", cpus - 1),
         },
         load_cpu: load_cpu.into(),
         ticks_per_sec: procs::clock_ticks_per_sec(),

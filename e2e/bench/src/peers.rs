@@ -1,7 +1,9 @@
-//! The proxies compared, configured equivalently: one worker, a keep-alive upstream pool with the
-//! same connection cap, access logs off, the same idle timeouts. Each run starts a fresh process
-//! (so `VmHWM` is that run's peak) from a config rendered here; the configs are also printed
-//! into `BENCHMARKS.md` verbatim.
+//! The proxies compared, configured equivalently: the same number of workers (one, or two in the
+//! 2-worker row), a keep-alive upstream pool with the same connection cap, access logs off, the
+//! same idle timeouts, and the same forwarding headers (`X-Forwarded-For` and `Via` towards the
+//! upstream, `Via` on the response, as the gateway adds them: [`check_forwarding`] refuses a
+//! proxy that does not). Each run starts a fresh process group (so `VmHWM` is that run's peak)
+//! from a config rendered here; the configs are also printed into `BENCHMARKS.md` verbatim.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -51,6 +53,8 @@ pub struct PeerSettings {
     pub queue_timeout_s: u32,
     /// Keep-alive idle timeout, both sides.
     pub idle_timeout_s: u32,
+    /// Worker threads (gateway, HAProxy) or processes (nginx).
+    pub workers: u32,
 }
 
 /// Where binaries and files live.
@@ -62,6 +66,8 @@ pub struct Env {
     pub gateway_bin: PathBuf,
     /// The core the proxy is pinned to.
     pub proxy_cpu: String,
+    /// Every core (a `taskset -c` list): where a proxy with more than one worker runs.
+    pub all_cpus: String,
 }
 
 /// The gateway's own config and its limits document (no access log: nginx runs with
@@ -108,7 +114,7 @@ fn random_token() -> std::io::Result<String> {
 pub fn haproxy_config(s: &PeerSettings) -> String {
     format!(
         "global\n\
-         \x20   nbthread 1\n\
+         \x20   nbthread {workers}\n\
          \x20   maxconn 9990\n\
          defaults\n\
          \x20   mode http\n\
@@ -118,9 +124,12 @@ pub fn haproxy_config(s: &PeerSettings) -> String {
          \x20   timeout server 60s\n\
          \x20   timeout http-keep-alive {idle}s\n\
          \x20   timeout queue {queue}s\n\
+         \x20   option forwardfor\n\
          frontend fe\n\
          \x20   bind {listen}\n\
          \x20   maxconn 9990\n\
+         \x20   http-request add-header Via \"1.1 haproxy\"\n\
+         \x20   http-response add-header Via \"1.1 haproxy\"\n\
          \x20   use_backend be_sse if {{ path_beg /v1/sse }}\n\
          \x20   default_backend be\n\
          backend be\n\
@@ -135,16 +144,18 @@ pub fn haproxy_config(s: &PeerSettings) -> String {
         listen = s.listen,
         up = s.upstream,
         cap = s.cap,
+        workers = s.workers,
     )
 }
 
-/// `nginx.conf` (single process: the master does the worker's job, as one worker would).
+/// `nginx.conf`: one worker is a single process (the master does the worker's job, as one
+/// worker would); more are a master and its workers.
 pub fn nginx_config(s: &PeerSettings, run_dir: &Path) -> String {
     let d = run_dir.display();
     format!(
         "daemon off;\n\
-         master_process off;\n\
-         worker_processes 1;\n\
+         master_process {master};\n\
+         worker_processes {workers};\n\
          worker_rlimit_nofile 19000;\n\
          pid {d}/nginx.pid;\n\
          error_log {d}/nginx-error.log error;\n\
@@ -170,11 +181,17 @@ pub fn nginx_config(s: &PeerSettings, run_dir: &Path) -> String {
          \x20           proxy_pass http://up;\n\
          \x20           proxy_http_version 1.1;\n\
          \x20           proxy_set_header Connection \"\";\n\
+         \x20           proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n\
+         \x20           proxy_set_header Via \"1.1 nginx\";\n\
+         \x20           add_header Via \"1.1 nginx\" always;\n\
          \x20       }}\n\
          \x20       location /v1/sse {{\n\
          \x20           proxy_pass http://up;\n\
          \x20           proxy_http_version 1.1;\n\
          \x20           proxy_set_header Connection \"\";\n\
+         \x20           proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n\
+         \x20           proxy_set_header Via \"1.1 nginx\";\n\
+         \x20           add_header Via \"1.1 nginx\" always;\n\
          \x20           proxy_buffering off;\n\
          \x20       }}\n\
          \x20   }}\n\
@@ -183,6 +200,8 @@ pub fn nginx_config(s: &PeerSettings, run_dir: &Path) -> String {
         up = s.upstream,
         cap = s.cap,
         listen = s.listen,
+        master = if s.workers > 1 { "on" } else { "off" },
+        workers = s.workers,
     )
 }
 
@@ -190,6 +209,11 @@ pub fn nginx_config(s: &PeerSettings, run_dir: &Path) -> String {
 pub async fn start(target: Target, s: &PeerSettings, env: &Env) -> anyhow::Result<Proc> {
     let dir = &env.run_dir;
     let log = dir.join(format!("{}.log", target.name()));
+    let cpus = if s.workers > 1 {
+        &env.all_cpus
+    } else {
+        &env.proxy_cpu
+    };
     let mut proc = match target {
         Target::Direct => anyhow::bail!("direct has no proxy"),
         Target::Poolpilot => {
@@ -201,10 +225,13 @@ pub async fn start(target: Target, s: &PeerSettings, env: &Env) -> anyhow::Resul
             let config = dir.join("bench-gateway.yaml").display().to_string();
             Proc::spawn(
                 "poolpilot",
-                &env.proxy_cpu,
+                cpus,
                 &env.gateway_bin.display().to_string(),
                 &["--config".to_string(), config],
-                &[("POOLPILOT_WORKER_THREADS", "1"), ("RUST_LOG", "warn")],
+                &[
+                    ("POOLPILOT_WORKER_THREADS", &s.workers.to_string()),
+                    ("RUST_LOG", "warn"),
+                ],
                 &log,
             )?
         }
@@ -213,7 +240,7 @@ pub async fn start(target: Target, s: &PeerSettings, env: &Env) -> anyhow::Resul
             std::fs::write(&path, haproxy_config(s))?;
             Proc::spawn(
                 "haproxy",
-                &env.proxy_cpu,
+                cpus,
                 "haproxy",
                 &[
                     "-db".to_string(),
@@ -229,7 +256,7 @@ pub async fn start(target: Target, s: &PeerSettings, env: &Env) -> anyhow::Resul
             std::fs::write(&path, nginx_config(s, dir))?;
             Proc::spawn(
                 "nginx",
-                &env.proxy_cpu,
+                cpus,
                 "nginx",
                 &[
                     "-p".to_string(),
@@ -245,7 +272,33 @@ pub async fn start(target: Target, s: &PeerSettings, env: &Env) -> anyhow::Resul
     wait_ready(&mut proc, s.listen)
         .await
         .with_context(|| format!("{} not ready; see {}", target.name(), log.display()))?;
+    check_forwarding(s.listen)
+        .await
+        .with_context(|| format!("{} is not configured like the others", target.name()))?;
     Ok(proc)
+}
+
+/// Fails unless a call through `addr` reached the upstream with `X-Forwarded-For` (naming
+/// 127.0.0.1) and `Via`, and came back with `Via`: the work every proxy must do per request.
+pub async fn check_forwarding(addr: SocketAddr) -> anyhow::Result<()> {
+    let head = get_head(addr, "/v1/headers").await?;
+    let header = |name: &str| {
+        head.lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(n, _)| n.trim().eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let xff = header("x-seen-xff").unwrap_or_default();
+    anyhow::ensure!(
+        xff.contains("127.0.0.1"),
+        "the upstream saw X-Forwarded-For {xff:?}, not the client's address"
+    );
+    anyhow::ensure!(
+        header("x-seen-via").is_some(),
+        "the upstream saw no Via header"
+    );
+    anyhow::ensure!(header("via").is_some(), "the response has no Via header");
+    Ok(())
 }
 
 /// Waits (up to 10 s) until a `GET /v1/fast` through `addr` answers 200.
@@ -265,11 +318,22 @@ pub async fn wait_ready(proc: &mut Proc, addr: SocketAddr) -> anyhow::Result<()>
 
 /// One `GET /v1/fast` on a fresh connection: did it answer 200?
 pub async fn probe(addr: SocketAddr) -> anyhow::Result<bool> {
+    Ok(get_head(addr, "/v1/fast")
+        .await?
+        .starts_with("HTTP/1.1 200"))
+}
+
+/// The response head of one `GET path` on a fresh connection.
+async fn get_head(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
     let mut stream = TcpStream::connect(addr).await?;
-    stream
-        .write_all(b"GET /v1/fast HTTP/1.1\r\nhost: bench\r\nconnection: close\r\n\r\n")
-        .await?;
+    let request = format!("GET {path} HTTP/1.1\r\nhost: bench\r\nconnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
     let mut buf = Vec::new();
     tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut buf)).await??;
-    Ok(buf.starts_with(b"HTTP/1.1 200"))
+    let text = String::from_utf8_lossy(&buf);
+    Ok(text
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_string())
 }

@@ -1,14 +1,18 @@
-//! Processes under test: started pinned to a core with `taskset`, killed when dropped, and read
-//! from `/proc` (CPU ticks from `stat`, `VmRSS` / `VmHWM` from `status`).
+//! Processes under test: started pinned to cores with `taskset` in a process group of their own,
+//! the whole group killed when stopped or dropped (nginx's workers with their master), and read
+//! from `/proc` over the process and its descendants (user and system ticks from `stat`, `VmRSS` /
+//! `VmHWM` from `status`).
 
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
 use tokio::process::{Child, Command};
 
-/// A running process that is killed (SIGKILL) when dropped.
+/// A running process group that is killed (SIGKILL) when stopped or dropped.
 #[derive(Debug)]
 pub struct Proc {
     /// Short name for messages.
@@ -42,6 +46,7 @@ impl Proc {
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
+            .process_group(0)
             .kill_on_drop(true);
         for (k, v) in envs {
             cmd.env(k, v);
@@ -65,38 +70,120 @@ impl Proc {
         Ok(())
     }
 
-    /// Kills it and waits for it.
+    /// Kills the whole group and waits for the process.
     pub async fn stop(mut self) {
-        let _ = self.child.start_kill();
+        self.kill_group();
         let _ = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
     }
 
-    /// CPU time (user + system, all threads) used so far, in clock ticks.
-    pub fn cpu_ticks(&self) -> anyhow::Result<u64> {
-        cpu_ticks(self.pid)
+    fn kill_group(&mut self) {
+        // Once the process is reaped (`id()` is gone) its group id may belong to another.
+        if self.child.id().is_none() {
+            return;
+        }
+        if let Ok(pid) = i32::try_from(self.pid) {
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        let _ = self.child.start_kill();
     }
 
-    /// Peak resident set (`VmHWM`), in KiB.
+    /// CPU time used so far by the process and its descendants (every thread), in clock ticks.
+    pub fn cpu_ticks(&self) -> anyhow::Result<Ticks> {
+        descendants(self.pid)
+            .into_iter()
+            .try_fold(Ticks::default(), |sum, pid| Ok(sum + cpu_ticks(pid)?))
+    }
+
+    /// Peak resident set (`VmHWM`) of the process and its descendants, in KiB.
     pub fn peak_rss_kib(&self) -> anyhow::Result<u64> {
-        status_kib(self.pid, "VmHWM:")
+        self.status_kib("VmHWM:")
     }
 
-    /// Resident set now (`VmRSS`), in KiB.
+    /// Resident set now (`VmRSS`) of the process and its descendants, in KiB.
     pub fn rss_kib(&self) -> anyhow::Result<u64> {
-        status_kib(self.pid, "VmRSS:")
+        self.status_kib("VmRSS:")
+    }
+
+    fn status_kib(&self, key: &str) -> anyhow::Result<u64> {
+        descendants(self.pid)
+            .into_iter()
+            .try_fold(0, |sum, pid| Ok(sum + status_kib(pid, key)?))
     }
 }
 
-/// utime + stime of `pid`, in clock ticks.
-pub fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill_group();
+    }
+}
+
+/// User and system CPU time, in clock ticks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ticks {
+    /// `utime`.
+    pub user: u64,
+    /// `stime`.
+    pub system: u64,
+}
+
+impl Ticks {
+    /// User + system.
+    pub fn total(self) -> u64 {
+        self.user + self.system
+    }
+
+    /// What was used between `earlier` and `self`.
+    pub fn since(self, earlier: Self) -> Self {
+        Self {
+            user: self.user.saturating_sub(earlier.user),
+            system: self.system.saturating_sub(earlier.system),
+        }
+    }
+}
+
+impl std::ops::Add for Ticks {
+    type Output = Self;
+    fn add(self, other: Self) -> Self {
+        Self {
+            user: self.user + other.user,
+            system: self.system + other.system,
+        }
+    }
+}
+
+/// `pid` and every process below it (`/proc/<pid>/task/<tid>/children`), parents first.
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut all = vec![pid];
+    let mut i = 0;
+    while let Some(&p) = all.get(i) {
+        let tasks = std::fs::read_dir(format!("/proc/{p}/task"))
+            .into_iter()
+            .flatten();
+        for task in tasks.flatten() {
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            all.extend(
+                children
+                    .split_whitespace()
+                    .filter_map(|c| c.parse::<u32>().ok()),
+            );
+        }
+        i += 1;
+    }
+    all
+}
+
+/// utime and stime of `pid` (every thread), in clock ticks.
+pub fn cpu_ticks(pid: u32) -> anyhow::Result<Ticks> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Fields after the command name (which may hold spaces) start at field 3 (state).
     let rest = stat.rsplit_once(')').context("bad stat")?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // utime and stime are fields 14 and 15 of the whole line: 12 and 13 of `rest`, from 1.
-    let utime: u64 = fields.get(11).context("no utime")?.parse()?;
-    let stime: u64 = fields.get(12).context("no stime")?.parse()?;
-    Ok(utime + stime)
+    Ok(Ticks {
+        user: fields.get(11).context("no utime")?.parse()?,
+        system: fields.get(12).context("no stime")?.parse()?,
+    })
 }
 
 fn status_kib(pid: u32, key: &str) -> anyhow::Result<u64> {

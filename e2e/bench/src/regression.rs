@@ -202,20 +202,15 @@ mod tests {
     use crate::load::LoadResult;
 
     fn sample(row: Row, target: Target, rps: f64, cpu: f64) -> Sample {
-        Sample {
-            row,
-            target,
-            load: LoadResult {
-                requests: 0,
-                errors: 0,
-                rps,
-                p50_us: 100.0,
-                p99_us: 1000.0,
-                p999_us: 2000.0,
-            },
-            cpu_per_10k: cpu,
-            peak_rss_kib: 10_000.0,
-        }
+        let load = LoadResult {
+            requests: 0,
+            errors: 0,
+            rps,
+            p50_us: 100.0,
+            p99_us: 1000.0,
+            p999_us: 2000.0,
+        };
+        Sample::from_table(row, target, load, cpu, 10_000.0)
     }
 
     /// One row with the gateway at `ours` req/s and `cpu` CPU beside peers at 100 req/s and 1.0.

@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 use poolpilot_bench::machine::{loadavg, utc_now};
 
 use crate::parts::{
-    Bench, Cell, ContentionRun, IdleRun, Plan, Profile, Row, Sample, SseRun, cell, rows,
+    ATTEMPTS, Bench, Cell, ContentionRun, DISTURBED, IdleRun, Plan, Profile, Row, Sample, SseRun,
+    cell, rows,
 };
 use crate::peers::{self, Target};
 use crate::procs::first_line;
@@ -154,12 +155,26 @@ pub fn render(r: &Results<'_>) -> String {
     let _ = writeln!(w, "| wrk | {} |", first_line("wrk", &["-v"]));
     let _ = writeln!(
         w,
-        "| pinning | proxy on CPU {}; upstream, load generator and driver on CPU {} (`taskset`) |",
-        b.env.proxy_cpu, b.load_cpu
+        "| pinning | proxy on CPU {}; upstream, load generator and driver on CPU {} (`taskset`); \
+         the 2-worker rows' proxy on CPUs {} beside them |",
+        b.env.proxy_cpu, b.load_cpu, b.env.all_cpus
     );
     let _ = writeln!(
         w,
-        "| workers | 1 for every proxy: gateway `POOLPILOT_WORKER_THREADS=1` (tokio's single-threaded scheduler), HAProxy `nbthread 1`, nginx one process |\n"
+        "| workers | 1 for every proxy: gateway `POOLPILOT_WORKER_THREADS=1` (tokio's \
+         single-threaded scheduler), HAProxy `nbthread 1`, nginx one process; 2 in the \
+         2-worker rows (gateway 2 threads, HAProxy `nbthread 2`, nginx a master and 2 workers) |"
+    );
+    let _ = writeln!(
+        w,
+        "| limits of the machine | {} |\n",
+        if num_cpus() <= 2 {
+            "2 cores: a 2-worker proxy shares both with the upstream and the load generator, so \
+             those rows show how each proxy copes with contended cores, not what two free cores \
+             give; no CPU is kept for the proxy alone there"
+        } else {
+            "the 2-worker rows' proxy shares its cores with the upstream and the load generator"
+        }
     );
 
     render_targets(w, r);
@@ -188,11 +203,11 @@ fn num_cpus() -> usize {
         .count()
 }
 
-fn idle_median(r: &Results<'_>, t: Target) -> f64 {
+fn idle_median(r: &Results<'_>, t: Target, pooled: bool) -> f64 {
     median(
         &r.idle
             .iter()
-            .filter(|i| i.target == t)
+            .filter(|i| i.target == t && i.pooled == pooled)
             .map(IdleRun::bytes_per_conn)
             .collect::<Vec<_>>(),
     )
@@ -203,12 +218,24 @@ fn render_targets(w: &mut String, r: &Results<'_>) {
     let _ = writeln!(w, "| target | met? | detail |\n|---|---|---|");
     let mut thr_fail = Vec::new();
     let mut p99_fail = Vec::new();
-    for row in rows(&r.samples) {
+    let mut cpu_fail = Vec::new();
+    for row in rows(&r.samples)
+        .into_iter()
+        .filter(|row| row.is_judged_closed_loop())
+    {
         let d = cell(&r.samples, row, Target::Direct);
         let p = cell(&r.samples, row, Target::Poolpilot);
         let h = cell(&r.samples, row, Target::Haproxy);
         let n = cell(&r.samples, row, Target::Nginx);
-        if matches!(row, Row::Concurrency(_)) && (p.rps < h.rps || p.rps < n.rps) {
+        if p.cpu > h.cpu {
+            cpu_fail.push(format!(
+                "{}: {} µs vs {} µs",
+                row.label(),
+                num(p.cpu * 100.0, 1),
+                num(h.cpu * 100.0, 1)
+            ));
+        }
+        if p.rps < h.rps || p.rps < n.rps {
             thr_fail.push(format!(
                 "{}: {} × HAProxy, {} × nginx",
                 row.label(),
@@ -235,19 +262,39 @@ fn render_targets(w: &mut String, r: &Results<'_>) {
     let (m, d) = verdict(&thr_fail);
     let _ = writeln!(
         w,
-        "| throughput ≥ 1.0× HAProxy and ≥ 1.0× nginx at every concurrency | {m} | {d} |"
+        "| throughput ≥ 1.0× HAProxy and ≥ 1.0× nginx at every concurrency (one worker) | {m} | {d} |"
     );
     let (m, d) = verdict(&p99_fail);
-    let _ = writeln!(w, "| added p99 latency ≤ HAProxy's | {m} | {d} |");
-    let pp = idle_median(r, Target::Poolpilot);
-    let hp = idle_median(r, Target::Haproxy);
     let _ = writeln!(
         w,
-        "| RSS per idle connection ≤ HAProxy's | {} | poolpilot {} B, HAProxy {} B, nginx {} B |\n",
-        if pp <= hp { "yes" } else { "**no**" },
-        num(pp, 0),
-        num(hp, 0),
-        num(idle_median(r, Target::Nginx), 0)
+        "| added p99 latency ≤ HAProxy's at every closed-loop row (one worker) | {m} | {d} |"
+    );
+    let (m, d) = verdict(&cpu_fail);
+    let _ = writeln!(
+        w,
+        "| CPU per request ≤ HAProxy's at every closed-loop row (one worker) | {m} | {d} |"
+    );
+    let mut idle_met = true;
+    let idle = [true, false].map(|pooled| {
+        let [p, h, n] = PROXIES.map(|t| idle_median(r, t, pooled));
+        idle_met &= p <= n;
+        format!(
+            "{}: poolpilot {} B, HAProxy {} B, nginx {} B",
+            if pooled {
+                "upstream connections pooled"
+            } else {
+                "none pooled"
+            },
+            num(p, 0),
+            num(h, 0),
+            num(n, 0)
+        )
+    });
+    let _ = writeln!(
+        w,
+        "| RSS per idle client connection ≤ nginx's | {} | {} |\n",
+        if idle_met { "yes" } else { "**no**" },
+        idle.join("; ")
     );
 }
 
@@ -271,8 +318,15 @@ fn render_part1(w: &mut String, r: &Results<'_>) {
         warmup_secs,
         secs,
         rounds,
+        spread_rounds,
+        spread_concurrency,
         ..
     } = &r.bench.plan;
+    let spread_rows = spread_concurrency
+        .iter()
+        .map(|c| Row::Concurrency(*c).label())
+        .collect::<Vec<_>>()
+        .join(" and ");
     part_head(
         w,
         "1. Proxy overhead and throughput",
@@ -283,13 +337,20 @@ fn render_part1(w: &mut String, r: &Results<'_>) {
              keep-alive connections from the driver's own generator (`load::fixed_rate`: latency \
              counted from a request's due time whenever its connection was still busy then, so \
              stalls are not hidden by coordinated omission). Each run: a fresh \
-             proxy, {warmup_secs} s warm-up, {secs} s measured; {rounds} round(s), proxies in alternating \
-             order (reversed every round); medians over rounds. *Added* = the proxy's percentile \
-             minus direct-to-upstream's in the same row. CPU = the proxy's user + system time \
-             (`/proc/<pid>/stat`) over the measured run, per 10,000 completed requests. Peak RSS = \
-             `VmHWM` at the end of the run. Latencies in ms. Direct-to-upstream runs on one core \
-             (load generator and upstream share CPU 1), so at `c=1` it has no cross-core wake-up \
-             at all; every proxy adds two (to CPU 0 and back), which is most of their `c=1` cost.\n",
+             proxy, {warmup_secs} s warm-up, {secs} s measured; {rounds} round(s), {spread_rounds} for \
+             {spread_rows} (their spread below), proxies in alternating order (reversed every \
+             round); medians over rounds. A run in which other tasks or the hypervisor (steal) took \
+             more than {disturbed}% of the proxy's CPU (`/proc/stat` less the proxy's own time) is \
+             measured again, up to {ATTEMPTS} times, keeping the least disturbed. Every proxy adds \
+             `X-Forwarded-For` and `Via` towards the upstream and `Via` to the response, checked \
+             at its start. *Added* = the proxy's percentile minus direct-to-upstream's in the same \
+             row. CPU = the proxy's user + system time (`/proc/<pid>/stat`, every process of the \
+             proxy) over the measured run, per 10,000 completed requests (split below). Peak RSS \
+             = `VmHWM` at the end of the run (summed over nginx's processes with 2 workers). \
+             Latencies in ms. Direct-to-upstream runs on one core (load generator and upstream \
+             share CPU 1), so at `c=1` it has no cross-core wake-up at all; every proxy adds two \
+             (to CPU 0 and back), which is most of their `c=1` cost.\n",
+            disturbed = DISTURBED * 100.0,
         ),
         "| load | target | req/s | p50 | p99 | p99.9 | added p50 | added p99 | CPU s / 10k req | peak RSS MiB | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -350,6 +411,93 @@ fn render_part1(w: &mut String, r: &Results<'_>) {
     if let Some(plot) = &r.part1_plot {
         let _ = writeln!(w, "{}\n", part1_plot_line(plot));
     }
+    render_part1_cpu(w, r);
+    render_part1_spread(w, r);
+}
+
+/// Part 1's CPU per request in user mode and in the kernel, the interrupts, and how disturbed
+/// the runs were.
+fn render_part1_cpu(w: &mut String, r: &Results<'_>) {
+    let _ = writeln!(
+        w,
+        "CPU per request, split (medians over rounds): user and system µs of the proxy's \
+         processes; interrupts (device and inter-processor, `/proc/interrupts`) delivered to the \
+         proxy's CPUs per request; *others* = the largest share of the proxy's CPU that other \
+         tasks or the hypervisor took in a kept run (not known with 2 workers, which share every \
+         CPU); *redone* = runs measured again for that.\n"
+    );
+    table_head(
+        w,
+        "| load | target | user µs / req | system µs / req | interrupts / req | others, max | redone |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    );
+    for row in rows(&r.samples) {
+        for t in ALL {
+            let c = cell(&r.samples, row, t);
+            let dash = |x: f64, digits: usize| {
+                if x.is_nan() {
+                    "–".to_string()
+                } else {
+                    num(x, digits)
+                }
+            };
+            let _ = writeln!(
+                w,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                row.label(),
+                t.name(),
+                dash(c.user_us, 2),
+                dash(c.system_us, 2),
+                dash(c.interrupts_per_req, 3),
+                if c.others_max.is_nan() {
+                    "–".to_string()
+                } else {
+                    format!("{}%", num(c.others_max * 100.0, 1))
+                },
+                c.redone
+            );
+        }
+    }
+    let _ = writeln!(w);
+}
+
+/// The spread of the rows run more often: lowest, median and highest over the rounds.
+fn render_part1_spread(w: &mut String, r: &Results<'_>) {
+    let spread: Vec<Row> = rows(&r.samples)
+        .into_iter()
+        .filter(|&row| cell(&r.samples, row, Target::Poolpilot).runs > r.bench.plan.rounds)
+        .collect();
+    if spread.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "Spread over the rounds of the rows run more often (lowest · median · highest; p99 in ms):\n"
+    );
+    table_head(
+        w,
+        "| load | target | rounds | req/s | p99 |",
+        "|---|---|---:|---|---|",
+    );
+    for row in spread {
+        for t in ALL {
+            let c = cell(&r.samples, row, t);
+            let _ = writeln!(
+                w,
+                "| {} | {} | {} | {} · {} · {} | {} · {} · {} |",
+                row.label(),
+                t.name(),
+                c.runs,
+                num(c.rps_range.0, 0),
+                num(c.rps, 0),
+                num(c.rps_range.1, 0),
+                ms(c.p99_range.0),
+                ms(c.p99),
+                ms(c.p99_range.1),
+            );
+        }
+    }
+    let _ = writeln!(w);
 }
 
 /// Part 1's samples as a report wrote them (one median per row and target), so that its picture
@@ -366,13 +514,7 @@ pub fn samples_from_report(markdown: &str) -> anyhow::Result<Vec<Sample>> {
         if cells.len() != 11 || cells[0] == "load" || cells[0].starts_with("---") {
             continue;
         }
-        let row = if let Some(c) = cells[0].strip_prefix("c=") {
-            Row::Concurrency(c.parse()?)
-        } else if let Some(r) = cells[0].strip_suffix(" req/s") {
-            Row::Rate(r.parse()?)
-        } else {
-            anyhow::bail!("unknown load {:?}", cells[0]);
-        };
+        let row = Row::parse(cells[0])?;
         let target = [
             Target::Direct,
             Target::Poolpilot,
@@ -383,20 +525,21 @@ pub fn samples_from_report(markdown: &str) -> anyhow::Result<Vec<Sample>> {
         .find(|t| t.name() == cells[1])
         .ok_or_else(|| anyhow::anyhow!("unknown target {:?}", cells[1]))?;
         let number = |i: usize| -> f64 { cells[i].parse().unwrap_or(f64::NAN) };
-        samples.push(Sample {
+        let load = crate::load::LoadResult {
+            requests: 0,
+            errors: cells[10].parse().unwrap_or(0),
+            rps: number(2),
+            p50_us: number(3) * 1000.0,
+            p99_us: number(4) * 1000.0,
+            p999_us: number(5) * 1000.0,
+        };
+        samples.push(Sample::from_table(
             row,
             target,
-            load: crate::load::LoadResult {
-                requests: 0,
-                errors: cells[10].parse().unwrap_or(0),
-                rps: number(2),
-                p50_us: number(3) * 1000.0,
-                p99_us: number(4) * 1000.0,
-                p999_us: number(5) * 1000.0,
-            },
-            cpu_per_10k: number(8),
-            peak_rss_kib: number(9) * 1024.0,
-        });
+            load,
+            number(8),
+            number(9) * 1024.0,
+        ));
     }
     anyhow::ensure!(!samples.is_empty(), "part 1 has no rows");
     Ok(samples)
@@ -579,37 +722,42 @@ fn render_part3(w: &mut String, r: &Results<'_>) {
 }
 
 fn render_part4(w: &mut String, r: &Results<'_>) {
-    let Plan {
-        idle_conns,
-        idle_rounds,
-        ..
-    } = &r.bench.plan;
+    let plan = &r.bench.plan;
+    let (idle_conns, idle_rounds) = (plan.idle_conns, plan.idle_rounds);
+    let haproxy_conns = plan.idle_conns_of(Target::Haproxy);
     part_head(
         w,
         "4. Idle client connections",
         &format!(
-            "A fresh proxy serves one request, then {idle_conns} client connections are opened (128 at a \
-             time, from their own loopback source address), each sends one keep-alive request, reads \
-             the response and stays open; 2 s later the proxy's `VmRSS` is read. Per connection = \
-             (RSS with them − RSS before) ÷ {idle_conns}. {idle_rounds} round(s), medians. Soft fd limits are \
-             raised to the hard limit (20,000 here) for every process. Why {idle_conns} and not 10,000: HAProxy \
-             reserves two fds per connection under its global `maxconn` and refuses to start when \
-             they do not fit the hard limit, so 9,990 is the most it can hold here.\n",
+            "A fresh proxy serves one request, then {idle_conns} client connections are opened \
+             (128 at a time, from their own loopback source address), each sends one keep-alive \
+             request, reads the response and stays open; 2 s later the proxy's `VmRSS` is read. \
+             Per connection = (RSS with them − RSS before) ÷ connections. Twice per proxy: with \
+             the upstream connections the calls used kept in the proxy's pool (up to the cap of \
+             256: `GET /v1/fast`), and with none kept (`GET /v1/close`: the upstream answers \
+             `Connection: close`), so that the client connections' own cost shows apart. \
+             {idle_rounds} round(s), medians. Soft fd limits are raised to the hard limit \
+             (20,000 here) for every process. HAProxy holds {haproxy_conns}: it reserves two fds \
+             per connection under its global `maxconn` and refuses to start when they do not fit \
+             the hard limit, so 9,990 is the most it can hold here.\n",
         ),
-        &format!(
-            "| proxy | RSS before MiB | RSS with {} idle MiB | bytes per idle connection | still open when read |",
-            idle_conns
-        ),
-        "|---|---:|---:|---:|---:|",
+        "| proxy | upstream connections | idle client connections | RSS before MiB | RSS with them MiB | bytes per idle connection | still open when read |",
+        "|---|---|---:|---:|---:|---:|---:|",
     );
-    for t in PROXIES {
-        let runs: Vec<&IdleRun> = r.idle.iter().filter(|i| i.target == t).collect();
+    for (t, pooled) in PROXIES.into_iter().flat_map(|t| [(t, true), (t, false)]) {
+        let runs: Vec<&IdleRun> = r
+            .idle
+            .iter()
+            .filter(|i| i.target == t && i.pooled == pooled)
+            .collect();
         let m =
             |f: &dyn Fn(&IdleRun) -> f64| median(&runs.iter().map(|i| f(i)).collect::<Vec<_>>());
         let _ = writeln!(
             w,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             t.name(),
+            if pooled { "pooled" } else { "closed" },
+            num(m(&|i| i.opened as f64), 0),
             mib(m(&|i| i.base_kib as f64)),
             mib(m(&|i| i.loaded_kib as f64)),
             num(m(&IdleRun::bytes_per_conn), 0),
@@ -668,6 +816,11 @@ fn render_configs(w: &mut String, r: &Results<'_>) {
     );
     let _ = writeln!(w, "```yaml\n# bench-gateway.yaml\n{gateway}```\n");
     let _ = writeln!(w, "```yaml\n# bench-limits.yaml\n{limits}```\n");
+    let _ = writeln!(
+        w,
+        "The 2-worker rows run the same files with `POOLPILOT_WORKER_THREADS=2`, `nbthread 2` \
+         and, for nginx, `master_process on; worker_processes 2;`.\n"
+    );
     let _ = writeln!(w, "HAProxy (`haproxy -db -f haproxy.cfg`):\n");
     let _ = writeln!(w, "```text\n{}```\n", peers::haproxy_config(&s));
     let _ = writeln!(w, "nginx (`nginx -p <dir> -c nginx.conf`):\n");
@@ -708,26 +861,25 @@ mod tests {
     use crate::load::LoadResult;
 
     fn sample(row: Row, target: Target, rps: f64, p99_us: f64, cpu: f64) -> Sample {
-        Sample {
-            row,
-            target,
-            load: LoadResult {
-                requests: 1000,
-                errors: 0,
-                rps,
-                p50_us: p99_us / 2.0,
-                p99_us,
-                p999_us: p99_us * 2.0,
-            },
-            cpu_per_10k: cpu,
-            peak_rss_kib: 4096.0,
-        }
+        let load = LoadResult {
+            requests: 1000,
+            errors: 0,
+            rps,
+            p50_us: p99_us / 2.0,
+            p99_us,
+            p999_us: p99_us * 2.0,
+        };
+        Sample::from_table(row, target, load, cpu, 4096.0)
     }
 
     #[test]
     fn part_one_is_drawn_as_ratios_per_load() {
         let mut samples = Vec::new();
-        for row in [Row::Concurrency(1), Row::Concurrency(64)] {
+        for row in [
+            Row::Concurrency(1),
+            Row::Concurrency(64),
+            Row::TwoWorkers(64),
+        ] {
             samples.push(sample(row, Target::Direct, 20_000.0, 100.0, f64::NAN));
             samples.push(sample(row, Target::Poolpilot, 9_000.0, 300.0, 1.0));
             samples.push(sample(row, Target::Haproxy, 10_000.0, 250.0, 0.8));
@@ -749,7 +901,11 @@ mod tests {
         assert!(!plot_part1(&[], &dir.path().join("none.svg")).unwrap());
         // Drawn again from what a report wrote, the ratios are the same.
         let mut md = String::from("# x\n\n");
-        for row in [Row::Concurrency(1), Row::Concurrency(64)] {
+        for row in [
+            Row::Concurrency(1),
+            Row::Concurrency(64),
+            Row::TwoWorkers(64),
+        ] {
             for t in ALL {
                 let c = cell(&samples, row, t);
                 md.push_str(&format!(
@@ -767,12 +923,14 @@ mod tests {
         }
         let md = format!("## 1. Proxy overhead\n\n{md}\n## 2. Next\n| a | b |\n");
         let read = samples_from_report(&md).unwrap();
-        assert_eq!(read.len(), 8);
-        let (a, b) = (
-            cell(&read, Row::Concurrency(64), Target::Haproxy),
-            cell(&samples, Row::Concurrency(64), Target::Haproxy),
-        );
-        assert_eq!((a.rps, a.p99, a.cpu), (b.rps, b.p99, b.cpu));
+        assert_eq!(read.len(), 12);
+        for row in [Row::Concurrency(64), Row::TwoWorkers(64)] {
+            let (a, b) = (
+                cell(&read, row, Target::Haproxy),
+                cell(&samples, row, Target::Haproxy),
+            );
+            assert_eq!((a.rps, a.p99, a.cpu), (b.rps, b.p99, b.cpu));
+        }
         assert!(samples_from_report("## 2. only\n").is_err());
         assert!(!dir.path().join("none.svg").exists());
     }

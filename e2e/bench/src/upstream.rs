@@ -2,6 +2,10 @@
 //!
 //! - `/v1/fast` (and any unknown path): 200 with a 64-byte JSON body at once;
 //! - `/v1/slow?ms=N`: the same after an `N` ms service time;
+//! - `/v1/close`: the same with `connection: close`, so that no proxy keeps the upstream
+//!   connection (part 4's idle connections without pooled upstream connections);
+//! - `/v1/headers`: the same, echoing the `x-forwarded-for` and `via` the request arrived with
+//!   in `x-seen-xff` and `x-seen-via` (every proxy must add both: the start check);
 //! - `/v1/sse?n=N&ms=M`: a server-sent-event stream of `N` events, one every `M` ms, each
 //!   carrying the monotonic time (µs) at which it was written, so the client can compute the
 //!   delay each proxy adds to every chunk.
@@ -100,11 +104,18 @@ async fn handle(req: Request<Incoming>) -> Result<Response<RespBody>, Infallible
         }
         Full::new(Bytes::from_static(SMALL_BODY)).boxed()
     };
-    let response = Response::builder()
+    let mut response = Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "application/json")
-        .header("x-recv-us", recv.to_string())
-        .body(body)
-        .unwrap_or_default();
-    Ok(response)
+        .header("x-recv-us", recv.to_string());
+    if path.starts_with("/v1/close") {
+        response = response.header("connection", "close");
+    } else if path.starts_with("/v1/headers") {
+        for (seen, name) in [("x-seen-xff", "x-forwarded-for"), ("x-seen-via", "via")] {
+            if let Some(value) = req.headers().get(name) {
+                response = response.header(seen, value);
+            }
+        }
+    }
+    Ok(response.body(body).unwrap_or_default())
 }
