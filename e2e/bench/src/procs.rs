@@ -89,9 +89,7 @@ impl Proc {
 
     /// CPU time used so far by the process and its descendants (every thread), in clock ticks.
     pub fn cpu_ticks(&self) -> anyhow::Result<Ticks> {
-        descendants(self.pid)
-            .into_iter()
-            .try_fold(Ticks::default(), |sum, pid| Ok(sum + cpu_ticks(pid)?))
+        self.over_tree(cpu_ticks)
     }
 
     /// Peak resident set (`VmHWM`) of the process and its descendants, in KiB.
@@ -105,9 +103,23 @@ impl Proc {
     }
 
     fn status_kib(&self, key: &str) -> anyhow::Result<u64> {
-        descendants(self.pid)
-            .into_iter()
-            .try_fold(0, |sum, pid| Ok(sum + status_kib(pid, key)?))
+        self.over_tree(|pid| status_kib(pid, key))
+    }
+
+    /// The sum of `read` over the process and its descendants. A descendant that exited since
+    /// it was listed (gone, or a zombie without memory figures) counts nothing; the process
+    /// itself must answer.
+    fn over_tree<T: Default + std::ops::Add<Output = T>>(
+        &self,
+        read: impl Fn(u32) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let mut sum = read(self.pid)?;
+        for pid in descendants(self.pid).into_iter().skip(1) {
+            if let Ok(value) = read(pid) {
+                sum = sum + value;
+            }
+        }
+        Ok(sum)
     }
 }
 
