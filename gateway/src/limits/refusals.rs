@@ -7,6 +7,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -68,7 +69,15 @@ pub struct Compliance {
 /// The memory of recent refusals. Cheap to clone.
 #[derive(Clone, Debug, Default)]
 pub struct RefusalMemory {
-    inner: Arc<Mutex<State>>,
+    inner: Arc<Shared>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    state: Mutex<State>,
+    /// `state.refused.len()`, kept beside it so that a call finds an empty memory (the usual
+    /// case: nobody was refused lately) without the lock, the hash or a clock read.
+    remembered: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -85,8 +94,14 @@ impl RefusalMemory {
     /// A call of `key` arrived at `now`: whether it is a retry of a remembered refusal, early or
     /// on time, and its class then. The refusal is forgotten either way.
     pub fn arrived(&self, key: &ClientKey, now: Instant) -> Option<(Timing, Arc<str>)> {
-        let mut state = self.inner.lock();
+        if self.is_empty() {
+            return None;
+        }
+        let mut state = self.inner.state.lock();
         let refusal = state.refused.remove(key)?;
+        self.inner
+            .remembered
+            .store(state.refused.len(), Ordering::Relaxed);
         if now > refusal.until + FORGET_AFTER {
             return None;
         }
@@ -106,7 +121,7 @@ impl RefusalMemory {
     /// `key`, of client class `class`, was refused at `now` and told to come back after
     /// `retry_after`.
     pub fn refused(&self, key: ClientKey, class: Arc<str>, retry_after: Duration, now: Instant) {
-        let mut state = self.inner.lock();
+        let mut state = self.inner.state.lock();
         let until = now + retry_after;
         let seq = state.next_seq;
         state.next_seq += 1;
@@ -120,21 +135,25 @@ impl RefusalMemory {
                 state.refused.remove(&old);
             }
         }
+        self.inner
+            .remembered
+            .store(state.refused.len(), Ordering::Relaxed);
     }
 
     /// Refusals remembered now.
     pub fn len(&self) -> usize {
-        self.inner.lock().refused.len()
+        self.inner.remembered.load(Ordering::Relaxed)
     }
 
-    /// Whether no refusal is remembered.
+    /// Whether no refusal is remembered (without the lock: a refusal being remembered at this
+    /// instant may not show yet).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Early and on-time retries per client class so far.
     pub fn compliance(&self) -> Vec<(Arc<str>, Compliance)> {
-        let state = self.inner.lock();
+        let state = self.inner.state.lock();
         let mut all: Vec<_> = state
             .by_class
             .iter()
@@ -168,11 +187,13 @@ mod tests {
             Some((Timing::Early, class.clone()))
         );
         assert_eq!(memory.arrived(&alice, Instant::now()), None, "counted once");
+        assert_eq!(memory.len(), 1, "bob's refusal is still remembered");
         tokio::time::advance(Duration::from_secs(2)).await;
         assert_eq!(
             memory.arrived(&bob, Instant::now()),
             Some((Timing::OnTime, class.clone()))
         );
+        assert!(memory.is_empty(), "both refusals were answered");
         assert_eq!(
             memory.compliance(),
             [(

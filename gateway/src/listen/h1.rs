@@ -54,14 +54,15 @@ pub(super) async fn serve_h1(
     });
     let service = Service::new(gw.clone(), source, activity.clone());
     let mut watch = H1Watch::default();
-    let mut conn = Box::new(
-        http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(header_read_timeout)
-            .max_headers(limits.max_headers)
-            .max_buf_size(limits.max_buf_size)
-            .serve_connection(io, service),
-    );
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
+        .max_buf_size(limits.max_buf_size);
+    if let Some(max) = limits.h1_max_headers {
+        builder.max_headers(max);
+    }
+    let mut conn = Box::new(builder.serve_connection(io, service));
     // Flags shared by the branches below (atomics only because the future must be `Send`).
     let draining = AtomicBool::new(false);
     let parking = AtomicBool::new(false);

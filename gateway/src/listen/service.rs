@@ -15,7 +15,6 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::{Body, SizeHint};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use parking_lot::Mutex;
 
@@ -51,20 +50,19 @@ impl Service {
     }
 }
 
-type ServiceFuture =
-    Pin<Box<dyn Future<Output = Result<Response<ResponseBody>, Infallible>> + Send>>;
+type ServiceFuture = Pin<Box<dyn Future<Output = Result<Response<Tracked>, Infallible>> + Send>>;
 
 impl hyper::service::Service<Request<Incoming>> for Service {
-    type Response = Response<ResponseBody>;
+    type Response = Response<Tracked>;
     type Error = Infallible;
     type Future = ServiceFuture;
 
-    fn call(&self, mut req: Request<Incoming>) -> ServiceFuture {
+    fn call(&self, req: Request<Incoming>) -> ServiceFuture {
         let gw = self.gw.clone();
-        // The request id goes to the backend, back to the client, and into the access log.
+        // The request id goes to the backend (the pipeline sets it once the head's limits are
+        // checked: the client's header count is the client's own), back to the client, and
+        // into the access log.
         let request_id = access::request_id(req.headers());
-        req.headers_mut()
-            .insert(access::X_REQUEST_ID, request_id.clone());
         let record = Arc::new(access::Record::new(request_id.clone(), &req));
         let peer = self.peer.clone();
         let slot = Arc::new(DeadlineSlot::default());
@@ -97,22 +95,20 @@ impl hyper::service::Service<Request<Incoming>> for Service {
                 slot.arm(deadline.clone());
                 deadline
             });
-            Ok(response.map(|body| {
-                Tracked {
-                    inner: body,
-                    own,
-                    access,
-                    _active: active,
-                }
-                .boxed_unsync()
+            Ok(response.map(|body| Tracked {
+                inner: body,
+                own,
+                access,
+                _active: active,
             }))
         })
     }
 }
 
 /// A response body that keeps its request counted as in flight until it is done, and reports
-/// the progress of an answer of the gateway's own to its deadline.
-struct Tracked {
+/// the progress of an answer of the gateway's own to its deadline. hyper holds it as it is (not
+/// boxed again around the boxed body inside).
+pub(super) struct Tracked {
     inner: ResponseBody,
     own: Option<Arc<ResponseDeadline>>,
     /// Writes the call's access log line when the body ends or is dropped.

@@ -251,6 +251,7 @@ impl Gateway {
                     connector.set_protocol(b.protocol);
                     let backend = Backend {
                         name: b.name.as_str().into(),
+                        signals: self.inner.metrics.call_signals(&b.name),
                         // The connector knows its TLS addresses before the pool opens any.
                         pool: Pool::new(
                             &b.name,

@@ -33,8 +33,8 @@ use tokio::time::Instant;
 use crate::limits::cooldown::Cooldown;
 use crate::limits::limiter::ClientLimiter;
 use crate::limits::refusals::RefusalMemory;
-use crate::observe::Metrics;
 use crate::observe::access::AccessLog;
+use crate::observe::{CallSignals, Metrics};
 use crate::pool::{EndpointStats, Pool};
 use crate::proxy::credentials::ProviderKey;
 use crate::proxy::route_budget::ByteBudget;
@@ -106,6 +106,8 @@ struct Registry {
 #[derive(Debug)]
 pub(crate) struct Backend {
     pub(crate) name: Arc<str>,
+    /// The metric handles its calls observe.
+    pub(crate) signals: CallSignals,
     pub(crate) pool: Pool<HttpConnector>,
     /// The pool's connector (shared with it): which addresses take TLS.
     connector: HttpConnector,

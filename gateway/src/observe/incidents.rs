@@ -292,12 +292,15 @@ impl Incidents {
 
     /// A call of `client` held a lease of `backend` for `held`.
     pub(crate) fn lease_held(&self, backend: &str, client: &str, held: Duration) {
-        self.lease_hold
-            .get_or_create(&HoldLabels {
-                backend: backend.into(),
-                client: client.into(),
-            })
-            .observe(held.as_secs_f64());
+        self.lease_hold(backend, client).observe(held.as_secs_f64());
+    }
+
+    /// The lease-hold histogram of `backend`'s calls from `client`.
+    pub(crate) fn lease_hold(&self, backend: &str, client: &str) -> Histogram {
+        self.lease_hold.get_or_create_owned(&HoldLabels {
+            backend: backend.into(),
+            client: client.into(),
+        })
     }
 
     /// A client connection closed after `held`.

@@ -8,6 +8,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
+use super::incidents::NO_CLIENT;
 use poolpilot_api::limits::PriorityClass;
 use poolpilot_telemetry::Format;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -175,11 +176,55 @@ pub(crate) struct EndpointGauges<'a> {
     pub(crate) h2_fallback: bool,
 }
 
-/// Every metric family of the gateway, registered in one registry. Cheap to clone; clones
-/// share the families.
+/// The `code_class` label of `poolpilot_upstream_request_duration_seconds`, by status hundred.
+const CODE_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+/// The metric handles every call to one backend observes, resolved when the backend is built:
+/// a call allocates no label and takes no family's lock for them. (These families are never
+/// cleared, so a handle stays the one exported.)
+#[derive(Clone, Debug)]
+pub(crate) struct CallSignals {
+    /// `poolpilot_upstream_request_duration_seconds`, by [`CODE_CLASSES`].
+    duration: [Histogram; 5],
+    /// `poolpilot_upstream_time_to_first_byte_seconds`.
+    first_byte: Histogram,
+    /// `poolpilot_upstream_response_bytes_total`.
+    response_bytes: Counter,
+    /// The lease hold of calls without a client policy (`client="none"`).
+    hold_without_client: Histogram,
+}
+
+impl CallSignals {
+    /// A call answered `status` (a status the gateway gave for it: 502, 504) after `secs`.
+    pub(crate) fn duration(&self, status: u16, secs: f64) {
+        let class = usize::from(status / 100).clamp(1, 5) - 1;
+        self.duration[class].observe(secs);
+    }
+
+    /// The first byte of a response body arrived `secs` after the call was sent.
+    pub(crate) fn first_byte(&self, secs: f64) {
+        self.first_byte.observe(secs);
+    }
+
+    /// The response-bytes counter, for a call to add to as its body arrives.
+    pub(crate) fn response_bytes(&self) -> &Counter {
+        &self.response_bytes
+    }
+
+    /// A call without a client policy held its lease for `held`.
+    pub(crate) fn held_without_client(&self, held: std::time::Duration) {
+        self.hold_without_client.observe(held.as_secs_f64());
+    }
+}
+
+/// Every metric family of the gateway, registered in one registry. Cheap to clone (one
+/// reference count: calls clone it); clones share the families.
 #[derive(Clone)]
-pub struct Metrics {
-    registry: Arc<parking_lot::Mutex<Registry>>,
+pub struct Metrics(Arc<Families>);
+
+/// The families behind [`Metrics`].
+struct Families {
+    registry: parking_lot::Mutex<Registry>,
     pool_connections: Family<ConnectionLabels, Gauge>,
     pool_pending: Family<BackendLabel, Gauge>,
     pool_max_connections: Family<EndpointLabels, Gauge>,
@@ -307,8 +352,8 @@ impl Metrics {
         buckets.dedup();
         let mut r = Registry::default();
         let buckets: Arc<[f64]> = buckets.into();
-        let m = Self {
-            registry: Arc::default(),
+        let m = Families {
+            registry: parking_lot::Mutex::default(),
             pool_connections: Family::default(),
             pool_pending: Family::default(),
             pool_max_connections: Family::default(),
@@ -664,12 +709,12 @@ impl Metrics {
             m.admin_reloads.clone(),
         );
         *m.registry.lock() = r;
-        m
+        Self(Arc::new(m))
     }
 
     /// The incident signals (runtime, holds, reclaims, connection ages): `observe/incidents.rs`.
     pub fn incidents(&self) -> &Incidents {
-        &self.incidents
+        &self.0.incidents
     }
 
     /// The OpenMetrics exposition of every family.
@@ -679,20 +724,21 @@ impl Metrics {
 
     /// The exposition of every family in the format a scraper negotiated.
     pub fn encode_as(&self, format: Format) -> String {
-        poolpilot_telemetry::exposition::encode(&self.registry.lock(), format)
+        poolpilot_telemetry::exposition::encode(&self.0.registry.lock(), format)
     }
 
     // --- pool ---
 
     pub(crate) fn lease_wait(&self, backend: &str) -> Histogram {
-        self.pool_lease_wait.get_or_create_owned(&BackendLabel {
+        self.0.pool_lease_wait.get_or_create_owned(&BackendLabel {
             backend: backend.into(),
         })
     }
 
     /// The lease-wait histogram of one class of `backend`.
     pub(crate) fn class_lease_wait(&self, backend: &str, class: PriorityClass) -> Histogram {
-        self.pool_class_lease_wait
+        self.0
+            .pool_class_lease_wait
             .get_or_create_owned(&BackendClassLabels {
                 backend: backend.into(),
                 class: class.as_str(),
@@ -706,33 +752,39 @@ impl Metrics {
                 backend: backend.into(),
                 class: class.as_str(),
             };
-            self.pool_class_pending
+            self.0
+                .pool_class_pending
                 .get_or_create(&labels)
                 .set(pending.into());
-            self.pool_class_leased
+            self.0
+                .pool_class_leased
                 .get_or_create(&labels)
                 .set(leased.into());
         }
     }
 
     pub(crate) fn lease_timeouts(&self, backend: &str) -> Counter {
-        self.pool_lease_timeouts.get_or_create_owned(&BackendLabel {
-            backend: backend.into(),
-        })
+        self.0
+            .pool_lease_timeouts
+            .get_or_create_owned(&BackendLabel {
+                backend: backend.into(),
+            })
     }
 
     /// The counter of burst connections opened to `backend`.
     pub(crate) fn bursts(&self, backend: &str) -> Counter {
-        self.pool_bursts.get_or_create_owned(&BackendLabel {
+        self.0.pool_bursts.get_or_create_owned(&BackendLabel {
             backend: backend.into(),
         })
     }
 
     /// The counter of grants that token fairness reordered on `backend`.
     pub(crate) fn fair_reordered(&self, backend: &str) -> Counter {
-        self.pool_fair_reordered.get_or_create_owned(&BackendLabel {
-            backend: backend.into(),
-        })
+        self.0
+            .pool_fair_reordered
+            .get_or_create_owned(&BackendLabel {
+                backend: backend.into(),
+            })
     }
 
     /// One backend's burst gauges: the allowance per endpoint, the connections beyond the
@@ -741,10 +793,12 @@ impl Metrics {
         let labels = BackendLabel {
             backend: backend.into(),
         };
-        self.pool_burst_allowance
+        self.0
+            .pool_burst_allowance
             .get_or_create(&labels)
             .set(allowance.into());
-        self.pool_burst_connections
+        self.0
+            .pool_burst_connections
             .get_or_create(&labels)
             .set(bursting.into());
     }
@@ -756,8 +810,8 @@ impl Metrics {
             endpoint: endpoint.into(),
         };
         (
-            self.pool_created.get_or_create_owned(&labels),
-            self.pool_reused.get_or_create_owned(&labels),
+            self.0.pool_created.get_or_create_owned(&labels),
+            self.0.pool_reused.get_or_create_owned(&labels),
         )
     }
 
@@ -767,30 +821,31 @@ impl Metrics {
             endpoint: endpoint.into(),
             reason,
         };
-        self.pool_closed.get_or_create(&labels).inc();
+        self.0.pool_closed.get_or_create(&labels).inc();
     }
 
     /// Clears the gauges computed from live state, before they are set again.
     pub(crate) fn clear_gauges(&self) {
-        self.pool_connections.clear();
-        self.pool_pending.clear();
-        self.pool_burst_allowance.clear();
-        self.pool_burst_connections.clear();
-        self.pool_class_pending.clear();
-        self.pool_class_leased.clear();
-        self.client_class_queued.clear();
-        self.pool_max_connections.clear();
-        self.pool_sockets.clear();
-        self.h2_fallback.clear();
-        self.h2_max_streams.clear();
-        self.pool_reuse_ratio.clear();
-        self.client_cert_expiry.clear();
-        self.endpoint_healthy.clear();
-        self.client_inflight.clear();
+        self.0.pool_connections.clear();
+        self.0.pool_pending.clear();
+        self.0.pool_burst_allowance.clear();
+        self.0.pool_burst_connections.clear();
+        self.0.pool_class_pending.clear();
+        self.0.pool_class_leased.clear();
+        self.0.client_class_queued.clear();
+        self.0.pool_max_connections.clear();
+        self.0.pool_sockets.clear();
+        self.0.h2_fallback.clear();
+        self.0.h2_max_streams.clear();
+        self.0.pool_reuse_ratio.clear();
+        self.0.client_cert_expiry.clear();
+        self.0.endpoint_healthy.clear();
+        self.0.client_inflight.clear();
     }
 
     pub(crate) fn set_pool_pending(&self, backend: &str, pending: u32) {
-        self.pool_pending
+        self.0
+            .pool_pending
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
             })
@@ -803,20 +858,23 @@ impl Metrics {
             backend: backend.into(),
             endpoint: ep.endpoint.to_owned(),
         };
-        self.pool_max_connections
+        self.0
+            .pool_max_connections
             .get_or_create(&labels)
             .set(ep.max.into());
-        self.endpoint_healthy
+        self.0
+            .endpoint_healthy
             .get_or_create(&labels)
             .set(ep.healthy.into());
-        self.pool_sockets
+        self.0
+            .pool_sockets
             .get_or_create(&labels)
             .set(ep.sockets.into());
         if let Some(max) = ep.max_streams {
-            self.h2_max_streams.get_or_create(&labels).set(max.into());
+            self.0.h2_max_streams.get_or_create(&labels).set(max.into());
         }
         if ep.h2_fallback {
-            self.h2_fallback.get_or_create(&labels).set(1);
+            self.0.h2_fallback.get_or_create(&labels).set(1);
         }
         for (state, value) in [
             ("leased", ep.leased),
@@ -828,7 +886,8 @@ impl Metrics {
                 endpoint: ep.endpoint.to_owned(),
                 state,
             };
-            self.pool_connections
+            self.0
+                .pool_connections
                 .get_or_create(&labels)
                 .set(value.into());
         }
@@ -836,36 +895,29 @@ impl Metrics {
 
     // --- upstream ---
 
-    pub(crate) fn upstream_duration(&self, backend: &str, status: u16, secs: f64) {
-        let code_class = match status {
-            100..=199 => "1xx",
-            200..=299 => "2xx",
-            300..=399 => "3xx",
-            400..=499 => "4xx",
-            _ => "5xx",
+    /// The handles every call to `backend` observes, resolved once (see [`CallSignals`]).
+    pub(crate) fn call_signals(&self, backend: &str) -> CallSignals {
+        let families = &self.0;
+        let by_backend = BackendLabel {
+            backend: backend.into(),
         };
-        self.upstream_duration
-            .get_or_create(&DurationLabels {
-                backend: backend.into(),
-                code_class,
-            })
-            .observe(secs);
-    }
-
-    pub(crate) fn upstream_first_byte(&self, backend: &str, secs: f64) {
-        self.upstream_first_byte
-            .get_or_create(&BackendLabel {
-                backend: backend.into(),
-            })
-            .observe(secs);
-    }
-
-    /// The response-bytes counter of `backend`, for a call to add to as its body arrives.
-    pub(crate) fn upstream_response_bytes(&self, backend: &str) -> Counter {
-        self.upstream_response_bytes
-            .get_or_create_owned(&BackendLabel {
-                backend: backend.into(),
-            })
+        CallSignals {
+            duration: CODE_CLASSES.map(|code_class| {
+                families
+                    .upstream_duration
+                    .get_or_create_owned(&DurationLabels {
+                        backend: backend.into(),
+                        code_class,
+                    })
+            }),
+            first_byte: families
+                .upstream_first_byte
+                .get_or_create_owned(&by_backend),
+            response_bytes: families
+                .upstream_response_bytes
+                .get_or_create_owned(&by_backend),
+            hold_without_client: families.incidents.lease_hold(backend, NO_CLIENT),
+        }
     }
 
     pub(crate) fn tokens(
@@ -875,7 +927,8 @@ impl Metrics {
         source: TokenSource,
         n: u64,
     ) {
-        self.tokens
+        self.0
+            .tokens
             .get_or_create(&TokenLabels {
                 backend: backend.into(),
                 direction,
@@ -887,14 +940,17 @@ impl Metrics {
     /// The counter of the tokens charged to the budgets of `client` (override name or
     /// `other`) of client policy `policy`, for a reservation to add its settled cost to.
     pub(crate) fn client_tokens(&self, policy: &str, client: &str) -> Counter<f64, AtomicU64> {
-        self.client_tokens.get_or_create_owned(&ClientPolicyLabels {
-            client_policy: policy.into(),
-            client: client.into(),
-        })
+        self.0
+            .client_tokens
+            .get_or_create_owned(&ClientPolicyLabels {
+                client_policy: policy.into(),
+                client: client.into(),
+            })
     }
 
     pub(crate) fn time_to_first_token(&self, backend: &str, secs: f64) {
-        self.time_to_first_token
+        self.0
+            .time_to_first_token
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
             })
@@ -902,7 +958,8 @@ impl Metrics {
     }
 
     pub(crate) fn time_per_output_token(&self, backend: &str, secs: f64) {
-        self.time_per_output_token
+        self.0
+            .time_per_output_token
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
             })
@@ -910,7 +967,8 @@ impl Metrics {
     }
 
     pub(crate) fn upstream_timeout(&self, backend: &str, kind: TimeoutKind) {
-        self.upstream_timeouts
+        self.0
+            .upstream_timeouts
             .get_or_create(&TimeoutLabels {
                 backend: backend.into(),
                 kind,
@@ -919,7 +977,8 @@ impl Metrics {
     }
 
     pub(crate) fn upstream_retry(&self, backend: &str, reason: RetryReason) {
-        self.upstream_retries
+        self.0
+            .upstream_retries
             .get_or_create(&RetryLabels {
                 backend: backend.into(),
                 reason,
@@ -928,7 +987,8 @@ impl Metrics {
     }
 
     pub(crate) fn tls_handshake(&self, backend: &str, kind: TlsHandshake, secs: f64) {
-        self.tls_handshake
+        self.0
+            .tls_handshake
             .get_or_create(&HandshakeLabels {
                 backend: backend.into(),
                 kind,
@@ -937,7 +997,8 @@ impl Metrics {
     }
 
     pub(crate) fn h2_fallback(&self, backend: &str, reason: &'static str) {
-        self.h2_fallbacks
+        self.0
+            .h2_fallbacks
             .get_or_create(&BackendReasonLabels {
                 backend: backend.into(),
                 reason,
@@ -946,7 +1007,8 @@ impl Metrics {
     }
 
     pub(crate) fn tls_failure(&self, backend: &str, reason: TlsFailure) {
-        self.tls_failures
+        self.0
+            .tls_failures
             .get_or_create(&TlsFailureLabels {
                 backend: backend.into(),
                 reason,
@@ -955,7 +1017,8 @@ impl Metrics {
     }
 
     pub(crate) fn upstream_cooldown(&self, backend: &str) {
-        self.upstream_cooldowns
+        self.0
+            .upstream_cooldowns
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
             })
@@ -963,7 +1026,8 @@ impl Metrics {
     }
 
     pub(crate) fn upstream_cooldown_refused(&self, backend: &str) {
-        self.upstream_cooldown_refused
+        self.0
+            .upstream_cooldown_refused
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
             })
@@ -975,7 +1039,8 @@ impl Metrics {
         if created + reused == 0 {
             return;
         }
-        self.pool_reuse_ratio
+        self.0
+            .pool_reuse_ratio
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
             })
@@ -985,7 +1050,8 @@ impl Metrics {
     /// The earliest `notAfter` (unix seconds) of a backend's upstream client certificates, at a
     /// scrape.
     pub(crate) fn set_client_cert_expiry(&self, backend: &str, not_after: i64) {
-        self.client_cert_expiry
+        self.0
+            .client_cert_expiry
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
             })
@@ -995,7 +1061,8 @@ impl Metrics {
     // --- clients ---
 
     pub(crate) fn client_rejected(&self, client: &str, reason: &'static str) {
-        self.client_rejected
+        self.0
+            .client_rejected
             .get_or_create(&ClientReasonLabels {
                 client: client.into(),
                 reason,
@@ -1004,7 +1071,8 @@ impl Metrics {
     }
 
     pub(crate) fn client_queue_wait(&self, client: &str, secs: f64) {
-        self.client_queue_wait
+        self.0
+            .client_queue_wait
             .get_or_create(&ClientLabel {
                 client: client.into(),
             })
@@ -1012,7 +1080,8 @@ impl Metrics {
     }
 
     pub(crate) fn client_class_queue_wait(&self, class: PriorityClass, secs: f64) {
-        self.client_class_queue_wait
+        self.0
+            .client_class_queue_wait
             .get_or_create(&ClassLabel {
                 class: class.as_str(),
             })
@@ -1022,7 +1091,8 @@ impl Metrics {
     /// Calls queued in the clients' queues, interactive then batch.
     pub(crate) fn set_client_classes_queued(&self, queued: [u32; 2]) {
         for (class, n) in PriorityClass::ALL.into_iter().zip(queued) {
-            self.client_class_queued
+            self.0
+                .client_class_queued
                 .get_or_create(&ClassLabel {
                     class: class.as_str(),
                 })
@@ -1031,7 +1101,8 @@ impl Metrics {
     }
 
     pub(crate) fn set_client_inflight(&self, client: &str, n: u32) {
-        self.client_inflight
+        self.0
+            .client_inflight
             .get_or_create(&ClientLabel {
                 client: client.into(),
             })
@@ -1041,20 +1112,21 @@ impl Metrics {
     // --- limits, listener, process ---
 
     pub(crate) fn set_limits_info(&self, revision: &str, generation: u64) {
-        self.limits_info.clear();
+        self.0.limits_info.clear();
         let labels = LimitsLabels {
             revision: revision.into(),
             generation: generation.to_string(),
         };
-        self.limits_info.get_or_create(&labels).set(1);
+        self.0.limits_info.get_or_create(&labels).set(1);
     }
 
     pub(crate) fn set_limits_loaded(&self, loaded: bool) {
-        self.limits_loaded.set(loaded.into());
+        self.0.limits_loaded.set(loaded.into());
     }
 
     pub(crate) fn limits_rejected(&self, source: &'static str) {
-        self.limits_rejected
+        self.0
+            .limits_rejected
             .get_or_create(&SourceLabel { source })
             .inc();
     }
@@ -1063,19 +1135,22 @@ impl Metrics {
 
     pub(crate) fn dns_resolved(&self, host: &str, ok: bool) {
         let outcome = if ok { "ok" } else { "failed" };
-        self.dns_lookups
+        self.0
+            .dns_lookups
             .get_or_create(&LookupLabels {
                 host: host.into(),
                 outcome,
             })
             .inc();
-        self.dns_stale
+        self.0
+            .dns_stale
             .get_or_create(&HostLabel { host: host.into() })
             .set(i64::from(!ok));
     }
 
     pub(crate) fn dns_addresses(&self, host: &str, count: usize) {
-        self.dns_addresses
+        self.0
+            .dns_addresses
             .get_or_create(&HostLabel { host: host.into() })
             .set(count as i64);
     }
@@ -1083,56 +1158,89 @@ impl Metrics {
     /// A name no longer wanted: its gauges go (its counters stay, as counters do).
     pub(crate) fn dns_forget(&self, host: &str) {
         let label = HostLabel { host: host.into() };
-        self.dns_stale.remove(&label);
-        self.dns_addresses.remove(&label);
+        self.0.dns_stale.remove(&label);
+        self.0.dns_addresses.remove(&label);
     }
 
     pub(crate) fn accept_error(&self) {
-        self.accept_errors.inc();
+        self.0.accept_errors.inc();
     }
 
     pub(crate) fn downstream_connections(&self) -> &Gauge {
-        &self.downstream_connections
+        &self.0.downstream_connections
     }
 
     pub(crate) fn downstream_rejected(&self, outcome: Refusal) {
-        self.downstream_rejected
+        self.0
+            .downstream_rejected
             .get_or_create(&RefusalLabel { outcome })
             .inc();
     }
 
     pub(crate) fn downstream_timeout(&self, kind: DownstreamTimeout) {
-        self.downstream_timeouts
+        self.0
+            .downstream_timeouts
             .get_or_create(&DownstreamTimeoutLabel { kind })
             .inc();
     }
 
     pub(crate) fn client_evicted(&self) {
-        self.client_evictions.inc();
+        self.0.client_evictions.inc();
     }
 
     pub(crate) fn route_buffer_rejected(&self) {
-        self.route_buffer_rejected.inc();
+        self.0.route_buffer_rejected.inc();
     }
 
     pub(crate) fn set_clients_tracked(&self, n: usize) {
-        self.clients_tracked.set(n as i64);
+        self.0.clients_tracked.set(n as i64);
     }
 
     pub(crate) fn set_route_buffer_bytes(&self, bytes: u64) {
-        self.route_buffer_bytes.set(bytes as i64);
+        self.0.route_buffer_bytes.set(bytes as i64);
     }
 
     // --- admin ---
 
     pub(crate) fn admin_connection_refused(&self) {
-        self.admin_connections_refused.inc();
+        self.0.admin_connections_refused.inc();
     }
 
     pub(crate) fn admin_file_reloaded(&self, file: AdminFile, applied: bool) {
         let outcome = if applied { "applied" } else { "refused" };
-        self.admin_reloads
+        self.0
+            .admin_reloads
             .get_or_create(&AdminReloadLabels { file, outcome })
             .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backends_call_signals_are_the_series_its_labels_name() {
+        let metrics = Metrics::new();
+        let signals = metrics.call_signals("models");
+        signals.duration(204, 0.2);
+        signals.duration(502, 0.1);
+        signals.duration(504, 0.3);
+        signals.first_byte(0.05);
+        signals.response_bytes().inc_by(64);
+        signals.held_without_client(std::time::Duration::from_millis(20));
+        // Resolved again (a backend built anew by a later document): the same series.
+        metrics.call_signals("models").duration(200, 0.2);
+        let text = metrics.encode_as(Format::Text);
+        for line in [
+            r#"poolpilot_upstream_request_duration_seconds_count{backend="models",code_class="2xx"} 2"#,
+            r#"poolpilot_upstream_request_duration_seconds_count{backend="models",code_class="5xx"} 2"#,
+            r#"poolpilot_upstream_time_to_first_byte_seconds_count{backend="models"} 1"#,
+            r#"poolpilot_upstream_response_bytes_total{backend="models"} 64"#,
+            r#"poolpilot_pool_lease_hold_seconds_count{backend="models",client="none"} 1"#,
+        ] {
+            assert!(text.contains(line), "no {line} in\n{text}");
+        }
+        assert!(!text.contains(r#"code_class="1xx"} 1"#), "{text}");
     }
 }

@@ -14,4 +14,5 @@ pub(crate) use labels::{
     AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind, Timing,
     TlsFailure, TlsHandshake,
 };
+pub(crate) use metrics::CallSignals;
 pub use metrics::Metrics;

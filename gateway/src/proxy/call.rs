@@ -94,8 +94,9 @@ impl Call {
         }
         if !self.first_byte {
             self.first_byte = true;
-            self.metrics
-                .upstream_first_byte(&self.backend.name, self.sent_at.elapsed().as_secs_f64());
+            self.backend
+                .signals
+                .first_byte(self.sent_at.elapsed().as_secs_f64());
         }
         self.bytes.inc_by(n as u64);
     }
@@ -103,13 +104,17 @@ impl Call {
     pub(super) fn finish(mut self, end: End) {
         let name = &self.backend.name;
         let client = self.permit.as_ref().map_or(NO_CLIENT, |p| p.label());
-        self.metrics
-            .incidents()
-            .lease_held(name, client, self.sent_at.elapsed());
+        let signals = &self.backend.signals;
+        match &self.permit {
+            Some(_) => {
+                let held = self.sent_at.elapsed();
+                self.metrics.incidents().lease_held(name, client, held);
+            }
+            None => signals.held_without_client(self.sent_at.elapsed()),
+        }
         if !self.first_byte && matches!(end, End::Complete) {
             // A response without a body: its end is its first byte.
-            self.metrics
-                .upstream_first_byte(name, self.sent_at.elapsed().as_secs_f64());
+            signals.first_byte(self.sent_at.elapsed().as_secs_f64());
         }
         let endpoint = self.lease.endpoint().clone();
         let took = self.sent_at.elapsed().as_secs_f64();
@@ -126,12 +131,12 @@ impl Call {
         }
         match end {
             End::Complete => {
-                self.metrics.upstream_duration(name, self.status, took);
+                signals.duration(self.status, took);
                 self.lease.keep();
                 self.backend.pool.report_call(&endpoint, self.status < 500);
             }
             End::Failed => {
-                self.metrics.upstream_duration(name, 502, took);
+                signals.duration(502, took);
                 self.lease.discard(CloseReason::Error);
                 self.backend.pool.report_call(&endpoint, false);
             }
@@ -145,7 +150,7 @@ impl Call {
                         } else {
                             TimeoutKind::StreamIdle
                         };
-                        self.metrics.upstream_duration(name, 504, took);
+                        signals.duration(504, took);
                         self.metrics.upstream_timeout(name, kind);
                         self.backend.pool.report_call(&endpoint, false);
                     }

@@ -151,7 +151,9 @@ pub(super) async fn forward(
                 lease.discard(CloseReason::PeerClosed);
                 let Some(replay) = &replay else {
                     tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection closed unanswered; the request is not replayable");
-                    metrics.upstream_duration(&backend.name, 502, sent_at.elapsed().as_secs_f64());
+                    backend
+                        .signals
+                        .duration(502, sent_at.elapsed().as_secs_f64());
                     return Err(ProxyError::UpstreamClosed {
                         backend: backend.name.to_string(),
                         source: error,
@@ -170,7 +172,9 @@ pub(super) async fn forward(
             )) => {
                 lease.discard(CloseReason::Error);
                 backend.pool.report_call(&endpoint, false);
-                metrics.upstream_duration(&backend.name, 502, sent_at.elapsed().as_secs_f64());
+                backend
+                    .signals
+                    .duration(502, sent_at.elapsed().as_secs_f64());
                 return Err(ProxyError::Upstream {
                     backend: backend.name.to_string(),
                     source: error,
@@ -245,7 +249,9 @@ fn upstream_timeout(
     let backend = &call.route.backend;
     backend.pool.report_call(endpoint, false);
     metrics.upstream_timeout(&backend.name, kind);
-    metrics.upstream_duration(&backend.name, 504, sent_at.elapsed().as_secs_f64());
+    backend
+        .signals
+        .duration(504, sent_at.elapsed().as_secs_f64());
     ProxyError::UpstreamTimeout {
         backend: backend.name.to_string(),
         kind,

@@ -22,7 +22,7 @@ use crate::limits::fair;
 use crate::listen::source::Peer;
 use crate::live::Gateway;
 use crate::observe::NO_CLIENT;
-use crate::observe::access::Record;
+use crate::observe::access::{self, Record};
 use crate::tokens;
 use crate::tokens::budget::TokenReservation;
 
@@ -63,6 +63,8 @@ async fn proxy(
     // 1. head: its limits (431, 413), then the MUSTs of RFC 9110/9112 (400, 501); an
     //    `OPTIONS` that `Max-Forwards` ends here is answered
     head::check_limits(&req, listener)?;
+    req.headers_mut()
+        .insert(access::X_REQUEST_ID, record.request_id());
     if let head::Verdict::Answer(response) = head::check(&mut req)? {
         return Ok(response);
     }
@@ -85,7 +87,10 @@ async fn proxy(
         listener.trusted_proxies.as_ref(),
     );
     record.key(key);
-    if let Some((timing, class)) = gw.refusals().arrived(&key, Instant::now()) {
+    let refusals = gw.refusals();
+    if !refusals.is_empty()
+        && let Some((timing, class)) = refusals.arrived(&key, Instant::now())
+    {
         record.retry(timing);
         gw.metrics().incidents().retried(&class, timing);
     }

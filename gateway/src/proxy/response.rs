@@ -53,7 +53,7 @@ pub(super) fn respond(
     call.slot.arm(deadline.clone());
     let done = Call {
         metrics: call.metrics.clone(),
-        bytes: call.metrics.upstream_response_bytes(&backend.name),
+        bytes: backend.signals.response_bytes().clone(),
         first_byte: false,
         meter,
         backend,

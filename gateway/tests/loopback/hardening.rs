@@ -18,6 +18,30 @@ async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
     raw_exchange(addr, bytes, wait).await.0
 }
 
+/// At the default `maxHeaders` (100, hyper's own count, which the gateway then leaves unset)
+/// the count still holds: 100 header lines are forwarded (the answer comes through the gateway,
+/// with its `Via`; the test backend, a plain hyper server, may itself refuse the 103 lines it
+/// then gets), 101 are refused by the gateway with 431.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_header_count_holds_at_one_hundred() {
+    let backend = Backend::start().await;
+    let gw = Gw::start(with_listener(backend.addr, serde_json::json!({}))).await;
+    let wait = Duration::from_secs(2);
+    let head = |lines: usize| {
+        let extra: String = (1..lines).map(|i| format!("X-H{i}: v\r\n")).collect();
+        format!("GET /v1/x HTTP/1.1\r\nHost: x\r\n{extra}Connection: close\r\n\r\n")
+    };
+    // `lines` counts Host and the X-H headers; Connection makes one more.
+    let at = raw(gw.proxy, head(99).as_bytes(), wait).await;
+    assert!(at.contains("via: 1.1 poolpilot"), "100 header lines: {at}");
+    let over = raw(gw.proxy, head(100).as_bytes(), wait).await;
+    assert!(over.starts_with("HTTP/1.1 431"), "101 header lines: {over}");
+    assert!(!over.contains("via:"), "refused by the gateway: {over}");
+    // Fewer than the backend's own limit allows after the gateway's three: answered.
+    let ok = raw(gw.proxy, head(96).as_bytes(), wait).await;
+    assert!(ok.starts_with("HTTP/1.1 200"), "97 header lines: {ok}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_oversized_requests_get_4xx_and_the_gateway_carries_on() {
     let backend = Backend::start().await;
