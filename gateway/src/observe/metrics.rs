@@ -8,7 +8,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
-use super::incidents::NO_CLIENT;
 use poolpilot_api::limits::PriorityClass;
 use poolpilot_telemetry::Format;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -18,7 +17,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-use super::incidents::Incidents;
+use super::incidents::{Incidents, NO_CLIENT};
 use super::labels::{
     AdminFile, CloseReason, DownstreamTimeout, Refusal, RetryReason, TimeoutKind, TlsFailure,
     TlsHandshake, TokenDirection, TokenSource,
