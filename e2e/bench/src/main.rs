@@ -6,6 +6,7 @@
 //! starts (the same binary, so every proxy fronts the same server).
 
 mod clock;
+mod compare;
 mod cpus;
 mod load;
 mod parts;
@@ -41,6 +42,9 @@ struct Cli {
 enum Command {
     /// Run parts 1–4 and the profile, and write the report.
     Run(RunArgs),
+    /// Compare gateway builds: alternating part-1 runs of each at one load, printed as a
+    /// table of medians and ranges.
+    Compare(compare::CompareArgs),
     /// Draw part 1's picture again from a written report (its tables), and link it there.
     Plot {
         /// The report to read and link the picture from.
@@ -94,22 +98,34 @@ fn main() -> anyhow::Result<()> {
         Command::Upstream { addr } => upstream::serve(addr),
         Command::Plot { report } => plot_from_report(&report),
         Command::Run(args) => {
-            // Pinned before the runtime starts its threads, which inherit the mask: the
-            // driver's own load (the fixed-rate row, parts 2–4) stays off the proxy's CPU.
-            let pinning = Pinning::of_machine();
-            let mut set = CpuSet::new();
-            set.set(pinning.load_cpu.parse()?)?;
-            sched_setaffinity(Pid::from_raw(0), &set)?;
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()?;
+            let (rt, pinning) = pinned_runtime()?;
             rt.block_on(run(args, pinning))
+        }
+        Command::Compare(args) => {
+            let (rt, pinning) = pinned_runtime()?;
+            let table = rt.block_on(compare::run(&args, pinning))?;
+            println!("{table}");
+            Ok(())
         }
     }
 }
 
+/// The driver's runtime, pinned before it starts its threads, which inherit the mask: the
+/// driver's own load (the fixed-rate row, parts 2–4) stays off the proxy's CPU.
+fn pinned_runtime() -> anyhow::Result<(tokio::runtime::Runtime, Pinning)> {
+    let pinning = Pinning::of_machine();
+    let mut set = CpuSet::new();
+    set.set(pinning.load_cpu.parse()?)?;
+    sched_setaffinity(Pid::from_raw(0), &set)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    Ok((rt, pinning))
+}
+
 /// Which CPUs the proxy and everything else run on.
+#[derive(Clone, Copy, Debug)]
 struct Pinning {
     /// CPUs of the machine (as this process may use them).
     cpus: usize,
@@ -117,6 +133,68 @@ struct Pinning {
     proxy_cpu: &'static str,
     /// The upstream's, the load generators' and the driver's.
     load_cpu: &'static str,
+}
+
+/// What every measurement shares: the upstream process (stopped when dropped), its address, and
+/// the `wrk` summary script.
+struct Stage {
+    upstream: Proc,
+    upstream_addr: SocketAddr,
+    wrk_script: PathBuf,
+    pinning: Pinning,
+    run_dir: PathBuf,
+}
+
+impl Stage {
+    /// Raises the fd limit, writes the `wrk` script into `run_dir` and starts the upstream on
+    /// the load CPU.
+    async fn start(run_dir: &std::path::Path, pinning: Pinning) -> anyhow::Result<Self> {
+        let fds = raise_nofile()?;
+        std::fs::create_dir_all(run_dir)?;
+        let wrk_script = run_dir.join("summary.lua");
+        std::fs::write(&wrk_script, load::WRK_SCRIPT)?;
+        eprintln!(
+            "poolpilot-bench: fd limit {fds}, proxy on CPU {}, load on CPU {}",
+            pinning.proxy_cpu, pinning.load_cpu
+        );
+        let upstream_addr: SocketAddr = "127.0.0.1:18000".parse()?;
+        let exe = std::env::current_exe()?;
+        let mut upstream = Proc::spawn(
+            "upstream",
+            pinning.load_cpu,
+            &exe.display().to_string(),
+            &["upstream".to_string(), upstream_addr.to_string()],
+            &[],
+            &run_dir.join("upstream.log"),
+        )?;
+        peers::wait_ready(&mut upstream, upstream_addr).await?;
+        Ok(Self {
+            upstream,
+            upstream_addr,
+            wrk_script,
+            pinning,
+            run_dir: run_dir.to_path_buf(),
+        })
+    }
+
+    /// The benchmark of `gateway_bin` with `plan` on this stage.
+    fn bench(&self, plan: Plan, gateway_bin: &std::path::Path) -> anyhow::Result<Bench> {
+        let p = self.pinning;
+        Ok(Bench {
+            plan,
+            env: Env {
+                run_dir: self.run_dir.clone(),
+                gateway_bin: gateway_bin.to_path_buf(),
+                proxy_cpu: p.proxy_cpu.into(),
+                all_cpus: format!("0-{}", p.cpus - 1),
+            },
+            load_cpu: p.load_cpu.into(),
+            ticks_per_sec: procs::clock_ticks_per_sec(),
+            wrk_script: self.wrk_script.clone(),
+            upstream: self.upstream_addr,
+            listen: "127.0.0.1:18080".parse()?,
+        })
+    }
 }
 
 impl Pinning {
@@ -175,46 +253,12 @@ async fn run(args: RunArgs, pinning: Pinning) -> anyhow::Result<()> {
     // The committed report, read before this run replaces it.
     let committed = std::fs::read_to_string(args.baseline.as_ref().unwrap_or(&args.out)).ok();
     let machine = report::Machine::at_start();
-    let fds = raise_nofile()?;
-    let Pinning {
-        cpus,
-        proxy_cpu,
-        load_cpu,
-    } = pinning;
-    std::fs::create_dir_all(&args.run_dir)?;
-    let wrk_script = args.run_dir.join("summary.lua");
-    std::fs::write(&wrk_script, load::WRK_SCRIPT)?;
     eprintln!(
-        "poolpilot-bench: {} mode, fd limit {fds}, proxy on CPU {proxy_cpu}, load on CPU {load_cpu}",
+        "poolpilot-bench: {} mode",
         if args.quick { "quick" } else { "full" }
     );
-
-    let upstream_addr: SocketAddr = "127.0.0.1:18000".parse()?;
-    let exe = std::env::current_exe()?;
-    let mut upstream = Proc::spawn(
-        "upstream",
-        load_cpu,
-        &exe.display().to_string(),
-        &["upstream".to_string(), upstream_addr.to_string()],
-        &[],
-        &args.run_dir.join("upstream.log"),
-    )?;
-    peers::wait_ready(&mut upstream, upstream_addr).await?;
-
-    let bench = Bench {
-        plan: Plan::new(args.quick, args.rate),
-        env: Env {
-            run_dir: args.run_dir.clone(),
-            gateway_bin: args.gateway_bin.clone(),
-            proxy_cpu: proxy_cpu.into(),
-            all_cpus: format!("0-{}", cpus - 1),
-        },
-        load_cpu: load_cpu.into(),
-        ticks_per_sec: procs::clock_ticks_per_sec(),
-        wrk_script,
-        upstream: upstream_addr,
-        listen: "127.0.0.1:18080".parse()?,
-    };
+    let stage = Stage::start(&args.run_dir, pinning).await?;
+    let bench = stage.bench(Plan::new(args.quick, args.rate), &args.gateway_bin)?;
     let want = |part: &str| args.parts.is_empty() || args.parts.split(',').any(|p| p == part);
 
     let samples = if want("1") {
@@ -244,7 +288,7 @@ async fn run(args: RunArgs, pinning: Pinning) -> anyhow::Result<()> {
     } else {
         parts::Profile::default()
     };
-    upstream.stop().await;
+    stage.upstream.stop().await;
 
     let profile_file = format!(
         "{}-profile.txt",

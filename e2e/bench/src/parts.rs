@@ -448,45 +448,56 @@ impl Bench {
                     continue;
                 }
                 for target in order(&targets, round) {
-                    let mut best: Option<Sample> = None;
-                    for attempt in 1..=ATTEMPTS {
-                        let mut sample = self.part1_run(row, target).await?;
-                        sample.attempts = attempt;
-                        eprintln!(
-                            "part1 round {round} {:>17} {:>9}: {:>9.0} req/s p50 {:.3} ms p99 {:.3} \
-                             ms p99.9 {:.3} ms errors {} cpu/10k {:.3} s (user {:.1} + sys {:.1} \
-                             µs/req, {:.2} irq/req), others {:.1}%",
-                            row.label(),
-                            target.name(),
-                            sample.load.rps,
-                            sample.load.p50_us / 1e3,
-                            sample.load.p99_us / 1e3,
-                            sample.load.p999_us / 1e3,
-                            sample.load.errors,
-                            sample.cpu_per_10k,
-                            sample.user_us,
-                            sample.system_us,
-                            sample.interrupts_per_req,
-                            sample.others * 100.0,
-                        );
-                        // Direct-to-upstream leaves the proxy's CPU idle: nothing to disturb.
-                        let disturbed = target != Target::Direct && sample.others > DISTURBED;
-                        if best.as_ref().is_none_or(|b| sample.others < b.others) {
-                            best = Some(sample);
-                        }
-                        if !disturbed {
-                            break;
-                        }
-                        eprintln!(
-                            "part1: others took more than {:.0}% of the proxy's CPU: measured again",
-                            DISTURBED * 100.0
-                        );
-                    }
-                    samples.extend(best);
+                    samples.push(self.part1_sample(row, target, round).await?);
                 }
             }
         }
         Ok(samples)
+    }
+
+    /// One sample of part 1: a run, measured again while others disturbed it (up to
+    /// [`ATTEMPTS`], the least disturbed kept).
+    pub async fn part1_sample(
+        &self,
+        row: Row,
+        target: Target,
+        round: usize,
+    ) -> anyhow::Result<Sample> {
+        let mut best: Option<Sample> = None;
+        for attempt in 1..=ATTEMPTS {
+            let mut sample = self.part1_run(row, target).await?;
+            sample.attempts = attempt;
+            eprintln!(
+                "part1 round {round} {:>17} {:>9}: {:>9.0} req/s p50 {:.3} ms p99 {:.3} ms \
+                 p99.9 {:.3} ms errors {} cpu/10k {:.3} s (user {:.1} + sys {:.1} µs/req, \
+                 {:.2} irq/req), others {:.1}%",
+                row.label(),
+                target.name(),
+                sample.load.rps,
+                sample.load.p50_us / 1e3,
+                sample.load.p99_us / 1e3,
+                sample.load.p999_us / 1e3,
+                sample.load.errors,
+                sample.cpu_per_10k,
+                sample.user_us,
+                sample.system_us,
+                sample.interrupts_per_req,
+                sample.others * 100.0,
+            );
+            // Direct-to-upstream leaves the proxy's CPU idle: nothing to disturb.
+            let disturbed = target != Target::Direct && sample.others > DISTURBED;
+            if best.as_ref().is_none_or(|b| sample.others < b.others) {
+                best = Some(sample);
+            }
+            if !disturbed {
+                break;
+            }
+            eprintln!(
+                "part1: others took more than {:.0}% of the proxy's CPU: measured again",
+                DISTURBED * 100.0
+            );
+        }
+        best.context("no attempt ran")
     }
 
     /// One measured run of part 1: a fresh proxy, the warm-up, the measured load, and what the
