@@ -8,8 +8,8 @@ use std::path::PathBuf;
 
 use crate::parts::{Plan, Row, Sample};
 use crate::peers::Target;
+use crate::stage::{Pinning, Stage};
 use crate::stats::{median, num};
-use crate::{Pinning, Stage};
 
 /// `poolpilot-bench compare`'s arguments.
 #[derive(Debug, clap::Args)]

@@ -2,8 +2,9 @@
 //! parts 1–4), writing `BENCHMARKS.md` and the gateway's profile, with the fragments of other
 //! harnesses (parts 5–7, `--include`).
 //!
-//! `poolpilot-bench run` drives everything; `poolpilot-bench upstream ADDR` is the upstream it
-//! starts (the same binary, so every proxy fronts the same server).
+//! `poolpilot-bench run` drives everything; `poolpilot-bench compare` measures gateway builds
+//! against each other (`compare.rs`); `poolpilot-bench upstream ADDR` is the upstream they
+//! start (the same binary, so every proxy fronts the same server).
 
 mod clock;
 mod compare;
@@ -14,6 +15,7 @@ mod peers;
 mod procs;
 mod regression;
 mod report;
+mod stage;
 mod stats;
 mod upstream;
 
@@ -23,13 +25,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use nix::sched::{CpuSet, sched_setaffinity};
-use nix::sys::resource::{Resource, getrlimit, setrlimit};
-use nix::unistd::Pid;
 
-use crate::parts::{Bench, Plan};
-use crate::peers::Env;
-use crate::procs::Proc;
+use crate::parts::Plan;
+use crate::stage::{Pinning, Stage, pinned_runtime};
 
 #[derive(Debug, Parser)]
 #[command(about = "poolpilot's proxy benchmarks", version = poolpilot_telemetry::LONG_VERSION)]
@@ -110,105 +108,6 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// The driver's runtime, pinned before it starts its threads, which inherit the mask: the
-/// driver's own load (the fixed-rate row, parts 2–4) stays off the proxy's CPU.
-fn pinned_runtime() -> anyhow::Result<(tokio::runtime::Runtime, Pinning)> {
-    let pinning = Pinning::of_machine();
-    let mut set = CpuSet::new();
-    set.set(pinning.load_cpu.parse()?)?;
-    sched_setaffinity(Pid::from_raw(0), &set)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    Ok((rt, pinning))
-}
-
-/// Which CPUs the proxy and everything else run on.
-#[derive(Clone, Copy, Debug)]
-struct Pinning {
-    /// CPUs of the machine (as this process may use them).
-    cpus: usize,
-    /// The proxy's CPU.
-    proxy_cpu: &'static str,
-    /// The upstream's, the load generators' and the driver's.
-    load_cpu: &'static str,
-}
-
-/// What every measurement shares: the upstream process (stopped when dropped), its address, and
-/// the `wrk` summary script.
-struct Stage {
-    upstream: Proc,
-    upstream_addr: SocketAddr,
-    wrk_script: PathBuf,
-    pinning: Pinning,
-    run_dir: PathBuf,
-}
-
-impl Stage {
-    /// Raises the fd limit, writes the `wrk` script into `run_dir` and starts the upstream on
-    /// the load CPU.
-    async fn start(run_dir: &std::path::Path, pinning: Pinning) -> anyhow::Result<Self> {
-        let fds = raise_nofile()?;
-        std::fs::create_dir_all(run_dir)?;
-        let wrk_script = run_dir.join("summary.lua");
-        std::fs::write(&wrk_script, load::WRK_SCRIPT)?;
-        eprintln!(
-            "poolpilot-bench: fd limit {fds}, proxy on CPU {}, load on CPU {}",
-            pinning.proxy_cpu, pinning.load_cpu
-        );
-        let upstream_addr: SocketAddr = "127.0.0.1:18000".parse()?;
-        let exe = std::env::current_exe()?;
-        let mut upstream = Proc::spawn(
-            "upstream",
-            pinning.load_cpu,
-            &exe.display().to_string(),
-            &["upstream".to_string(), upstream_addr.to_string()],
-            &[],
-            &run_dir.join("upstream.log"),
-        )?;
-        peers::wait_ready(&mut upstream, upstream_addr).await?;
-        Ok(Self {
-            upstream,
-            upstream_addr,
-            wrk_script,
-            pinning,
-            run_dir: run_dir.to_path_buf(),
-        })
-    }
-
-    /// The benchmark of `gateway_bin` with `plan` on this stage.
-    fn bench(&self, plan: Plan, gateway_bin: &std::path::Path) -> anyhow::Result<Bench> {
-        let p = self.pinning;
-        Ok(Bench {
-            plan,
-            env: Env {
-                run_dir: self.run_dir.clone(),
-                gateway_bin: gateway_bin.to_path_buf(),
-                proxy_cpu: p.proxy_cpu.into(),
-                all_cpus: format!("0-{}", p.cpus - 1),
-            },
-            load_cpu: p.load_cpu.into(),
-            ticks_per_sec: procs::clock_ticks_per_sec(),
-            wrk_script: self.wrk_script.clone(),
-            upstream: self.upstream_addr,
-            listen: "127.0.0.1:18080".parse()?,
-        })
-    }
-}
-
-impl Pinning {
-    fn of_machine() -> Self {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let (proxy_cpu, load_cpu) = if cpus >= 2 { ("0", "1") } else { ("0", "0") };
-        Self {
-            cpus,
-            proxy_cpu,
-            load_cpu,
-        }
-    }
-}
-
 /// Where part 1's picture goes, relative to the report.
 const PART1_PLOT: &str = "docs/plots/bench-proxy-ratios.svg";
 
@@ -233,13 +132,6 @@ fn plot_from_report(report: &std::path::Path) -> anyhow::Result<()> {
     }
     eprintln!("poolpilot-bench: drew {}", dir.join(PART1_PLOT).display());
     Ok(())
-}
-
-/// Raises the soft fd limit to the hard one (children inherit it).
-fn raise_nofile() -> anyhow::Result<u64> {
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
-    Ok(hard)
 }
 
 async fn run(args: RunArgs, pinning: Pinning) -> anyhow::Result<()> {
