@@ -823,7 +823,9 @@ impl Metrics {
         self.0.pool_closed.get_or_create(&labels).inc();
     }
 
-    /// Clears the gauges computed from live state, before they are set again.
+    /// Clears the gauges computed from live state, before they are set again. (Never the
+    /// families behind [`CallSignals`]: backends hold their handles, which a cleared family
+    /// would no longer export.)
     pub(crate) fn clear_gauges(&self) {
         self.0.pool_connections.clear();
         self.0.pool_pending.clear();
