@@ -6,10 +6,10 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use crate::parts::{Plan, Row, Sample};
+use crate::parts::{Plan, Row, Sample, cell};
 use crate::peers::Target;
 use crate::stage::{Pinning, Stage};
-use crate::stats::{median, num};
+use crate::stats::num;
 
 /// `poolpilot-bench compare`'s arguments.
 #[derive(Debug, clap::Args)]
@@ -68,14 +68,6 @@ pub async fn run(args: &CompareArgs, pinning: Pinning) -> anyhow::Result<String>
     Ok(table(args, &samples))
 }
 
-/// Median, lowest and highest of `f` over `runs`.
-fn spread(runs: &[Sample], f: impl Fn(&Sample) -> f64) -> (f64, f64, f64) {
-    let values: Vec<f64> = runs.iter().map(f).collect();
-    let lo = values.iter().copied().fold(f64::NAN, f64::min);
-    let hi = values.iter().copied().fold(f64::NAN, f64::max);
-    (median(&values), lo, hi)
-}
-
 fn table(args: &CompareArgs, samples: &[Vec<Sample>]) -> String {
     let mut w = String::new();
     let _ = writeln!(
@@ -89,27 +81,30 @@ fn table(args: &CompareArgs, samples: &[Vec<Sample>]) -> String {
         "| build | req/s | ÷ first | CPU µs / req | ÷ first | user µs | system µs | redone |\n\
          |---|---|---:|---|---:|---:|---:|---:|"
     );
-    let cpu_us = |s: &Sample| s.cpu_per_10k * 100.0;
-    let first_rps = spread(&samples[0], |s| s.load.rps).0;
-    let first_cpu = spread(&samples[0], cpu_us).0;
-    for (bin, runs) in args.gateway_bins.iter().zip(samples) {
-        let rps = spread(runs, |s| s.load.rps);
-        let cpu = spread(runs, cpu_us);
+    // Every run of a build is one row and target: its cell holds the medians and ranges.
+    let row = Row::Concurrency(args.concurrency);
+    let cells: Vec<_> = samples
+        .iter()
+        .map(|runs| cell(runs, row, Target::Poolpilot))
+        .collect();
+    // CPU in µs per request (a cell holds seconds per 10k requests).
+    let us = |s_per_10k: f64| s_per_10k * 100.0;
+    for (bin, c) in args.gateway_bins.iter().zip(&cells) {
         let _ = writeln!(
             w,
             "| {} | {} ({}–{}) | {} | {} ({}–{}) | {} | {} | {} | {} |",
             bin.display(),
-            num(rps.0, 0),
-            num(rps.1, 0),
-            num(rps.2, 0),
-            num(rps.0 / first_rps, 2),
-            num(cpu.0, 1),
-            num(cpu.1, 1),
-            num(cpu.2, 1),
-            num(cpu.0 / first_cpu, 2),
-            num(spread(runs, |s| s.user_us).0, 1),
-            num(spread(runs, |s| s.system_us).0, 1),
-            runs.iter().map(|s| s.attempts - 1).sum::<usize>(),
+            num(c.rps, 0),
+            num(c.rps_range.0, 0),
+            num(c.rps_range.1, 0),
+            num(c.rps / cells[0].rps, 2),
+            num(us(c.cpu), 1),
+            num(us(c.cpu_range.0), 1),
+            num(us(c.cpu_range.1), 1),
+            num(c.cpu / cells[0].cpu, 2),
+            num(c.user_us, 1),
+            num(c.system_us, 1),
+            c.redone,
         );
     }
     w

@@ -879,6 +879,8 @@ pub struct Cell {
     pub runs: usize,
     /// The lowest and highest req/s over the rounds.
     pub rps_range: (f64, f64),
+    /// The lowest and highest CPU per request over the rounds, s per 10k requests.
+    pub cpu_range: (f64, f64),
     /// The lowest and highest p99 over the rounds, µs.
     pub p99_range: (f64, f64),
 }
@@ -903,6 +905,7 @@ pub fn cell(samples: &[Sample], row: Row, target: Target) -> Cell {
         redone: runs.iter().map(|s| s.attempts.saturating_sub(1)).sum(),
         runs: runs.len(),
         rps_range: range(&|s| s.load.rps),
+        cpu_range: range(&|s| s.cpu_per_10k),
         p99_range: range(&|s| s.load.p99_us),
         rps: m(&|s| s.load.rps),
         p50: m(&|s| s.load.p50_us),

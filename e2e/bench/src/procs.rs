@@ -109,7 +109,7 @@ impl Proc {
     /// The sum of `read` over the process and its descendants. A descendant that exited since
     /// it was listed (gone, or a zombie without memory figures) counts nothing; the process
     /// itself must answer.
-    fn over_tree<T: Default + std::ops::Add<Output = T>>(
+    fn over_tree<T: std::ops::Add<Output = T>>(
         &self,
         read: impl Fn(u32) -> anyhow::Result<T>,
     ) -> anyhow::Result<T> {

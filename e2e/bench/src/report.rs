@@ -434,21 +434,14 @@ fn render_part1_cpu(w: &mut String, r: &Results<'_>) {
     for row in rows(&r.samples) {
         for t in ALL {
             let c = cell(&r.samples, row, t);
-            let dash = |x: f64, digits: usize| {
-                if x.is_nan() {
-                    "–".to_string()
-                } else {
-                    num(x, digits)
-                }
-            };
             let _ = writeln!(
                 w,
                 "| {} | {} | {} | {} | {} | {} | {} |",
                 row.label(),
                 t.name(),
-                dash(c.user_us, 2),
-                dash(c.system_us, 2),
-                dash(c.interrupts_per_req, 3),
+                num(c.user_us, 2),
+                num(c.system_us, 2),
+                num(c.interrupts_per_req, 3),
                 if c.others_max.is_nan() {
                     "–".to_string()
                 } else {

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use poolpilot_api::limits::PriorityClass;
-use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
 use super::body::BodyProgress;
@@ -58,8 +57,6 @@ pub(super) struct Call {
     pub(super) permit: Option<ClientPermit>,
     pub(super) status: u16,
     pub(super) sent_at: Instant,
-    /// Response body bytes of this backend, counted as they arrive.
-    pub(super) bytes: Counter,
     /// Whether the body's first byte arrived (and its time was observed).
     pub(super) first_byte: bool,
     /// Its tokens, read from the response as it passes.
@@ -98,7 +95,8 @@ impl Call {
                 .signals
                 .first_byte(self.sent_at.elapsed().as_secs_f64());
         }
-        self.bytes.inc_by(n as u64);
+        // Response body bytes of this backend, counted as they arrive.
+        self.backend.signals.response_bytes().inc_by(n as u64);
     }
 
     pub(super) fn finish(mut self, end: End) {

@@ -53,7 +53,6 @@ pub(super) fn respond(
     call.slot.arm(deadline.clone());
     let done = Call {
         metrics: call.metrics.clone(),
-        bytes: backend.signals.response_bytes().clone(),
         first_byte: false,
         meter,
         backend,
