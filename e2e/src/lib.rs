@@ -21,6 +21,7 @@ pub mod hermetic;
 pub mod load;
 pub mod module_graph;
 pub mod namespace;
+pub mod node_cpu;
 pub mod paths;
 pub mod pool_view;
 pub mod relay;

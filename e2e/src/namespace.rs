@@ -12,8 +12,14 @@ use kube::Resource;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use parking_lot::Mutex;
 use rand::Rng as _;
+use serde_json::Value;
 
 use crate::Cluster;
+use crate::node_cpu::{self, Reservation, requested_millicores};
+
+/// How long a test that reserved the node's CPU waits for its pods to be gone before it gives
+/// the reservation back regardless.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(90);
 
 /// Label put on every test namespace, so leftovers are easy to find and delete.
 pub const TEST_NAMESPACE_LABEL: &str = "poolpilot.io/e2e";
@@ -24,6 +30,7 @@ pub struct TestNamespace {
     client: kube::Client,
     cluster: &'static Cluster,
     extra_dumps: Mutex<Vec<(String, PathBuf)>>,
+    cpu: Mutex<Option<Reservation>>,
 }
 
 impl std::fmt::Debug for TestNamespace {
@@ -83,6 +90,32 @@ impl TestNamespace {
             .create(&PostParams::default(), &deployment)
             .await?;
         Ok(created)
+    }
+
+    /// Waits until the node's CPU has room for what the pods of `objects` request
+    /// ([`requested_millicores`]) beside the other tests' reservations, and takes it until this
+    /// namespace's pods are gone: call it once, before creating any of the test's pods, with
+    /// everything the test will run at its largest (see [`crate::node_cpu`]). Returns the
+    /// millicores reserved.
+    pub async fn reserve_cpu(&self, objects: &[Value]) -> anyhow::Result<u32> {
+        let millis = requested_millicores(objects)?;
+        anyhow::ensure!(
+            self.cpu.lock().is_none(),
+            "{} reserved the node's CPU before: a test reserves all of it at once",
+            self.name
+        );
+        let started = tokio::time::Instant::now();
+        let reservation = node_cpu::reserve(&self.client, millis).await?;
+        let waited = started.elapsed();
+        if waited > std::time::Duration::from_secs(1) {
+            println!(
+                "{}: waited {:.1} s for {millis}m of the node's CPU (other tests held it)",
+                self.name,
+                waited.as_secs_f64()
+            );
+        }
+        *self.cpu.lock() = Some(reservation);
+        Ok(millis)
     }
 
     /// Adds a file (an operator's log, say) to what is printed if the test fails.
@@ -231,6 +264,7 @@ where
         client,
         cluster,
         extra_dumps: Mutex::new(Vec::new()),
+        cpu: Mutex::new(None),
     };
 
     let outcome = AssertUnwindSafe(test(&tns)).catch_unwind().await;
@@ -238,13 +272,42 @@ where
     if failed {
         eprintln!("{}", tns.dump().await);
     }
-    if std::env::var_os("POOLPILOT_E2E_KEEP").is_none() {
+    let keep = std::env::var_os("POOLPILOT_E2E_KEEP").is_some();
+    if !keep {
         if let Err(e) = namespaces.delete(&name, &DeleteParams::default()).await {
             eprintln!("could not delete test namespace {name}: {e}");
         }
     } else {
         eprintln!("keeping namespace {name} (POOLPILOT_E2E_KEEP is set)");
     }
+    let reserved = tns.cpu.lock().take();
+    if let Some(reservation) = reserved {
+        // The scheduler counts a pod's request until the pod is gone; a kept namespace's pods
+        // stay, and so does its share of the node for the rest of the run.
+        if keep {
+            std::mem::forget(reservation);
+            return finish(outcome);
+        }
+        let pods: Api<Pod> = tns.api();
+        let gone = crate::eventually("the namespace's pods gone", RELEASE_WAIT, || async {
+            let left = pods.list(&ListParams::default()).await?.items.len();
+            anyhow::ensure!(left == 0, "{left} pods left");
+            Ok(())
+        })
+        .await;
+        if let Err(e) = gone {
+            eprintln!(
+                "{name}: {e:#}; its {}m of CPU go back anyway",
+                reservation.millis
+            );
+        }
+        drop(reservation);
+    }
+    finish(outcome)
+}
+
+/// The test's own outcome, its panic resumed.
+fn finish(outcome: std::thread::Result<anyhow::Result<()>>) -> anyhow::Result<()> {
     match outcome {
         Ok(result) => result,
         Err(panic) => std::panic::resume_unwind(panic),

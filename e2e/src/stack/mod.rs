@@ -302,6 +302,7 @@ impl<'a> Stack<'a> {
             }
             objects.push(object);
         }
+        self.ns.reserve_cpu(&objects).await?;
         cluster.apply_list(&objects).await?;
         Ok(())
     }

@@ -66,9 +66,45 @@ pub(crate) fn local_values(ns: &TestNamespace, release: &str) -> anyhow::Result<
     }))
 }
 
+/// Reserves the node's CPU ([`TestNamespace::reserve_cpu`]) for an install of the chart with
+/// `values` as release `release` in `ns` and, when given, for the sample backends of
+/// [`deploy_backends`] in `backends`: before any of them is created.
+pub(crate) async fn reserve_install(
+    ns: &TestNamespace,
+    release: &str,
+    values: &Value,
+    backends: Option<&TestNamespace>,
+) -> anyhow::Result<()> {
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), serde_json::to_vec(values)?)?;
+    let rendered = run(helm(ns.cluster())
+        .args(["template", release])
+        .arg(chart_dir())
+        .args(["-n", ns.name(), "--kube-version", "1.37.2", "-f"])
+        .arg(file.path()))
+    .await?;
+    let mut objects = documents(&rendered)?;
+    if let Some(backends) = backends {
+        objects.extend(backend_objects(backends).await?);
+    }
+    ns.reserve_cpu(&objects).await?;
+    Ok(())
+}
+
 /// The sample backends (modelsim) of the local overlay, moved into `ns`: model-a with two
 /// replicas, model-b with none.
 pub(crate) async fn deploy_backends(ns: &TestNamespace) -> anyhow::Result<()> {
+    let items = backend_objects(ns).await?;
+    apply(
+        ns,
+        &json!({"apiVersion": "v1", "kind": "List", "items": items}),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The objects of [`deploy_backends`].
+async fn backend_objects(ns: &TestNamespace) -> anyhow::Result<Vec<Value>> {
     let cluster = ns.cluster();
     let yaml = run(cluster
         .kubectl()
@@ -90,12 +126,7 @@ pub(crate) async fn deploy_backends(ns: &TestNamespace) -> anyhow::Result<()> {
         items.push(object);
     }
     anyhow::ensure!(items.len() == 4, "the overlay's backends: {items:#?}");
-    apply(
-        ns,
-        &json!({"apiVersion": "v1", "kind": "List", "items": items}),
-    )
-    .await?;
-    Ok(())
+    Ok(items)
 }
 
 pub(crate) async fn apply(ns: &TestNamespace, object: &Value) -> anyhow::Result<String> {
@@ -285,6 +316,10 @@ async fn the_chart_installs_serves_upgrades_and_uninstalls_cleanly() -> anyhow::
             values.path(),
             serde_json::to_vec(&local_values(ns, &release)?)?,
         )?;
+        // The node's CPU for the install at its largest: after the upgrade to three gateways.
+        let mut largest = local_values(ns, &release)?;
+        largest["gateway"]["replicas"] = json!(3);
+        reserve_install(ns, &release, &largest, Some(ns)).await?;
 
         // What the chart renders, the apiserver accepts.
         let rendered = run(helm(cluster)
@@ -590,6 +625,7 @@ async fn a_fresh_install_is_ready_and_any_policy_survives_a_restart_without_the_
         values["gateway"]["awaitOperator"] = json!("3s");
         let file = tempfile::NamedTempFile::new()?;
         std::fs::write(file.path(), serde_json::to_vec(&values)?)?;
+        reserve_install(ns, &release, &values, Some(ns)).await?;
         let _aggregation = BUILT_IN_ROLE_AGGREGATION.lock().await;
         deploy_backends(ns).await?;
         // No policy exists: `--wait` waits for every Deployment to be Ready, gateways included.
@@ -713,6 +749,7 @@ async fn a_backend_in_another_namespace_is_served_when_allowed_and_refused_when_
             values["operator"]["backendNamespaces"] = json!([backends.name()]);
             let file = tempfile::NamedTempFile::new()?;
             std::fs::write(file.path(), serde_json::to_vec(&values)?)?;
+            reserve_install(ns, &release, &values, Some(backends)).await?;
             let _aggregation = BUILT_IN_ROLE_AGGREGATION.lock().await;
             deploy_backends(backends).await?;
             run(helm(cluster)

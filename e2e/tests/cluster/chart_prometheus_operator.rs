@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use crate::chart::{
     admin_credentials, apply, call_through_every_gateway, chart_dir, deploy_backends, helm,
-    local_values, ready_pods, wait_named_policy_ready,
+    local_values, ready_pods, reserve_install, wait_named_policy_ready,
 };
 
 const WAIT: Duration = Duration::from_secs(180);
@@ -255,6 +255,16 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
         cluster.install_crd().await?;
         install_crds(ns).await?;
         apply(ns, &prometheus_identity(ns.name())).await?;
+        // The chart as a kube-prometheus-stack user installs it: the PodMonitor by default (the
+        // cluster serves its CRD), no scrape annotations, the operator reading the Prometheus
+        // started below. The node's CPU is reserved for the release and the backends first.
+        let release = ns.name().to_owned();
+        let mut values = local_values(ns, &release)?;
+        values["monitoring"] = json!({"podAnnotations": false});
+        // Nothing aggregated into the built-in roles: no turn to wait for (see `exclusive`).
+        values["rbac"] = json!({"aggregateToDefaultRoles": false});
+        reserve_install(ns, &release, &values, Some(ns)).await?;
+
         let _operator = start_operator(ns, RELOADER_IMAGE)?;
         // The sample backends start meanwhile.
         let (prometheus, ()) =
@@ -263,15 +273,7 @@ async fn prometheus_operator_scrapes_the_charts_podmonitor_over_https_and_a_prog
             "figure prometheus_operator: Prometheus of the operator Ready at {prometheus} after {:.1} s",
             started.elapsed().as_secs_f64()
         );
-
-        // The chart as a kube-prometheus-stack user installs it: the PodMonitor by default (the
-        // cluster serves its CRD), no scrape annotations, the operator reading that Prometheus.
-        let release = ns.name().to_owned();
-        let mut values = local_values(ns, &release)?;
         values["operator"]["prometheus"]["url"] = json!(prometheus);
-        values["monitoring"] = json!({"podAnnotations": false});
-        // Nothing aggregated into the built-in roles: no turn to wait for (see `exclusive`).
-        values["rbac"] = json!({"aggregateToDefaultRoles": false});
         let file = tempfile::NamedTempFile::new()?;
         std::fs::write(file.path(), serde_json::to_vec(&values)?)?;
         run(helm(cluster)

@@ -1,5 +1,8 @@
 //! Cluster-wide effects that one test of this binary must have to itself while it looks at
 //! them, though the tests run at the same time on one cluster.
+//!
+//! A test that also reserves the node's CPU ([`poolpilot_e2e::TestNamespace::reserve_cpu`])
+//! does so before it takes a lock of this module: one order, so no two tests wait on each other.
 
 use tokio::sync::Mutex;
 

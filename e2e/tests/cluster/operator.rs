@@ -145,7 +145,6 @@ async fn deploy_operator(
                     *arg = json!(format!("--prometheus-url={prometheus}"));
                 }
             }
-            args.retain(|a| !a.as_str().is_some_and(|a| a.starts_with("--namespace=")));
             // This namespace only, whatever the overlay's operator watches.
             args.retain(|a| !a.as_str().is_some_and(|a| a.starts_with("--namespace=")));
             args.push(json!("--namespace=$(POD_NAMESPACE)"));
@@ -153,6 +152,7 @@ async fn deploy_operator(
     }
     // The reduced role is applied before the binding that refers to it (order of the list).
     objects.sort_by_key(|o| o["kind"] != "ClusterRole");
+    ns.reserve_cpu(&objects).await?;
     // Shared with the other tests' applies: a create may lose a race (see `Cluster::apply`).
     ns.cluster().apply_list(&objects).await?;
     Ok(())
