@@ -105,7 +105,7 @@ impl TestNamespace {
             self.name
         );
         let started = tokio::time::Instant::now();
-        let reservation = node_cpu::reserve(&self.client, millis).await?;
+        let reservation = node_cpu::reserve(&self.client, millis, TEST_NAMESPACE_LABEL).await?;
         let waited = started.elapsed();
         if waited > std::time::Duration::from_secs(1) {
             println!(

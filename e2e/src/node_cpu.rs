@@ -19,8 +19,6 @@ use kube::api::{Api, ListParams};
 use serde_json::Value;
 use tokio::sync::{OnceCell, Semaphore, SemaphorePermit};
 
-use crate::namespace::TEST_NAMESPACE_LABEL;
-
 /// Millicores left out of the reservable total for pods that no test reserves for: small
 /// sidecars that an operator outside the tests adds (prometheus-operator's config reloader asks
 /// 10m), and what the node's own pods come to request after the total was read.
@@ -42,11 +40,16 @@ impl std::fmt::Debug for Reservation {
 }
 
 /// Waits until `millis` of the node's CPU are free of other tests' reservations and takes them.
-/// Fails at once when the node could never hold that much.
-pub(crate) async fn reserve(client: &kube::Client, millis: u32) -> anyhow::Result<Reservation> {
+/// Fails at once when the node could never hold that much. Test namespaces carry the label
+/// `tests` (their pods are the reservations'; the others are the cluster's own).
+pub(crate) async fn reserve(
+    client: &kube::Client,
+    millis: u32,
+    tests: &str,
+) -> anyhow::Result<Reservation> {
     let (node, total) = NODE_CPU
         .get_or_try_init(|| async {
-            let total = reservable(client).await?;
+            let total = reservable(client, tests).await?;
             anyhow::Ok((Semaphore::new(total as usize), total))
         })
         .await?;
@@ -66,8 +69,8 @@ pub(crate) async fn reserve(client: &kube::Client, millis: u32) -> anyhow::Resul
 }
 
 /// What the tests may reserve: the nodes' allocatable CPU less what pods outside test namespaces
-/// request (the cluster's own) and [`SLACK_MILLIS`].
-async fn reservable(client: &kube::Client) -> anyhow::Result<u32> {
+/// (labelled `tests`) request, the cluster's own, and [`SLACK_MILLIS`].
+async fn reservable(client: &kube::Client, tests: &str) -> anyhow::Result<u32> {
     let nodes: Api<Node> = Api::all(client.clone());
     let mut allocatable = 0;
     for node in nodes.list(&ListParams::default()).await? {
@@ -78,9 +81,9 @@ async fn reservable(client: &kube::Client) -> anyhow::Result<u32> {
             .context("a node without allocatable CPU")?;
         allocatable += millicores(&cpu)?;
     }
-    let tests: Api<Namespace> = Api::all(client.clone());
-    let test_namespaces: Vec<String> = tests
-        .list(&ListParams::default().labels(TEST_NAMESPACE_LABEL))
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let test_namespaces: Vec<String> = namespaces
+        .list(&ListParams::default().labels(tests))
         .await?
         .items
         .into_iter()
