@@ -1,19 +1,20 @@
-//! Upstream connections: HTTP/1.1 and HTTP/2 client connections to backend endpoints (hyper's
-//! low-level `client::conn`), in plain text or over TLS ([`tls`]: verified, resumed, never
-//! downgraded), the pooled unit of [`crate::pool`]: an HTTP/1.1 connection, or a stream slot on
-//! an HTTP/2 one ([`h2`]: streams before connections, the server's limit and `GOAWAY` obeyed).
+//! Upstream connections: HTTP/1.1 client connections to backend endpoints (the gateway's own,
+//! [`h1`]) and HTTP/2 ones (hyper's low-level `client::conn`), in plain text or over TLS
+//! ([`tls`]: verified, resumed, never downgraded), the pooled unit of [`crate::pool`]: an
+//! HTTP/1.1 connection, or a stream slot on an HTTP/2 one ([`h2`]: streams before connections,
+//! the server's limit and `GOAWAY` obeyed).
 //! Each backend has its own connector, which knows which of its addresses take TLS and with
 //! which client (set from the backend's endpoints whenever they or their addresses change), and
 //! which HTTP version its calls go out in (the backend's `protocol`: HTTP/2 by ALPN or by
 //! prior knowledge).
 //!
 //! An HTTP/1.1 connection's IO is driven by whoever holds it, inside that task: the proxied call
-//! that leased it drives it while it sends, waits for the head and streams the body (no task of
-//! its own, so no hand-off through a channel and a wake-up between tasks for each request and
-//! response); the pool drives it (with a no-op waker, no syscall unless the socket became
-//! readable) when it checks whether an idle connection is still open, which is how a backend
-//! closing an idle connection is noticed. An HTTP/2 connection, shared by many calls, has a task
-//! of its own.
+//! that leased it drives it while it sends, waits for the head and reads the body straight off
+//! it ([`ResponseStream::Connection`]: no task of its own, no channel, no wake-up between tasks
+//! for each request and response); the pool reads it (with a no-op waker, no syscall unless the
+//! socket became readable) when it checks whether an idle connection is still open, which is how
+//! a backend closing an idle connection is noticed. An HTTP/2 connection, shared by many calls,
+//! has a task of its own.
 //!
 //! Closing is a handshake: the gateway's FIN, then whatever the backend still sends is read
 //! and dropped until the backend closes its side, so the pool knows when the backend has let
@@ -29,25 +30,24 @@
 //! itself and ends it.
 
 use std::collections::HashMap;
-use std::future::{Future, poll_fn};
+use std::future::Future;
 use std::io;
-use std::net::{Shutdown, SocketAddr};
-use std::pin::{Pin, pin};
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::{HeaderValue, Request, Response, header};
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
 use parking_lot::{Mutex, RwLock};
 use poolpilot_api::limits::UpstreamProtocol;
-use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use self::h1::H1Conn;
 use self::h2::{H2Conn, H2Conns, H2Stream, Opened};
 pub use self::keepalive::Keepalive;
 use crate::pool::{Connect, Multiplexed, Poolable};
@@ -55,15 +55,17 @@ use crate::proxy::body::RequestBody;
 use transport::{SharedStream, Socket, Transport};
 
 mod frames;
+mod h1;
 mod h2;
 mod keepalive;
 mod send_error;
 pub mod tls;
 mod transport;
 
-pub use send_error::SendError;
+pub use send_error::{SendError, UpstreamError};
 pub use tls::{TlsClient, TlsError};
-pub use transport::{Peek, peek};
+#[cfg(test)]
+use transport::{Peek, peek};
 
 /// Opens upstream connections, in plain text or over TLS as the address asks, HTTP/1.1 or
 /// HTTP/2 as the backend's protocol and the server's ALPN answer say, with TCP keepalive when
@@ -211,20 +213,10 @@ impl HttpConnector {
                 Err(e) => Err(io::Error::new(e.kind(), H2Refused(e))),
             };
         }
-        let tls = transport.is_tls();
-        let (sender, driver) = http1::Builder::new()
-            .handshake(TokioIo::new(transport))
-            .await
-            .map_err(io::Error::other)?;
-        Ok(Err(UpstreamConn(Conn::H1(H1Conn {
-            sender,
-            driver: Some(Box::pin(driver)),
-            addr,
-            opened: Instant::now(),
-            stream: socket,
-            authority,
-            tls,
-        }))))
+        drop(socket);
+        Ok(Err(UpstreamConn(Conn::H1(Box::new(H1Conn::new(
+            transport, addr, authority,
+        ))))))
     }
 
     /// [`Self::open`] for a connection that asks for HTTP/2; for `auto` over TLS, a server that
@@ -256,35 +248,35 @@ impl HttpConnector {
     }
 }
 
-type Driver = http1::Connection<TokioIo<Transport>, RequestBody>;
-
 /// What the pool leases: an HTTP/1.1 connection, or a stream slot on an HTTP/2 one.
 #[derive(Debug)]
 pub struct UpstreamConn(Conn);
 
 #[derive(Debug)]
 enum Conn {
-    H1(H1Conn),
+    H1(Box<H1Conn>),
     /// A slot, and whether its connection was open before it (no new connection for it).
     H2(H2Stream, bool),
 }
 
-impl UpstreamConn {
-    /// HTTP/1.1: moves the connection's IO as far as it can go now (writes the queued request,
-    /// reads the response, hands both over); `cx` is woken when it can go further. HTTP/2: the
-    /// connection's own task does that. Returns whether the connection is still open.
-    pub fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        match &mut self.0 {
-            Conn::H1(c) => c.drive(cx),
-            Conn::H2(s, _) => s.is_open(),
-        }
-    }
+/// A response body as its upstream connection delivers it.
+#[derive(Debug)]
+pub enum ResponseStream {
+    /// HTTP/2: the stream's body (hyper's; the connection's task fills it).
+    Stream(Incoming),
+    /// HTTP/1.1: read off the leased connection itself, in the task that polls it.
+    Connection,
+}
 
+impl UpstreamConn {
     /// Waits until the connection can take a request.
-    pub async fn ready(&mut self) -> hyper::Result<()> {
+    pub async fn ready(&mut self) -> Result<(), UpstreamError> {
         match &mut self.0 {
-            Conn::H1(c) => c.ready().await,
-            Conn::H2(s, _) => s.ready().await,
+            Conn::H1(c) => match c.is_open() {
+                true => Ok(()),
+                false => Err("the upstream connection is closed".into()),
+            },
+            Conn::H2(s, _) => s.ready().await.map_err(Into::into),
         }
     }
 
@@ -294,124 +286,47 @@ impl UpstreamConn {
     pub async fn send(
         &mut self,
         req: Request<RequestBody>,
-    ) -> Result<Response<Incoming>, SendError> {
+    ) -> Result<Response<ResponseStream>, SendError> {
         match &mut self.0 {
-            Conn::H1(c) => c.send(req).await,
-            Conn::H2(s, _) => s.send(req).await,
+            Conn::H1(c) => Ok(c.send(req).await?.map(|()| ResponseStream::Connection)),
+            Conn::H2(s, _) => Ok(s.send(req).await?.map(ResponseStream::Stream)),
         }
     }
-}
 
-/// One HTTP/1.1 connection to an endpoint: the request handle and the connection's IO state
-/// machine, driven by [`H1Conn::drive`].
-struct H1Conn {
-    sender: http1::SendRequest<RequestBody>,
-    /// `None` once the connection ended (closed by either side, or failed).
-    driver: Option<Pin<Box<Driver>>>,
-    addr: SocketAddr,
-    opened: Instant,
-    /// The socket, for [`peek`] and the bytes read.
-    stream: Arc<Socket>,
-    /// Over TLS: the `Host` of every request (the server name), when it is a DNS name.
-    authority: Option<HeaderValue>,
-    tls: bool,
-}
-
-impl std::fmt::Debug for H1Conn {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("H1Conn")
-            .field("addr", &self.addr)
-            .field("tls", &self.tls)
-            .field("open", &self.driver.is_some())
-            .finish()
-    }
-}
-
-impl H1Conn {
-    /// Moves the connection's IO as far as it can go now (writes the queued request, reads the
-    /// response, hands both over); `cx` is woken when it can go further. Returns whether the
-    /// connection is still open.
-    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        if let Some(driver) = self.driver.as_mut()
-            && let Poll::Ready(result) = driver.as_mut().poll(cx)
-        {
-            if let Err(error) = result {
-                tracing::debug!(addr = %self.addr, %error, "upstream connection ended with an error");
-            }
-            self.driver = None;
-        }
-        self.driver.is_some()
-    }
-
-    /// Drives the connection without anyone to wake: for connections nobody is waiting on.
-    fn drive_idle(&mut self) -> bool {
-        self.drive(&mut Context::from_waker(Waker::noop()))
-    }
-
-    /// Waits until the connection can take a request.
-    async fn ready(&mut self) -> hyper::Result<()> {
-        poll_fn(|cx| {
-            self.drive(cx);
-            self.sender.poll_ready(cx)
-        })
-        .await
-    }
-
-    /// Sends `req` and waits for the response head, driving the connection meanwhile. A
-    /// request that was not written comes back in the error; one that was (maybe in part)
-    /// says whether the connection closed before any byte of a response came.
-    async fn send(
+    /// The next frame of `body`, a response of this connection: HTTP/1.1 reads it off the
+    /// connection here (and sends the rest of the request, when the backend answered before
+    /// it had it all); `cx` is woken when there is more.
+    pub fn poll_frame(
         &mut self,
-        mut req: Request<RequestBody>,
-    ) -> Result<Response<Incoming>, SendError> {
-        if let Some(authority) = &self.authority {
-            req.headers_mut().insert(header::HOST, authority.clone());
+        body: &mut ResponseStream,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
+        match (body, &mut self.0) {
+            (ResponseStream::Stream(incoming), _) => {
+                Pin::new(incoming).poll_frame(cx).map_err(Into::into)
+            }
+            (ResponseStream::Connection, Conn::H1(c)) => c.poll_frame(cx),
+            (ResponseStream::Connection, Conn::H2(..)) => Poll::Ready(None),
         }
-        let read_before = self.stream.read.load(Ordering::Relaxed);
-        let mut response = pin!(self.sender.try_send_request(req));
-        let result = poll_fn(|cx| {
-            if let Poll::Ready(result) = response.as_mut().poll(cx) {
-                return Poll::Ready(result);
-            }
-            self.drive(cx);
-            response.as_mut().poll(cx)
-        })
-        .await;
-        result.map_err(|mut e| match e.take_message() {
-            Some(req) => SendError::Unsent(Box::new(req), e.into_error()),
-            None => {
-                let error = e.into_error();
-                let unanswered = self.stream.read.load(Ordering::Relaxed) == read_before;
-                if unanswered && closed_by_peer(&error) {
-                    SendError::ClosedUnanswered(error)
-                } else {
-                    SendError::Failed(error)
-                }
-            }
-        })
     }
-}
 
-/// Whether `error` is the peer closing the connection: its end of the stream before a message
-/// (hyper's incomplete message), or a reset, a broken pipe or an abort from the kernel.
-fn closed_by_peer(error: &hyper::Error) -> bool {
-    if error.is_incomplete_message() {
-        return true;
-    }
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        if let Some(io) = cause.downcast_ref::<io::Error>() {
-            return matches!(
-                io.kind(),
-                io::ErrorKind::ConnectionReset
-                    | io::ErrorKind::BrokenPipe
-                    | io::ErrorKind::ConnectionAborted
-                    | io::ErrorKind::UnexpectedEof
-            );
+    /// Whether `body`, a response of this connection, has ended.
+    pub fn body_ended(&self, body: &ResponseStream) -> bool {
+        match (body, &self.0) {
+            (ResponseStream::Stream(incoming), _) => incoming.is_end_stream(),
+            (ResponseStream::Connection, Conn::H1(c)) => c.body_ended(),
+            (ResponseStream::Connection, Conn::H2(..)) => true,
         }
-        source = cause.source();
     }
-    false
+
+    /// The size of `body`, a response of this connection, as far as is known.
+    pub fn body_size_hint(&self, body: &ResponseStream) -> SizeHint {
+        match (body, &self.0) {
+            (ResponseStream::Stream(incoming), _) => incoming.size_hint(),
+            (ResponseStream::Connection, Conn::H1(c)) => c.body_size_hint(),
+            (ResponseStream::Connection, Conn::H2(..)) => SizeHint::with_exact(0),
+        }
+    }
 }
 
 impl Poolable for UpstreamConn {
@@ -443,52 +358,10 @@ impl Poolable for UpstreamConn {
 
     fn close(self) -> Option<impl Future<Output = ()> + Send + 'static> {
         let closing: Pin<Box<dyn Future<Output = ()> + Send>> = match self.0 {
-            Conn::H1(c) => Box::pin(c.close()?),
+            Conn::H1(c) => Box::pin((*c).close()),
             Conn::H2(s, _) => Box::pin(s.close()?),
         };
         Some(closing)
-    }
-}
-
-impl H1Conn {
-    fn is_open(&mut self) -> bool {
-        self.drive_idle() && !self.sender.is_closed()
-    }
-
-    fn validate(&mut self) -> bool {
-        if !(self.is_open() && self.sender.is_ready()) {
-            return false;
-        }
-        match peek(&self.stream.tcp) {
-            Peek::Quiet => true,
-            // TLS records the connection has not read yet: a ticket, a key update.
-            Peek::Unexpected if self.tls => true,
-            found => {
-                tracing::debug!(addr = %self.addr, ?found, "idle upstream connection found dead before reuse");
-                false
-            }
-        }
-    }
-
-    fn close(self) -> Option<impl Future<Output = ()> + Send + 'static> {
-        let Self { sender, driver, .. } = self;
-        drop(sender);
-        // No driver: the connection ended, its socket is closed on both sides already.
-        let mut stream = Pin::into_inner(driver?).into_parts().io.into_inner();
-        // Plain: the FIN at once. TLS: `close_notify`, then the FIN, as the future runs.
-        let shut = (!stream.is_tls())
-            .then(|| socket2::SockRef::from(&stream.socket().tcp).shutdown(Shutdown::Write));
-        Some(async move {
-            let shut = match shut {
-                Some(done) => done,
-                None => stream.shutdown().await,
-            };
-            if shut.is_ok() {
-                // Until the peer's FIN (0) or an error (a reset): the rest of a response the
-                // client gave up on is dropped.
-                let _ = tokio::io::copy(&mut stream, &mut tokio::io::sink()).await;
-            }
-        })
     }
 }
 
@@ -574,7 +447,7 @@ mod tests {
         let UpstreamConn(Conn::H1(conn)) = conn.unwrap() else {
             panic!("HTTP/1.1 unless the backend's protocol says otherwise");
         };
-        (conn, accepted.unwrap().0)
+        (*conn, accepted.unwrap().0)
     }
 
     #[tokio::test(start_paused = true)]
@@ -622,14 +495,14 @@ mod tests {
             ping_timeout: Duration::from_secs(5),
         };
         let (conn, _peer) = pair(HttpConnector::new(Some(keepalive))).await;
-        let socket = socket2::SockRef::from(&conn.stream.tcp);
+        let socket = socket2::SockRef::from(&conn.socket().tcp);
         assert!(socket.keepalive().unwrap());
         assert_eq!(socket.tcp_keepalive_time().unwrap(), keepalive.idle);
         assert_eq!(socket.tcp_keepalive_interval().unwrap(), keepalive.interval);
         assert_eq!(socket.tcp_keepalive_retries().unwrap(), keepalive.count);
 
         let (conn, _peer) = pair(HttpConnector::default()).await;
-        let socket = socket2::SockRef::from(&conn.stream.tcp);
+        let socket = socket2::SockRef::from(&conn.socket().tcp);
         assert!(!socket.keepalive().unwrap(), "off unless configured");
     }
 
@@ -651,9 +524,9 @@ mod tests {
     #[tokio::test]
     async fn validation_asks_the_kernel_about_a_fin_or_a_reset() {
         let (conn, peer) = pair(HttpConnector::default()).await;
-        assert_eq!(peek(&conn.stream.tcp), Peek::Quiet);
+        assert_eq!(peek(&conn.socket().tcp), Peek::Quiet);
         drop(peer);
-        assert_eq!(settled_peek(&conn.stream.tcp).await, Peek::Closed);
+        assert_eq!(settled_peek(&conn.socket().tcp).await, Peek::Closed);
 
         let (mut conn, peer) = pair(HttpConnector::default()).await;
         assert!(conn.validate(), "a quiet connection is fine");
@@ -662,7 +535,7 @@ mod tests {
             .set_linger(Some(Duration::ZERO))
             .unwrap();
         drop(peer);
-        assert_eq!(settled_peek(&conn.stream.tcp).await, Peek::Failed);
+        assert_eq!(settled_peek(&conn.socket().tcp).await, Peek::Failed);
         assert!(!conn.validate());
 
         let (mut conn, mut peer) = pair(HttpConnector::default()).await;
@@ -670,7 +543,7 @@ mod tests {
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(peek(&conn.stream.tcp), Peek::Unexpected);
+        assert_eq!(peek(&conn.socket().tcp), Peek::Unexpected);
         assert!(!conn.validate(), "bytes nobody asked for");
     }
 }

@@ -50,6 +50,13 @@ impl<C: Connect> Lease<C> {
             .expect("a lease holds its connection until dropped")
     }
 
+    /// The connection, to look at.
+    pub fn conn_ref(&self) -> &C::Conn {
+        self.conn
+            .as_ref()
+            .expect("a lease holds its connection until dropped")
+    }
+
     /// Whether the connection was reused from the pool (not opened for this lease).
     pub fn reused(&self) -> bool {
         self.reused

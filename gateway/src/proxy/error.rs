@@ -82,9 +82,9 @@ pub enum ProxyError {
     Upstream {
         /// The backend.
         backend: String,
-        /// What hyper reported.
+        /// What went wrong on the connection.
         #[source]
-        source: hyper::Error,
+        source: crate::upstream::UpstreamError,
     },
     /// The backend closed a reused keep-alive connection after the request was written and
     /// before any byte of a response (its idle timer fired as the request came), and the
@@ -96,9 +96,9 @@ pub enum ProxyError {
     UpstreamClosed {
         /// The backend.
         backend: String,
-        /// What hyper reported.
+        /// What went wrong on the connection.
         #[source]
-        source: hyper::Error,
+        source: crate::upstream::UpstreamError,
     },
     /// Reading the client's request body failed (400).
     #[error("reading the request body failed")]

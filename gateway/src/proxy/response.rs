@@ -16,7 +16,6 @@ use http::Response;
 use http::header;
 use http_body::{Body, SizeHint};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::body::{BoxError, PolledFrame, ResponseBody};
@@ -27,7 +26,7 @@ use crate::limits::limiter::ClientPermit;
 use crate::live::Backend;
 use crate::pool::Lease;
 use crate::tokens::Meter;
-use crate::upstream::HttpConnector;
+use crate::upstream::{HttpConnector, ResponseStream};
 
 /// The response of a call whose head arrived: hop-by-hop headers dropped and `Via` added, its
 /// deadlines armed in the call's slot, and its body wrapped to settle the call when it ends.
@@ -36,7 +35,7 @@ pub(super) fn respond(
     backend: Arc<Backend>,
     lease: Lease<HttpConnector>,
     mut permit: Option<ClientPermit>,
-    response: Response<Incoming>,
+    response: Response<ResponseStream>,
     sent_at: Instant,
 ) -> Response<ResponseBody> {
     let timeouts = &call.route.timeouts;
@@ -71,22 +70,29 @@ pub(super) fn respond(
 /// backend or for the client. The deadlines themselves are fired by the task serving the
 /// response, which drops this body; its drop releases the lease and the client permit.
 pub(crate) struct UpstreamBody {
-    inner: Incoming,
+    inner: ResponseStream,
     call: Option<Call>,
     deadline: Arc<ResponseDeadline>,
 }
 
 impl UpstreamBody {
-    fn new(inner: Incoming, call: Call, deadline: Arc<ResponseDeadline>) -> Self {
+    fn new(inner: ResponseStream, call: Call, deadline: Arc<ResponseDeadline>) -> Self {
         let mut body = Self {
             inner,
             call: Some(call),
             deadline,
         };
-        if body.inner.is_end_stream() {
+        if body.ended() {
             body.end(End::Complete);
         }
         body
+    }
+
+    /// Whether the backend's body has ended (the call is settled once it has).
+    fn ended(&self) -> bool {
+        self.call
+            .as_ref()
+            .is_none_or(|call| call.lease.conn_ref().body_ended(&self.inner))
     }
 
     fn end(&mut self, end: End) {
@@ -105,26 +111,21 @@ impl Body for UpstreamBody {
         let Some(call) = this.call.as_mut() else {
             return Poll::Ready(None);
         };
-        // The upstream connection is driven here, in the client connection's task.
-        let mut frame = Pin::new(&mut this.inner).poll_frame(cx);
-        if frame.is_pending() {
-            call.lease.conn().drive(cx);
-            frame = Pin::new(&mut this.inner).poll_frame(cx);
-        }
-        match frame {
+        // An HTTP/1.1 body is read off the connection here, in the client connection's task.
+        match call.lease.conn().poll_frame(&mut this.inner, cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 this.deadline.handed_frame();
                 if let (Some(call), Some(data)) = (this.call.as_mut(), frame.data_ref()) {
                     call.received(data);
                 }
-                if this.inner.is_end_stream() {
+                if this.ended() {
                     this.end(End::Complete);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
                 this.end(End::Failed);
-                Poll::Ready(Some(Err(e.into())))
+                Poll::Ready(Some(Err(e)))
             }
             Poll::Ready(None) => {
                 this.end(End::Complete);
@@ -138,11 +139,14 @@ impl Body for UpstreamBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.call.is_none() || self.inner.is_end_stream()
+        self.ended()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.call {
+            Some(call) => call.lease.conn_ref().body_size_hint(&self.inner),
+            None => SizeHint::with_exact(0),
+        }
     }
 }
 

@@ -173,16 +173,16 @@ impl H2Stream {
                     if let Some(host) = host {
                         req.headers_mut().insert(header::HOST, host);
                     }
-                    SendError::Unsent(Box::new(req), e.into_error())
+                    SendError::Unsent(Box::new(req), e.into_error().into())
                 }
                 None => {
                     let error = e.into_error();
                     // Refused, or the connection went before any answer: its ping went
                     // unanswered (a timeout), or it ended under the stream (canceled).
                     if refused(&error) || error.is_timeout() || error.is_canceled() {
-                        SendError::ClosedUnanswered(error)
+                        SendError::ClosedUnanswered(error.into())
                     } else {
-                        SendError::Failed(error)
+                        SendError::Failed(error.into())
                     }
                 }
             }

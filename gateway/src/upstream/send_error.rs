@@ -6,15 +6,19 @@ use http::Request;
 
 use crate::proxy::body::RequestBody;
 
+/// What went wrong on an upstream connection: hyper's error (HTTP/2), an IO error or the
+/// HTTP/1.1 connection's own ([`super::h1`]).
+pub type UpstreamError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Why `UpstreamConn::send` brought no response head.
 #[derive(Debug)]
 pub enum SendError {
     /// Nothing of the request was written: it comes back, to go on another connection.
-    Unsent(Box<Request<RequestBody>>, hyper::Error),
+    Unsent(Box<Request<RequestBody>>, UpstreamError),
     /// The request was written (maybe in part), then the backend closed or reset the connection
     /// before a single byte of a response (HTTP/2: refused the stream): it may not have seen the
     /// request, or may have processed it; only a replayable request may be sent again.
-    ClosedUnanswered(hyper::Error),
+    ClosedUnanswered(UpstreamError),
     /// Anything else: a response began and broke, or the exchange failed otherwise.
-    Failed(hyper::Error),
+    Failed(UpstreamError),
 }

@@ -1,13 +1,12 @@
-//! The socket under an upstream connection: shared between hyper, which reads and writes it
-//! (through [`Transport`], plain or TLS, counting the bytes of responses read), and the
-//! connection's own checks ([`peek`]: what the kernel holds for an idle socket).
+//! The socket under an upstream connection: shared between the connection, which reads and
+//! writes it (through [`Transport`], plain or TLS, counting the bytes of responses read), and its
+//! checks ([`peek`]: what the kernel holds for an idle socket).
 
 use std::io;
 use std::mem::MaybeUninit;
 use std::net::Shutdown;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -16,27 +15,22 @@ use tokio_rustls::client::TlsStream;
 
 use super::frames::FrameWatch;
 
-/// The upstream socket and the bytes of responses read from it so far (whether a response
-/// began to arrive: over TLS, the plain text only, so that a `close_notify` or a ticket is no
-/// answer).
+/// The upstream socket, shared by the connection's reads and writes and its checks.
 #[derive(Debug)]
 pub(super) struct Socket {
     pub(super) tcp: TcpStream,
-    pub(super) read: AtomicU64,
 }
 
 impl Socket {
-    /// A socket over `tcp`, nothing read yet.
+    /// A socket over `tcp`.
     pub(super) fn new(tcp: TcpStream) -> Arc<Self> {
-        Arc::new(Self {
-            tcp,
-            read: AtomicU64::new(0),
-        })
+        Arc::new(Self { tcp })
     }
 }
 
-/// What hyper reads and writes: the shared socket itself, or TLS over it. Counts the bytes of
-/// responses read, and over HTTP/2 shows them to the connection's [`FrameWatch`].
+/// What a connection reads and writes (the gateway's own HTTP/1.1 one, hyper's HTTP/2 one): the
+/// shared socket itself, or TLS over it. Over HTTP/2 it shows the bytes read to the
+/// connection's [`FrameWatch`].
 #[derive(Debug)]
 pub(super) struct Transport {
     io: Io,
@@ -98,14 +92,8 @@ impl AsyncRead for Transport {
             Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         };
-        let read = &buf.filled()[before..];
-        if !read.is_empty() {
-            this.socket
-                .read
-                .fetch_add(read.len() as u64, Ordering::Relaxed);
-            if let Some(frames) = &mut this.frames {
-                frames.feed(read);
-            }
+        if let Some(frames) = &mut this.frames {
+            frames.feed(&buf.filled()[before..]);
         }
         result
     }
@@ -157,8 +145,8 @@ impl AsyncWrite for Transport {
     }
 }
 
-/// The upstream socket, shared by hyper (which reads and writes it through this) and the
-/// connection's own checks.
+/// The upstream socket, shared by the connection (which reads and writes it through this) and
+/// its checks.
 #[derive(Debug)]
 pub(super) struct SharedStream(pub(super) Arc<Socket>);
 
@@ -170,7 +158,7 @@ impl AsyncRead for SharedStream {
     ) -> Poll<io::Result<()>> {
         loop {
             ready!(self.0.tcp.poll_read_ready(cx))?;
-            // Into the buffer's uninitialised part as it is (hyper's read buffer is large and
+            // Into the buffer's uninitialised part as it is (a read buffer is large and
             // fresh on every read: zeroing it first would cost a memset per read).
             match self.0.tcp.try_read_buf(buf) {
                 Ok(_) => return Poll::Ready(Ok(())),
