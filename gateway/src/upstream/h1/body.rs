@@ -259,6 +259,8 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::Strategy as _;
+
     use super::*;
 
     /// A body's bytes, its trailers, and what was left after its end.
@@ -364,5 +366,46 @@ mod tests {
             Err(BodyError::IncompleteChunked)
         );
         assert!(Decoder::new(BodyFraming::Length(0)).is_done());
+    }
+
+    proptest::proptest! {
+        /// Arbitrary bytes, fed in arbitrary steps, never panic the decoder or make it loop,
+        /// and it never hands out more than it was given.
+        #[test]
+        fn arbitrary_bytes_never_panic_the_decoder(
+            wire in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+            step in 1usize..64,
+            framing in proptest::prop_oneof![
+                (0u64..300).prop_map(BodyFraming::Length),
+                proptest::strategy::Just(BodyFraming::Chunked),
+                proptest::strategy::Just(BodyFraming::Close),
+            ],
+        ) {
+            if let Ok((body, _, rest)) = run(framing, &wire, step, true) {
+                proptest::prop_assert!(body.len() + rest.len() <= wire.len());
+                if let BodyFraming::Length(n) = framing {
+                    proptest::prop_assert_eq!(body.len() as u64, n);
+                }
+            }
+        }
+
+        /// What the request side's chunked encoder writes, the decoder reads back whole,
+        /// however the bytes arrive.
+        #[test]
+        fn chunks_written_by_the_encoder_read_back_whole(
+            frames in proptest::collection::vec(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300), 0..8),
+            step in 1usize..128,
+        ) {
+            use super::super::request::{BodyEncoder, Framing};
+            let mut wire = Vec::new();
+            let mut encoder = BodyEncoder::new(Framing::Chunked);
+            for frame in &frames {
+                encoder.data(&mut wire, &Bytes::copy_from_slice(frame)).unwrap();
+            }
+            encoder.end(&mut wire, None).unwrap();
+            let (body, trailers, rest) = run(BodyFraming::Chunked, &wire, step, false).unwrap();
+            proptest::prop_assert_eq!(body, frames.concat());
+            proptest::prop_assert!(trailers.is_none() && rest.is_empty());
+        }
     }
 }

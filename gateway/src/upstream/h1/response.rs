@@ -201,6 +201,9 @@ fn persistent(headers: &HeaderMap, version: Version) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::Strategy;
+    use proptest::prelude::prop;
+
     use super::*;
 
     fn head(text: &str) -> Result<Option<Head>, HeadError> {
@@ -344,5 +347,80 @@ mod tests {
         assert!(!framed("HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: x, Close\r\n\r\n").1);
         assert!(!framed("HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n").1);
         assert!(framed("HTTP/1.0 200 OK\r\nContent-Length: 0\r\nConnection: keep-alive\r\n\r\n").1);
+    }
+
+    /// Field lines a backend could use to frame a response ambiguously: lengths that disagree,
+    /// codings that hide `chunked`, whitespace where RFC 9112 allows none, line folding.
+    fn smuggling_field() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "Content-Length: 5\r\n",
+            "Content-Length: 6\r\n",
+            "Content-Length: 5, 5\r\n",
+            "Content-Length: 5, 6\r\n",
+            "Content-Length:5\r\n",
+            "Content-Length : 5\r\n",
+            "Content-Length: +5\r\n",
+            "Content-Length: 0x5\r\n",
+            "Content-Length: 18446744073709551616\r\n",
+            "Transfer-Encoding: chunked\r\n",
+            "Transfer-Encoding: Chunked\r\n",
+            "Transfer-Encoding: xchunked\r\n",
+            "Transfer-Encoding: chunked, identity\r\n",
+            "Transfer-Encoding: gzip, chunked\r\n",
+            "Transfer-Encoding:\tchunked\r\n",
+            "Transfer-Encoding: chunked\r\n chunked\r\n",
+            " Transfer-Encoding: chunked\r\n",
+            "Transfer-Encoding\r\n",
+            "Connection: close\r\n",
+            "Connection: keep-alive\r\n",
+            "X-Other: 1\r\n",
+        ])
+    }
+
+    proptest::proptest! {
+        /// Arbitrary bytes never panic the parser, and it takes exactly one head or nothing.
+        #[test]
+        fn arbitrary_bytes_never_panic_the_head_parser(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..1024),
+            head_request in proptest::prelude::any::<bool>(),
+        ) {
+            let mut buf = BytesMut::from(&bytes[..]);
+            match parse(&mut buf, head_request) {
+                Ok(Some(_)) => proptest::prop_assert!(buf.len() < bytes.len()),
+                _ => proptest::prop_assert_eq!(buf.len(), bytes.len(), "nothing taken"),
+            }
+        }
+
+        /// However a backend combines ambiguous framing fields, the connection is never left to
+        /// guess: a `Transfer-Encoding` is never overridden by a length, lengths that disagree
+        /// fail the call, and a connection stays open only for a head framed one way.
+        #[test]
+        fn ambiguous_framing_never_leaves_a_reused_connection_guessing(
+            fields in proptest::collection::vec(smuggling_field(), 0..5),
+        ) {
+            let text = format!("HTTP/1.1 200 OK\r\n{}\r\n", fields.concat());
+            let Ok(Some(head)) = parse(&mut BytesMut::from(text.as_bytes()), false) else {
+                return Ok(());
+            };
+            let coded = head.headers.contains_key(header::TRANSFER_ENCODING);
+            let lengths: std::collections::BTreeSet<&[u8]> = head
+                .headers
+                .get_all(header::CONTENT_LENGTH)
+                .iter()
+                .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+                .map(trim)
+                .collect();
+            proptest::prop_assert!(lengths.len() <= 1, "disagreeing lengths accepted: {text:?}");
+            if coded {
+                proptest::prop_assert!(
+                    !matches!(head.body, BodyFraming::Length(_)),
+                    "a length overrode a coding: {text:?}"
+                );
+            }
+            if head.keep_alive {
+                proptest::prop_assert!(!coded || lengths.is_empty(), "{text:?}");
+                proptest::prop_assert!(head.body != BodyFraming::Close, "{text:?}");
+            }
+        }
     }
 }
