@@ -177,7 +177,7 @@ pub fn render(r: &Results<'_>) -> String {
         }
     );
 
-    render_targets(w, r);
+    render_targets(w, &r.samples, &r.idle);
     crate::regression::render(w, &r.regression);
     render_part1(w, r);
     render_part2(w, r);
@@ -203,9 +203,9 @@ fn num_cpus() -> usize {
         .count()
 }
 
-fn idle_median(r: &Results<'_>, t: Target, pooled: bool) -> f64 {
+fn idle_median(idle: &[IdleRun], t: Target, pooled: bool) -> f64 {
     median(
-        &r.idle
+        &idle
             .iter()
             .filter(|i| i.target == t && i.pooled == pooled)
             .map(IdleRun::bytes_per_conn)
@@ -213,20 +213,32 @@ fn idle_median(r: &Results<'_>, t: Target, pooled: bool) -> f64 {
     )
 }
 
-fn render_targets(w: &mut String, r: &Results<'_>) {
+/// The targets table, judged on part 1's one-worker closed-loop rows and part 4; a target whose
+/// figures are missing is "not measured", never met.
+fn render_targets(w: &mut String, samples: &[Sample], idle_runs: &[IdleRun]) {
     let _ = writeln!(w, "## Targets\n");
     let _ = writeln!(w, "| target | met? | detail |\n|---|---|---|");
     let mut thr_fail = Vec::new();
     let mut p99_fail = Vec::new();
     let mut cpu_fail = Vec::new();
-    for row in rows(&r.samples)
+    // Rows without every figure: nothing is judged on them (a comparison with a missing figure
+    // would pass without having measured anything).
+    let mut unmeasured = Vec::new();
+    let mut judged = 0;
+    for row in rows(samples)
         .into_iter()
         .filter(|row| row.is_judged_closed_loop())
     {
-        let d = cell(&r.samples, row, Target::Direct);
-        let p = cell(&r.samples, row, Target::Poolpilot);
-        let h = cell(&r.samples, row, Target::Haproxy);
-        let n = cell(&r.samples, row, Target::Nginx);
+        let d = cell(samples, row, Target::Direct);
+        let p = cell(samples, row, Target::Poolpilot);
+        let h = cell(samples, row, Target::Haproxy);
+        let n = cell(samples, row, Target::Nginx);
+        let figures = [d.p99, p.rps, p.p99, p.cpu, h.rps, h.p99, h.cpu, n.rps];
+        if figures.iter().any(|f| !f.is_finite()) {
+            unmeasured.push(row.label());
+            continue;
+        }
+        judged += 1;
         if p.cpu > h.cpu {
             cpu_fail.push(format!(
                 "{}: {} µs vs {} µs",
@@ -253,7 +265,14 @@ fn render_targets(w: &mut String, r: &Results<'_>) {
         }
     }
     let verdict = |fails: &Vec<String>| {
-        if fails.is_empty() {
+        if judged == 0 || !unmeasured.is_empty() {
+            let missing = if judged == 0 {
+                "part 1 was not run".to_string()
+            } else {
+                format!("no figures for {}", unmeasured.join(", "))
+            };
+            ("**not measured**".to_string(), missing)
+        } else if fails.is_empty() {
             ("yes".to_string(), "every row".to_string())
         } else {
             ("**no**".to_string(), fails.join("; "))
@@ -275,8 +294,10 @@ fn render_targets(w: &mut String, r: &Results<'_>) {
         "| CPU per request ≤ HAProxy's at every closed-loop row (one worker) | {m} | {d} |"
     );
     let mut idle_met = true;
+    let mut idle_measured = true;
     let idle = [true, false].map(|pooled| {
-        let [p, h, n] = PROXIES.map(|t| idle_median(r, t, pooled));
+        let [p, h, n] = PROXIES.map(|t| idle_median(idle_runs, t, pooled));
+        idle_measured &= p.is_finite() && n.is_finite();
         idle_met &= p <= n;
         format!(
             "{}: poolpilot {} B, HAProxy {} B, nginx {} B",
@@ -293,7 +314,11 @@ fn render_targets(w: &mut String, r: &Results<'_>) {
     let _ = writeln!(
         w,
         "| RSS per idle client connection ≤ nginx's | {} | {} |\n",
-        if idle_met { "yes" } else { "**no**" },
+        match (idle_measured, idle_met) {
+            (false, _) => "**not measured**",
+            (true, true) => "yes",
+            (true, false) => "**no**",
+        },
         idle.join("; ")
     );
 }
@@ -850,6 +875,22 @@ fn render_configs(w: &mut String, r: &Results<'_>) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn targets_without_their_figures_are_not_measured_never_met() {
+        let mut w = String::new();
+        super::render_targets(&mut w, &[], &[]);
+        let verdicts: Vec<&str> = w
+            .lines()
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| target"))
+            .map(|l| l.split(" | ").nth(1).unwrap_or_default())
+            .collect();
+        assert_eq!(verdicts.len(), 4, "{w}");
+        assert!(
+            verdicts.iter().all(|v| *v == "**not measured**"),
+            "a run without parts 1 and 4 meets no target: {w}"
+        );
+    }
+
     use super::*;
     use crate::load::LoadResult;
 
