@@ -9,7 +9,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
@@ -156,15 +156,32 @@ impl AsyncRead for SharedStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        let tcp = &self.0.tcp;
         loop {
-            ready!(self.0.tcp.poll_read_ready(cx))?;
-            // Into the buffer's uninitialised part as it is (a read buffer is large and
-            // fresh on every read: zeroing it first would cost a memset per read).
-            match self.0.tcp.try_read_buf(buf) {
-                Ok(_) => return Poll::Ready(Ok(())),
-                // Readiness was stale (try_read cleared it): wait again.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Poll::Ready(Err(e)),
+            ready!(tcp.poll_read_ready(cx))?;
+            let room = buf.remaining();
+            let mut read = None;
+            // Into the buffer's uninitialised part as it is (a read buffer is large and fresh
+            // on every read: zeroing it first would cost a memset per read). A read shorter
+            // than the room emptied the socket: the readiness seen before it is cleared (as a
+            // `WouldBlock` would), so that the next look at an idle connection costs no
+            // `recv` that can only say `EAGAIN`. Readiness that arrived after the read is newer
+            // and stays, and so does a peer's FIN (tokio never clears a closed side).
+            let outcome = tcp.try_io(Interest::READABLE, || {
+                let n = tcp.try_read_buf(buf)?;
+                read = Some(n);
+                if n > 0 && n < room {
+                    Err(io::ErrorKind::WouldBlock.into())
+                } else {
+                    Ok(n)
+                }
+            });
+            match (read, outcome) {
+                (Some(_), _) => return Poll::Ready(Ok(())),
+                // Readiness was stale (the read cleared it): wait again.
+                (None, Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
+                (None, Err(e)) => return Poll::Ready(Err(e)),
+                (None, Ok(_)) => return Poll::Ready(Ok(())),
             }
         }
     }

@@ -614,3 +614,58 @@ proptest! {
         prop_assert_eq!(ours, theirs, "{:?}", String::from_utf8_lossy(&script.bytes));
     }
 }
+
+/// A read that empties the socket clears the readiness it saw (an idle connection's next check
+/// costs no `recv`): a FIN that came with the response's last bytes, or after them, is still
+/// seen, and so are bytes that arrive later.
+#[tokio::test]
+async fn a_fin_with_the_last_bytes_of_a_response_is_still_seen_when_idle() {
+    let (mut conn, mut peer) = pair().await;
+    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
+        read_request(&mut peer, b"\r\n\r\n").await;
+        // No `Connection: close`: the backend just goes after answering.
+        peer.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        drop(peer);
+    });
+    sent.unwrap();
+    assert_eq!(drain(&mut conn).await.0, b"ok");
+    let mut closed = false;
+    for _ in 0..100 {
+        if !conn.is_open() {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        closed,
+        "the backend's FIN must be noticed on the idle connection"
+    );
+
+    // Bytes nobody asked for, arriving after a response was read whole.
+    let (mut conn, mut peer) = pair().await;
+    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
+        read_request(&mut peer, b"\r\n\r\n").await;
+        peer.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+    });
+    sent.unwrap();
+    assert_eq!(drain(&mut conn).await.0, b"ok");
+    assert!(conn.is_open());
+    peer.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
+    let mut closed = false;
+    for _ in 0..100 {
+        if !conn.is_open() {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        closed,
+        "bytes after the idle check cleared the readiness must still be seen"
+    );
+}
