@@ -38,6 +38,7 @@ use tokio::time::Instant;
 
 use self::body::{Decoded, Decoder};
 use self::request::{BodyEncoder, FramingError};
+use self::response::HeadReader;
 use super::send_error::{SendError, UpstreamError};
 use super::transport::{Peek, Socket, Transport, peek};
 use crate::proxy::body::RequestBody;
@@ -89,6 +90,7 @@ struct Exchange {
     /// Whether the request went out whole (a failed body leaves the connection unfit).
     tx_whole: bool,
     rx: Rx,
+    heads: HeadReader,
     /// A `HEAD` request: its response has no body.
     head_request: bool,
     /// A byte of a response arrived (a `1xx` counts).
@@ -297,6 +299,7 @@ impl H1Conn {
             }),
             tx_whole: false,
             rx: Rx::Head,
+            heads: HeadReader::default(),
             head_request: parts.method == Method::HEAD,
             answered: false,
             keep_alive: false,
@@ -327,7 +330,7 @@ impl H1Conn {
                     "the upstream connection ended".into(),
                 )));
             };
-            match response::parse(&mut self.read, exchange.head_request) {
+            match exchange.heads.read(&mut self.read, exchange.head_request) {
                 Ok(Some(head)) if head.status.is_informational() => continue,
                 Ok(Some(head)) => {
                     // An answer before the whole request: the backend may not read the rest,

@@ -63,6 +63,42 @@ pub(crate) enum HeadError {
     UnaskedUpgrade,
 }
 
+/// Reads heads as their bytes arrive: each byte is looked at once for the blank line that ends a
+/// head, and `httparse` runs only when one has come, so a backend that sends its head a byte at
+/// a time costs time in proportion to the head, not to its square.
+#[derive(Debug, Default)]
+pub(super) struct HeadReader {
+    /// The bytes at the front of the buffer already looked at, without a blank line among them.
+    scanned: usize,
+}
+
+impl HeadReader {
+    /// [`parse`], once the bytes at the front of `buf` hold a blank line.
+    pub(super) fn read(
+        &mut self,
+        buf: &mut BytesMut,
+        head_request: bool,
+    ) -> Result<Option<Head>, HeadError> {
+        // A blank line ends in `\n\n` or `\n\r\n`: look again from two bytes before the new ones.
+        let from = self.scanned.saturating_sub(2).min(buf.len());
+        let new = &buf[from..];
+        let ended = new.windows(2).any(|w| w == b"\n\n") || new.windows(3).any(|w| w == b"\n\r\n");
+        if !ended {
+            self.scanned = buf.len();
+            if buf.len() >= MAX_HEAD_BYTES {
+                return Err(HeadError::TooLarge);
+            }
+            return Ok(None);
+        }
+        let parsed = parse(buf, head_request);
+        self.scanned = match &parsed {
+            Ok(None) => buf.len(),
+            _ => 0,
+        };
+        parsed
+    }
+}
+
 /// The head at the start of `buf`, taken from it, if all of it is there (`Ok(None)` while more
 /// is needed). Informational (1xx) heads come back like any other (the caller skips them).
 pub(super) fn parse(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, HeadError> {
@@ -325,6 +361,43 @@ mod tests {
             head("HTTP/1.1 999 Odd\r\n\r\n").unwrap().unwrap().status,
             999
         );
+    }
+
+    #[test]
+    fn a_head_sent_a_byte_at_a_time_is_read_when_its_blank_line_comes() {
+        for text in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: 1\r\n\r\nok"[..],
+            b"HTTP/1.1 204 No Content\n\n",
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+        ] {
+            let mut reader = HeadReader::default();
+            let mut buf = BytesMut::new();
+            let mut heads = Vec::new();
+            for byte in text {
+                buf.extend_from_slice(&[*byte]);
+                while let Some(head) = reader.read(&mut buf, false).unwrap() {
+                    heads.push(head.status);
+                }
+            }
+            let whole = parse(&mut BytesMut::from(text), false).unwrap().unwrap();
+            assert_eq!(heads.first(), Some(&whole.status), "{text:?}");
+            assert_eq!(
+                heads.len(),
+                1 + usize::from(whole.status == 100),
+                "{text:?}"
+            );
+        }
+        let mut reader = HeadReader::default();
+        let mut endless = BytesMut::new();
+        let mut result = Ok(None);
+        while result == Ok(None) {
+            endless.extend_from_slice(b"x-filler: aaaaaaaaaaaaaaaa\r\n");
+            result = reader
+                .read(&mut endless, false)
+                .map(|h| h.map(|h| h.status));
+        }
+        assert_eq!(result, Err(HeadError::TooLarge));
+        assert!(endless.len() < MAX_HEAD_BYTES + 64);
     }
 
     #[test]
