@@ -320,11 +320,21 @@ impl Metrics {
 
     pub fn stats(&self, instance: &str, draining: bool) -> Stats {
         let g = |g: &Gauge| u64::try_from(g.get()).unwrap_or(0);
+        // Under the lock that opening and closing hold: a connection counted open is in the
+        // peak too (read apart, a snapshot could see 30 open and a peak of 29).
+        let (connections_open, connections_peak, connections_at_peak) = {
+            let open = self.open.lock();
+            (
+                g(&self.connections_open),
+                g(&self.connections_peak),
+                open.at_peak.clone(),
+            )
+        };
         Stats {
             instance: instance.to_owned(),
-            connections_open: g(&self.connections_open),
-            connections_peak: g(&self.connections_peak),
-            connections_at_peak: self.open.lock().at_peak.clone(),
+            connections_open,
+            connections_peak,
+            connections_at_peak,
             connections_accepted: self.connections_accepted.get(),
             connections_closed_idle: self.connections_closed_idle.get(),
             connections_reset: self.connections_reset.get(),
