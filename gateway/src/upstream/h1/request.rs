@@ -45,7 +45,7 @@ pub(super) fn framing(
     empty: bool,
     exact: Option<u64>,
 ) -> Result<(Framing, Option<(header::HeaderName, HeaderValue)>), FramingError> {
-    if let Some(length) = content_length(headers)? {
+    if let Some(length) = content_length(headers).map_err(|()| FramingError::InvalidLength)? {
         return Ok((Framing::Length(length), None));
     }
     if empty {
@@ -67,14 +67,15 @@ pub(super) fn framing(
 }
 
 /// The one length that every `Content-Length` field of `headers` names (a list of the same
-/// number is that number, RFC 9110 §8.6), `None` without the field.
-fn content_length(headers: &HeaderMap) -> Result<Option<u64>, FramingError> {
+/// number is that number, RFC 9110 §8.6), `None` without the field; `Err` when they name none
+/// or several. Requests and responses alike.
+pub(super) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ()> {
     let mut length = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
         for part in value.as_bytes().split(|b| *b == b',') {
-            let n = parse_length(trim(part)).ok_or(FramingError::InvalidLength)?;
+            let n = parse_length(trim(part)).ok_or(())?;
             if length.is_some_and(|l| l != n) {
-                return Err(FramingError::InvalidLength);
+                return Err(());
             }
             length = Some(n);
         }
@@ -84,7 +85,7 @@ fn content_length(headers: &HeaderMap) -> Result<Option<u64>, FramingError> {
 
 /// A decimal length of 1 to 19 digits (no sign, no space: RFC 9110 §8.6's `1*DIGIT`, below
 /// `u64`'s overflow).
-pub(super) fn parse_length(digits: &[u8]) -> Option<u64> {
+fn parse_length(digits: &[u8]) -> Option<u64> {
     if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
         return None;
     }

@@ -13,7 +13,7 @@ use bytes::BytesMut;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{StatusCode, Version};
 
-use super::request::{parse_length, trim};
+use super::request::{content_length, trim};
 
 /// The most fields a response head may have (hyper's default too).
 pub(super) const MAX_HEADERS: usize = 100;
@@ -173,7 +173,7 @@ fn framing(
     {
         return Ok((BodyFraming::Length(0), true));
     }
-    let length = content_length(headers)?;
+    let length = content_length(headers).map_err(|()| HeadError::InvalidLength)?;
     let mut codings = headers
         .get_all(header::TRANSFER_ENCODING)
         .iter()
@@ -201,21 +201,6 @@ fn framing(
     } else {
         (BodyFraming::Close, false)
     })
-}
-
-/// The one length of the `Content-Length` fields, `None` without them.
-fn content_length(headers: &HeaderMap) -> Result<Option<u64>, HeadError> {
-    let mut length = None;
-    for value in headers.get_all(header::CONTENT_LENGTH) {
-        for part in value.as_bytes().split(|b| *b == b',') {
-            let n = parse_length(trim(part)).ok_or(HeadError::InvalidLength)?;
-            if length.is_some_and(|l| l != n) {
-                return Err(HeadError::InvalidLength);
-            }
-            length = Some(n);
-        }
-    }
-    Ok(length)
 }
 
 /// Whether the backend keeps the connection open after the response: HTTP/1.1 unless it says

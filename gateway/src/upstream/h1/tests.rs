@@ -56,6 +56,39 @@ async fn read_request(peer: &mut TcpStream, until: &[u8]) -> Vec<u8> {
     got
 }
 
+/// What the backend does after its answer.
+#[derive(Clone, Copy, PartialEq)]
+enum Then {
+    Keep,
+    Close,
+}
+
+/// A GET on `conn` that the backend reads to its blank line and answers with `bytes`, then
+/// keeps the connection (handed back) or closes it.
+async fn answer(
+    conn: &mut H1Conn,
+    mut peer: TcpStream,
+    bytes: &'static [u8],
+    then: Then,
+) -> (Result<Response<()>, SendError>, Option<TcpStream>) {
+    tokio::join!(conn.send(request("GET", b"", &[])), async move {
+        read_request(&mut peer, b"\r\n\r\n").await;
+        peer.write_all(bytes).await.unwrap();
+        (then == Then::Keep).then_some(peer)
+    })
+}
+
+/// Whether `conn` is seen closed within half a second (a FIN or bytes reach it in their time).
+async fn closes_soon(conn: &mut H1Conn) -> bool {
+    for _ in 0..100 {
+        if !conn.is_open() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}
+
 /// The whole response body through the connection: data, trailers, or the error.
 async fn drain(conn: &mut H1Conn) -> (Vec<u8>, Option<HeaderMap>, Option<String>) {
     let mut data = Vec::new();
@@ -167,25 +200,16 @@ fn channel_body() -> (tokio::sync::mpsc::Sender<Frame<Bytes>>, RequestBody) {
 
 #[tokio::test]
 async fn a_backend_closing_before_any_answer_leaves_the_request_unanswered() {
-    let (mut conn, mut peer) = pair().await;
-    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
-        read_request(&mut peer, b"\r\n\r\n").await;
-        drop(peer);
-    });
+    let (mut conn, peer) = pair().await;
+    let (sent, _) = answer(&mut conn, peer, b"", Then::Close).await;
     assert!(
         matches!(sent, Err(SendError::ClosedUnanswered(_))),
         "{sent:?}"
     );
     assert!(!conn.is_open());
 
-    let (mut conn, mut peer) = pair().await;
-    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
-        read_request(&mut peer, b"\r\n\r\n").await;
-        peer.write_all(b"HTTP/1.1 200 OK\r\nContent-")
-            .await
-            .unwrap();
-        drop(peer);
-    });
+    let (mut conn, peer) = pair().await;
+    let (sent, _) = answer(&mut conn, peer, b"HTTP/1.1 200 OK\r\nContent-", Then::Close).await;
     assert!(
         matches!(sent, Err(SendError::Failed(_))),
         "a response began: not to be sent again blindly: {sent:?}"
@@ -239,25 +263,27 @@ async fn informational_heads_are_skipped_and_a_head_request_reads_no_body() {
 #[tokio::test]
 async fn a_connection_is_not_reused_unless_the_exchange_ended_cleanly() {
     // Connection: close.
-    let (mut conn, mut peer) = pair().await;
-    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
-        read_request(&mut peer, b"\r\n\r\n").await;
-        peer.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\n!")
-            .await
-            .unwrap();
-    });
+    let (mut conn, peer) = pair().await;
+    let (sent, _peer) = answer(
+        &mut conn,
+        peer,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\n!",
+        Then::Keep,
+    )
+    .await;
     sent.unwrap();
     assert_eq!(drain(&mut conn).await.0, b"!");
     assert!(!conn.is_open());
 
     // Bytes past the response's end.
-    let (mut conn, mut peer) = pair().await;
-    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
-        read_request(&mut peer, b"\r\n\r\n").await;
-        peer.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n!HTTP/1.1 200 OK\r\n")
-            .await
-            .unwrap();
-    });
+    let (mut conn, peer) = pair().await;
+    let (sent, _peer) = answer(
+        &mut conn,
+        peer,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n!HTTP/1.1 200 OK\r\n",
+        Then::Keep,
+    )
+    .await;
     sent.unwrap();
     assert_eq!(drain(&mut conn).await.0, b"!");
     assert!(
@@ -266,28 +292,28 @@ async fn a_connection_is_not_reused_unless_the_exchange_ended_cleanly() {
     );
 
     // Read until close.
-    let (mut conn, mut peer) = pair().await;
-    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
-        read_request(&mut peer, b"\r\n\r\n").await;
-        peer.write_all(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")
-            .await
-            .unwrap();
-        drop(peer);
-    });
+    let (mut conn, peer) = pair().await;
+    let (sent, _) = answer(
+        &mut conn,
+        peer,
+        b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
+        Then::Close,
+    )
+    .await;
     sent.unwrap();
     let (body, _, error) = drain(&mut conn).await;
     assert_eq!((body.as_slice(), error), (&b"until the end"[..], None));
     assert!(!conn.is_open());
 
     // Cut short.
-    let (mut conn, mut peer) = pair().await;
-    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
-        read_request(&mut peer, b"\r\n\r\n").await;
-        peer.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort")
-            .await
-            .unwrap();
-        drop(peer);
-    });
+    let (mut conn, peer) = pair().await;
+    let (sent, _) = answer(
+        &mut conn,
+        peer,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+        Then::Close,
+    )
+    .await;
     sent.unwrap();
     let (body, _, error) = drain(&mut conn).await;
     assert_eq!(body, b"short");
@@ -620,52 +646,37 @@ proptest! {
 /// seen, and so are bytes that arrive later.
 #[tokio::test]
 async fn a_fin_with_the_last_bytes_of_a_response_is_still_seen_when_idle() {
-    let (mut conn, mut peer) = pair().await;
-    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
-        read_request(&mut peer, b"\r\n\r\n").await;
-        // No `Connection: close`: the backend just goes after answering.
-        peer.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            .await
-            .unwrap();
-        drop(peer);
-    });
+    let (mut conn, peer) = pair().await;
+    let (sent, _) = answer(
+        &mut conn,
+        peer,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        Then::Close,
+    )
+    .await;
     sent.unwrap();
     assert_eq!(drain(&mut conn).await.0, b"ok");
-    let mut closed = false;
-    for _ in 0..100 {
-        if !conn.is_open() {
-            closed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     assert!(
-        closed,
+        closes_soon(&mut conn).await,
         "the backend's FIN must be noticed on the idle connection"
     );
 
     // Bytes nobody asked for, arriving after a response was read whole.
-    let (mut conn, mut peer) = pair().await;
-    let (sent, ()) = tokio::join!(conn.send(request("GET", b"", &[])), async {
-        read_request(&mut peer, b"\r\n\r\n").await;
-        peer.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            .await
-            .unwrap();
-    });
+    let (mut conn, peer) = pair().await;
+    let (sent, peer) = answer(
+        &mut conn,
+        peer,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        Then::Keep,
+    )
+    .await;
+    let mut peer = peer.expect("kept open");
     sent.unwrap();
     assert_eq!(drain(&mut conn).await.0, b"ok");
     assert!(conn.is_open());
     peer.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
-    let mut closed = false;
-    for _ in 0..100 {
-        if !conn.is_open() {
-            closed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     assert!(
-        closed,
+        closes_soon(&mut conn).await,
         "bytes after the idle check cleared the readiness must still be seen"
     );
 }
