@@ -161,11 +161,12 @@ impl AccessLog {
                 return;
             }
             let bytes_in = fields.body.as_ref().map_or(0, |b| b.received());
+            let path: String = fields.uri.path().chars().take(256).collect();
             let mut line = serde_json::to_vec(&Line {
                 ts: jiff::Timestamp::now().to_string(),
                 request_id: fields.request_id.to_str().unwrap_or_default(),
-                method: &fields.method,
-                path: &fields.path,
+                method: fields.method.as_str(),
+                path: &path,
                 protocol: fields.protocol,
                 client: fields.client.as_deref(),
                 client_id: fields.client_id.as_deref(),
@@ -237,8 +238,10 @@ pub struct Record {
 #[derive(Debug)]
 struct Fields {
     request_id: HeaderValue,
-    method: String,
-    path: String,
+    /// The method and target as they came (cheap clones: a line is made of them only when
+    /// one is written).
+    method: http::Method,
+    uri: http::Uri,
     protocol: &'static str,
     client: Option<Arc<str>>,
     client_id: Option<String>,
@@ -270,8 +273,8 @@ impl Record {
             started: Instant::now(),
             fields: Mutex::new(Fields {
                 request_id,
-                method: req.method().as_str().to_owned(),
-                path: req.uri().path().chars().take(256).collect(),
+                method: req.method().clone(),
+                uri: req.uri().clone(),
                 protocol,
                 client: None,
                 client_id: None,

@@ -467,19 +467,20 @@ impl<C: Connect> Inner<C> {
         }
     }
 
-    /// Takes a leased connection back; `fair` is its grant's charge and the tokens its call
-    /// used, if known, to settle in the fair queue.
+    /// Takes a leased connection back (`times`: when it was opened, and leased); `fair` is its
+    /// grant's charge and the tokens its call used, if known, to settle in the fair queue.
     pub(super) fn release(
         self: &Arc<Self>,
         endpoint: u64,
         conn: Option<C::Conn>,
         outcome: Outcome,
-        created_at: Instant,
-        held: Duration,
+        times: (Instant, Instant),
         fair: (Charge, Option<u64>),
     ) {
         let (charge, used) = fair;
+        let (created_at, leased_at) = times;
         let now = Instant::now();
+        let held = now.duration_since(leased_at);
         let mut state = self.state.lock();
         state.held[charge.class.index()] -= 1;
         state.waiters.settle(charge, used);

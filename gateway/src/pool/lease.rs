@@ -103,13 +103,11 @@ impl<C: Connect> Lease<C> {
 
 impl<C: Connect> Drop for Lease<C> {
     fn drop(&mut self) {
-        let held = self.leased_at.elapsed();
         self.pool.release(
             self.endpoint,
             self.conn.take(),
             self.outcome,
-            self.created_at,
-            held,
+            (self.created_at, self.leased_at),
             (self.charge, self.used),
         );
     }

@@ -103,19 +103,18 @@ impl Call {
         let name = &self.backend.name;
         let client = self.permit.as_ref().map_or(NO_CLIENT, |p| p.label());
         let signals = &self.backend.signals;
+        // One clock read for everything the end measures.
+        let held = self.sent_at.elapsed();
+        let took = held.as_secs_f64();
         match &self.permit {
-            Some(_) => {
-                let held = self.sent_at.elapsed();
-                self.metrics.incidents().lease_held(name, client, held);
-            }
-            None => signals.held_without_client(self.sent_at.elapsed()),
+            Some(_) => self.metrics.incidents().lease_held(name, client, held),
+            None => signals.held_without_client(held),
         }
         if !self.first_byte && matches!(end, End::Complete) {
             // A response without a body: its end is its first byte.
-            signals.first_byte(self.sent_at.elapsed().as_secs_f64());
+            signals.first_byte(took);
         }
         let endpoint = self.lease.endpoint().clone();
-        let took = self.sent_at.elapsed().as_secs_f64();
         // Counted and settled before the permit goes: a client's next call sees its budget
         // settled.
         let used = self.meter.finish(
