@@ -28,6 +28,8 @@ pub(super) struct Activity {
     in_flight: AtomicUsize,
     served: AtomicBool,
     write_blocked: AtomicBool,
+    /// The last read found nothing, with no request in flight.
+    read_blocked_idle: AtomicBool,
     /// When the wait for the next head began (ms after `base`): the start, or the end of the
     /// last response.
     head_ms: AtomicU64,
@@ -62,6 +64,7 @@ impl Activity {
             in_flight: AtomicUsize::new(0),
             served: AtomicBool::new(false),
             write_blocked: AtomicBool::new(false),
+            read_blocked_idle: AtomicBool::new(false),
             stalled_ms: AtomicU64::new(0),
             current: Mutex::new(None),
             bytes_count: true,
@@ -109,6 +112,14 @@ impl Activity {
             return now + timeout;
         }
         (self.idle_since() + timeout).max(now + Duration::from_millis(10))
+    }
+
+    /// Whether hyper is waiting for the next request with its response written: no request
+    /// in flight, the last read found nothing, the last write did not wait.
+    pub(super) fn waiting_for_request(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) == 0
+            && self.read_blocked_idle.load(Ordering::Relaxed)
+            && !self.write_blocked()
     }
 
     pub(super) fn head_since(&self) -> Instant {
@@ -175,6 +186,11 @@ impl AsyncRead for ConnIo {
         }
         let before = buf.filled().len();
         let result = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let blocked = result.is_pending();
+        self.activity.read_blocked_idle.store(
+            blocked && self.activity.in_flight.load(Ordering::Acquire) == 0,
+            Ordering::Relaxed,
+        );
         if buf.filled().len() > before {
             self.activity.moved();
             if self.activity.in_flight.load(Ordering::Acquire) == 0 {

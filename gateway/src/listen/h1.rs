@@ -20,7 +20,7 @@ use tokio::time::Sleep;
 
 use super::activity::{Activity, ConnIo};
 use super::conn_limits::ConnLimits;
-use super::parking::{PARK_AFTER, PARK_EAGERLY_ABOVE, PARK_EAGERLY_AFTER, Parked, unparsed};
+use super::parking::{PARK_AFTER, PARK_EAGERLY_ABOVE, Parked, unparsed};
 use super::registry::Connections;
 use super::service::Service;
 use crate::live::Gateway;
@@ -67,19 +67,27 @@ pub(super) async fn serve_h1(
     let draining = AtomicBool::new(false);
     let parking = AtomicBool::new(false);
     loop {
-        // Many connections open: park soon after hyper waits for a next request.
-        let park_after = if conns.open() > PARK_EAGERLY_ABOVE {
-            PARK_EAGERLY_AFTER
-        } else {
-            PARK_AFTER
-        };
-        timer
-            .as_mut()
-            .reset(activity.idle_check_at(limits.idle_timeout.min(park_after)));
+        let idle_for = limits.idle_timeout.min(PARK_AFTER);
+        timer.as_mut().reset(activity.idle_check_at(idle_for));
         tokio::select! {
             // The connection first: the watch then sees what its response body just reported.
             biased;
-            result = poll_fn(|cx| conn.poll_without_shutdown(cx)) => {
+            result = poll_fn(|cx| {
+                let result = conn.poll_without_shutdown(cx);
+                // Many connections open: park as soon as hyper waits for a next request
+                // with everything written, instead of after PARK_AFTER.
+                if result.is_pending()
+                    && !parking.load(Ordering::Relaxed)
+                    && !draining.load(Ordering::Relaxed)
+                    && activity.waiting_for_request()
+                    && conns.open() > PARK_EAGERLY_ABOVE
+                {
+                    Pin::new(&mut *conn).graceful_shutdown();
+                    parking.store(true, Ordering::Relaxed);
+                    return conn.poll_without_shutdown(cx);
+                }
+                result
+            }) => {
                 if let Err(error) = result {
                     tracing::debug!(%error, "client connection ended with an error");
                     if error.is_timeout() {
@@ -116,7 +124,7 @@ pub(super) async fn serve_h1(
                         .reclaimed(Reclaim::IdleTimeout, client.as_deref().unwrap_or(NO_CLIENT));
                     Pin::new(&mut *conn).graceful_shutdown();
                     draining.store(true, Ordering::Relaxed);
-                } else if activity.idle_for(park_after) && !activity.write_blocked() {
+                } else if activity.idle_for(PARK_AFTER) && !activity.write_blocked() {
                     // hyper is between requests with everything written: it closes its side
                     // at once and hands the socket back.
                     Pin::new(&mut *conn).graceful_shutdown();

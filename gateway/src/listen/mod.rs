@@ -39,5 +39,5 @@ mod service;
 pub(crate) mod source;
 
 pub(crate) use accept::{bind, drain, serve};
-pub use parking::{PARK_AFTER, PARK_EAGERLY_ABOVE, PARK_EAGERLY_AFTER};
+pub use parking::{PARK_AFTER, PARK_EAGERLY_ABOVE};
 pub(crate) use registry::Connections;

@@ -22,17 +22,15 @@ use crate::observe::{NO_CLIENT, Reclaim};
 /// socket (see `serve_connection` in `connection.rs`).
 pub const PARK_AFTER: Duration = Duration::from_millis(500);
 
-/// Above this many open client connections, a keep-alive connection leaves hyper after
-/// [`PARK_EAGERLY_AFTER`] without a request in flight (memory first); below it, after
-/// [`PARK_AFTER`].
+/// Above this many open client connections, a keep-alive connection leaves hyper as soon as
+/// hyper waits for its next request (memory first); below it, after [`PARK_AFTER`] (so that
+/// busy connections do not rebuild hyper's state between requests).
+///
+/// Parking at once costs a busy connection a new hyper connection for every request (a
+/// closed-loop client at `c=300` ran 1.29× faster when connections waited 20 ms before parking),
+/// but that delay, tried, left connections of a burst of 10,000 closed and more memory held
+/// (`poolpilot-bench` part 4), so connections park at once until that is understood.
 pub const PARK_EAGERLY_ABOVE: usize = 256;
-
-/// How long a keep-alive connection waits in hyper for its next request before it parks when
-/// more than [`PARK_EAGERLY_ABOVE`] connections are open: long enough that a busy connection's
-/// next request (a closed-loop client's comes within a millisecond or two) finds hyper's state
-/// still there instead of rebuilding it for every request, short enough that an idle
-/// connection sheds its buffers almost at once.
-pub const PARK_EAGERLY_AFTER: Duration = Duration::from_millis(20);
 
 /// A connection between requests, outside hyper.
 #[derive(Debug)]
