@@ -26,7 +26,6 @@ use std::future::poll_fn;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, Waker, ready};
 
 use bytes::{Bytes, BytesMut};
@@ -40,7 +39,7 @@ use self::body::{Decoded, Decoder};
 use self::request::{BodyEncoder, FramingError};
 use self::response::HeadReader;
 use super::send_error::{SendError, UpstreamError};
-use super::transport::{Peek, Socket, Transport, peek};
+use super::transport::{Peek, Transport, peek};
 use crate::proxy::body::RequestBody;
 
 mod body;
@@ -59,12 +58,10 @@ const READ_CHUNK: usize = 8 * 1024;
 /// One HTTP/1.1 connection to an endpoint.
 pub(crate) struct H1Conn {
     io: Transport,
-    socket: Arc<Socket>,
     pub(super) addr: SocketAddr,
     pub(super) opened: Instant,
     /// Over TLS: the `Host` of every request (the server name), when it is a DNS name.
     authority: Option<HeaderValue>,
-    tls: bool,
     /// Bytes read and not yet taken (empty, without capacity, between exchanges).
     read: BytesMut,
     /// Bytes to write from `written` on (empty, without capacity, between exchanges).
@@ -188,7 +185,7 @@ impl std::fmt::Debug for H1Conn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("H1Conn")
             .field("addr", &self.addr)
-            .field("tls", &self.tls)
+            .field("tls", &self.io.is_tls())
             .field("state", &self.state)
             .finish()
     }
@@ -198,8 +195,6 @@ impl H1Conn {
     /// A connection over `io` (its TLS handshake done), to `addr`.
     pub(super) fn new(io: Transport, addr: SocketAddr, authority: Option<HeaderValue>) -> Self {
         Self {
-            socket: io.socket().clone(),
-            tls: io.is_tls(),
             io,
             addr,
             opened: Instant::now(),
@@ -213,8 +208,8 @@ impl H1Conn {
 
     /// The socket.
     #[cfg(test)]
-    pub(super) fn socket(&self) -> &Arc<Socket> {
-        &self.socket
+    pub(super) fn socket(&self) -> &super::transport::Socket {
+        self.io.socket()
     }
 
     /// Whether the connection can take a request now: idle (an exchange that ended cleanly
@@ -248,10 +243,10 @@ impl H1Conn {
         if !self.is_open() {
             return false;
         }
-        match peek(&self.socket.tcp) {
+        match peek(&self.io.socket().tcp) {
             Peek::Quiet => true,
             // TLS records the connection has not read yet: a ticket, a key update.
-            Peek::Unexpected if self.tls => true,
+            Peek::Unexpected if self.io.is_tls() => true,
             found => {
                 tracing::debug!(addr = %self.addr, ?found, "idle upstream connection found dead before reuse");
                 self.state = State::Done;
