@@ -17,7 +17,7 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{Predicate, PredicateConfig, WatchStreamExt, predicates, watcher};
+use kube::runtime::{PredicateConfig, WatchStreamExt, predicates, watcher};
 use kube::{Client, ResourceExt};
 use kube_lease_manager::LeaseManagerBuilder;
 use parking_lot::{Mutex, RwLock};
@@ -276,15 +276,13 @@ impl Term {
         // A deleted policy has nothing left to reconcile (its cleanup ran behind the finalizer
         // while it was being deleted).
         .applied_objects()
-        // A policy's own status writes do not reconcile it again (with thousands of policies
-        // those echoes would queue ahead of the first reconciles of the rest): only a change of
-        // its spec (its generation; marking it deleted bumps that too) or of its finalizers
-        // does. What else a reconcile reads has triggers of its own (pods, EndpointSlices,
-        // ConfigMaps), and every policy is reconciled again at its interval.
-        .predicate_filter(
-            predicates::generation.combine(predicates::finalizers),
-            PredicateConfig::default(),
-        );
+        // A policy's own writes do not reconcile it again (with thousands of policies those
+        // echoes would queue ahead of the first reconciles of the rest): neither its status nor
+        // the finalizer its first reconcile adds before applying it. Only a change of its spec
+        // (its generation; marking it deleted bumps that too) does. What else a reconcile reads
+        // has triggers of its own (pods, EndpointSlices, ConfigMaps), and every policy is
+        // reconciled again at its interval (a finalizer someone removed is back by then).
+        .predicate_filter(predicates::generation, PredicateConfig::default());
         // Every reason to reconcile goes to the reconcile queue, which hands the Controller only
         // what its free slots take: changes first, then the periodic reconciles due
         // (`reconcile/queue.rs`). The Controller's own triggers are the queue's.

@@ -90,7 +90,10 @@ pub const CONDITIONS: &[ConditionDoc] = &[
                  empty result, NaN, or older than two scrape intervals; throughput and the \
                  saturation query count only when growth is wanted): the message names each \
                  such backend and the input it lacks; their targets are held, never read as \
-                 zero, until two fresh samples in a row",
+                 zero, until two fresh samples in a row. A backend the operator has only just \
+                 seen (a new policy, an operator start) is given the samples' freshness bound \
+                 (two metrics intervals and two scrape intervals) for its first samples to \
+                 arrive before its misses count",
             ),
             reason(
                 "Unknown",

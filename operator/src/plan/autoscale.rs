@@ -18,7 +18,7 @@ use poolpilot_api::policy::{BackendSpec, DecisionAction};
 use self::knee::{Hold, Knee, KneeMemory, Move, Observation};
 use self::words::round;
 use super::input::{BackendSample, SaturationSignal};
-use super::time::{Timestamp, elapsed};
+use super::time::{Timestamp, elapsed, later};
 
 /// Relative changes smaller than this are ignored.
 pub const DEADBAND: f64 = 0.10;
@@ -96,6 +96,10 @@ pub struct BackendMemory {
     pub fresh: u32,
     /// Whether the metrics count as available (false after three misses until two fresh samples).
     pub metrics_available: bool,
+    /// Before this time misses do not make the metrics unavailable: a backend the planner has
+    /// only just seen has no samples until its pods run it, are scraped and queried
+    /// ([`BackendMemory::first_samples_by`]). `None`: from the first miss.
+    pub first_samples_due: Option<Timestamp>,
     /// True after a miss: act again only after [`FRESH_TO_RESUME`] fresh samples.
     pub recovering: bool,
     /// The input missing at the last decision, if one was.
@@ -220,6 +224,7 @@ impl BackendMemory {
             misses: 0,
             fresh: 0,
             metrics_available: true,
+            first_samples_due: None,
             recovering: false,
             missing: None,
             last_scale: None,
@@ -227,6 +232,16 @@ impl BackendMemory {
             held: 0,
             knee: KneeMemory::default(),
         }
+    }
+
+    /// The same, for a backend seen at `now` whose first samples take up to `horizon` to reach
+    /// the planner (its pods must run it, be scraped, and the scrape be queried): its misses
+    /// until then hold its target without calling its metrics unavailable, so that thousands of
+    /// new backends do not each warn `MetricsMissing` before their data could exist.
+    #[must_use]
+    pub fn first_samples_by(mut self, now: Timestamp, horizon: Duration) -> Self {
+        self.first_samples_due = (!horizon.is_zero()).then(|| later(now, horizon));
+        self
     }
 
     /// Whether a decision is due at `now` for this `interval`.
@@ -375,18 +390,24 @@ fn decide_why(
         Ok((leased, pending)) => {
             decide_fresh(bounds, mem, sample, (leased, pending), endpoints, now)
         }
-        Err(missing) => missed(mem, missing, sample.unscraped),
+        Err(missing) => missed(mem, missing, sample.unscraped, now),
     }
 }
 
 /// A miss: nothing changes; unavailable after three in a row; two fresh samples to resume.
 /// `unscraped` ready gateway pods had no fresh samples (the reason says so: they made it missing).
-fn missed(mem: &mut BackendMemory, missing: &'static str, unscraped: u32) -> (Decision, String) {
+fn missed(
+    mem: &mut BackendMemory,
+    missing: &'static str,
+    unscraped: u32,
+    now: Timestamp,
+) -> (Decision, String) {
     mem.misses += 1;
     mem.fresh = 0;
     mem.recovering = true;
     mem.missing = Some(missing);
-    if mem.misses >= MISSES_BEFORE_UNAVAILABLE {
+    let expected = mem.first_samples_due.is_none_or(|due| now >= due);
+    if mem.misses >= MISSES_BEFORE_UNAVAILABLE && expected {
         mem.metrics_available = false;
     }
     let pods = match unscraped {
@@ -426,7 +447,7 @@ fn decide_fresh(
     // The guard's inputs count only when growth is wanted: a backend without traffic has no
     // throughput to judge and needs none.
     if grows && let Some(missing) = guard_input_missing(s, bounds) {
-        return missed(mem, missing, s.unscraped);
+        return missed(mem, missing, s.unscraped, now);
     }
     mem.misses = 0;
     mem.missing = None;

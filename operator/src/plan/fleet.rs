@@ -89,10 +89,10 @@ pub fn plan_with(
                     .unwrap_or_default();
                 let previous = previous_target(policy, &b.name)
                     .or_else(|| start_from(policy.spec.autoscale.start_from, &bounds, &sample));
-                let mem = memory
-                    .backends
-                    .entry(key)
-                    .or_insert_with(|| BackendMemory::start(previous, &bounds, now));
+                let mem = memory.backends.entry(key).or_insert_with(|| {
+                    BackendMemory::start(previous, &bounds, now)
+                        .first_samples_by(now, input.samples_horizon)
+                });
                 let decision = if !policy.spec.autoscale.enabled {
                     mem.target = bounds.upper;
                     None

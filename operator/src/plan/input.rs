@@ -231,6 +231,11 @@ pub struct FleetInput {
     pub published: Vec<Acked>,
     /// Every rendered document's generation must be above this (a pod said it runs it).
     pub generation_floor: u64,
+    /// How long a backend's first samples may take to reach the planner once it is planned (its
+    /// pods take its document, are scraped, and the scrape is queried): the age past which a
+    /// sample counts as missing. A new backend's misses within it do not make its metrics
+    /// unavailable.
+    pub samples_horizon: std::time::Duration,
     /// The busiest clients each pod reported for each policy (`None` for a pod: no fresh report).
     pub clients: BTreeMap<(PolicyKey, String), Vec<ClientUse>>,
     /// The policies being reconciled: only their backends' divisions are judged again when no

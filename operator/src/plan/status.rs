@@ -3,6 +3,7 @@
 //! pods selected / updated, fd numbers).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
@@ -37,6 +38,9 @@ pub struct RolloutReport {
     pub older: BTreeSet<String>,
     /// Why the rollout waits, if it does.
     pub waiting: Option<String>,
+    /// When the canaries' verification ends, from now, while it runs: the policy's next
+    /// reconcile comes then, so that the rest follow without waiting for its interval.
+    pub verified_in: Option<Duration>,
     /// Why the rollout stopped, if it did.
     pub halted: Option<String>,
 }

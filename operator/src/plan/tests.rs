@@ -1293,6 +1293,49 @@ fn metrics_availability_names_the_backend_it_is_about() {
     );
 }
 
+/// A backend the planner has just seen has no samples until its pods run it and are scraped and
+/// queried: its misses within that horizon hold its target and are said, but do not make its
+/// metrics unavailable (at a cold start of thousands of policies each would warn
+/// `MetricsMissing`); past it they count as before, and a backend with data from the start is
+/// judged at once.
+#[test]
+fn a_new_backends_first_misses_within_the_samples_horizon_do_not_make_metrics_unavailable() {
+    let p = policy("a", 0, &spec("model-a", 64, ""), 2);
+    let mut input = input_of(vec![p], pods(1));
+    input.samples_horizon = std::time::Duration::from_secs(60);
+    let mut memory = Memory::default();
+    let mut state = |sample: BackendSample, t: i64| {
+        input
+            .samples
+            .backends
+            .insert((key("a"), "model-a".into()), sample);
+        let fleet = plan(&input, &mut memory, at(t));
+        let m = fleet.policies[0].metrics_available.clone().unwrap();
+        (m.available, m.message)
+    };
+    let none = BackendSample::default();
+    for t in [0, 15, 30, 45] {
+        assert_eq!(
+            state(none, t),
+            (
+                true,
+                "model-a: no usable leased sample at the last decision; their targets are held"
+                    .into()
+            ),
+            "at {t} s, within the horizon"
+        );
+    }
+    assert_eq!(
+        state(none, 60),
+        (
+            false,
+            "model-a: no usable leased sample for 3 decisions or more in a row; their targets are held"
+                .into()
+        ),
+        "the horizon passed: the misses in a row count"
+    );
+}
+
 #[test]
 fn status_reports_conditions_targets_and_pods() {
     let p = policy(

@@ -12,3 +12,8 @@ pub(crate) fn elapsed(then: Timestamp, now: Timestamp) -> std::time::Duration {
         d.unsigned_abs()
     }
 }
+
+/// `d` after `now` (the latest instant there is, if that overflows).
+pub(crate) fn later(now: Timestamp, d: std::time::Duration) -> Timestamp {
+    now.checked_add(d).unwrap_or(Timestamp::MAX)
+}

@@ -45,6 +45,9 @@ pub struct Wave {
     pub push: Vec<String>,
     /// Why the rest waits (canary verification), if it does.
     pub waiting: Option<String>,
+    /// How long the canaries' verification still runs, while it does: the rest follow once it
+    /// has (judged then, not an interval later).
+    pub verified_in: Option<Duration>,
     /// Why the rollout stopped (a refusal or a regression), if it did.
     pub halted: Option<String>,
 }
@@ -213,9 +216,13 @@ pub fn next_wave(
                     },
                 };
             }
-            let left = poolpilot_api::Duration::from(strategy.verify - verified_for);
+            let left = strategy.verify - verified_for;
+            let shown = poolpilot_api::Duration::from(left);
             Wave {
-                waiting: Some(format!("verifying {updated} canary pod(s) for {left} more")),
+                waiting: Some(format!(
+                    "verifying {updated} canary pod(s) for {shown} more"
+                )),
+                verified_in: Some(left),
                 ..Wave::default()
             }
         }
@@ -327,8 +334,14 @@ mod tests {
             w.waiting.as_deref(),
             Some("verifying 1 canary pod(s) for 20s more")
         );
+        assert_eq!(
+            w.verified_in,
+            Some(Duration::from_secs(20)),
+            "the next look is due when the verification ends"
+        );
         let w = next_wave(PROGRESSIVE, &pods, Some(at(0)), &Verdict::Healthy, at(30));
         assert_eq!(w.push, ["gw-b", "gw-c"]);
+        assert_eq!(w.verified_in, None);
     }
 
     #[test]

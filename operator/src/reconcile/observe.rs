@@ -254,6 +254,7 @@ fn observe_policies<G: Gateways>(
             published,
             // A generation a pod reported running (409): every document must go above it.
             generation_floor: seen.unwrap_or_default(),
+            samples_horizon: ctx.config.snapshot_max_age,
             // Filled by the next step, from the gateways' reports.
             clients: BTreeMap::new(),
             focus: None,

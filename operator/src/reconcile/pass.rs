@@ -30,7 +30,6 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 use poolpilot_api::ConnectionPolicy;
 use tracing::info;
@@ -266,21 +265,22 @@ fn count_and_log<G: Gateways>(ctx: &Context<G>, fleet: &FleetPlan, memory: &Memo
 /// clients' reports (see the module's words): the pods (each one's resource version), the
 /// policies (name, uid, generation, whether being deleted), the EndpointSlices it may read, when
 /// the Prometheus snapshot was taken, and the generation floor. A policy's status write changes
-/// none of it.
+/// none of it. Every reconcile computes it, so it reads the caches' objects in place (no copy of
+/// a name or version).
 pub fn fingerprint<G: Gateways>(ctx: &Context<G>, ns: &str) -> u64 {
     let mut h = DefaultHasher::new();
-    let in_ns = |n: Option<String>| n.as_deref() == Some(ns);
     for pod in ctx.stores.pods.state() {
-        if in_ns(pod.namespace()) {
-            (pod.name_any(), pod.resource_version()).hash(&mut h);
+        let meta = &pod.metadata;
+        if meta.namespace.as_deref() == Some(ns) {
+            (&meta.name, &meta.resource_version).hash(&mut h);
         }
     }
     for policy in ctx.stores.policies.state() {
-        if in_ns(policy.namespace()) {
-            let meta = match &policy.0 {
-                Ok(p) => &p.metadata,
-                Err(invalid) => &invalid.metadata,
-            };
+        let meta = match &policy.0 {
+            Ok(p) => &p.metadata,
+            Err(invalid) => &invalid.metadata,
+        };
+        if meta.namespace.as_deref() == Some(ns) {
             (
                 &meta.name,
                 &meta.uid,
@@ -293,9 +293,10 @@ pub fn fingerprint<G: Gateways>(ctx: &Context<G>, ns: &str) -> u64 {
     }
     let allowed = &ctx.config.backend_namespaces;
     for slice in ctx.stores.slices.iter().flat_map(Store::state) {
-        let n = slice.namespace().unwrap_or_default();
-        if n == ns || allowed.contains(&n) {
-            (n, slice.name_any(), slice.resource_version()).hash(&mut h);
+        let meta = &slice.metadata;
+        let n = meta.namespace.as_deref().unwrap_or_default();
+        if n == ns || allowed.iter().any(|a| a == n) {
+            (n, &meta.name, &meta.resource_version).hash(&mut h);
         }
     }
     ctx.snapshot.read().at.hash(&mut h);

@@ -161,6 +161,11 @@ impl ReconcileQueue {
         self.wake.notify_one();
     }
 
+    /// Whether a change of `policy` waits to be handed over.
+    pub fn change_waits(&self, policy: &PolicyRef) -> bool {
+        self.state.lock().changed_set.contains(policy)
+    }
+
     /// The wait `policy`'s last reconcile asked for before the next, while it waits.
     pub fn asked(&self, policy: &PolicyRef) -> Option<Duration> {
         self.state.lock().next.get(policy).map(|(_, after)| *after)

@@ -12,6 +12,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use poolpilot_api::limits::TokenBudget;
 use poolpilot_api::{ConnectionPolicy, GatewayLimits};
@@ -316,6 +317,18 @@ pub async fn roll_out<G: Gateways>(
     }
 
     let states = pod_states(ctx, observed, fleet, &plan.live);
+    // Canaries that took the revision in this reconcile start their verification now, and the
+    // policy's next reconcile comes when it ends. (A pod's acknowledgement names its own
+    // document's revision, which differs from pod to pod with their shares: the policy's
+    // revision keys the rollout.)
+    let since = ctx.rollouts.lock().verification_start(
+        ns,
+        &policy.name_any(),
+        &desired,
+        states.iter().any(PodState::current),
+        now,
+    );
+    let next = waves::next_wave(strategy, &states, since, &verdict, now);
     let halted = wave.halted.or_else(|| {
         waves::refusals(&states)
             .into_iter()
@@ -342,7 +355,8 @@ pub async fn roll_out<G: Gateways>(
         unreachable: pushed.failed,
         slow: pushed.slow,
         older: pushed.older,
-        waiting: wave.waiting,
+        waiting: next.waiting.filter(|_| halted.is_none()),
+        verified_in: next.verified_in.filter(|_| halted.is_none()),
         halted,
     })
 }
@@ -590,7 +604,7 @@ async fn learn_running<G: Gateways>(
         .buffer_unordered(bound.concurrency.max(1))
         .collect()
         .await;
-    let instances = pod_instances(ctx, ns);
+    let instances = pod_instances(ctx, ns, results.iter().map(|(name, _)| name));
     let mut memory = ctx.rollouts.lock();
     let mut learned = false;
     for (name, result) in results {
@@ -854,14 +868,23 @@ async fn apply_owned<G: Gateways>(
     .map_err(|source| RolloutError::ConfigMap { name, source })
 }
 
-/// The run ([`observe::instance`]) of each pod of `ns` in the store, by name.
-fn pod_instances<G: Gateways>(ctx: &Context<G>, ns: &str) -> BTreeMap<String, String> {
-    ctx.stores
-        .pods
-        .state()
-        .iter()
-        .filter(|p| p.namespace().as_deref() == Some(ns))
-        .map(|p| (p.name_any(), observe::instance(p)))
+/// The run ([`observe::instance`]) of pod `name` of `ns` as the store has it now, if it has it.
+fn pod_instance<G: Gateways>(ctx: &Context<G>, ns: &str, name: &str) -> Option<String> {
+    let pod = ctx.stores.pods.get(&ObjectRef::new(name).within(ns))?;
+    Some(observe::instance(&pod))
+}
+
+/// The same for each of `names`, by name. Looked up one by one: a policy's pods are a few of
+/// the namespace's (at 1,000 pods, listing them all for every wave of every reconcile was a
+/// fifth of the operator's CPU at a cold start).
+fn pod_instances<'a, G: Gateways>(
+    ctx: &Context<G>,
+    ns: &str,
+    names: impl IntoIterator<Item = &'a String>,
+) -> BTreeMap<String, String> {
+    names
+        .into_iter()
+        .filter_map(|name| Some((name.clone(), pod_instance(ctx, ns, name)?)))
         .collect()
 }
 
@@ -869,8 +892,9 @@ fn pod_instances<G: Gateways>(ctx: &Context<G>, ns: &str) -> BTreeMap<String, St
 /// acknowledgements, their unanswered documents): a Deployment's pods come and go under new
 /// names, and the memory must not grow with every pod that ever ran.
 fn forget_gone_pods<G: Gateways>(ctx: &Context<G>, ns: &str) {
-    let instances = pod_instances(ctx, ns);
-    let gone = |(n, p, i): &(String, String, String)| n == ns && instances.get(p) != Some(i);
+    let gone = |(n, p, i): &(String, String, String)| {
+        n == ns && pod_instance(ctx, ns, p).as_ref() != Some(i)
+    };
     let mut memory = ctx.rollouts.lock();
     memory.acked.retain(|k, _| !gone(k));
     memory.unanswered.retain(|k, _| !gone(k));
@@ -884,7 +908,7 @@ fn pod_states<G: Gateways>(
     live: &[String],
 ) -> Vec<PodState> {
     let ns = &observed.namespace;
-    let instances = pod_instances(ctx, ns);
+    let instances = pod_instances(ctx, ns, live);
     let pods: BTreeMap<&str, &crate::plan::GatewayPod> = observed
         .input
         .pods
@@ -1028,7 +1052,11 @@ async fn push<G: Gateways>(
     )
     .await;
 
-    let instances = pod_instances(ctx, ns);
+    let instances = pod_instances(
+        ctx,
+        ns,
+        results.iter().map(|(name, _, _)| name).chain(&unanswered),
+    );
     let mut memory = ctx.rollouts.lock();
     for (name, doc, delivery) in results {
         let revision = doc.revision.clone();
@@ -1060,10 +1088,6 @@ async fn push<G: Gateways>(
                     sent.previous = sent.current.take();
                 }
                 sent.current = Some(doc);
-                memory
-                    .canary_since
-                    .entry((ns.clone(), ack.revision.clone()))
-                    .or_insert(now);
                 let instance = instances.get(&name).cloned().unwrap_or_default();
                 // A pod that took a document has nothing outstanding to refuse, and answers.
                 memory

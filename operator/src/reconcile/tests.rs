@@ -39,7 +39,7 @@ fn now() -> Timestamp {
 
 /// Records every PUT and acknowledges it, or refuses it (422) when `refuse` is set, or answers
 /// 401 when `unauthorized` is or the token is not among `tokens` (when given), or 503 from the
-/// addresses in `starting`.
+/// addresses in `starting`, or 409 "runs generation g" from the addresses in `newer`.
 #[derive(Clone, Default)]
 struct FakeGateways {
     puts: Arc<Mutex<Vec<(SocketAddr, String, GatewayLimits)>>>,
@@ -47,6 +47,7 @@ struct FakeGateways {
     unauthorized: bool,
     tokens: Option<Vec<&'static str>>,
     starting: Vec<SocketAddr>,
+    newer: Vec<(SocketAddr, u64)>,
     /// What `GET /v1/clients` answers per pod address (404 for the others).
     reports: Arc<Mutex<BTreeMap<SocketAddr, crate::gateway::ClientsReport>>>,
     /// The document each pod address runs (what `GET /v1/limits` answers; 404 for the
@@ -72,6 +73,12 @@ impl Gateways for FakeGateways {
             return Err(PutError::Unexpected {
                 status: 503,
                 body: "starting".into(),
+            });
+        }
+        if let Some((_, g)) = self.newer.iter().find(|(a, _)| *a == addr) {
+            return Err(PutError::Older {
+                message: format!("runs generation {g}"),
+                generation: Some(*g),
             });
         }
         match self.refuse {
@@ -533,6 +540,46 @@ async fn conflicted_policy_writes_only_status_and_a_warning() {
 }
 
 #[tokio::test]
+async fn a_new_policy_gets_the_finalizer_and_is_rolled_out_in_the_same_reconcile() {
+    let mut p = policy("models", 0);
+    p.metadata.finalizers = Some(vec!["example.com/keep".into()]);
+    let mut run = Scenario::start(p.clone());
+    run.policy.metadata.finalizers = Some(vec!["example.com/keep".into(), FINALIZER.into()]);
+
+    let patch = run.policy_patch().await;
+    assert_eq!(
+        patch,
+        json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": ["example.com/keep"]},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER},
+        ]),
+        "the finalizer is added unless the list changed meanwhile"
+    );
+    let status = run.status_after_one_wave().await;
+    assert_eq!(condition(&status["status"], "RolledOut")["status"], "True");
+    assert_eq!(run.event().await["reason"], "RolledOut");
+    run.outcome().await.expect("the reconcile succeeded");
+    assert_eq!(
+        run.puts().len(),
+        1,
+        "rolled out by the reconcile that added the finalizer"
+    );
+
+    // A policy without any finalizer: the patch tests that there is none.
+    p.metadata.finalizers = None;
+    let mut run = Scenario::start(p);
+    run.policy.metadata.finalizers = Some(vec![FINALIZER.into()]);
+    let patch = run.policy_patch().await;
+    assert_eq!(
+        patch,
+        json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": null},
+            {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]},
+        ])
+    );
+}
+
+#[tokio::test]
 async fn deleting_a_policy_removes_its_backends_from_its_pods_then_the_finalizer() {
     let mut p = policy("models", 0);
     p.metadata.deletion_timestamp = Some(Time(now()));
@@ -607,6 +654,39 @@ fn progressive_without_verification() -> ConnectionPolicy {
 }
 
 #[tokio::test]
+async fn a_canary_verifies_from_its_acknowledgement_and_the_policy_comes_back_when_it_ends() {
+    let mut p = progressive_without_verification();
+    p.spec.rollout.verify_intervals = 2;
+    let pods = vec![pod("gw-0", "127.0.0.7"), pod("gw-1", "127.0.0.8")];
+    let mut run = Scenario::start_alone(p, pods, FakeGateways::default());
+
+    let status = run.status_after_one_wave().await;
+    assert_eq!(status["status"]["updated"], "1/2", "{status}");
+    let message = condition(&status["status"], "RolledOut")["message"].clone();
+    assert!(
+        message
+            .as_str()
+            .unwrap()
+            .ends_with("verifying 1 canary pod(s) for 30s more"),
+        "the verification runs from the canary's acknowledgement, not from the next reconcile: {message}"
+    );
+    run.outcome().await.expect("the reconcile succeeded");
+    let revision = status["status"]["revision"].as_str().unwrap().to_owned();
+    let rollouts = run.ctx.rollouts.lock();
+    assert_eq!(
+        rollouts.canary_since.keys().collect::<Vec<_>>(),
+        [&("ns".to_owned(), revision)],
+        "kept under the policy's revision only (the pods' own revisions are never looked up)"
+    );
+    drop(rollouts);
+    assert_eq!(
+        requeued_after(&run.ctx, "models"),
+        Some(Duration::from_secs(15)),
+        "the interval, shorter than the 30 s left"
+    );
+}
+
+#[tokio::test]
 async fn without_verification_the_rest_follow_the_acknowledged_canary_in_the_same_reconcile() {
     let p = progressive_without_verification();
     let pods = vec![
@@ -655,6 +735,39 @@ async fn without_verification_a_canary_that_did_not_take_it_holds_the_rest_and_i
         tried,
         vec!["127.0.0.7:9901".parse::<SocketAddr>().unwrap()],
         "one try of the canary, none of the rest"
+    );
+}
+
+#[tokio::test]
+async fn a_pod_already_running_a_newer_pass_brings_the_policy_back_as_a_change() {
+    let gateways = FakeGateways {
+        newer: vec![("127.0.0.7:9901".parse().unwrap(), 9)],
+        ..FakeGateways::default()
+    };
+    let mut run = Scenario::start_alone(policy("models", 0), vec![gateway_pod()], gateways);
+
+    let status = run.status_after_one_wave().await;
+    assert_eq!(status["status"]["updated"], "0/1", "{status}");
+    run.outcome().await.expect("the reconcile succeeded");
+    assert!(
+        run.ctx.queue.change_waits(&("ns".into(), "models".into())),
+        "reconciled again as a change, ahead of the periodic reconciles"
+    );
+    assert_eq!(
+        run.ctx.rollouts.lock().seen_generation.get("ns"),
+        Some(&9),
+        "the next pass numbers its documents above the pod's"
+    );
+
+    // Every pod took the document: no change is queued, only the periodic reconcile.
+    let mut run = Scenario::start(policy("models", 0));
+    run.status_after_one_wave().await;
+    run.event().await;
+    run.outcome().await.expect("the reconcile succeeded");
+    assert!(!run.ctx.queue.change_waits(&("ns".into(), "models".into())));
+    assert_eq!(
+        requeued_after(&run.ctx, "models"),
+        Some(Duration::from_secs(15))
     );
 }
 
@@ -2077,12 +2190,12 @@ async fn a_status_that_moved_only_in_its_observations_waits_for_its_refresh() {
     }
 }
 
-/// The operator's metrics as Prometheus text.
 /// The wait before `name`'s next periodic reconcile that its last reconcile gave the pacer.
 fn requeued_after<G: Gateways>(ctx: &Context<G>, name: &str) -> Option<Duration> {
     ctx.queue.asked(&("ns".to_owned(), name.to_owned()))
 }
 
+/// The operator's metrics as Prometheus text.
 fn metrics_text(ctx: &Context<FakeGateways>) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     ctx.metrics.clone().register(&mut registry);
