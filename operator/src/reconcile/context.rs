@@ -93,6 +93,10 @@ pub struct RolloutMemory {
     pub rolled_out_generation: BTreeMap<(String, String), i64>,
     /// The highest generation a pod said it runs (409 answers), per namespace.
     pub seen_generation: BTreeMap<String, u64>,
+    /// When a policy was last reconciled again at once because its pods ran a later pass, per
+    /// (namespace, policy): at most once a second, so that two writers raising the generation
+    /// over each other (two operators on the same pods) cannot spin the passes.
+    pub ahead_requeued: BTreeMap<(String, String), Timestamp>,
     /// The documents each pod acknowledged last and the one before, per (namespace, pod): a
     /// regressed canary goes back to the one before.
     pub sent: BTreeMap<(String, String), SentDocuments>,

@@ -300,8 +300,17 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
     // pass numbers its document above it: that reconcile comes as a change, ahead of the
     // periodic ones, so that the policy does not wait its interval (or, with thousands of new
     // policies at once, much longer) to settle.
+    // Once a second at most (`RolloutMemory::ahead_requeued`); sooner, it is tried again in a
+    // second like a starting pod.
+    let mut paced = false;
     if !report.older.is_empty() {
-        ctx.queue.changed(policy_ref(policy));
+        let key = (key.namespace.clone(), key.name.clone());
+        let last = ctx.rollouts.lock().ahead_requeued.insert(key, now);
+        if last.is_none_or(|t| plan::time::elapsed(t, now) >= RETRY_STARTING_PODS) {
+            ctx.queue.changed(policy_ref(policy));
+        } else {
+            paced = true;
+        }
     }
     // A pod that has an IP but did not take its document is most likely still starting (its
     // admin port not yet listening) and stays unready until it does: try again soon. Pods
@@ -312,7 +321,7 @@ async fn apply<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Resu
             && !report.slow.contains(pod)
             && !report.older.contains(pod)
     });
-    let interval = if starting {
+    let interval = if starting || paced {
         RETRY_STARTING_PODS
     } else {
         policy.spec.autoscale.interval.get()
@@ -341,10 +350,11 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
     }
     ctx.status_refresh
         .forget(&format!("{}/{}", key.namespace, key.name));
-    ctx.rollouts
-        .lock()
-        .rolled_out_generation
-        .remove(&(key.namespace.clone(), key.name.clone()));
+    let mut rollouts = ctx.rollouts.lock();
+    let policy_key = (key.namespace.clone(), key.name.clone());
+    rollouts.rolled_out_generation.remove(&policy_key);
+    rollouts.ahead_requeued.remove(&policy_key);
+    drop(rollouts);
     ctx.queue.forget(&policy_ref(policy));
     Ok(Action::await_change())
 }

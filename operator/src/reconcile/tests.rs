@@ -758,6 +758,15 @@ async fn a_pod_already_running_a_newer_pass_brings_the_policy_back_as_a_change()
         Some(&9),
         "the next pass numbers its documents above the pod's"
     );
+    // Answered the same again within a second (two writers raising the generation over each
+    // other): paced to a second, not reconciled again at once.
+    run.reconciler = tokio::spawn(reconcile(Arc::new(run.policy.clone()), run.ctx.clone()));
+    run.status_after_one_wave().await;
+    run.outcome().await.expect("the reconcile succeeded");
+    assert_eq!(
+        requeued_after(&run.ctx, "models"),
+        Some(Duration::from_secs(1))
+    );
 
     // Every pod took the document: no change is queued, only the periodic reconcile.
     let mut run = Scenario::start(policy("models", 0));
