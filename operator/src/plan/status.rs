@@ -33,8 +33,8 @@ pub struct RolloutReport {
     /// Of those, the pods that did not answer within the per-pod timeout (tried again at the
     /// next reconcile, not sooner: a hung pod would only hold its slot again).
     pub slow: BTreeSet<String>,
-    /// Of those, the pods that answered they run a newer generation (409): the next pass
-    /// numbers their document above it.
+    /// The pods that run a newer generation: answered so (409), or found on a later pass's
+    /// document. The next pass numbers their document above it.
     pub older: BTreeSet<String>,
     /// Why the rollout waits, if it does.
     pub waiting: Option<String>,

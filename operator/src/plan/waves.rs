@@ -243,6 +243,21 @@ pub fn updated_count(pods: &[PodState]) -> usize {
     pods.iter().filter(|p| p.current()).count()
 }
 
+/// The pods that run a later document than the one planned for them (`planned` gives its
+/// generation by pod): a later pass of the namespace reached them after this one. Not updated
+/// for this rollout, and its next pass numbers theirs above it.
+pub fn ahead(pods: &[PodState], planned: impl Fn(&str) -> Option<u64>) -> Vec<String> {
+    pods.iter()
+        .filter(|p| !p.current())
+        .filter(|p| {
+            p.generation
+                .zip(planned(&p.name))
+                .is_some_and(|(runs, ours)| runs > ours)
+        })
+        .map(|p| p.name.clone())
+        .collect()
+}
+
 /// Refusals by pod, for status.
 pub fn refusals(pods: &[PodState]) -> BTreeMap<String, String> {
     pods.iter()
@@ -319,6 +334,25 @@ mod tests {
         ];
         let w = next_wave(PROGRESSIVE, &pods, Some(at(0)), &Verdict::Healthy, at(30));
         assert_eq!(w.push, ["gw-b", "gw-c"]);
+    }
+
+    #[test]
+    fn pods_on_a_later_generation_than_planned_are_ahead_and_no_other() {
+        let on = |name: &str, acked: &str, generation: u64| PodState {
+            generation: Some(generation),
+            ..pod(name, Some(acked))
+        };
+        let pods = [
+            on("gw-a", "new", 5),
+            on("gw-b", "later", 7),
+            on("gw-c", "old", 3),
+            pod("gw-d", None),
+        ];
+        assert_eq!(ahead(&pods, |_| Some(5)), ["gw-b"]);
+        assert!(
+            ahead(&pods, |_| None).is_empty(),
+            "nothing planned: nothing to compare"
+        );
     }
 
     #[test]

@@ -266,6 +266,7 @@ pub async fn roll_out<G: Gateways>(
             pushed.extend(push(ctx, observed, fleet, &rest, &tokens, now).await?);
         }
         let states = pod_states(ctx, observed, fleet, &plan.live);
+        let older = later_pass(ctx, ns, pushed.older, &states, fleet);
         let complete = states.iter().all(PodState::current);
         if published
             && !first
@@ -278,7 +279,7 @@ pub async fn roll_out<G: Gateways>(
             pods: states,
             unreachable: pushed.failed,
             slow: pushed.slow,
-            older: pushed.older,
+            older,
             ..RolloutReport::default()
         });
     }
@@ -329,6 +330,7 @@ pub async fn roll_out<G: Gateways>(
         now,
     );
     let next = waves::next_wave(strategy, &states, since, &verdict, now);
+    let older = later_pass(ctx, ns, pushed.older, &states, fleet);
     let halted = wave.halted.or_else(|| {
         waves::refusals(&states)
             .into_iter()
@@ -354,7 +356,7 @@ pub async fn roll_out<G: Gateways>(
         pods: states,
         unreachable: pushed.failed,
         slow: pushed.slow,
-        older: pushed.older,
+        older,
         waiting: next.waiting.filter(|_| halted.is_none()),
         verified_in: next.verified_in.filter(|_| halted.is_none()),
         halted,
@@ -866,6 +868,36 @@ async fn apply_owned<G: Gateways>(
     .await
     .map(drop)
     .map_err(|source| RolloutError::ConfigMap { name, source })
+}
+
+/// The pods that answered they run a newer generation, and those found on a later pass's
+/// document after this one's went out (another reconcile of the namespace pushed it meanwhile,
+/// without a refusal to say so): either way not updated for this rollout, and the policy comes
+/// back as a change. The next pass numbers its documents above the latter too, as above a
+/// refusal's generation, so that they stop counting as ahead once it is planned.
+fn later_pass<G: Gateways>(
+    ctx: &Context<G>,
+    ns: &str,
+    refused: BTreeSet<String>,
+    states: &[PodState],
+    fleet: &FleetPlan,
+) -> BTreeSet<String> {
+    let planned = |pod: &str| fleet.documents.get(pod).map(|d| d.generation);
+    let ahead = waves::ahead(states, planned);
+    let top = states
+        .iter()
+        .filter(|p| ahead.contains(&p.name))
+        .filter_map(|p| p.generation)
+        .filter(|g| plausible_generation(*g))
+        .max();
+    if let Some(top) = top {
+        let mut memory = ctx.rollouts.lock();
+        let seen = memory.seen_generation.entry(ns.to_owned()).or_default();
+        *seen = (*seen).max(top);
+    }
+    let mut older = refused;
+    older.extend(ahead);
+    older
 }
 
 /// The run ([`observe::instance`]) of pod `name` of `ns` as the store has it now, if it has it.
