@@ -208,14 +208,18 @@ pub async fn roll_out<G: Gateways>(
         .unwrap_or_default();
     // Verification starts when a canary is first seen on the revision: acknowledged by PUT,
     // or (a pod whose own document is the ConfigMap's) loaded from the ConfigMap, which no PUT
-    // ever acknowledges.
-    let since = ctx.rollouts.lock().verification_start(
-        ns,
-        &policy.name_any(),
-        &desired,
-        states.iter().any(PodState::current),
-        now,
-    );
+    // ever acknowledges. (A pod's acknowledgement names its own document's revision, which
+    // differs from pod to pod with their shares: the policy's revision keys the rollout.)
+    let verification_since = |states: &[PodState]| {
+        ctx.rollouts.lock().verification_start(
+            ns,
+            &policy.name_any(),
+            &desired,
+            states.iter().any(PodState::current),
+            now,
+        )
+    };
+    let since = verification_since(&states);
     let verdict = {
         let snapshot = ctx.snapshot.read();
         let max_age = ctx.config.snapshot_max_age;
@@ -319,16 +323,8 @@ pub async fn roll_out<G: Gateways>(
 
     let states = pod_states(ctx, observed, fleet, &plan.live);
     // Canaries that took the revision in this reconcile start their verification now, and the
-    // policy's next reconcile comes when it ends. (A pod's acknowledgement names its own
-    // document's revision, which differs from pod to pod with their shares: the policy's
-    // revision keys the rollout.)
-    let since = ctx.rollouts.lock().verification_start(
-        ns,
-        &policy.name_any(),
-        &desired,
-        states.iter().any(PodState::current),
-        now,
-    );
+    // policy's next reconcile comes when it ends.
+    let since = verification_since(&states);
     let next = waves::next_wave(strategy, &states, since, &verdict, now);
     let older = later_pass(ctx, ns, pushed.older, &states, fleet);
     let halted = wave.halted.or_else(|| {
