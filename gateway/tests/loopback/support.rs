@@ -133,6 +133,10 @@ impl Backend {
     async fn serve(self, stream: TcpStream) {
         let seen = self.seen.clone();
         let now = seen.connections.fetch_add(1, Ordering::SeqCst) + 1;
+        let stream = Counted {
+            inner: stream,
+            seen: Some(seen.clone()),
+        };
         seen.max_connections.fetch_max(now, Ordering::SeqCst);
         seen.accepted.fetch_add(1, Ordering::SeqCst);
         let last_end = Arc::new(AtomicU64::new(0));
@@ -191,7 +195,6 @@ impl Backend {
                     .serve_connection(TokioIo::new(stream), service)
             ),
         }
-        seen.connections.fetch_sub(1, Ordering::SeqCst);
     }
 
     async fn respond(&self, req: Request<Incoming>) -> Response<Body> {
@@ -689,4 +692,75 @@ pub async fn try_get(addr: SocketAddr, path: &str) -> Option<u16> {
             eprintln!("try_get {addr}{path}: no answer within 2 s");
             None
         })
+}
+
+/// A backend connection's socket that stops counting in [`Seen::connections`] the moment its
+/// side closes: before its FIN goes out (at the shutdown of its write side, or when it is
+/// dropped), so that a gateway that waited for that FIN always finds the count already down.
+/// (Counted after the connection's task ended, a gateway that had rightly waited could look
+/// before the count moved.)
+struct Counted {
+    inner: TcpStream,
+    seen: Option<Arc<Seen>>,
+}
+
+impl Counted {
+    fn uncount(&mut self) {
+        if let Some(seen) = self.seen.take() {
+            seen.connections.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.uncount();
+    }
+}
+
+impl tokio::io::AsyncRead for Counted {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Counted {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.uncount();
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
 }
