@@ -173,6 +173,7 @@ fn run<G: Gateways>(ctx: &Context<G>, ns: &str, focus: BTreeSet<PolicyKey>, seq:
     let world = fingerprint(ctx, ns);
     let now = (ctx.clock)();
     let observed = observe::namespace(ctx, ns, now);
+    super::rollout::forget_gone_pods(ctx, ns);
     planned(ctx, ns, observed, focus, world, seq, now)
 }
 

@@ -191,7 +191,6 @@ pub async fn roll_out<G: Gateways>(
         apply_configmap(ctx, policy, &durable, doc).await?;
     }
 
-    forget_gone_pods(ctx, ns);
     // Read from the Secret once, by the first read or send that needs them.
     let tokens = Tokens::new(ctx, ns);
     let states = pod_states(ctx, observed, fleet, &plan.live);
@@ -918,14 +917,34 @@ fn pod_instances<'a, G: Gateways>(
 
 /// Drops what the rollout memory knows of the pods of `ns` that are gone or run anew (their
 /// acknowledgements, their unanswered documents): a Deployment's pods come and go under new
-/// names, and the memory must not grow with every pod that ever ran.
-fn forget_gone_pods<G: Gateways>(ctx: &Context<G>, ns: &str) {
-    let gone = |(n, p, i): &(String, String, String)| {
-        n == ns && pod_instance(ctx, ns, p).as_ref() != Some(i)
-    };
+/// names, and the memory must not grow with every pod that ever ran. Called by each namespace
+/// pass (a pod that comes, goes or restarts changes the pass's fingerprint), over the
+/// namespace's own entries only.
+pub(super) fn forget_gone_pods<G: Gateways>(ctx: &Context<G>, ns: &str) {
     let mut memory = ctx.rollouts.lock();
-    memory.acked.retain(|k, _| !gone(k));
-    memory.unanswered.retain(|k, _| !gone(k));
+    let memory = &mut *memory;
+    let gone = |pod: &str, instance: &str| pod_instance(ctx, ns, pod).as_deref() != Some(instance);
+    forget_in(&mut memory.acked, ns, gone);
+    forget_in(&mut memory.unanswered, ns, gone);
+}
+
+/// Removes the entries of `ns` whose (pod, run of the pod) is `gone`.
+fn forget_in<V>(
+    map: &mut BTreeMap<(String, String, String), V>,
+    ns: &str,
+    gone: impl Fn(&str, &str) -> bool,
+) {
+    let from = (ns.to_owned(), String::new(), String::new());
+    let stale: Vec<_> = map
+        .range(from..)
+        .map(|(k, _)| k)
+        .take_while(|(n, _, _)| n == ns)
+        .filter(|(_, pod, instance)| gone(pod, instance))
+        .cloned()
+        .collect();
+    for key in stale {
+        map.remove(&key);
+    }
 }
 
 /// The rollout state of the pods `live` (selected, neither terminating nor stopped).

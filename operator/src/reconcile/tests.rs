@@ -1400,7 +1400,14 @@ async fn a_canary_that_gives_no_answer_gives_way_to_the_next_pod_and_the_rollout
         [addr(7)]
     );
     assert!(memory.unanswered.is_empty(), "{:?}", memory.unanswered);
-    // A pod that is gone takes what was known of it along.
+    // A pod that is gone takes what was known of it along; another namespace's pod of the
+    // same name (planned by its own passes) keeps its entry.
+    let elsewhere = ("other".to_owned(), "gw-0".to_owned(), "uid/0".to_owned());
+    let known = memory.acked.values().next().cloned().expect("acknowledged");
+    memory.acked.insert(elsewhere.clone(), known);
+    memory
+        .unanswered
+        .insert(elsewhere.clone(), Timestamp::UNIX_EPOCH);
     reconcile_with(
         &p,
         pods()[1..].to_vec(),
@@ -1409,10 +1416,15 @@ async fn a_canary_that_gives_no_answer_gives_way_to_the_next_pod_and_the_rollout
     )
     .await;
     assert!(
-        memory.acked.keys().all(|(_, pod, _)| pod != "gw-0"),
+        memory
+            .acked
+            .keys()
+            .all(|(ns, pod, _)| pod != "gw-0" || ns == "other"),
         "{:?}",
         memory.acked
     );
+    assert!(memory.acked.contains_key(&elsewhere), "{:?}", memory.acked);
+    assert!(memory.unanswered.contains_key(&elsewhere));
 }
 
 /// Shares, bursts and client limits changed under the generation every pod ran are the
