@@ -80,7 +80,8 @@ pub fn render_all(
             .filter(|(j, p)| {
                 p.acceptance.is_accepted()
                     && match &set {
-                        PeerSet::OnPod(pod) => p.selected.contains(pod),
+                        // Sorted (`PolicyPlan::selected`).
+                        PeerSet::OnPod(pod) => p.selected.binary_search(pod).is_ok(),
                         PeerSet::Selector(_) => &policies[*j].spec.gateway_selector == selector,
                     }
             })
@@ -94,15 +95,21 @@ pub fn render_all(
         plans[i].document = Some(doc);
     }
 
+    // Each pod's accepted policies, in the plans' order: gathered in one walk over what every
+    // plan selects (asking every plan about every pod costs pods × policies × selected).
+    let mut on_pods: BTreeMap<&str, Vec<(usize, &PolicyPlan)>> = BTreeMap::new();
+    for (i, plan) in plans.iter().enumerate() {
+        if plan.acceptance.is_accepted() {
+            for pod in &plan.selected {
+                on_pods.entry(pod.as_str()).or_default().push((i, plan));
+            }
+        }
+    }
     let mut out = BTreeMap::new();
     let mut pod_names: Vec<&GatewayPod> = pods.iter().collect();
     pod_names.sort_by(|a, b| a.name.cmp(&b.name));
     for pod in pod_names {
-        let on_pod: Vec<(usize, &PolicyPlan)> = plans
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.acceptance.is_accepted() && p.selected.contains(&pod.name))
-            .collect();
+        let on_pod = on_pods.remove(pod.name.as_str()).unwrap_or_default();
         let mut doc = document(policies, &on_pod, Some(&pod.name)).with_content_revision();
         doc.generation = generations.of(&doc.revision);
         out.insert(pod.name.clone(), Arc::new(doc));

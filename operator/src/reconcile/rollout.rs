@@ -127,9 +127,7 @@ fn durable_configmap<G: Gateways>(
     let owner = ctx
         .stores
         .configmaps
-        .state()
-        .iter()
-        .find(|cm| cm.namespace().as_deref() == Some(ns.as_str()) && cm.name_any() == named)
+        .get(&ObjectRef::new(&named).within(&ns))
         .and_then(|cm| {
             cm.owner_references()
                 .iter()
@@ -172,9 +170,7 @@ pub async fn roll_out<G: Gateways>(
     let published: Option<Option<GatewayLimits>> = ctx
         .stores
         .configmaps
-        .state()
-        .iter()
-        .find(|cm| cm.namespace().as_deref() == Some(ns.as_str()) && cm.name_any() == name)
+        .get(&ObjectRef::new(&name).within(ns))
         .map(|cm| {
             cm.data
                 .as_ref()
@@ -816,13 +812,15 @@ async fn apply_owned<G: Gateways>(
     let ns = policy.namespace().unwrap_or_default();
     let body = serde_json::to_string_pretty(doc).map_err(RolloutError::Serialize)?;
     let generation = doc.generation.to_string();
-    let unchanged = ctx.stores.configmaps.state().iter().any(|cm| {
-        cm.namespace().as_deref() == Some(ns.as_str())
-            && cm.name_any() == name
-            && cm.annotations().get(REVISION_ANNOTATION) == Some(&doc.revision)
-            && cm.annotations().get(GENERATION_ANNOTATION) == Some(&generation)
-            && cm.data.as_ref().and_then(|d| d.get(DOCUMENT_KEY)) == Some(&body)
-    });
+    let unchanged = ctx
+        .stores
+        .configmaps
+        .get(&ObjectRef::new(&name).within(&ns))
+        .is_some_and(|cm| {
+            cm.annotations().get(REVISION_ANNOTATION) == Some(&doc.revision)
+                && cm.annotations().get(GENERATION_ANNOTATION) == Some(&generation)
+                && cm.data.as_ref().and_then(|d| d.get(DOCUMENT_KEY)) == Some(&body)
+        });
     if unchanged {
         return Ok(());
     }
