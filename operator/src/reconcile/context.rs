@@ -91,7 +91,9 @@ pub struct RolloutMemory {
     /// re-division) and reaches every pod at once; under a newer one it is the user's edit, and
     /// the rollout's waves verify it on the canaries first.
     pub rolled_out_generation: BTreeMap<(String, String), i64>,
-    /// The highest generation a pod said it runs (409 answers), per namespace.
+    /// The floor of the namespace's next document generations: the highest a pod was found
+    /// running (a 409 answer, a document read back, one found from a later pass) or sent (a
+    /// rollback), per namespace ([`RolloutMemory::saw_generation`]).
     pub seen_generation: BTreeMap<String, u64>,
     /// When a policy was last reconciled again at once because its pods ran a later pass, per
     /// (namespace, policy): at most once a second, so that two writers raising the generation
@@ -110,6 +112,13 @@ pub struct RolloutMemory {
 }
 
 impl RolloutMemory {
+    /// Raises `ns`'s generation floor to `generation`: the namespace's next pass numbers its
+    /// documents above it.
+    pub fn saw_generation(&mut self, ns: &str, generation: u64) {
+        let seen = self.seen_generation.entry(ns.to_owned()).or_default();
+        *seen = (*seen).max(generation);
+    }
+
     /// When the canaries' verification of `desired`, the revision `policy` in `ns` rolls out,
     /// started: when a canary was first seen on it (`on_it`: one is now). A policy that moved to
     /// another revision forgets the verification of the one before and of `desired`, so that a

@@ -617,8 +617,7 @@ async fn learn_running<G: Gateways>(
             }
         };
         let instance = instances.get(&name).cloned().unwrap_or_default();
-        let seen = memory.seen_generation.entry(ns.clone()).or_default();
-        *seen = (*seen).max(doc.generation);
+        memory.saw_generation(ns, doc.generation);
         memory.acked.insert(
             (ns.clone(), name.clone(), instance),
             Acked {
@@ -666,8 +665,7 @@ async fn roll_back<G: Gateways>(
         }
         // The planner's next documents go above the rolled-back ones.
         if let Some(top) = documents.values().map(|d| d.generation).max() {
-            let seen = memory.seen_generation.entry(ns.clone()).or_default();
-            *seen = (*seen).max(top);
+            memory.saw_generation(ns, top);
         }
     }
     let pods: Vec<String> = documents.keys().cloned().collect();
@@ -884,9 +882,7 @@ fn later_pass<G: Gateways>(
         .filter(|g| plausible_generation(*g))
         .max();
     if let Some(top) = top {
-        let mut memory = ctx.rollouts.lock();
-        let seen = memory.seen_generation.entry(ns.to_owned()).or_default();
-        *seen = (*seen).max(top);
+        ctx.rollouts.lock().saw_generation(ns, top);
     }
     let mut older = refused;
     older.extend(ahead);
@@ -1161,8 +1157,7 @@ async fn push<G: Gateways>(
                 generation: Some(g),
                 ..
             }) => {
-                let seen = memory.seen_generation.entry(ns.clone()).or_default();
-                *seen = (*seen).max(g);
+                memory.saw_generation(ns, g);
                 older.insert(name.clone());
                 failed.insert(
                     name,
