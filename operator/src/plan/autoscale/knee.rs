@@ -632,7 +632,8 @@ impl Hold {
                 "the backend's saturation query has not been evaluated yet".to_owned()
             }
             Self::Judging { step, so_far } => format!(
-                "judging the step to {} in flight per endpoint against {} (decision {} of at most {}): {}",
+                "judging the {} to {} in flight per endpoint against {} (decision {} of at most {}): {}",
+                if step.probe { "knee's probe" } else { "step" },
                 step.level,
                 step.reference,
                 step.decisions,
@@ -798,14 +799,27 @@ impl KneeMemory {
         }
     }
 
+    /// Whether the backend serves `level` at once, as far as its queue's last reading tells: a
+    /// level above that is the reading's level of calls served plus a queue, its throughput that
+    /// of the reading's level measured while the queue filled or drained (after a step back the
+    /// gateways' in-flight stays high until the calls queued in the backend are done). Such a
+    /// level is no evidence of where the backend gives the most.
+    pub fn served(&self, level: &Level) -> bool {
+        self.ceiling.is_none_or(|c| level.in_flight <= c.level)
+    }
+
     /// The knee, when the levels show one.
     pub fn knee(&self) -> Option<Knee> {
         // Only levels that are evidence take part: one noisier than MAX_LEVEL_NOISE could give
-        // the most throughput by luck, and every comparison with it would be untrusted.
-        let evidence = || {
+        // the most throughput by luck, and every comparison with it would be untrusted; and,
+        // once the backend's queue is known, only the levels it serves at once.
+        let trusted = |l: &&Level| l.noise(l.by_bytes()) <= MAX_LEVEL_NOISE;
+        let served = self.levels.values().filter(trusted).any(|l| self.served(l));
+        let evidence = move || {
             self.levels
                 .values()
-                .filter(|l| l.noise(l.by_bytes()) <= MAX_LEVEL_NOISE)
+                .filter(trusted)
+                .filter(move |l| !served || self.served(l))
         };
         let max = evidence().max_by(|a, b| {
             let bytes = a.by_bytes() && b.by_bytes();
@@ -859,7 +873,9 @@ impl KneeMemory {
             .values()
             .filter(|l| {
                 let r = l.mean_in_flight() / best.mean_in_flight();
-                (1.0 / PEAK_SPAN..=PEAK_SPAN).contains(&r) && l.intervals > 0
+                (1.0 / PEAK_SPAN..=PEAK_SPAN).contains(&r)
+                    && l.intervals > 0
+                    && (self.served(l) || !self.served(best))
             })
             .collect();
         let bytes = around.iter().all(|l| l.by_bytes());
@@ -1034,12 +1050,24 @@ impl KneeMemory {
         }
         let measured = |l: u32| self.levels.contains_key(&l);
         let middle = |a: u32, b: u32| (f64::from(a) * f64::from(b)).sqrt().round() as u32;
-        // Above first (towards the demand), then below.
+        // A probe below the best level into levels never measured is a shrink without
+        // evidence: at most maxStepPercent of it.
+        let share = match self.max_step_percent {
+            0 => 0.5,
+            p => f64::from(p.min(100)) / 100.0,
+        };
+        let floor = ((f64::from(best) * (1.0 - share) - 1e-9).ceil() as u32).max(min);
+        // Above first (towards the demand), then below; never above what the backend serves
+        // at once (its queue takes the rest).
         let up = knee.above.and_then(|a| {
             let hi = a.higher.in_flight;
             let m = middle(best, hi).min(upper);
-            (f64::from(hi) > f64::from(best) * NARROW && m > best && m < hi && m <= wanted)
-                .then_some(m)
+            (f64::from(hi) > f64::from(best) * NARROW
+                && m > best
+                && m < hi
+                && m <= wanted
+                && knee.ceiling.is_none_or(|c| m <= c.level))
+            .then_some(m)
         });
         let down = match knee.below {
             Some(b) => {
@@ -1048,21 +1076,27 @@ impl KneeMemory {
                 (f64::from(best) > f64::from(lo) * NARROW && m > lo && m < best).then_some(m)
             }
             None => {
-                // Nothing measured below: a shrink into the unknown, at most maxStepPercent.
-                let share = match self.max_step_percent {
-                    0 => 0.5,
-                    p => f64::from(p.min(100)) / 100.0,
-                };
-                let floor = (f64::from(best) * (1.0 - share) - 1e-9).ceil() as u32;
-                let m = (best / 2).max(floor).max(min);
+                let m = (best / 2).max(floor);
                 (m < best && f64::from(best) >= f64::from(m) * MIN_RATIO).then_some(m)
             }
         };
         let down = down.map(|m| m.max(min)).filter(|m| *m < best);
         let fresh = |m: &u32| !measured(*m) && *m != current;
-        // Only the levels' own evidence brackets a knee to probe: the backend's queue alone
-        // says where growth stops, not that a lower level gives more.
-        let (up, down) = if knee.own() { (up, down) } else { (None, None) };
+        let served = knee.ceiling.map_or(u32::MAX, |c| c.level);
+        let (up, down) = if knee.own() {
+            (up, down)
+        } else if knee.ceiling.is_some_and(|c| best <= c.level)
+            && self.levels.range(floor.min(best)..best).next().is_none()
+        {
+            // Only the backend's queue says where growth stops: at what it serves at once.
+            // Whether it gives more below that (a batch that thrashes as it fills) only a
+            // level below can tell: one probe, within maxStepPercent of the best level, and
+            // none while a level there is remembered (a backend that gives less below is
+            // not probed again until that level is forgotten).
+            (None, down.map(|m| m.max(floor)).filter(|m| *m < best))
+        } else {
+            (None, None)
+        };
         if let Some(to) = up.filter(fresh).or(down.filter(fresh)) {
             self.judging = Some(Judging {
                 target: to,
@@ -1075,7 +1109,7 @@ impl KneeMemory {
             return Move::Probe { to, knee };
         }
         match self
-            .refine(&knee, current, (min, wanted.min(upper)))
+            .refine(&knee, current, (min, wanted.min(upper).min(served)))
             .filter(|_| knee.own())
         {
             Some(at) if at == current => return Move::Measure { at, knee },

@@ -656,7 +656,7 @@ fn a_step_that_added_no_throughput_is_stepped_back_and_growth_stops_at_the_best_
     );
     assert!(
         said[1].2.starts_with(
-            "held at 15: growth to 36 held: judging the step to 15 in flight per endpoint against 10 (decision 1 of at most 8): response bytes 10 kB/s at 10 in flight per endpoint → 10.2 kB/s at 15 (×1.02, no significant change"
+            "held at 15: growth to 36 held: judging the knee's probe to 15 in flight per endpoint against 10 (decision 1 of at most 8): response bytes 10 kB/s at 10 in flight per endpoint → 10.2 kB/s at 15 (×1.02, no significant change"
         ),
         "{}",
         said[1].2

@@ -405,3 +405,105 @@ fn an_uncertain_peak_is_measured_at_the_levels_around_it_then_held() {
         "held near 8: {current}, {knee:?}"
     );
 }
+
+/// The memory of the cluster's long-calls run held at the backend's queue: the light load at 1
+/// per endpoint, the target held at 9 (what the backend served at once when its queue showed),
+/// and one interval at 17 measured while the calls queued in the backend drained after a step
+/// back, higher than 9 by luck.
+fn held_at_the_queue(at_nine: f64) -> KneeMemory {
+    let mut m = KneeMemory {
+        capacity: 64,
+        max_step_percent: 50,
+        ceiling: Some(Ceiling::read(20.0, 11.0, at(20))),
+        ..KneeMemory::default()
+    };
+    m.observe(obs(0, 1.0, 200.0, 30.0));
+    m.observe(obs(30, 17.0, 1200.0, 60.0));
+    for t in [40, 50, 60, 70] {
+        m.observe(obs(t, 9.0, at_nine, 60.0));
+    }
+    m
+}
+
+#[test]
+fn a_level_above_what_the_backend_serves_at_once_is_never_the_best_one() {
+    let m = held_at_the_queue(1000.0);
+    let knee = m.knee().expect("the backend's queue");
+    assert_eq!(knee.ceiling.map(|c| c.level), Some(9));
+    assert_eq!(
+        knee.best.in_flight, 9,
+        "17 is 9 calls served and 8 queued in the backend: {knee:?}"
+    );
+    assert_eq!(knee.cap(), 9);
+}
+
+#[test]
+fn a_knee_known_only_from_the_backends_queue_is_probed_below_once() {
+    // Held at what the backend serves at once: whether it gives more below (a batch that
+    // thrashes as it fills) is probed, within maxStepPercent (50%: 5, not the middle 3 of
+    // [1, 9]).
+    let mut m = held_at_the_queue(1000.0);
+    let Move::Probe { to, knee } = m.plan(9, 24, (2, 25), Some(9)) else {
+        panic!("a probe below the queue's level")
+    };
+    assert_eq!((to, knee.best.in_flight), (5, 9));
+    assert_eq!(
+        m.judging.map(|j| (j.level, j.reference, j.probe)),
+        Some((5, 9, true))
+    );
+    // A backend that gives less below: back at 9, and not probed again while 5 is remembered.
+    for t in [80, 90, 100] {
+        m.observe(obs(t, 5.0, 600.0, 60.0));
+    }
+    let mv = m.plan(5, 24, (2, 25), Some(5));
+    assert!(matches!(mv, Move::Cap(k) if k.cap() == 9), "{mv:?}");
+    m.observe(obs(110, 9.0, 1000.0, 60.0));
+    let mv = m.plan(9, 24, (2, 25), Some(9));
+    assert!(matches!(mv, Move::Cap(k) if k.cap() == 9), "{mv:?}");
+    // A backend that thrashes gives more at 5: its own knee now, probed between 5 and 9.
+    let mut m = held_at_the_queue(1000.0);
+    m.plan(9, 24, (2, 25), Some(9));
+    for t in [80, 90, 100] {
+        m.observe(obs(t, 5.0, 1250.0, 60.0));
+    }
+    let mv = m.plan(5, 24, (2, 25), Some(5));
+    let Move::Probe { to: 7, knee } = mv else {
+        panic!("the middle of [5, 9]: {mv:?}")
+    };
+    assert_eq!(knee.best.in_flight, 5);
+    assert!(knee.own(), "{knee:?}");
+    // A new reading below every level measured but the light load's: those levels were
+    // calls served and queued, no evidence; the reading alone caps, at what it serves at once.
+    let mut m = held_at_the_queue(1000.0);
+    m.ceiling = Some(Ceiling::read(20.0, 14.0, at(75)));
+    let knee = m.knee().expect("the backend's queue");
+    assert_eq!((knee.best.in_flight, knee.cap()), (1, 6), "{knee:?}");
+    assert!(!knee.own() && !knee.measured_above, "{knee:?}");
+    let mv = m.plan(9, 24, (2, 25), Some(9));
+    assert!(matches!(mv, Move::Back { to: 6, .. }), "{mv:?}");
+}
+
+#[test]
+fn no_level_above_what_the_backend_serves_at_once_is_probed_or_measured() {
+    // A batch that thrashes, peaking at 5, measured on few calls per interval (its peak stays
+    // uncertain, and the levels 2× around it are measured, 10 among them): 60 decisions never go
+    // above the 9 the backend served at once when its queue showed.
+    let mut m = held_at_the_queue(thrashing(9.0, 5.0));
+    // And 10, measured on the way down as the backend drained its queue.
+    m.observe(obs(35, 10.0, 900.0, 30.0));
+    let mut current = 9;
+    let mut visited = BTreeMap::new();
+    for i in 0..60 {
+        let c = f64::from(current);
+        m.observe(obs(80 + i * 10, c, thrashing(c, 5.0), 12.0));
+        *visited.entry(current).or_insert(0) += 1;
+        current = match m.plan(current, 24, (2, 25), Some(current)) {
+            Move::Probe { to, .. } | Move::Back { to, .. } => to,
+            Move::Measure { at, .. } => at,
+            Move::Cap(k) => k.cap().min(24),
+            Move::Judging { .. } | Move::Free => current,
+        };
+        assert!(current <= 9, "decision {i}: {current}, after {visited:?}");
+    }
+    assert!(visited.len() > 1, "levels below 9 probed: {visited:?}");
+}
