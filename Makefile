@@ -157,6 +157,8 @@ IMAGE_TARGET_DIR ?= $(CARGO_TARGET_DIR)
 IMAGE_REPO       ?= docker.io/poolpilot
 IMAGE_TAG        ?= local
 IMAGES_DIR       ?= $(CACHE)/images
+# The tag of the release images `make image-test` builds beside the cluster's.
+RELEASE_TEST_TAG ?= $(IMAGE_TAG)-release
 IMAGE_VERSION    := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 IMAGE_REVISION   := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 # name:binary:ports of each image.
@@ -209,8 +211,13 @@ images: image-tools ## Build the operator, gateway and modelsim images offline (
 	@ls -l $(IMAGES_DIR)/*.tar
 
 .PHONY: image-test
-image-test: images ## Run each image as podman would in production: read-only root fs, user 65532, health endpoints, the fd limit, SIGTERM to PID 1
+image-test: images ## Run each image as podman would in production (read-only root fs, user 65532, health endpoints, the fd limit, SIGTERM to PID 1): the e2e cluster's and the release images a user deploys
 	unshare --net images/test.sh $(IMAGE_REPO) $(IMAGE_TAG)
+	@# The release images (`cargo build --release`, in the benchmarks' target folder, which
+	@# `make bench` then finds built), tagged apart so that the cluster's images stay as they are.
+	$(MAKE) --no-print-directory images IMAGE_PROFILE=release IMAGE_TARGET_DIR=$(BENCH_TARGET_DIR) \
+		IMAGE_TAG=$(RELEASE_TEST_TAG) IMAGES_DIR=$(CACHE)/images-release
+	unshare --net images/test.sh $(IMAGE_REPO) $(RELEASE_TEST_TAG)
 
 ##@ Checks
 
