@@ -25,6 +25,9 @@
 //!  then         probe the middle of the bracket around the best level (judged against it;
 //!               a tie: the lower level wins), step back to the peak, or hold there;
 //!               without a knee, measure a too noisy lower level again
+//!  queue        once the backend's own queue showed, only the levels at or under what it
+//!               serves at once are evidence, nothing above it is probed, and a knee the
+//!               queue alone shows is probed below once (within maxStepPercent)
 //! ```
 
 use std::collections::BTreeMap;
@@ -1082,7 +1085,7 @@ impl KneeMemory {
         };
         let down = down.map(|m| m.max(min)).filter(|m| *m < best);
         let fresh = |m: &u32| !measured(*m) && *m != current;
-        let served = knee.ceiling.map_or(u32::MAX, |c| c.level);
+        let at_once = knee.ceiling.map_or(u32::MAX, |c| c.level);
         let (up, down) = if knee.own() {
             (up, down)
         } else if knee.ceiling.is_some_and(|c| best <= c.level)
@@ -1109,7 +1112,7 @@ impl KneeMemory {
             return Move::Probe { to, knee };
         }
         match self
-            .refine(&knee, current, (min, wanted.min(upper).min(served)))
+            .refine(&knee, current, (min, wanted.min(upper).min(at_once)))
             .filter(|_| knee.own())
         {
             Some(at) if at == current => return Move::Measure { at, knee },
