@@ -817,12 +817,12 @@ impl KneeMemory {
         // the most throughput by luck, and every comparison with it would be untrusted; and,
         // once the backend's queue is known, only the levels it serves at once.
         let trusted = |l: &&Level| l.noise(l.by_bytes()) <= MAX_LEVEL_NOISE;
-        let served = self.levels.values().filter(trusted).any(|l| self.served(l));
+        let any_served = self.levels.values().filter(trusted).any(|l| self.served(l));
         let evidence = move || {
             self.levels
                 .values()
                 .filter(trusted)
-                .filter(move |l| !served || self.served(l))
+                .filter(move |l| !any_served || self.served(l))
         };
         let max = evidence().max_by(|a, b| {
             let bytes = a.by_bytes() && b.by_bytes();
@@ -1060,6 +1060,8 @@ impl KneeMemory {
             p => f64::from(p.min(100)) / 100.0,
         };
         let floor = ((f64::from(best) * (1.0 - share) - 1e-9).ceil() as u32).max(min);
+        // What the backend served at once when its queue last showed (no reading: no bound).
+        let at_once = knee.ceiling.map_or(u32::MAX, |c| c.level);
         // Above first (towards the demand), then below; never above what the backend serves
         // at once (its queue takes the rest).
         let up = knee.above.and_then(|a| {
@@ -1069,8 +1071,8 @@ impl KneeMemory {
                 && m > best
                 && m < hi
                 && m <= wanted
-                && knee.ceiling.is_none_or(|c| m <= c.level))
-            .then_some(m)
+                && m <= at_once)
+                .then_some(m)
         });
         let down = match knee.below {
             Some(b) => {
@@ -1085,10 +1087,10 @@ impl KneeMemory {
         };
         let down = down.map(|m| m.max(min)).filter(|m| *m < best);
         let fresh = |m: &u32| !measured(*m) && *m != current;
-        let at_once = knee.ceiling.map_or(u32::MAX, |c| c.level);
         let (up, down) = if knee.own() {
             (up, down)
-        } else if knee.ceiling.is_some_and(|c| best <= c.level)
+        } else if knee.ceiling.is_some()
+            && best <= at_once
             && self.levels.range(floor.min(best)..best).next().is_none()
         {
             // Only the backend's queue says where growth stops: at what it serves at once.
