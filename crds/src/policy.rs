@@ -1175,6 +1175,28 @@ pub struct BackendStatus {
     /// summed over the pods, each counting the addresses it fell back on). Absent: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http1_fallback: Option<u32>,
+    /// `pool.idleTimeout` as the pods run it when the backend closes idle connections sooner
+    /// than the spec's: the operator keeps it under the idle time at which the gateways found
+    /// connections closed by the backend. Absent: the spec's value is in force.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout: Option<IdleTimeoutStatus>,
+}
+
+/// The idle timeout in force for a backend that closes idle connections sooner than
+/// `pool.idleTimeout` says.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IdleTimeoutStatus {
+    /// The idle timeout the pods run (`1.2s`), under the backend's keep-alive.
+    pub in_force: Duration,
+    /// The spec's `pool.idleTimeout` it replaces; editing the spec starts over from the new
+    /// value.
+    pub configured: Duration,
+    /// The idle time, in seconds, after which the backend was seen closing connections: the
+    /// 5th percentile of the gateways' findings when it was last lowered.
+    pub backend_closed_after_seconds: f64,
+    /// When it was last lowered.
+    pub since: Time,
 }
 
 /// One pod's share of a divided limit: a backend's target, or a client's `maxConcurrency`.

@@ -1,7 +1,8 @@
 //! A closed-loop load generator for the scenarios and the demo: N workers, each a client that
-//! calls a gateway's OpenAI-style API and calls again as soon as it has an answer, with every
-//! outcome counted in one-second buckets (status, the gateway's machine-readable reason,
-//! `Retry-After`), so that a test reads the error rate before and after the operator acts.
+//! calls a gateway's OpenAI-style API and calls again as soon as it has an answer (or after a set
+//! pause), with every outcome counted in one-second buckets (status, the gateway's
+//! machine-readable reason, `Retry-After`), so that a test reads the error rate before and after
+//! the operator acts.
 //!
 //! Closed loop is how the callers of the lease-timeout incident behaved (a fixed number of worker threads each waiting
 //! for its call): the in-flight demand at the gateways equals the number of active workers, so
@@ -39,6 +40,9 @@ pub struct LoadSpec {
     /// Wait as a refusal's `Retry-After` says (at most 5 s) before calling again, as the
     /// OpenAI SDKs do, instead of calling again at once.
     pub honour_retry_after: bool,
+    /// How long a worker waits after each answer before its next call (zero: calls again at
+    /// once): callers that leave pooled connections idle in between.
+    pub pause: Duration,
 }
 
 impl LoadSpec {
@@ -59,6 +63,7 @@ impl LoadSpec {
             max_workers: workers,
             call_timeout,
             honour_retry_after: false,
+            pause: Duration::ZERO,
         }
     }
 }
@@ -177,6 +182,9 @@ struct Record {
     /// Whole seconds since the start → how long each successful call that ended then took,
     /// from sending it to the end of its body.
     latencies: BTreeMap<u64, Vec<Duration>>,
+    /// Each successful call's span, from sending it to the end of its body, in seconds since
+    /// the start.
+    spans: Vec<(f64, f64)>,
 }
 
 /// A running load. Dropping it stops the workers.
@@ -234,7 +242,7 @@ impl Load {
                 body,
                 watch.clone(),
                 Arc::clone(&record),
-                (started, spec.honour_retry_after),
+                (started, spec.honour_retry_after, spec.pause),
             ));
         }
         Ok(Self {
@@ -290,6 +298,37 @@ impl Load {
         all.get(rank - 1).copied()
     }
 
+    /// Successful calls per second over each second of `[from, to)` since the start, each call
+    /// counted over the seconds it was open (a share of `1 / its duration` per second open)
+    /// rather than all in the second it ended. Over a steady load both counts agree; where
+    /// calls held in a queue end together once it drains, this one shows the rate at which they
+    /// were served, not a burst that no level sustains. A call still open is not counted yet:
+    /// read a period once its calls have ended (a call's longest duration after it).
+    pub fn served_per_second(&self, from: u64, to: u64) -> Vec<f64> {
+        let record = self.record.lock();
+        let mut seconds = vec![0.0; to.saturating_sub(from) as usize];
+        let (lo, hi) = (from as f64, to as f64);
+        for &(sent, ended) in &record.spans {
+            let (start, end) = (sent.max(lo), ended.min(hi));
+            if end <= start && !(sent == ended && (lo..hi).contains(&sent)) {
+                continue;
+            }
+            let took = ended - sent;
+            if took <= 0.0 {
+                seconds[(sent - lo) as usize] += 1.0;
+                continue;
+            }
+            let mut at = start;
+            while at < end {
+                let second = at.floor();
+                let until = (second + 1.0).min(end);
+                seconds[(second - lo) as usize] += (until - at) / took;
+                at = until;
+            }
+        }
+        seconds
+    }
+
     /// Every second so far, `(second, outcomes)`, seconds without a call included.
     pub fn seconds(&self) -> Vec<(u64, Tally)> {
         let record = self.record.lock();
@@ -313,7 +352,7 @@ async fn worker(
     body: String,
     mut active: watch::Receiver<usize>,
     record: Arc<Mutex<Record>>,
-    (started, honour_retry_after): (Instant, bool),
+    (started, honour_retry_after, pause): (Instant, bool, Duration),
 ) {
     loop {
         if *active.borrow_and_update() <= index {
@@ -325,6 +364,10 @@ async fn worker(
         let sent = Instant::now();
         let outcome = call(&client, &url, &key, &body).await;
         let took = sent.elapsed();
+        let span = (
+            sent.duration_since(started).as_secs_f64(),
+            started.elapsed().as_secs_f64(),
+        );
         let failed_fast = matches!(&outcome, Outcome::Failed { status: None, .. });
         let mut wait = None;
         let second = started.elapsed().as_secs();
@@ -337,6 +380,7 @@ async fn worker(
                 Outcome::Ok => {
                     tally.ok += 1;
                     r.latencies.entry(second).or_default().push(took);
+                    r.spans.push(span);
                 }
                 Outcome::Failed {
                     reason,
@@ -357,6 +401,8 @@ async fn worker(
         } else if failed_fast {
             // No answer at all (connection refused while a pod restarts): do not spin.
             tokio::time::sleep(Duration::from_millis(100)).await;
+        } else if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
         }
     }
 }
@@ -450,6 +496,42 @@ mod tests {
             "second 5 counts"
         );
         assert_eq!(load.latency_quantile(3, 5, 0.5), None);
+    }
+
+    #[tokio::test]
+    async fn calls_served_are_spread_over_the_seconds_they_were_open() {
+        let (workers, _) = watch::channel(0);
+        let load = Load {
+            started: Instant::now(),
+            workers,
+            record: Arc::new(Mutex::new(Record::default())),
+            tasks: JoinSet::new(),
+        };
+        // A queue drains: four calls opened at 0 end together at 4; one call from 4.5 to 5.5;
+        // one that took no time at 6.2; one opened before the period and one after it.
+        load.record.lock().spans = vec![
+            (0.0, 4.0),
+            (0.0, 4.0),
+            (0.0, 4.0),
+            (0.0, 4.0),
+            (4.5, 5.5),
+            (6.2, 6.2),
+            (-2.0, 2.0),
+            (8.0, 9.0),
+        ];
+        let served = load.served_per_second(0, 7);
+        let expected = [1.25, 1.25, 1.0, 1.0, 0.5, 0.5, 1.0];
+        assert_eq!(served.len(), expected.len());
+        for (second, (got, want)) in served.iter().zip(expected).enumerate() {
+            assert!(
+                (got - want).abs() < 1e-9,
+                "second {second}: {got} != {want}"
+            );
+        }
+        // Every call counts once in all, over any period that holds it whole.
+        let total: f64 = load.served_per_second(0, 10).iter().sum();
+        assert!((total - 7.5).abs() < 1e-9, "{total}");
+        assert!(load.served_per_second(3, 3).is_empty());
     }
 
     #[test]

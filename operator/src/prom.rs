@@ -145,6 +145,12 @@ impl Queries {
                 ),
             ),
             q(
+                "peer_idle_close",
+                format!(
+                    "histogram_quantile(0.05, sum by (namespace, backend, le) (rate(poolpilot_pool_peer_closed_idle_seconds_bucket[{w}])))"
+                ),
+            ),
+            q(
                 "ttfb",
                 format!(
                     "histogram_quantile(0.5, sum by (namespace, backend, le) (rate(poolpilot_upstream_time_to_first_byte_seconds_bucket[{w}])))"
@@ -271,6 +277,9 @@ pub struct Snapshot {
     pub h2_max_streams: Option<BTreeMap<(String, String), f64>>,
     /// Addresses on the HTTP/1.1 fallback of `auto`, summed over the pods, per (namespace, backend).
     pub h2_fallback: Option<BTreeMap<(String, String), f64>>,
+    /// The 5th percentile of the idle times at which the pods found connections closed by the
+    /// backend, per (namespace, backend); absent (NaN) when they found none.
+    pub peer_idle_close: Option<BTreeMap<(String, String), f64>>,
     /// Each saturation query as it ran and its value (`None`: failed, empty or NaN).
     pub saturation: BTreeMap<SaturationKey, (String, Option<f64>)>,
     /// `process_max_fds` per (namespace, pod).
@@ -369,6 +378,7 @@ impl Snapshot {
             ttfb: by("ttfb", "backend"),
             h2_max_streams: by("h2_max_streams", "backend"),
             h2_fallback: by("h2_fallback", "backend"),
+            peer_idle_close: by("peer_idle_close", "backend"),
             saturation: BTreeMap::new(),
             max_fds: by("max_fds", "pod"),
             open_fds: by("open_fds", "pod"),
@@ -513,6 +523,7 @@ impl Snapshot {
                         ttfb: fleet(&self.ttfb),
                         h2_max_streams: fleet(&self.h2_max_streams),
                         h2_fallback: fleet(&self.h2_fallback),
+                        peer_idle_close: fleet(&self.peer_idle_close),
                         window: self.window,
                         saturation,
                         unscraped,
@@ -817,7 +828,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 20, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 21, "one round for every policy in the cluster");
         let sizing = include_str!("../../docs/operating.md");
         assert!(
             sizing.contains(&format!("a fixed round of {} queries", all.len())),
@@ -849,6 +860,16 @@ mod tests {
         assert_eq!(
             promql("h2_fallback"),
             "sum by (namespace, backend) (last_over_time(poolpilot_upstream_h2_fallback[30s]))"
+        );
+        assert_eq!(
+            promql("peer_idle_close"),
+            "histogram_quantile(0.05, sum by (namespace, backend, le) (rate(poolpilot_pool_peer_closed_idle_seconds_bucket[30s])))",
+            "the least idle times at which the pods found the backend's closes"
+        );
+        assert!(
+            include_str!("../../docs/autoscaling.md")
+                .contains(&promql("peer_idle_close").replace("[30s]", "[W]")),
+            "docs/autoscaling.md shows another query for the backend's idle closes"
         );
         assert_eq!(
             promql("max_fds"),

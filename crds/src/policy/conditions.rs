@@ -257,6 +257,21 @@ pub const EVENTS: &[EventDoc] = &[
         meaning: "`mode: Recommend`: a backend's recommended target shrank, with the numbers",
     },
     EventDoc {
+        type_: "Normal",
+        reason: "IdleTimeoutLowered",
+        meaning: "the gateways found connections closed by a backend after less idle time than \
+                  its `pool.idleTimeout`: the idle timeout the pods run is lowered under it, so \
+                  that the gateway closes first and no call meets a connection the backend is \
+                  closing; the note has both times (`model-a: idleTimeout 30s → 1.2s: …`), \
+                  `status.backends[].idleTimeout` keeps them",
+    },
+    EventDoc {
+        type_: "Normal",
+        reason: "WouldLowerIdleTimeout",
+        meaning: "`mode: Recommend`: the recommended documents carry a lowered idle timeout for \
+                  a backend (as `IdleTimeoutLowered`); nothing was sent to the pods",
+    },
+    EventDoc {
         type_: "Warning",
         reason: "GrowthHeld",
         meaning: "a backend's growth has been held for 3 decisions in a row (past its knee, \

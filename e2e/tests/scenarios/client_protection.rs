@@ -100,6 +100,7 @@ async fn scenario(stack: &Stack<'_>) -> anyhow::Result<()> {
         max_workers: workers,
         call_timeout: Duration::from_secs(30),
         honour_retry_after: false,
+        pause: Duration::ZERO,
     };
     // The good client: 2 calls at a time, spread over the gateways, well within its limit.
     let all: Vec<SocketAddr> = gateways.iter().map(|g| g.proxy()).collect();

@@ -7,6 +7,7 @@
 //! (`cargo test -p poolpilot-e2e --test scenarios -- --nocapture | grep ^figure`), which
 //! `e2e/README.md` records.
 
+mod backend_keepalive;
 mod bad_input;
 mod canary_rollback;
 mod client_protection;

@@ -253,7 +253,7 @@ impl<C: Connect> Inner<C> {
                 });
                 match reason {
                     Some(reason) => {
-                        self.closed(ep, reason, idle.conn);
+                        self.closed_idle(ep, reason, idle, now);
                         continue;
                     }
                     None => {
@@ -380,6 +380,7 @@ impl<C: Connect> Inner<C> {
                     created_at: idle.created_at,
                     leased_at: now,
                     reused: true,
+                    idle_for: now.duration_since(idle.idle_since),
                     burst,
                     wait: now.duration_since(start),
                     charge,
@@ -440,6 +441,7 @@ impl<C: Connect> Inner<C> {
                             created_at,
                             leased_at,
                             reused: shared,
+                            idle_for: Duration::ZERO,
                             burst,
                             wait: now.duration_since(start),
                             charge,
@@ -537,13 +539,34 @@ impl<C: Connect> Inner<C> {
                 match reason {
                     Some(reason) => {
                         let idle = ep.idle.remove(i);
-                        self.closed(ep, reason, idle.conn);
+                        self.closed_idle(ep, reason, idle, now);
                     }
                     None => i += 1,
                 }
             }
         }
         self.dispatch(&mut state, now);
+    }
+
+    /// Closes an idle connection for `reason` ([`Self::closed`]); one the backend closed (found
+    /// closed, or failing its validation) counts how long it had been idle: the backend's
+    /// keep-alive timeout is at most that, and the operator keeps `idleTimeout` below it.
+    pub(super) fn closed_idle(
+        self: &Arc<Self>,
+        ep: &mut EndpointState<C::Conn>,
+        reason: CloseReason,
+        idle: IdleConn<C::Conn>,
+        now: Instant,
+    ) {
+        if matches!(
+            reason,
+            CloseReason::PeerClosed | CloseReason::ValidateFailed
+        ) {
+            self.metrics
+                .incidents()
+                .peer_closed_idle(&self.backend, now.duration_since(idle.idle_since));
+        }
+        self.closed(ep, reason, idle.conn);
     }
 
     /// Closes a connection and counts why. Its slot stays taken (`closing`) until the peer has

@@ -24,6 +24,8 @@ pub struct Lease<C: Connect> {
     pub(super) created_at: Instant,
     pub(super) leased_at: Instant,
     pub(super) reused: bool,
+    /// How long its connection had been idle in the pool (zero for one opened for it).
+    pub(super) idle_for: Duration,
     pub(super) burst: bool,
     pub(super) wait: Duration,
     /// What its grant charged its client in the fair queue ([`crate::limits::fair`]).
@@ -60,6 +62,12 @@ impl<C: Connect> Lease<C> {
     /// Whether the connection was reused from the pool (not opened for this lease).
     pub fn reused(&self) -> bool {
         self.reused
+    }
+
+    /// How long its connection had been idle in the pool before this lease (zero when opened
+    /// for it): when the backend turns out to have closed it, at most its keep-alive timeout.
+    pub fn idle_for(&self) -> Duration {
+        self.idle_for
     }
 
     /// Whether it was granted beyond the endpoint's share, on the pool's burst allowance

@@ -365,6 +365,75 @@ async fn a_connection_closed_by_the_peer_is_not_reused() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn connections_the_backend_closed_count_how_long_they_had_been_idle() {
+    let metrics = Metrics::new();
+    let connector = Arc::new(FakeConnector::default());
+    let pool = Pool::new(
+        "model-a",
+        limits(2),
+        &endpoints(1),
+        connector.clone(),
+        metrics.clone(),
+    );
+    let idle_closes = || {
+        let text = metrics.encode();
+        let value = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name) && l.contains("backend=\"model-a\""))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        };
+        (
+            value("poolpilot_pool_peer_closed_idle_seconds_count"),
+            value("poolpilot_pool_peer_closed_idle_seconds_sum"),
+        )
+    };
+    // Closed by the backend after 2.5 s idle: the next lease finds it closed.
+    lease_and_keep(&pool).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    connector.handles.lock()[0].0.store(false, Ordering::SeqCst);
+    let mut lease = pool.lease().await.unwrap();
+    assert!(!lease.reused());
+    assert_eq!(
+        lease.idle_for(),
+        Duration::ZERO,
+        "a new connection was never idle"
+    );
+    assert_eq!(idle_closes(), (Some(1.0), Some(2.5)));
+    // Kept, closed by the backend after 1.3 s idle: the reaper finds it on its pass (every
+    // quarter of the idle timeout, at most 1 s), within a second.
+    lease.keep();
+    drop(lease);
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    connector.handles.lock()[1].0.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(pool.stats().endpoints[0].idle, 0);
+    let (count, sum) = idle_closes();
+    assert_eq!(count, Some(2.0));
+    let reaped = sum.unwrap() - 2.5;
+    assert!(
+        (1.3..=2.3).contains(&reaped),
+        "found by the reaper after {reaped} s idle"
+    );
+    // A connection reused after 1 s idle says so; closing one the pool timed out, or one that
+    // errored, is not the backend's doing.
+    lease_and_keep(&pool).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut lease = pool.lease().await.unwrap();
+    assert!(lease.reused());
+    assert_eq!(lease.idle_for(), Duration::from_secs(1));
+    lease.discard(CloseReason::Error);
+    drop(lease);
+    lease_and_keep(&pool).await;
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    assert_eq!(
+        pool.stats().endpoints[0].idle,
+        0,
+        "reaped at its idle timeout"
+    );
+    assert_eq!(idle_closes().0, Some(2.0));
+}
+
+#[tokio::test(start_paused = true)]
 async fn validates_only_after_the_validate_after_idle_period() {
     let (pool, connector) = pool(2, 1);
     lease_and_keep(&pool).await;

@@ -225,6 +225,20 @@ async fn a_post_that_may_have_been_processed_is_not_sent_twice() {
         );
         let text = gw.metrics().await;
         assert_eq!(retries(&text, "reused_connection_closed"), 0.0, "{text}");
+        // The backend's close is counted with how long the connection had been idle (the 20 ms
+        // between the calls): what the operator keeps `idleTimeout` under.
+        let idle = |what: &str| {
+            metric(
+                &text,
+                &format!(r#"poolpilot_pool_peer_closed_idle_seconds_{what}{{backend="model-a"}}"#),
+            )
+        };
+        assert_eq!(idle("count"), Some(1.0), "{close:?}: {text}");
+        let idle_for = idle("sum").unwrap();
+        assert!(
+            (0.02..1.0).contains(&idle_for),
+            "{close:?}: idle {idle_for} s"
+        );
         let log = gw.access_lines();
         assert_eq!(log[1]["reason"], "upstream_closed_unanswered");
     }

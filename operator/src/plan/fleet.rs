@@ -8,6 +8,7 @@ use poolpilot_api::policy::{BackendSpec, ClientScope, DecisionAction, StartFrom}
 
 use super::autoscale::{self, BackendMemory, Bounds};
 use super::budget::FdReport;
+use super::idle_timeout::{IdleTimeout, Lowered};
 use super::input::{
     BackendSample, ClientUse, FleetInput, GatewayPod, PodPool, PolicyInput, Samples,
 };
@@ -212,6 +213,20 @@ pub fn plan_with(
                     _ => sized(),
                 };
                 memory.bursts.insert(key.clone(), burst);
+                let last_idle = memory
+                    .idle_timeouts
+                    .get(&key)
+                    .copied()
+                    .or_else(|| restored_idle_timeout(policy, &b.name));
+                // Lowered by the policy's own reconcile, which tells it in an Event; another's
+                // run plans with the value in force.
+                let idle_timeout = IdleTimeout::next(
+                    b.pool.idle_timeout.get(),
+                    last_idle,
+                    sample.peer_idle_close.filter(|_| !unfocused),
+                    now,
+                );
+                memory.idle_timeouts.insert(key.clone(), idle_timeout);
                 let mut plan = BackendPlan {
                     name: b.name.clone(),
                     endpoints,
@@ -225,6 +240,7 @@ pub fn plan_with(
                     bounds,
                     decision,
                     held: mem.held,
+                    idle_timeout,
                     streams_per_socket: super::fds::streams_per_socket(b.protocol, &sample),
                     sample,
                 };
@@ -510,6 +526,28 @@ fn previous_target(policy: &PolicyInput, backend: &str) -> Option<u32> {
         .iter()
         .find(|b| b.name == backend)
         .map(|b| b.target)
+}
+
+/// The lowered idle timeout a backend's status records (after a restart, or on a newly elected
+/// operator), so that the pods keep running it instead of meeting the backend's closes again.
+fn restored_idle_timeout(policy: &PolicyInput, backend: &str) -> Option<IdleTimeout> {
+    let s = policy
+        .status
+        .as_ref()?
+        .backends
+        .iter()
+        .find(|b| b.name == backend)?
+        .idle_timeout
+        .as_ref()?;
+    Some(IdleTimeout {
+        configured: s.configured.get(),
+        in_force: s.in_force.get(),
+        lowered: Some(Lowered {
+            closed_after: s.backend_closed_after_seconds,
+            at: s.since.0,
+            now: false,
+        }),
+    })
 }
 
 /// The fleet-wide token budgets of a policy's named clients divided by where their tokens are

@@ -106,6 +106,10 @@ pub struct BackendSample {
     /// summed over the pods at the latest scrape (`poolpilot_upstream_h2_fallback`); `None`:
     /// none.
     pub h2_fallback: Option<f64>,
+    /// The 5th percentile of the idle times, in seconds, at which the pods found connections
+    /// closed by the backend over the window (`poolpilot_pool_peer_closed_idle_seconds`);
+    /// `None`: none found.
+    pub peer_idle_close: Option<f64>,
     /// The window the averages and rates are taken over.
     pub window: std::time::Duration,
     /// The backend's own saturation signal, when it has a saturation query.

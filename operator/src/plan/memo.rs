@@ -100,6 +100,7 @@ impl Rendered {
                     b.decision = f.decision;
                     b.sample = f.sample;
                     b.rebalanced = f.rebalanced;
+                    b.idle_timeout = f.idle_timeout;
                 }
                 plan
             })
@@ -116,6 +117,10 @@ fn without_run_facts(plan: &PolicyPlan) -> PolicyPlan {
         b.decision = None;
         b.sample = Default::default();
         b.rebalanced = None;
+        // Whether this run lowered it is a fact of the run; the value is the documents'.
+        if let Some(l) = &mut b.idle_timeout.lowered {
+            l.now = false;
+        }
     }
     plan
 }

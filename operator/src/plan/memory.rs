@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::autoscale::BackendMemory;
 use super::clients::ClientDivision;
+use super::idle_timeout::IdleTimeout;
 use super::input::PolicyKey;
 use super::memo;
 use super::shares::Divided;
@@ -23,6 +24,8 @@ pub struct Memory {
     pub divisions: BTreeMap<(PolicyKey, String), Divided>,
     /// The burst allowance per endpoint in force, per policy and backend.
     pub bursts: BTreeMap<(PolicyKey, String), u32>,
+    /// The idle timeout the pods run, per policy and backend.
+    pub idle_timeouts: BTreeMap<(PolicyKey, String), IdleTimeout>,
     /// The busiest clients' limits divided over the holders, per policy and client key.
     pub client_divisions: BTreeMap<PolicyKey, BTreeMap<String, ClientDivision>>,
     /// The named clients' token budgets divided over the holders, per policy and override name.
@@ -33,11 +36,12 @@ pub struct Memory {
 
 impl Memory {
     /// Forgets what was remembered of `policy` (deleted, or not in force): its backends'
-    /// autoscale memory, divisions, bursts, client and token divisions.
+    /// autoscale memory, divisions, bursts, idle timeouts, client and token divisions.
     pub fn forget(&mut self, policy: &PolicyKey) {
         self.backends.retain(|(k, _), _| k != policy);
         self.divisions.retain(|(k, _), _| k != policy);
         self.bursts.retain(|(k, _), _| k != policy);
+        self.idle_timeouts.retain(|(k, _), _| k != policy);
         self.client_divisions.remove(policy);
         self.token_divisions.remove(policy);
     }

@@ -10,6 +10,8 @@
 //!        │
 //!   autoscale (per backend, when its interval is due) ──► fleet targets
 //!        │
+//!   idle timeout under the backend's keep-alive (per backend, from the closes the pods saw)
+//!        │
 //!   budget: target ÷ holders ──► per-pod shares ──► fd check (clamp) ──► render per pod
 //!        │
 //!   status (conditions with stable transition times)
@@ -27,6 +29,7 @@ pub mod conditions;
 pub mod division;
 pub mod fds;
 pub mod fleet;
+pub mod idle_timeout;
 pub mod input;
 pub mod memo;
 pub mod memory;

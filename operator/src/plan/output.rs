@@ -9,6 +9,7 @@ use poolpilot_api::GatewayLimits;
 use super::autoscale::{Bounds, Decision};
 use super::budget::FdReport;
 use super::clients::ClientDivision;
+use super::idle_timeout::IdleTimeout;
 use super::input::{BackendSample, PolicyKey};
 use super::tokens::TokenDivision;
 use super::validate::Acceptance;
@@ -45,6 +46,9 @@ pub struct BackendPlan {
     pub held: u32,
     /// The sample the decision was made from.
     pub sample: BackendSample,
+    /// The idle timeout the pods run: the spec's, or lower, under the backend's keep-alive
+    /// ([`super::idle_timeout`]).
+    pub idle_timeout: IdleTimeout,
     /// Slots one socket carries, for the fd check: 1 for HTTP/1.1 (and `Auto`, whose servers
     /// may answer HTTP/1.1), for HTTP/2 the servers' stream limit ([`super::fds::streams_per_socket`]).
     pub streams_per_socket: u32,

@@ -381,6 +381,7 @@ fn document(
                 policy,
                 spec,
                 (planned.share_of(rank), burst),
+                planned.idle_timeout.in_force,
                 client_policy.clone(),
             ));
         }
@@ -398,6 +399,7 @@ fn backend(
     policy: &PolicyInput,
     b: &BackendSpec,
     (per_pod, burst): (u32, u32),
+    idle_timeout: std::time::Duration,
     client_policy: Option<String>,
 ) -> BackendLimits {
     BackendLimits {
@@ -413,7 +415,8 @@ fn backend(
             max_connections_per_endpoint: per_pod,
             max_pending: b.pool.max_pending,
             lease_timeout: b.pool.lease_timeout,
-            idle_timeout: b.pool.idle_timeout,
+            // The spec's, or lower under the backend's keep-alive (`super::idle_timeout`).
+            idle_timeout: idle_timeout.into(),
             max_lifetime: b.pool.max_lifetime,
             connect_timeout: b.pool.connect_timeout,
             validate_after_idle: b.pool.validate_after_idle,

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
-    BackendStatus, ClientStatus, DecisionRecord, Mode, PodFailure, PodRun, PodShare, PodsStatus,
-    ScaleRecord, TokenBudgetStatus,
+    BackendStatus, ClientStatus, DecisionRecord, IdleTimeoutStatus, Mode, PodFailure, PodRun,
+    PodShare, PodsStatus, ScaleRecord, TokenBudgetStatus,
 };
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
@@ -88,6 +88,12 @@ pub fn compute(
                     .h2_fallback
                     .filter(|v| v.is_finite() && *v >= 0.5)
                     .map(|v| v.round() as u32),
+                idle_timeout: b.idle_timeout.lowered.map(|l| IdleTimeoutStatus {
+                    in_force: b.idle_timeout.in_force.into(),
+                    configured: b.idle_timeout.configured.into(),
+                    backend_closed_after_seconds: (l.closed_after * 1000.0).round() / 1000.0,
+                    since: Time(l.at),
+                }),
                 last_scale: mem
                     .and_then(|m| m.last_scale.as_ref())
                     .map(|s| ScaleRecord {

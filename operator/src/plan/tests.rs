@@ -8,7 +8,7 @@ use std::sync::Arc;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use poolpilot_api::limits::{Endpoint, TokenCount, UpstreamProtocol};
 use poolpilot_api::policy::{Mode, StartFrom};
-use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
+use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus, Duration as ApiDuration};
 use proptest::prelude::*;
 
 use super::budget;
@@ -509,6 +509,83 @@ fn the_pods_http1_fallback_shows_in_status() {
     );
     assert_eq!(fallback(None), None, "no pod reports one");
     assert_eq!(fallback(Some(0.0)), None);
+}
+
+#[test]
+fn a_backend_closing_idle_connections_sooner_gets_a_lower_idle_timeout_kept_across_restarts() {
+    let p = policy(
+        "a",
+        0,
+        &spec("model-a", 16, "autoscale: {enabled: false}\n"),
+        2,
+    );
+    let mut input = input_of(vec![p], pods(2));
+    let closes = |input: &mut FleetInput, closed_after: Option<f64>| {
+        input.samples.backends.insert(
+            (key("a"), "model-a".to_owned()),
+            BackendSample {
+                peer_idle_close: closed_after,
+                ..BackendSample::default()
+            },
+        );
+    };
+    let idle = |fleet: &FleetPlan, pod: &str| fleet.documents[pod].backends[0].pool.idle_timeout;
+    let mut memory = Memory::default();
+    // The spec's 30s (the default) while the pods find no closes.
+    let fleet = plan(&input, &mut memory, at(0));
+    assert_eq!(idle(&fleet, "gw-0"), ApiDuration::from_secs(30));
+    assert_eq!(
+        status_now(&input, &fleet, &memory, at(0)).backends[0].idle_timeout,
+        None
+    );
+    // The pods find connections closed after 2.05 s idle: every document runs 1.23 s, the
+    // status says why, and the run that lowered it says so once.
+    closes(&mut input, Some(2.05));
+    let fleet = plan(&input, &mut memory, at(10));
+    for pod in ["gw-0", "gw-1"] {
+        assert_eq!(idle(&fleet, pod), ApiDuration::from_millis(1230));
+    }
+    assert!(
+        fleet.policies[0].backends[0]
+            .idle_timeout
+            .lowered
+            .unwrap()
+            .now
+    );
+    let status = status_now(&input, &fleet, &memory, at(10));
+    let recorded = status.backends[0].idle_timeout.clone().unwrap();
+    assert_eq!(
+        (
+            recorded.in_force,
+            recorded.configured,
+            recorded.backend_closed_after_seconds
+        ),
+        (
+            ApiDuration::from_millis(1230),
+            ApiDuration::from_secs(30),
+            2.05
+        )
+    );
+    assert_eq!(recorded.since.0, at(10));
+    // No closes since (the gateway closes first): it stays, with no new Event.
+    closes(&mut input, None);
+    let fleet = plan(&input, &mut memory, at(20));
+    assert_eq!(idle(&fleet, "gw-0"), ApiDuration::from_millis(1230));
+    assert!(
+        !fleet.policies[0].backends[0]
+            .idle_timeout
+            .lowered
+            .unwrap()
+            .now
+    );
+    // A new operator (empty memory) restores it from status instead of meeting the closes again.
+    input.policies[0].status = Some(status);
+    let fleet = plan(&input, &mut Memory::default(), at(30));
+    assert_eq!(idle(&fleet, "gw-1"), ApiDuration::from_millis(1230));
+    // An edit of the spec's idleTimeout starts over from it.
+    input.policies[0].spec.backends[0].pool.idle_timeout = ApiDuration::from_secs(20);
+    let fleet = plan(&input, &mut memory, at(40));
+    assert_eq!(idle(&fleet, "gw-0"), ApiDuration::from_secs(20));
 }
 
 #[test]

@@ -172,6 +172,20 @@ pub fn events(
             }
             _ => {}
         }
+        // The idle timeout lowered under the backend's keep-alive, once, in the run that did.
+        if b.idle_timeout.lowered.is_some_and(|l| l.now)
+            && let Some(what) = b.idle_timeout.describe()
+        {
+            let (reason, note) = if mode == Mode::Recommend {
+                (
+                    "WouldLowerIdleTimeout",
+                    format!("would lower {}'s {what}", b.name),
+                )
+            } else {
+                ("IdleTimeoutLowered", format!("{}: {what}", b.name))
+            };
+            out.push(event(EventType::Normal, reason, note, "Tune"));
+        }
         if let Some(why) = &b.rebalanced {
             let (reason, verb) = if mode == Mode::Recommend {
                 ("WouldRebalanceShares", "would re-divide")
@@ -245,6 +259,7 @@ pub(super) mod tests {
     use super::*;
     use crate::plan::autoscale::{Bounds, Scale};
     use crate::plan::budget::FdReport;
+    use crate::plan::idle_timeout::IdleTimeout;
     use crate::plan::validate::Acceptance;
     use crate::plan::{BackendPlan, BackendSample, PolicyKey, Timestamp};
 
@@ -302,6 +317,7 @@ pub(super) mod tests {
                 decision,
                 held,
                 sample: BackendSample::default(),
+                idle_timeout: IdleTimeout::configured(std::time::Duration::from_secs(30)),
                 streams_per_socket: 1,
             }],
             fds: FdReport::default(),
@@ -354,6 +370,35 @@ pub(super) mod tests {
         );
         // The same state again: no repeated warning.
         assert!(events_again(&new).is_empty());
+    }
+
+    #[test]
+    fn a_lowered_idle_timeout_is_told_once_by_the_run_that_lowered_it() {
+        let spec = std::time::Duration::from_secs(30);
+        let lowered = IdleTimeout::next(spec, None, Some(2.05), at(10));
+        let mut p = plan(None);
+        p.backends[0].idle_timeout = lowered;
+        let s = status(vec![]);
+        let told = |p: &PolicyPlan, mode| {
+            events(&s, &s, p, mode)
+                .into_iter()
+                .map(|e| (e.reason, e.note.unwrap_or_default()))
+                .collect::<Vec<_>>()
+        };
+        let got = told(&p, Mode::Enforce);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0, "IdleTimeoutLowered");
+        assert!(
+            got[0].1.starts_with("model-a: idleTimeout 30s → 1230ms: "),
+            "{}",
+            got[0].1
+        );
+        let got = told(&p, Mode::Recommend);
+        assert_eq!(got[0].0, "WouldLowerIdleTimeout");
+        assert!(got[0].1.starts_with("would lower model-a's idleTimeout"));
+        // The next run keeps it and says nothing.
+        p.backends[0].idle_timeout = IdleTimeout::next(spec, Some(lowered), None, at(20));
+        assert!(told(&p, Mode::Enforce).is_empty());
     }
 
     fn events_again(s: &ConnectionPolicyStatus) -> Vec<Event> {

@@ -1310,6 +1310,16 @@ mod event_catalogue {
             &plan_held(Some(at_bound()), 3),
             Mode::Enforce,
         ));
+        let mut lowered = plan(None);
+        lowered.backends[0].idle_timeout = crate::plan::idle_timeout::IdleTimeout::next(
+            std::time::Duration::from_secs(30),
+            None,
+            Some(2.0),
+            at(15),
+        );
+        for mode in [Mode::Enforce, Mode::Recommend] {
+            add(events(&none, &none, &lowered, mode));
+        }
         // Every documented condition state, reached from an empty status.
         for c in CONDITIONS {
             for r in c.reasons {

@@ -294,6 +294,7 @@ impl Sim {
             classes: Default::default(),
             h2_max_streams: None,
             h2_fallback: None,
+            peer_idle_close: None,
         };
         let now = clock(self.t);
         let d: Decision = decide(

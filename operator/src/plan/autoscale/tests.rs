@@ -46,6 +46,7 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         classes: Default::default(),
         h2_max_streams: None,
         h2_fallback: None,
+        peer_idle_close: None,
     }
 }
 
@@ -842,6 +843,7 @@ impl Server {
             classes: Default::default(),
             h2_max_streams: None,
             h2_fallback: None,
+            peer_idle_close: None,
         }
     }
 }
@@ -1063,6 +1065,7 @@ impl Thrashing {
             classes: Default::default(),
             h2_max_streams: None,
             h2_fallback: None,
+            peer_idle_close: None,
         }
     }
 }
@@ -1274,6 +1277,7 @@ fn cluster(leased: f64, pending: f64, completed: f64, waiting: f64) -> BackendSa
         classes: Default::default(),
         h2_max_streams: None,
         h2_fallback: None,
+        peer_idle_close: None,
     }
 }
 
