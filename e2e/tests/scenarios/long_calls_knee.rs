@@ -7,7 +7,8 @@
 //! knee, and within 4 intervals a decision names the knee evidence or the backend's own queue
 //! (the sample's saturation query on `vllm:num_requests_waiting`), after which the target
 //! settles near the knee: at the end within ±25% of it, and the calls it completes per second
-//! over the last 60 s at least 90% of the best 60 s seen.
+//! over the last 60 s (each counted over the seconds it was open) at least 90% of the best 60 s
+//! seen.
 //!
 //! ```text
 //!  per backend: 2 instances, 100 tokens × 40 ms (4 s alone); policy min 2, max 25, every 10 s
@@ -61,6 +62,9 @@ const CROWD_A: usize = 40;
 const CROWD_B: usize = 24;
 /// How long the crowd lasts.
 const CROWD_FOR: Duration = Duration::from_secs(240);
+/// Every call open when the crowd ends has ended this long after: its lease timeout (30 s) and
+/// the call itself.
+const CALLS_END_WITHIN: Duration = Duration::from_secs(60);
 /// Decisions after model-a's first growth within which one must name the knee or the queue.
 const KNEE_WITHIN: usize = 4;
 
@@ -84,9 +88,17 @@ struct Seen {
 // but with its last 60 s at 1.07 calls/s against the best 1.30 (82%); and 2 → 24 → 12 → 8 →
 // 4 → 6 → 5 → 3, ending while it measured 3 to locate the peak. The probes are judged on 2–10
 // calls an interval (counted noise 30–70%), so the bracket wanders over a curve that differs by
-// 10% between 3 and 5. It runs on demand until the guard settles within the bounds.
+// 10% between 3 and 5. With each call counted over the seconds it was open (the drain after a
+// step back no longer counts as a rate), two runs on a fresh cluster after a cold build
+// (2026-12-07): 2 → 24 → 12 → … → 6 at the end, its last 60 s at 1.13 calls/s against the best
+// 1.15 (98%): passed; and 2 → 24 → 13 → 11 → 9 by the queue, a probe to 5 judged "more at 9"
+// (response bytes 431 B/s at 5 against 1.08 kB/s at 9, ×2.5 on 8 and 10 completed calls), back
+// to 9 to the end: failed (9 against 4.9). The answers are not streamed, so the calls in flight
+// at a level receive no bytes until they end, yet they count as evidence of its byte rate: the
+// noise is taken for far less than it is. It runs on demand until the guard settles within the
+// bounds.
 #[tokio::test]
-#[ignore = "model-a ended at 7, 9 and 3 per endpoint against a knee of 4.9 (±25%), or at 4 with its last minute at 82% of its best; run with --ignored"]
+#[ignore = "model-a ended at 7, 9, 3 and 9 per endpoint against a knee of 4.9 (±25%), at 4 with its last minute at 82% of its best, and once at 6 with 98% (passed); run with --ignored"]
 async fn long_calls_settle_near_the_knee_and_a_rising_backend_grows_in_one_step()
 -> anyhow::Result<()> {
     let _serial = serial().await?;
@@ -245,18 +257,16 @@ async fn long_calls_settle_near_the_knee_and_a_rising_backend_grows_in_one_step(
         );
 
         // model-a's completed calls per second at the end: at least 90% of the best 60 s seen.
-        // Over 60 s (six to ten call durations): a step back releases the calls queued in the
-        // backend in a burst that no level sustains, followed by a lull; a shorter window
-        // would count the burst as a rate the backend gave.
-        let per_second: Vec<u64> = load_a
-            .seconds()
-            .into_iter()
-            .filter(|(s, _)| (crowd_second..end_second).contains(s))
-            .map(|(_, t)| t.ok)
-            .collect();
+        // Each call counts over the seconds it was open, not all in the second it ended: a step
+        // back releases the calls queued in the backend together, a burst of completions that
+        // no level sustains (served at the rate of the level before, and counted there). The
+        // calls open at the end are waited for (the longest waits 30 s for its lease, then
+        // runs), and the rates are read over 60 s windows (six to ten call durations).
+        tokio::time::sleep(CALLS_END_WITHIN).await;
+        let per_second = load_a.served_per_second(crowd_second, end_second);
         let windows: Vec<f64> = per_second
             .windows(60)
-            .map(|w| w.iter().sum::<u64>() as f64 / 60.0)
+            .map(|w| w.iter().sum::<f64>() / 60.0)
             .collect();
         let best = windows.iter().copied().fold(0.0, f64::max);
         let last_window = windows.last().copied().unwrap_or_default();
