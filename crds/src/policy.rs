@@ -1187,7 +1187,7 @@ pub struct BackendStatus {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct IdleTimeoutStatus {
-    /// The idle timeout the pods run (`1.2s`), under the backend's keep-alive.
+    /// The idle timeout the pods run (`1230ms`), under the backend's keep-alive.
     pub in_force: Duration,
     /// The spec's `pool.idleTimeout` it replaces; editing the spec starts over from the new
     /// value.

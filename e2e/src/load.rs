@@ -468,15 +468,20 @@ async fn call(client: &reqwest::Client, url: &str, key: &str, body: &str) -> Out
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn latency_quantiles_are_nearest_rank_over_the_window_of_successful_calls() {
+    /// A load without workers, whose record a test fills.
+    fn recorded() -> Load {
         let (workers, _) = watch::channel(0);
-        let load = Load {
+        Load {
             started: Instant::now(),
             workers,
             record: Arc::new(Mutex::new(Record::default())),
             tasks: JoinSet::new(),
-        };
+        }
+    }
+
+    #[tokio::test]
+    async fn latency_quantiles_are_nearest_rank_over_the_window_of_successful_calls() {
+        let load = recorded();
         {
             let mut r = load.record.lock();
             r.latencies
@@ -500,13 +505,7 @@ mod tests {
 
     #[tokio::test]
     async fn calls_served_are_spread_over_the_seconds_they_were_open() {
-        let (workers, _) = watch::channel(0);
-        let load = Load {
-            started: Instant::now(),
-            workers,
-            record: Arc::new(Mutex::new(Record::default())),
-            tasks: JoinSet::new(),
-        };
+        let load = recorded();
         // A queue drains: four calls opened at 0 end together at 4; one call from 4.5 to 5.5;
         // one that took no time at 6.2; one opened before the period and one after it.
         load.record.lock().spans = vec![

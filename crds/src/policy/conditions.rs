@@ -262,7 +262,7 @@ pub const EVENTS: &[EventDoc] = &[
         meaning: "the gateways found connections closed by a backend after less idle time than \
                   its `pool.idleTimeout`: the idle timeout the pods run is lowered under it, so \
                   that the gateway closes first and no call meets a connection the backend is \
-                  closing; the note has both times (`model-a: idleTimeout 30s → 1.2s: …`), \
+                  closing; the note has both times (`model-a: idleTimeout 30s → 1230ms: …`), \
                   `status.backends[].idleTimeout` keeps them",
     },
     EventDoc {

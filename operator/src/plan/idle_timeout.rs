@@ -109,7 +109,7 @@ impl IdleTimeout {
         })
     }
 
-    /// The change in words, for the Event (`idleTimeout 30s → 1.2s: …`).
+    /// The change in words, for the Event (`idleTimeout 30s → 1230ms: …`).
     pub fn describe(&self) -> Option<String> {
         let l = self.lowered?;
         let floor = if self.at_floor() {
