@@ -551,7 +551,7 @@ impl<C: Connect> Inner<C> {
     /// Closes an idle connection for `reason` ([`Self::closed`]); one the backend closed (found
     /// closed, or failing its validation) counts how long it had been idle: the backend's
     /// keep-alive timeout is at most that, and the operator keeps `idleTimeout` below it.
-    pub(super) fn closed_idle(
+    fn closed_idle(
         self: &Arc<Self>,
         ep: &mut EndpointState<C::Conn>,
         reason: CloseReason,

@@ -103,8 +103,16 @@ impl<C: Connect> Lease<C> {
         self.outcome = Outcome::Keep;
     }
 
-    /// Closes the connection when the lease is dropped, counting `reason`.
+    /// Closes the connection when the lease is dropped, counting `reason`. A reused connection
+    /// the backend closed (`PeerClosed`) also counts how long it had been idle before this
+    /// lease, as the pool does for one it finds closed itself.
     pub fn discard(&mut self, reason: CloseReason) {
+        if reason == CloseReason::PeerClosed && self.reused {
+            self.pool
+                .metrics
+                .incidents()
+                .peer_closed_idle(&self.pool.backend, self.idle_for);
+        }
         self.outcome = Outcome::Close(reason);
     }
 }

@@ -137,9 +137,6 @@ pub(super) async fn forward(
                 if lease.reused() && retries < MAX_RETRIES =>
             {
                 tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection failed before sending; retrying");
-                metrics
-                    .incidents()
-                    .peer_closed_idle(&backend.name, lease.idle_for());
                 lease.discard(CloseReason::PeerClosed);
                 metrics.upstream_retry(&backend.name, RetryReason::ReusedConnectionUnsent);
                 record.retried();
@@ -151,9 +148,6 @@ pub(super) async fn forward(
             {
                 // The backend closed a keep-alive connection as the request came (its idle
                 // timer fired): it never answered; the request goes again if that is safe.
-                metrics
-                    .incidents()
-                    .peer_closed_idle(&backend.name, lease.idle_for());
                 lease.discard(CloseReason::PeerClosed);
                 let Some(replay) = &replay else {
                     tracing::debug!(backend = %backend.name, %endpoint, %error, "reused connection closed unanswered; the request is not replayable");
