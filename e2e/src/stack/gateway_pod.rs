@@ -1,5 +1,5 @@
 //! A client of one gateway pod: its proxy address, and its admin API over verified HTTPS with the
-//! install's token (the limits in force, `/metrics`).
+//! install's token (the limits in force, `/v1/stats`, `/metrics`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -96,6 +96,11 @@ impl GatewayPod {
                 self.name
             );
         }
+    }
+
+    /// `GET /v1/stats` (with the token): its pools' and clients' counts.
+    pub async fn stats(&self) -> anyhow::Result<serde_json::Value> {
+        Ok(self.admin_get("/v1/stats").await?.json().await?)
     }
 
     /// `GET /metrics`.

@@ -623,6 +623,36 @@ impl<'a> Stack<'a> {
         Ok(p90)
     }
 
+    /// Waits until Prometheus holds `metric` of `backend` in this namespace from `pods` gateway
+    /// pods: they have been scraped since their pools started, so what they count from now on
+    /// shows as an increase (a series Prometheus first sees with counts in it does not).
+    pub async fn wait_scraped(
+        &self,
+        metric: &str,
+        backend: &str,
+        pods: usize,
+    ) -> anyhow::Result<()> {
+        let promql = format!(
+            "count({metric}{{namespace=\"{}\", backend=\"{backend}\"}})",
+            self.name()
+        );
+        eventually(
+            &format!("Prometheus scraped {metric} of {pods} pods"),
+            WAIT,
+            || async {
+                let rows = self.ns.cluster().prometheus_query(&promql).await?;
+                let n: usize = rows
+                    .first()
+                    .and_then(|r| r["value"][1].as_str())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                anyhow::ensure!(n >= pods, "{n} of {pods}: {promql}");
+                Ok(())
+            },
+        )
+        .await
+    }
+
     /// The `/metrics` URL of a Ready operator pod (the first; with one replica, the leader).
     pub async fn operator_metrics_url(&self) -> anyhow::Result<String> {
         let pods = self.ready_pods(OPERATOR_LABELS).await?;

@@ -6,12 +6,16 @@
 //! intervals the operator lowers the idle timeout the pods run under 2 s
 //! (`status.backends[].idleTimeout`, an `IdleTimeoutLowered` Event). Once the pods run it, the
 //! gateway closes first: the count of connections closed by the backend stops rising, and no call
-//! fails.
+//! fails. Before that, each gateway pod protects itself: after the first close an endpoint made,
+//! it keeps connections to that endpoint idle under it (`/v1/stats`: `idleTimeoutMs`), so at
+//! most that first close per endpoint and pod can meet a call on the wire.
 //!
 //! ```text
 //!  model-a: 2 instances, 50 ms a call, closes connections idle 2 s; policy idleTimeout 30s
 //!  8 callers, each pausing 2 s after every answer, through both gateways
-//!    gateways find closes after ≥ 2 s idle ─► operator: idleTimeout 30s → < 2 s (status, Event)
+//!    gateways find closes after ≥ 2 s idle ─► each pod at once: that endpoint's connections
+//!      idle at most 0.6 × the close's idle time (/v1/stats)
+//!    ─► operator: idleTimeout 30s → < 2 s (status, Event)
 //!    pods run it ─► peer_closed / validate_failed closes stop; 0 failed calls
 //! ```
 
@@ -42,6 +46,28 @@ const PAUSE: Duration = Duration::from_secs(2);
 const LOWERED_WITHIN: Duration = Duration::from_secs(90);
 /// How long the load runs once every pod runs the lowered value.
 const STEADY: Duration = Duration::from_secs(40);
+/// Gateway pods, and model-a's instances.
+const GATEWAYS: u32 = 2;
+const INSTANCES: u32 = 2;
+
+/// Per gateway pod, model-a's endpoints' `idleTimeoutMs` in `/v1/stats`.
+async fn pools_idle_timeouts(gateways: &[GatewayPod]) -> anyhow::Result<Vec<u64>> {
+    let mut out = Vec::new();
+    for g in gateways {
+        let stats = g.stats().await?;
+        let endpoints = stats["backends"]["model-a"]["endpoints"]
+            .as_array()
+            .with_context(|| format!("{}: no model-a endpoints in {stats}", g.name))?;
+        for e in endpoints {
+            out.push(
+                e["idleTimeoutMs"]
+                    .as_u64()
+                    .with_context(|| format!("{}: no idleTimeoutMs in {e}", g.name))?,
+            );
+        }
+    }
+    Ok(out)
+}
 
 /// Connections of model-a the backend closed, summed over the gateways: found closed, or
 /// failing the check before reuse.
@@ -73,9 +99,9 @@ async fn a_backend_closing_idle_connections_sooner_gets_an_idle_timeout_under_it
 -> anyhow::Result<()> {
     let _serial = serial().await?;
     let spec = StackSpec {
-        gateways: 2,
+        gateways: GATEWAYS,
         backends: vec![
-            BackendSpec::new("model-a", 2, 16)
+            BackendSpec::new("model-a", INSTANCES, 16)
                 .service_ms(50)
                 .arg(format!("--fault-idle-close-ms={KEEP_ALIVE_MS}")),
         ],
@@ -89,7 +115,17 @@ async fn a_backend_closing_idle_connections_sooner_gets_an_idle_timeout_under_it
             json!("30s"),
         )?;
         stack.apply(&policy).await?;
-        let gateways = stack.wait_gateways(2).await?;
+        let gateways = stack.wait_gateways(GATEWAYS as usize).await?;
+        // Prometheus has scraped both pods since their pools started: with the pools protecting
+        // themselves from their first closes on, those few closes are all the operator sees,
+        // and a close made before a pod's first scrape would show Prometheus no increase.
+        stack
+            .wait_scraped(
+                "poolpilot_pool_peer_closed_idle_seconds_count",
+                "model-a",
+                GATEWAYS as usize,
+            )
+            .await?;
         let proxies = gateways.iter().map(|g| g.proxy()).collect();
         let load = Load::start(
             LoadSpec {
@@ -106,6 +142,30 @@ async fn a_backend_closing_idle_connections_sooner_gets_an_idle_timeout_under_it
         )?;
         let started = Instant::now();
         let from = load.now();
+
+        // Each pod's pools keep connections idle under the first close they find, at once.
+        let protected = eventually(
+            "every pod keeps model-a's connections idle under 2 s",
+            LOWERED_WITHIN,
+            || async {
+                let timeouts = pools_idle_timeouts(&gateways).await?;
+                anyhow::ensure!(
+                    timeouts.len() == (GATEWAYS * INSTANCES) as usize
+                        && timeouts.iter().all(|t| *t < KEEP_ALIVE_MS),
+                    "{timeouts:?}"
+                );
+                Ok(timeouts)
+            },
+        )
+        .await?;
+        figure(
+            SCENARIO,
+            "load start → every pod's pools under the backend's keep-alive seconds",
+            format!(
+                "{:.1} (idleTimeoutMs {protected:?})",
+                started.elapsed().as_secs_f64()
+            ),
+        );
 
         // The operator lowers the idle timeout under the backend's 2 s.
         let lowered = eventually(
@@ -189,6 +249,11 @@ async fn a_backend_closing_idle_connections_sooner_gets_an_idle_timeout_under_it
                 steady.failed(),
                 steady.calls
             ),
+        );
+        // Before the operator's value: at most the first close per endpoint and pod met a call.
+        assert!(
+            before.failed() <= (GATEWAYS * INSTANCES) as u64,
+            "at most one failed call per endpoint and pod before the pods ran the operator's value: {before}"
         );
         assert!(steady.calls >= 60, "the load ran: {steady}");
         assert_eq!(steady.failed(), 0, "no call fails: {steady}");

@@ -334,13 +334,14 @@ impl Incidents {
             .inc();
     }
 
-    /// A pooled connection of `backend` found closed by the backend after `idle` without a call.
-    pub(crate) fn peer_closed_idle(&self, backend: &str, idle: Duration) {
-        self.peer_closed_idle
-            .get_or_create(&BackendLabel {
-                backend: backend.into(),
-            })
-            .observe(idle.as_secs_f64());
+    /// How long pooled connections of `backend` found closed by the backend had been idle: the
+    /// series, created at zero with the backend's pool. A series first exported with its first
+    /// closes already in it shows Prometheus no increase (`rate` needs two samples), and the
+    /// closes of a pool that protects itself after its first few would never be seen.
+    pub(crate) fn peer_closed_idle(&self, backend: &str) -> Histogram {
+        self.peer_closed_idle.get_or_create_owned(&BackendLabel {
+            backend: backend.into(),
+        })
     }
 
     /// An upstream connection of `backend` closed for `reason` at `age`.

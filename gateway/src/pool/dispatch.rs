@@ -104,8 +104,14 @@ pub(super) async fn reap_loop<C: Connect>(pool: Weak<Inner<C>>) {
             if state.retired {
                 return;
             }
-            (state.limits.idle_timeout.get() / 4)
-                .clamp(Duration::from_millis(10), Duration::from_secs(1))
+            let now = Instant::now();
+            let idle_timeout = state
+                .endpoints
+                .iter()
+                .map(|ep| ep.idle_timeout(&state.limits, now))
+                .min()
+                .unwrap_or(state.limits.idle_timeout.get());
+            (idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
         };
         tokio::time::sleep(period).await;
         let Some(inner) = pool.upgrade() else { return };
@@ -246,14 +252,17 @@ impl<C: Connect> Inner<C> {
             if ep.busy() < max
                 && let Some(mut idle) = ep.idle.pop()
             {
-                let reason = idle.expired(&limits, now).or_else(|| {
+                let idle_timeout = ep.idle_timeout(&limits, now);
+                let reason = idle.expired(&limits, idle_timeout, now).or_else(|| {
                     let check =
                         now.duration_since(idle.idle_since) > limits.validate_after_idle.get();
                     (check && !idle.conn.validate()).then_some(CloseReason::ValidateFailed)
                 });
                 match reason {
                     Some(reason) => {
-                        self.closed_idle(ep, reason, idle, now);
+                        if let Some(idle) = self.closed_idle(ep, reason, idle, now) {
+                            self.peer_closed_after(ep, limits.idle_timeout.get(), idle, now);
+                        }
                         continue;
                     }
                     None => {
@@ -532,14 +541,23 @@ impl<C: Connect> Inner<C> {
         let mut state = self.state.lock();
         let limits = state.limits.clone();
         for ep in &mut state.endpoints {
+            let mut idle_timeout = ep.idle_timeout(&limits, now);
             let mut i = 0;
             while i < ep.idle.len() {
                 let idle = &mut ep.idle[i];
-                let reason = idle.expired(&limits, now);
+                let reason = idle.expired(&limits, idle_timeout, now);
                 match reason {
                     Some(reason) => {
                         let idle = ep.idle.remove(i);
-                        self.closed_idle(ep, reason, idle, now);
+                        if let Some(idle) = self.closed_idle(ep, reason, idle, now)
+                            && let Some(lowered) =
+                                self.peer_closed_after(ep, limits.idle_timeout.get(), idle, now)
+                        {
+                            // The rest of the pass, and the connections already passed, go
+                            // under the lowered timeout.
+                            idle_timeout = lowered;
+                            i = 0;
+                        }
                     }
                     None => i += 1,
                 }
@@ -548,25 +566,49 @@ impl<C: Connect> Inner<C> {
         self.dispatch(&mut state, now);
     }
 
-    /// Closes an idle connection for `reason` ([`Self::closed`]); one the backend closed (found
-    /// closed, or failing its validation) counts how long it had been idle: the backend's
-    /// keep-alive timeout is at most that, and the operator keeps `idleTimeout` below it.
+    /// Closes an idle connection for `reason` ([`Self::closed`]). One the backend closed (found
+    /// closed, or failing its validation) counts how long it had been idle, which this returns:
+    /// the backend's keep-alive is at most that, and the pool ([`Self::peer_closed_after`]) and
+    /// the operator keep the idle timeout below it.
     fn closed_idle(
         self: &Arc<Self>,
         ep: &mut EndpointState<C::Conn>,
         reason: CloseReason,
         idle: IdleConn<C::Conn>,
         now: Instant,
-    ) {
-        if matches!(
+    ) -> Option<Duration> {
+        let by_peer = matches!(
             reason,
             CloseReason::PeerClosed | CloseReason::ValidateFailed
-        ) {
-            self.metrics
-                .incidents()
-                .peer_closed_idle(&self.backend, now.duration_since(idle.idle_since));
+        )
+        .then(|| now.duration_since(idle.idle_since));
+        if let Some(idle) = by_peer {
+            self.peer_closed_idle.observe(idle.as_secs_f64());
         }
         self.closed(ep, reason, idle.conn);
+        by_peer
+    }
+
+    /// Notes a connection to `ep` found closed by it after `idle` without a call
+    /// ([`super::keep_alive::KeepAlive::found`]) under `configured` (`idleTimeout`), and says so
+    /// when that lowered its idle timeout; returns the lowered timeout.
+    pub(super) fn peer_closed_after(
+        &self,
+        ep: &mut EndpointState<C::Conn>,
+        configured: Duration,
+        idle: Duration,
+        now: Instant,
+    ) -> Option<Duration> {
+        let lowered = ep.keep_alive.found(idle, configured, now)?;
+        tracing::info!(
+            backend = %self.backend,
+            endpoint = %ep.name,
+            closed_after_ms = idle.as_millis() as u64,
+            idle_timeout_ms = lowered.as_millis() as u64,
+            configured_ms = configured.as_millis() as u64,
+            "the backend closes idle connections sooner than idleTimeout: keeping them idle for less until the operator lowers it"
+        );
+        Some(lowered)
     }
 
     /// Closes a connection and counts why. Its slot stays taken (`closing`) until the peer has

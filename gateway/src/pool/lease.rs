@@ -109,9 +109,14 @@ impl<C: Connect> Lease<C> {
     pub fn discard(&mut self, reason: CloseReason) {
         if reason == CloseReason::PeerClosed && self.reused {
             self.pool
-                .metrics
-                .incidents()
-                .peer_closed_idle(&self.pool.backend, self.idle_for);
+                .peer_closed_idle
+                .observe(self.idle_for.as_secs_f64());
+            let mut state = self.pool.state.lock();
+            let configured = state.limits.idle_timeout.get();
+            if let Some(ep) = state.endpoint_mut(self.endpoint) {
+                self.pool
+                    .peer_closed_after(ep, configured, self.idle_for, Instant::now());
+            }
         }
         self.outcome = Outcome::Close(reason);
     }

@@ -2,7 +2,8 @@
 //! two priority classes (interactive first, batch aging and an optional share cap on batch:
 //! `crate::limits::queue`; within a class token-fair between clients, FIFO for one:
 //! `crate::limits::fair`) with a lease timeout, a bounded pending queue,
-//! idle reuse, idle/lifetime expiry, validate-after-idle, runtime resizing, endpoint choice by
+//! idle reuse, idle/lifetime expiry (an endpoint seen closing idle connections sooner than the
+//! idle timeout keeps them idle for less), validate-after-idle, runtime resizing, endpoint choice by
 //! spare capacity, and the health state (active probes, passive ejection) that decides which
 //! endpoints may be chosen.
 //!
@@ -49,6 +50,7 @@
 //! | `state.rs` | the state behind the lock: endpoints, idle connections, waiters, holds |
 //! | `dispatch.rs` | the lock-held core: begin, complete, release, dispatch to waiters, reap, close |
 //! | `select.rs` | endpoint choice: power of two choices on spare capacity (pure) |
+//! | `keep_alive.rs` | an endpoint's keep-alive as its closes showed it, and the idle timeout kept under it (pure) |
 //! | `health.rs` | active probes, their thresholds, passive ejection, eligibility |
 //! | `probe.rs` | one probe's exchange, over the stream its connector opened |
 //! | `rate.rs` | the drain-rate and hold-time estimators behind `Retry-After` |
@@ -58,6 +60,7 @@ mod connect;
 mod dispatch;
 mod error;
 pub(crate) mod health;
+mod keep_alive;
 mod lease;
 mod probe;
 mod rate;
@@ -81,6 +84,7 @@ pub use connect::{CLOSE_GRACE, Connect, Multiplexed, Poolable};
 use dispatch::{QueuePlace, Step, Unsettled, reap_loop};
 pub use error::PoolError;
 pub use health::ProbeSlot;
+use keep_alive::KeepAlive;
 pub use lease::Lease;
 pub use probe::{exchange as probe_exchange, plain as probe_exchange_plain};
 pub(crate) use rate::whole_seconds as rate_whole_seconds;
@@ -130,6 +134,7 @@ impl<C: Connect> Pool<C> {
         let lease_timeouts = metrics.lease_timeouts(&backend);
         let bursts = metrics.bursts(&backend);
         let fair_reordered = metrics.fair_reordered(&backend);
+        let peer_closed_idle = metrics.incidents().peer_closed_idle(&backend);
         let inner = Arc::new(Inner {
             backend: backend.clone(),
             connector,
@@ -138,6 +143,7 @@ impl<C: Connect> Pool<C> {
             lease_timeouts,
             bursts,
             fair_reordered,
+            peer_closed_idle,
             state: Mutex::new(State {
                 limits,
                 health_check: None,
@@ -276,6 +282,13 @@ impl<C: Connect> Pool<C> {
     /// idle, and those beyond share + burst close as they return).
     pub fn set_limits(&self, limits: PoolLimits) {
         let mut state = self.inner.state.lock();
+        if limits.idle_timeout != state.limits.idle_timeout {
+            // A new idle timeout (the operator's, under every gateway's findings, or an edit)
+            // starts over: what the endpoints' closes showed was shown under the old one.
+            for ep in &mut state.endpoints {
+                ep.keep_alive.forget();
+            }
+        }
         state.limits = limits;
         let now = Instant::now();
         let max = state.limits.max_connections_per_endpoint;
@@ -329,6 +342,7 @@ impl<C: Connect> Pool<C> {
                     removed: false,
                     drained: false,
                     health: Health::default(),
+                    keep_alive: KeepAlive::default(),
                     created,
                     reused,
                 });
@@ -426,6 +440,11 @@ impl<C: Connect> Pool<C> {
                         drained: ep.drained,
                         created: ep.created.get(),
                         reused: ep.reused.get(),
+                        idle_timeout_ms: ep.idle_timeout(&state.limits, now).as_millis() as u64,
+                        peer_closed_idle_ms: ep
+                            .keep_alive
+                            .closed_after(now)
+                            .map(|d| d.as_millis() as u64),
                     }
                 })
                 .collect(),

@@ -16,6 +16,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::connect::{Connect, Poolable};
+use super::keep_alive::KeepAlive;
 use super::rate::{self, HoldTime, ReleaseRate};
 use crate::limits::fair::FairQueue;
 use crate::observe::{CloseReason, Metrics};
@@ -36,6 +37,9 @@ pub(super) struct Inner<C: Connect> {
     /// Grants that token fairness made before an older waiter of the same class
     /// (`poolpilot_pool_fair_reordered_total`).
     pub(super) fair_reordered: Counter,
+    /// How long connections the backend closed had been idle
+    /// (`poolpilot_pool_peer_closed_idle_seconds`).
+    pub(super) peer_closed_idle: Histogram,
     pub(super) state: Mutex<State<C::Conn>>,
     /// Notified whenever a slot frees other than by a lease returning to a live pool: a closing
     /// connection's peer let go, an abandoned connect or grant came back, or a lease returned
@@ -80,6 +84,9 @@ pub(super) struct EndpointState<T> {
     /// come back, until restored (kept across limits documents).
     pub(super) drained: bool,
     pub(super) health: Health,
+    /// Its keep-alive as the connections it closed showed it, and the idle timeout kept under
+    /// it ([`EndpointState::idle_timeout`]).
+    pub(super) keep_alive: KeepAlive,
     pub(super) created: Counter,
     pub(super) reused: Counter,
 }
@@ -107,11 +114,17 @@ pub(super) struct IdleConn<T> {
 
 impl<T: Poolable> IdleConn<T> {
     /// Why this idle connection must be closed, of what is known without a request: past its
-    /// `maxLifetime`, idle past its `idleTimeout`, or closed by the peer. `None`: it may serve.
-    pub(super) fn expired(&mut self, limits: &PoolLimits, now: Instant) -> Option<CloseReason> {
+    /// `maxLifetime`, idle past `idle_timeout` (its endpoint's,
+    /// [`EndpointState::idle_timeout`]), or closed by the peer. `None`: it may serve.
+    pub(super) fn expired(
+        &mut self,
+        limits: &PoolLimits,
+        idle_timeout: Duration,
+        now: Instant,
+    ) -> Option<CloseReason> {
         if now.duration_since(self.created_at) >= limits.max_lifetime.get() {
             Some(CloseReason::Lifetime)
-        } else if now.duration_since(self.idle_since) >= limits.idle_timeout.get() {
+        } else if now.duration_since(self.idle_since) >= idle_timeout {
             Some(CloseReason::Idle)
         } else if !self.conn.is_open() {
             Some(CloseReason::PeerClosed)
@@ -213,6 +226,12 @@ impl<T: Poolable> State<T> {
 // === impl EndpointState ===
 
 impl<T> EndpointState<T> {
+    /// How long a connection to it may stay idle: `idleTimeout`, or less once it was seen
+    /// closing idle connections sooner ([`KeepAlive`]).
+    pub(super) fn idle_timeout(&self, limits: &PoolLimits, now: Instant) -> Duration {
+        self.keep_alive.idle_timeout(limits.idle_timeout.get(), now)
+    }
+
     /// Open connections: the number the cap bounds, counting those the peer still holds. No
     /// new connection is opened while this is at the cap.
     pub(super) fn open(&self) -> u32 {

@@ -44,6 +44,13 @@ pub struct EndpointStats {
     pub created: u64,
     /// Leases it served with an idle pooled connection so far.
     pub reused: u64,
+    /// How long a connection to it may stay idle, milliseconds: `idleTimeout`, or less once it
+    /// was seen closing idle connections sooner.
+    pub idle_timeout_ms: u64,
+    /// The least idle time at which it closed a pooled connection, milliseconds, while that
+    /// keeps the idle timeout lower; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_closed_idle_ms: Option<u64>,
 }
 
 /// An `auto` endpoint's HTTP/2 fallback in force, as `/v1/stats` shows it.
@@ -72,6 +79,7 @@ pub struct PoolStats {
     pub burst: BurstStats,
     /// `maxPending` in force.
     pub max_pending: u32,
+
     /// Per endpoint.
     pub endpoints: Vec<EndpointStats>,
 }

@@ -387,6 +387,9 @@ async fn connections_the_backend_closed_count_how_long_they_had_been_idle() {
             value("poolpilot_pool_peer_closed_idle_seconds_sum"),
         )
     };
+    // The series is there at zero from the pool's start: Prometheus sees the first closes as an
+    // increase.
+    assert_eq!(idle_closes(), (Some(0.0), Some(0.0)));
     // Closed by the backend after 2.5 s idle: the next lease finds it closed.
     lease_and_keep(&pool).await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -399,28 +402,28 @@ async fn connections_the_backend_closed_count_how_long_they_had_been_idle() {
         "a new connection was never idle"
     );
     assert_eq!(idle_closes(), (Some(1.0), Some(2.5)));
-    // Kept, closed by the backend after 1.3 s idle: the reaper finds it on its pass (every
-    // quarter of the idle timeout, at most 1 s), within a second.
+    // Kept, closed by the backend after 1 s idle: the reaper finds it on its pass (every
+    // quarter of the idle timeout, now 1.5 s under the first close), within 375 ms.
     lease.keep();
     drop(lease);
-    tokio::time::sleep(Duration::from_millis(1300)).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
     connector.handles.lock()[1].0.store(false, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(pool.stats().endpoints[0].idle, 0);
     let (count, sum) = idle_closes();
     assert_eq!(count, Some(2.0));
     let reaped = sum.unwrap() - 2.5;
     assert!(
-        (1.3..=2.3).contains(&reaped),
+        (1.0..=1.375).contains(&reaped),
         "found by the reaper after {reaped} s idle"
     );
-    // A connection reused after 1 s idle says so; closing one the pool timed out, or one that
-    // errored, is not the backend's doing.
+    // A connection reused after 0.5 s idle says so; closing one the pool timed out, or one
+    // that errored, is not the backend's doing.
     lease_and_keep(&pool).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let mut lease = pool.lease().await.unwrap();
     assert!(lease.reused());
-    assert_eq!(lease.idle_for(), Duration::from_secs(1));
+    assert_eq!(lease.idle_for(), Duration::from_millis(500));
     lease.discard(CloseReason::Error);
     drop(lease);
     lease_and_keep(&pool).await;
@@ -431,6 +434,130 @@ async fn connections_the_backend_closed_count_how_long_they_had_been_idle() {
         "reaped at its idle timeout"
     );
     assert_eq!(idle_closes().0, Some(2.0));
+}
+
+/// Closes the endpoint's connection number `i` from the backend's side.
+fn peer_closes(connector: &FakeConnector, i: usize) {
+    connector.handles.lock()[i].0.store(false, Ordering::SeqCst);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_seen_closing_idle_connections_keeps_them_idle_for_less_at_once() {
+    let (pool, connector) = pool(4, 2);
+    let stats = |i: usize| {
+        let ep = pool.stats().endpoints[i].clone();
+        (ep.idle_timeout_ms, ep.peer_closed_idle_ms)
+    };
+    assert_eq!(
+        stats(0),
+        (30_000, None),
+        "idleTimeout until a close is seen"
+    );
+    // Two connections to each endpoint (the choice goes to the one with more spare), idle.
+    let mut leases = Vec::new();
+    for _ in 0..4 {
+        let mut lease = pool.lease().await.unwrap();
+        lease.keep();
+        leases.push(lease);
+    }
+    drop(leases);
+    let on = |ep: &str| {
+        pool.stats()
+            .endpoints
+            .iter()
+            .find(|e| e.name == ep)
+            .map(|e| e.idle)
+            .unwrap()
+    };
+    assert_eq!((on("ep-0"), on("ep-1")), (2, 2));
+    // The backend behind ep-0 closes one after 2 s idle: the reaper's pass (every second under
+    // 30 s) finds it within a second, and ep-0 keeps connections idle for 0.6 × that at once.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    peer_closes(&connector, 0);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let ep = pool
+        .stats()
+        .endpoints
+        .iter()
+        .position(|e| e.peer_closed_idle_ms.is_some())
+        .expect("one endpoint saw the close");
+    let (timeout, seen) = stats(ep);
+    let seen = seen.unwrap();
+    assert!((2_000..=3_000).contains(&seen), "{seen} ms");
+    assert_eq!(timeout, seen * 6 / 10, "0.6 × the close's idle time");
+    // Its other idle connection, idle longer than that, closed on the same pass; the other
+    // endpoint's stay: its backend closed nothing.
+    assert_eq!(pool.stats().endpoints[ep].idle, 0);
+    assert_eq!(pool.stats().endpoints[1 - ep].idle, 2);
+    assert_eq!(stats(1 - ep), (30_000, None));
+
+    // A connection to it now closes idle just before its backend would close it.
+    let (p2, c2) = self::pool(1, 1);
+    lease_and_keep(&p2).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    peer_closes(&c2, 0);
+    let mut lease = p2.lease().await.unwrap();
+    assert!(!lease.reused(), "found closed at the lease");
+    assert_eq!(p2.stats().endpoints[0].idle_timeout_ms, 1_500);
+    lease.keep();
+    drop(lease);
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    let mut lease = p2.lease().await.unwrap();
+    assert!(lease.reused(), "idle 1.4 s, under 1.5 s: reused");
+    lease.keep();
+    drop(lease);
+    tokio::time::sleep(Duration::from_millis(1500 + 375)).await;
+    assert_eq!(
+        p2.stats().endpoints[0].idle,
+        0,
+        "closed by the pool at 1.5 s idle, before the backend's 2 s"
+    );
+    // A request unanswered on a reused connection idle 0.5 s (the backend's close crossed it)
+    // lowers it further.
+    lease_and_keep(&p2).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut lease = p2.lease().await.unwrap();
+    assert!(lease.reused());
+    lease.discard(CloseReason::PeerClosed);
+    drop(lease);
+    assert_eq!(
+        (
+            p2.stats().endpoints[0].idle_timeout_ms,
+            p2.stats().endpoints[0].peer_closed_idle_ms
+        ),
+        (300, Some(500))
+    );
+    // New limits with the same idle timeout keep what was seen; a new idle timeout (the
+    // operator's, under every gateway's findings) starts over.
+    p2.set_limits(limits(2));
+    assert_eq!(p2.stats().endpoints[0].idle_timeout_ms, 300);
+    p2.set_limits(PoolLimits {
+        idle_timeout: ApiDuration::from_millis(1200),
+        ..limits(2)
+    });
+    assert_eq!(
+        (
+            p2.stats().endpoints[0].idle_timeout_ms,
+            p2.stats().endpoints[0].peer_closed_idle_ms
+        ),
+        (1_200, None)
+    );
+    // Ten quiet minutes: what a close showed is forgotten (a restart closes connections of
+    // every age; the shorter timeout it taught does not last).
+    lease_and_keep(&p2).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let mut lease = p2.lease().await.unwrap();
+    lease.discard(CloseReason::PeerClosed);
+    drop(lease);
+    assert_eq!(p2.stats().endpoints[0].idle_timeout_ms, 100, "the floor");
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert_eq!(
+        (
+            p2.stats().endpoints[0].idle_timeout_ms,
+            p2.stats().endpoints[0].peer_closed_idle_ms
+        ),
+        (1_200, None)
+    );
 }
 
 #[tokio::test(start_paused = true)]

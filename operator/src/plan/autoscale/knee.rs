@@ -116,7 +116,8 @@ pub struct Observation {
     pub ttfb: Option<f64>,
     /// Calls completed within the interval, all endpoints.
     pub calls: f64,
-    /// Calls in flight, all endpoints: each streamed bytes within the interval.
+    /// Calls in flight past their response's head, all endpoints: each streamed bytes within
+    /// the interval (none when answers come whole).
     pub streams: f64,
 }
 

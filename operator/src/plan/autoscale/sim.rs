@@ -41,7 +41,9 @@ pub struct Backend {
     /// Whether the policy configures the waiting-queue query.
     pub query: bool,
     /// Whether answers stream (`"stream": true`): each call's bytes flow as its tokens are
-    /// made, not all at its end.
+    /// made, not all at its end. Its time to first byte as the gateways measure it (from the
+    /// lease to the first byte of the response's body) is then its wait in the backend's queue,
+    /// its prefill and its first token; a whole answer's first byte comes at its end.
     pub stream: bool,
 }
 
@@ -68,11 +70,16 @@ impl Backend {
 
 #[derive(Clone, Copy, Debug)]
 struct Call {
+    /// When the gateway leased it a connection and sent it: the gateways' time to first byte
+    /// counts from here.
     sent: f64,
     /// Its work: seconds of service at no slowdown.
     work: f64,
     /// Work left.
     left: f64,
+    /// A streamed answer's first byte comes when the work left falls to this (its prefill and
+    /// first token done); `None` once it came, and for a whole answer.
+    first_byte: Option<f64>,
 }
 
 /// The simulation's clock at `t` seconds.
@@ -203,12 +210,14 @@ impl Sim {
                 if self.leased(e) >= target {
                     break;
                 }
-                let sent = self.pending.pop_front().unwrap_or(self.t);
-                let work = (b.base + b.tokens * b.per_token) * self.jitter();
+                self.pending.pop_front();
+                let jitter = self.jitter();
+                let work = (b.base + b.tokens * b.per_token) * jitter;
                 let call = Call {
-                    sent,
+                    sent: self.t,
                     work,
                     left: work,
+                    first_byte: b.stream.then_some(work - (b.base + b.per_token) * jitter),
                 };
                 if self.active[e].len() < b.slots {
                     self.active[e].push(call);
@@ -229,9 +238,15 @@ impl Sim {
                         bytes += did / c.work * call_bytes;
                     }
                     c.left -= self.dt / slow;
+                    if c.first_byte.is_some_and(|at| c.left <= at) {
+                        firsts.push(self.t - c.sent);
+                        c.first_byte = None;
+                    }
                     if c.left <= 0.0 {
                         finished += 1;
-                        firsts.push(self.t - c.sent);
+                        if !b.stream {
+                            firsts.push(self.t - c.sent);
+                        }
                         false
                     } else {
                         true
@@ -695,14 +710,17 @@ fn long_calls_closed_loop_end_near_the_knee_from_below_and_from_above() {
         }
         assert!(runs >= 100, "{runs} runs");
         // NOT the acceptance (every run within ±25% of k). Measured (the runs are seeded, so
-        // this is exact): from below 198/300, from above 223/285, the median run at k with the
-        // peak's throughput. The runs that miss are those whose calls last minutes at the
+        // this is exact): from below 174/300, from above 200/285, the median run at k with the
+        // peak's throughput. (198 and 223 while the simulation timed a stream's first byte at
+        // its end, from the gateway's queue, and every call in flight counted as streaming: with
+        // the first byte timed as the gateways do, 185 and 207; with only the calls past their
+        // first byte counted, as now, 174 and 200.) The runs that miss are those whose calls last minutes at the
         // crowd's in-flight: a probe's level counts only once the calls started before it are
         // done, and 60 decisions leave too few such intervals; and a crowd whose first step
         // lands beyond the knee with nothing measured below it (the light load's level too
         // noisy to compare) stays there, since demand never asks for more. The floor keeps the
         // measured rate from falling.
-        let floor = if from_above { 0.75 } else { 0.64 };
+        let floor = if from_above { 0.68 } else { 0.56 };
         assert!(
             f64::from(within) >= floor * f64::from(runs),
             "from above {from_above}: {within}/{runs} within ±25% of k, below the floor {floor}"
