@@ -318,19 +318,20 @@ fn observation(
 }
 
 /// The calls in flight that streamed bytes over the window. By Little's law a call spends
-/// `leased / completed` seconds at the backend, and its response's head comes `ttfb` into them;
-/// the share of the calls in flight past their head is `1 − ttfb / duration`. A whole answer's
-/// head comes with its end (`ttfb` ≈ the duration): such calls stream nothing while in flight,
-/// and only their completions are evidence. With nothing completed the calls outlast the
-/// window, and every call past its head streams; with no head measured, none counts.
+/// `leased / completed` seconds at the backend, and the first byte of its response's body comes
+/// `ttfb` into them; the share of the calls in flight past their first byte is
+/// `1 − ttfb / duration`. A whole answer's first byte comes with its end (`ttfb` ≈ the
+/// duration): such calls stream nothing while in flight, and only their completions are
+/// evidence. With nothing completed the calls outlast the window, and every call past its first
+/// byte streams; with no first byte measured, none counts.
 fn streaming(leased: f64, completed: f64, ttfb: Option<f64>) -> f64 {
     let Some(ttfb) = usable(ttfb).filter(|t| *t > 0.0) else {
         return 0.0;
     };
-    let past_head = mean_call_duration(leased, completed)
+    let past_first_byte = mean_call_duration(leased, completed)
         .filter(|d| *d > 0.0)
         .map_or(1.0, |d| (1.0 - ttfb / d).clamp(0.0, 1.0));
-    leased * past_head
+    leased * past_first_byte
 }
 
 /// The mean time a call spends at the backend, by Little's law over the window: calls in flight

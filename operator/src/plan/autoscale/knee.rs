@@ -116,8 +116,8 @@ pub struct Observation {
     pub ttfb: Option<f64>,
     /// Calls completed within the interval, all endpoints.
     pub calls: f64,
-    /// Calls in flight past their response's head, all endpoints: each streamed bytes within
-    /// the interval (none when answers come whole).
+    /// Calls in flight past their response's first byte, all endpoints: each streamed bytes
+    /// within the interval (none when answers come whole).
     pub streams: f64,
 }
 

@@ -712,14 +712,14 @@ fn long_calls_closed_loop_end_near_the_knee_from_below_and_from_above() {
         // NOT the acceptance (every run within ±25% of k). Measured (the runs are seeded, so
         // this is exact): from below 174/300, from above 200/285, the median run at k with the
         // peak's throughput. (198 and 223 while the simulation timed a stream's first byte at
-        // its end, from the gateway's queue, and every call in flight counted as streaming: with
-        // the first byte timed as the gateways do, 185 and 207; with only the calls past their
-        // first byte counted, as now, 174 and 200.) The runs that miss are those whose calls last minutes at the
-        // crowd's in-flight: a probe's level counts only once the calls started before it are
-        // done, and 60 decisions leave too few such intervals; and a crowd whose first step
-        // lands beyond the knee with nothing measured below it (the light load's level too
-        // noisy to compare) stays there, since demand never asks for more. The floor keeps the
-        // measured rate from falling.
+        // its end, from the gateway's queue, and every call in flight counted as streaming:
+        // with the first byte timed as the gateways do, 185 and 207; with only the calls past
+        // their first byte counted, as now, 174 and 200.) The runs that miss are those whose
+        // calls last minutes at the crowd's in-flight: a probe's level counts only once the
+        // calls started before it are done, and 60 decisions leave too few such intervals; and
+        // a crowd whose first step lands beyond the knee with nothing measured below it (the
+        // light load's level too noisy to compare) stays there, since demand never asks for
+        // more. The floor keeps the measured rate from falling.
         let floor = if from_above { 0.68 } else { 0.56 };
         assert!(
             f64::from(within) >= floor * f64::from(runs),
