@@ -260,9 +260,7 @@ impl<C: Connect> Inner<C> {
                 });
                 match reason {
                     Some(reason) => {
-                        if let Some(idle) = self.closed_idle(ep, reason, idle, now) {
-                            self.peer_closed_after(ep, limits.idle_timeout.get(), idle, now);
-                        }
+                        self.closed_idle(ep, reason, idle, limits.idle_timeout.get(), now);
                         continue;
                     }
                     None => {
@@ -549,9 +547,8 @@ impl<C: Connect> Inner<C> {
                 match reason {
                     Some(reason) => {
                         let idle = ep.idle.remove(i);
-                        if let Some(idle) = self.closed_idle(ep, reason, idle, now)
-                            && let Some(lowered) =
-                                self.peer_closed_after(ep, limits.idle_timeout.get(), idle, now)
+                        if let Some(lowered) =
+                            self.closed_idle(ep, reason, idle, limits.idle_timeout.get(), now)
                         {
                             // The rest of the pass, and the connections already passed, go
                             // under the lowered timeout.
@@ -567,31 +564,32 @@ impl<C: Connect> Inner<C> {
     }
 
     /// Closes an idle connection for `reason` ([`Self::closed`]). One the backend closed (found
-    /// closed, or failing its validation) counts how long it had been idle, which this returns:
-    /// the backend's keep-alive is at most that, and the pool ([`Self::peer_closed_after`]) and
-    /// the operator keep the idle timeout below it.
+    /// closed, or failing its validation) is noted with how long it had been idle
+    /// ([`Self::peer_closed_after`], under `configured`, the pool's `idleTimeout`); returns the
+    /// endpoint's idle timeout when that lowered it.
     fn closed_idle(
         self: &Arc<Self>,
         ep: &mut EndpointState<C::Conn>,
         reason: CloseReason,
         idle: IdleConn<C::Conn>,
+        configured: Duration,
         now: Instant,
     ) -> Option<Duration> {
-        let by_peer = matches!(
+        let lowered = matches!(
             reason,
             CloseReason::PeerClosed | CloseReason::ValidateFailed
         )
-        .then(|| now.duration_since(idle.idle_since));
-        if let Some(idle) = by_peer {
-            self.peer_closed_idle.observe(idle.as_secs_f64());
-        }
+        .then(|| self.peer_closed_after(ep, configured, now.duration_since(idle.idle_since), now))
+        .flatten();
         self.closed(ep, reason, idle.conn);
-        by_peer
+        lowered
     }
 
-    /// Notes a connection to `ep` found closed by it after `idle` without a call
-    /// ([`super::keep_alive::KeepAlive::found`]) under `configured` (`idleTimeout`), and says so
-    /// when that lowered its idle timeout; returns the lowered timeout.
+    /// Notes a connection to `ep` found closed by it after `idle` without a call: counted
+    /// (`poolpilot_pool_peer_closed_idle_seconds`: the backend's keep-alive is at most that, and
+    /// the operator keeps `idleTimeout` below it) and kept by the endpoint
+    /// ([`super::keep_alive::KeepAlive::found`], under `configured`, the pool's `idleTimeout`),
+    /// said when that lowered its idle timeout; returns the lowered timeout.
     pub(super) fn peer_closed_after(
         &self,
         ep: &mut EndpointState<C::Conn>,
@@ -599,6 +597,7 @@ impl<C: Connect> Inner<C> {
         idle: Duration,
         now: Instant,
     ) -> Option<Duration> {
+        self.peer_closed_idle.observe(idle.as_secs_f64());
         let lowered = ep.keep_alive.found(idle, configured, now)?;
         tracing::info!(
             backend = %self.backend,

@@ -108,9 +108,6 @@ impl<C: Connect> Lease<C> {
     /// lease, as the pool does for one it finds closed itself.
     pub fn discard(&mut self, reason: CloseReason) {
         if reason == CloseReason::PeerClosed && self.reused {
-            self.pool
-                .peer_closed_idle
-                .observe(self.idle_for.as_secs_f64());
             let mut state = self.pool.state.lock();
             let configured = state.limits.idle_timeout.get();
             if let Some(ep) = state.endpoint_mut(self.endpoint) {

@@ -79,7 +79,6 @@ pub struct PoolStats {
     pub burst: BurstStats,
     /// `maxPending` in force.
     pub max_pending: u32,
-
     /// Per endpoint.
     pub endpoints: Vec<EndpointStats>,
 }
