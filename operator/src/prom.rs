@@ -46,6 +46,15 @@ pub enum PromError {
     },
 }
 
+/// How many rate windows the backends' idle closes stay evidence. They are rare by design: each
+/// gateway pod meets about one per endpoint before it keeps that endpoint's connections idle for
+/// less, so a pod makes a handful in all, within a second or two. A rate over one window sees them
+/// only while two of its scrapes straddle them (one or two rounds, and none when a late scrape
+/// leaves a single sample in the window); over ten windows every round of the next ten sees them
+/// (five minutes with the default 15 s scrapes). Reading the same closes again lowers nothing
+/// further (`plan/idle_timeout.rs`).
+pub const FINDINGS_WINDOWS: u32 = 10;
+
 /// The queries, with the windows they use.
 #[derive(Clone, Debug)]
 pub struct Queries {
@@ -71,10 +80,16 @@ impl Queries {
         self.window.max(self.freshness)
     }
 
+    /// The window the backends' idle closes are read over: [`FINDINGS_WINDOWS`] rate windows.
+    pub fn findings_window(&self) -> Duration {
+        self.rate_window() * FINDINGS_WINDOWS
+    }
+
     /// Every query of one round. Ranges bound staleness: a range selector only sees samples
     /// inside its window, unlike an instant selector's five-minute lookback.
     pub fn all(&self) -> Vec<Query> {
         let w = prom_duration(self.rate_window());
+        let findings = prom_duration(self.findings_window());
         let fresh = prom_duration(self.freshness);
         let q = |name, promql: String| Query { name, promql };
         vec![
@@ -147,7 +162,7 @@ impl Queries {
             q(
                 "peer_idle_close",
                 format!(
-                    "histogram_quantile(0.05, sum by (namespace, backend, le) (rate(poolpilot_pool_peer_closed_idle_seconds_bucket[{w}])))"
+                    "histogram_quantile(0.05, sum by (namespace, backend, le) (rate(poolpilot_pool_peer_closed_idle_seconds_bucket[{findings}])))"
                 ),
             ),
             q(
@@ -863,12 +878,12 @@ mod tests {
         );
         assert_eq!(
             promql("peer_idle_close"),
-            "histogram_quantile(0.05, sum by (namespace, backend, le) (rate(poolpilot_pool_peer_closed_idle_seconds_bucket[30s])))",
-            "the least idle times at which the pods found the backend's closes"
+            "histogram_quantile(0.05, sum by (namespace, backend, le) (rate(poolpilot_pool_peer_closed_idle_seconds_bucket[300s])))",
+            "the least idle times at which the pods found the backend's closes, over ten windows"
         );
         assert!(
             include_str!("../../docs/autoscaling.md")
-                .contains(&promql("peer_idle_close").replace("[30s]", "[W]")),
+                .contains(&promql("peer_idle_close").replace("[300s]", "[10W]")),
             "docs/autoscaling.md shows another query for the backend's idle closes"
         );
         assert_eq!(

@@ -8,8 +8,8 @@
 //!
 //! ```text
 //!  findings   p, the 5th percentile of the idle times at which the gateways found connections
-//!             closed by the backend over the sampling window (present only when they found
-//!             some). The backend's keep-alive k is at most every finding, and the gateway finds
+//!             closed by the backend over the last ten sampling windows (present only when they
+//!             found some; `prom::FINDINGS_WINDOWS`: a pod makes only its first few). The backend's keep-alive k is at most every finding, and the gateway finds
 //!             a close at the next lease or reaper pass (every quarter of the idle timeout, at
 //!             most 1 s) after it happened
 //!  lowered    in force = max(FLOOR, HEADROOM × p), rounded down to 10 ms, when that is below
