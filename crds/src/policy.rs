@@ -1197,6 +1197,11 @@ pub struct IdleTimeoutStatus {
     pub backend_closed_after_seconds: f64,
     /// When it was last lowered.
     pub since: Time,
+    /// Tries of the spec's value in a row that the backend's closes ended: the lowered value is
+    /// kept for an hour × 2^tries (at most a day) after the last close found before the spec's
+    /// value is tried again.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tries: u32,
 }
 
 /// One pod's share of a divided limit: a backend's target, or a client's `maxConcurrency`.

@@ -272,6 +272,23 @@ pub const EVENTS: &[EventDoc] = &[
                   a backend (as `IdleTimeoutLowered`); nothing was sent to the pods",
     },
     EventDoc {
+        type_: "Normal",
+        reason: "IdleTimeoutRestored",
+        meaning: "a lowered idle timeout went without closes found for an hour × 2^tries (at \
+                  most a day): the spec's `pool.idleTimeout` is in force again, since a backend \
+                  restarted in place or given a longer keep-alive would otherwise keep the \
+                  short value for good; if the backend's closes come back, each gateway pod \
+                  protects itself from the first and the operator lowers it again (the next \
+                  wait doubles)",
+    },
+    EventDoc {
+        type_: "Normal",
+        reason: "WouldRestoreIdleTimeout",
+        meaning: "`mode: Recommend`: the recommended documents carry a backend's spec \
+                  `pool.idleTimeout` again (as `IdleTimeoutRestored`); nothing was sent to the \
+                  pods",
+    },
+    EventDoc {
         type_: "Warning",
         reason: "GrowthHeld",
         meaning: "a backend's growth has been held for 3 decisions in a row (past its knee, \

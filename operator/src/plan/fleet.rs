@@ -218,12 +218,13 @@ pub fn plan_with(
                     .get(&key)
                     .copied()
                     .or_else(|| restored_idle_timeout(policy, &b.name));
-                // Lowered by the policy's own reconcile, which tells it in an Event; another's
-                // run plans with the value in force.
+                // Lowered or tried again by the policy's own reconcile, which tells it in an
+                // Event; another's run plans with the value in force.
                 let idle_timeout = IdleTimeout::next(
                     b.pool.idle_timeout.get(),
                     last_idle,
-                    sample.peer_idle_close.filter(|_| !unfocused),
+                    sample.peer_idle_close,
+                    !unfocused,
                     now,
                 );
                 memory.idle_timeouts.insert(key.clone(), idle_timeout);
@@ -545,8 +546,12 @@ fn restored_idle_timeout(policy: &PolicyInput, backend: &str) -> Option<IdleTime
         lowered: Some(Lowered {
             closed_after: s.backend_closed_after_seconds,
             at: s.since.0,
+            // Not recorded: the wait before a try counts from the lowering.
+            last_finding: s.since.0,
             now: false,
         }),
+        tries: s.tries,
+        tried: None,
     })
 }
 

@@ -121,6 +121,9 @@ fn without_run_facts(plan: &PolicyPlan) -> PolicyPlan {
         if let Some(l) = &mut b.idle_timeout.lowered {
             l.now = false;
         }
+        if let Some(t) = &mut b.idle_timeout.tried {
+            t.now = false;
+        }
     }
     plan
 }

@@ -93,6 +93,7 @@ pub fn compute(
                     configured: b.idle_timeout.configured.into(),
                     backend_closed_after_seconds: (l.closed_after * 1000.0).round() / 1000.0,
                     since: Time(l.at),
+                    tries: b.idle_timeout.tries,
                 }),
                 last_scale: mem
                     .and_then(|m| m.last_scale.as_ref())

@@ -578,10 +578,27 @@ fn a_backend_closing_idle_connections_sooner_gets_a_lower_idle_timeout_kept_acro
             .unwrap()
             .now
     );
-    // A new operator (empty memory) restores it from status instead of meeting the closes again.
+    // A new operator (empty memory) restores it from status instead of meeting the closes again,
+    // with the tries that doubled its wait.
+    let mut status = status;
+    status.backends[0].idle_timeout.as_mut().unwrap().tries = 2;
     input.policies[0].status = Some(status);
-    let fleet = plan(&input, &mut Memory::default(), at(30));
+    let mut restarted = Memory::default();
+    let fleet = plan(&input, &mut restarted, at(30));
     assert_eq!(idle(&fleet, "gw-1"), ApiDuration::from_millis(1230));
+    assert_eq!(fleet.policies[0].backends[0].idle_timeout.tries, 2);
+    // Four hours (an hour × 2²) after the lowering without closes, the spec's value again.
+    let fleet = plan(&input, &mut restarted, at(10 + 4 * 3600 - 1));
+    assert_eq!(idle(&fleet, "gw-0"), ApiDuration::from_millis(1230));
+    let fleet = plan(&input, &mut restarted, at(10 + 4 * 3600));
+    assert_eq!(idle(&fleet, "gw-0"), ApiDuration::from_secs(30));
+    assert!(
+        fleet.policies[0].backends[0]
+            .idle_timeout
+            .tried
+            .unwrap()
+            .now
+    );
     // An edit of the spec's idleTimeout starts over from it.
     input.policies[0].spec.backends[0].pool.idle_timeout = ApiDuration::from_secs(20);
     let fleet = plan(&input, &mut memory, at(40));

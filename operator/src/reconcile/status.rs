@@ -186,6 +186,20 @@ pub fn events(
             };
             out.push(event(EventType::Normal, reason, note, "Tune"));
         }
+        // The spec's value tried again after a quiet lowered one, once, in the run that did.
+        if b.idle_timeout.tried.is_some_and(|t| t.now)
+            && let Some(what) = b.idle_timeout.describe_try()
+        {
+            let (reason, note) = if mode == Mode::Recommend {
+                (
+                    "WouldRestoreIdleTimeout",
+                    format!("would restore {}'s {what}", b.name),
+                )
+            } else {
+                ("IdleTimeoutRestored", format!("{}: {what}", b.name))
+            };
+            out.push(event(EventType::Normal, reason, note, "Tune"));
+        }
         if let Some(why) = &b.rebalanced {
             let (reason, verb) = if mode == Mode::Recommend {
                 ("WouldRebalanceShares", "would re-divide")
@@ -375,7 +389,7 @@ pub(super) mod tests {
     #[test]
     fn a_lowered_idle_timeout_is_told_once_by_the_run_that_lowered_it() {
         let spec = std::time::Duration::from_secs(30);
-        let lowered = IdleTimeout::next(spec, None, Some(2.05), at(10));
+        let lowered = IdleTimeout::next(spec, None, Some(2.05), true, at(10));
         let mut p = plan(None);
         p.backends[0].idle_timeout = lowered;
         let s = status(vec![]);
@@ -397,7 +411,24 @@ pub(super) mod tests {
         assert_eq!(got[0].0, "WouldLowerIdleTimeout");
         assert!(got[0].1.starts_with("would lower model-a's idleTimeout"));
         // The next run keeps it and says nothing.
-        p.backends[0].idle_timeout = IdleTimeout::next(spec, Some(lowered), None, at(20));
+        let kept = IdleTimeout::next(spec, Some(lowered), None, true, at(20));
+        p.backends[0].idle_timeout = kept;
+        assert!(told(&p, Mode::Enforce).is_empty());
+        // An hour without closes: the spec's value again, told once.
+        let tried = IdleTimeout::next(spec, Some(kept), None, true, at(10 + 3600));
+        p.backends[0].idle_timeout = tried;
+        let got = told(&p, Mode::Enforce);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0, "IdleTimeoutRestored");
+        assert!(
+            got[0].1.starts_with("model-a: idleTimeout 1230ms → 30s: the gateways found no connection closed by the backend for 1h"),
+            "{}",
+            got[0].1
+        );
+        let got = told(&p, Mode::Recommend);
+        assert_eq!(got[0].0, "WouldRestoreIdleTimeout");
+        assert!(got[0].1.starts_with("would restore model-a's idleTimeout"));
+        p.backends[0].idle_timeout = IdleTimeout::next(spec, Some(tried), None, true, at(3700));
         assert!(told(&p, Mode::Enforce).is_empty());
     }
 

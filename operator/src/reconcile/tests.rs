@@ -1235,6 +1235,7 @@ mod event_catalogue {
     use poolpilot_api::policy::Mode;
 
     use crate::plan::autoscale::{Decision, Scale};
+    use crate::plan::idle_timeout::IdleTimeout;
     use crate::reconcile::status::events;
     use crate::reconcile::status::tests::{at, at_bound, cond, plan, plan_held, status};
     use crate::reconcile::{Error, failure_event, implausible_generation_event, unreadable_event};
@@ -1311,14 +1312,15 @@ mod event_catalogue {
             Mode::Enforce,
         ));
         let mut lowered = plan(None);
-        lowered.backends[0].idle_timeout = crate::plan::idle_timeout::IdleTimeout::next(
-            std::time::Duration::from_secs(30),
-            None,
-            Some(2.0),
-            at(15),
-        );
+        let spec = std::time::Duration::from_secs(30);
+        let first = IdleTimeout::next(spec, None, Some(2.0), true, at(15));
+        lowered.backends[0].idle_timeout = first;
+        let mut tried = plan(None);
+        tried.backends[0].idle_timeout =
+            IdleTimeout::next(spec, Some(first), None, true, at(86_400));
         for mode in [Mode::Enforce, Mode::Recommend] {
             add(events(&none, &none, &lowered, mode));
+            add(events(&none, &none, &tried, mode));
         }
         // Every documented condition state, reached from an empty status.
         for c in CONDITIONS {
