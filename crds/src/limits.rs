@@ -227,6 +227,10 @@ pub struct BackendLimits {
     /// The HTTP version of calls to its endpoints (default `http1`).
     #[serde(default, skip_serializing_if = "UpstreamProtocol::is_default")]
     pub protocol: UpstreamProtocol,
+    /// Other backends of this document that take its calls, in this order, while it cools
+    /// down (a provider's refusal with a time to come back): the first not cooling down.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallback: Vec<String>,
 }
 
 /// A request matches when every condition given here holds; an empty match takes everything.
@@ -1092,6 +1096,17 @@ impl GatewayLimits {
                 && !prefix.starts_with('/')
             {
                 v.push(at("match.pathPrefix"), "must start with /");
+            }
+            let mut fallbacks = BTreeSet::new();
+            for (j, f) in b.fallback.iter().enumerate() {
+                let at = at(&format!("fallback[{j}]"));
+                if *f == b.name {
+                    v.push(at, "a backend cannot be its own fallback");
+                } else if !self.backends.iter().any(|o| o.name == *f) {
+                    v.push(at, format!("no backend {f:?} in this document"));
+                } else if !fallbacks.insert(f.as_str()) {
+                    v.push(at, format!("{f:?} is named twice"));
+                }
             }
             for name in b.route.headers.keys() {
                 if http_token(name).is_err() {

@@ -62,6 +62,11 @@ pub const MAX_BACKENDS: usize = 32;
         "fieldPath": ".autoscale.max"
     },
     {
+        "rule": "self.backends.all(b, !has(b.fallback) || b.fallback.all(f, f != b.name && self.backends.exists(o, o.name == f)))",
+        "message": "backends[].fallback names other backends of this policy",
+        "fieldPath": ".backends"
+    },
+    {
         "rule": "!has(self.clients) || !has(self.clients.priority) || !has(self.clients.priority.agingAfter) || self.backends.all(b, !has(b.pool) || !has(b.pool.leaseTimeout) || duration(self.clients.priority.agingAfter) < duration(b.pool.leaseTimeout))",
         "message": "clients.priority.agingAfter must be shorter than every backend's pool.leaseTimeout, or batch calls time out in the pool queue before they age",
         "fieldPath": ".clients.priority.agingAfter"
@@ -209,6 +214,19 @@ pub struct BackendSpec {
     /// only).
     #[serde(default, skip_serializing_if = "upstream::ProtocolSpec::is_default")]
     pub protocol: upstream::ProtocolSpec,
+    /// Backends of this policy that take this backend's calls, in this order, while it cools
+    /// down (its provider refused with `429` or `503` and `Retry-After`; only a backend with
+    /// `credentials` cools down): the first of them not cooling down gets the call, with its own
+    /// credentials, pool and timeouts. Have them serve the same model. When every one cools
+    /// down too, the client gets `429` with the shortest wait left. Omitted: calls to a cooling
+    /// backend are refused with what is left of its wait.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 4),
+        inner(length(min = 1, max = 63)),
+        extend("x-kubernetes-list-type" = "set")
+    )]
+    pub fallback: Vec<String>,
 }
 
 /// A backend's own saturation signal, read from Prometheus.

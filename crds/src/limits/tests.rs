@@ -168,6 +168,42 @@ fn every_violation_is_reported_with_its_field() {
 }
 
 #[test]
+fn fallbacks_name_other_backends_of_the_document_once() {
+    let mut doc = example();
+    let mut other = doc.backends[0].clone();
+    other.name = "model-b".into();
+    doc.backends.push(other);
+    doc.backends[0].fallback = vec!["model-b".into()];
+    assert_eq!(doc.validate(), Ok(()));
+    doc.backends[0].fallback = vec![
+        "model-a".into(),
+        "model-b".into(),
+        "model-c".into(),
+        "model-b".into(),
+    ];
+    let err = doc.validate().unwrap_err();
+    let found: Vec<(&str, &str)> = err
+        .violations
+        .iter()
+        .map(|v| (v.field.as_str(), v.message.as_str()))
+        .collect();
+    assert_eq!(
+        found,
+        [
+            (
+                "backends[0].fallback[0]",
+                "a backend cannot be its own fallback"
+            ),
+            (
+                "backends[0].fallback[2]",
+                "no backend \"model-c\" in this document"
+            ),
+            ("backends[0].fallback[3]", "\"model-b\" is named twice"),
+        ]
+    );
+}
+
+#[test]
 fn source_ip_identity_round_trips() {
     let mut doc = example();
     doc.client_policies[0].identity = ClientIdentity::SourceIp;

@@ -931,9 +931,28 @@ fn the_providers_example_is_accepted() {
         credentials,
         [
             upstream::CredentialSchemeSpec::Bearer,
+            upstream::CredentialSchemeSpec::Bearer,
             upstream::CredentialSchemeSpec::AzureApiKey
         ]
     );
+    assert_eq!(p.spec.backends[0].fallback, ["openai-second-project"]);
+}
+
+#[test]
+fn cel_refuses_a_fallback_that_is_not_another_backend_of_the_policy() {
+    let with = |fallback: &[&str]| {
+        let mut p = sample();
+        p.spec.backends[0].fallback = fallback.iter().map(|f| f.to_string()).collect();
+        cel_errors(&p)
+    };
+    assert_eq!(with(&["model-b"]), Vec::<String>::new());
+    for bad in [&["model-a"][..], &["model-c"], &["model-b", "nope"]] {
+        assert_eq!(
+            with(bad),
+            ["backends[].fallback names other backends of this policy"],
+            "{bad:?}"
+        );
+    }
 }
 
 #[test]

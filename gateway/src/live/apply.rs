@@ -291,6 +291,12 @@ impl Gateway {
                     .client_policy
                     .as_ref()
                     .and_then(|p| limiters.get(p).cloned()),
+                // The document names other backends of it (validated): its routes, in order.
+                fallback: b
+                    .fallback
+                    .iter()
+                    .filter_map(|f| doc.backends.iter().position(|o| o.name == *f))
+                    .collect(),
             });
             backends.insert(b.name.clone(), backend);
         }

@@ -140,6 +140,8 @@ pub(crate) struct Route {
     pub(crate) backend: Arc<Backend>,
     pub(crate) timeouts: Timeouts,
     pub(crate) limiter: Option<ClientLimiter>,
+    /// The routes of its fallback backends, in order (indices into [`Snapshot::routes`]).
+    pub(crate) fallback: Vec<usize>,
 }
 
 // === impl Gateway ===
@@ -407,6 +409,14 @@ impl Backend {
     /// The provider's key set on its calls, if it has `credentials`.
     pub(crate) fn credentials(&self) -> Option<Arc<ProviderKey>> {
         self.credentials.read().clone()
+    }
+
+    /// How long its provider still asked not to be called at `now` (`None`: it takes calls).
+    /// Only a backend carrying the provider's key cools down: a refusal of a client's own key
+    /// is about that client.
+    pub(crate) fn cooling_for(&self, now: Instant) -> Option<std::time::Duration> {
+        self.credentials.read().as_ref()?;
+        self.cooldown.remaining(now)
     }
 
     /// Reads the provider key's file again (a rotated Secret).

@@ -39,6 +39,12 @@ struct BackendLabel {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct FallbackLabels {
+    backend: String,
+    to: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct HostLabel {
     host: String,
 }
@@ -256,6 +262,7 @@ struct Families {
     client_cert_expiry: Family<BackendLabel, Gauge>,
     upstream_cooldowns: Family<BackendLabel, Counter>,
     upstream_cooldown_refused: Family<BackendLabel, Counter>,
+    upstream_fallbacks: Family<FallbackLabels, Counter>,
     tokens: Family<TokenLabels, Counter>,
     time_to_first_token: HistogramFamily<BackendLabel>,
     time_per_output_token: HistogramFamily<BackendLabel>,
@@ -385,6 +392,7 @@ impl Metrics {
             client_cert_expiry: Family::default(),
             upstream_cooldowns: Family::default(),
             upstream_cooldown_refused: Family::default(),
+            upstream_fallbacks: Family::default(),
             tokens: Family::default(),
             time_to_first_token: Family::new_with_constructor(token_time_histogram),
             time_per_output_token: Family::new_with_constructor(token_time_histogram),
@@ -579,6 +587,11 @@ impl Metrics {
             "poolpilot_upstream_cooldown_refused",
             "Calls answered 429 by the gateway while their backend's provider had asked not to be called",
             m.upstream_cooldown_refused.clone(),
+        );
+        r.register(
+            "poolpilot_upstream_fallbacks",
+            "Calls sent to a fallback backend (to) because their backend was cooling down",
+            m.upstream_fallbacks.clone(),
         );
         r.register(
             "poolpilot_tokens",
@@ -1031,6 +1044,16 @@ impl Metrics {
             .upstream_cooldown_refused
             .get_or_create(&BackendLabel {
                 backend: backend.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn upstream_fallback(&self, backend: &str, to: &str) {
+        self.0
+            .upstream_fallbacks
+            .get_or_create(&FallbackLabels {
+                backend: backend.into(),
+                to: to.into(),
             })
             .inc();
     }

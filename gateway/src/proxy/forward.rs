@@ -12,7 +12,8 @@
 //! retried, and neither is a request the backend may have begun to answer.
 //!
 //! A backend that carries the provider's key cools down when the provider refuses with a time
-//! to come back (`crate::limits::cooldown`): until then its calls are answered `429` here.
+//! to come back (`crate::limits::cooldown`): until then its calls go to a fallback or are
+//! answered `429` (`super::fallback`).
 
 use std::future::poll_fn;
 use std::pin::pin;
@@ -61,15 +62,9 @@ pub(super) async fn forward(
     let backend = &route.backend;
     let timeouts = &route.timeouts;
     let mut retries = 0;
-    // The provider asked not to be called yet: no call goes into a known refusal.
+    // Its provider's refusals with a time to come back cool it down (a call meanwhile goes to a
+    // fallback or is refused before it gets here: `super::fallback`).
     let shared_key = backend.credentials().is_some();
-    if shared_key && let Some(retry_after) = backend.cooldown.remaining(Instant::now()) {
-        metrics.upstream_cooldown_refused(&backend.name);
-        return Err(ProxyError::CoolingDown {
-            backend: backend.name.to_string(),
-            retry_after,
-        });
-    }
     // The soft throttle: a short delay while others wait, before joining them.
     let delay = backend.pool.throttle_delay();
     if !delay.is_zero() {

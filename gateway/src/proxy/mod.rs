@@ -6,6 +6,8 @@
 //! 2. own answer GET /v1/models from the routes in force
 //! 3. route      path prefix, headers, the body's JSON `model` (bounded buffer,
 //!               body pace, pod-wide budget)                                  404 408 503
+//!    cooldown   a backend whose provider asked to wait hands the call to its first
+//!               fallback that did not; none                                          429
 //! 4. identity   the client's hashed identity; back early after a refusal?
 //! 5. class      interactive or batch, by the client's policy
 //! 6. tokens     the call's estimate reserved in its client's token budget
@@ -34,6 +36,7 @@
 //! | `models.rs` | `GET /v1/models` from the routes in force |
 //! | `route.rs` | route matching, the JSON `model` read from a bounded buffer |
 //! | `route_budget.rs` | the pod-wide byte budget of routing buffers |
+//! | `fallback.rs` | a backend cooling down: its first fallback that is not, or 429 |
 //! | `identity.rs` | the client's hashed identity as its policy counts it |
 //! | `headers.rs` | hop-by-hop headers, `Via`, `X-Forwarded-For`, the upstream request line |
 //! | `credentials.rs` | the provider's key in place of the client's credentials, re-read on rotation |
@@ -47,6 +50,7 @@
 
 mod call;
 pub(crate) mod credentials;
+mod fallback;
 mod forward;
 mod head;
 mod headers;

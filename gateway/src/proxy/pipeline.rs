@@ -1,7 +1,7 @@
 //! The pipeline of one proxied call, phase by phase: drain → head → the gateway's own answers →
-//! route → identity → class → tokens → admission → upstream head → forward; and the one place where a
-//! failed phase becomes the client's response (the rescue: [`super::error`]), remembered when
-//! it told the client when to come back.
+//! route → cooldown → identity → class → tokens → admission → upstream head → forward; and the
+//! one place where a failed phase becomes the client's response (the rescue:
+//! [`super::error`]), remembered when it told the client when to come back.
 
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use super::call::CallContext;
 use super::deadline::DeadlineSlot;
 use super::error::ProxyError;
 use super::replay::Replay;
-use super::{forward, head, headers, identity, models, route};
+use super::{fallback, forward, head, headers, identity, models, route};
 use crate::limits::fair;
 use crate::listen::source::Peer;
 use crate::live::Gateway;
@@ -77,6 +77,9 @@ async fn proxy(
     let pace = BodyPace::new(Instant::now(), listener);
     let (mut parts, incoming) = req.into_parts();
     let (route, body) = route::route(gw, &snapshot, &parts, incoming, pace).await?;
+    //    cooldown: a backend whose provider asked to wait hands the call to its first fallback
+    //    that did not, or the call is refused with the shortest wait left (429)
+    let route = fallback::past_cooldown(&snapshot, route, gw.metrics(), Instant::now())?;
     record.backend(&route.backend.name);
     // 4. identity: its client policy's identity, or its source address without a policy; and
     //    whether it comes back after a refusal, early or on time

@@ -3,8 +3,9 @@
 //! the provider's key from its file does (Bearer, Azure's `api-key`), a rotated key file is used
 //! from the next call on, and the key shows nowhere the gateway answers or writes: `/v1/limits`,
 //! `/v1/stats`, `/metrics`, the access log, error bodies. And the provider's own back-pressure:
-//! its 429 with `Retry-After` cools the backend down, calls meanwhile get 429 from the gateway
-//! with what is left of it and never reach the provider.
+//! its 429 with `Retry-After` cools the backend down, calls meanwhile go to its fallback (with
+//! the fallback's own key) or get 429 from the gateway with the shortest wait left, and never
+//! reach the provider.
 
 use std::time::Duration;
 
@@ -239,6 +240,145 @@ async fn a_providers_429_with_retry_after_cools_the_backend_down_for_that_long()
         ),
         Some(refused as f64)
     );
+}
+
+/// `model-a` at `a` falling back to `model-b` at `b`, each with its provider's key (`a-key`,
+/// `b-key` in `dir`); `model-b` is reached only as the fallback (its route needs a header).
+fn with_fallback(
+    a: &TlsBackend,
+    b: &TlsBackend,
+    ca: &std::path::Path,
+    dir: &std::path::Path,
+) -> serde_json::Value {
+    let mut doc = serde_json::to_value(tls_limits(
+        a.addr,
+        serde_json::json!({"serverName": "api.provider.test", "caFile": ca}),
+    ))
+    .unwrap();
+    let mut other = backend_json("model-b", &[b.addr], 4);
+    other["endpoints"][0]["tls"] =
+        serde_json::json!({"serverName": "api.provider.test", "caFile": ca});
+    other["match"] = serde_json::json!({"headers": {"x-only-as-fallback": "yes"}});
+    doc["backends"].as_array_mut().unwrap().push(other);
+    for (i, key) in [PROVIDER_KEY, ROTATED_KEY].into_iter().enumerate() {
+        let file = dir.join(format!("key-{i}"));
+        std::fs::write(&file, key).unwrap();
+        doc["backends"][i]["credentials"] =
+            serde_json::json!({"keyFile": file, "scheme": "Bearer"});
+    }
+    doc["backends"][0]["fallback"] = serde_json::json!(["model-b"]);
+    doc
+}
+
+#[tokio::test]
+async fn a_cooling_backends_calls_go_to_its_fallback_with_the_fallbacks_own_key() {
+    let pki = Pki::new("provider CA");
+    let leaf = pki.leaf("api.provider.test");
+    let primary = TlsBackend::start([127, 0, 0, 45], &leaf, None, false).await;
+    let fallback = TlsBackend::start([127, 0, 0, 46], &leaf, None, false).await;
+    primary
+        .seen
+        .answers
+        .lock()
+        .push_back((429, vec![("retry-after", "2")]));
+    let dir = tempfile::tempdir().unwrap();
+    let ca = pki.write_ca(dir.path(), "ca.crt");
+    let gw = Gw::start(from_json(with_fallback(
+        &primary,
+        &fallback,
+        &ca,
+        dir.path(),
+    )))
+    .await;
+
+    // The refusal that starts the cooldown reaches its client as it came.
+    let start = tokio::time::Instant::now();
+    let (status, headers, _) = get(gw.proxy, "/v1/chat/completions", &[]).await;
+    assert_eq!(status, 429);
+    assert_eq!(headers["retry-after"], "2");
+
+    // For its 2 s the calls are the fallback's, carrying the fallback's key.
+    let mut served = 0;
+    while start.elapsed() < Duration::from_millis(1800) {
+        let (status, _, body) = get(gw.proxy, "/v1/chat/completions", &client_headers()).await;
+        assert_eq!(status, 200, "{body}");
+        served += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(primary.requests().len(), 1, "none into the known refusal");
+    let seen = fallback.requests();
+    assert_eq!(seen.len(), served);
+    for h in &seen {
+        assert_eq!(h["authorization"], format!("Bearer {ROTATED_KEY}"));
+    }
+    // Then the backend takes its calls again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, _, body) = get(gw.proxy, "/v1/chat/completions", &[]).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(primary.requests().len(), 2);
+    assert_eq!(fallback.requests().len(), served);
+    let m = gw.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"poolpilot_upstream_fallbacks_total{backend="model-a",to="model-b"}"#
+        ),
+        Some(served as f64),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"poolpilot_upstream_cooldown_refused_total{backend="model-a"}"#
+        ),
+        None,
+        "no call was refused: {m}"
+    );
+}
+
+#[tokio::test]
+async fn with_every_fallback_cooling_too_the_client_gets_the_shortest_wait_left() {
+    let pki = Pki::new("provider CA");
+    let leaf = pki.leaf("api.provider.test");
+    let primary = TlsBackend::start([127, 0, 0, 47], &leaf, None, false).await;
+    let fallback = TlsBackend::start([127, 0, 0, 48], &leaf, None, false).await;
+    primary
+        .seen
+        .answers
+        .lock()
+        .push_back((429, vec![("retry-after", "30")]));
+    fallback
+        .seen
+        .answers
+        .lock()
+        .push_back((503, vec![("retry-after-ms", "4000")]));
+    let dir = tempfile::tempdir().unwrap();
+    let ca = pki.write_ca(dir.path(), "ca.crt");
+    let gw = Gw::start(from_json(with_fallback(
+        &primary,
+        &fallback,
+        &ca,
+        dir.path(),
+    )))
+    .await;
+
+    // model-a refuses for 30 s; its fallback takes the next call and refuses it for 4 s.
+    let (status, _, _) = get(gw.proxy, "/v1/chat/completions", &[]).await;
+    assert_eq!(status, 429);
+    let (status, headers, _) = get(gw.proxy, "/v1/chat/completions", &[]).await;
+    assert_eq!(status, 503);
+    assert_eq!(headers["retry-after-ms"], "4000");
+    // Both cool down: refused here, told to come back when the first of them takes calls.
+    let (status, headers, body) = get(gw.proxy, "/v1/chat/completions", &[]).await;
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("backend_cooling_down"), "{body}");
+    let secs: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(
+        (3..=4).contains(&secs),
+        "the fallback's 4 s, not model-a's 30: {secs}"
+    );
+    assert_eq!(primary.requests().len(), 1);
+    assert_eq!(fallback.requests().len(), 1);
 }
 
 #[tokio::test]

@@ -450,6 +450,7 @@ fn backend(
             ProtocolSpec::Auto => UpstreamProtocol::Auto,
             ProtocolSpec::Http2 => UpstreamProtocol::Http2,
         },
+        fallback: b.fallback.clone(),
     }
 }
 

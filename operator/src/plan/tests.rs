@@ -836,6 +836,37 @@ fn a_backends_protocol_reaches_its_document_and_auto_needs_tls_as_the_crd_rule_s
 }
 
 #[test]
+fn a_backends_fallbacks_reach_its_document_in_order_and_must_name_other_backends_of_the_policy() {
+    let with = |fallback_a: &str| {
+        format!(
+            "gatewaySelector: {{matchLabels: {{app: gw}}}}\nbackends:\n- name: a\n  fallback: {fallback_a}\n  endpoints: {{service: {{name: a, port: 80}}}}\n  capacity: {{maxConnectionsPerEndpoint: 8}}\n- name: b\n  endpoints: {{service: {{name: b, port: 80}}}}\n  capacity: {{maxConnectionsPerEndpoint: 8}}\n- name: c\n  endpoints: {{service: {{name: c, port: 80}}}}\n  capacity: {{maxConnectionsPerEndpoint: 8}}\n"
+        )
+    };
+    let p = policy("p", 0, &with("[c, b]"), 1);
+    assert_eq!(validate::validate_spec(&p.spec), Ok(()));
+    let doc = plan_once(&input_of(vec![p], pods(1))).documents["gw-0"].clone();
+    doc.validate().expect("rendered documents validate");
+    assert_eq!(doc.backends[0].fallback, ["c", "b"]);
+    assert!(doc.backends[1].fallback.is_empty());
+
+    // The CRD's rule, for a policy stored without it.
+    let errors = |fallback: &str| validate::validate_spec(&policy("p", 0, &with(fallback), 1).spec);
+    assert_eq!(
+        errors("[a]"),
+        Err(vec![
+            "spec.backends[0].fallback[0]: \"a\" is not another backend of this policy".to_owned()
+        ])
+    );
+    assert_eq!(
+        errors("[b, model-x]"),
+        Err(vec![
+            "spec.backends[0].fallback[1]: \"model-x\" is not another backend of this policy"
+                .to_owned()
+        ])
+    );
+}
+
+#[test]
 fn an_aging_bound_a_queue_times_out_before_is_invalid_as_the_crd_rules_say() {
     // The CRD's CEL rules refuse it; an apiserver without them (or a policy written before
     // them) must not reach the gateways, which refuse such a limits document.

@@ -187,6 +187,16 @@ pub fn validate_spec(spec: &ConnectionPolicySpec) -> Result<(), Vec<String>> {
         if !names.insert(b.name.as_str()) {
             err(at("name"), format!("duplicate backend name {:?}", b.name));
         }
+        // The CRD's rule says so too; a policy stored under an older CRD still gets the message
+        // here rather than a limits document every gateway refuses.
+        for (j, f) in b.fallback.iter().enumerate() {
+            if *f == b.name || !spec.backends.iter().any(|o| o.name == *f) {
+                err(
+                    at(&format!("fallback[{j}]")),
+                    format!("{f:?} is not another backend of this policy"),
+                );
+            }
+        }
         let c = &b.capacity;
         if c.max_connections_per_endpoint == 0 {
             err(
