@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::rate_limit::RateLimit;
+
 /// Everything a [`Modelsim`](super::Modelsim) needs to start. `Config::default()` listens on
 /// `127.0.0.1:0` (an ephemeral port, for tests) and serves one model, `sim-model`.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,6 +35,9 @@ pub struct Config {
     pub refuse_status: u16,
     /// Seed of the random draws (jitter, fault ratios); `None` seeds from the OS.
     pub seed: Option<u64>,
+    /// A hosted provider's request rate limit (`None`: calls are limited by the slots and the
+    /// queue alone).
+    pub rate_limit: Option<RateLimit>,
     /// Faults in force at start; change them at runtime with
     /// [`Modelsim::set_faults`](super::Modelsim::set_faults) or `PUT /admin/faults`.
     pub faults: Faults,
@@ -50,6 +55,7 @@ impl Default for Config {
             max_queue: 128,
             refuse_status: 503,
             seed: None,
+            rate_limit: None,
             faults: Faults::default(),
         }
     }
@@ -70,6 +76,13 @@ impl Config {
                 "refuse_status {} is not a 4xx or 5xx status",
                 self.refuse_status
             ));
+        }
+        if let Some(l) = self.rate_limit
+            && (l.requests == 0 || l.window < Duration::from_millis(1))
+        {
+            return Err(
+                "rate_limit needs at least 1 request per window of at least 1 ms".to_owned(),
+            );
         }
         self.service.validate()?;
         self.faults.validate()

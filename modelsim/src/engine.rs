@@ -19,6 +19,7 @@ use super::config::{Jitter, ServiceTime};
 use super::conn::ConnCtl;
 use super::metrics::{FAULT_ERROR, FAULT_RESET, FAULT_SLOW_HEADERS, FAULT_STALL, ResponseLabels};
 use super::openai::{self, Endpoint, ResponseMeta, unix_now};
+use super::rate_limit::{self, Verdict};
 use super::response::{error_response, json_response, sse_response};
 use super::shared::Shared;
 
@@ -246,6 +247,24 @@ pub(crate) async fn inference(
             // Hang until the client goes away (this future is then dropped) or shutdown ends it.
             return std::future::pending().await;
         }
+    }
+
+    // A provider's rate limit refuses before anything is queued.
+    if let Some(limiter) = &shared.rate_limit
+        && let Verdict::Refused { reset } = limiter.check(Instant::now())
+    {
+        m.rate_limited.inc();
+        outcome.decided();
+        count_response(&shared, endpoint, StatusCode::TOO_MANY_REQUESTS);
+        let mut resp = error_response(
+            &shared,
+            StatusCode::TOO_MANY_REQUESTS,
+            "Rate limit reached for requests: try again later",
+            "requests",
+            Some("rate_limit_exceeded"),
+        );
+        rate_limit::refusal_headers(resp.headers_mut(), limiter.limit(), reset);
+        return resp;
     }
 
     let Some((slot, waited)) = shared.admission.admit(m).await else {

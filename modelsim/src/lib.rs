@@ -64,6 +64,7 @@ mod engine;
 mod handler;
 mod metrics;
 mod openai;
+mod rate_limit;
 mod remote;
 mod response;
 mod server;
@@ -79,6 +80,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 
 pub use config::{Config, Faults, Jitter, ServiceTime};
+pub use rate_limit::RateLimit;
 pub use remote::Remote;
 pub use stats::{ConnectionAtPeak, PEAK_DETAIL_LIMIT, Stats};
 

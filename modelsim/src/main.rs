@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use poolpilot_modelsim::{Config, Faults, Jitter, Modelsim, ServiceTime};
+use poolpilot_modelsim::{Config, Faults, Jitter, Modelsim, RateLimit, ServiceTime};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::EnvFilter;
 
@@ -81,6 +81,13 @@ struct Args {
     /// Status of refusals (503 or 429).
     #[arg(long, env = "MODELSIM_REFUSE_STATUS", default_value_t = 503)]
     refuse_status: u16,
+    /// A hosted provider's rate limit: at most this many inference requests per
+    /// --rate-limit-window-ms; beyond, 429 with Retry-After until the window ends.
+    #[arg(long, env = "MODELSIM_RATE_LIMIT_REQUESTS")]
+    rate_limit_requests: Option<u32>,
+    /// The rate limit's window, milliseconds (fixed windows from the start).
+    #[arg(long, env = "MODELSIM_RATE_LIMIT_WINDOW_MS", default_value_t = 60_000)]
+    rate_limit_window_ms: u64,
     /// Seed of the random draws (jitter, fault ratios). Default: from the OS.
     #[arg(long, env = "MODELSIM_SEED")]
     seed: Option<u64>,
@@ -165,6 +172,10 @@ impl Args {
             max_queue: self.max_queue,
             refuse_status: self.refuse_status,
             seed: self.seed,
+            rate_limit: self.rate_limit_requests.map(|requests| RateLimit {
+                requests,
+                window: Duration::from_millis(self.rate_limit_window_ms),
+            }),
             faults: Faults {
                 stall_ratio: self.fault_stall_ratio,
                 stall_after_tokens: self.fault_stall_after_tokens,

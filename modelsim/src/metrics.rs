@@ -69,6 +69,7 @@ pub(crate) struct Metrics {
     pub responses: Family<ResponseLabels, Counter>,
     pub served: Counter,
     pub refused: Counter,
+    pub rate_limited: Counter,
     pub rejected_invalid: Counter,
     pub cancelled: Counter,
     pub faults: Family<FaultLabels, Counter>,
@@ -109,6 +110,7 @@ impl Metrics {
             responses: Family::default(),
             served: Counter::default(),
             refused: Counter::default(),
+            rate_limited: Counter::default(),
             rejected_invalid: Counter::default(),
             cancelled: Counter::default(),
             faults: Family::default(),
@@ -196,6 +198,11 @@ impl Metrics {
             "modelsim_requests_refused",
             "Inference requests refused because the queue was full",
             m.refused.clone(),
+        );
+        r.register(
+            "modelsim_requests_rate_limited",
+            "Inference requests refused with 429 and Retry-After by the provider's rate limit",
+            m.rate_limited.clone(),
         );
         r.register(
             "modelsim_requests_rejected_invalid",
@@ -350,6 +357,7 @@ impl Metrics {
             requests_received: self.requests_received.get(),
             served: self.served.get(),
             refused: self.refused.get(),
+            rate_limited: self.rate_limited.get(),
             rejected_invalid: self.rejected_invalid.get(),
             cancelled: self.cancelled.get(),
             errors_injected: self.fault_count(&FAULT_ERROR),

@@ -17,6 +17,7 @@ use super::admission::Admission;
 use super::config::{Config, Faults};
 use super::metrics::Metrics;
 use super::openai::unix_now;
+use super::rate_limit::Limiter;
 use super::stats::Stats;
 
 /// State shared by every connection and request of one modelsim.
@@ -26,6 +27,8 @@ pub(crate) struct Shared {
     pub faults: watch::Sender<Faults>,
     pub metrics: Metrics,
     pub admission: Admission,
+    /// The provider's rate limit, when it has one.
+    pub rate_limit: Option<Limiter>,
     pub rng: Mutex<StdRng>,
     pub refuse_status: StatusCode,
     pub instance_header: Option<HeaderValue>,
@@ -55,6 +58,7 @@ impl Shared {
         Self {
             faults: watch::Sender::new(config.faults.clone()),
             admission: Admission::new(config.max_concurrency, config.max_queue),
+            rate_limit: config.rate_limit.map(|l| Limiter::new(l, Instant::now())),
             rng: Mutex::new(rng),
             refuse_status: StatusCode::from_u16(config.refuse_status)
                 .unwrap_or(StatusCode::SERVICE_UNAVAILABLE),

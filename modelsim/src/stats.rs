@@ -50,6 +50,9 @@ pub struct Stats {
     pub served: u64,
     /// Inference requests refused because the queue was full.
     pub refused: u64,
+    /// Inference requests refused by the provider's rate limit (429 with `Retry-After`).
+    #[serde(default)]
+    pub rate_limited: u64,
     /// Inference requests rejected as malformed (400) or for an unknown model (404).
     pub rejected_invalid: u64,
     /// Inference requests abandoned by their client before the answer was complete.

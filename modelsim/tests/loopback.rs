@@ -12,7 +12,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use poolpilot_modelsim::{Config, Faults, Jitter, Modelsim, Remote, ServiceTime, Stats};
+use poolpilot_modelsim::{Config, Faults, Jitter, Modelsim, RateLimit, Remote, ServiceTime, Stats};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -1325,4 +1325,41 @@ async fn serves_http2_with_prior_knowledge_on_one_connection() {
         s.connections_open == 0
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_providers_rate_limit_refuses_past_its_window_and_says_when_to_come_back() {
+    let sim = start(Config {
+        service: fast(),
+        rate_limit: Some(RateLimit {
+            requests: 3,
+            window: Duration::from_secs(2),
+        }),
+        ..Config::default()
+    })
+    .await;
+    let addr = sim.addr();
+    let started = Instant::now();
+    for _ in 0..3 {
+        assert_eq!(call_chat(addr, 2).await.status, StatusCode::OK);
+    }
+    let refused = call_chat(addr, 2).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.json()["error"]["code"], "rate_limit_exceeded");
+    let secs: u64 = refused.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=2).contains(&secs), "{secs}");
+    assert_eq!(refused.headers["x-ratelimit-limit-requests"], "3");
+    assert_eq!(refused.headers["x-ratelimit-remaining-requests"], "0");
+    let stats = sim.stats();
+    assert_eq!((stats.served, stats.rate_limited), (3, 1), "{stats:?}");
+    let text = call(addr, Method::GET, "/metrics", None).await.body;
+    let text = String::from_utf8_lossy(&text);
+    assert_eq!(metric(&text, "modelsim_requests_rate_limited_total"), 1.0);
+    // The next window admits again.
+    tokio::time::sleep_until(started + Duration::from_millis(2100)).await;
+    assert_eq!(call_chat(addr, 2).await.status, StatusCode::OK);
 }
