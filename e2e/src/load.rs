@@ -112,6 +112,8 @@ pub struct Tally {
     pub errors: BTreeMap<String, u64>,
     /// Error responses that carried `Retry-After`.
     pub retry_after: u64,
+    /// Of them, by the seconds it said (an HTTP date counts as 1) and the error's reason.
+    pub retry_after_secs: BTreeMap<(String, u64), u64>,
     /// Statuses of the error responses.
     pub statuses: BTreeMap<u16, u64>,
 }
@@ -136,10 +138,14 @@ impl Tally {
         self.errors.get(reason).copied().unwrap_or(0)
     }
 
-    fn add(&mut self, other: &Tally) {
+    /// Adds another period's outcomes.
+    pub fn add(&mut self, other: &Tally) {
         self.calls += other.calls;
         self.ok += other.ok;
         self.retry_after += other.retry_after;
+        for (k, v) in &other.retry_after_secs {
+            *self.retry_after_secs.entry(k.clone()).or_default() += v;
+        }
         for (k, v) in &other.errors {
             *self.errors.entry(k.clone()).or_default() += v;
         }
@@ -387,11 +393,17 @@ async fn worker(
                     status,
                     retry_after,
                 } => {
+                    if let Some(after) = retry_after {
+                        tally.retry_after += 1;
+                        *tally
+                            .retry_after_secs
+                            .entry((reason.clone(), after.as_secs()))
+                            .or_default() += 1;
+                    }
                     *tally.errors.entry(reason).or_default() += 1;
                     if let Some(status) = status {
                         *tally.statuses.entry(status).or_default() += 1;
                     }
-                    tally.retry_after += u64::from(retry_after.is_some());
                     wait = retry_after.filter(|_| honour_retry_after);
                 }
             }

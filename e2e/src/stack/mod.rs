@@ -149,15 +149,19 @@ pub struct StackSpec {
     pub operator_args: Vec<String>,
     /// Secrets created in the namespace and mounted into the operator (credentials for a
     /// Prometheus behind authentication, say).
-    pub operator_secrets: Vec<OperatorSecret>,
+    pub operator_secrets: Vec<TestSecret>,
+    /// Secrets created in the namespace and mounted into the gateways (a provider's key for a
+    /// backend's `credentials`, at `/etc/poolpilot/secrets/<name>`, where the operator's
+    /// documents name its files).
+    pub gateway_secrets: Vec<TestSecret>,
     /// Top-level settings of the gateways' configuration file (`manifests/gateway/gateway.yaml`)
     /// that this stack replaces, as key and YAML value: `("awaitOperator", "5s")`.
     pub gateway_settings: Vec<(&'static str, String)>,
 }
 
-/// A Secret of the test mounted read-only into the operator's container.
+/// A Secret of the test, mounted read-only into the operator's or the gateways' container.
 #[derive(Clone, Debug)]
-pub struct OperatorSecret {
+pub struct TestSecret {
     /// The Secret's name.
     pub name: String,
     /// Where its keys appear as files.
@@ -179,6 +183,7 @@ impl Default for StackSpec {
             gateway_cpu_request: None,
             operator_args: Vec::new(),
             operator_secrets: Vec::new(),
+            gateway_secrets: Vec::new(),
             gateway_settings: Vec::new(),
         }
     }
@@ -220,6 +225,25 @@ fn merge(target: &mut Value, patch: &Value) {
         }
         (t, p) => *t = p.clone(),
     }
+}
+
+/// Mounts `secrets` read-only into the first container of a Deployment.
+fn mount_secrets(deployment: &mut Value, secrets: &[TestSecret]) -> anyhow::Result<()> {
+    let volume = |s: &TestSecret| format!("test-{}", s.name);
+    let pod = &mut deployment["spec"]["template"]["spec"];
+    let mounts = pod["containers"][0]["volumeMounts"]
+        .as_array_mut()
+        .context("volumeMounts")?;
+    for secret in secrets {
+        mounts.push(
+            json!({"name": volume(secret), "mountPath": secret.mount_path, "readOnly": true}),
+        );
+    }
+    let volumes = pod["volumes"].as_array_mut().context("volumes")?;
+    for secret in secrets {
+        volumes.push(json!({"name": volume(secret), "secret": {"secretName": secret.name}}));
+    }
+    Ok(())
 }
 
 pub async fn with_stack<F>(prefix: &str, spec: StackSpec, test: F) -> anyhow::Result<()>
@@ -277,13 +301,18 @@ impl<'a> Stack<'a> {
             .arg(workspace_root().join("manifests/overlays/local")))
         .await?;
         let mut objects = self.credentials.secrets(self.name());
-        objects.extend(spec.operator_secrets.iter().map(|s| {
-            json!({
-                "apiVersion": "v1", "kind": "Secret",
-                "metadata": {"name": s.name, "namespace": self.name()},
-                "stringData": s.data,
-            })
-        }));
+        objects.extend(
+            spec.operator_secrets
+                .iter()
+                .chain(&spec.gateway_secrets)
+                .map(|s| {
+                    json!({
+                        "apiVersion": "v1", "kind": "Secret",
+                        "metadata": {"name": s.name, "namespace": self.name()},
+                        "stringData": s.data,
+                    })
+                }),
+        );
         for doc in serde_norway::Deserializer::from_str(&yaml) {
             let mut object = Value::deserialize(doc)?;
             let kind = object["kind"].as_str().unwrap_or_default().to_owned();
@@ -375,27 +404,14 @@ impl<'a> Stack<'a> {
                         .filter(|a| !a.starts_with("--prometheus-url="))
                         .map(|a| json!(a)),
                 );
-                let volume = |s: &OperatorSecret| format!("test-{}", s.name);
-                let mounts = container["volumeMounts"]
-                    .as_array_mut()
-                    .context("operator volumeMounts")?;
-                for secret in &spec.operator_secrets {
-                    mounts.push(json!({"name": volume(secret), "mountPath": secret.mount_path, "readOnly": true}));
-                }
-                let volumes = object["spec"]["template"]["spec"]["volumes"]
-                    .as_array_mut()
-                    .context("operator volumes")?;
-                for secret in &spec.operator_secrets {
-                    volumes.push(
-                        json!({"name": volume(secret), "secret": {"secretName": secret.name}}),
-                    );
-                }
+                mount_secrets(object, &spec.operator_secrets)?;
                 object["spec"]["replicas"] = json!(spec.operators);
             }
             GATEWAY_DEPLOYMENT => {
                 if let Some(cpu) = spec.gateway_cpu_request {
                     container["resources"]["requests"]["cpu"] = json!(cpu);
                 }
+                mount_secrets(object, &spec.gateway_secrets)?;
                 object["spec"]["replicas"] = json!(spec.gateways);
             }
             backend => {

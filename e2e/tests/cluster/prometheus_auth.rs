@@ -10,7 +10,7 @@ use std::time::Duration;
 use poolpilot_e2e::auth_proxy::{AuthProxy, Requirements};
 use poolpilot_e2e::credentials::Pki;
 use poolpilot_e2e::stack::{
-    BackendSpec, OperatorSecret, POLICY, Stack, StackSpec, one_backend_policy, with_stack,
+    BackendSpec, POLICY, Stack, StackSpec, TestSecret, one_backend_policy, with_stack,
 };
 use poolpilot_e2e::{Cluster, install_crypto_provider};
 use poolpilot_operator::prom::{Queries, SaturationRound, query_round};
@@ -177,7 +177,7 @@ async fn the_operator_reads_through_a_proxy_that_demands_a_token_and_a_tenant() 
             "--prometheus-bearer-token-file=/etc/poolpilot/prometheus/token".into(),
             format!("--prometheus-header={}: {}", TENANT.0, TENANT.1),
         ],
-        operator_secrets: vec![OperatorSecret {
+        operator_secrets: vec![TestSecret {
             name: "prometheus-token".into(),
             mount_path: "/etc/poolpilot/prometheus".into(),
             data: BTreeMap::from([("token".to_owned(), token.to_owned())]),

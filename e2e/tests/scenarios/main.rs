@@ -21,6 +21,7 @@ mod partial_scrape;
 mod policy_edit;
 mod priority_classes;
 mod prometheus_down;
+mod provider_cooldown;
 mod saturated;
 mod scale_gateways;
 mod shadow_mode;

@@ -77,18 +77,6 @@ fn policy() -> anyhow::Result<Value> {
     Ok(p)
 }
 
-fn add(into: &mut Tally, t: &Tally) {
-    into.calls += t.calls;
-    into.ok += t.ok;
-    into.retry_after += t.retry_after;
-    for (k, v) in &t.errors {
-        *into.errors.entry(k.clone()).or_default() += v;
-    }
-    for (k, v) in &t.statuses {
-        *into.statuses.entry(*k).or_default() += v;
-    }
-}
-
 fn minus(a: &Tally, b: &Tally) -> Tally {
     Tally {
         calls: a.calls - b.calls,
@@ -104,6 +92,17 @@ fn minus(a: &Tally, b: &Tally) -> Tally {
             .statuses
             .iter()
             .map(|(k, v)| (*k, v - b.statuses.get(k).copied().unwrap_or(0)))
+            .filter(|(_, v)| *v > 0)
+            .collect(),
+        retry_after_secs: a
+            .retry_after_secs
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.clone(),
+                    v - b.retry_after_secs.get(k).copied().unwrap_or(0),
+                )
+            })
             .filter(|(_, v)| *v > 0)
             .collect(),
     }
@@ -130,7 +129,7 @@ impl Loads {
             .collect();
         for name in gone {
             let load = self.live.remove(&name).context("a live load")?;
-            add(&mut self.retired, &load.window(0, u64::MAX));
+            self.retired.add(&load.window(0, u64::MAX));
             load.stop().await;
         }
         for pod in pods {
@@ -154,7 +153,7 @@ impl Loads {
     fn total(&self) -> Tally {
         let mut t = self.retired.clone();
         for load in self.live.values() {
-            add(&mut t, &load.window(0, u64::MAX));
+            t.add(&load.window(0, u64::MAX));
         }
         t
     }
