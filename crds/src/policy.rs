@@ -1193,11 +1193,35 @@ pub struct BackendStatus {
     /// summed over the pods, each counting the addresses it fell back on). Absent: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http1_fallback: Option<u32>,
+    /// The provider's back-pressure (a backend with `credentials`): its refusals with
+    /// `Retry-After` that cooled the backend down over the last ten metric windows (five
+    /// minutes with the defaults), summed over the pods, and what became of the calls
+    /// meanwhile. Absent: no such refusal in that time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cooldown: Option<CooldownStatus>,
+    /// Calls whose TLS handshake failed verification of the backend's certificate over the
+    /// last ten metric windows, summed over the pods (check `tls.serverName` and the CA).
+    /// Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_verification_failures: Option<u32>,
     /// `pool.idleTimeout` as the pods run it when the backend closes idle connections sooner
     /// than the spec's: the operator keeps it under the idle time at which the gateways found
     /// connections closed by the backend. Absent: the spec's value is in force.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout: Option<IdleTimeoutStatus>,
+}
+
+/// A provider's refusals with a time to come back, and the calls meanwhile.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CooldownStatus {
+    /// The provider's `429`/`503` answers with `Retry-After` (each reached its caller as it
+    /// came and started or extended the cooldown).
+    pub refusals: u32,
+    /// Calls the gateways answered `429` `backend_cooling_down` while it lasted.
+    pub refused_calls: u32,
+    /// Calls they sent to a fallback backend while it lasted.
+    pub fallback_calls: u32,
 }
 
 /// The idle timeout in force for a backend that closes idle connections sooner than

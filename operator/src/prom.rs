@@ -46,7 +46,8 @@ pub enum PromError {
     },
 }
 
-/// How many rate windows the backends' idle closes stay evidence. They are rare by design: each
+/// How many rate windows the backends' idle closes stay evidence, and the provider's refusals
+/// and failed certificate checks are counted over (for status). The closes are rare by design: each
 /// gateway pod meets about one per endpoint before it keeps that endpoint's connections idle for
 /// less, so a pod makes a handful in all, within a second or two. A rate over one window sees them
 /// only while two of its scrapes straddle them (one or two rounds, and none when a late scrape
@@ -163,6 +164,30 @@ impl Queries {
                 "peer_idle_close",
                 format!(
                     "histogram_quantile(0.05, sum by (namespace, backend, le) (rate(poolpilot_pool_peer_closed_idle_seconds_bucket[{findings}])))"
+                ),
+            ),
+            q(
+                "provider_refusals",
+                format!(
+                    "sum by (namespace, backend) (increase(poolpilot_upstream_cooldowns_total[{findings}]))"
+                ),
+            ),
+            q(
+                "cooldown_refused",
+                format!(
+                    "sum by (namespace, backend) (increase(poolpilot_upstream_cooldown_refused_total[{findings}]))"
+                ),
+            ),
+            q(
+                "fallbacks",
+                format!(
+                    "sum by (namespace, backend) (increase(poolpilot_upstream_fallbacks_total[{findings}]))"
+                ),
+            ),
+            q(
+                "tls_verification_failures",
+                format!(
+                    "sum by (namespace, backend) (increase(poolpilot_upstream_tls_failures_total{{reason=\"certificate\"}}[{findings}]))"
                 ),
             ),
             q(
@@ -295,6 +320,16 @@ pub struct Snapshot {
     /// The 5th percentile of the idle times at which the pods found connections closed by the
     /// backend, per (namespace, backend); absent (NaN) when they found none.
     pub peer_idle_close: Option<BTreeMap<(String, String), f64>>,
+    /// The provider's refusals with a time to come back, summed over the pods over the findings
+    /// window, per (namespace, backend).
+    pub provider_refusals: Option<BTreeMap<(String, String), f64>>,
+    /// Calls the gateways refused meanwhile, per (namespace, backend), over the same window.
+    pub cooldown_refused: Option<BTreeMap<(String, String), f64>>,
+    /// Calls sent meanwhile to a fallback, per (namespace, backend), over the same window.
+    pub fallbacks: Option<BTreeMap<(String, String), f64>>,
+    /// Calls whose TLS handshake failed verification of the backend's certificate, per
+    /// (namespace, backend), over the same window.
+    pub tls_verification_failures: Option<BTreeMap<(String, String), f64>>,
     /// Each saturation query as it ran and its value (`None`: failed, empty or NaN).
     pub saturation: BTreeMap<SaturationKey, (String, Option<f64>)>,
     /// `process_max_fds` per (namespace, pod).
@@ -394,6 +429,10 @@ impl Snapshot {
             h2_max_streams: by("h2_max_streams", "backend"),
             h2_fallback: by("h2_fallback", "backend"),
             peer_idle_close: by("peer_idle_close", "backend"),
+            provider_refusals: by("provider_refusals", "backend"),
+            cooldown_refused: by("cooldown_refused", "backend"),
+            fallbacks: by("fallbacks", "backend"),
+            tls_verification_failures: by("tls_verification_failures", "backend"),
             saturation: BTreeMap::new(),
             max_fds: by("max_fds", "pod"),
             open_fds: by("open_fds", "pod"),
@@ -539,6 +578,11 @@ impl Snapshot {
                         h2_max_streams: fleet(&self.h2_max_streams),
                         h2_fallback: fleet(&self.h2_fallback),
                         peer_idle_close: fleet(&self.peer_idle_close),
+                        provider_refusals: fleet(&self.provider_refusals),
+                        cooldown_refused: fleet(&self.cooldown_refused),
+                        fallbacks: fleet(&self.fallbacks),
+                        tls_verification_failures: fleet(&self.tls_verification_failures),
+                        findings_window: self.window * FINDINGS_WINDOWS,
                         window: self.window,
                         saturation,
                         unscraped,
@@ -814,6 +858,13 @@ mod tests {
                 )]),
             ),
             (
+                "provider_refusals",
+                Some(vec![row(
+                    &[("namespace", "ns"), ("backend", "model-a")],
+                    23.4,
+                )]),
+            ),
+            (
                 "max_fds",
                 Some(vec![row(&[("namespace", "ns"), ("pod", "gw-0")], 1024.0)]),
             ),
@@ -843,7 +894,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 21, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 25, "one round for every policy in the cluster");
         let sizing = include_str!("../../docs/operating.md");
         assert!(
             sizing.contains(&format!("a fixed round of {} queries", all.len())),
@@ -885,6 +936,22 @@ mod tests {
             include_str!("../../docs/autoscaling.md")
                 .contains(&promql("peer_idle_close").replace("[300s]", "[10W]")),
             "docs/autoscaling.md shows another query for the backend's idle closes"
+        );
+        assert_eq!(
+            promql("provider_refusals"),
+            "sum by (namespace, backend) (increase(poolpilot_upstream_cooldowns_total[300s]))"
+        );
+        assert_eq!(
+            promql("cooldown_refused"),
+            "sum by (namespace, backend) (increase(poolpilot_upstream_cooldown_refused_total[300s]))"
+        );
+        assert_eq!(
+            promql("fallbacks"),
+            "sum by (namespace, backend) (increase(poolpilot_upstream_fallbacks_total[300s]))"
+        );
+        assert_eq!(
+            promql("tls_verification_failures"),
+            "sum by (namespace, backend) (increase(poolpilot_upstream_tls_failures_total{reason=\"certificate\"}[300s]))"
         );
         assert_eq!(
             promql("max_fds"),
@@ -952,6 +1019,9 @@ mod tests {
         assert_eq!(b.ttfb, Some(0.25));
         assert_eq!(b.h2_max_streams, Some(250.0));
         assert_eq!(b.h2_fallback, Some(2.0));
+        assert_eq!(b.provider_refusals, Some(23.4));
+        assert_eq!(b.cooldown_refused, None, "not in this round");
+        assert_eq!(b.findings_window, Duration::from_secs(300));
         assert_eq!(b.window, Duration::from_secs(30));
         assert_eq!(b.saturation, SaturationSignal::NotConfigured);
         assert_eq!(

@@ -272,6 +272,24 @@ pub const EVENTS: &[EventDoc] = &[
                   a backend (as `IdleTimeoutLowered`); nothing was sent to the pods",
     },
     EventDoc {
+        type_: "Warning",
+        reason: "ProviderCoolingDown",
+        meaning: "a backend's provider refused calls with `Retry-After` (`429`/`503`, a backend \
+                  with `credentials`): the note has how many over the last ten metric windows \
+                  and what became of the calls meanwhile (sent to a fallback, or answered `429` \
+                  `backend_cooling_down`); `status.backends[].cooldown` keeps the counts. Once \
+                  until a window passes without a refusal",
+    },
+    EventDoc {
+        type_: "Warning",
+        reason: "UpstreamTlsVerificationFailed",
+        meaning: "calls to a backend failed verification of its TLS certificate (`502` \
+                  `upstream_tls_verification_failed`): the note has how many over the last ten \
+                  metric windows; check `tls.serverName` and the CA (`tls.caBundleSecret`). \
+                  `status.backends[].tlsVerificationFailures` keeps the count. Once until a \
+                  window passes without one",
+    },
+    EventDoc {
         type_: "Normal",
         reason: "IdleTimeoutRestored",
         meaning: "a lowered idle timeout went without closes found for an hour × 2^tries (at \

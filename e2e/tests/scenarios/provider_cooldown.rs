@@ -6,7 +6,8 @@
 //! into that known refusal: first its calls go to the fallback, model-b (`fallback: [model-b]`,
 //! with model-b's own key), so the callers see only the provider's own refusals that started
 //! each cooldown; then, with the fallback removed from the policy, the calls meanwhile get the
-//! gateway's 429 `backend_cooling_down` with what is left of the wait.
+//! gateway's 429 `backend_cooling_down` with what is left of the wait. The operator shows the
+//! refusals in `status.backends[].cooldown` and tells them once in a `ProviderCoolingDown` Event.
 //!
 //! ```text
 //!  model-a: 1 instance, 4 calls / 2 s window, key provider-a; model-b: 1 instance, key provider-b
@@ -22,11 +23,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use poolpilot_e2e::eventually;
 use poolpilot_e2e::load::{Load, LoadSpec, Tally};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
-    BackendSpec, GatewayPod, Stack, StackSpec, TestSecret, WAIT, metric_sum, quick_policy, set,
-    with_stack,
+    BackendSpec, GatewayPod, POLICY, Stack, StackSpec, TestSecret, WAIT, metric_sum, quick_policy,
+    set, with_stack,
 };
 use poolpilot_modelsim::Stats;
 use serde_json::json;
@@ -201,6 +203,22 @@ async fn a_providers_429_cools_its_backend_down_and_the_calls_meanwhile_go_to_th
             fallbacks >= (t.ok - served_a) as f64 * 0.9,
             "the calls model-a did not serve went to model-b: {fallbacks} of {}",
             t.ok - served_a
+        );
+        // The operator tells it: the counts in status, a Warning once.
+        let cooldown = eventually("model-a's cooldown in status", WAIT, || async {
+            let s = stack.backend_status("model-a").await?;
+            let c = s.cooldown.context("no cooldown in status yet")?;
+            anyhow::ensure!(c.fallback_calls > 0, "{c:?}");
+            Ok(c)
+        })
+        .await?;
+        let event = stack
+            .wait_event(POLICY, "ProviderCoolingDown", "model-a: the provider refused ")
+            .await?;
+        figure(
+            SCENARIO,
+            "status.backends[model-a].cooldown",
+            format!("{cooldown:?}; Event: {}", event.message.unwrap_or_default()),
         );
 
         // 2. Without the fallback: the calls meanwhile get the gateway's 429 with what is left

@@ -283,6 +283,12 @@ impl Gateway {
                     .and_then(|p| p.priority.clone()),
             );
             backend.set_health_check(b.health_check.clone());
+            self.inner.metrics.backend_event_series(
+                &b.name,
+                b.credentials.is_some(),
+                b.endpoints.iter().any(|e| e.tls.is_some()),
+                &b.fallback,
+            );
             routes.push(Route {
                 matcher: b.route.clone(),
                 backend: backend.clone(),

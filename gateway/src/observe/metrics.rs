@@ -1048,6 +1048,48 @@ impl Metrics {
             .inc();
     }
 
+    /// Creates at zero the series of a backend's rare events: its provider's refusals and the
+    /// calls meanwhile (with `credentials`), its failed certificate checks (with TLS
+    /// endpoints), its calls to each fallback. A series born at its first event holds it in
+    /// Prometheus' first sample of it, and `increase()` shows nothing until the next one: the
+    /// operator would miss an isolated refusal.
+    pub(crate) fn backend_event_series(
+        &self,
+        backend: &str,
+        credentials: bool,
+        tls: bool,
+        fallback: &[String],
+    ) {
+        let label = BackendLabel {
+            backend: backend.into(),
+        };
+        if credentials {
+            self.0.upstream_cooldowns.get_or_create(&label).inc_by(0);
+            self.0
+                .upstream_cooldown_refused
+                .get_or_create(&label)
+                .inc_by(0);
+        }
+        if tls {
+            self.0
+                .tls_failures
+                .get_or_create(&TlsFailureLabels {
+                    backend: backend.into(),
+                    reason: TlsFailure::Certificate,
+                })
+                .inc_by(0);
+        }
+        for to in fallback {
+            self.0
+                .upstream_fallbacks
+                .get_or_create(&FallbackLabels {
+                    backend: backend.into(),
+                    to: to.clone(),
+                })
+                .inc_by(0);
+        }
+    }
+
     pub(crate) fn upstream_fallback(&self, backend: &str, to: &str) {
         self.0
             .upstream_fallbacks

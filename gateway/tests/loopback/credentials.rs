@@ -291,6 +291,18 @@ async fn a_cooling_backends_calls_go_to_its_fallback_with_the_fallbacks_own_key(
     )))
     .await;
 
+    // Its rare events' series exist from the start, at zero: Prometheus' first sample of them
+    // comes before the first event, and `increase()` sees it.
+    let m = gw.metrics().await;
+    for series in [
+        r#"poolpilot_upstream_cooldowns_total{backend="model-a"}"#,
+        r#"poolpilot_upstream_cooldown_refused_total{backend="model-a"}"#,
+        r#"poolpilot_upstream_fallbacks_total{backend="model-a",to="model-b"}"#,
+        r#"poolpilot_upstream_tls_failures_total{backend="model-a",reason="certificate"}"#,
+    ] {
+        assert_eq!(metric(&m, series), Some(0.0), "{series} in {m}");
+    }
+
     // The refusal that starts the cooldown reaches its client as it came.
     let start = tokio::time::Instant::now();
     let (status, headers, _) = get(gw.proxy, "/v1/chat/completions", &[]).await;
@@ -331,7 +343,7 @@ async fn a_cooling_backends_calls_go_to_its_fallback_with_the_fallbacks_own_key(
             &m,
             r#"poolpilot_upstream_cooldown_refused_total{backend="model-a"}"#
         ),
-        None,
+        Some(0.0),
         "no call was refused: {m}"
     );
 }

@@ -110,6 +110,18 @@ pub struct BackendSample {
     /// closed by the backend over the window (`poolpilot_pool_peer_closed_idle_seconds`);
     /// `None`: none found.
     pub peer_idle_close: Option<f64>,
+    /// The provider's refusals with a time to come back (`Retry-After`) that cooled the backend
+    /// down, summed over the pods over the findings window (`poolpilot_upstream_cooldowns_total`).
+    pub provider_refusals: Option<f64>,
+    /// Calls the gateways refused meanwhile (`poolpilot_upstream_cooldown_refused_total`).
+    pub cooldown_refused: Option<f64>,
+    /// Calls sent meanwhile to a fallback backend (`poolpilot_upstream_fallbacks_total`).
+    pub fallbacks: Option<f64>,
+    /// Calls whose TLS handshake failed verification of the backend's certificate
+    /// (`poolpilot_upstream_tls_failures_total{reason="certificate"}`).
+    pub tls_verification_failures: Option<f64>,
+    /// The window those four are counted over (ten windows: findings are rare).
+    pub findings_window: std::time::Duration,
     /// The window the averages and rates are taken over.
     pub window: std::time::Duration,
     /// The backend's own saturation signal, when it has a saturation query.

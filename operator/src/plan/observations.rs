@@ -32,6 +32,14 @@ fn without_observations(status: &ConnectionPolicyStatus) -> ConnectionPolicyStat
         b.utilization = None;
         b.demand_by_class = None;
         b.http1_fallback = None;
+        // Whether the provider refused, or certificates failed, is a finding (its Event is told
+        // once, when it appears); how many in the window is an observation.
+        if let Some(c) = &mut b.cooldown {
+            *c = Default::default();
+        }
+        if let Some(n) = &mut b.tls_verification_failures {
+            *n = 0;
+        }
         for share in &mut b.shares {
             share.demand = None;
         }

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
-    BackendStatus, ClientStatus, DecisionRecord, IdleTimeoutStatus, Mode, PodFailure, PodRun,
-    PodShare, PodsStatus, ScaleRecord, TokenBudgetStatus,
+    BackendStatus, ClientStatus, CooldownStatus, DecisionRecord, IdleTimeoutStatus, Mode,
+    PodFailure, PodRun, PodShare, PodsStatus, ScaleRecord, TokenBudgetStatus,
 };
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
@@ -88,6 +88,21 @@ pub fn compute(
                     .h2_fallback
                     .filter(|v| v.is_finite() && *v >= 0.5)
                     .map(|v| v.round() as u32),
+                cooldown: b
+                    .sample
+                    .provider_refusals
+                    .map(count)
+                    .filter(|n| *n > 0)
+                    .map(|refusals| CooldownStatus {
+                        refusals,
+                        refused_calls: b.sample.cooldown_refused.map_or(0, count),
+                        fallback_calls: b.sample.fallbacks.map_or(0, count),
+                    }),
+                tls_verification_failures: b
+                    .sample
+                    .tls_verification_failures
+                    .map(count)
+                    .filter(|n| *n > 0),
                 idle_timeout: b.idle_timeout.lowered.map(|l| IdleTimeoutStatus {
                     in_force: b.idle_timeout.in_force.into(),
                     configured: b.idle_timeout.configured.into(),
@@ -528,5 +543,15 @@ fn no_endpoints(spec: &ConnectionPolicySpec, name: &str) -> String {
         None => format!(
             "{name}: no endpoints: endpoints.addresses is empty; requests for {name} fail with 503"
         ),
+    }
+}
+
+/// A count over a window from Prometheus' `increase()` (extrapolated, fractional) as a whole
+/// number of events.
+fn count(v: f64) -> u32 {
+    if v.is_finite() && v > 0.0 {
+        v.round().min(f64::from(u32::MAX)) as u32
+    } else {
+        0
     }
 }

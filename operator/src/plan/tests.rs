@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use poolpilot_api::limits::{Endpoint, TokenCount, UpstreamProtocol};
-use poolpilot_api::policy::{Mode, StartFrom};
+use poolpilot_api::policy::{CooldownStatus, Mode, StartFrom};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus, Duration as ApiDuration};
 use proptest::prelude::*;
 
@@ -509,6 +509,49 @@ fn the_pods_http1_fallback_shows_in_status() {
     );
     assert_eq!(fallback(None), None, "no pod reports one");
     assert_eq!(fallback(Some(0.0)), None);
+}
+
+#[test]
+fn the_providers_refusals_and_failed_certificates_show_in_status_while_the_window_has_some() {
+    let seen = |sample: BackendSample| {
+        let mut input = input_of(vec![policy("a", 0, &spec("model-a", 16, ""), 1)], pods(2));
+        input
+            .samples
+            .backends
+            .insert((key("a"), "model-a".to_owned()), sample);
+        let memory = Memory::default();
+        let fleet = plan(&input, &mut memory.clone(), at(0));
+        let b = status_now(&input, &fleet, &memory, at(0)).backends[0].clone();
+        (b.cooldown, b.tls_verification_failures)
+    };
+    // increase() extrapolates: fractional counts are rounded.
+    let (cooldown, tls) = seen(BackendSample {
+        provider_refusals: Some(23.4),
+        cooldown_refused: Some(1.6),
+        fallbacks: None,
+        tls_verification_failures: Some(3.5),
+        ..BackendSample::default()
+    });
+    assert_eq!(
+        cooldown,
+        Some(CooldownStatus {
+            refusals: 23,
+            refused_calls: 2,
+            fallback_calls: 0
+        })
+    );
+    assert_eq!(tls, Some(4));
+    // None in the window (the series is flat, or absent): nothing to show.
+    assert_eq!(
+        seen(BackendSample {
+            provider_refusals: Some(0.0),
+            cooldown_refused: Some(12.0),
+            tls_verification_failures: Some(0.2),
+            ..BackendSample::default()
+        }),
+        (None, None)
+    );
+    assert_eq!(seen(BackendSample::default()), (None, None));
 }
 
 #[test]

@@ -186,6 +186,40 @@ pub fn events(
             };
             out.push(event(EventType::Normal, reason, note, "Tune"));
         }
+        // The provider's refusals and failed certificate checks: told once, when they appear
+        // (the status keeps the counts).
+        let backend_in =
+            |s: &'_ ConnectionPolicyStatus| s.backends.iter().find(|s| s.name == b.name).cloned();
+        let (was, is) = (backend_in(old), backend_in(new));
+        let window = poolpilot_api::Duration::from(b.sample.findings_window);
+        if let Some(c) = is.as_ref().and_then(|s| s.cooldown.as_ref())
+            && was.as_ref().is_none_or(|s| s.cooldown.is_none())
+        {
+            out.push(event(
+                EventType::Warning,
+                "ProviderCoolingDown",
+                format!(
+                    "{}: the provider refused {} calls with Retry-After over the last {window}; none was sent into its refusal while it lasted: {} went to a fallback, {} were answered 429 backend_cooling_down",
+                    b.name, c.refusals, c.fallback_calls, c.refused_calls
+                ),
+                "Observe",
+            ));
+        }
+        if let Some(n) = is.as_ref().and_then(|s| s.tls_verification_failures)
+            && was
+                .as_ref()
+                .is_none_or(|s| s.tls_verification_failures.is_none())
+        {
+            out.push(event(
+                EventType::Warning,
+                "UpstreamTlsVerificationFailed",
+                format!(
+                    "{}: {n} calls failed verification of the backend's TLS certificate over the last {window} (502 upstream_tls_verification_failed): check tls.serverName and the CA (tls.caBundleSecret)",
+                    b.name
+                ),
+                "Observe",
+            ));
+        }
         // The spec's value tried again after a quiet lowered one, once, in the run that did.
         if b.idle_timeout.tried.is_some_and(|t| t.now)
             && let Some(what) = b.idle_timeout.describe_try()
@@ -384,6 +418,54 @@ pub(super) mod tests {
         );
         // The same state again: no repeated warning.
         assert!(events_again(&new).is_empty());
+    }
+
+    /// A status whose model-a saw the provider refuse and certificates fail.
+    pub(crate) fn refused_and_unverified() -> ConnectionPolicyStatus {
+        ConnectionPolicyStatus {
+            backends: vec![poolpilot_api::policy::BackendStatus {
+                name: "model-a".into(),
+                cooldown: Some(poolpilot_api::policy::CooldownStatus {
+                    refusals: 23,
+                    refused_calls: 0,
+                    fallback_calls: 2250,
+                }),
+                tls_verification_failures: Some(4),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_providers_refusals_and_failed_certificates_are_told_once_when_they_appear() {
+        let mut p = plan(None);
+        p.backends[0].sample.findings_window = std::time::Duration::from_secs(300);
+        let none = status(vec![]);
+        let seen = refused_and_unverified();
+        let got: Vec<(String, String)> = events(&none, &seen, &p, Mode::Enforce)
+            .into_iter()
+            .map(|e| (e.reason, e.note.unwrap_or_default()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "ProviderCoolingDown".to_owned(),
+                    "model-a: the provider refused 23 calls with Retry-After over the last 5m; none was sent into its refusal while it lasted: 2250 went to a fallback, 0 were answered 429 backend_cooling_down".to_owned()
+                ),
+                (
+                    "UpstreamTlsVerificationFailed".to_owned(),
+                    "model-a: 4 calls failed verification of the backend's TLS certificate over the last 5m (502 upstream_tls_verification_failed): check tls.serverName and the CA (tls.caBundleSecret)".to_owned()
+                ),
+            ]
+        );
+        // Still there on the next run, with other counts: nothing more to tell.
+        let mut later = seen.clone();
+        later.backends[0].cooldown.as_mut().unwrap().refusals = 40;
+        assert!(events(&seen, &later, &p, Mode::Enforce).is_empty());
+        // Gone for a window, then back: told again.
+        assert_eq!(events(&none, &seen, &p, Mode::Recommend).len(), 2);
     }
 
     #[test]

@@ -1237,7 +1237,9 @@ mod event_catalogue {
     use crate::plan::autoscale::{Decision, Scale};
     use crate::plan::idle_timeout::IdleTimeout;
     use crate::reconcile::status::events;
-    use crate::reconcile::status::tests::{at, at_bound, cond, plan, plan_held, status};
+    use crate::reconcile::status::tests::{
+        at, at_bound, cond, plan, plan_held, refused_and_unverified, status,
+    };
     use crate::reconcile::{Error, failure_event, implausible_generation_event, unreadable_event};
 
     #[test]
@@ -1322,6 +1324,12 @@ mod event_catalogue {
             add(events(&none, &none, &lowered, mode));
             add(events(&none, &none, &tried, mode));
         }
+        add(events(
+            &none,
+            &refused_and_unverified(),
+            &plan(None),
+            Mode::Enforce,
+        ));
         // Every documented condition state, reached from an empty status.
         for c in CONDITIONS {
             for r in c.reasons {

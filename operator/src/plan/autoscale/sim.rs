@@ -310,6 +310,11 @@ impl Sim {
             h2_max_streams: None,
             h2_fallback: None,
             peer_idle_close: None,
+            provider_refusals: None,
+            cooldown_refused: None,
+            fallbacks: None,
+            tls_verification_failures: None,
+            findings_window: Duration::ZERO,
         };
         let now = clock(self.t);
         let d: Decision = decide(

@@ -47,6 +47,11 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         h2_max_streams: None,
         h2_fallback: None,
         peer_idle_close: None,
+        provider_refusals: None,
+        cooldown_refused: None,
+        fallbacks: None,
+        tls_verification_failures: None,
+        findings_window: Duration::ZERO,
     }
 }
 
@@ -881,6 +886,11 @@ impl Server {
             h2_max_streams: None,
             h2_fallback: None,
             peer_idle_close: None,
+            provider_refusals: None,
+            cooldown_refused: None,
+            fallbacks: None,
+            tls_verification_failures: None,
+            findings_window: Duration::ZERO,
         }
     }
 }
@@ -1103,6 +1113,11 @@ impl Thrashing {
             h2_max_streams: None,
             h2_fallback: None,
             peer_idle_close: None,
+            provider_refusals: None,
+            cooldown_refused: None,
+            fallbacks: None,
+            tls_verification_failures: None,
+            findings_window: Duration::ZERO,
         }
     }
 }
@@ -1315,6 +1330,11 @@ fn cluster(leased: f64, pending: f64, completed: f64, waiting: f64) -> BackendSa
         h2_max_streams: None,
         h2_fallback: None,
         peer_idle_close: None,
+        provider_refusals: None,
+        cooldown_refused: None,
+        fallbacks: None,
+        tls_verification_failures: None,
+        findings_window: Duration::ZERO,
     }
 }
 
