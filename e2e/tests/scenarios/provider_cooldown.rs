@@ -77,6 +77,28 @@ fn waits(t: &Tally, reason: &str) -> Vec<u64> {
         .collect()
 }
 
+/// Whether every `Retry-After` the callers got with `reason` is within the provider's window
+/// (1 or 2 s: the rest of a 2 s window, rounded up).
+fn within_the_window(t: &Tally, reason: &str) -> bool {
+    waits(t, reason)
+        .iter()
+        .all(|s| (1..=WINDOW.as_secs()).contains(s))
+}
+
+/// Waits until every gateway runs model-a with `fallback`.
+async fn runs_fallback(gateways: &[GatewayPod], fallback: &[&str]) -> anyhow::Result<()> {
+    for g in gateways {
+        g.wait_applied(Instant::now(), Duration::from_millis(250), WAIT, |l| {
+            l.backends
+                .iter()
+                .any(|b| b.name == "model-a" && b.fallback == fallback)
+        })
+        .await
+        .with_context(|| format!("{} runs model-a with fallback {fallback:?}", g.name))?;
+    }
+    Ok(())
+}
+
 /// Runs the load for `period`; the callers' tally and the provider's counters over it.
 async fn run(
     stack: &Stack<'_>,
@@ -135,15 +157,7 @@ async fn a_providers_429_cools_its_backend_down_and_the_calls_meanwhile_go_to_th
         )?;
         stack.apply(&policy).await?;
         let gateways = stack.wait_gateways(GATEWAYS as usize).await?;
-        for g in &gateways {
-            g.wait_applied(Instant::now(), Duration::from_millis(250), WAIT, |l| {
-                l.backends
-                    .iter()
-                    .any(|b| b.name == "model-a" && b.fallback == ["model-b"])
-            })
-            .await
-            .with_context(|| format!("{} runs model-a's fallback", g.name))?;
-        }
+        runs_fallback(&gateways, &["model-b"]).await?;
 
         // 1. With the fallback: the callers see the provider's refusals as they came, and
         //    otherwise answers (model-b's while model-a cools down).
@@ -181,9 +195,7 @@ async fn a_providers_429_cools_its_backend_down_and_the_calls_meanwhile_go_to_th
             "each of the provider's refusals reached its caller as it came"
         );
         assert!(
-            waits(&t, "rate_limit_exceeded")
-                .iter()
-                .all(|s| (1..=2).contains(s)),
+            within_the_window(&t, "rate_limit_exceeded"),
             "the provider's Retry-After: {:?}",
             t.retry_after_secs
         );
@@ -229,15 +241,7 @@ async fn a_providers_429_cools_its_backend_down_and_the_calls_meanwhile_go_to_th
             .context("model-a")?
             .remove("fallback");
         stack.apply(&edited).await?;
-        for g in &gateways {
-            g.wait_applied(Instant::now(), Duration::from_millis(250), WAIT, |l| {
-                l.backends
-                    .iter()
-                    .any(|b| b.name == "model-a" && b.fallback.is_empty())
-            })
-            .await
-            .with_context(|| format!("{} runs model-a without a fallback", g.name))?;
-        }
+        runs_fallback(&gateways, &[]).await?;
         let fallbacks_before = counted(&gateways, "poolpilot_upstream_fallbacks_total", &[]).await?;
         let (t, before, after) = run(stack, &gateways, WITHOUT_FALLBACK).await?;
         let refused = after.rate_limited - before.rate_limited;
@@ -261,9 +265,7 @@ async fn a_providers_429_cools_its_backend_down_and_the_calls_meanwhile_go_to_th
         );
         assert!(cooling > t.calls / 2, "most calls waited out a cooldown: {t}");
         assert!(
-            waits(&t, "backend_cooling_down")
-                .iter()
-                .all(|s| (1..=2).contains(s)),
+            within_the_window(&t, "backend_cooling_down"),
             "the gateway's Retry-After is what is left of the provider's: {:?}",
             t.retry_after_secs
         );

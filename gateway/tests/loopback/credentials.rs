@@ -242,54 +242,66 @@ async fn a_providers_429_with_retry_after_cools_the_backend_down_for_that_long()
     );
 }
 
-/// `model-a` at `a` falling back to `model-b` at `b`, each with its provider's key (`a-key`,
-/// `b-key` in `dir`); `model-b` is reached only as the fallback (its route needs a header).
-fn with_fallback(
-    a: &TlsBackend,
-    b: &TlsBackend,
-    ca: &std::path::Path,
-    dir: &std::path::Path,
-) -> serde_json::Value {
-    let mut doc = serde_json::to_value(tls_limits(
-        a.addr,
-        serde_json::json!({"serverName": "api.provider.test", "caFile": ca}),
-    ))
-    .unwrap();
-    let mut other = backend_json("model-b", &[b.addr], 4);
-    other["endpoints"][0]["tls"] =
-        serde_json::json!({"serverName": "api.provider.test", "caFile": ca});
-    other["match"] = serde_json::json!({"headers": {"x-only-as-fallback": "yes"}});
-    doc["backends"].as_array_mut().unwrap().push(other);
-    for (i, key) in [PROVIDER_KEY, ROTATED_KEY].into_iter().enumerate() {
-        let file = dir.join(format!("key-{i}"));
-        std::fs::write(&file, key).unwrap();
-        doc["backends"][i]["credentials"] =
-            serde_json::json!({"keyFile": file, "scheme": "Bearer"});
+/// `model-a` falling back to `model-b`, two TLS providers on 127.0.0.`ips`, each called with
+/// its own key (`PROVIDER_KEY`, `ROTATED_KEY`); `model-b` is reached only as the fallback (its
+/// route needs a header no client sends).
+struct Providers {
+    primary: TlsBackend,
+    fallback: TlsBackend,
+    gw: Gw,
+    _dir: tempfile::TempDir,
+}
+
+impl Providers {
+    async fn start(ips: [u8; 2]) -> Self {
+        let pki = Pki::new("provider CA");
+        let leaf = pki.leaf("api.provider.test");
+        let primary = TlsBackend::start([127, 0, 0, ips[0]], &leaf, None, false).await;
+        let fallback = TlsBackend::start([127, 0, 0, ips[1]], &leaf, None, false).await;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = pki.write_ca(dir.path(), "ca.crt");
+        let tls = serde_json::json!({"serverName": "api.provider.test", "caFile": ca});
+        let mut doc = serde_json::to_value(tls_limits(primary.addr, tls.clone())).unwrap();
+        let mut other = backend_json("model-b", &[fallback.addr], 4);
+        other["endpoints"][0]["tls"] = tls;
+        other["match"] = serde_json::json!({"headers": {"x-only-as-fallback": "yes"}});
+        doc["backends"].as_array_mut().unwrap().push(other);
+        for (i, key) in [PROVIDER_KEY, ROTATED_KEY].into_iter().enumerate() {
+            let file = dir.path().join(format!("key-{i}"));
+            std::fs::write(&file, key).unwrap();
+            doc["backends"][i]["credentials"] =
+                serde_json::json!({"keyFile": file, "scheme": "Bearer"});
+        }
+        doc["backends"][0]["fallback"] = serde_json::json!(["model-b"]);
+        let gw = Gw::start(from_json(doc)).await;
+        Self {
+            primary,
+            fallback,
+            gw,
+            _dir: dir,
+        }
     }
-    doc["backends"][0]["fallback"] = serde_json::json!(["model-b"]);
-    doc
+}
+
+/// Makes `backend` answer its next request with `status` and one header.
+fn refuses(backend: &TlsBackend, status: u16, header: (&'static str, &'static str)) {
+    backend
+        .seen
+        .answers
+        .lock()
+        .push_back((status, vec![header]));
 }
 
 #[tokio::test]
 async fn a_cooling_backends_calls_go_to_its_fallback_with_the_fallbacks_own_key() {
-    let pki = Pki::new("provider CA");
-    let leaf = pki.leaf("api.provider.test");
-    let primary = TlsBackend::start([127, 0, 0, 45], &leaf, None, false).await;
-    let fallback = TlsBackend::start([127, 0, 0, 46], &leaf, None, false).await;
-    primary
-        .seen
-        .answers
-        .lock()
-        .push_back((429, vec![("retry-after", "2")]));
-    let dir = tempfile::tempdir().unwrap();
-    let ca = pki.write_ca(dir.path(), "ca.crt");
-    let gw = Gw::start(from_json(with_fallback(
-        &primary,
-        &fallback,
-        &ca,
-        dir.path(),
-    )))
-    .await;
+    // `_dir` holds the keys' and the CA's files for the test's length.
+    let Providers {
+        primary,
+        fallback,
+        gw,
+        _dir,
+    } = Providers::start([45, 46]).await;
+    refuses(&primary, 429, ("retry-after", "2"));
 
     // Its rare events' series exist from the start, at zero: Prometheus' first sample of them
     // comes before the first event, and `increase()` sees it.
@@ -350,29 +362,15 @@ async fn a_cooling_backends_calls_go_to_its_fallback_with_the_fallbacks_own_key(
 
 #[tokio::test]
 async fn with_every_fallback_cooling_too_the_client_gets_the_shortest_wait_left() {
-    let pki = Pki::new("provider CA");
-    let leaf = pki.leaf("api.provider.test");
-    let primary = TlsBackend::start([127, 0, 0, 47], &leaf, None, false).await;
-    let fallback = TlsBackend::start([127, 0, 0, 48], &leaf, None, false).await;
-    primary
-        .seen
-        .answers
-        .lock()
-        .push_back((429, vec![("retry-after", "30")]));
-    fallback
-        .seen
-        .answers
-        .lock()
-        .push_back((503, vec![("retry-after-ms", "4000")]));
-    let dir = tempfile::tempdir().unwrap();
-    let ca = pki.write_ca(dir.path(), "ca.crt");
-    let gw = Gw::start(from_json(with_fallback(
-        &primary,
-        &fallback,
-        &ca,
-        dir.path(),
-    )))
-    .await;
+    // `_dir` holds the keys' and the CA's files for the test's length.
+    let Providers {
+        primary,
+        fallback,
+        gw,
+        _dir,
+    } = Providers::start([47, 48]).await;
+    refuses(&primary, 429, ("retry-after", "30"));
+    refuses(&fallback, 503, ("retry-after-ms", "4000"));
 
     // model-a refuses for 30 s; its fallback takes the next call and refuses it for 4 s.
     let (status, _, _) = get(gw.proxy, "/v1/chat/completions", &[]).await;

@@ -172,17 +172,29 @@ pub fn events(
             }
             _ => {}
         }
-        // The idle timeout lowered under the backend's keep-alive, once, in the run that did.
-        if b.idle_timeout.lowered.is_some_and(|l| l.now)
-            && let Some(what) = b.idle_timeout.describe()
-        {
+        // The idle timeout lowered under the backend's keep-alive, or the spec's value tried
+        // again after a quiet lowered one: once, in the run that did.
+        let t = &b.idle_timeout;
+        let tuned = [
+            (
+                t.lowered.is_some_and(|l| l.now),
+                t.describe(),
+                ("IdleTimeoutLowered", "WouldLowerIdleTimeout", "lower"),
+            ),
+            (
+                t.tried.is_some_and(|t| t.now),
+                t.describe_try(),
+                ("IdleTimeoutRestored", "WouldRestoreIdleTimeout", "restore"),
+            ),
+        ];
+        for (now, what, (reason, would, verb)) in tuned {
+            let Some(what) = what.filter(|_| now) else {
+                continue;
+            };
             let (reason, note) = if mode == Mode::Recommend {
-                (
-                    "WouldLowerIdleTimeout",
-                    format!("would lower {}'s {what}", b.name),
-                )
+                (would, format!("would {verb} {}'s {what}", b.name))
             } else {
-                ("IdleTimeoutLowered", format!("{}: {what}", b.name))
+                (reason, format!("{}: {what}", b.name))
             };
             out.push(event(EventType::Normal, reason, note, "Tune"));
         }
@@ -219,20 +231,6 @@ pub fn events(
                 ),
                 "Observe",
             ));
-        }
-        // The spec's value tried again after a quiet lowered one, once, in the run that did.
-        if b.idle_timeout.tried.is_some_and(|t| t.now)
-            && let Some(what) = b.idle_timeout.describe_try()
-        {
-            let (reason, note) = if mode == Mode::Recommend {
-                (
-                    "WouldRestoreIdleTimeout",
-                    format!("would restore {}'s {what}", b.name),
-                )
-            } else {
-                ("IdleTimeoutRestored", format!("{}: {what}", b.name))
-            };
-            out.push(event(EventType::Normal, reason, note, "Tune"));
         }
         if let Some(why) = &b.rebalanced {
             let (reason, verb) = if mode == Mode::Recommend {
