@@ -46,14 +46,14 @@ pub enum PromError {
     },
 }
 
-/// How many rate windows the backends' idle closes stay evidence, and the provider's refusals
-/// and failed certificate checks are counted over (for status). The closes are rare by design: each
-/// gateway pod meets about one per endpoint before it keeps that endpoint's connections idle for
-/// less, so a pod makes a handful in all, within a second or two. A rate over one window sees them
-/// only while two of its scrapes straddle them (one or two rounds, and none when a late scrape
-/// leaves a single sample in the window); over ten windows every round of the next ten sees them
-/// (five minutes with the default 15 s scrapes). Reading the same closes again lowers nothing
-/// further (`plan/idle_timeout.rs`).
+/// How many rate windows the backends' rare events are read over: the idle closes (evidence
+/// for the idle timeout), the provider's refusals and the failed certificate checks (for
+/// status). The closes are rare by design: each gateway pod meets about one per endpoint before
+/// it keeps that endpoint's connections idle for less, so a pod makes a handful in all, within
+/// a second or two. A rate over one window sees them only while two of its scrapes straddle
+/// them (one or two rounds, and none when a late scrape leaves a single sample in the window);
+/// over ten windows every round of the next ten sees them (five minutes with the default 15 s
+/// scrapes). Reading the same closes again lowers nothing further (`plan/idle_timeout.rs`).
 pub const FINDINGS_WINDOWS: u32 = 10;
 
 /// The queries, with the windows they use.
@@ -81,7 +81,7 @@ impl Queries {
         self.window.max(self.freshness)
     }
 
-    /// The window the backends' idle closes are read over: [`FINDINGS_WINDOWS`] rate windows.
+    /// The window the backends' rare events are read over: [`FINDINGS_WINDOWS`] rate windows.
     pub fn findings_window(&self) -> Duration {
         self.rate_window() * FINDINGS_WINDOWS
     }

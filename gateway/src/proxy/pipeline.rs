@@ -77,8 +77,10 @@ async fn proxy(
     let pace = BodyPace::new(Instant::now(), listener);
     let (mut parts, incoming) = req.into_parts();
     let (route, body) = route::route(gw, &snapshot, &parts, incoming, pace).await?;
+    record.backend(&route.backend.name);
     //    cooldown: a backend whose provider asked to wait hands the call to its first fallback
-    //    that did not, or the call is refused with the shortest wait left (429)
+    //    that did not (the call, and its log line, are then the fallback's), or the call is
+    //    refused with the shortest wait left (429)
     let route = fallback::past_cooldown(&snapshot, route, gw.metrics(), Instant::now())?;
     record.backend(&route.backend.name);
     // 4. identity: its client policy's identity, or its source address without a policy; and
