@@ -200,12 +200,11 @@ pub fn events(
         }
         // The provider's refusals and failed certificate checks: told once, when they appear
         // (the status keeps the counts).
-        let backend_in =
-            |s: &'_ ConnectionPolicyStatus| s.backends.iter().find(|s| s.name == b.name).cloned();
-        let (was, is) = (backend_in(old), backend_in(new));
+        let was = old.backends.iter().find(|s| s.name == b.name);
+        let is = new.backends.iter().find(|s| s.name == b.name);
         let window = poolpilot_api::Duration::from(b.sample.findings_window);
-        if let Some(c) = is.as_ref().and_then(|s| s.cooldown.as_ref())
-            && was.as_ref().is_none_or(|s| s.cooldown.is_none())
+        if let Some(c) = is.and_then(|s| s.cooldown.as_ref())
+            && was.is_none_or(|s| s.cooldown.is_none())
         {
             out.push(event(
                 EventType::Warning,
@@ -217,10 +216,8 @@ pub fn events(
                 "Observe",
             ));
         }
-        if let Some(n) = is.as_ref().and_then(|s| s.tls_verification_failures)
-            && was
-                .as_ref()
-                .is_none_or(|s| s.tls_verification_failures.is_none())
+        if let Some(n) = is.and_then(|s| s.tls_verification_failures)
+            && was.is_none_or(|s| s.tls_verification_failures.is_none())
         {
             out.push(event(
                 EventType::Warning,
