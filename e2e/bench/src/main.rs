@@ -1,5 +1,5 @@
 //! `poolpilot-bench`: the gateway side by side with HAProxy and nginx on one machine (
-//! parts 1–4), writing `BENCHMARKS.md` and the gateway's profile, with the fragments of other
+//! parts 1–4 and 4b), writing `BENCHMARKS.md` and the gateway's profile, with the fragments of other
 //! harnesses (parts 5–7, `--include`).
 //!
 //! `poolpilot-bench run` drives everything; `poolpilot-bench compare` measures gateway builds
@@ -12,11 +12,13 @@ mod cpus;
 mod load;
 mod parts;
 mod peers;
+mod pki;
 mod procs;
 mod regression;
 mod report;
 mod stage;
 mod stats;
+mod tls_upstream;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -38,7 +40,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run parts 1–4 and the profile, and write the report.
+    /// Run parts 1–4, 4b and the profile, and write the report.
     Run(RunArgs),
     /// Compare gateway builds: alternating part-1 runs of each at one load, printed as a
     /// table of medians and ranges.
@@ -49,10 +51,22 @@ enum Command {
         #[arg(long, default_value = "BENCHMARKS.md")]
         report: PathBuf,
     },
-    /// Serve the benchmark upstream on ADDR (single thread).
+    /// Serve the benchmark upstream on ADDR (single thread), and over TLS on `--tls`.
     Upstream {
         /// Listen address.
         addr: SocketAddr,
+        /// Also serve over TLS here (with `--cert` and `--key`).
+        #[arg(long, requires_all = ["cert", "key"])]
+        tls: Option<SocketAddr>,
+        /// The TLS listener's certificate chain (PEM).
+        #[arg(long)]
+        cert: Option<PathBuf>,
+        /// Its private key (PEM).
+        #[arg(long)]
+        key: Option<PathBuf>,
+        /// Requests a TLS connection serves before the upstream closes it.
+        #[arg(long, default_value_t = tls_upstream::TLS_REQUESTS_PER_CONNECTION)]
+        tls_requests_per_connection: u64,
     },
 }
 
@@ -85,7 +99,7 @@ struct RunArgs {
     /// standing against a peer falls more than 10%); by default the report `--out` replaces.
     #[arg(long)]
     baseline: Option<PathBuf>,
-    /// Only these parts (comma-separated from 1,2,3,4,profile); all when empty.
+    /// Only these parts (comma-separated from 1,2,3,4,4b,profile); all when empty.
     #[arg(long, env = "BENCH_PARTS", default_value = "")]
     parts: String,
 }
@@ -93,7 +107,24 @@ struct RunArgs {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Upstream { addr } => upstream::serve(addr),
+        Command::Upstream {
+            addr,
+            tls,
+            cert,
+            key,
+            tls_requests_per_connection,
+        } => {
+            let tls = match (tls, cert, key) {
+                (Some(addr), Some(cert_file), Some(key_file)) => Some(upstream::TlsListener {
+                    addr,
+                    cert_file,
+                    key_file,
+                    requests_per_connection: tls_requests_per_connection.max(1),
+                }),
+                _ => None,
+            };
+            upstream::serve(addr, tls)
+        }
         Command::Plot { report } => plot_from_report(&report),
         Command::Run(args) => {
             let (rt, pinning) = pinned_runtime()?;
@@ -175,6 +206,11 @@ async fn run(args: RunArgs, pinning: Pinning) -> anyhow::Result<()> {
     } else {
         Vec::new()
     };
+    let tls = if want("4b") {
+        bench.part4b().await.context("part 4b")?
+    } else {
+        Vec::new()
+    };
     let profile = if want("profile") {
         bench.profile(64).await.context("profile")?
     } else {
@@ -220,6 +256,7 @@ async fn run(args: RunArgs, pinning: Pinning) -> anyhow::Result<()> {
         contention,
         sse,
         idle,
+        tls,
         profile,
         profile_file,
         analysis,

@@ -1,5 +1,6 @@
 //! The four proxy benchmarks (overhead and throughput, pool under contention,
-//! streaming, idle connections) and the gateway profile. Every run starts a fresh proxy; proxies
+//! streaming, idle connections) and the gateway profile (part 4b, TLS to the upstream, is
+//! `tls_upstream.rs`). Every run starts a fresh proxy; proxies
 //! run in alternating order (reversed every round) so that drift in the machine's load spreads
 //! over all of them, and the report takes medians over rounds. A part-1 run in which other tasks
 //! (or the hypervisor) took more than [`DISTURBED`] of the proxy's CPU is measured again, up to
@@ -13,7 +14,7 @@ use anyhow::Context as _;
 
 use crate::cpus::{CpuCounters, CpuRun};
 use crate::load::{self, Call, LoadResult, Stream};
-use crate::peers::{self, Env, PeerSettings, Target};
+use crate::peers::{self, Env, PeerSettings, Target, UpstreamTls};
 use crate::procs::Proc;
 use crate::stats::{median, percentile};
 
@@ -63,6 +64,12 @@ pub struct Plan {
     pub sse_events: u32,
     /// Milliseconds between events.
     pub sse_every_ms: u32,
+    /// Rounds of part 4b.
+    pub tls_rounds: usize,
+    /// Client connections of part 4b's rows.
+    pub tls_concurrency: Vec<u32>,
+    /// Seconds per measured run of part 4b.
+    pub tls_secs: f64,
     /// Rounds and connections of part 4.
     pub idle_rounds: usize,
     /// Idle connections per proxy.
@@ -92,6 +99,9 @@ impl Plan {
                 sse_streams: 16,
                 sse_events: 50,
                 sse_every_ms: 20,
+                tls_rounds: 1,
+                tls_concurrency: vec![16, 64],
+                tls_secs: 2.0,
                 idle_rounds: 1,
                 idle_conns: 2_000,
                 profile_secs: 3,
@@ -114,6 +124,9 @@ impl Plan {
                 sse_streams: 16,
                 sse_events: 200,
                 sse_every_ms: 20,
+                tls_rounds: 3,
+                tls_concurrency: vec![16, 64],
+                tls_secs: 5.0,
                 idle_rounds: 2,
                 idle_conns: 10_000,
                 profile_secs: 8,
@@ -171,6 +184,8 @@ pub struct Bench {
     pub wrk_script: PathBuf,
     /// Where the upstream listens.
     pub upstream: SocketAddr,
+    /// Where and how it serves TLS (part 4b).
+    pub upstream_tls: UpstreamTls,
     /// Where the proxy under test listens.
     pub listen: SocketAddr,
 }
@@ -363,7 +378,7 @@ pub struct Profile {
 }
 
 /// The proxies in round `round`'s order: reversed on odd rounds.
-fn order(targets: &[Target], round: usize) -> Vec<Target> {
+pub(crate) fn order(targets: &[Target], round: usize) -> Vec<Target> {
     let mut t = targets.to_vec();
     if round % 2 == 1 {
         t.reverse();
@@ -380,6 +395,7 @@ impl Bench {
             queue_timeout_s: 5,
             idle_timeout_s: 60,
             workers: 1,
+            upstream_tls: None,
         }
     }
 
@@ -410,7 +426,11 @@ impl Bench {
         }
     }
 
-    async fn start(&self, target: Target, s: &PeerSettings) -> anyhow::Result<Option<Proc>> {
+    pub(crate) async fn start(
+        &self,
+        target: Target,
+        s: &PeerSettings,
+    ) -> anyhow::Result<Option<Proc>> {
         if target == Target::Direct {
             return Ok(None);
         }

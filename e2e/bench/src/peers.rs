@@ -2,7 +2,10 @@
 //! 2-worker row), a keep-alive upstream pool with the same connection cap, access logs off, the
 //! same idle timeouts, and the same forwarding headers (`X-Forwarded-For` and `Via` towards the
 //! upstream, `Via` on the response, as the gateway adds them: [`check_forwarding`] refuses a
-//! proxy that does not). Each run starts a fresh process group (so `VmHWM` is that run's peak)
+//! proxy that does not). Towards a TLS upstream ([`UpstreamTls`]) each verifies the server's
+//! certificate against the run's CA for the same name, sent as SNI, and keeps sessions to resume
+//! (HAProxy's per-server session cache, nginx's `proxy_ssl_session_reuse`, the gateway's
+//! per-endpoint cache). Each run starts a fresh process group (so `VmHWM` is that run's peak)
 //! from a config rendered here; the configs are also printed into `BENCHMARKS.md` verbatim.
 
 use std::net::SocketAddr;
@@ -55,6 +58,20 @@ pub struct PeerSettings {
     pub idle_timeout_s: u32,
     /// Worker threads (gateway, HAProxy) or processes (nginx).
     pub workers: u32,
+    /// TLS to the upstream (then `upstream` is its TLS address); `None`: plain HTTP.
+    pub upstream_tls: Option<UpstreamTls>,
+}
+
+/// A TLS upstream: where it listens, the CA its certificate is verified against and the name
+/// it is verified for (and sent as SNI).
+#[derive(Clone, Debug)]
+pub struct UpstreamTls {
+    /// The upstream's TLS address.
+    pub addr: SocketAddr,
+    /// The CA certificate (PEM).
+    pub ca_file: PathBuf,
+    /// The name in the upstream's certificate.
+    pub server_name: String,
 }
 
 /// Where binaries and files live.
@@ -79,12 +96,19 @@ pub fn poolpilot_configs(s: &PeerSettings, admin: SocketAddr) -> (String, String
          accessLog: {{enabled: false}}\n",
         listen = s.listen,
     );
+    let tls = s.upstream_tls.as_ref().map_or(String::new(), |t| {
+        format!(
+            ", tls: {{serverName: {}, caFile: {}}}",
+            t.server_name,
+            t.ca_file.display()
+        )
+    });
     let limits = format!(
         "generation: 0\n\
          listener:\n  idleTimeout: {idle}s\n  headerReadTimeout: 10s\n\
          backends:\n\
          - name: up\n  match: {{pathPrefix: /}}\n\
-         \x20 endpoints:\n  - {{name: up-0, address: \"{up}\"}}\n\
+         \x20 endpoints:\n  - {{name: up-0, address: \"{up}\"{tls}}}\n\
          \x20 pool:\n    maxConnectionsPerEndpoint: {cap}\n    maxPending: 4096\n\
          \x20   leaseTimeout: {queue}s\n    idleTimeout: {idle}s\n    maxLifetime: 1h\n\
          \x20   connectTimeout: 1s\n    validateAfterIdle: 2s\n\
@@ -112,6 +136,15 @@ fn random_token() -> std::io::Result<String> {
 
 /// `haproxy.cfg`.
 pub fn haproxy_config(s: &PeerSettings) -> String {
+    // HAProxy keeps the last session per server (and thread) to resume; `no-ssl-reuse` would
+    // turn that off.
+    let tls = s.upstream_tls.as_ref().map_or(String::new(), |t| {
+        format!(
+            " ssl verify required ca-file {} sni str({name}) verifyhost {name}",
+            t.ca_file.display(),
+            name = t.server_name
+        )
+    });
     format!(
         "global\n\
          \x20   nbthread {workers}\n\
@@ -134,11 +167,11 @@ pub fn haproxy_config(s: &PeerSettings) -> String {
          \x20   default_backend be\n\
          backend be\n\
          \x20   http-reuse always\n\
-         \x20   server up0 {up} maxconn {cap}\n\
+         \x20   server up0 {up} maxconn {cap}{tls}\n\
          backend be_sse\n\
          \x20   option http-no-delay\n\
          \x20   http-reuse always\n\
-         \x20   server up0 {up} maxconn {cap}\n",
+         \x20   server up0 {up} maxconn {cap}{tls}\n",
         idle = s.idle_timeout_s,
         queue = s.queue_timeout_s,
         listen = s.listen,
@@ -152,6 +185,23 @@ pub fn haproxy_config(s: &PeerSettings) -> String {
 /// worker would); more are a master and its workers.
 pub fn nginx_config(s: &PeerSettings, run_dir: &Path) -> String {
     let d = run_dir.display();
+    let (scheme, tls) = s
+        .upstream_tls
+        .as_ref()
+        .map_or(("http", String::new()), |t| {
+            (
+                "https",
+                format!(
+                    "\x20       proxy_ssl_verify on;\n\
+                 \x20       proxy_ssl_trusted_certificate {};\n\
+                 \x20       proxy_ssl_name {};\n\
+                 \x20       proxy_ssl_server_name on;\n\
+                 \x20       proxy_ssl_session_reuse on;\n",
+                    t.ca_file.display(),
+                    t.server_name
+                ),
+            )
+        });
     format!(
         "daemon off;\n\
          master_process {master};\n\
@@ -177,8 +227,9 @@ pub fn nginx_config(s: &PeerSettings, run_dir: &Path) -> String {
          \x20   }}\n\
          \x20   server {{\n\
          \x20       listen {listen};\n\
+         {tls}\
          \x20       location / {{\n\
-         \x20           proxy_pass http://up;\n\
+         \x20           proxy_pass {scheme}://up;\n\
          \x20           proxy_http_version 1.1;\n\
          \x20           proxy_set_header Connection \"\";\n\
          \x20           proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n\
@@ -186,7 +237,7 @@ pub fn nginx_config(s: &PeerSettings, run_dir: &Path) -> String {
          \x20           add_header Via \"1.1 nginx\" always;\n\
          \x20       }}\n\
          \x20       location /v1/sse {{\n\
-         \x20           proxy_pass http://up;\n\
+         \x20           proxy_pass {scheme}://up;\n\
          \x20           proxy_http_version 1.1;\n\
          \x20           proxy_set_header Connection \"\";\n\
          \x20           proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n\
@@ -323,17 +374,37 @@ pub async fn probe(addr: SocketAddr) -> anyhow::Result<bool> {
         .starts_with("HTTP/1.1 200"))
 }
 
+/// The response body of one `GET path` on a fresh connection (a body the server ends by
+/// closing the connection, or of its `content-length`).
+pub async fn get_body(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
+    let response = get(addr, path).await?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("GET {path}: no complete response head"))?;
+    anyhow::ensure!(
+        head.starts_with("HTTP/1.1 200"),
+        "GET {path}: {}",
+        head.lines().next().unwrap_or_default()
+    );
+    Ok(body.to_string())
+}
+
 /// The response head of one `GET path` on a fresh connection.
 async fn get_head(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
+    Ok(get(addr, path)
+        .await?
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_string())
+}
+
+/// The whole response to one `GET path` on a fresh connection (`connection: close`).
+async fn get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
     let mut stream = TcpStream::connect(addr).await?;
     let request = format!("GET {path} HTTP/1.1\r\nhost: bench\r\nconnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await?;
     let mut buf = Vec::new();
     tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut buf)).await??;
-    let text = String::from_utf8_lossy(&buf);
-    Ok(text
-        .split("\r\n\r\n")
-        .next()
-        .unwrap_or_default()
-        .to_string())
+    Ok(String::from_utf8_lossy(&buf).into_owned())
 }

@@ -1,4 +1,4 @@
-//! Writes `BENCHMARKS.md`: machine, targets met or not, the four tables, the included fragments
+//! Writes `BENCHMARKS.md`: machine, targets met or not, the tables of parts 1–4 and 4b, the included fragments
 //! of parts 5–7, the profile's hot spots, the exact peer configs and how to reproduce one row.
 
 use std::fmt::Write as _;
@@ -11,7 +11,8 @@ use crate::parts::{
 };
 use crate::peers::{self, Target};
 use crate::procs::first_line;
-use crate::stats::{median, ms, ms_signed, num, ratio};
+use crate::stats::{median, ms, ms_signed, num, pct, ratio};
+use crate::tls_upstream::{TLS_REQUESTS_PER_CONNECTION, TlsRun};
 
 /// What the run saw of the machine.
 #[derive(Clone, Debug, Default)]
@@ -71,6 +72,8 @@ pub struct Results<'a> {
     pub sse: Vec<SseRun>,
     /// Part 4.
     pub idle: Vec<IdleRun>,
+    /// Part 4b.
+    pub tls: Vec<TlsRun>,
     /// The profile.
     pub profile: Profile,
     /// The profile's file name, beside the report.
@@ -146,7 +149,7 @@ pub fn render(r: &Results<'_>) -> String {
     );
     let _ = writeln!(
         w,
-        "| wall time of parts 1–4 | {:.0} s |",
+        "| wall time of parts 1–4, 4b and the profile | {:.0} s |",
         r.machine.wall_secs
     );
     let _ = writeln!(w, "| rustc | {} |", first_line("rustc", &["--version"]));
@@ -183,6 +186,7 @@ pub fn render(r: &Results<'_>) -> String {
     render_part2(w, r);
     render_part3(w, r);
     render_part4(w, r);
+    render_part4b(w, r);
     for fragment in &r.includes {
         let _ = writeln!(w, "{}\n", fragment.trim_end());
     }
@@ -785,6 +789,115 @@ fn render_part4(w: &mut String, r: &Results<'_>) {
     let _ = writeln!(w);
 }
 
+fn render_part4b(w: &mut String, r: &Results<'_>) {
+    let plan = &r.bench.plan;
+    let levels = plan
+        .tls_concurrency
+        .iter()
+        .map(|c| format!("c={c}"))
+        .collect::<Vec<_>>()
+        .join(" and ");
+    part_head(
+        w,
+        "4b. TLS to the upstream",
+        &format!(
+            "The same upstream over TLS (rustls; TLS 1.3 and 1.2; a certificate for `{name}` \
+             signed by a CA made for the run), which closes every connection after \
+             {per_conn} requests (`connection: close` on the last), as providers' front ends \
+             do: a proxy that pools perfectly still opens {floor} connections per 1,000 calls, \
+             and what each one costs shows. Every proxy verifies the certificate against the \
+             run's CA for that name and sends it as SNI, and keeps sessions to resume (the \
+             gateway's per-endpoint session store, HAProxy's per-server cache, nginx's \
+             `proxy_ssl_session_reuse on`); the upstream issues stateless tickets (TLS 1.3 and \
+             1.2) and caches TLS 1.2 session IDs. `wrk` at {levels} against `/v1/fast`, \
+             {secs} s after a {warm} s warm-up (the pool and the session cache filled), \
+             {rounds} round(s), medians. New connections and handshakes are counted by the \
+             upstream (`GET /v1/tls-stats`) over the measured run; per 1,000 calls the \
+             upstream answered. *Reuse* = calls on a connection that had served one before \
+             (`1 − new connections ÷ calls`); *resumed* = resumed ÷ all handshakes. The \
+             upstream encrypts on the load generator's CPU, so calls/s here is not the \
+             proxies' peak (part 1 is); CPU per call is the proxy's, user + system. *Failed* \
+             handshakes are ones the upstream saw broken off (a proxy that drops a connect when \
+             its client goes away, as `wrk` stopping at the end of a run makes them do).\n",
+            name = crate::pki::SERVER_NAME,
+            per_conn = TLS_REQUESTS_PER_CONNECTION,
+            floor = 1000 / TLS_REQUESTS_PER_CONNECTION,
+            secs = plan.tls_secs,
+            warm = plan.warmup_secs,
+            rounds = plan.tls_rounds,
+        ),
+        "| proxy | load | calls/s | new connections per 1,000 calls | full handshakes per 1,000 calls | resumed per 1,000 calls | reuse | resumed | failed handshakes | errors | proxy CPU µs per call |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    );
+    for &conns in &plan.tls_concurrency {
+        for t in PROXIES {
+            let runs: Vec<&TlsRun> = r
+                .tls
+                .iter()
+                .filter(|x| x.target == t && x.conns == conns)
+                .collect();
+            if runs.is_empty() {
+                continue;
+            }
+            let m =
+                |f: &dyn Fn(&TlsRun) -> f64| median(&runs.iter().map(|x| f(x)).collect::<Vec<_>>());
+            let _ = writeln!(
+                w,
+                "| {} | c={conns} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                t.name(),
+                num(m(&|x| x.load.rps), 0),
+                num(m(&|x| x.per_1000(x.seen.connections)), 1),
+                num(m(&|x| x.per_1000(x.seen.full)), 2),
+                num(m(&|x| x.per_1000(x.seen.resumed)), 1),
+                pct(m(&TlsRun::reuse_rate)),
+                pct(m(&TlsRun::resumption_rate)),
+                runs.iter().map(|x| x.seen.failed).sum::<u64>(),
+                runs.iter().map(|x| x.load.errors).sum::<u64>(),
+                num(m(&|x| x.cpu_us_per_call), 1),
+            );
+        }
+    }
+    let _ = writeln!(w);
+}
+
+/// The lines part 4b's configs have that part 1's do not: TLS towards the upstream.
+fn render_tls_lines(w: &mut String, r: &Results<'_>) {
+    let b = r.bench;
+    let (plain, tls) = (b.part1_settings(), b.tls_settings());
+    let admin = std::net::SocketAddr::new(plain.listen.ip(), plain.listen.port() + 1000);
+    let dir = std::path::Path::new("<dir>");
+    let _ = writeln!(
+        w,
+        "Part 4b runs the same files towards the upstream's TLS address ({}), with these lines \
+         instead (the CA file is the run's):\n",
+        tls.upstream
+    );
+    for (name, lang, plain, tls) in [
+        (
+            "bench-limits.yaml",
+            "yaml",
+            peers::poolpilot_configs(&plain, admin).1,
+            peers::poolpilot_configs(&tls, admin).1,
+        ),
+        (
+            "haproxy.cfg",
+            "text",
+            peers::haproxy_config(&plain),
+            peers::haproxy_config(&tls),
+        ),
+        (
+            "nginx.conf",
+            "nginx",
+            peers::nginx_config(&plain, dir),
+            peers::nginx_config(&tls, dir),
+        ),
+    ] {
+        let mut changed: Vec<&str> = tls.lines().filter(|l| !plain.contains(l)).collect();
+        changed.dedup();
+        let _ = writeln!(w, "```{lang}\n# {name}\n{}\n```\n", changed.join("\n"));
+    }
+}
+
 fn render_profile(w: &mut String, r: &Results<'_>) {
     let p = &r.profile;
     let _ = writeln!(w, "## Profile of the gateway at peak throughput\n");
@@ -847,6 +960,7 @@ fn render_configs(w: &mut String, r: &Results<'_>) {
         "```nginx\n{}```\n",
         peers::nginx_config(&s, std::path::Path::new("<dir>"))
     );
+    render_tls_lines(w, r);
     let _ = writeln!(w, "## Reproduce one row\n");
     let _ = writeln!(
         w,

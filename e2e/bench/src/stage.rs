@@ -1,6 +1,7 @@
 //! What every measurement of `poolpilot-bench` shares: the CPUs the proxy and the rest run on
 //! ([`Pinning`], the driver's runtime pinned before it starts its threads), the fd limit, and
-//! the stage ([`Stage`]): the upstream process and the `wrk` script.
+//! the stage ([`Stage`]): the upstream process (plain and TLS, with the run's own CA) and the
+//! `wrk` script.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -11,7 +12,8 @@ use nix::unistd::Pid;
 
 use crate::load;
 use crate::parts::{Bench, Plan};
-use crate::peers::{self, Env};
+use crate::peers::{self, Env, UpstreamTls};
+use crate::pki::{self, Pki};
 use crate::procs::{self, Proc};
 
 /// The driver's runtime, pinned before it starts its threads, which inherit the mask: the
@@ -45,14 +47,15 @@ pub struct Stage {
     /// The upstream every proxy fronts.
     pub upstream: Proc,
     upstream_addr: SocketAddr,
+    upstream_tls: UpstreamTls,
     wrk_script: PathBuf,
     pinning: Pinning,
     run_dir: PathBuf,
 }
 
 impl Stage {
-    /// Raises the fd limit, writes the `wrk` script into `run_dir` and starts the upstream on
-    /// the load CPU.
+    /// Raises the fd limit, writes the `wrk` script and the run's PKI into `run_dir` and starts
+    /// the upstream on the load CPU.
     pub async fn start(run_dir: &Path, pinning: Pinning) -> anyhow::Result<Self> {
         let fds = raise_nofile()?;
         std::fs::create_dir_all(run_dir)?;
@@ -63,12 +66,28 @@ impl Stage {
             pinning.proxy_cpu, pinning.load_cpu
         );
         let upstream_addr: SocketAddr = "127.0.0.1:18000".parse()?;
+        let Pki {
+            ca_file,
+            cert_file,
+            key_file,
+        } = Pki::create(run_dir)?;
+        let upstream_tls = UpstreamTls {
+            addr: "127.0.0.1:18443".parse()?,
+            ca_file,
+            server_name: pki::SERVER_NAME.to_owned(),
+        };
         let exe = std::env::current_exe()?;
         let mut upstream = Proc::spawn(
             "upstream",
             pinning.load_cpu,
             &exe.display().to_string(),
-            &["upstream".to_string(), upstream_addr.to_string()],
+            &[
+                "upstream".to_string(),
+                upstream_addr.to_string(),
+                format!("--tls={}", upstream_tls.addr),
+                format!("--cert={}", cert_file.display()),
+                format!("--key={}", key_file.display()),
+            ],
             &[],
             &run_dir.join("upstream.log"),
         )?;
@@ -76,6 +95,7 @@ impl Stage {
         Ok(Self {
             upstream,
             upstream_addr,
+            upstream_tls,
             wrk_script,
             pinning,
             run_dir: run_dir.to_path_buf(),
@@ -97,6 +117,7 @@ impl Stage {
             ticks_per_sec: procs::clock_ticks_per_sec(),
             wrk_script: self.wrk_script.clone(),
             upstream: self.upstream_addr,
+            upstream_tls: self.upstream_tls.clone(),
             listen: "127.0.0.1:18080".parse()?,
         })
     }

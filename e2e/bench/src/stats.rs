@@ -62,6 +62,15 @@ pub fn num(x: f64, digits: usize) -> String {
     }
 }
 
+/// A share as a percentage with 1 decimal (or "–").
+pub fn pct(share: f64) -> String {
+    if share.is_nan() {
+        "–".into()
+    } else {
+        format!("{:.1}%", share * 100.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -78,5 +87,7 @@ mod tests {
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(ratio(3.0, 2.0), "1.50");
         assert_eq!(ms(1500.0), "1.500");
+        assert_eq!(pct(0.9912), "99.1%");
+        assert_eq!(pct(f64::NAN), "–");
     }
 }

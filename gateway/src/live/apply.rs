@@ -234,6 +234,9 @@ impl Gateway {
             pool_limits.max_connections_per_endpoint = cap;
             pool_limits.burst_per_endpoint = burst;
             let clients = tls.remove(&b.name).unwrap_or_default();
+            for client in clients.values() {
+                client.keep_sessions_for(cap.saturating_add(burst) as usize);
+            }
             let key = keys.remove(&b.name);
             let backend = match registry.backends.remove(&b.name) {
                 Some(existing) => {

@@ -1,7 +1,8 @@
 //! Which TLS client each endpoint of a backend uses: built when a document is applied (a file
 //! that does not load refuses the whole document, and the one in force stays), kept across
 //! documents while its settings and files are unchanged (so that its session cache, and with it
-//! resumption, survives), and rebuilt when a file changes ([`Backend::reload_tls`], a rotated
+//! resumption, survives; it keeps sessions for the endpoint's cap and burst), and rebuilt when a
+//! file changes ([`Backend::reload_tls`], a rotated
 //! Secret). The backend's connector learns from [`Backend::set_tls`] which addresses take TLS:
 //! an `ip:port` endpoint's address, every address of a DNS name's last answer.
 
@@ -78,7 +79,14 @@ impl Backend {
     /// Rebuilds the TLS clients whose files changed (a rotated Secret); a file that no longer
     /// loads keeps the client in force, and says so.
     pub(super) fn reload_tls(&self, resolver: &Resolver, metrics: &Metrics) {
-        let endpoints = self.document.lock().0.clone();
+        let (endpoints, connections) = {
+            let document = self.document.lock();
+            let limits = &document.1;
+            let connections = limits
+                .max_connections_per_endpoint
+                .saturating_add(limits.burst_per_endpoint);
+            (document.0.clone(), connections as usize)
+        };
         if endpoints.iter().all(|e| e.tls.is_none()) {
             return;
         }
@@ -94,6 +102,9 @@ impl Backend {
         }
         match clients(&self.name, &endpoints, protocol, Some(&current), metrics) {
             Ok(fresh) => {
+                for client in fresh.values() {
+                    client.keep_sessions_for(connections);
+                }
                 tracing::info!(backend = %self.name, "upstream TLS files changed; new connections use them");
                 *self.tls.lock() = fresh;
                 self.set_tls(&endpoints, resolver);

@@ -13,9 +13,10 @@
 //!   speaks HTTP/1.1 only is not made to guess), `h2` then `http/1.1` (`auto`: the server
 //!   picks; an address in its HTTP/2 fallback cooldown is offered `http/1.1` alone, with the
 //!   same session cache), or `h2` alone (`http2`).
-//! - **Resumption**: one in-memory session cache per endpoint's configuration
-//!   (rustls's `ClientSessionMemoryCache`, tickets and TLS 1.2 session IDs), kept for as long
-//!   as the configuration stays the same, so that a reconnect skips the full handshake.
+//! - **Resumption**: one in-memory session store per endpoint's configuration (tickets and
+//!   TLS 1.2 session IDs; [`sessions`]: as many TLS 1.3 tickets as the endpoint may open
+//!   connections at once), kept for as long as the configuration stays the same, so that a
+//!   reconnect, or a burst of them, skips the full handshake.
 //! - **Metrics**: the handshake's duration by kind (`full`, `resumed`), failures by reason.
 //!
 //! The files are read when a document is applied and checked again for changes by the
@@ -32,8 +33,12 @@ use poolpilot_api::limits::{
 };
 use poolpilot_tls::provider;
 use rustls::client::Resumption;
+
+mod sessions;
+
 use rustls::pki_types::{CertificateDer, ServerName};
 use rustls::{ClientConfig, HandshakeKind, RootCertStore};
+use sessions::{MIN_TICKETS, SessionStore};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::Instant;
@@ -42,9 +47,6 @@ use tokio_rustls::client::TlsStream;
 
 use crate::observe::{Metrics, TlsFailure, TlsHandshake};
 use crate::pem::{self, PemError};
-
-/// Sessions kept per endpoint configuration for resumption.
-const SESSION_CACHE: usize = 256;
 
 /// Why an endpoint's TLS could not be set up, or a handshake failed.
 #[derive(Debug, thiserror::Error)]
@@ -135,6 +137,8 @@ pub struct TlsClient {
     /// `auto`: the same configuration (and session cache) offering `http/1.1` alone, for an
     /// address in its HTTP/2 fallback cooldown.
     http1_connector: Option<TlsConnector>,
+    /// The sessions both connectors resume.
+    sessions: Arc<SessionStore>,
     backend: Arc<str>,
     metrics: Metrics,
 }
@@ -206,7 +210,8 @@ impl TlsClient {
             UpstreamProtocol::Auto => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
             UpstreamProtocol::Http2 => vec![b"h2".to_vec()],
         };
-        config.resumption = Resumption::in_memory_sessions(SESSION_CACHE);
+        let sessions = Arc::new(SessionStore::new(MIN_TICKETS));
+        config.resumption = Resumption::store(sessions.clone());
         let http1_connector = (protocol == UpstreamProtocol::Auto).then(|| {
             let mut http1 = config.clone();
             http1.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -234,6 +239,7 @@ impl TlsClient {
             authority,
             client_expiry,
             connector: TlsConnector::from(Arc::new(config)),
+            sessions,
             http1_connector,
             backend: backend.clone(),
             metrics: metrics.clone(),
@@ -248,6 +254,17 @@ impl TlsClient {
             && protocol == self.protocol
             && default_name(&endpoint.address) == self.default_name
             && read_files(&self.settings).is_ok_and(|(_, digest)| digest == self.files)
+    }
+
+    /// Keeps sessions for `connections` opened at once (the endpoint's cap and burst): that
+    /// many TLS 1.3 tickets, so that a burst of reconnects resumes.
+    pub fn keep_sessions_for(&self, connections: usize) {
+        self.sessions.keep(connections);
+    }
+
+    /// TLS 1.3 tickets held to resume with.
+    pub fn tickets_held(&self) -> usize {
+        self.sessions.tickets_held(&self.server_name)
     }
 
     /// The name the server's certificate is checked for.
