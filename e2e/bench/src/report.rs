@@ -126,8 +126,9 @@ pub fn render(r: &Results<'_>) -> String {
              not measured in this run."
         } else {
             "Parts 5–7 (control loop and operator scale, on the embedded cluster) come \
-             from `poolpilot-loop-bench` and `poolpilot-fleet-bench` in the same `make bench`, \
-             included below as they wrote them."
+             from `poolpilot-loop-bench` and `poolpilot-fleet-bench`, included below as they \
+             last wrote them (`make bench` runs them first; each part says when it was \
+             measured)."
         }
     );
 
