@@ -2,7 +2,8 @@
 //! reports `usage` as vLLM does) on 127.0.0.1. A call over its client's budget is refused 429
 //! in OpenAI's shape, with `Retry-After` and the `x-ratelimit-*` headers, before any byte
 //! reaches the backend; every admitted response carries the headers, the remaining tokens
-//! falling call by call; reservations are settled with the backend's usage (a JSON body, a
+//! falling call by call (and a `requestsPerMinute` budget its `-requests` triple, refusing
+//! the call over it as `type: requests`); reservations are settled with the backend's usage (a JSON body, a
 //! stream's usage chunk), with the content chunks of a stream without usage, and, for a call
 //! cut by a deadline or abandoned by its client, with what was streamed.
 
@@ -148,6 +149,58 @@ async fn remaining_tokens_fall_call_by_call_and_the_call_over_budget_never_reach
         ),
         Some(420.0),
         "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requests_budget_counts_calls_and_refuses_the_one_over_it_with_openais_requests_headers()
+{
+    let sim = modelsim(100, 0).await;
+    let budget = json!({"perMinute": 100_000, "requestsPerMinute": 3});
+    let gw = Gw::start(budget_limits(sim.addr(), budget)).await;
+    let mut remaining = Vec::new();
+    for _ in 0..3 {
+        let (status, headers, body) = call(&gw, "alice", &chat(5, false, false)).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some(3));
+        assert!(
+            headers.contains_key("x-ratelimit-reset-requests"),
+            "{headers:?}"
+        );
+        remaining.push(header(&headers, "x-ratelimit-remaining-requests").unwrap());
+        // The token headers stay beside them.
+        assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some(100_000));
+    }
+    // The bucket refills 3 a minute (one every 20 s): nothing comes back within the test.
+    assert_eq!(remaining, [2, 1, 0]);
+    assert_eq!(sim.stats().requests_received, 3);
+
+    let (status, headers, body) = call(&gw, "alice", &chat(5, false, false)).await;
+    assert_eq!(status, 429, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["type"], "requests", "{error}");
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("requests per minute")),
+        "{error}"
+    );
+    // A call a 20 s refill away: Retry-After says so (rounded up), and the headers agree.
+    let retry = header(&headers, "retry-after").expect("Retry-After");
+    assert!((15..=21).contains(&retry), "Retry-After {retry}");
+    assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some(0));
+    assert_eq!(
+        sim.stats().requests_received,
+        3,
+        "the refused call reached the backend"
+    );
+    assert_eq!(
+        metric(
+            &gw.metrics().await,
+            "poolpilot_client_rejected_total{client=\"other\",reason=\"client_tokens\"}"
+        ),
+        Some(1.0)
     );
 }
 
