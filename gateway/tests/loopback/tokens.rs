@@ -57,6 +57,21 @@ fn chat(max_tokens: u32, stream: bool, include_usage: bool) -> String {
     body.to_string()
 }
 
+/// Asserts a 429 in OpenAI's error shape: `error.type` `kind`, code `rate_limit_exceeded`, a
+/// message naming the bucket (`says`).
+fn refused(status: http::StatusCode, body: &str, kind: &str, says: &str) {
+    assert_eq!(status, 429, "{body}");
+    let error: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(error["error"]["type"], kind, "{error}");
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(says)),
+        "{error}"
+    );
+}
+
 fn header(headers: &http::HeaderMap, name: &str) -> Option<u64> {
     headers.get(name)?.to_str().ok()?.parse().ok()
 }
@@ -98,16 +113,7 @@ async fn remaining_tokens_fall_call_by_call_and_the_call_over_budget_never_reach
     assert_eq!(served, 6);
 
     let (status, headers, body) = call(&gw, "alice", &chat(50, false, false)).await;
-    assert_eq!(status, 429, "{body}");
-    let error: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(error["error"]["type"], "tokens", "{error}");
-    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
-    assert!(
-        error["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("tokens per minute")),
-        "{error}"
-    );
+    refused(status, &body, "tokens", "tokens per minute");
     let retry = header(&headers, "retry-after").expect("Retry-After");
     assert!((1..=10).contains(&retry), "{retry}");
     assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some(400));
@@ -176,16 +182,7 @@ async fn a_requests_budget_counts_calls_and_refuses_the_one_over_it_with_openais
     assert_eq!(sim.stats().requests_received, 3);
 
     let (status, headers, body) = call(&gw, "alice", &chat(5, false, false)).await;
-    assert_eq!(status, 429, "{body}");
-    let error: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(error["error"]["type"], "requests", "{error}");
-    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
-    assert!(
-        error["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("requests per minute")),
-        "{error}"
-    );
+    refused(status, &body, "requests", "requests per minute");
     // A call a 20 s refill away: Retry-After says so (rounded up), and the headers agree.
     let retry = header(&headers, "retry-after").expect("Retry-After");
     assert!((15..=21).contains(&retry), "Retry-After {retry}");
