@@ -5,7 +5,7 @@
 //! proxy that does not). Towards a TLS upstream ([`UpstreamTls`]) each verifies the server's
 //! certificate against the run's CA for the same name, sent as SNI, and keeps sessions to resume
 //! (HAProxy's per-server session cache, nginx's `proxy_ssl_session_reuse`, the gateway's
-//! per-endpoint cache). Each run starts a fresh process group (so `VmHWM` is that run's peak)
+//! per-endpoint session store). Each run starts a fresh process group (so `VmHWM` is that run's peak)
 //! from a config rendered here; the configs are also printed into `BENCHMARKS.md` verbatim.
 
 use std::net::SocketAddr;

@@ -262,11 +262,6 @@ impl TlsClient {
         self.sessions.keep(connections);
     }
 
-    /// TLS 1.3 tickets held to resume with.
-    pub fn tickets_held(&self) -> usize {
-        self.sessions.tickets_held(&self.server_name)
-    }
-
     /// The name the server's certificate is checked for.
     pub fn server_name(&self) -> &str {
         &self.name

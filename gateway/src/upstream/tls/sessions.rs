@@ -64,6 +64,7 @@ impl SessionStore {
     }
 
     /// TLS 1.3 tickets held for `server_name`.
+    #[cfg(test)]
     pub fn tickets_held(&self, server_name: &ServerName<'_>) -> usize {
         self.servers
             .lock()
