@@ -90,6 +90,9 @@ pub fn estimate(body: Option<&[u8]>, length: u64, default_max_tokens: u64) -> Es
 }
 
 #[cfg(test)]
+mod accuracy;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -5,6 +5,7 @@
 //! | file | owns |
 //! |---|---|
 //! | `estimate.rs` | a call's tokens before it is sent: `max_tokens`, the prompt's bytes ÷ 4 |
+//! | `estimate/accuracy.rs` | tests: the estimate against o200k_base and cl100k_base on sample prompts |
 //! | `usage.rs` | a response's `usage`, read as it passes: JSON at its end, SSE event by event |
 //! | `budget.rs` | the clients' token buckets: reserve, settle, refuse with the wait |
 //! | `headers.rs` | OpenAI's `x-ratelimit-*` headers |
