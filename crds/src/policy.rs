@@ -1181,6 +1181,14 @@ pub struct BackendStatus {
     /// Absent: no data for a class (gateways too old to report classes, or missing samples).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub demand_by_class: Option<ClassDemand>,
+    /// Model tokens a second the selected gateway pods counted for the backend, summed over the
+    /// pods, over the last interval (`poolpilot_tokens_total`, whatever the count's source:
+    /// the backend's `usage`, a stream's chunks or the gateway's estimate), each rounded to
+    /// three significant figures. Reported, not planned on: the target is sized from
+    /// connections. Absent: no selected pod counted tokens for the backend (not a model
+    /// backend, or no call yet), or a ready pod had no sample.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_second: Option<TokenThroughput>,
     /// The last change of the target, with its reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale: Option<ScaleRecord>,
@@ -1270,6 +1278,17 @@ pub struct ClassDemand {
     pub interactive: f64,
     /// Connections held and lease requests waiting for batch calls.
     pub batch: f64,
+}
+
+/// A backend's model tokens a second, each rounded to three significant figures.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenThroughput {
+    /// Prompt tokens sent to the backend a second (the part it served from its prompt cache
+    /// included).
+    pub input: f64,
+    /// Completion tokens received from it a second.
+    pub output: f64,
 }
 
 /// One decision of the autoscaler about a backend.

@@ -13,7 +13,7 @@ use prometheus_http_query::response::Data;
 
 use poolpilot_api::limits::PriorityClass;
 
-use crate::plan::input::{ClassSample, PodPool};
+use crate::plan::input::{ClassSample, PodPool, TokenRates};
 use crate::plan::time::{Timestamp, elapsed};
 use crate::plan::waves::PodRates;
 use crate::plan::{Acked, BackendSample, PodSample, PolicyKey, Samples, SaturationSignal};
@@ -146,6 +146,12 @@ impl Queries {
                 "bytes",
                 format!(
                     "sum by (namespace, pod, backend) (rate(poolpilot_upstream_response_bytes_total[{w}]))"
+                ),
+            ),
+            q(
+                "tokens",
+                format!(
+                    "sum by (namespace, pod, backend, direction) (rate(poolpilot_tokens_total{{direction=~\"input|output\"}}[{w}]))"
                 ),
             ),
             q(
@@ -311,6 +317,10 @@ pub struct Snapshot {
     pub completed: Option<BTreeMap<(String, String, String), f64>>,
     /// Response body bytes per second, per (namespace, pod, backend).
     pub bytes: Option<BTreeMap<(String, String, String), f64>>,
+    /// Input model tokens per second, per (namespace, pod, backend).
+    pub input_tokens: Option<BTreeMap<(String, String, String), f64>>,
+    /// Output model tokens per second, per (namespace, pod, backend).
+    pub output_tokens: Option<BTreeMap<(String, String, String), f64>>,
     /// Median time to first byte per (namespace, backend).
     pub ttfb: Option<BTreeMap<(String, String), f64>>,
     /// The smallest HTTP/2 stream limit a backend's servers sent, per (namespace, backend).
@@ -393,6 +403,17 @@ impl Snapshot {
                 ))
             })
         };
+        // One query answers both directions: its rows of one direction.
+        let tokens = |direction: &str| {
+            keyed(get("tokens"), |l| {
+                (l.get("direction")? == direction).then_some(())?;
+                Some((
+                    label(l, "namespace")?,
+                    label(l, "pod")?,
+                    label(l, "backend")?,
+                ))
+            })
+        };
         let by = |name: &str, key: &str| {
             keyed(get(name), |l| {
                 Some((label(l, "namespace")?, label(l, key)?))
@@ -425,6 +446,8 @@ impl Snapshot {
             max_connections: by_pod_backend("max_connections"),
             completed: by_pod_backend("completed"),
             bytes: by_pod_backend("bytes"),
+            input_tokens: tokens("input"),
+            output_tokens: tokens("output"),
             ttfb: by("ttfb", "backend"),
             h2_max_streams: by("h2_max_streams", "backend"),
             h2_fallback: by("h2_fallback", "backend"),
@@ -551,6 +574,16 @@ impl Snapshot {
                 let fleet = |m: &Option<BTreeMap<(String, String), f64>>| {
                     m.as_ref()?.get(&(ns.clone(), backend.clone())).copied()
                 };
+                // Tokens are counted only for model calls: a backend none of the pods counted
+                // any for has no token throughput to report (missing, not zero). Once one has,
+                // a direction without series is none yet.
+                let tokens = values(&self.input_tokens)
+                    .zip(values(&self.output_tokens))
+                    .filter(|(i, o)| unscraped == 0 && !(i.is_empty() && o.is_empty()))
+                    .map(|(i, o)| TokenRates {
+                        input: i.iter().sum(),
+                        output: o.iter().sum(),
+                    });
                 let saturation = match saturation_query {
                     None => SaturationSignal::NotConfigured,
                     Some(q) => {
@@ -591,6 +624,7 @@ impl Snapshot {
                             .filter(|v| unscraped == 0 && !v.is_empty())
                             .map(|v| v.iter().sum()),
                         classes,
+                        tokens,
                     },
                 );
             }
@@ -894,7 +928,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 25, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 26, "one round for every policy in the cluster");
         let sizing = include_str!("../../docs/operating.md");
         assert!(
             sizing.contains(&format!("a fixed round of {} queries", all.len())),
@@ -913,6 +947,11 @@ mod tests {
             promql("completed"),
             "sum by (namespace, pod, backend) (rate(poolpilot_upstream_request_duration_seconds_count{code_class!=\"5xx\"}[30s]))",
             "a backend refusing with 503 completes nothing"
+        );
+        assert_eq!(
+            promql("tokens"),
+            "sum by (namespace, pod, backend, direction) (rate(poolpilot_tokens_total{direction=~\"input|output\"}[30s]))",
+            "one query for both directions, whatever the counts' source"
         );
         assert_eq!(
             promql("ttfb"),
@@ -1042,6 +1081,69 @@ mod tests {
                 revision: "abc".into(),
                 generation: 7
             }
+        );
+    }
+
+    #[test]
+    fn token_rates_are_summed_over_the_selected_pods_and_missing_when_none_counted_any() {
+        let tokens = |pod, backend, direction, v| {
+            row(
+                &[
+                    ("namespace", "ns"),
+                    ("pod", pod),
+                    ("backend", backend),
+                    ("direction", direction),
+                ],
+                v,
+            )
+        };
+        let mut r = round();
+        r.insert(
+            "tokens",
+            Some(vec![
+                tokens("gw-0", "model-a", "input", 1200.5),
+                tokens("gw-0", "model-a", "output", 300.0),
+                tokens("gw-0", "model-a", "cached_input", 800.0),
+                tokens("gw-1", "model-a", "input", 100.0),
+                tokens("gw-9", "model-a", "output", 5000.0),
+                tokens("gw-0", "model-b", "output", 70.0),
+            ]),
+        );
+        let tokens_of = |r: &BTreeMap<&'static str, Rows>, sel: &[Selection]| {
+            fold(r)
+                .samples("ns", sel, at(5), Duration::from_secs(30))
+                .backends[&(key(), "model-a".into())]
+                .tokens
+        };
+        assert_eq!(
+            tokens_of(&r, &selection()),
+            Some(TokenRates {
+                input: 1300.5,
+                output: 300.0
+            }),
+            "gw-9 is not selected, model-b is another backend, cached input is already in input"
+        );
+        let mut sel = selection();
+        sel[0].ready = vec!["gw-0".into(), "gw-1".into()];
+        assert_eq!(
+            tokens_of(&r, &sel),
+            None,
+            "gw-1 is ready and unscraped: the sum would be too small"
+        );
+        r.insert(
+            "tokens",
+            Some(vec![tokens("gw-9", "model-a", "input", 10.0)]),
+        );
+        assert_eq!(
+            tokens_of(&r, &selection()),
+            None,
+            "no selected pod counted tokens for the backend: none to report, not zero"
+        );
+        r.insert("tokens", None);
+        assert_eq!(
+            tokens_of(&r, &selection()),
+            None,
+            "a failed query is missing"
         );
     }
 

@@ -135,6 +135,19 @@ pub struct BackendSample {
     pub current: Option<f64>,
     /// The demand per priority class, interactive first (reported, not planned on).
     pub classes: [ClassSample; 2],
+    /// Model tokens a second the pods counted for the backend (`poolpilot_tokens_total`),
+    /// reported, not planned on. `None`: no selected pod exported the series, or a ready one
+    /// is unscraped.
+    pub tokens: Option<TokenRates>,
+}
+
+/// A backend's model tokens a second over the window, summed over the pods a policy selects.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TokenRates {
+    /// Input (prompt) tokens a second, cached ones included.
+    pub input: f64,
+    /// Output (completion) tokens a second.
+    pub output: f64,
 }
 
 /// Demand of one priority class on one backend: leased connections plus pending lease

@@ -1,10 +1,10 @@
 //! Which parts of a policy's status are observations, refreshed with every interval's samples
-//! (demand, utilization, tokens used, when the last decision was made and its numbers, the
-//! conditions' messages, the shared document's revision), and which say what the operator did
-//! or found (targets, shares, bursts, scale changes, decisions' actions, conditions' states,
-//! pods taking or refusing documents, the generation observed). A status that moved only in its
-//! observations may wait for its turn to be written ([`crate::reconcile`]'s refresh); any other
-//! change is written at once.
+//! (demand, utilization, tokens used, tokens a second, when the last decision was made and its
+//! numbers, the conditions' messages, the shared document's revision), and which say what the
+//! operator did or found (targets, shares, bursts, scale changes, decisions' actions,
+//! conditions' states, pods taking or refusing documents, the generation observed). A status
+//! that moved only in its observations may wait for its turn to be written
+//! ([`crate::reconcile`]'s refresh); any other change is written at once.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::ConnectionPolicyStatus;
@@ -31,6 +31,7 @@ fn without_observations(status: &ConnectionPolicyStatus) -> ConnectionPolicyStat
         b.pending = None;
         b.utilization = None;
         b.demand_by_class = None;
+        b.tokens_per_second = None;
         b.http1_fallback = None;
         // Whether the provider refused, or certificates failed, is a finding (its Event is told
         // once, when it appears); how many in the window is an observation.
@@ -74,6 +75,7 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
     use poolpilot_api::policy::{
         BackendStatus, DecisionAction, DecisionRecord, PodRun, PodShare, PodsStatus,
+        TokenThroughput,
     };
 
     use super::*;
@@ -119,6 +121,10 @@ mod tests {
                 leased: Some(8.0),
                 pending: Some(0.5),
                 utilization: Some(0.35),
+                tokens_per_second: Some(TokenThroughput {
+                    input: 1520.0,
+                    output: 312.0,
+                }),
                 last_decision: Some(DecisionRecord {
                     time: at(15),
                     action: DecisionAction::NoChange,
@@ -155,6 +161,10 @@ mod tests {
         let b = &mut new.backends[0];
         b.leased = Some(9.0);
         b.shares[0].demand = Some(5.0);
+        b.tokens_per_second = Some(TokenThroughput {
+            input: 1490.0,
+            output: 318.0,
+        });
         b.last_decision = Some(DecisionRecord {
             time: at(30),
             action: DecisionAction::NoChange,
@@ -165,6 +175,12 @@ mod tests {
         pods.items[0].since = Some(at(30));
         assert!(observations_only(&old, &new));
         assert!(!observations_only(&old, &old), "no change is no refresh");
+        let mut quiet = status();
+        quiet.backends[0].tokens_per_second = None;
+        assert!(
+            observations_only(&old, &quiet),
+            "token rates going (no model calls in the window) are an observation too"
+        );
     }
 
     #[test]

@@ -8,12 +8,12 @@ use std::time::Duration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use poolpilot_api::policy::{
     BackendStatus, ClientStatus, CooldownStatus, DecisionRecord, IdleTimeoutStatus, Mode,
-    PodFailure, PodRun, PodShare, PodsStatus, ScaleRecord, TokenBudgetStatus,
+    PodFailure, PodRun, PodShare, PodsStatus, ScaleRecord, TokenBudgetStatus, TokenThroughput,
 };
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus};
 
 use super::conditions::{Computed, Kind, Status, merge};
-use super::input::PolicyInput;
+use super::input::{PolicyInput, TokenRates};
 use super::memory::Memory;
 use super::output::PolicyPlan;
 use super::time::Timestamp;
@@ -83,6 +83,7 @@ pub fn compute(
                     .filter(|d| d.is_finite() && pooled > 0.0)
                     .map(|d| (d / pooled * 1000.0).round() / 1000.0),
                 demand_by_class: super::priority::status(&b.sample.classes),
+                tokens_per_second: b.sample.tokens.and_then(token_throughput),
                 http1_fallback: b
                     .sample
                     .h2_fallback
@@ -553,5 +554,36 @@ fn count(v: f64) -> u32 {
         v.round().min(f64::from(u32::MAX)) as u32
     } else {
         0
+    }
+}
+
+/// A backend's token rates as its status reports them (`None` when either is not finite).
+fn token_throughput(rates: TokenRates) -> Option<TokenThroughput> {
+    let TokenRates { input, output } = rates;
+    (input.is_finite() && output.is_finite()).then(|| TokenThroughput {
+        input: three_figures(input.max(0.0)),
+        output: three_figures(output.max(0.0)),
+    })
+}
+
+/// `v` rounded to three significant figures: a tenth of a percent of it, whatever its size.
+/// Token rates span from a few a second to hundreds of thousands, so the fixed decimals of the
+/// other rates in status (hundredths, thousandths) would keep the noise in a busy backend's
+/// last digits and round a quiet one's away. Rounding alone does not spare a busy backend's
+/// status its writes (its rate moves by more than that from one interval to the next): like
+/// the other observations, the rates never make a write on their own
+/// ([`super::observations`]), a change of them waits for the policy's refresh.
+pub fn three_figures(v: f64) -> f64 {
+    if v == 0.0 || !v.is_finite() {
+        return v;
+    }
+    // Scaled by an exact power of ten either way, so that 123456 comes out as 123000.
+    let e = 2 - v.abs().log10().floor() as i32;
+    if e >= 0 {
+        let f = 10f64.powi(e);
+        (v * f).round() / f
+    } else {
+        let f = 10f64.powi(-e);
+        (v / f).round() * f
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use poolpilot_api::limits::{Endpoint, TokenCount, UpstreamProtocol};
-use poolpilot_api::policy::{CooldownStatus, Mode, StartFrom};
+use poolpilot_api::policy::{CooldownStatus, Mode, StartFrom, TokenThroughput};
 use poolpilot_api::{ConnectionPolicySpec, ConnectionPolicyStatus, Duration as ApiDuration};
 use proptest::prelude::*;
 
@@ -552,6 +552,67 @@ fn the_providers_refusals_and_failed_certificates_show_in_status_while_the_windo
         (None, None)
     );
     assert_eq!(seen(BackendSample::default()), (None, None));
+}
+
+#[test]
+fn a_backends_tokens_a_second_show_in_status_to_three_figures_and_not_without_samples() {
+    let seen = |tokens: Option<input::TokenRates>| {
+        let mut input = input_of(vec![policy("a", 0, &spec("model-a", 16, ""), 1)], pods(2));
+        input.samples.backends.insert(
+            (key("a"), "model-a".to_owned()),
+            BackendSample {
+                tokens,
+                ..busy_sample(4.0, 0.0)
+            },
+        );
+        let memory = Memory::default();
+        let fleet = plan(&input, &mut memory.clone(), at(0));
+        status_now(&input, &fleet, &memory, at(0)).backends[0]
+            .tokens_per_second
+            .clone()
+    };
+    assert_eq!(
+        seen(Some(input::TokenRates {
+            input: 123_456.7,
+            output: 0.012_345,
+        })),
+        Some(TokenThroughput {
+            input: 123_000.0,
+            output: 0.0123,
+        })
+    );
+    assert_eq!(
+        seen(Some(input::TokenRates {
+            input: 0.0,
+            output: 0.0,
+        })),
+        Some(TokenThroughput::default()),
+        "counted before, none in the window: zero"
+    );
+    assert_eq!(seen(None), None, "no pod counted tokens for the backend");
+    assert_eq!(
+        seen(Some(input::TokenRates {
+            input: f64::NAN,
+            output: 1.0,
+        })),
+        None
+    );
+}
+
+#[test]
+fn the_rounding_of_token_rates_keeps_three_significant_figures() {
+    use super::status::three_figures;
+    for (v, rounded) in [
+        (1234.5, 1230.0),
+        (999.6, 1000.0),
+        (45.678, 45.7),
+        (0.5, 0.5),
+        (0.033_333, 0.0333),
+        (0.0, 0.0),
+        (987_654_321.0, 988_000_000.0),
+    ] {
+        assert_eq!(three_figures(v), rounded, "{v}");
+    }
 }
 
 #[test]

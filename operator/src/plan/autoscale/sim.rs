@@ -307,6 +307,7 @@ impl Sim {
             unscraped: 0,
             current: None,
             classes: Default::default(),
+            tokens: None,
             h2_max_streams: None,
             h2_fallback: None,
             peer_idle_close: None,
