@@ -566,7 +566,7 @@ fn token_throughput(rates: TokenRates) -> Option<TokenThroughput> {
     })
 }
 
-/// `v` rounded to three significant figures: a tenth of a percent of it, whatever its size.
+/// `v` rounded to three significant figures: within half a percent of it, whatever its size.
 /// Token rates span from a few a second to hundreds of thousands, so the fixed decimals of the
 /// other rates in status (hundredths, thousandths) would keep the noise in a busy backend's
 /// last digits and round a quiet one's away. Rounding alone does not spare a busy backend's
