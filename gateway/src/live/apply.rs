@@ -234,9 +234,6 @@ impl Gateway {
             pool_limits.max_connections_per_endpoint = cap;
             pool_limits.burst_per_endpoint = burst;
             let clients = tls.remove(&b.name).unwrap_or_default();
-            for client in clients.values() {
-                client.keep_sessions_for(cap.saturating_add(burst) as usize);
-            }
             let key = keys.remove(&b.name);
             let backend = match registry.backends.remove(&b.name) {
                 Some(existing) => {
@@ -268,9 +265,9 @@ impl Gateway {
                         credentials: RwLock::new(key),
                         cooldown: Default::default(),
                         health: Mutex::new(None),
-                        document: Mutex::new((b.endpoints.clone(), pool_limits)),
+                        document: Mutex::new((b.endpoints.clone(), pool_limits.clone())),
                     };
-                    backend.set_tls(&b.endpoints, &self.inner.resolver);
+                    backend.set_tls(&b.endpoints, &pool_limits, &self.inner.resolver);
                     backend.pool.set_endpoints(&endpoints);
                     Arc::new(backend)
                 }

@@ -75,7 +75,7 @@ impl Backend {
     pub(super) fn refresh(&self, resolver: &Resolver) {
         let (endpoints, limits) = {
             let document = self.document.lock();
-            self.set_tls(&document.0, resolver);
+            self.set_tls(&document.0, &document.1, resolver);
             expand(&document.0, &document.1, |host| resolver.addresses(host))
         };
         self.pool.set_endpoints(&endpoints);

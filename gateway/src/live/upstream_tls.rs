@@ -1,8 +1,7 @@
 //! Which TLS client each endpoint of a backend uses: built when a document is applied (a file
 //! that does not load refuses the whole document, and the one in force stays), kept across
 //! documents while its settings and files are unchanged (so that its session cache, and with it
-//! resumption, survives; it keeps sessions for the endpoint's cap and burst), and rebuilt when a
-//! file changes ([`Backend::reload_tls`], a rotated
+//! resumption, survives), and rebuilt when a file changes ([`Backend::reload_tls`], a rotated
 //! Secret). The backend's connector learns from [`Backend::set_tls`] which addresses take TLS:
 //! an `ip:port` endpoint's address, every address of a DNS name's last answer.
 
@@ -10,7 +9,9 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use poolpilot_api::limits::{Endpoint as DocEndpoint, EndpointAddress, UpstreamProtocol};
+use poolpilot_api::limits::{
+    Endpoint as DocEndpoint, EndpointAddress, PoolLimits, UpstreamProtocol,
+};
 
 use super::{Backend, EndpointTlsError, TlsClients};
 use crate::observe::Metrics;
@@ -54,9 +55,21 @@ pub(crate) fn clients(
 
 impl Backend {
     /// Tells the connector which addresses take TLS, with which client, from the document's
-    /// endpoints and the resolver's answers.
-    pub(super) fn set_tls(&self, endpoints: &[DocEndpoint], resolver: &Resolver) {
+    /// endpoints and the resolver's answers; each client keeps sessions for as many connections
+    /// as its endpoint may open at once (`limits`' cap and burst).
+    pub(super) fn set_tls(
+        &self,
+        endpoints: &[DocEndpoint],
+        limits: &PoolLimits,
+        resolver: &Resolver,
+    ) {
         let clients = self.tls.lock();
+        let at_once = limits
+            .max_connections_per_endpoint
+            .saturating_add(limits.burst_per_endpoint);
+        for client in clients.values() {
+            client.keep_sessions_for(at_once as usize);
+        }
         let mut by_address: HashMap<SocketAddr, Arc<TlsClient>> = HashMap::new();
         for e in endpoints {
             let Some(client) = clients.get(&e.name) else {
@@ -79,14 +92,7 @@ impl Backend {
     /// Rebuilds the TLS clients whose files changed (a rotated Secret); a file that no longer
     /// loads keeps the client in force, and says so.
     pub(super) fn reload_tls(&self, resolver: &Resolver, metrics: &Metrics) {
-        let (endpoints, connections) = {
-            let document = self.document.lock();
-            let limits = &document.1;
-            let connections = limits
-                .max_connections_per_endpoint
-                .saturating_add(limits.burst_per_endpoint);
-            (document.0.clone(), connections as usize)
-        };
+        let (endpoints, limits) = self.document.lock().clone();
         if endpoints.iter().all(|e| e.tls.is_none()) {
             return;
         }
@@ -102,12 +108,9 @@ impl Backend {
         }
         match clients(&self.name, &endpoints, protocol, Some(&current), metrics) {
             Ok(fresh) => {
-                for client in fresh.values() {
-                    client.keep_sessions_for(connections);
-                }
                 tracing::info!(backend = %self.name, "upstream TLS files changed; new connections use them");
                 *self.tls.lock() = fresh;
-                self.set_tls(&endpoints, resolver);
+                self.set_tls(&endpoints, &limits, resolver);
             }
             Err(error) => {
                 tracing::warn!(%error, "upstream TLS files changed and do not load; the ones in force stay");
