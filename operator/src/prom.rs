@@ -83,7 +83,7 @@ impl Queries {
 
     /// The window the backends' rare events are read over: [`FINDINGS_WINDOWS`] rate windows.
     pub fn findings_window(&self) -> Duration {
-        self.rate_window() * FINDINGS_WINDOWS
+        findings_window(self.rate_window())
     }
 
     /// Every query of one round. Ranges bound staleness: a range selector only sees samples
@@ -374,6 +374,20 @@ fn keyed<K: Ord>(
     })
 }
 
+/// The findings window of a round whose rates are taken over `rate_window`.
+fn findings_window(rate_window: Duration) -> Duration {
+    rate_window * FINDINGS_WINDOWS
+}
+
+/// The (namespace, pod, backend) of a row.
+fn pod_backend(labels: &HashMap<String, String>) -> Option<(String, String, String)> {
+    Some((
+        label(labels, "namespace")?,
+        label(labels, "pod")?,
+        label(labels, "backend")?,
+    ))
+}
+
 /// The value of one label.
 fn label(labels: &HashMap<String, String>, name: &str) -> Option<String> {
     labels.get(name).cloned()
@@ -384,15 +398,7 @@ impl Snapshot {
     /// and infinite values are dropped: they are missing data.
     pub fn fold(at: Timestamp, window: Duration, rows: &BTreeMap<&'static str, Rows>) -> Self {
         let get = |name: &str| rows.get(name).cloned().flatten();
-        let by_pod_backend = |name: &str| {
-            keyed(get(name), |l| {
-                Some((
-                    label(l, "namespace")?,
-                    label(l, "pod")?,
-                    label(l, "backend")?,
-                ))
-            })
-        };
+        let by_pod_backend = |name: &str| keyed(get(name), pod_backend);
         let by_class = |name: &str| {
             keyed(get(name), |l| {
                 Some((
@@ -406,12 +412,7 @@ impl Snapshot {
         // One query answers both directions: its rows of one direction.
         let tokens = |direction: &str| {
             keyed(get("tokens"), |l| {
-                (l.get("direction")? == direction).then_some(())?;
-                Some((
-                    label(l, "namespace")?,
-                    label(l, "pod")?,
-                    label(l, "backend")?,
-                ))
+                (l.get("direction")? == direction).then(|| pod_backend(l))?
             })
         };
         let by = |name: &str, key: &str| {
@@ -615,7 +616,7 @@ impl Snapshot {
                         cooldown_refused: fleet(&self.cooldown_refused),
                         fallbacks: fleet(&self.fallbacks),
                         tls_verification_failures: fleet(&self.tls_verification_failures),
-                        findings_window: self.window * FINDINGS_WINDOWS,
+                        findings_window: findings_window(self.window),
                         window: self.window,
                         saturation,
                         unscraped,
