@@ -178,11 +178,7 @@ async fn a_providers_429_with_retry_after_cools_the_backend_down_for_that_long()
     let pki = Pki::new("provider CA");
     let backend =
         TlsBackend::start([127, 0, 0, 43], &pki.leaf("api.provider.test"), None, false).await;
-    backend
-        .seen
-        .answers
-        .lock()
-        .push_back((429, vec![("retry-after", "2")]));
+    refuses(&backend, 429, ("retry-after", "2"));
     let dir = tempfile::tempdir().unwrap();
     let ca = pki.write_ca(dir.path(), "ca.crt");
     let key_file = dir.path().join("api-key");
@@ -396,11 +392,7 @@ async fn without_a_shared_key_a_429_refuses_one_client_not_the_backend() {
     let pki = Pki::new("provider CA");
     let backend =
         TlsBackend::start([127, 0, 0, 44], &pki.leaf("api.provider.test"), None, false).await;
-    backend
-        .seen
-        .answers
-        .lock()
-        .push_back((429, vec![("retry-after", "30")]));
+    refuses(&backend, 429, ("retry-after", "30"));
     let dir = tempfile::tempdir().unwrap();
     let ca = pki.write_ca(dir.path(), "ca.crt");
     let gw = Gw::start(tls_limits(
