@@ -155,6 +155,12 @@ impl Queries {
                 ),
             ),
             q(
+                "busy",
+                format!(
+                    "sum by (namespace, pod, backend) (rate(poolpilot_upstream_request_duration_seconds_sum{{code_class!=\"5xx\"}}[{w}]))"
+                ),
+            ),
+            q(
                 "h2_max_streams",
                 format!(
                     "min by (namespace, backend) (last_over_time(poolpilot_upstream_h2_max_concurrent_streams[{fresh}]))"
@@ -321,6 +327,8 @@ pub struct Snapshot {
     pub input_tokens: Option<BTreeMap<(String, String, String), f64>>,
     /// Output model tokens per second, per (namespace, pod, backend).
     pub output_tokens: Option<BTreeMap<(String, String, String), f64>>,
+    /// Seconds of calls completed without a 5xx, per second, per (namespace, pod, backend).
+    pub busy: Option<BTreeMap<(String, String, String), f64>>,
     /// Median time to first byte per (namespace, backend).
     pub ttfb: Option<BTreeMap<(String, String), f64>>,
     /// The smallest HTTP/2 stream limit a backend's servers sent, per (namespace, backend).
@@ -449,6 +457,7 @@ impl Snapshot {
             bytes: by_pod_backend("bytes"),
             input_tokens: tokens("input"),
             output_tokens: tokens("output"),
+            busy: by_pod_backend("busy"),
             ttfb: by("ttfb", "backend"),
             h2_max_streams: by("h2_max_streams", "backend"),
             h2_fallback: by("h2_fallback", "backend"),
@@ -608,6 +617,7 @@ impl Snapshot {
                         pending_now: gauge(&self.pending_now),
                         completed: counter(&self.completed),
                         bytes: counter(&self.bytes),
+                        busy: counter(&self.busy),
                         ttfb: fleet(&self.ttfb),
                         h2_max_streams: fleet(&self.h2_max_streams),
                         h2_fallback: fleet(&self.h2_fallback),
@@ -929,7 +939,7 @@ mod tests {
             freshness: Duration::from_secs(30),
         };
         let all = q.all();
-        assert_eq!(all.len(), 26, "one round for every policy in the cluster");
+        assert_eq!(all.len(), 27, "one round for every policy in the cluster");
         let sizing = include_str!("../../docs/operating.md");
         assert!(
             sizing.contains(&format!("a fixed round of {} queries", all.len())),
@@ -953,6 +963,16 @@ mod tests {
             promql("tokens"),
             "sum by (namespace, pod, backend, direction) (rate(poolpilot_tokens_total{direction=~\"input|output\"}[30s]))",
             "one query for both directions, whatever the counts' source"
+        );
+        assert_eq!(
+            promql("busy"),
+            "sum by (namespace, pod, backend) (rate(poolpilot_upstream_request_duration_seconds_sum{code_class!=\"5xx\"}[30s]))",
+            "the seconds of the calls counted in `completed`"
+        );
+        assert!(
+            include_str!("../../docs/autoscaling.md")
+                .contains(&promql("busy").replace("[30s]", "[1m]")),
+            "docs/autoscaling.md shows another query for the calls' time"
         );
         assert_eq!(
             promql("ttfb"),

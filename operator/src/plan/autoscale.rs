@@ -90,6 +90,10 @@ pub struct BackendMemory {
     pub last_decision: Option<Explained>,
     /// When the target last changed (any direction).
     pub last_change: Option<Timestamp>,
+    /// When the load last moved its in-flight on its own (a crowd began or left), and the
+    /// window's in-flight per endpoint at the last fresh decision it is judged against.
+    pub load_change: Option<Timestamp>,
+    pub last_in_flight: Option<f64>,
     /// Missed samples in a row.
     pub misses: u32,
     /// Fresh samples in a row.
@@ -221,6 +225,8 @@ impl BackendMemory {
             recommendations: VecDeque::from([(now, target)]),
             last_decision: None,
             last_change: None,
+            load_change: None,
+            last_in_flight: None,
             misses: 0,
             fresh: 0,
             metrics_available: true,
@@ -314,7 +320,19 @@ fn observation(
         ttfb: usable(s.ttfb).filter(|t| *t > 0.0),
         calls: completed * s.window.min(interval).as_secs_f64(),
         streams: streaming(leased, completed, s.ttfb),
+        duration: usable(s.busy)
+            .filter(|_| completed > 0.0)
+            .map(|busy| busy / completed),
     })
+}
+
+/// Whether a window's in-flight per endpoint moved from `before` (the last decision's) to `now`
+/// by more than [`UNSTEADY`] of the larger and at least one call: a load that began, grew or
+/// left. The calls then in flight began together, and those that complete first are the short
+/// ones: until they have turned over, completions read the level as faster than it is.
+fn load_moved(before: f64, now: f64) -> bool {
+    let moved = (now - before).abs();
+    moved >= 1.0 && moved > UNSTEADY * now.max(before)
 }
 
 /// The calls in flight that streamed bytes over the window. By Little's law a call spends
@@ -342,9 +360,10 @@ pub fn mean_call_duration(leased: f64, completed: f64) -> Option<f64> {
 }
 
 /// Whether the window of `s` shows the current target alone: it began at least one mean call
-/// duration after the target last changed. Before that, calls started at the earlier level
-/// are still in flight (and complete, or not, at its pace): their window mixes two levels, and
-/// a step judged on it is judged on what the old level left behind.
+/// duration after the target or the load last changed. Before that, calls started at the
+/// earlier level are still in flight (and complete, or not, at its pace): their window mixes
+/// two levels, and a step judged on it is judged on what the old level left behind; and the
+/// calls a new load started together complete shortest first.
 fn settled(
     s: &BackendSample,
     leased: f64,
@@ -354,9 +373,12 @@ fn settled(
     let Some(changed) = last_change else {
         return true;
     };
-    let Some(duration) = mean_call_duration(leased, completed) else {
+    let Some(by_count) = mean_call_duration(leased, completed) else {
         return false;
     };
+    // The calls timed within the window, when they took longer (calls started before a step
+    // up still complete at the old level's pace, and the count alone reads them as fast).
+    let duration = usable(s.busy).map_or(by_count, |busy| by_count.max(busy / completed));
     elapsed(changed, now).as_secs_f64() + 1e-9 >= s.window.as_secs_f64() + duration
 }
 
@@ -477,12 +499,28 @@ fn decide_fresh(
     {
         mem.recommendations.pop_front();
     }
+    // A move of the in-flight right after the target changed is the target's doing (the
+    // pool filling up to it, or draining down to it): `last_change` covers it.
+    let per_endpoint_now = leased / f64::from(endpoints.max(1));
+    let target_moved_it = mem
+        .last_decision
+        .as_ref()
+        .zip(mem.last_change)
+        .is_some_and(|(d, changed)| changed >= d.at);
+    if !target_moved_it
+        && mem
+            .last_in_flight
+            .is_some_and(|before| load_moved(before, per_endpoint_now))
+    {
+        mem.load_change = Some(now);
+    }
+    mem.last_in_flight = Some(per_endpoint_now);
     let obs = observation(
         s,
         leased,
         endpoints,
         bounds.interval,
-        (now, mem.last_change),
+        (now, mem.last_change.max(mem.load_change)),
     );
     mem.knee.capacity = bounds.capacity;
     mem.knee.max_step_percent = bounds.max_step_percent;

@@ -96,6 +96,9 @@ pub struct BackendSample {
     pub completed: Option<f64>,
     /// Response body bytes received from the backend per second, over the window.
     pub bytes: Option<f64>,
+    /// Seconds of the calls completed without a 5xx, per second over the window (the sum of
+    /// their durations): their mean duration is `busy ÷ completed`.
+    pub busy: Option<f64>,
     /// Median time from sending a request to the first byte of its response body, seconds.
     pub ttfb: Option<f64>,
     /// The smallest `SETTINGS_MAX_CONCURRENT_STREAMS` the backend's HTTP/2 servers sent, over

@@ -98,6 +98,13 @@ const STAY: f64 = 0.8;
 /// averages over its own window (often longer than the operator's), so the first decision after
 /// a load rises sees the gateways' new in-flight at once and the backend's queue only diluted.
 pub const UNQUEUED_TO_FORGET: u32 = 3;
+/// Little's law measures a level only from this many timed calls on.
+pub const MIN_TIMED: f64 = 5.0;
+/// The spread of call durations is known once the levels' intervals give it this many degrees
+/// of freedom (intervals beyond each level's first).
+pub const MIN_SPREAD_DOF: f64 = 8.0;
+/// The relative spread of call durations is taken to be at least this.
+pub const MIN_CV: f64 = 0.1;
 /// At most this many levels are kept (the oldest go first).
 const MAX_LEVELS: usize = 64;
 
@@ -119,6 +126,65 @@ pub struct Observation {
     /// Calls in flight past their response's first byte, all endpoints: each streamed bytes
     /// within the interval (none when answers come whole).
     pub streams: f64,
+    /// The mean duration of the calls completed within the interval, seconds (`None`: none
+    /// completed, or not measured).
+    pub duration: Option<f64>,
+}
+
+/// What a level's throughput is measured in.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Measure {
+    /// Response bytes per second (every interval of the levels compared had some).
+    Bytes,
+    /// Completed calls per second.
+    Calls,
+    /// Calls per second by Little's law: the mean in-flight over the mean duration of the calls
+    /// completed, known to `cv / √calls` where `cv` is the relative spread of call durations
+    /// (pooled over the levels' intervals): far sharper than `1 / √calls` for calls of similar
+    /// length, as long model calls at one level are.
+    Little {
+        /// The relative spread of one call's duration.
+        cv: f64,
+    },
+}
+
+/// Call durations of a level: Σ n, Σ n·w and Σ n·w² over its intervals, each interval's mean
+/// duration `w` weighted by its `n` completed calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timed {
+    /// Σ n: the calls timed.
+    pub calls: f64,
+    /// Σ n·w.
+    pub total: f64,
+    /// Σ n·w².
+    pub squares: f64,
+    /// Intervals that timed calls.
+    pub intervals: u32,
+}
+
+impl Timed {
+    fn add(&mut self, calls: f64, duration: f64) {
+        self.calls += calls;
+        self.total += calls * duration;
+        self.squares += calls * duration * duration;
+        self.intervals += 1;
+    }
+
+    /// The mean duration of the calls timed.
+    pub fn mean(&self) -> Option<f64> {
+        (self.calls > 0.0 && self.total > 0.0).then(|| self.total / self.calls)
+    }
+
+    /// The spread of the intervals' means around the level's, relative, with its degrees of
+    /// freedom: `Σ n·(w − w̄)² / w̄²` over `intervals − 1`. An interval's mean over `n` calls
+    /// varies as `σ² / n`, so the sum estimates `(intervals − 1)·cv²`.
+    pub fn dispersion(&self) -> Option<(f64, f64)> {
+        let mean = self.mean()?;
+        (self.intervals >= 2).then(|| {
+            let ss = (self.squares - self.total * self.total / self.calls).max(0.0);
+            (ss / (mean * mean), f64::from(self.intervals - 1))
+        })
+    }
 }
 
 /// A sum of per-interval values and of their squares.
@@ -158,6 +224,11 @@ pub struct Level {
     pub streams: f64,
     /// Σ median time to first byte over the intervals that had one, and how many did.
     pub ttfb: (f64, u32),
+    /// The durations of the calls completed in its intervals.
+    pub timed: Timed,
+    /// Σ in-flight ÷ mean duration per interval, and of its squares (the intervals that timed
+    /// calls): their spread.
+    pub little: Sum,
     /// Its first interval.
     pub first: Timestamp,
     /// Its last interval.
@@ -176,6 +247,8 @@ impl Level {
             completions: 0.0,
             streams: 0.0,
             ttfb: (0.0, 0),
+            timed: Timed::default(),
+            little: Sum::default(),
             first: at,
             last: at,
         }
@@ -192,6 +265,12 @@ impl Level {
         if let Some(t) = o.ttfb {
             self.ttfb.0 += t;
             self.ttfb.1 += 1;
+        }
+        if let Some(w) = o.duration.filter(|w| *w > 0.0 && w.is_finite())
+            && o.calls > 0.0
+        {
+            self.timed.add(o.calls, w);
+            self.little.add(o.in_flight / w);
         }
         self.last = o.at;
     }
@@ -241,18 +320,53 @@ impl Level {
         counted.max(spread).max(NOISE_FLOOR)
     }
 
+    /// Its throughput measured as `m` says (Little's law: calls/s per endpoint; counted
+    /// completions when it timed none).
+    pub fn rate(&self, m: Measure) -> f64 {
+        match m {
+            Measure::Bytes => self.throughput(true),
+            Measure::Calls => self.throughput(false),
+            Measure::Little { .. } => self
+                .timed
+                .mean()
+                .map_or_else(|| self.throughput(false), |w| self.mean_in_flight() / w),
+        }
+    }
+
+    /// Its relative noise measured as `m` says: for Little's law `cv / √calls timed`, or the
+    /// standard error of its intervals' spread once it has [`SPREAD_INTERVALS`] of them,
+    /// whichever is larger, at least [`NOISE_FLOOR`].
+    pub fn uncertainty(&self, m: Measure) -> f64 {
+        match m {
+            Measure::Bytes => self.noise(true),
+            Measure::Calls => self.noise(false),
+            Measure::Little { cv } => {
+                let counted = cv / self.timed.calls.max(1.0).sqrt();
+                let n = f64::from(self.timed.intervals);
+                let mean = self.little.total / n.max(1.0);
+                let spread = if self.timed.intervals >= SPREAD_INTERVALS && mean > 0.0 {
+                    let s = &self.little;
+                    let var = ((s.squares - s.total * s.total / n) / (n - 1.0)).max(0.0);
+                    var.sqrt() / mean / n.sqrt()
+                } else {
+                    0.0
+                };
+                counted.max(spread).max(NOISE_FLOOR)
+            }
+        }
+    }
+
     /// Mean median time to first byte, seconds.
     pub fn ttfb(&self) -> Option<f64> {
         (self.ttfb.1 > 0).then(|| self.ttfb.0 / f64::from(self.ttfb.1))
     }
 
     /// Its throughput in words.
-    fn text(&self, bytes: bool) -> String {
-        let t = self.throughput(bytes);
-        if bytes {
-            format!("{}/s", bytes_text(t))
-        } else {
-            format!("{} calls/s", round(t))
+    fn text(&self, m: Measure) -> String {
+        let t = self.rate(m);
+        match m {
+            Measure::Bytes => format!("{}/s", bytes_text(t)),
+            Measure::Calls | Measure::Little { .. } => format!("{} calls/s", round(t)),
         }
     }
 }
@@ -279,8 +393,8 @@ pub struct Comparison {
     pub lower: Level,
     /// The higher level.
     pub higher: Level,
-    /// Whether throughput is compared in bytes (both levels have them) or calls.
-    pub bytes: bool,
+    /// What throughput is compared in.
+    pub measure: Measure,
     /// Throughput at the higher level over the lower's.
     pub gain: f64,
     /// The least gain a backend below its knee gives for this rise ([`Comparison::least`]).
@@ -295,10 +409,19 @@ pub struct Comparison {
 
 impl Comparison {
     /// `higher` (more in flight) against `lower`, for a backend declared with `capacity` slots
-    /// per endpoint.
+    /// per endpoint, in response bytes when both have them, else in completed calls.
     pub fn of(higher: &Level, lower: &Level, capacity: u32) -> Self {
-        let bytes = higher.by_bytes() && lower.by_bytes();
-        let (h, l) = (higher.throughput(bytes), lower.throughput(bytes));
+        let m = if higher.by_bytes() && lower.by_bytes() {
+            Measure::Bytes
+        } else {
+            Measure::Calls
+        };
+        Self::measured(higher, lower, capacity, m)
+    }
+
+    /// [`Comparison::of`], throughput measured as `m` says.
+    pub fn measured(higher: &Level, lower: &Level, capacity: u32, m: Measure) -> Self {
+        let (h, l) = (higher.rate(m), lower.rate(m));
         let gain = if l > 0.0 {
             h / l
         } else if h > 0.0 {
@@ -306,7 +429,7 @@ impl Comparison {
         } else {
             1.0
         };
-        let (nh, nl) = (higher.noise(bytes), lower.noise(bytes));
+        let (nh, nl) = (higher.uncertainty(m), lower.uncertainty(m));
         let noise = nh.hypot(nl);
         let trusted = nh.max(nl) <= MAX_LEVEL_NOISE;
         let significant = SIGNIFICANCE * noise;
@@ -333,7 +456,7 @@ impl Comparison {
         Self {
             lower: *lower,
             higher: *higher,
-            bytes,
+            measure: m,
             gain,
             least,
             significant,
@@ -402,10 +525,10 @@ impl Comparison {
     /// The comparison in words, with its numbers.
     pub fn describe(&self) -> String {
         let (l, h) = (&self.lower, &self.higher);
-        let unit = if self.bytes {
-            "response bytes"
-        } else {
-            "completed calls"
+        let unit = match self.measure {
+            Measure::Bytes => "response bytes",
+            Measure::Calls => "completed calls",
+            Measure::Little { .. } => "calls (in flight ÷ call time)",
         };
         let what = match self.effect {
             Effect::Better => "more",
@@ -422,9 +545,9 @@ impl Comparison {
         };
         format!(
             "{unit} {} at {} in flight per endpoint → {} at {} (×{}, {what}: significant beyond ±{}%, {} and {} calls seen){ttfb}",
-            l.text(self.bytes),
+            l.text(self.measure),
             l.in_flight,
-            h.text(self.bytes),
+            h.text(self.measure),
             h.in_flight,
             round(self.gain),
             round(self.significant * 100.0),
@@ -812,12 +935,40 @@ impl KneeMemory {
         self.ceiling.is_none_or(|c| level.in_flight <= c.level)
     }
 
+    /// The relative spread of one call's duration, pooled over the levels' intervals (within
+    /// each level), at least [`MIN_CV`]; `None` until they give [`MIN_SPREAD_DOF`] degrees of
+    /// freedom.
+    pub fn cv(&self) -> Option<f64> {
+        let (ss, dof) = self
+            .levels
+            .values()
+            .filter_map(|l| l.timed.dispersion())
+            .fold((0.0, 0.0), |(s, d), (ls, ld)| (s + ls, d + ld));
+        (dof >= MIN_SPREAD_DOF).then(|| (ss / dof).sqrt().max(MIN_CV))
+    }
+
+    /// What `levels` are compared in: Little's law once the spread of call durations is known
+    /// and each timed [`MIN_TIMED`] calls, else response bytes when each has them, else
+    /// completed calls.
+    pub fn measure(&self, levels: &[&Level]) -> Measure {
+        match self.cv() {
+            Some(cv) if levels.iter().all(|l| l.timed.calls >= MIN_TIMED) => Measure::Little { cv },
+            _ if levels.iter().all(|l| l.by_bytes()) => Measure::Bytes,
+            _ => Measure::Calls,
+        }
+    }
+
+    /// `higher` against `lower`, measured as [`KneeMemory::measure`] says for the two.
+    fn compare(&self, higher: &Level, lower: &Level) -> Comparison {
+        Comparison::measured(higher, lower, self.capacity, self.measure(&[higher, lower]))
+    }
+
     /// The knee, when the levels show one.
     pub fn knee(&self) -> Option<Knee> {
         // Only levels that are evidence take part: one noisier than MAX_LEVEL_NOISE could give
         // the most throughput by luck, and every comparison with it would be untrusted; and,
         // once the backend's queue is known, only the levels it serves at once.
-        let trusted = |l: &&Level| l.noise(l.by_bytes()) <= MAX_LEVEL_NOISE;
+        let trusted = |l: &&Level| l.uncertainty(self.measure(&[l])) <= MAX_LEVEL_NOISE;
         let any_served = self.levels.values().filter(trusted).any(|l| self.served(l));
         let evidence = move || {
             self.levels
@@ -826,31 +977,31 @@ impl KneeMemory {
                 .filter(move |l| !any_served || self.served(l))
         };
         let max = evidence().max_by(|a, b| {
-            let bytes = a.by_bytes() && b.by_bytes();
-            a.throughput(bytes).total_cmp(&b.throughput(bytes))
+            let m = self.measure(&[a, b]);
+            a.rate(m).total_cmp(&b.rate(m))
         })?;
         // The lowest level that gives as much as the most throughput measured, on sufficient
         // evidence (flat: the lower level wins).
         let best = evidence()
-            .find(|l| l.in_flight >= max.in_flight || Comparison::of(max, l, self.capacity).tie())
+            .find(|l| l.in_flight >= max.in_flight || self.compare(max, l).tie())
             .unwrap_or(max);
         let far =
             |a: &Level, b: &Level| a.mean_in_flight() >= b.mean_in_flight() * MIN_RATIO - 1e-9;
         let above = evidence()
             .filter(|l| l.in_flight > best.in_flight && far(l, best))
-            .map(|l| Comparison::of(l, best, self.capacity))
+            .map(|l| self.compare(l, best))
             .find(Comparison::no_more);
         let below = evidence()
             .filter(|l| l.in_flight < best.in_flight)
             .rev()
             .find(|l| far(best, l))
-            .map(|l| Comparison::of(best, l, self.capacity));
+            .map(|l| self.compare(best, l));
         // A curve that falls past the best level has a peak there to locate; one that stays
         // flat (the knee of a backend that queues what it cannot serve) is held at its lowest
         // level that gives the most.
         let falls = evidence()
             .filter(|l| l.in_flight > best.in_flight)
-            .any(|l| Comparison::of(l, best, self.capacity).gain < 1.0 - FALL);
+            .any(|l| self.compare(l, best).gain < 1.0 - FALL);
         let knee = Knee {
             best: *best,
             above,
@@ -882,18 +1033,14 @@ impl KneeMemory {
                     && (self.served(l) || !self.served(best))
             })
             .collect();
-        let bytes = around.iter().all(|l| l.by_bytes());
+        let m = self.measure(&around);
         let x0 = best.mean_in_flight().ln();
         let points: Vec<(f64, f64, f64)> = around
             .iter()
-            .filter(|l| l.noise(bytes) <= MAX_LEVEL_NOISE && l.throughput(bytes) > 0.0)
+            .filter(|l| l.uncertainty(m) <= MAX_LEVEL_NOISE && l.rate(m) > 0.0)
             .map(|l| {
-                let n = l.noise(bytes);
-                (
-                    l.mean_in_flight().ln() - x0,
-                    l.throughput(bytes).ln(),
-                    1.0 / (n * n),
-                )
+                let n = l.uncertainty(m);
+                (l.mean_in_flight().ln() - x0, l.rate(m).ln(), 1.0 / (n * n))
             })
             .collect();
         let xs = || points.iter().map(|p| p.0);
@@ -960,11 +1107,11 @@ impl KneeMemory {
         let noise = |k: u32| {
             self.levels
                 .get(&k)
-                .map_or(f64::INFINITY, |l| l.noise(l.by_bytes()))
+                .map_or(f64::INFINITY, |l| l.uncertainty(self.measure(&[l])))
         };
         let done = |k: u32| {
             self.levels.get(&k).is_some_and(|l| {
-                l.intervals >= REFINE_INTERVALS || l.noise(l.by_bytes()) <= REFINE_NOISE
+                l.intervals >= REFINE_INTERVALS || l.uncertainty(self.measure(&[l])) <= REFINE_NOISE
             })
         };
         let open: Vec<u32> = [near(centre / REFINE_SPAN), near(centre * REFINE_SPAN)]
@@ -1012,9 +1159,9 @@ impl KneeMemory {
             {
                 let so_far = self.levels.get(&step.level).map(|l| {
                     if l.in_flight >= reference.in_flight {
-                        Comparison::of(l, reference, self.capacity)
+                        self.compare(l, reference)
                     } else {
-                        Comparison::of(reference, l, self.capacity)
+                        self.compare(reference, l)
                     }
                 });
                 match so_far {

@@ -36,6 +36,7 @@ fn sample(leased: f64, pending: f64) -> BackendSample {
         pending: Some(pending),
         completed: Some(leased),
         bytes: Some(leased * 1000.0),
+        busy: None,
         ttfb: Some(0.2),
         window: Duration::from_secs(10),
         saturation: SaturationSignal::NotConfigured,
@@ -157,15 +158,20 @@ fn a_window_across_a_change_of_load_is_not_judged() {
         pending_now: Some(pending),
         completed: Some(completed),
         bytes: Some(completed * 294.0),
+        busy: None,
         ..sample(leased, pending)
     };
     let mut mem = memory(&b, 11);
     decide(&b, &mut mem, &fleet(6.0, 6.0, 0.0, 15.5), 2, at(5));
+    // The load rises to fill the pool: its calls began together, and the first to complete are
+    // the short ones, so the window of the rise is not kept either; the next one is.
     decide(&b, &mut mem, &fleet(22.0, 22.0, 8.0, 30.5), 2, at(10));
+    assert_eq!(mem.knee.levels.keys().copied().collect::<Vec<_>>(), [3]);
+    decide(&b, &mut mem, &fleet(22.0, 22.0, 8.0, 30.5), 2, at(25));
     let before = mem.knee.levels.clone();
     assert_eq!(before.keys().copied().collect::<Vec<_>>(), [3, 11]);
     // Across the drop: 14 on average, 6 at the end, 21 calls/s.
-    decide(&b, &mut mem, &fleet(14.0, 6.0, 0.0, 21.0), 2, at(15));
+    decide(&b, &mut mem, &fleet(14.0, 6.0, 0.0, 21.0), 2, at(30));
     assert_eq!(
         mem.knee.levels, before,
         "the window across the drop taught nothing"
@@ -191,6 +197,7 @@ fn knee_guard_does_not_block_scale_down() {
     // A knee at 100: 200 in flight gave less.
     for (t, (c, calls)) in [(100.0, 100.0), (200.0, 60.0)].into_iter().enumerate() {
         mem.knee.observe(Observation {
+            duration: None,
             at: at(t as i64),
             in_flight: c,
             completed: calls,
@@ -339,6 +346,7 @@ fn missing_data_at_every_input_holds_the_target() {
             "response bytes",
             BackendSample {
                 bytes: Some(f64::NAN),
+                busy: None,
                 ..good
             },
         ),
@@ -480,6 +488,7 @@ fn the_demo_crowd_gets_its_pool_in_one_decision_although_its_calls_slowed_down()
     let calls = |leased: f64, pending: f64, seconds: f64| BackendSample {
         completed: Some(leased / seconds),
         bytes: Some(leased / seconds * 2300.0),
+        busy: None,
         ttfb: Some(seconds),
         ..sample(leased, pending)
     };
@@ -643,6 +652,7 @@ fn a_step_that_added_no_throughput_is_stepped_back_and_growth_stops_at_the_best_
             BackendSample {
                 completed: Some(10.2),
                 bytes: Some(10_200.0),
+                busy: None,
                 ..sample(c, 30.0 - c)
             }
         }
@@ -697,6 +707,7 @@ fn a_step_that_only_made_the_first_byte_slower_is_stepped_back() {
     let queued = BackendSample {
         completed: Some(22.0),
         bytes: Some(22_000.0),
+        busy: None,
         ttfb: Some(1.0),
         ..sample(48.0, 10.0)
     };
@@ -878,6 +889,7 @@ impl Server {
             pending_now: Some(pending),
             completed: Some(rate * e),
             bytes: Some(rate * e * CALL_BYTES * lengths),
+            busy: None,
             ttfb: Some(ttfb),
             window: WINDOW,
             saturation: SaturationSignal::NotConfigured,
@@ -1106,6 +1118,7 @@ impl Thrashing {
             pending_now: Some(pending),
             completed: Some(counted / interval),
             bytes: Some(bytes),
+            busy: None,
             ttfb: Some(ttfb),
             window: Duration::from_secs_f64(interval * 2.0),
             saturation: SaturationSignal::NotConfigured,
@@ -1324,6 +1337,7 @@ fn cluster(leased: f64, pending: f64, completed: f64, waiting: f64) -> BackendSa
         pending_now: Some(pending),
         completed: Some(completed),
         bytes: Some(completed * 864.0),
+        busy: None,
         ttfb: (completed > 0.0).then_some(5.0),
         window: Duration::from_secs(10),
         saturation: SaturationSignal::Value(waiting),
@@ -1472,5 +1486,75 @@ fn the_clusters_square_wave_never_shrinks_model_b_below_min_or_under_the_high_lo
             }
             before = after;
         }
+    }
+}
+
+/// docs/autoscaling.md's table of the guard's parameters names every constant with its value:
+/// a constant changed in the code and not in the table fails here.
+#[test]
+fn the_documented_parameters_are_the_constants() {
+    use knee::*;
+    use std::collections::BTreeMap;
+    let code: BTreeMap<&str, f64> = BTreeMap::from([
+        ("SIGNIFICANCE", SIGNIFICANCE),
+        ("NOISE_FLOOR", NOISE_FLOOR),
+        ("MAX_LEVEL_NOISE", MAX_LEVEL_NOISE),
+        ("SPREAD_INTERVALS", f64::from(SPREAD_INTERVALS)),
+        ("MAX_JUDGING", f64::from(MAX_JUDGING)),
+        ("MAX_PROBE_WAIT", f64::from(MAX_PROBE_WAIT)),
+        ("FLAT_GRADIENT", FLAT_GRADIENT),
+        ("BATCHING_SLOWDOWN", BATCHING_SLOWDOWN),
+        ("SLACK", SLACK),
+        ("TIE", TIE),
+        ("MIN_RATIO", MIN_RATIO),
+        ("NARROW", NARROW),
+        ("TTFB_TOLERANCE", TTFB_TOLERANCE),
+        ("KNEE_MEMORY", KNEE_MEMORY.as_secs_f64()),
+        ("PEAK_SPAN", PEAK_SPAN),
+        ("PEAK_ERROR", PEAK_ERROR),
+        ("REFINE_SPAN", REFINE_SPAN),
+        ("REFINE_INTERVALS", f64::from(REFINE_INTERVALS)),
+        ("REFINE_NOISE", REFINE_NOISE),
+        ("MIN_TIMED", MIN_TIMED),
+        ("MIN_SPREAD_DOF", MIN_SPREAD_DOF),
+        ("MIN_CV", MIN_CV),
+        ("UNSTEADY", UNSTEADY),
+        ("DEADBAND", DEADBAND),
+        ("HELD_EVENT_AFTER", f64::from(HELD_EVENT_AFTER)),
+    ]);
+    let docs = include_str!("../../../../docs/autoscaling.md");
+    let table = docs
+        .split("### Parameters")
+        .nth(1)
+        .expect("docs/autoscaling.md has a Parameters section");
+    let documented: BTreeMap<&str, f64> = table
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let name = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
+            let value = cells.get(2)?;
+            let number = if let Some(p) = value.strip_suffix('%') {
+                p.parse::<f64>().ok()? / 100.0
+            } else if let Some(m) = value.strip_suffix(" min") {
+                m.parse::<f64>().ok()? * 60.0
+            } else {
+                value.parse().ok()?
+            };
+            Some((name, number))
+        })
+        .collect();
+    assert_eq!(
+        documented.keys().collect::<Vec<_>>(),
+        code.keys().collect::<Vec<_>>(),
+        "the table's constants"
+    );
+    for (name, value) in &code {
+        assert!(
+            (documented[name] - value).abs() <= 1e-9 * value.abs().max(1.0),
+            "{name}: {value} in the code, {} in docs/autoscaling.md",
+            documented[name]
+        );
     }
 }
