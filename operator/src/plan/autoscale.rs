@@ -635,6 +635,15 @@ fn decide_fresh(
             let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
             return (Decision::ScaleUp(scale), why);
         }
+        Move::Recheck { to, best } if *to > current && query_hold.is_none() => {
+            let reason = format!(
+                "{demand_text}; probing {to} in flight per endpoint against {best}, the best level of the knee last found, whose evidence above it is older than {}",
+                poolpilot_api::Duration::from(knee::KNEE_MEMORY)
+            );
+            let scale = change(mem, *to, reason, now);
+            let why = format!("{} → {}: {}", scale.from, scale.to, scale.reason);
+            return (Decision::ScaleUp(scale), why);
+        }
         _ => {}
     }
     let knee = match &mv {
@@ -642,7 +651,7 @@ fn decide_fresh(
         | Move::Back { knee: k, .. }
         | Move::Probe { knee: k, .. }
         | Move::Measure { knee: k, .. } => Some(*k),
-        Move::Free | Move::Judging { .. } => None,
+        Move::Free | Move::Judging { .. } | Move::Recheck { .. } => None,
     };
 
     if recommendation > current {

@@ -707,6 +707,15 @@ pub enum Move {
     },
     /// Grow to at most the best level; at it, hold.
     Cap(Knee),
+    /// The knee last found at `best` rests on levels above it since forgotten
+    /// ([`KNEE_MEMORY`]): growth probes one step above it, judged against it, before the demand
+    /// may take the target further.
+    Recheck {
+        /// The probe's level.
+        to: u32,
+        /// The best level of the knee last found (still measured).
+        best: u32,
+    },
 }
 
 /// Why the guard holds growth.
@@ -845,6 +854,10 @@ pub struct KneeMemory {
     pub ceiling: Option<Ceiling>,
     /// Decisions in a row that saw a level well above the ceiling served without a queue.
     pub unqueued: u32,
+    /// The best level of the last knee the levels showed: while the target still measures it,
+    /// growth past it after the evidence above has been forgotten is one probe step, not the
+    /// demand's jump.
+    pub last_best: Option<u32>,
 }
 
 /// The level an interval at `in_flight` per endpoint counts in (`None`: too few in flight).
@@ -1189,12 +1202,37 @@ impl KneeMemory {
             }
         }
         let Some(knee) = self.knee() else {
+            // A knee whose evidence above its best level was forgotten while the target held at
+            // that level is checked again by one step above it: a crowd that outlasts the
+            // memory would otherwise take the demand's whole jump past the knee again, and wait
+            // out calls that last minutes there before stepping back.
+            if let Some(best) = self.last_best.filter(|b| self.levels.contains_key(b)) {
+                let to = ((f64::from(best) * NARROW).ceil() as u32)
+                    .max(best + 1)
+                    .min(wanted)
+                    .min(upper);
+                if current < to {
+                    self.judging = Some(Judging {
+                        target: to,
+                        level: to,
+                        reference: best,
+                        decisions: 0,
+                        judged: 0,
+                        probe: true,
+                    });
+                    return Move::Recheck { to, best };
+                }
+            }
             // No evidence of a knee: the law decides. A level is never left for a lower one on
             // evidence too thin to call it worse (a step down to the light load's level undoes
             // growth the crowd needs, and judges nothing: it is the next step up that repeats).
             let _ = level;
+            self.last_best = None;
             return Move::Free;
         };
+        // Only a knee the levels show: one known from the backend's queue alone is checked by
+        // the queue itself, which shows within a decision of any growth past it.
+        self.last_best = knee.own().then_some(knee.best.in_flight);
         let (best, cap) = (knee.best.in_flight, knee.cap());
         if wanted < cap.min(best) {
             return Move::Free;

@@ -276,6 +276,64 @@ fn a_level_the_target_holds_at_keeps_its_evidence_while_it_is_measured() {
     assert_eq!(m.levels[&10].intervals, 4);
 }
 
+#[test]
+fn a_knee_whose_evidence_above_was_forgotten_is_checked_again_by_one_step_not_the_demands_jump() {
+    // 7 → 10 rose, 14 gave less than a healthy step above 10: the target is held at 10 while a
+    // crowd wants 48.
+    let knee_at_ten = || {
+        let mut m = KneeMemory::default();
+        m.observe(obs(0, 7.0, 700.0, 400.0));
+        m.observe(obs(10, 10.0, 1000.0, 400.0));
+        m.observe(obs(20, 14.0, 920.0, 400.0));
+        let first = m.plan(10, 48, (1, 48), Some(10));
+        assert!(matches!(first, Move::Cap(_)), "{first:?}");
+        // Held there for more than ten minutes: 7 and 14 are forgotten, 10 measured all along.
+        for t in (100..=700).step_by(100) {
+            m.observe(obs(t, 10.0, 1000.0, 400.0));
+        }
+        assert_eq!(m.levels.keys().copied().collect::<Vec<_>>(), [10]);
+        assert_eq!(m.knee(), None);
+        m
+    };
+    let mut m = knee_at_ten();
+    // One step above the best level (×1.45), judged against it; not the jump to 48.
+    assert_eq!(
+        m.plan(10, 48, (1, 48), Some(10)),
+        Move::Recheck { to: 15, best: 10 }
+    );
+    let step = m.judging.expect("the probe is judged");
+    assert_eq!((step.target, step.reference, step.probe), (15, 10, true));
+    // It gives less than a healthy step: the knee stands again, and the target goes back
+    // towards 10 (through the middle of the bracket, as after any step past a knee).
+    m.observe(obs(730, 15.0, 900.0, 400.0));
+    match m.plan(15, 48, (1, 48), Some(15)) {
+        Move::Probe { to, knee } | Move::Back { to, knee } => {
+            assert!((10..15).contains(&to), "{to}");
+            assert_eq!(knee.best.in_flight, 10);
+        }
+        other => panic!("{other:?}"),
+    }
+    // A backend that gives more there now (its capacity grew): no knee, and after the probe
+    // the law decides again.
+    let mut m = knee_at_ten();
+    assert!(matches!(
+        m.plan(10, 48, (1, 48), Some(10)),
+        Move::Recheck { to: 15, .. }
+    ));
+    m.observe(obs(730, 15.0, 1500.0, 400.0));
+    assert_eq!(m.plan(15, 48, (1, 48), Some(15)), Move::Free);
+    assert_eq!(m.last_best, None);
+    // A knee whose best level was forgotten too (the load left) is not checked again: the crowd
+    // that comes back takes the demand's step, and the guard judges that.
+    let mut m = KneeMemory::default();
+    m.observe(obs(0, 7.0, 700.0, 400.0));
+    m.observe(obs(10, 10.0, 1000.0, 400.0));
+    m.observe(obs(20, 14.0, 920.0, 400.0));
+    let _ = m.plan(10, 48, (1, 48), Some(10));
+    m.observe(obs(700, 2.0, 200.0, 400.0));
+    assert_eq!(m.plan(2, 48, (1, 48), Some(2)), Move::Free);
+}
+
 /// Throughput per endpoint of a backend whose batch thrashes, peaking at `peak` in flight with
 /// 1000 B/s: symmetric in log in-flight around the peak, as modelsim's law is.
 fn thrashing(c: f64, peak: f64) -> f64 {
@@ -502,7 +560,7 @@ fn no_level_above_what_the_backend_serves_at_once_is_probed_or_measured() {
         m.observe(obs(80 + i * 10, c, thrashing(c, 5.0), 12.0));
         *visited.entry(current).or_insert(0) += 1;
         current = match m.plan(current, 24, (2, 25), Some(current)) {
-            Move::Probe { to, .. } | Move::Back { to, .. } => to,
+            Move::Probe { to, .. } | Move::Back { to, .. } | Move::Recheck { to, .. } => to,
             Move::Measure { at, .. } => at,
             Move::Cap(k) => k.cap().min(24),
             Move::Judging { .. } | Move::Free => current,
