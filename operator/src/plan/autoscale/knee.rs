@@ -672,6 +672,20 @@ pub struct Judging {
     pub probe: bool,
 }
 
+impl Judging {
+    /// A probe the guard makes to `to`, judged against the level `reference`.
+    fn probe(to: u32, reference: u32) -> Self {
+        Self {
+            target: to,
+            level: to,
+            reference,
+            decisions: 0,
+            judged: 0,
+            probe: true,
+        }
+    }
+}
+
 /// What the guard says about the target.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Move {
@@ -1212,14 +1226,7 @@ impl KneeMemory {
                     .min(wanted)
                     .min(upper);
                 if current < to {
-                    self.judging = Some(Judging {
-                        target: to,
-                        level: to,
-                        reference: best,
-                        decisions: 0,
-                        judged: 0,
-                        probe: true,
-                    });
+                    self.judging = Some(Judging::probe(to, best));
                     return Move::Recheck { to, best };
                 }
             }
@@ -1289,14 +1296,7 @@ impl KneeMemory {
             (None, None)
         };
         if let Some(to) = up.filter(fresh).or(down.filter(fresh)) {
-            self.judging = Some(Judging {
-                target: to,
-                level: to,
-                reference: best,
-                decisions: 0,
-                judged: 0,
-                probe: true,
-            });
+            self.judging = Some(Judging::probe(to, best));
             return Move::Probe { to, knee };
         }
         match self
