@@ -5,7 +5,8 @@
 //! falling call by call (and a `requestsPerMinute` budget its `-requests` triple, refusing
 //! the call over it as `type: requests`); reservations are settled with the backend's usage (a JSON body, a
 //! stream's usage chunk), with the content chunks of a stream without usage, and, for a call
-//! cut by a deadline or abandoned by its client, with what was streamed.
+//! cut by a deadline or abandoned by its client, with what was streamed; a prompt modelsim
+//! serves from its prefix cache is counted as cached input, as modelsim reports it.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -318,4 +319,70 @@ async fn a_cut_or_abandoned_call_is_settled_with_what_was_streamed() {
         .is_some_and(|n| n >= 6.0),
         "3 chunks of the cut call, at least 3 of the abandoned one: {text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_served_from_the_backends_prefix_cache_is_counted_as_cached_input() {
+    let sim = modelsim(4, 0).await;
+    let gw = Gw::start(budget_limits(sim.addr(), json!({"perMinute": 1_000_000}))).await;
+    // A 2,000-character system prompt (500 tokens, 31 full blocks of modelsim's 16 tokens)
+    // and a question: 505 prompt tokens.
+    let system = "Answer in one line, citing the pool's settings. ".repeat(42)[..2000].to_owned();
+    let body = |question: &str, stream: bool| {
+        let mut body = json!({
+            "model": "sim-model",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 4,
+            "stream": stream,
+        });
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        body.to_string()
+    };
+    let series = |text: &str, direction: &str| {
+        metric(
+            text,
+            &format!(
+                "poolpilot_tokens_total{{backend=\"model-a\",direction=\"{direction}\",source=\"usage\"}}"
+            ),
+        )
+    };
+
+    let (status, _, cold) = call(&gw, "alice", &body("How long is a lease?", false)).await;
+    assert_eq!(status, 200, "{cold}");
+    let cold: Value = serde_json::from_str(&cold).unwrap();
+    assert_eq!(cold["usage"]["prompt_tokens"], 505);
+    assert_eq!(cold["usage"].get("prompt_tokens_details"), None, "{cold}");
+    let text = gw.metrics().await;
+    assert_eq!(series(&text, "input"), Some(505.0), "{text}");
+    assert_eq!(series(&text, "cached_input"), None, "nothing cached yet");
+
+    // The same prompt again: modelsim serves its system prompt's 31 blocks from its cache and
+    // says so; the gateway counts what it said.
+    let (status, _, warm) = call(&gw, "alice", &body("How long is a lease?", false)).await;
+    assert_eq!(status, 200, "{warm}");
+    let warm: Value = serde_json::from_str(&warm).unwrap();
+    let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached tokens reported");
+    assert_eq!(cached, 31 * u64::from(poolpilot_modelsim::BLOCK_TOKENS));
+    let text = gw.metrics().await;
+    assert_eq!(series(&text, "input"), Some(1010.0), "{text}");
+    assert_eq!(series(&text, "cached_input"), Some(cached as f64), "{text}");
+
+    // A stream with usage: its last chunk says it too.
+    let (status, _, streamed) = call(&gw, "alice", &body("And an idle one?", true)).await;
+    assert_eq!(status, 200, "{streamed}");
+    let text = gw.metrics().await;
+    assert_eq!(
+        series(&text, "cached_input"),
+        Some(2.0 * cached as f64),
+        "{text}"
+    );
+    assert_eq!(series(&text, "input"), Some(1010.0 + 504.0), "{text}");
+    assert_eq!(sim.stats().prefix_cache_hits, 2 * cached);
 }
