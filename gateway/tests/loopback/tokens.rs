@@ -386,3 +386,108 @@ async fn a_prompt_served_from_the_backends_prefix_cache_is_counted_as_cached_inp
     assert_eq!(series(&text, "input"), Some(1010.0 + 504.0), "{text}");
     assert_eq!(sim.stats().prefix_cache_hits, 2 * cached);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_are_ranked_by_tokens_and_the_top_tokens_gauge_names_ten_of_a_thousand() {
+    let sim = modelsim(100, 0).await;
+    let gw = Gw::start(budget_limits(sim.addr(), json!({"perMinute": 100_000_000}))).await;
+    // 988 light clients (10 prompt + 1 output tokens a call) and 12 heavy ones (10 + 20 + 5k):
+    // 1,000 distinct clients, 16 calls at a time.
+    let mut calls: Vec<(String, u32)> = (0..988).map(|i| (format!("light-{i}"), 1)).collect();
+    calls.extend((0..12).map(|k| (format!("heavy-{k}"), 20 + 5 * k)));
+    let total_tokens: u32 = calls.iter().map(|(_, out)| 10 + out).sum();
+    let started = tokio::time::Instant::now();
+    let gw = std::sync::Arc::new(gw);
+    let mut pending = calls.into_iter();
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        while tasks.len() < 16 {
+            let Some((key, out)) = pending.next() else {
+                break;
+            };
+            let gw = gw.clone();
+            tasks.spawn(async move { call(&gw, &key, &chat(out, false, false)).await.0 });
+        }
+        let Some(status) = tasks.join_next().await else {
+            break;
+        };
+        assert_eq!(status.unwrap(), 200);
+    }
+    let took = started.elapsed();
+    // Every call is within the 10 s window when the rates are read.
+    assert!(took < Duration::from_secs(8), "1,000 calls took {took:?}");
+
+    let (status, _, body) = gw.admin_get("/v1/clients?by=tokens").await;
+    assert_eq!(status, 200, "{body}");
+    let doc: Value = serde_json::from_str(&body).unwrap();
+    let clients = doc["policies"][0]["clients"].as_array().unwrap();
+    assert_eq!(clients.len(), 32, "at most 32 listed");
+    let rate = |c: &Value| {
+        c["inputTokensPerSecond"].as_f64().unwrap() + c["outputTokensPerSecond"].as_f64().unwrap()
+    };
+    assert!(
+        clients.windows(2).all(|w| rate(&w[0]) >= rate(&w[1])),
+        "most tokens first: {doc}"
+    );
+    // The heaviest: 10 + 75 tokens over the 10 s window.
+    assert_eq!(clients[0]["keySha256"], sha256_hex("heavy-11").as_str());
+    assert_eq!(clients[0]["inputTokensPerSecond"].as_f64(), Some(1.0));
+    assert_eq!(clients[0]["outputTokensPerSecond"].as_f64(), Some(7.5));
+    let heavy: Vec<String> = (0..12).map(|k| sha256_hex(&format!("heavy-{k}"))).collect();
+    assert!(
+        clients[..12]
+            .iter()
+            .all(|c| heavy.iter().any(|h| c["keySha256"] == h.as_str())),
+        "the 12 heavy clients first"
+    );
+    let (status, _, _) = gw.admin_get("/v1/clients?by=bytes").await;
+    assert_eq!(status, 400, "an unknown ranking is refused");
+    // By demand (the default): every client held one call for about as long.
+    let (_, _, by_demand) = gw.admin_get("/v1/clients").await;
+    let by_demand: Value = serde_json::from_str(&by_demand).unwrap();
+    assert_eq!(
+        by_demand["policies"][0]["clients"].as_array().map(Vec::len),
+        Some(32)
+    );
+
+    // The gauge: 10 clients and `other`, two directions each, out of 1,000 clients.
+    let text = gw.metrics().await;
+    let series: Vec<(&str, f64)> = text
+        .lines()
+        .filter(|l| l.starts_with("poolpilot_client_top_tokens_per_second{"))
+        .map(|l| {
+            let (name, value) = l.rsplit_once(' ').unwrap();
+            (name, value.parse().unwrap())
+        })
+        .collect();
+    assert_eq!(series.len(), 22, "{text}");
+    let top = |client: &str, direction: &str| {
+        metric(
+            &text,
+            &format!(
+                "poolpilot_client_top_tokens_per_second{{client_policy=\"default\",client=\"{client}\",direction=\"{direction}\"}}"
+            ),
+        )
+    };
+    // Named by the short hash of the key's digest: sha256: and 12 hex digits.
+    let short = format!("sha256:{}", &sha256_hex("heavy-11")[..12]);
+    assert_eq!(top(&short, "output"), Some(7.5), "{text}");
+    assert_eq!(top(&short, "input"), Some(1.0), "{text}");
+    let light = format!("sha256:{}", &sha256_hex("light-0")[..12]);
+    assert_eq!(
+        top(&light, "input"),
+        None,
+        "a light client is folded into other"
+    );
+    // The rest: 988 light calls and the two lightest heavy ones (20 and 25 output tokens).
+    let other_output = top("other", "output").unwrap();
+    assert!(
+        (other_output - (988.0 + 45.0) / 10.0).abs() < 1e-6,
+        "{other_output}"
+    );
+    let sum: f64 = series.iter().map(|(_, v)| v).sum();
+    assert!(
+        (sum * 10.0 - f64::from(total_tokens)).abs() < 1e-3,
+        "every token of every client is in one series: {sum} × 10 s against {total_tokens}"
+    );
+}
