@@ -491,3 +491,60 @@ async fn clients_are_ranked_by_tokens_and_the_top_tokens_gauge_names_ten_of_a_th
         "every token of every client is in one series: {sum} × 10 s against {total_tokens}"
     );
 }
+
+/// A chat call without `max_tokens` or `max_completion_tokens`: 40 bytes of prompt (10 tokens).
+fn chat_without_max_tokens() -> String {
+    json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "How many connections does a pool need??"}],
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_without_max_tokens_reserves_its_backends_default_over_its_budgets() {
+    // 4 tokens, 100 ms apart: a call holds its reservation for 400 ms.
+    let sim = modelsim(4, 100).await;
+    let budget = json!({"perMinute": 1000, "defaultMaxTokens": 100});
+    let mut doc = budget_limits(sim.addr(), budget.clone());
+    doc.backends[0].default_max_tokens = Some(600);
+    let gw = std::sync::Arc::new(Gw::start(doc).await);
+
+    // 10 + 600 reserved, not the budget's 10 + 100: 390 of 1,000 left.
+    let first = {
+        let gw = gw.clone();
+        tokio::spawn(async move { call(&gw, "alice", &chat_without_max_tokens()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Another call without max_tokens would reserve 610 again: refused, before the backend.
+    let received = sim.stats().requests_received;
+    let (status, headers, body) = call(&gw, "alice", &chat_without_max_tokens()).await;
+    refused(status, &body, "tokens", "requested 610");
+    let remaining = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+    assert!((390..400).contains(&remaining), "{remaining}");
+    assert_eq!(sim.stats().requests_received, received);
+    // A call that says max_tokens is estimated with its own: 10 + 100 fits.
+    let (status, _, body) = call(&gw, "alice", &chat(100, false, false)).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, headers, body) = first.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), Some(390));
+
+    // Without the backend's default, the budget's: the same two calls both fit (110 each).
+    let mut without = budget_limits(sim.addr(), budget);
+    without.generation += 1;
+    gw.apply(without);
+    let second = {
+        let gw = gw.clone();
+        tokio::spawn(async move { call(&gw, "bob", &chat_without_max_tokens()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (status, headers, body) = call(&gw, "bob", &chat_without_max_tokens()).await;
+    assert_eq!(status, 200, "{body}");
+    let remaining = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+    assert!(
+        (780..790).contains(&remaining),
+        "1000 − 2 × 110: {remaining}"
+    );
+    assert_eq!(second.await.unwrap().0, 200);
+}
