@@ -6,7 +6,9 @@
 //! the call over it as `type: requests`); reservations are settled with the backend's usage (a JSON body, a
 //! stream's usage chunk), with the content chunks of a stream without usage, and, for a call
 //! cut by a deadline or abandoned by its client, with what was streamed; a prompt modelsim
-//! serves from its prefix cache is counted as cached input, as modelsim reports it.
+//! serves from its prefix cache is counted as cached input, as modelsim reports it; clients
+//! ranked by tokens in `/v1/clients?by=tokens`, and the top-10 gauge bounded among 1,000
+//! clients; a call without `max_tokens` estimated with its backend's `defaultMaxTokens`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
