@@ -231,6 +231,11 @@ pub struct BackendLimits {
     /// down (a provider's refusal with a time to come back): the first not cooling down.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fallback: Vec<String>,
+    /// The most output tokens its model server produces for a call that sets neither
+    /// `max_completion_tokens` nor `max_tokens`: such a call's estimate, in place of its client
+    /// budget's `defaultMaxTokens` (none: the budget's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_max_tokens: Option<u64>,
 }
 
 /// A request matches when every condition given here holds; an empty match takes everything.
@@ -761,7 +766,8 @@ pub struct TokenBudget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<TokenWeights>,
     /// The output a call is assumed to reserve when it sets neither `max_completion_tokens`
-    /// nor `max_tokens` (a backend's own default is often the whole context).
+    /// nor `max_tokens` (a backend's own default is often the whole context), unless its
+    /// backend says its own (`BackendLimits::default_max_tokens`).
     #[serde(default = "TokenBudget::default_max_tokens")]
     pub default_max_tokens: u64,
     /// Calls a minute, a bucket of its own (OpenAI's `x-ratelimit-*-requests`). None: no
@@ -1096,6 +1102,9 @@ impl GatewayLimits {
                 && !prefix.starts_with('/')
             {
                 v.push(at("match.pathPrefix"), "must start with /");
+            }
+            if let Some(n) = b.default_max_tokens {
+                v.positive_u64(&at("defaultMaxTokens"), n);
             }
             let mut fallbacks = BTreeSet::new();
             for (j, f) in b.fallback.iter().enumerate() {

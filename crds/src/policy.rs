@@ -227,6 +227,14 @@ pub struct BackendSpec {
         extend("x-kubernetes-list-type" = "set")
     )]
     pub fallback: Vec<String>,
+    /// The most output tokens the backend's model server produces for a call that sets neither
+    /// `max_completion_tokens` nor `max_tokens` (its own default: vLLM's is what is left of the
+    /// model's context, or its `--generation-config` `max_new_tokens`). A call without them to
+    /// this backend is estimated with it, in place of the client's `tokens.defaultMaxTokens`.
+    /// Omitted: `tokens.defaultMaxTokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10_000_000))]
+    pub default_max_tokens: Option<u64>,
 }
 
 /// A backend's own saturation signal, read from Prometheus.
@@ -680,7 +688,8 @@ pub struct TokenBudgetSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<TokenWeightsSpec>,
     /// The output tokens a call that sets neither `max_completion_tokens` nor `max_tokens` is
-    /// assumed to reserve (a backend's own default is often the whole context).
+    /// assumed to reserve (a backend's own default is often the whole context), unless its
+    /// backend declares its own (`backends[].defaultMaxTokens`).
     #[serde(default = "TokenBudgetSpec::default_max_tokens")]
     #[schemars(range(min = 1, max = 10_000_000))]
     pub default_max_tokens: u64,

@@ -38,10 +38,17 @@ pub struct Config {
     /// A hosted provider's request rate limit (`None`: calls are limited by the slots and the
     /// queue alone).
     pub rate_limit: Option<RateLimit>,
+    /// Blocks of 16 prompt tokens the prefix cache holds, as vLLM's automatic prefix caching
+    /// holds KV blocks (the least recently used evicted first); 0 turns it off. The default,
+    /// 8,192 blocks, is 131,072 tokens.
+    pub prefix_cache_blocks: usize,
     /// Faults in force at start; change them at runtime with
     /// [`Modelsim::set_faults`](super::Modelsim::set_faults) or `PUT /admin/faults`.
     pub faults: Faults,
 }
+
+/// The prefix cache's default size in blocks ([`Config::prefix_cache_blocks`]).
+pub const DEFAULT_PREFIX_CACHE_BLOCKS: usize = 8192;
 
 impl Default for Config {
     fn default() -> Self {
@@ -56,6 +63,7 @@ impl Default for Config {
             refuse_status: 503,
             seed: None,
             rate_limit: None,
+            prefix_cache_blocks: DEFAULT_PREFIX_CACHE_BLOCKS,
             faults: Faults::default(),
         }
     }
@@ -94,8 +102,11 @@ impl Config {
 /// takes
 ///
 /// ```text
-/// base_latency·j·(1 + batch_slowdown·u)  +  Σ_{i=1..n} per_token·j·(1 + batch_slowdown·u + saturation_slowdown·u²)
+/// (base_latency + prefill_per_token·p)·j·(1 + batch_slowdown·u)  +  Σ_{i=1..n} per_token·j·(1 + batch_slowdown·u + saturation_slowdown·u²)
 /// ```
+///
+/// where `p` is the prompt tokens not served from the prefix cache (a cached token costs no
+/// prefill, as a vLLM KV block found in its cache is not computed again)
 ///
 /// once it holds a slot: a model server batches the calls in flight, so each step (prefill and
 /// every decoded token) gets slower as the batch grows, long before the slots run out
@@ -106,6 +117,9 @@ impl Config {
 pub struct ServiceTime {
     /// Time to the first token (prefill), per request.
     pub base_latency: Duration,
+    /// Prefill time per prompt token not served from the prefix cache, on top of
+    /// `base_latency` (default zero: prefill takes `base_latency` whatever the prompt).
+    pub prefill_per_token: Duration,
     /// Decode time per output token at low load.
     pub per_token: Duration,
     /// Per-request multiplicative jitter.
@@ -126,6 +140,7 @@ impl Default for ServiceTime {
     fn default() -> Self {
         Self {
             base_latency: Duration::from_millis(20),
+            prefill_per_token: Duration::ZERO,
             per_token: Duration::from_millis(10),
             jitter: Jitter::LogNormal { sigma: 0.25 },
             batch_slowdown: 0.0,
@@ -141,6 +156,7 @@ impl ServiceTime {
     pub fn fixed(base_latency: Duration, per_token: Duration, tokens: u32) -> Self {
         Self {
             base_latency,
+            prefill_per_token: Duration::ZERO,
             per_token,
             jitter: Jitter::None,
             batch_slowdown: 0.0,
@@ -148,6 +164,13 @@ impl ServiceTime {
             default_tokens: tokens,
             max_tokens: tokens.max(1),
         }
+    }
+
+    /// The prefill of a prompt of `uncached` tokens not served from the prefix cache, at low
+    /// load and before jitter.
+    pub fn prefill(&self, uncached: u32) -> Duration {
+        self.base_latency
+            .saturating_add(self.prefill_per_token.saturating_mul(uncached))
     }
 
     /// How much slower prefill and one decoded token are with `busy` (0 to 1) of the slots

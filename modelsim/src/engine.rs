@@ -61,6 +61,10 @@ struct Plan {
     /// Hang after this many tokens (the stall fault, mid-response).
     stall_after: Option<u32>,
     prompt_tokens: u32,
+    /// Of them, served from the prefix cache.
+    cached_tokens: u32,
+    /// The prompt's full blocks, cached once its prefill is done.
+    prompt_blocks: Vec<u64>,
     include_usage: bool,
 }
 
@@ -78,6 +82,19 @@ impl Plan {
 
     fn finish_reason(&self) -> &'static str {
         if self.capped { "length" } else { "stop" }
+    }
+
+    fn usage(&self) -> openai::Tokens {
+        openai::Tokens {
+            prompt: self.prompt_tokens,
+            cached: self.cached_tokens,
+            completion: self.tokens,
+        }
+    }
+
+    /// The prefill is done (the first token came out): the prompt's blocks are cached.
+    fn prefilled(&self, shared: &Shared) {
+        shared.prefix_cache.lock().insert(&self.prompt_blocks);
     }
 }
 
@@ -167,7 +184,7 @@ pub(crate) async fn inference(
             );
         }
     };
-    let parsed = match openai::parse_request(endpoint, &body) {
+    let parsed = match openai::parse_request(endpoint, &body, &shared.config.models[0]) {
         Ok(parsed) => parsed,
         Err(message) => {
             m.rejected_invalid.inc();
@@ -287,6 +304,18 @@ pub(crate) async fn inference(
     m.queue_wait.observe(waited.as_secs_f64());
 
     let service: &ServiceTime = &shared.config.service;
+    // The prompt's cached prefix, looked up as the request enters the batch (vLLM's scheduler
+    // looks it up when it schedules the request).
+    let cached_tokens = {
+        let mut cache = shared.prefix_cache.lock();
+        let cached = cache.lookup(&parsed.prompt_blocks, parsed.prompt_tokens);
+        if cache.enabled() {
+            m.prefix_cache_queries
+                .inc_by(u64::from(parsed.prompt_tokens));
+            m.prefix_cache_hits.inc_by(u64::from(cached));
+        }
+        cached
+    };
     let tokens = parsed
         .max_tokens
         .unwrap_or(service.default_tokens)
@@ -294,7 +323,9 @@ pub(crate) async fn inference(
     let plan = Plan {
         tokens,
         capped: parsed.max_tokens.is_some(),
-        prefill: service.base_latency.mul_f64(draws.jitter),
+        prefill: service
+            .prefill(parsed.prompt_tokens - cached_tokens)
+            .mul_f64(draws.jitter),
         per_token: service.per_token.mul_f64(draws.jitter),
         stall_after: if stalled {
             faults.stall_after_tokens
@@ -302,6 +333,8 @@ pub(crate) async fn inference(
             None
         },
         prompt_tokens: parsed.prompt_tokens,
+        cached_tokens,
+        prompt_blocks: parsed.prompt_blocks,
         include_usage: parsed.include_usage,
     };
     let meta = ResponseMeta::new(
@@ -337,6 +370,7 @@ pub(crate) async fn inference(
         if i == 0 {
             m.time_to_first_token
                 .observe(arrived.elapsed().as_secs_f64());
+            plan.prefilled(&shared);
         }
         text.push_str(&openai::token_text(i));
         m.tokens.inc();
@@ -349,13 +383,7 @@ pub(crate) async fn inference(
     m.served.inc();
     m.duration.observe(arrived.elapsed().as_secs_f64());
     count_response(&shared, endpoint, StatusCode::OK);
-    let value = openai::completion(
-        &meta,
-        &text,
-        plan.finish_reason(),
-        plan.prompt_tokens,
-        plan.tokens,
-    );
+    let value = openai::completion(&meta, &text, plan.finish_reason(), plan.usage());
     json_response(&shared, StatusCode::OK, &value)
 }
 
@@ -391,6 +419,7 @@ async fn stream_tokens(
         if i == 0 {
             m.time_to_first_token
                 .observe(arrived.elapsed().as_secs_f64());
+            plan.prefilled(&shared);
         }
         let text = openai::token_text(i);
         if send(&chunk(i, Some(&text), None)).await.is_err() {
@@ -409,7 +438,7 @@ async fn stream_tokens(
         return;
     }
     if plan.include_usage
-        && send(&openai::usage_chunk(&meta, plan.prompt_tokens, plan.tokens))
+        && send(&openai::usage_chunk(&meta, plan.usage()))
             .await
             .is_err()
     {

@@ -8,8 +8,9 @@
 //!                                           └─► admission: slot free? ─► serve
 //!                                                queue < max_queue? ─► wait (latency rises)
 //!                                                else ─► refuse (503 + Retry-After)
+//!                                 prefix cache: the prompt's cached blocks (vLLM's automatic prefix caching)
 //!                                 serve (u = in_flight/max_concurrency):
-//!                                        prefill × jitter × (1 + batch_slowdown·u)
+//!                                        prefill of the uncached prompt × jitter × (1 + batch_slowdown·u)
 //!                                        + per-token time × jitter
 //!                                          × (1 + batch_slowdown·u + saturation_slowdown·u²)
 //!                                        complete JSON, or one SSE event per token + [DONE]
@@ -22,7 +23,17 @@
 //!   reported as vLLM reports it: `usage` (`prompt_tokens`: the prompt's characters ÷ 4,
 //!   `completion_tokens`, `total_tokens`) in every complete answer; on a stream only when the
 //!   request sets `stream_options.include_usage`, then in a last chunk before `[DONE]` with
-//!   `choices: []`, every chunk before it carrying `"usage": null`
+//!   `choices: []`, every chunk before it carrying `"usage": null`. Prompt tokens served from
+//!   the prefix cache are `usage.prompt_tokens_details.cached_tokens`, present only when there
+//!   are some, as vLLM writes it (with `--enable-prompt-tokens-details`; OpenAI's API sends
+//!   `cached_tokens: 0` too)
+//! - the prefix cache (`prefix_cache`, `--prefix-cache-blocks`, default 8,192 blocks; 0 turns it
+//!   off): as vLLM's automatic prefix caching, the prompt in blocks of 16 tokens (64
+//!   characters) hashed in a chain over the prefix, full blocks only, the least recently used
+//!   evicted first; a prompt whose leading blocks are cached (a repeated system prompt, a
+//!   conversation's earlier turns) is served from them, short of its last token, and costs no
+//!   prefill for them (`--prefill-per-token-ms`); counted in vLLM's
+//!   `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (prompt tokens)
 //! - `GET /health`: 200, or 503 when the `health_failing` fault is set or while draining
 //! - `GET /metrics`: Prometheus/OpenMetrics text (`modelsim_*` and the standard
 //!   `process_*` metrics)
@@ -38,7 +49,8 @@
 //! count the gateway's connections only.
 //!
 //! Modules, each importing only modules above it in this list (no circle):
-//! `config`, `openai` and `stats` (plain data and the OpenAI wire format) · `conn` (one
+//! `config`, `prefix_cache` (the cached prompt blocks), `openai` and `stats` (plain data and the
+//! OpenAI wire format) · `conn` (one
 //! connection's state) · `metrics` · `admission` (slots and queue) · `shared` (the state of one
 //! modelsim) · `body` · `response` (JSON, error and SSE heads) · `engine` (inference) · `handler`
 //! (routes) · `server` (accept loops, connection tasks) · `remote` (a client of the admin API).
@@ -64,6 +76,7 @@ mod engine;
 mod handler;
 mod metrics;
 mod openai;
+mod prefix_cache;
 mod rate_limit;
 mod remote;
 mod response;
@@ -79,7 +92,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 
-pub use config::{Config, Faults, Jitter, ServiceTime};
+pub use config::{Config, DEFAULT_PREFIX_CACHE_BLOCKS, Faults, Jitter, ServiceTime};
+pub use prefix_cache::BLOCK_TOKENS;
 pub use rate_limit::RateLimit;
 pub use remote::Remote;
 pub use stats::{ConnectionAtPeak, PEAK_DETAIL_LIMIT, Stats};

@@ -7,7 +7,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use poolpilot_modelsim::{Config, Faults, Jitter, Modelsim, RateLimit, ServiceTime};
+use poolpilot_modelsim::{
+    Config, DEFAULT_PREFIX_CACHE_BLOCKS, Faults, Jitter, Modelsim, RateLimit, ServiceTime,
+};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::EnvFilter;
 
@@ -50,6 +52,10 @@ struct Args {
     /// Time to first token (prefill), milliseconds.
     #[arg(long, env = "MODELSIM_BASE_LATENCY_MS", default_value_t = 20.0)]
     base_latency_ms: f64,
+    /// Prefill time per prompt token not served from the prefix cache, on top of
+    /// --base-latency-ms, milliseconds (0: prefill takes --base-latency-ms whatever the prompt).
+    #[arg(long, env = "MODELSIM_PREFILL_PER_TOKEN_MS", default_value_t = 0.0)]
+    prefill_per_token_ms: f64,
     /// Decode time per output token at low load, milliseconds.
     #[arg(long, env = "MODELSIM_PER_TOKEN_MS", default_value_t = 10.0)]
     per_token_ms: f64,
@@ -88,6 +94,11 @@ struct Args {
     /// The rate limit's window, milliseconds (fixed windows from the start).
     #[arg(long, env = "MODELSIM_RATE_LIMIT_WINDOW_MS", default_value_t = 60_000)]
     rate_limit_window_ms: u64,
+    /// Prefix cache size in blocks of 16 prompt tokens (vLLM's automatic prefix caching: a
+    /// repeated prompt prefix is served from it, reported as usage's
+    /// prompt_tokens_details.cached_tokens); 0 turns it off.
+    #[arg(long, env = "MODELSIM_PREFIX_CACHE_BLOCKS", default_value_t = DEFAULT_PREFIX_CACHE_BLOCKS)]
+    prefix_cache_blocks: usize,
     /// Seed of the random draws (jitter, fault ratios). Default: from the OS.
     #[arg(long, env = "MODELSIM_SEED")]
     seed: Option<u64>,
@@ -161,6 +172,7 @@ impl Args {
                 .collect(),
             service: ServiceTime {
                 base_latency: millis("base-latency-ms", self.base_latency_ms)?,
+                prefill_per_token: millis("prefill-per-token-ms", self.prefill_per_token_ms)?,
                 per_token: millis("per-token-ms", self.per_token_ms)?,
                 jitter,
                 batch_slowdown: self.batch_slowdown,
@@ -172,6 +184,7 @@ impl Args {
             max_queue: self.max_queue,
             refuse_status: self.refuse_status,
             seed: self.seed,
+            prefix_cache_blocks: self.prefix_cache_blocks,
             rate_limit: self.rate_limit_requests.map(|requests| RateLimit {
                 requests,
                 window: Duration::from_millis(self.rate_limit_window_ms),

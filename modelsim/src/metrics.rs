@@ -74,6 +74,8 @@ pub(crate) struct Metrics {
     pub cancelled: Counter,
     pub faults: Family<FaultLabels, Counter>,
     pub tokens: Counter,
+    pub prefix_cache_queries: Counter,
+    pub prefix_cache_hits: Counter,
     pub duration: Histogram,
     pub queue_wait: Histogram,
     pub time_to_first_token: Histogram,
@@ -115,6 +117,8 @@ impl Metrics {
             cancelled: Counter::default(),
             faults: Family::default(),
             tokens: Counter::default(),
+            prefix_cache_queries: Counter::default(),
+            prefix_cache_hits: Counter::default(),
             duration: latency_buckets(),
             queue_wait: latency_buckets(),
             time_to_first_token: latency_buckets(),
@@ -223,6 +227,18 @@ impl Metrics {
             "modelsim_tokens_generated",
             "Output tokens produced",
             m.tokens.clone(),
+        );
+        // vLLM's prefix cache counters, by its names (v1: `vllm:prefix_cache_queries_total`,
+        // `vllm:prefix_cache_hits_total`), in prompt tokens; counted only while the cache is on.
+        r.register(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens",
+            m.prefix_cache_queries.clone(),
+        );
+        r.register(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens",
+            m.prefix_cache_hits.clone(),
         );
         r.register(
             "modelsim_request_duration_seconds",
@@ -364,6 +380,8 @@ impl Metrics {
             resets_injected: self.fault_count(&FAULT_RESET),
             stalls_injected: self.fault_count(&FAULT_STALL),
             tokens_generated: self.tokens.get(),
+            prefix_cache_queries: self.prefix_cache_queries.get(),
+            prefix_cache_hits: self.prefix_cache_hits.get(),
             draining,
         }
     }
@@ -416,6 +434,8 @@ mod tests {
             "modelsim_connections_accepted_total ",
             "modelsim_faults_injected_total{kind=\"slow_headers\"} 1",
             "modelsim_max_concurrency 4",
+            "vllm:prefix_cache_queries_total 0",
+            "vllm:prefix_cache_hits_total 0",
             "process_open_fds ",
             "process_max_fds ",
         ] {

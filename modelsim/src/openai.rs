@@ -3,6 +3,8 @@
 
 use serde_json::{Value, json};
 
+use super::prefix_cache::BlockHasher;
+
 /// Which inference endpoint a request came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Endpoint {
@@ -34,10 +36,17 @@ pub(crate) struct InferenceRequest {
     pub include_usage: bool,
     pub max_tokens: Option<u32>,
     pub prompt_tokens: u32,
+    /// The chained hashes of the prompt's full blocks ([`super::prefix_cache`]).
+    pub prompt_blocks: Vec<u64>,
 }
 
-/// Parses a request body; the error is a message for a 400 answer.
-pub(crate) fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest, String> {
+/// Parses a request body, a request without `model` being to `default_model`; the error is a
+/// message for a 400 answer.
+pub(crate) fn parse_request(
+    endpoint: Endpoint,
+    body: &[u8],
+    default_model: &str,
+) -> Result<InferenceRequest, String> {
     let value: Value =
         serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
     let obj = value
@@ -68,7 +77,15 @@ pub(crate) fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<Inference
             _ => return Err("`max_tokens` must be an integer ≥ 1".to_owned()),
         },
     };
-    let prompt_chars = match endpoint {
+    let mut blocks = BlockHasher::new(model.as_deref().unwrap_or(default_model));
+    let mut prompt_chars = 0usize;
+    let mut read = |blocks: &mut BlockHasher, v: &Value| {
+        visit_text(v, &mut |t| {
+            prompt_chars += t.chars().count();
+            blocks.text(t);
+        });
+    };
+    match endpoint {
         Endpoint::Chat => {
             let messages = obj
                 .get("messages")
@@ -77,32 +94,41 @@ pub(crate) fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<Inference
             if messages.is_empty() {
                 return Err("`messages` must not be empty".to_owned());
             }
-            messages
-                .iter()
-                .map(|m| text_len(m.get("content").unwrap_or(&Value::Null)))
-                .sum()
+            for m in messages {
+                blocks.start(Some(m.get("role").and_then(Value::as_str).unwrap_or("")));
+                read(&mut blocks, m.get("content").unwrap_or(&Value::Null));
+            }
         }
         Endpoint::Completions => match obj.get("prompt") {
-            Some(p @ (Value::String(_) | Value::Array(_))) => text_len(p),
+            Some(p @ (Value::String(_) | Value::Array(_))) => {
+                blocks.start(None);
+                read(&mut blocks, p);
+            }
             _ => return Err("`prompt` must be a string or an array".to_owned()),
         },
-    };
+    }
     Ok(InferenceRequest {
         model,
         stream,
         include_usage,
         max_tokens,
         prompt_tokens: u32::try_from(prompt_chars.div_ceil(4).max(1)).unwrap_or(u32::MAX),
+        prompt_blocks: blocks.finish(),
     })
 }
 
-/// Characters of text in a message content (a string, or an array of parts with `text`).
-fn text_len(v: &Value) -> usize {
+/// Calls `f` with each text of a message content, in order (a string, or an array of them or
+/// of parts with `text`).
+fn visit_text(v: &Value, f: &mut impl FnMut(&str)) {
     match v {
-        Value::String(s) => s.chars().count(),
-        Value::Array(parts) => parts.iter().map(text_len).sum(),
-        Value::Object(o) => o.get("text").map_or(0, text_len),
-        _ => 0,
+        Value::String(s) => f(s),
+        Value::Array(parts) => parts.iter().for_each(|p| visit_text(p, f)),
+        Value::Object(o) => {
+            if let Some(text) = o.get("text") {
+                visit_text(text, f);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -159,12 +185,28 @@ impl ResponseMeta {
     }
 }
 
-fn usage(prompt_tokens: u32, completion_tokens: u32) -> Value {
-    json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": u64::from(prompt_tokens) + u64::from(completion_tokens),
-    })
+/// A call's token counts: prompt tokens, of them those served from the prefix cache, and
+/// completion tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tokens {
+    pub prompt: u32,
+    pub cached: u32,
+    pub completion: u32,
+}
+
+/// `usage` as vLLM writes it with `--enable-prompt-tokens-details`: `prompt_tokens_details`
+/// (`cached_tokens`) only when some prompt tokens came from its prefix cache, absent otherwise
+/// (OpenAI's API sends it always, `cached_tokens: 0` included; readers take both).
+fn usage(tokens: Tokens) -> Value {
+    let mut usage = json!({
+        "prompt_tokens": tokens.prompt,
+        "completion_tokens": tokens.completion,
+        "total_tokens": u64::from(tokens.prompt) + u64::from(tokens.completion),
+    });
+    if tokens.cached > 0 {
+        usage["prompt_tokens_details"] = json!({"cached_tokens": tokens.cached});
+    }
+    usage
 }
 
 /// A complete (non-streaming) response.
@@ -172,8 +214,7 @@ pub(crate) fn completion(
     meta: &ResponseMeta,
     text: &str,
     finish_reason: &str,
-    prompt_tokens: u32,
-    completion_tokens: u32,
+    tokens: Tokens,
 ) -> Value {
     let choice = match meta.endpoint {
         Endpoint::Chat => json!({
@@ -194,7 +235,7 @@ pub(crate) fn completion(
         "created": meta.created,
         "model": meta.model,
         "choices": [choice],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(tokens),
     })
 }
 
@@ -228,14 +269,10 @@ pub(crate) fn chunk(
 }
 
 /// The usage chunk sent before `[DONE]` when `stream_options.include_usage` is set.
-pub(crate) fn usage_chunk(
-    meta: &ResponseMeta,
-    prompt_tokens: u32,
-    completion_tokens: u32,
-) -> Value {
+pub(crate) fn usage_chunk(meta: &ResponseMeta, tokens: Tokens) -> Value {
     let mut v = chunk(meta, 1, None, None);
     v["choices"] = json!([]);
-    v["usage"] = usage(prompt_tokens, completion_tokens);
+    v["usage"] = usage(tokens);
     v
 }
 
@@ -281,7 +318,7 @@ mod tests {
         let body =
             br#"{"model":"m","messages":[{"role":"user","content":"hello world, twenty chars"}],
                        "stream":true,"max_tokens":7,"stream_options":{"include_usage":true}}"#;
-        let req = parse_request(Endpoint::Chat, body).unwrap();
+        let req = parse_request(Endpoint::Chat, body, "m").unwrap();
         assert_eq!(
             req,
             InferenceRequest {
@@ -290,15 +327,32 @@ mod tests {
                 include_usage: true,
                 max_tokens: Some(7),
                 prompt_tokens: 7,
+                prompt_blocks: Vec::new(),
             }
         );
         let parts = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"abcd"}]}],
                         "max_completion_tokens":3}"#;
-        let req = parse_request(Endpoint::Chat, parts).unwrap();
+        let req = parse_request(Endpoint::Chat, parts, "m").unwrap();
         assert_eq!(
             (req.model, req.stream, req.max_tokens, req.prompt_tokens),
             (None, false, Some(3), 1)
         );
+    }
+
+    #[test]
+    fn a_prompt_is_hashed_in_blocks_of_its_text_as_counted() {
+        // 130 characters over two messages: 33 tokens, two full blocks of 64 characters.
+        let body = serde_json::json!({"messages": [
+            {"role": "system", "content": "s".repeat(100)},
+            {"role": "user", "content": [{"type": "text", "text": "u".repeat(30)}]},
+        ]})
+        .to_string();
+        let req = parse_request(Endpoint::Chat, body.as_bytes(), "m").unwrap();
+        assert_eq!((req.prompt_tokens, req.prompt_blocks.len()), (33, 2));
+        // Without a model, the default model's name is hashed: the same blocks.
+        let named = body.replacen('{', r#"{"model":"m","#, 1);
+        let named = parse_request(Endpoint::Chat, named.as_bytes(), "other").unwrap();
+        assert_eq!(named.prompt_blocks, req.prompt_blocks);
     }
 
     #[test]
@@ -319,19 +373,35 @@ mod tests {
             (Endpoint::Completions, br#"{"model":"m"}"#),
         ] {
             assert!(
-                parse_request(endpoint, body).is_err(),
+                parse_request(endpoint, body, "m").is_err(),
                 "{}",
                 String::from_utf8_lossy(body)
             );
         }
-        assert!(parse_request(Endpoint::Completions, br#"{"prompt":"hi"}"#).is_ok());
+        assert!(parse_request(Endpoint::Completions, br#"{"prompt":"hi"}"#, "m").is_ok());
     }
 
     #[test]
     fn renders_openai_shapes() {
         let meta = ResponseMeta::new(Endpoint::Chat, "pod-1", 3, 1, "m".to_owned());
-        let full = completion(&meta, "a b ", "length", 5, 2);
+        let tokens = |prompt, cached, completion| Tokens {
+            prompt,
+            cached,
+            completion,
+        };
+        let full = completion(&meta, "a b ", "length", tokens(5, 0, 2));
         assert_eq!(full["id"], "chatcmpl-pod-1-3");
+        assert_eq!(
+            full["usage"].get("prompt_tokens_details"),
+            None,
+            "no cached tokens: absent, as vLLM sends it"
+        );
+        let cached = completion(&meta, "a b ", "length", tokens(40, 32, 2));
+        assert_eq!(
+            cached["usage"]["prompt_tokens_details"]["cached_tokens"],
+            32
+        );
+        assert_eq!(cached["usage"]["prompt_tokens"], 40);
         assert_eq!(full["choices"][0]["message"]["content"], "a b ");
         assert_eq!(full["usage"]["total_tokens"], 7);
         let first = chunk(&meta, 0, Some("a "), None);
@@ -342,9 +412,16 @@ mod tests {
         assert_eq!(last["choices"][0]["finish_reason"], "stop");
         let meta = ResponseMeta::new(Endpoint::Completions, "pod-1", 4, 1, "m".to_owned());
         assert_eq!(
-            completion(&meta, "x", "stop", 1, 1)["choices"][0]["text"],
+            completion(&meta, "x", "stop", tokens(1, 0, 1))["choices"][0]["text"],
             "x"
         );
-        assert_eq!(usage_chunk(&meta, 1, 2)["usage"]["completion_tokens"], 2);
+        assert_eq!(
+            usage_chunk(&meta, tokens(1, 0, 2))["usage"]["completion_tokens"],
+            2
+        );
+        assert_eq!(
+            usage_chunk(&meta, tokens(20, 16, 2))["usage"]["prompt_tokens_details"]["cached_tokens"],
+            16
+        );
     }
 }

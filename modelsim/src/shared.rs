@@ -17,6 +17,7 @@ use super::admission::Admission;
 use super::config::{Config, Faults};
 use super::metrics::Metrics;
 use super::openai::unix_now;
+use super::prefix_cache::PrefixCache;
 use super::rate_limit::Limiter;
 use super::stats::Stats;
 
@@ -30,6 +31,8 @@ pub(crate) struct Shared {
     /// The provider's rate limit, when it has one.
     pub rate_limit: Option<Limiter>,
     pub rng: Mutex<StdRng>,
+    /// The prompt blocks cached (vLLM's automatic prefix caching).
+    pub prefix_cache: Mutex<PrefixCache>,
     pub refuse_status: StatusCode,
     pub instance_header: Option<HeaderValue>,
     pub started_unix: u64,
@@ -60,6 +63,7 @@ impl Shared {
             admission: Admission::new(config.max_concurrency, config.max_queue),
             rate_limit: config.rate_limit.map(|l| Limiter::new(l, Instant::now())),
             rng: Mutex::new(rng),
+            prefix_cache: Mutex::new(PrefixCache::new(config.prefix_cache_blocks)),
             refuse_status: StatusCode::from_u16(config.refuse_status)
                 .unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
             instance_header: HeaderValue::from_str(&config.instance).ok(),

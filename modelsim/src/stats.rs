@@ -65,6 +65,13 @@ pub struct Stats {
     pub stalls_injected: u64,
     /// Output tokens produced.
     pub tokens_generated: u64,
+    /// Prompt tokens looked up in the prefix cache (`vllm:prefix_cache_queries_total`; 0 while
+    /// the cache is off).
+    #[serde(default)]
+    pub prefix_cache_queries: u64,
+    /// Of them, tokens served from it (`vllm:prefix_cache_hits_total`).
+    #[serde(default)]
+    pub prefix_cache_hits: u64,
     /// The server is shutting down.
     pub draining: bool,
 }

@@ -348,6 +348,7 @@ async fn overload_raises_latency_then_refuses_and_metrics_say_so() {
     let sim = start(Config {
         service: ServiceTime {
             base_latency: Duration::ZERO,
+            prefill_per_token: Duration::ZERO,
             per_token: Duration::from_millis(15),
             jitter: Jitter::None,
             batch_slowdown: 0.0,
@@ -474,6 +475,7 @@ async fn batching_slows_calls_down_long_before_the_slots_run_out() {
     let sim = start(Config {
         service: ServiceTime {
             base_latency: Duration::ZERO,
+            prefill_per_token: Duration::ZERO,
             per_token: Duration::from_millis(20),
             jitter: Jitter::None,
             batch_slowdown: 1.0,
@@ -639,6 +641,128 @@ async fn streaming_responses_arrive_chunk_by_chunk() {
         3.0
     );
     assert_eq!(metric(&text, "modelsim_tokens_generated_total"), 15.0);
+}
+
+/// A chat with a long system prompt (`system` characters) shared between calls, and a short
+/// question of its own; streamed (with usage) or not, one output token.
+fn with_system_prompt(system: usize, question: &str, stream: bool) -> Value {
+    let mut body = json!({
+        "model": "sim-model",
+        "messages": [
+            {"role": "system", "content": "You answer questions about connection pools. ".repeat(system / 45 + 1)[..system]},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 1,
+        "stream": stream,
+    });
+    if stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_prefix_is_served_from_the_prefix_cache_and_costs_less_prefill() {
+    // 0.5 ms of prefill per prompt token not cached: a 1,600-character system prompt (400
+    // tokens) takes 200 ms cold.
+    let sim = start(Config {
+        service: ServiceTime {
+            prefill_per_token: Duration::from_micros(500),
+            ..ServiceTime::fixed(Duration::ZERO, Duration::ZERO, 1)
+        },
+        ..Config::default()
+    })
+    .await;
+    let addr = sim.addr();
+    let timed = |body: Value| async move {
+        let started = Instant::now();
+        let v = call(addr, Method::POST, "/v1/chat/completions", Some(&body))
+            .await
+            .json();
+        (v, started.elapsed())
+    };
+
+    // 1,600 + 20 characters: 405 tokens, 25 full blocks.
+    let (cold, cold_took) = timed(with_system_prompt(1600, "What is a lease, 1?", false)).await;
+    assert_eq!(cold["usage"]["prompt_tokens"], 405);
+    assert_eq!(
+        cold["usage"].get("prompt_tokens_details"),
+        None,
+        "nothing cached: absent, as vLLM writes it"
+    );
+    assert!(cold_took >= Duration::from_millis(200), "{cold_took:?}");
+
+    // Another question after the same system prompt: the 25 blocks up to the question's start
+    // (1,600 characters), which holds the blocks' end, are cached.
+    let (warm, warm_took) = timed(with_system_prompt(1600, "What is a lease, 2?", false)).await;
+    assert_eq!(warm["usage"]["prompt_tokens"], 405);
+    assert_eq!(
+        warm["usage"]["prompt_tokens_details"]["cached_tokens"], 400,
+        "{warm}"
+    );
+    assert!(
+        warm_took < cold_took / 2,
+        "5 uncached tokens of prefill ({warm_took:?}) against 405 ({cold_took:?})"
+    );
+
+    // A stream reports it in its usage chunk.
+    let (_, _, _, events) = stream(
+        addr,
+        "/v1/chat/completions",
+        &with_system_prompt(1600, "What is a lease, 3?", true),
+    )
+    .await;
+    let usage: Value = serde_json::from_str(&events[events.len() - 2].data).unwrap();
+    assert_eq!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"],
+        400
+    );
+
+    // A system prompt one character shorter shares its first 24 blocks (1,536 characters) and
+    // no more: the cache hits whole blocks.
+    let (shorter, _) = timed(with_system_prompt(1599, "What is a lease, 4?", false)).await;
+    assert_eq!(shorter["usage"]["prompt_tokens"], 405);
+    assert_eq!(
+        shorter["usage"]["prompt_tokens_details"]["cached_tokens"],
+        384
+    );
+
+    // vLLM's counters, in prompt tokens: four queries of 405, three hits.
+    let text = sim.metrics_text();
+    assert_eq!(
+        metric(&text, "vllm:prefix_cache_queries_total"),
+        4.0 * 405.0
+    );
+    assert_eq!(metric(&text, "vllm:prefix_cache_hits_total"), 1184.0);
+    let stats = sim.stats();
+    assert_eq!(
+        (stats.prefix_cache_queries, stats.prefix_cache_hits),
+        (1620, 1184)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_cache_of_zero_blocks_caches_nothing_and_counts_nothing() {
+    let sim = start(Config {
+        service: fast(),
+        prefix_cache_blocks: 0,
+        ..Config::default()
+    })
+    .await;
+    for _ in 0..2 {
+        let v = call(
+            sim.addr(),
+            Method::POST,
+            "/v1/chat/completions",
+            Some(&with_system_prompt(1600, "Again?", false)),
+        )
+        .await
+        .json();
+        assert_eq!(v["usage"].get("prompt_tokens_details"), None, "{v}");
+    }
+    let text = sim.metrics_text();
+    assert_eq!(metric(&text, "vllm:prefix_cache_queries_total"), 0.0);
+    assert_eq!(metric(&text, "vllm:prefix_cache_hits_total"), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -204,6 +204,36 @@ fn fallbacks_name_other_backends_of_the_document_once() {
 }
 
 #[test]
+fn a_backends_default_max_tokens_round_trips_and_must_be_positive() {
+    let mut doc = example();
+    assert_eq!(doc.backends[0].default_max_tokens, None, "omitted: none");
+    assert!(
+        !serde_json::to_string(&doc)
+            .unwrap()
+            .contains("defaultMaxTokens"),
+        "and not written"
+    );
+    doc.backends[0].default_max_tokens = Some(4096);
+    let json = serde_json::to_string(&doc).unwrap();
+    assert!(json.contains("\"defaultMaxTokens\":4096"), "{json}");
+    let back: GatewayLimits = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.backends[0].default_max_tokens, Some(4096));
+    let yaml: GatewayLimits =
+        serde_norway::from_str(&serde_norway::to_string(&doc).unwrap()).unwrap();
+    assert_eq!(yaml, doc);
+    assert_eq!(doc.validate(), Ok(()));
+    doc.backends[0].default_max_tokens = Some(0);
+    let err = doc.validate().unwrap_err();
+    assert_eq!(
+        err.violations
+            .iter()
+            .map(|v| (v.field.as_str(), v.message.as_str()))
+            .collect::<Vec<_>>(),
+        [("backends[0].defaultMaxTokens", "must be at least 1")]
+    );
+}
+
+#[test]
 fn source_ip_identity_round_trips() {
     let mut doc = example();
     doc.client_policies[0].identity = ClientIdentity::SourceIp;

@@ -259,6 +259,32 @@ fn the_reference_shows_types_defaults_bounds_and_rules_where_they_are_declared()
 }
 
 #[test]
+fn a_backends_default_max_tokens_is_optional_and_bounded_by_the_schema() {
+    let schema = spec_schema(&["backends", "defaultMaxTokens"]);
+    assert_eq!(
+        (schema["minimum"].as_f64(), schema["maximum"].as_f64()),
+        (Some(1.0), Some(10_000_000.0)),
+        "{schema}"
+    );
+    let required = spec_schema(&["backends"])["items"]["required"].clone();
+    assert!(
+        !required
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r == "defaultMaxTokens"),
+        "{required}"
+    );
+    let mut p = sample();
+    assert_eq!(p.spec.backends[0].default_max_tokens, None);
+    let mut backend = serde_json::to_value(&p.spec.backends[0]).unwrap();
+    backend["defaultMaxTokens"] = 8192.into();
+    p.spec.backends[0] = serde_json::from_value(backend).unwrap();
+    assert_eq!(p.spec.backends[0].default_max_tokens, Some(8192));
+    assert_eq!(cel_errors(&p), Vec::<String>::new());
+}
+
+#[test]
 fn sample_policy_parses_with_its_values() {
     let p: ConnectionPolicy = serde_norway::from_str(SAMPLE).expect("the sample parses");
     assert_eq!(p.spec.backends.len(), 2);

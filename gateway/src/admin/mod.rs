@@ -1,6 +1,6 @@
 //! The admin API, on its own port: `GET /healthz`, `/readyz` (`?requireLimits=true`) and
 //! `/metrics` for probes and Prometheus, and behind the bearer token `GET /v1/limits`, `GET /v1/stats`,
-//! `GET /v1/clients`,
+//! `GET /v1/clients` (`?by=tokens`),
 //! `PUT /v1/limits` (validated, swapped atomically; 200, 401, 408, 409, 413 or 422 with the old
 //! limits kept), `GET`/`PUT /v1/log-level` (the log filter, changed at run time) and
 //! `POST /v1/backends/{backend}/endpoints/{endpoint}/drain` (or `/restore`).
@@ -26,6 +26,7 @@ use poolpilot_api::limits::MAX_DOCUMENT_BYTES;
 pub use listener::AdminListener;
 pub use token::AdminTokens;
 
+use crate::limits::limiter::Ranking;
 use crate::live::{ApplyError, Gateway, LimitsSource};
 use crate::proxy::body::ResponseBody;
 use crate::proxy::error::json_response;
@@ -71,7 +72,13 @@ pub async fn route(
         }
         (&Method::PUT, "/v1/limits") => put_limits(gw, body_timeout, req).await,
         (&Method::GET, "/v1/stats") => json_response(StatusCode::OK, &gw.stats()),
-        (&Method::GET, "/v1/clients") => json_response(StatusCode::OK, &gw.clients()),
+        (&Method::GET, "/v1/clients") => match ranking(req.uri().query()) {
+            Ok(by) => json_response(StatusCode::OK, &gw.clients(by)),
+            Err(bad) => error(
+                StatusCode::BAD_REQUEST,
+                &format!("by={bad}: rank by demand (the default) or tokens"),
+            ),
+        },
         (&Method::GET, "/v1/log-level") => match crate::observe::logging::level() {
             Ok(level) => json_response(StatusCode::OK, &serde_json::json!({ "level": level })),
             Err(e) => error(StatusCode::CONFLICT, &e.to_string()),
@@ -84,6 +91,19 @@ pub async fn route(
         ) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
         (method, path) if path.starts_with("/v1/backends/") => drain_or_restore(gw, method, path),
         _ => error(StatusCode::NOT_FOUND, "no such admin endpoint"),
+    }
+}
+
+/// The ranking `GET /v1/clients?by=` asks for (`demand` when absent), or the value it does not
+/// know.
+fn ranking(query: Option<&str>) -> Result<Ranking, String> {
+    let by = query
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("by="));
+    match by {
+        None => Ok(Ranking::default()),
+        Some(by) => Ranking::parse(by).ok_or_else(|| by.to_owned()),
     }
 }
 

@@ -1,5 +1,7 @@
 //! How much each client of a policy asked for lately: the time-weighted average of its calls in
-//! flight plus queued over the last [`WINDOW`] (10 s), for `GET /v1/clients`. The operator
+//! flight plus queued over the last [`WINDOW`] (10 s), and the tokens its calls used over the
+//! same window (input and output, counted as each call ends), for `GET /v1/clients` and the
+//! top clients by tokens (`poolpilot_client_top_tokens_per_second`). The operator
 //! polls it once per interval and divides a client's fleet-wide limits over the pods by where
 //! its calls arrive; an average over the window, not the level at the poll, so that a client
 //! of short calls is seen as busy as it is between them.
@@ -8,7 +10,8 @@
 //! ring of eleven, by bucket number since the table's start); the average at `now` sums the
 //! buckets of `[now − 10 s, now]`, the oldest one in part (its share of the window, as if its
 //! area were spread evenly over its second), and divides by 10 s. A client present for less
-//! than the window counts as idle before it came.
+//! than the window counts as idle before it came. Tokens go in the same buckets, by the second
+//! their call ended, and their rate is the same sum (the oldest bucket in part) over 10 s.
 //!
 //! Memory is bounded like the client table's: a record lives while its client has calls in
 //! flight or queued, and after its last call ends only until the window has forgotten it (or
@@ -36,7 +39,8 @@ pub struct DemandTable<K> {
     quiet: VecDeque<(K, Instant)>,
 }
 
-/// One client's level and its recent area, in level × seconds per bucket.
+/// One client's level and its recent area, in level × seconds per bucket, and its tokens per
+/// bucket.
 #[derive(Debug)]
 struct Demand {
     level: u32,
@@ -45,6 +49,28 @@ struct Demand {
     /// The bucket number of `since`.
     bucket: u64,
     area: [f64; BUCKETS],
+    /// Input (prompt) tokens of the calls that ended in each bucket.
+    input: [u64; BUCKETS],
+    /// Output (completion) tokens of the same.
+    output: [u64; BUCKETS],
+}
+
+/// What a client did over the window ending now.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Recent {
+    /// Calls in flight plus queued, time-weighted average.
+    pub demand: f64,
+    /// Input tokens a second.
+    pub input: f64,
+    /// Output tokens a second.
+    pub output: f64,
+}
+
+impl Recent {
+    /// Input and output tokens a second.
+    pub fn tokens(&self) -> f64 {
+        self.input + self.output
+    }
 }
 
 impl<K: Copy + Eq + std::hash::Hash> DemandTable<K> {
@@ -91,17 +117,33 @@ impl<K: Copy + Eq + std::hash::Hash> DemandTable<K> {
         let epoch = self.epoch;
         self.records
             .get_mut(key)
-            .map_or(0.0, |d| d.average(epoch, now))
+            .map_or(0.0, |d| d.recent(epoch, now).demand)
     }
 
-    /// Every client with demand in the window (or calls now), with its average at `now`.
-    pub fn all(&mut self, now: Instant) -> Vec<(K, f64)> {
+    /// The calls of `key` that ended at `now` used `input` and `output` tokens. Counted only
+    /// in a record it has (a client with a call has one: it was not quiet).
+    pub fn used(&mut self, key: &K, input: u64, output: u64, now: Instant) {
+        let epoch = self.epoch;
+        if let Some(d) = self.records.get_mut(key) {
+            d.advance(epoch, now);
+            // The bucket `now` is in (`advance` stops short of one that starts at `now`).
+            d.move_to(bucket_of(epoch, now).max(d.bucket));
+            let b = ring(d.bucket);
+            d.input[b] += input;
+            d.output[b] += output;
+        }
+    }
+
+    /// Every client with demand or tokens in the window (or calls now), with what it did over
+    /// the window ending at `now`.
+    pub fn all(&mut self, now: Instant) -> Vec<(K, Recent)> {
         let epoch = self.epoch;
         self.records
             .iter_mut()
             .filter_map(|(key, d)| {
-                let avg = d.average(epoch, now);
-                (avg > 0.0 || d.level > 0).then_some((*key, avg))
+                let recent = d.recent(epoch, now);
+                (recent.demand > 0.0 || recent.tokens() > 0.0 || d.level > 0)
+                    .then_some((*key, recent))
             })
             .collect()
     }
@@ -151,6 +193,19 @@ impl Demand {
             since: now,
             bucket: bucket_of(epoch, now),
             area: [0.0; BUCKETS],
+            input: [0; BUCKETS],
+            output: [0; BUCKETS],
+        }
+    }
+
+    /// Moves to bucket `b`, clearing the buckets it enters.
+    fn move_to(&mut self, b: u64) {
+        while self.bucket < b {
+            self.bucket += 1;
+            let r = ring(self.bucket);
+            self.area[r] = 0.0;
+            self.input[r] = 0;
+            self.output[r] = 0;
         }
     }
 
@@ -164,16 +219,15 @@ impl Demand {
         if last >= self.bucket + BUCKETS as u64 {
             // Longer than the ring since the last change: only its last buckets matter.
             self.area = [0.0; BUCKETS];
+            self.input = [0; BUCKETS];
+            self.output = [0; BUCKETS];
             self.bucket = last + 1 - BUCKETS as u64;
             t = t.max(start_of(epoch, self.bucket));
         }
         let level = f64::from(self.level);
         loop {
             let b = bucket_of(epoch, t).max(self.bucket);
-            while self.bucket < b {
-                self.bucket += 1;
-                self.area[ring(self.bucket)] = 0.0;
-            }
+            self.move_to(b);
             let end = now.min(start_of(epoch, b + 1));
             self.area[ring(b)] += level * end.duration_since(t).as_secs_f64();
             if end >= now {
@@ -184,15 +238,12 @@ impl Demand {
         self.since = now;
     }
 
-    fn average(&mut self, epoch: Instant, now: Instant) -> f64 {
+    fn recent(&mut self, epoch: Instant, now: Instant) -> Recent {
         self.advance(epoch, now);
         let b = bucket_of(epoch, now).max(self.bucket);
-        while self.bucket < b {
-            self.bucket += 1;
-            self.area[ring(self.bucket)] = 0.0;
-        }
+        self.move_to(b);
         let into = now.duration_since(start_of(epoch, b)).as_secs_f64() / BUCKET.as_secs_f64();
-        let mut sum = 0.0;
+        let mut sum = Recent::default();
         for k in 0..BUCKETS as u64 {
             let Some(bucket) = b.checked_sub(k) else {
                 break;
@@ -202,9 +253,17 @@ impl Demand {
             } else {
                 1.0
             };
-            sum += weight * self.area[ring(bucket)];
+            let r = ring(bucket);
+            sum.demand += weight * self.area[r];
+            sum.input += weight * self.input[r] as f64;
+            sum.output += weight * self.output[r] as f64;
         }
-        sum / WINDOW.as_secs_f64()
+        let window = WINDOW.as_secs_f64();
+        Recent {
+            demand: sum.demand / window,
+            input: sum.input / window,
+            output: sum.output / window,
+        }
     }
 }
 
@@ -281,6 +340,34 @@ mod tests {
         let mut all = table.all(t0 + secs(3605.0));
         all.sort_by_key(|(k, _)| *k);
         assert_eq!(all.len(), 1, "client 1 is out of the window: {all:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tokens_are_a_rate_over_the_same_window_by_the_second_their_call_ended() {
+        let t0 = Instant::now();
+        let mut table = DemandTable::new(t0);
+        table.record(1, 1, t0, 100);
+        // 500 in and 100 out at 2.5 s, 300 and 50 at 4 s.
+        table.used(&1, 500, 100, t0 + secs(2.5));
+        table.used(&1, 300, 50, t0 + secs(4.0));
+        table.record(1, 0, t0 + secs(4.0), 100);
+        let at = |table: &mut DemandTable<i32>, s: f64| {
+            let all = table.all(t0 + secs(s));
+            all.first().map_or(Recent::default(), |(_, r)| *r)
+        };
+        let r = at(&mut table, 5.0);
+        assert!(close(r.input, 80.0) && close(r.output, 15.0), "{r:?}");
+        assert!(close(r.demand, 0.4), "1 call for 4 s over 10 s: {r:?}");
+        // At 12.5 s the window starts at 2.5 s, inside the bucket [2 s, 3 s) of the first
+        // call's end: half of it counts, as half of that second's demand does.
+        let r = at(&mut table, 12.5);
+        assert!(close(r.input, 55.0) && close(r.output, 10.0), "{r:?}");
+        let r = at(&mut table, 14.5);
+        assert!(close(r.input, 15.0), "only the second call, half: {r:?}");
+        assert!(table.all(t0 + secs(15.0)).is_empty(), "out of the window");
+        // No record, nothing counted: tokens never make one.
+        table.used(&7, 10, 10, t0 + secs(15.0));
+        assert_eq!(table.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]

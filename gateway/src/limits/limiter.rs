@@ -11,8 +11,10 @@
 //! A demoted client gets the lower of `demotedConcurrency` and that. A new document changes the
 //! limits of the clients in the table at once: raised ones admit queued calls, lowered ones
 //! never cut a call in flight (new calls wait until the client is under the new limit).
-//! Each client's recent demand (in flight + queued, averaged over 10 s: [`super::demand`])
-//! is what `GET /v1/clients` reports.
+//! Each client's recent demand (in flight + queued, averaged over 10 s: [`super::demand`]) and
+//! the tokens its calls used over the same 10 s are what `GET /v1/clients` reports, ranked by
+//! either ([`Ranking`]); the top clients by tokens are also a bounded gauge
+//! ([`ClientLimiter::top_by_tokens`]).
 //!
 //! A client policy with token budgets (`tokens`, an override's own) holds its clients' token
 //! buckets here too ([`crate::tokens::budget`]): a call's estimate is reserved before it joins
@@ -37,7 +39,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::limits::demand::DemandTable;
+use crate::limits::demand::{DemandTable, Recent};
 use crate::limits::queue::{ClassQueue, Entry};
 use crate::observe::Metrics;
 use crate::pool::rate_whole_seconds;
@@ -159,6 +161,47 @@ pub struct ClientDemand {
     pub queued: u32,
     /// Calls in flight plus queued, time-weighted average over the last 10 s.
     pub demand: f64,
+    /// Input (prompt) tokens a second of its calls that ended over the last 10 s.
+    pub input_tokens_per_second: f64,
+    /// Output (completion) tokens a second of the same.
+    pub output_tokens_per_second: f64,
+}
+
+/// How `GET /v1/clients` ranks a policy's clients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ranking {
+    /// By demand (calls in flight + queued), what the operator divides client limits by.
+    #[default]
+    Demand,
+    /// By tokens a second, input and output.
+    Tokens,
+}
+
+impl Ranking {
+    /// The ranking a `by` query value names (`demand`, `tokens`).
+    pub fn parse(by: &str) -> Option<Self> {
+        match by {
+            "demand" => Some(Self::Demand),
+            "tokens" => Some(Self::Tokens),
+            _ => None,
+        }
+    }
+}
+
+/// A client among the top by tokens ([`ClientLimiter::top_by_tokens`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenUser {
+    /// Its override's name, or the short hash of its key (as `/v1/stats` names it).
+    pub client: String,
+    /// Input tokens a second over the last 10 s.
+    pub input: f64,
+    /// Output tokens a second.
+    pub output: f64,
+}
+
+/// Three decimals: a smoothed rate, not a measurement to the nanosecond.
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
 }
 
 /// The limiter of one client policy. Cheap to clone.
@@ -472,14 +515,15 @@ impl ClientLimiter {
         all
     }
 
-    /// The busiest clients by recent demand (see [`ClientDemand`]), most first, at most `n`.
-    pub fn busiest(&self, n: usize) -> Vec<ClientDemand> {
+    /// The busiest clients by recent demand or tokens (see [`ClientDemand`]), most first, at
+    /// most `n`.
+    pub fn busiest(&self, n: usize, by: Ranking) -> Vec<ClientDemand> {
         let now = Instant::now();
         let mut state = self.inner.state.lock();
-        let demand = state.demand.all(now);
-        let mut all: Vec<ClientDemand> = demand
+        let recent = state.demand.all(now);
+        let mut all: Vec<ClientDemand> = recent
             .into_iter()
-            .map(|(key, demand)| {
+            .map(|(key, recent)| {
                 let (in_flight, queued) = state
                     .clients
                     .get(&key)
@@ -488,19 +532,60 @@ impl ClientLimiter {
                     key_sha256: key.hex(),
                     in_flight,
                     queued,
-                    // Three decimals: a smoothed count, not a measurement to the nanosecond.
-                    demand: (demand * 1000.0).round() / 1000.0,
+                    demand: round3(recent.demand),
+                    input_tokens_per_second: round3(recent.input),
+                    output_tokens_per_second: round3(recent.output),
                 }
             })
             .collect();
+        let tokens = |c: &ClientDemand| c.input_tokens_per_second + c.output_tokens_per_second;
         all.sort_by(|a, b| {
-            b.demand
-                .total_cmp(&a.demand)
+            let first = match by {
+                Ranking::Demand => b.demand.total_cmp(&a.demand),
+                Ranking::Tokens => tokens(b).total_cmp(&tokens(a)),
+            };
+            first
                 .then_with(|| (b.in_flight + b.queued).cmp(&(a.in_flight + a.queued)))
                 .then_with(|| a.key_sha256.cmp(&b.key_sha256))
         });
         all.truncate(n);
         all
+    }
+
+    /// The `n` clients with the most tokens a second over the last 10 s (input and output,
+    /// named as `/v1/stats` names them), most first, and what the others used together.
+    pub fn top_by_tokens(&self, n: usize) -> (Vec<TokenUser>, Recent) {
+        let now = Instant::now();
+        let mut state = self.inner.state.lock();
+        let mut all: Vec<(ClientKey, Recent)> = state
+            .demand
+            .all(now)
+            .into_iter()
+            .filter(|(_, r)| r.tokens() > 0.0)
+            .collect();
+        all.sort_by(|a, b| {
+            b.1.tokens()
+                .total_cmp(&a.1.tokens())
+                .then_with(|| a.0.0.cmp(&b.0.0))
+        });
+        let mut rest = Recent::default();
+        for (_, r) in all.iter().skip(n) {
+            rest.input += r.input;
+            rest.output += r.output;
+        }
+        let top = all
+            .into_iter()
+            .take(n)
+            .map(|(key, r)| TokenUser {
+                client: match state.overrides.get(&key) {
+                    Some(o) => o.name.to_string(),
+                    None => key.short(),
+                },
+                input: r.input,
+                output: r.output,
+            })
+            .collect();
+        (top, rest)
     }
 
     /// Calls in flight per client label (override names and `other`), for the gauge.
@@ -839,6 +924,17 @@ impl ClientPermit {
     /// The client's metric label (override name or `other`).
     pub fn label(&self) -> &Arc<str> {
         &self.label
+    }
+
+    /// The call's response ended having used `input` and `output` tokens (as counted:
+    /// [`crate::tokens::Meter::finish`]): its client's recent tokens.
+    pub fn used_tokens(&self, input: u64, output: u64) {
+        let now = Instant::now();
+        self.limiter
+            .state
+            .lock()
+            .demand
+            .used(&self.key, input, output, now);
     }
 
     /// Holds the call's token reservation until its response takes it.

@@ -303,6 +303,7 @@ impl Gateway {
                     .iter()
                     .filter_map(|f| doc.backends.iter().position(|o| o.name == *f))
                     .collect(),
+                default_max_tokens: b.default_max_tokens,
             });
             backends.insert(b.name.clone(), backend);
         }

@@ -142,6 +142,9 @@ pub(crate) struct Route {
     pub(crate) limiter: Option<ClientLimiter>,
     /// The routes of its fallback backends, in order (indices into [`Snapshot::routes`]).
     pub(crate) fallback: Vec<usize>,
+    /// The output tokens its model server produces for a call that does not say
+    /// (`defaultMaxTokens`), if the document says.
+    pub(crate) default_max_tokens: Option<u64>,
 }
 
 // === impl Gateway ===

@@ -1,16 +1,21 @@
 //! What the live state reports: `/v1/stats` (per backend and endpoint counts, the top clients,
 //! `Retry-After` compliance), `/v1/clients` (per client policy its busiest clients by recent
-//! demand, for the operator's division of client limits) and the metrics page, with the gauges computed from live state set
-//! just before each scrape (so that they cannot drift).
+//! demand, for the operator's division of client limits, or by tokens) and the metrics page,
+//! with the gauges computed from live state set just before each scrape (so that they cannot
+//! drift), the top clients by tokens among them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::Gateway;
-use crate::limits::limiter::{ClientLimiter, ClientStats};
+use crate::limits::limiter::{ClientLimiter, ClientStats, OTHER, Ranking};
 
 /// The most clients `/v1/clients` lists per client policy.
 pub(crate) const BUSIEST_CLIENTS: usize = 32;
+
+/// The clients of each client policy `poolpilot_client_top_tokens_per_second` names; the rest
+/// are summed as `other`.
+pub(crate) const TOP_TOKEN_CLIENTS: usize = 10;
 use crate::observe::metrics::EndpointGauges;
 use crate::pool::PoolStats;
 
@@ -76,9 +81,11 @@ impl Gateway {
     }
 
     /// Per client policy (by name), its busiest clients by demand (in flight + queued,
-    /// time-weighted over the last 10 s), at most 32 each:
-    /// `{"policies":[{"name":…,"clients":[{"keySha256","inFlight","queued","demand"}]}]}`.
-    pub fn clients(&self) -> serde_json::Value {
+    /// time-weighted over the last 10 s) or by tokens (input and output tokens a second over
+    /// the same 10 s), as `by` says, at most 32 each:
+    /// `{"policies":[{"name":…,"clients":[{"keySha256","inFlight","queued","demand",
+    /// "inputTokensPerSecond","outputTokensPerSecond"}]}]}`.
+    pub fn clients(&self, by: Ranking) -> serde_json::Value {
         let mut limiters: Vec<(String, ClientLimiter)> = self
             .inner
             .registry
@@ -93,7 +100,7 @@ impl Gateway {
             .map(|(name, limiter)| {
                 serde_json::json!({
                     "name": name,
-                    "clients": limiter.busiest(BUSIEST_CLIENTS),
+                    "clients": limiter.busiest(BUSIEST_CLIENTS, by),
                 })
             })
             .collect();
@@ -155,6 +162,13 @@ impl Gateway {
         let registry = self.inner.registry.lock();
         let mut by_label: HashMap<Arc<str>, u32> = HashMap::new();
         let mut tracked = 0;
+        for (policy, limiter) in &registry.limiters {
+            let (top, rest) = limiter.top_by_tokens(TOP_TOKEN_CLIENTS);
+            for c in &top {
+                m.set_client_top_tokens(policy, &c.client, c.input, c.output);
+            }
+            m.set_client_top_tokens(policy, OTHER, rest.input, rest.output);
+        }
         for limiter in registry.limiters.values() {
             for (label, n) in limiter.inflight_by_label() {
                 *by_label.entry(label).or_default() += n;

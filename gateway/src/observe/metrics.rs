@@ -141,6 +141,13 @@ struct ClientPolicyLabels {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TopTokensLabels {
+    client_policy: String,
+    client: String,
+    direction: TokenDirection,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ClientReasonLabels {
     client: String,
     reason: &'static str,
@@ -268,6 +275,7 @@ struct Families {
     time_per_output_token: HistogramFamily<BackendLabel>,
     client_inflight: Family<ClientLabel, Gauge>,
     client_tokens: Family<ClientPolicyLabels, Counter<f64, AtomicU64>>,
+    client_top_tokens: Family<TopTokensLabels, Gauge<f64, AtomicU64>>,
     client_rejected: Family<ClientReasonLabels, Counter>,
     client_queue_wait: HistogramFamily<ClientLabel>,
     endpoint_healthy: Family<EndpointLabels, Gauge>,
@@ -398,6 +406,7 @@ impl Metrics {
             time_per_output_token: Family::new_with_constructor(token_time_histogram),
             client_inflight: Family::default(),
             client_tokens: Family::default(),
+            client_top_tokens: Family::default(),
             client_rejected: Family::default(),
             client_queue_wait: Family::new_with_constructor(wait_histogram),
             endpoint_healthy: Family::default(),
@@ -614,6 +623,11 @@ impl Metrics {
             "poolpilot_client_tokens",
             "Tokens charged to clients' token budgets, settled (the budget's units: total, output or weighted), by client policy and client (an override's name, or other); the operator divides the fleet-wide budgets by each pod's rate of it",
             m.client_tokens.clone(),
+        );
+        r.register(
+            "poolpilot_client_top_tokens_per_second",
+            "Tokens a second of each client policy's top clients by tokens over the last 10 s, by direction (input, output): at most 10 clients a policy, named as /v1/stats names them (an override's name, else sha256: and 12 hex digits of the key's digest), the rest summed as client=\"other\"; set at each scrape",
+            m.client_top_tokens.clone(),
         );
         r.register(
             "poolpilot_client_inflight",
@@ -855,6 +869,7 @@ impl Metrics {
         self.0.client_cert_expiry.clear();
         self.0.endpoint_healthy.clear();
         self.0.client_inflight.clear();
+        self.0.client_top_tokens.clear();
     }
 
     pub(crate) fn set_pool_pending(&self, backend: &str, pending: u32) {
@@ -1163,6 +1178,29 @@ impl Metrics {
                     class: class.as_str(),
                 })
                 .set(n.into());
+        }
+    }
+
+    /// Tokens a second of `client` of `policy` (one of its top clients, or `other`: the rest).
+    pub(crate) fn set_client_top_tokens(
+        &self,
+        policy: &str,
+        client: &str,
+        input: f64,
+        output: f64,
+    ) {
+        for (direction, v) in [
+            (TokenDirection::Input, input),
+            (TokenDirection::Output, output),
+        ] {
+            self.0
+                .client_top_tokens
+                .get_or_create(&TopTokensLabels {
+                    client_policy: policy.into(),
+                    client: client.into(),
+                    direction,
+                })
+                .set(v);
         }
     }
 

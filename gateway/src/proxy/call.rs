@@ -117,14 +117,19 @@ impl Call {
         let endpoint = self.lease.endpoint().clone();
         // Counted and settled before the permit goes: a client's next call sees its budget
         // settled.
-        let used = self.meter.finish(
+        let (input, output) = self.meter.finish(
             &self.metrics,
             name,
             self.status,
             matches!(end, End::Complete),
         );
+        if let Some(permit) = &self.permit
+            && input + output > 0
+        {
+            permit.used_tokens(input, output);
+        }
         if self.settle_fair {
-            self.lease.settle_tokens(used);
+            self.lease.settle_tokens(input + output);
         }
         match end {
             End::Complete => {

@@ -9,7 +9,7 @@ use http::header::{self, CONTENT_LENGTH, HeaderValue};
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use poolpilot_api::limits::{PriorityClass, TokenBudget};
+use poolpilot_api::limits::PriorityClass;
 use tokio::time::Instant;
 
 use super::body::{BodyPace, ResponseBody};
@@ -108,19 +108,18 @@ async fn proxy(
             l.classify(key, &parts.headers)
         });
     record.class(priority);
-    // 6. tokens: the call's estimate (`max_tokens`, the prompt's bytes ÷ 4) reserved in its
-    //    client's token budget, or 429 `rate_limit_exceeded` before anything reaches a backend
+    // 6. tokens: the call's estimate (`max_tokens`, else its backend's `defaultMaxTokens`, else
+    //    its budget's; the prompt's bytes ÷ 4) reserved in its client's token budget, or 429
+    //    `rate_limit_exceeded` before anything reaches a backend
     let length = parts
         .headers
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse().ok())
         .unwrap_or_else(|| body.progress().received());
-    let default_max = route
-        .limiter
-        .as_ref()
-        .map_or(TokenBudget::DEFAULT_MAX_TOKENS, |l| {
-            l.default_max_tokens(&key)
-        });
+    let default_max = tokens::estimate::default_output(
+        route.default_max_tokens,
+        route.limiter.as_ref().map(|l| l.default_max_tokens(&key)),
+    );
     let estimate = tokens::estimate::estimate(body.held().as_deref(), length, default_max);
     let reservation = match &route.limiter {
         Some(limiter) => limiter

@@ -1,10 +1,12 @@
 //! The estimate of a call's tokens before it is sent, what a token budget admits it on: its
 //! output, the most it may produce (`max_completion_tokens`, else `max_tokens`, else the
-//! budget's `defaultMaxTokens`; times `n` choices), and its prompt, the bytes of its text
+//! backend's `defaultMaxTokens`, else the budget's: [`default_output`]; times `n` choices), and
+//! its prompt, the bytes of its text
 //! (messages' contents, or `prompt`) divided by [`BYTES_PER_TOKEN`]. A body the gateway does not
 //! hold whole (longer than the routing buffer) or cannot read as JSON is estimated from its
 //! length: all of it counts as prompt.
 
+use poolpilot_api::limits::TokenBudget;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -56,6 +58,17 @@ fn text_bytes(v: &Value) -> u64 {
         Value::Object(o) => o.get("text").map_or(0, text_bytes),
         _ => 0,
     }
+}
+
+/// The output a call that sets neither `max_completion_tokens` nor `max_tokens` is assumed to
+/// produce: what its backend's model server produces then (`backend`, the backend's
+/// `defaultMaxTokens`), else its client budget's `defaultMaxTokens` (`budget`), else
+/// [`TokenBudget::DEFAULT_MAX_TOKENS`] (a call without a client budget: the pool queue's
+/// token-fair order still charges it).
+pub fn default_output(backend: Option<u64>, budget: Option<u64>) -> u64 {
+    backend
+        .or(budget)
+        .unwrap_or(TokenBudget::DEFAULT_MAX_TOKENS)
 }
 
 /// Prompt tokens of `bytes` bytes of text: rounded up, at least 1.
@@ -135,6 +148,33 @@ mod tests {
                 prompt: 2,
                 output: 3
             }
+        );
+    }
+
+    #[test]
+    fn the_calls_own_field_then_the_backends_default_then_the_budgets_then_the_constant() {
+        let asks = r#"{"messages":[{"content":"abcd"}],"max_tokens":10}"#;
+        let silent = r#"{"messages":[{"content":"abcd"}]}"#;
+        let output = |body: &str, backend, budget| {
+            estimate(
+                Some(body.as_bytes()),
+                body.len() as u64,
+                default_output(backend, budget),
+            )
+            .output
+        };
+        assert_eq!(output(asks, Some(4096), Some(256)), 10, "the call's own");
+        assert_eq!(output(silent, Some(4096), Some(256)), 4096, "the backend's");
+        assert_eq!(output(silent, None, Some(256)), 256, "the budget's");
+        assert_eq!(
+            output(silent, None, None),
+            TokenBudget::DEFAULT_MAX_TOKENS,
+            "the constant"
+        );
+        // A body that is not read is estimated with the same default.
+        assert_eq!(
+            estimate(None, 40, default_output(Some(77), Some(5))).output,
+            77
         );
     }
 

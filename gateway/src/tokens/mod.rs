@@ -123,14 +123,15 @@ impl<K: Copy + Eq + Hash> Meter<K> {
 
     /// The call ended (`complete`: the backend sent all of it) with `status`: its tokens are
     /// counted, a stream's token times observed, and its reservation settled. Returns its
-    /// tokens as counted (input + output), what its pool lease is settled with.
+    /// tokens as counted, input and output: what its pool lease is settled with (their sum)
+    /// and its client's recent tokens count.
     pub(crate) fn finish(
         self,
         metrics: &Metrics,
         backend: &str,
         status: u16,
         complete: bool,
-    ) -> u64 {
+    ) -> (u64, u64) {
         let reading = self.reader.finish();
         let counted = count(&reading, self.estimate, status, complete);
         if let Some((n, source)) = counted.input {
@@ -158,7 +159,7 @@ impl<K: Copy + Eq + Hash> Meter<K> {
         if let Some(reservation) = self.reservation {
             reservation.settle(input, output);
         }
-        input + output
+        (input, output)
     }
 }
 

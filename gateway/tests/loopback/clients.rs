@@ -282,8 +282,8 @@ async fn v1_clients_lists_each_policys_busiest_clients_and_a_share_raises_a_clie
         let keys: Vec<&String> = c.as_object().unwrap().keys().collect();
         assert_eq!(
             keys.len(),
-            4,
-            "exactly keySha256, inFlight, queued, demand: {c}"
+            6,
+            "exactly keySha256, inFlight, queued, demand, inputTokensPerSecond, outputTokensPerSecond: {c}"
         );
     }
     assert!(

@@ -5,7 +5,10 @@
 //! falling call by call (and a `requestsPerMinute` budget its `-requests` triple, refusing
 //! the call over it as `type: requests`); reservations are settled with the backend's usage (a JSON body, a
 //! stream's usage chunk), with the content chunks of a stream without usage, and, for a call
-//! cut by a deadline or abandoned by its client, with what was streamed.
+//! cut by a deadline or abandoned by its client, with what was streamed; a prompt modelsim
+//! serves from its prefix cache is counted as cached input, as modelsim reports it; clients
+//! ranked by tokens in `/v1/clients?by=tokens`, and the top-10 gauge bounded among 1,000
+//! clients; a call without `max_tokens` estimated with its backend's `defaultMaxTokens`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -318,4 +321,232 @@ async fn a_cut_or_abandoned_call_is_settled_with_what_was_streamed() {
         .is_some_and(|n| n >= 6.0),
         "3 chunks of the cut call, at least 3 of the abandoned one: {text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_served_from_the_backends_prefix_cache_is_counted_as_cached_input() {
+    let sim = modelsim(4, 0).await;
+    let gw = Gw::start(budget_limits(sim.addr(), json!({"perMinute": 1_000_000}))).await;
+    // A 2,000-character system prompt (500 tokens, 31 full blocks of modelsim's 16 tokens)
+    // and a question: 505 prompt tokens.
+    let system = "Answer in one line, citing the pool's settings. ".repeat(42)[..2000].to_owned();
+    let body = |question: &str, stream: bool| {
+        let mut body = json!({
+            "model": "sim-model",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 4,
+            "stream": stream,
+        });
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        body.to_string()
+    };
+    let series = |text: &str, direction: &str| {
+        metric(
+            text,
+            &format!(
+                "poolpilot_tokens_total{{backend=\"model-a\",direction=\"{direction}\",source=\"usage\"}}"
+            ),
+        )
+    };
+
+    let (status, _, cold) = call(&gw, "alice", &body("How long is a lease?", false)).await;
+    assert_eq!(status, 200, "{cold}");
+    let cold: Value = serde_json::from_str(&cold).unwrap();
+    assert_eq!(cold["usage"]["prompt_tokens"], 505);
+    assert_eq!(cold["usage"].get("prompt_tokens_details"), None, "{cold}");
+    let text = gw.metrics().await;
+    assert_eq!(series(&text, "input"), Some(505.0), "{text}");
+    assert_eq!(series(&text, "cached_input"), None, "nothing cached yet");
+
+    // The same prompt again: modelsim serves its system prompt's 31 blocks from its cache and
+    // says so; the gateway counts what it said.
+    let (status, _, warm) = call(&gw, "alice", &body("How long is a lease?", false)).await;
+    assert_eq!(status, 200, "{warm}");
+    let warm: Value = serde_json::from_str(&warm).unwrap();
+    let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached tokens reported");
+    assert_eq!(cached, 31 * u64::from(poolpilot_modelsim::BLOCK_TOKENS));
+    let text = gw.metrics().await;
+    assert_eq!(series(&text, "input"), Some(1010.0), "{text}");
+    assert_eq!(series(&text, "cached_input"), Some(cached as f64), "{text}");
+
+    // A stream with usage: its last chunk says it too.
+    let (status, _, streamed) = call(&gw, "alice", &body("And an idle one?", true)).await;
+    assert_eq!(status, 200, "{streamed}");
+    let text = gw.metrics().await;
+    assert_eq!(
+        series(&text, "cached_input"),
+        Some(2.0 * cached as f64),
+        "{text}"
+    );
+    assert_eq!(series(&text, "input"), Some(1010.0 + 504.0), "{text}");
+    assert_eq!(sim.stats().prefix_cache_hits, 2 * cached);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_are_ranked_by_tokens_and_the_top_tokens_gauge_names_ten_of_a_thousand() {
+    let sim = modelsim(100, 0).await;
+    let gw = Gw::start(budget_limits(sim.addr(), json!({"perMinute": 100_000_000}))).await;
+    // 988 light clients (10 prompt + 1 output tokens a call) and 12 heavy ones (10 + 20 + 5k):
+    // 1,000 distinct clients, 16 calls at a time.
+    let mut calls: Vec<(String, u32)> = (0..988).map(|i| (format!("light-{i}"), 1)).collect();
+    calls.extend((0..12).map(|k| (format!("heavy-{k}"), 20 + 5 * k)));
+    let total_tokens: u32 = calls.iter().map(|(_, out)| 10 + out).sum();
+    let started = tokio::time::Instant::now();
+    let gw = std::sync::Arc::new(gw);
+    let mut pending = calls.into_iter();
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        while tasks.len() < 16 {
+            let Some((key, out)) = pending.next() else {
+                break;
+            };
+            let gw = gw.clone();
+            tasks.spawn(async move { call(&gw, &key, &chat(out, false, false)).await.0 });
+        }
+        let Some(status) = tasks.join_next().await else {
+            break;
+        };
+        assert_eq!(status.unwrap(), 200);
+    }
+    let took = started.elapsed();
+    // Every call is within the 10 s window when the rates are read.
+    assert!(took < Duration::from_secs(8), "1,000 calls took {took:?}");
+
+    let (status, _, body) = gw.admin_get("/v1/clients?by=tokens").await;
+    assert_eq!(status, 200, "{body}");
+    let doc: Value = serde_json::from_str(&body).unwrap();
+    let clients = doc["policies"][0]["clients"].as_array().unwrap();
+    assert_eq!(clients.len(), 32, "at most 32 listed");
+    let rate = |c: &Value| {
+        c["inputTokensPerSecond"].as_f64().unwrap() + c["outputTokensPerSecond"].as_f64().unwrap()
+    };
+    assert!(
+        clients.windows(2).all(|w| rate(&w[0]) >= rate(&w[1])),
+        "most tokens first: {doc}"
+    );
+    // The heaviest: 10 + 75 tokens over the 10 s window.
+    assert_eq!(clients[0]["keySha256"], sha256_hex("heavy-11").as_str());
+    assert_eq!(clients[0]["inputTokensPerSecond"].as_f64(), Some(1.0));
+    assert_eq!(clients[0]["outputTokensPerSecond"].as_f64(), Some(7.5));
+    let heavy: Vec<String> = (0..12).map(|k| sha256_hex(&format!("heavy-{k}"))).collect();
+    assert!(
+        clients[..12]
+            .iter()
+            .all(|c| heavy.iter().any(|h| c["keySha256"] == h.as_str())),
+        "the 12 heavy clients first"
+    );
+    let (status, _, _) = gw.admin_get("/v1/clients?by=bytes").await;
+    assert_eq!(status, 400, "an unknown ranking is refused");
+    // By demand (the default): every client held one call for about as long.
+    let (_, _, by_demand) = gw.admin_get("/v1/clients").await;
+    let by_demand: Value = serde_json::from_str(&by_demand).unwrap();
+    assert_eq!(
+        by_demand["policies"][0]["clients"].as_array().map(Vec::len),
+        Some(32)
+    );
+
+    // The gauge: 10 clients and `other`, two directions each, out of 1,000 clients.
+    let text = gw.metrics().await;
+    let series: Vec<(&str, f64)> = text
+        .lines()
+        .filter(|l| l.starts_with("poolpilot_client_top_tokens_per_second{"))
+        .map(|l| {
+            let (name, value) = l.rsplit_once(' ').unwrap();
+            (name, value.parse().unwrap())
+        })
+        .collect();
+    assert_eq!(series.len(), 22, "{text}");
+    let top = |client: &str, direction: &str| {
+        metric(
+            &text,
+            &format!(
+                "poolpilot_client_top_tokens_per_second{{client_policy=\"default\",client=\"{client}\",direction=\"{direction}\"}}"
+            ),
+        )
+    };
+    // Named by the short hash of the key's digest: sha256: and 12 hex digits.
+    let short = format!("sha256:{}", &sha256_hex("heavy-11")[..12]);
+    assert_eq!(top(&short, "output"), Some(7.5), "{text}");
+    assert_eq!(top(&short, "input"), Some(1.0), "{text}");
+    let light = format!("sha256:{}", &sha256_hex("light-0")[..12]);
+    assert_eq!(
+        top(&light, "input"),
+        None,
+        "a light client is folded into other"
+    );
+    // The rest: 988 light calls and the two lightest heavy ones (20 and 25 output tokens).
+    let other_output = top("other", "output").unwrap();
+    assert!(
+        (other_output - (988.0 + 45.0) / 10.0).abs() < 1e-6,
+        "{other_output}"
+    );
+    let sum: f64 = series.iter().map(|(_, v)| v).sum();
+    assert!(
+        (sum * 10.0 - f64::from(total_tokens)).abs() < 1e-3,
+        "every token of every client is in one series: {sum} × 10 s against {total_tokens}"
+    );
+}
+
+/// A chat call without `max_tokens` or `max_completion_tokens`: 40 bytes of prompt (10 tokens).
+fn chat_without_max_tokens() -> String {
+    json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "How many connections does a pool need??"}],
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_without_max_tokens_reserves_its_backends_default_over_its_budgets() {
+    // 4 tokens, 100 ms apart: a call holds its reservation for 400 ms.
+    let sim = modelsim(4, 100).await;
+    let budget = json!({"perMinute": 1000, "defaultMaxTokens": 100});
+    let mut doc = budget_limits(sim.addr(), budget.clone());
+    doc.backends[0].default_max_tokens = Some(600);
+    let gw = std::sync::Arc::new(Gw::start(doc).await);
+
+    // 10 + 600 reserved, not the budget's 10 + 100: 390 of 1,000 left.
+    let first = {
+        let gw = gw.clone();
+        tokio::spawn(async move { call(&gw, "alice", &chat_without_max_tokens()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Another call without max_tokens would reserve 610 again: refused, before the backend.
+    let received = sim.stats().requests_received;
+    let (status, headers, body) = call(&gw, "alice", &chat_without_max_tokens()).await;
+    refused(status, &body, "tokens", "requested 610");
+    let remaining = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+    assert!((390..400).contains(&remaining), "{remaining}");
+    assert_eq!(sim.stats().requests_received, received);
+    // A call that says max_tokens is estimated with its own: 10 + 100 fits.
+    let (status, _, body) = call(&gw, "alice", &chat(100, false, false)).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, headers, body) = first.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), Some(390));
+
+    // Without the backend's default, the budget's: the same two calls both fit (110 each).
+    let mut without = budget_limits(sim.addr(), budget);
+    without.generation += 1;
+    gw.apply(without);
+    let second = {
+        let gw = gw.clone();
+        tokio::spawn(async move { call(&gw, "bob", &chat_without_max_tokens()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (status, headers, body) = call(&gw, "bob", &chat_without_max_tokens()).await;
+    assert_eq!(status, 200, "{body}");
+    let remaining = header(&headers, "x-ratelimit-remaining-tokens").unwrap();
+    assert!(
+        (780..790).contains(&remaining),
+        "1000 − 2 × 110: {remaining}"
+    );
+    assert_eq!(second.await.unwrap().0, 200);
 }

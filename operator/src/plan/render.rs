@@ -451,6 +451,7 @@ fn backend(
             ProtocolSpec::Http2 => UpstreamProtocol::Http2,
         },
         fallback: b.fallback.clone(),
+        default_max_tokens: b.default_max_tokens,
     }
 }
 

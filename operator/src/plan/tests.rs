@@ -971,6 +971,17 @@ fn a_backends_fallbacks_reach_its_document_in_order_and_must_name_other_backends
 }
 
 #[test]
+fn a_backends_default_max_tokens_reaches_its_document() {
+    let spec = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: a\n  defaultMaxTokens: 4096\n  endpoints: {service: {name: a, port: 80}}\n  capacity: {maxConnectionsPerEndpoint: 8}\n- name: b\n  endpoints: {service: {name: b, port: 80}}\n  capacity: {maxConnectionsPerEndpoint: 8}\n";
+    let p = policy("p", 0, spec, 1);
+    assert_eq!(validate::validate_spec(&p.spec), Ok(()));
+    let doc = plan_once(&input_of(vec![p], pods(1))).documents["gw-0"].clone();
+    doc.validate().expect("rendered documents validate");
+    assert_eq!(doc.backends[0].default_max_tokens, Some(4096));
+    assert_eq!(doc.backends[1].default_max_tokens, None, "omitted: none");
+}
+
+#[test]
 fn an_aging_bound_a_queue_times_out_before_is_invalid_as_the_crd_rules_say() {
     // The CRD's CEL rules refuse it; an apiserver without them (or a policy written before
     // them) must not reach the gateways, which refuse such a limits document.

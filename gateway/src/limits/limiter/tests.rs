@@ -608,7 +608,7 @@ async fn the_busiest_clients_are_ranked_by_their_demand_over_the_last_ten_second
     tokio::time::sleep(Duration::from_secs(2)).await;
     drop(spikes);
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let busiest = l.busiest(32);
+    let busiest = l.busiest(32, Ranking::Demand);
     let by_key = |k: ClientKey| busiest.iter().find(|c| c.key_sha256 == k.hex()).cloned();
     let s = by_key(steady).expect("listed");
     let p = by_key(spiky).expect("listed while the window remembers it");
@@ -623,10 +623,77 @@ async fn the_busiest_clients_are_ranked_by_their_demand_over_the_last_ten_second
         "the demand is kept apart from the client table"
     );
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let busiest = l.busiest(32);
+    let busiest = l.busiest(32, Ranking::Demand);
     assert_eq!(busiest.len(), 1, "spiky has left the window: {busiest:?}");
     assert_eq!(busiest[0].demand, 2.0);
-    assert_eq!(l.busiest(0).len(), 0);
+    assert_eq!(l.busiest(0, Ranking::Demand).len(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn clients_rank_by_tokens_and_the_top_by_tokens_sums_the_rest() {
+    let l = limiter(8, 8);
+    let batch = ClientKey::of(b"batch-key");
+    let chatty = ClientKey::of(b"chatty");
+    let quiet = ClientKey::of(b"quiet");
+    // chatty holds 3 calls of few tokens, batch one call of many, quiet one of fewer.
+    let chatty_calls = [
+        l.acquire(chatty).await.unwrap(),
+        l.acquire(chatty).await.unwrap(),
+        l.acquire(chatty).await.unwrap(),
+    ];
+    let batch_call = l.acquire(batch).await.unwrap();
+    let quiet_call = l.acquire(quiet).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for c in &chatty_calls {
+        c.used_tokens(10, 5);
+    }
+    batch_call.used_tokens(2000, 500);
+    quiet_call.used_tokens(40, 10);
+    drop((chatty_calls, batch_call, quiet_call));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let order = |by| {
+        l.busiest(32, by)
+            .into_iter()
+            .map(|c| c.key_sha256)
+            .collect::<Vec<_>>()
+    };
+    // By demand: chatty's 3 calls for 1 s (0.3) before the others' one (0.1).
+    assert_eq!(order(Ranking::Demand)[0], chatty.hex());
+    assert_eq!(
+        order(Ranking::Tokens),
+        [batch.hex(), quiet.hex(), chatty.hex()]
+    );
+    let by_tokens = l.busiest(32, Ranking::Tokens);
+    assert_eq!(
+        (
+            by_tokens[0].input_tokens_per_second,
+            by_tokens[0].output_tokens_per_second
+        ),
+        (200.0, 50.0),
+        "over 10 s"
+    );
+    assert_eq!(by_tokens[2].input_tokens_per_second, 3.0);
+
+    let (top, rest) = l.top_by_tokens(1);
+    assert_eq!(
+        top,
+        [TokenUser {
+            client: "batch-team".into(),
+            input: 200.0,
+            output: 50.0,
+        }],
+        "an override is named by its name"
+    );
+    assert!((rest.input - 7.0).abs() < 1e-9 && (rest.output - 2.5).abs() < 1e-9);
+    let (top, rest) = l.top_by_tokens(10);
+    assert_eq!(top.len(), 3);
+    assert_eq!(top[1].client, quiet.short(), "else by its key's short hash");
+    assert_eq!(rest, Recent::default());
+    // Past the window, nothing is left to rank.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(l.top_by_tokens(10).0.len(), 0);
+    assert!(l.busiest(32, Ranking::Tokens).is_empty());
 }
 
 #[test]
