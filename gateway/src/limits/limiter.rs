@@ -553,7 +553,8 @@ impl ClientLimiter {
     }
 
     /// The `n` clients with the most tokens a second over the last 10 s (input and output,
-    /// named as `/v1/stats` names them), most first, and what the others used together.
+    /// named as `/v1/stats` names them, or by rank for clients identified by their address),
+    /// most first, and what the others used together.
     pub fn top_by_tokens(&self, n: usize) -> (Vec<TokenUser>, Recent) {
         let now = Instant::now();
         let mut state = self.inner.state.lock();
@@ -573,12 +574,19 @@ impl ClientLimiter {
             rest.input += r.input;
             rest.output += r.output;
         }
+        // A client identified by its address is not named by its digest here: the metrics
+        // endpoint is open, and the digest of an IPv4 address is undone by hashing all 2³² of
+        // them. It is named by its rank instead (`/v1/clients`, behind the admin token, has
+        // its key).
+        let by_address = matches!(state.policy.identity, ClientIdentity::SourceIp);
         let top = all
             .into_iter()
             .take(n)
-            .map(|(key, r)| TokenUser {
+            .enumerate()
+            .map(|(rank, (key, r))| TokenUser {
                 client: match state.overrides.get(&key) {
                     Some(o) => o.name.to_string(),
+                    None if by_address => format!("rank:{}", rank + 1),
                     None => key.short(),
                 },
                 input: r.input,

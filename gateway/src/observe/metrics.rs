@@ -626,7 +626,7 @@ impl Metrics {
         );
         r.register(
             "poolpilot_client_top_tokens_per_second",
-            "Tokens a second of each client policy's top clients by tokens over the last 10 s, by direction (input, output): at most 10 clients a policy, named as /v1/stats names them (an override's name, else sha256: and 12 hex digits of the key's digest), the rest summed as client=\"other\"; set at each scrape",
+            "Tokens a second of each client policy's top clients by tokens over the last 10 s, by direction (input, output): at most 10 clients a policy, named as /v1/stats names them (an override's name, else sha256: and 12 hex digits of the key's digest; rank:N for a client policy that identifies clients by their address), the rest summed as client=\"other\"; set at each scrape",
             m.client_top_tokens.clone(),
         );
         r.register(

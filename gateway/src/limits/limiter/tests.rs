@@ -690,6 +690,14 @@ async fn clients_rank_by_tokens_and_the_top_by_tokens_sums_the_rest() {
     assert_eq!(top.len(), 3);
     assert_eq!(top[1].client, quiet.short(), "else by its key's short hash");
     assert_eq!(rest, Recent::default());
+    // Clients identified by their address are named by rank: the digest of an address is
+    // undone by hashing them all, and the metrics endpoint is open.
+    let mut by_address = l.inner.state.lock().policy.clone();
+    by_address.identity = ClientIdentity::SourceIp;
+    l.set_policy(by_address);
+    let (top, _) = l.top_by_tokens(10);
+    let names: Vec<&str> = top.iter().map(|t| t.client.as_str()).collect();
+    assert_eq!(names, ["batch-team", "rank:2", "rank:3"]);
     // Past the window, nothing is left to rank.
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(l.top_by_tokens(10).0.len(), 0);
