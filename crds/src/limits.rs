@@ -534,6 +534,42 @@ pub struct ClientPolicy {
     /// are not limited by tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<TokenBudget>,
+    /// This pod's part of the fleet-wide token budget (`tokens`) of the clients whose tokens
+    /// are spent here, keyed by the SHA-256 of their key: the operator divides a client's
+    /// budget over the pods by where it spends it (from each pod's `GET /v1/clients?by=tokens`),
+    /// so that a client pinned to one pod gets its whole budget there. A client not listed
+    /// gets `tokens` (the even split). An override's budget still wins over a share.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub client_token_shares: Vec<ClientTokenShare>,
+}
+
+/// One client's part of its fleet-wide token budget in this pod: the policy's `tokens` with
+/// these buckets (a bucket not given stays the policy's).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClientTokenShare {
+    /// Hex SHA-256 of the client's identity value (its API key, or its address as text).
+    pub key_sha256: String,
+    /// Its part of `tokens.perMinute`.
+    pub per_minute: u64,
+    /// Its part of `tokens.perDay` (present when the budget has one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_day: Option<u64>,
+    /// Its part of `tokens.requestsPerMinute` (present when the budget has one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u32>,
+}
+
+impl ClientTokenShare {
+    /// The budget this share gives its client: `policy`'s, with its buckets.
+    pub fn budget(&self, policy: &TokenBudget) -> TokenBudget {
+        TokenBudget {
+            per_minute: self.per_minute,
+            per_day: self.per_day.or(policy.per_day),
+            requests_per_minute: self.requests_per_minute.or(policy.requests_per_minute),
+            ..policy.clone()
+        }
+    }
 }
 
 /// One client's part of its fleet-wide limits in this pod.
@@ -1033,6 +1069,36 @@ impl GatewayLimits {
                     v.push(at("keySha256"), "duplicate client");
                 }
                 v.positive_u64(&at("maxConcurrency"), c.max_concurrency.into());
+            }
+            if !p.client_token_shares.is_empty() && p.tokens.is_none() {
+                v.push(
+                    at("clientTokenShares"),
+                    "parts of a token budget the policy does not have (no tokens)",
+                );
+            }
+            if p.client_token_shares.len() > MAX_CLIENT_SHARES {
+                v.push(
+                    at("clientTokenShares"),
+                    format!(
+                        "{} shares, at most {MAX_CLIENT_SHARES}",
+                        p.client_token_shares.len()
+                    ),
+                );
+            }
+            let mut token_keys = BTreeSet::new();
+            for (j, c) in p.client_token_shares.iter().enumerate() {
+                let at = |f: &str| format!("clientPolicies[{i}].clientTokenShares[{j}].{f}");
+                if !is_sha256_hex(&c.key_sha256) {
+                    v.push(
+                        at("keySha256"),
+                        "must be 64 hex digits (the SHA-256 of the client's key)",
+                    );
+                } else if !token_keys.insert(c.key_sha256.to_ascii_lowercase()) {
+                    v.push(at("keySha256"), "duplicate client");
+                }
+                if let Some(t) = &p.tokens {
+                    v.tokens(&at("tokens"), &c.budget(t));
+                }
             }
             if let Some(prio) = &p.priority {
                 if let Some(h) = &prio.header

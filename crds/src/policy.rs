@@ -640,7 +640,10 @@ pub struct ClientsSpec {
     /// were used over the last interval (each pod's `poolpilot_client_tokens_total`), and
     /// re-divided every autoscale interval, so that a client pinned to one pod gets over 95% of
     /// its budget there (a pod without its calls keeps a twentieth of the even part); a client
-    /// without an override gets the even part on each pod. Each gateway pod admits a call only if its estimate fits (its
+    /// without an override that spends most of its even part on one pod (the pods report the
+    /// clients that spend the most tokens) has this budget divided the same way, and every
+    /// other client gets the even part on each pod. Each gateway pod admits a call only if its
+    /// estimate fits (its
     /// `max_completion_tokens` or `max_tokens`, else `defaultMaxTokens`, plus its prompt's
     /// bytes ÷ 4), refuses it otherwise with 429 (OpenAI's `rate_limit_exceeded`, with
     /// `Retry-After` and the `x-ratelimit-*` headers) before it reaches a backend, and settles

@@ -519,3 +519,64 @@ fn token_budgets_read_with_their_defaults_and_their_bounds_are_checked() {
         ["clientPolicies[0].overrides[0].tokens.perDay"]
     );
 }
+
+#[test]
+fn a_clients_token_share_replaces_the_buckets_it_gives_and_is_checked_as_a_budget() {
+    let policy: TokenBudget =
+        serde_norway::from_str("{perMinute: 600, perDay: 6000, requestsPerMinute: 60}").unwrap();
+    let share: ClientTokenShare = serde_norway::from_str(&format!(
+        "{{keySha256: {}, perMinute: 500}}",
+        "ab".repeat(32)
+    ))
+    .unwrap();
+    let b = share.budget(&policy);
+    assert_eq!(
+        (b.per_minute, b.per_day, b.requests_per_minute),
+        (500, Some(6000), Some(60)),
+        "a bucket the share does not give stays the policy's"
+    );
+    let all = ClientTokenShare {
+        per_day: Some(5000),
+        requests_per_minute: Some(50),
+        ..share.clone()
+    };
+    let b = all.budget(&policy);
+    assert_eq!((b.per_day, b.requests_per_minute), (Some(5000), Some(50)));
+    assert!(
+        serde_norway::from_str::<ClientTokenShare>("{keySha256: ab, perMinute: 1, burst: 2}")
+            .is_err()
+    );
+
+    let mut doc = example();
+    let p = &mut doc.client_policies[0];
+    p.tokens = None;
+    p.client_token_shares = vec![share.clone()];
+    assert_eq!(
+        violated_fields(&doc),
+        ["clientPolicies[0].clientTokenShares"],
+        "parts of a budget the policy does not have"
+    );
+    let p = &mut doc.client_policies[0];
+    p.tokens = Some(policy);
+    p.client_token_shares = vec![
+        share.clone(),
+        share.clone(),
+        ClientTokenShare {
+            key_sha256: "not hex".into(),
+            per_minute: 0,
+            per_day: None,
+            requests_per_minute: Some(0),
+        },
+    ];
+    assert_eq!(
+        violated_fields(&doc),
+        [
+            "clientPolicies[0].clientTokenShares[1].keySha256",
+            "clientPolicies[0].clientTokenShares[2].keySha256",
+            "clientPolicies[0].clientTokenShares[2].tokens.perMinute",
+            "clientPolicies[0].clientTokenShares[2].tokens.requestsPerMinute",
+        ]
+    );
+    doc.client_policies[0].client_token_shares = vec![share; MAX_CLIENT_SHARES + 1];
+    assert!(violated_fields(&doc).contains(&"clientPolicies[0].clientTokenShares".to_owned()));
+}

@@ -27,7 +27,7 @@
 //! table holds at most `maxClients` entries: a new client evicts the longest-idle one (counted),
 //! and finds no room (503) only while every entry has calls in flight or queued.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -688,20 +688,34 @@ fn shares_of(policy: &ClientPolicy) -> HashMap<ClientKey, Share> {
         .collect()
 }
 
-/// The policy's token budget and its overrides' own.
+/// The policy's token budget, and the budgets of the clients that have their own: an
+/// override's (when it has one), else this pod's part of a client's fleet-wide budget
+/// (`clientTokenShares`). An override's client never takes a share: with no budget of its own
+/// it has the policy's, as the operator divides it.
 fn token_budgets_of(
     policy: &ClientPolicy,
 ) -> (Option<TokenBudget>, HashMap<ClientKey, TokenBudget>) {
+    let key_of = |hex_key: &str| {
+        let mut key = [0u8; 32];
+        hex::decode_to_slice(hex_key, &mut key).ok()?;
+        Some(ClientKey(key))
+    };
+    let overridden: HashSet<ClientKey> = policy
+        .overrides
+        .iter()
+        .filter_map(|o| key_of(&o.key_sha256))
+        .collect();
+    let shares = policy.tokens.iter().flat_map(|budget| {
+        policy.client_token_shares.iter().filter_map(|s| {
+            let key = key_of(&s.key_sha256)?;
+            (!overridden.contains(&key)).then(|| (key, s.budget(budget)))
+        })
+    });
     let overrides = policy
         .overrides
         .iter()
-        .filter_map(|o| {
-            let mut key = [0u8; 32];
-            hex::decode_to_slice(&o.key_sha256, &mut key).ok()?;
-            Some((ClientKey(key), o.tokens.clone()?))
-        })
-        .collect();
-    (policy.tokens.clone(), overrides)
+        .filter_map(|o| Some((key_of(&o.key_sha256)?, o.tokens.clone()?)));
+    (policy.tokens.clone(), shares.chain(overrides).collect())
 }
 
 fn overrides_of(policy: &ClientPolicy) -> HashMap<ClientKey, Override> {

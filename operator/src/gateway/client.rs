@@ -115,6 +115,25 @@ pub struct ClientsReport {
     pub policies: Vec<PolicyClients>,
 }
 
+impl ClientsReport {
+    /// Adds the clients of `other` (the same pod's answer to another ranking) that this report
+    /// does not have yet, policy by policy.
+    pub fn merge(&mut self, other: ClientsReport) {
+        for p in other.policies {
+            match self.policies.iter_mut().find(|q| q.name == p.name) {
+                Some(q) => {
+                    for c in p.clients {
+                        if !q.clients.iter().any(|d| d.key_sha256 == c.key_sha256) {
+                            q.clients.push(c);
+                        }
+                    }
+                }
+                None => self.policies.push(p),
+            }
+        }
+    }
+}
+
 /// The busiest clients of one client policy in one pod.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct PolicyClients {
@@ -140,6 +159,32 @@ pub struct ReportedClient {
     /// In flight + queued, averaged over the last 10 s.
     #[serde(default)]
     pub demand: f64,
+    /// Input tokens a second of its calls that ended in the last 10 s.
+    #[serde(default)]
+    pub input_tokens_per_second: f64,
+    /// Output tokens a second of the same.
+    #[serde(default)]
+    pub output_tokens_per_second: f64,
+}
+
+/// Which busiest clients `GET /v1/clients` answers with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ranking {
+    /// The most calls in flight and queued (the concurrency limits' division).
+    #[default]
+    Demand,
+    /// The most tokens a second (the token budgets' division).
+    Tokens,
+}
+
+impl Ranking {
+    /// The path that asks for it.
+    pub fn path(self) -> &'static str {
+        match self {
+            Ranking::Demand => "/v1/clients",
+            Ranking::Tokens => "/v1/clients?by=tokens",
+        }
+    }
 }
 
 /// Sends limits documents to gateway pods and reads their client reports.
@@ -153,12 +198,14 @@ pub trait Gateways: Send + Sync + 'static {
         doc: &GatewayLimits,
     ) -> impl Future<Output = Result<Acked, PutError>> + Send;
 
-    /// GETs the busiest clients from the admin API at `addr` of a pod in `namespace`.
+    /// GETs the busiest clients, ranked `by`, from the admin API at `addr` of a pod in
+    /// `namespace`.
     fn clients(
         &self,
         namespace: &str,
         addr: SocketAddr,
         token: &str,
+        by: Ranking,
     ) -> impl Future<Output = Result<ClientsReport, ReportError>> + Send;
 
     /// GETs the limits document the pod at `addr` in `namespace` runs from its admin API.
@@ -281,8 +328,9 @@ impl Gateways for HttpGateways {
         namespace: &str,
         addr: SocketAddr,
         token: &str,
+        by: Ranking,
     ) -> Result<ClientsReport, ReportError> {
-        self.get(namespace, addr, token, "/v1/clients", MAX_ANSWER_BYTES)
+        self.get(namespace, addr, token, by.path(), MAX_ANSWER_BYTES)
             .await
     }
 
@@ -524,5 +572,44 @@ mod tests {
             classify(503, b"busy"),
             Err(PutError::Unexpected { status: 503, .. })
         ));
+    }
+
+    #[test]
+    fn a_pods_two_rankings_merge_into_one_report_each_client_once() {
+        let client = |key: &str, demand: f64, tokens: f64| ReportedClient {
+            key_sha256: key.into(),
+            demand,
+            input_tokens_per_second: tokens,
+            ..ReportedClient::default()
+        };
+        let report = |name: &str, clients: Vec<ReportedClient>| PolicyClients {
+            name: name.into(),
+            clients,
+        };
+        let mut by_demand = ClientsReport {
+            policies: vec![report(
+                "a",
+                vec![client("busy", 5.0, 1.0), client("both", 3.0, 90.0)],
+            )],
+        };
+        by_demand.merge(ClientsReport {
+            policies: vec![
+                report(
+                    "a",
+                    vec![client("both", 3.0, 90.0), client("spender", 0.2, 400.0)],
+                ),
+                report("b", vec![client("other", 0.0, 5.0)]),
+            ],
+        });
+        let keys = |p: &PolicyClients| -> Vec<String> {
+            p.clients.iter().map(|c| c.key_sha256.clone()).collect()
+        };
+        assert_eq!(keys(&by_demand.policies[0]), ["busy", "both", "spender"]);
+        assert_eq!(keys(&by_demand.policies[1]), ["other"]);
+        assert_eq!(
+            (Ranking::Demand.path(), Ranking::Tokens.path()),
+            ("/v1/clients", "/v1/clients?by=tokens"),
+            "as the gateway's admin API reads them"
+        );
     }
 }

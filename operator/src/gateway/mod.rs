@@ -5,7 +5,7 @@ pub mod client;
 pub mod tls;
 
 pub use client::{
-    ClientsReport, Gateways, HttpGateways, MAX_ANSWER_BYTES, PolicyClients, PutError, ReportError,
-    ReportedClient, classify,
+    ClientsReport, Gateways, HttpGateways, MAX_ANSWER_BYTES, PolicyClients, PutError, Ranking,
+    ReportError, ReportedClient, classify,
 };
 pub use tls::{GatewayTrust, TrustError};

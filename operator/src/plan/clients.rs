@@ -207,6 +207,7 @@ mod tests {
             in_flight: demand.floor() as u32,
             queued,
             demand,
+            ..ClientUse::default()
         }
     }
 

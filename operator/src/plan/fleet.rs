@@ -316,23 +316,32 @@ pub fn plan_with(
                 BTreeMap::new()
             }
         };
+        let due = backends
+            .iter()
+            .any(|b| b.decision.as_ref().is_some_and(on_fresh_data));
         let (token_shares, token_use) = token_budgets(
             policy,
             input,
             memory,
             (&holders, &is_ready),
             accepted,
-            {
-                backends
-                    .iter()
-                    .any(|b| b.decision.as_ref().is_some_and(on_fresh_data))
-            },
+            due,
+            now,
+        );
+        let client_token_shares = client_token_budgets(
+            policy,
+            input,
+            memory,
+            (&holders, &is_ready),
+            accepted,
+            due,
             now,
         );
         plans.push(PolicyPlan {
             key: policy.key.clone(),
             client_shares,
             token_shares,
+            client_token_shares,
             token_use,
             acceptance: acceptance[i].clone(),
             selected,
@@ -553,6 +562,60 @@ fn restored_idle_timeout(policy: &PolicyInput, backend: &str) -> Option<IdleTime
         tries: s.tries,
         tried: None,
     })
+}
+
+/// The policy's token budget divided for its busiest clients without an override by where they
+/// spend it (fleet-wide budgets only), re-judged when `due` (a decision ran on fresh data), from
+/// the pods' reports of the clients that spend the most tokens.
+fn client_token_budgets(
+    policy: &PolicyInput,
+    input: &FleetInput,
+    memory: &mut Memory,
+    (holders, ready): (&[String], &[bool]),
+    accepted: bool,
+    due: bool,
+    now: Timestamp,
+) -> BTreeMap<String, tokens::TokenDivision> {
+    let Some((c, budget)) = policy.spec.clients.as_ref().and_then(|c| {
+        let fleet = accepted && c.scope == ClientScope::Fleet && policy.spec.autoscale.enabled;
+        Some((c, c.tokens.as_ref().filter(|_| fleet)?))
+    }) else {
+        memory.client_token_divisions.remove(&policy.key);
+        return BTreeMap::new();
+    };
+    let reports: Vec<Option<&[ClientUse]>> = holders
+        .iter()
+        .map(|h| {
+            input
+                .clients
+                .get(&(policy.key.clone(), h.clone()))
+                .map(Vec::as_slice)
+        })
+        .collect();
+    let overridden: Vec<&str> = c
+        .overrides
+        .iter()
+        .map(|o| o.client.key_sha256.as_str())
+        .collect();
+    let last = memory
+        .client_token_divisions
+        .get(&policy.key)
+        .cloned()
+        .unwrap_or_default();
+    let divided = tokens::divide_clients(
+        holders,
+        ready,
+        &reports,
+        budget,
+        &overridden,
+        &last,
+        due,
+        now,
+    );
+    memory
+        .client_token_divisions
+        .insert(policy.key.clone(), divided.clone());
+    divided
 }
 
 /// The fleet-wide token budgets of a policy's named clients divided by where their tokens are

@@ -233,6 +233,10 @@ pub struct ClientUse {
     pub queued: u32,
     /// In flight + queued, averaged over the last 10 s.
     pub demand: f64,
+    /// Input (prompt) tokens a second of its calls that ended in the last 10 s.
+    pub input_tokens: f64,
+    /// Output (completion) tokens a second of the same.
+    pub output_tokens: f64,
 }
 
 /// Everything Prometheus told us at one instant.

@@ -30,6 +30,9 @@ pub struct Memory {
     pub client_divisions: BTreeMap<PolicyKey, BTreeMap<String, ClientDivision>>,
     /// The named clients' token budgets divided over the holders, per policy and override name.
     pub token_divisions: BTreeMap<PolicyKey, BTreeMap<String, TokenDivision>>,
+    /// The policy's token budget divided for its busiest clients without an override, per
+    /// policy and client key.
+    pub client_token_divisions: BTreeMap<PolicyKey, BTreeMap<String, TokenDivision>>,
     /// The last rendering, reused while its inputs are unchanged.
     pub rendered: Option<Arc<memo::Rendered>>,
 }
@@ -44,5 +47,6 @@ impl Memory {
         self.idle_timeouts.retain(|(k, _), _| k != policy);
         self.client_divisions.remove(policy);
         self.token_divisions.remove(policy);
+        self.client_token_divisions.remove(policy);
     }
 }

@@ -118,6 +118,9 @@ pub struct PolicyPlan {
     /// Its named clients' fleet-wide token budgets divided over the holders by where their
     /// tokens are used, by override name (empty: every budget is split evenly, or per pod).
     pub token_shares: BTreeMap<String, TokenDivision>,
+    /// The policy's token budget divided over the holders by where the clients without an
+    /// override that spend the most of it spend it, by client key (empty: the even split).
+    pub client_token_shares: BTreeMap<String, TokenDivision>,
     /// The tokens a minute charged to each client label's budgets over the selected pods (an
     /// override's name, or `other`; a label absent used none), `None` while a ready pod has
     /// no sample. A fact of this run, for status.

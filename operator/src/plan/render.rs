@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use poolpilot_api::GatewayLimits;
 use poolpilot_api::limits::{
-    BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, ClientShare, CredentialScheme,
-    Credentials, HealthCheck, ListenerLimits, MAX_GENERATION, OutlierDetection, PoolLimits,
-    ProxyProtocol, RouteMatch, SlowCalls, SoftThrottle, Timeouts, TokenBudget, TokenCount,
-    TokenWeights, TrustedProxies, UpstreamProtocol,
+    BackendLimits, ClientIdentity, ClientOverride, ClientPolicy, ClientShare, ClientTokenShare,
+    CredentialScheme, Credentials, HealthCheck, ListenerLimits, MAX_GENERATION, OutlierDetection,
+    PoolLimits, ProxyProtocol, RouteMatch, SlowCalls, SoftThrottle, Timeouts, TokenBudget,
+    TokenCount, TokenWeights, TrustedProxies, UpstreamProtocol,
 };
 use poolpilot_api::policy::upstream::{
     CredentialSchemeSpec, CredentialsSpec, ProtocolSpec, secret_file,
@@ -369,6 +369,24 @@ fn document(
                     .tokens
                     .as_ref()
                     .map(|t| token_budget(t, c.scope, plan.holders.len(), rank)),
+                // This pod's part of the budget of the clients without an override that spend
+                // the most of it (the ConfigMap's document has none, as above).
+                client_token_shares: match (&c.tokens, c.scope, rank) {
+                    (Some(t), ClientScope::Fleet, Some(r)) => plan
+                        .client_token_shares
+                        .iter()
+                        .map(|(key, d)| {
+                            let b = divided_budget(t, d, r);
+                            ClientTokenShare {
+                                key_sha256: key.clone(),
+                                per_minute: b.per_minute,
+                                per_day: b.per_day,
+                                requests_per_minute: b.requests_per_minute,
+                            }
+                        })
+                        .collect(),
+                    _ => Vec::new(),
+                },
             });
             name
         });

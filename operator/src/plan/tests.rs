@@ -2405,6 +2405,7 @@ fn a_new_operator_keeps_the_client_divisions_it_finds_in_status() {
         in_flight: 6,
         queued: 2,
         demand: 7.5,
+        ..input::ClientUse::default()
     };
     input.clients.insert((key("a"), "gw-0".into()), vec![busy]);
     input.clients.insert((key("a"), "gw-1".into()), Vec::new());
@@ -2688,4 +2689,65 @@ fn parts_per_pod(f: &FleetPlan) -> Vec<u64> {
                 .map_or(0, |t| t.per_minute)
         })
         .collect()
+}
+
+#[test]
+fn a_client_without_an_override_spending_its_budget_on_one_pod_gets_it_there_in_that_pods_document()
+{
+    let extra = "autoscale: {min: 8, max: 8}\nclients:\n  identity: {header: x-api-key}\n  maxConcurrency: 8\n  maxQueue: 4\n  tokens: {perMinute: 6000, perDay: 600000, requestsPerMinute: 60}\n";
+    let p = policy("a", 0, &spec("model-a", 64, extra), 2);
+    let mut input = input_with_fds(vec![p], pods(2), 65_536);
+    input
+        .samples
+        .backends
+        .insert((key("a"), "model-a".into()), busy_sample(10.0, 3.0));
+    set_pools(&mut input, &[(8.0, 3.0), (2.0, 0.0)]);
+    let client = "c".repeat(64);
+    // 50 tokens a second on gw-0 (3,000 a minute: all of its even part there).
+    let spender = input::ClientUse {
+        key_sha256: client.clone(),
+        in_flight: 1,
+        input_tokens: 20.0,
+        output_tokens: 30.0,
+        ..input::ClientUse::default()
+    };
+    input
+        .clients
+        .insert((key("a"), "gw-0".into()), vec![spender]);
+    input.clients.insert((key("a"), "gw-1".into()), Vec::new());
+    let mut memory = Memory::default();
+    let fleet = plan(&input, &mut memory, at(0));
+    let shares = |pod: &str| {
+        fleet.documents[pod].client_policies[0]
+            .client_token_shares
+            .clone()
+    };
+    let (gw0, gw1) = (shares("gw-0"), shares("gw-1"));
+    assert_eq!(gw0.len(), 1);
+    assert_eq!(
+        (
+            gw0[0].key_sha256.as_str(),
+            gw0[0].per_minute,
+            gw0[0].per_day,
+            gw0[0].requests_per_minute
+        ),
+        (client.as_str(), 5_850, Some(585_000), Some(58)),
+        "the floor (6000 ÷ 2 ÷ 20 = 150) elsewhere, the rest where it spends; the day and \
+         requests in the same proportion"
+    );
+    assert_eq!((gw1[0].per_minute, gw1[0].per_day), (150, Some(15_000)));
+    // Every document is valid as the gateways check it, and the even part stays the policy's.
+    for pod in ["gw-0", "gw-1"] {
+        fleet.documents[pod].validate().expect("a valid document");
+        assert_eq!(
+            fleet.documents[pod].client_policies[0]
+                .tokens
+                .as_ref()
+                .map(|t| t.per_minute),
+            Some(3_000)
+        );
+    }
+    // The ConfigMap's document, for pods not counted yet, has none.
+    let shared = fleet.policies[0].document.as_ref().expect("a document");
+    assert!(shared.client_policies[0].client_token_shares.is_empty());
 }

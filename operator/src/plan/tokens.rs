@@ -13,14 +13,22 @@
 //! no fresh sample the division in force stays.
 //!
 //! Clients without an override are not told apart by the metric (its labels stay bounded: an
-//! override's name or `other`), so each of them keeps the even split of the policy's budget.
+//! override's name or `other`). Their use is what each pod reports of its clients that spend the
+//! most tokens (`GET /v1/clients?by=tokens`: input and output tokens a second over its last
+//! 10 s, charged here as the budget counts them): a client that spends at least
+//! [`TOKENS_PRESSED`] of the even part of the policy's budget on some pod ([`divide_clients`],
+//! the [`MAX_CLIENT_SHARES`] that spend most) has the budget divided by where it spends it, as
+//! an override's is; every other client keeps the even split. Their divisions live in memory
+//! only: after a restart they are made again on the first decision.
 //! `perDay` and `requestsPerMinute` are divided in the proportions of `perMinute`.
 
 use std::collections::BTreeMap;
 
-use poolpilot_api::policy::{PodTokens, TokenBudgetStatus};
+use poolpilot_api::policy::{PodTokens, TokenBudgetSpec, TokenBudgetStatus, TokenCountSpec};
 
+use super::clients::MAX_CLIENT_SHARES;
 use super::division::{self, Claim, Need};
+use super::input::ClientUse;
 use super::time::Timestamp;
 
 /// A pod without a client's calls keeps this fraction (1 ÷ it) of the even part of its budget.
@@ -145,6 +153,91 @@ pub fn restored(
                 at: now,
             };
             (t.client.clone(), division)
+        })
+        .collect()
+}
+
+/// A client without an override whose tokens on some pod reach this share of the even part of
+/// the policy's budget has the budget divided by where it spends it. Below the even part, as its
+/// own bucket there caps what it can spend at about that part: a client held at its part reads
+/// as using all of it, not more.
+pub const TOKENS_PRESSED: f64 = 0.75;
+
+/// What a client's calls cost a minute in `budget`'s units, from its tokens a second.
+pub fn charged_per_minute(budget: &TokenBudgetSpec, input: f64, output: f64) -> f64 {
+    let (wi, wo) = match (budget.count, budget.weights) {
+        (TokenCountSpec::Total, _) | (TokenCountSpec::Weighted, None) => (1.0, 1.0),
+        (TokenCountSpec::Output, _) => (0.0, 1.0),
+        (TokenCountSpec::Weighted, Some(w)) => (w.input, w.output),
+    };
+    60.0 * (wi * input + wo * output)
+}
+
+/// The budgets of the clients without an override that spend the most of the policy's `budget`,
+/// divided over its holders by where they spend it, by client key. `reports[i]` is what holder
+/// `i` said of its clients (`None`: no fresh report, for a pod that serves traffic: the
+/// divisions in force are kept, or none are made); `overridden` the overrides' keys (their
+/// budgets are divided by name, from Prometheus); `last` the divisions in force; `due`:
+/// re-judge them.
+#[allow(clippy::too_many_arguments)]
+pub fn divide_clients(
+    holders: &[String],
+    ready: &[bool],
+    reports: &[Option<&[ClientUse]>],
+    budget: &TokenBudgetSpec,
+    overridden: &[&str],
+    last: &BTreeMap<String, TokenDivision>,
+    due: bool,
+    now: Timestamp,
+) -> BTreeMap<String, TokenDivision> {
+    let per_minute = budget.per_minute;
+    let kept = || {
+        last.iter()
+            .filter(|(k, d)| d.fits(per_minute, holders) && !overridden.contains(&k.as_str()))
+            .map(|(k, d)| (k.clone(), d.clone()))
+            .collect()
+    };
+    if !due || (0..holders.len()).any(|i| ready[i] && reports[i].is_none()) {
+        return kept();
+    }
+    let even = per_minute as f64 / holders.len().max(1) as f64;
+    let charged = |c: &ClientUse| charged_per_minute(budget, c.input_tokens, c.output_tokens);
+    let mut total: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut pressed: BTreeMap<&str, bool> = BTreeMap::new();
+    for r in reports.iter().flatten() {
+        for c in r.iter() {
+            let key = c.key_sha256.as_str();
+            let used = charged(c);
+            if overridden.contains(&key) || !used.is_finite() {
+                continue;
+            }
+            *total.entry(key).or_default() += used.max(0.0);
+            *pressed.entry(key).or_default() |= used >= TOKENS_PRESSED * even;
+        }
+    }
+    let mut spenders: Vec<(&str, f64)> = total
+        .into_iter()
+        .filter(|(k, used)| *used > 0.0 && (pressed[k] || last.contains_key(*k)))
+        .collect();
+    spenders.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+    spenders.truncate(MAX_CLIENT_SHARES);
+    spenders
+        .into_iter()
+        .map(|(key, _)| {
+            // A pod that reported and did not list the client: none spent there (as far as
+            // its busiest go).
+            let used: Vec<Option<f64>> = reports
+                .iter()
+                .map(|r| {
+                    r.map(|r| {
+                        r.iter()
+                            .find(|c| c.key_sha256 == key)
+                            .map_or(0.0, &charged)
+                    })
+                })
+                .collect();
+            let d = divide(holders, ready, &used, per_minute, last.get(key), true, now);
+            (key.to_owned(), d)
         })
         .collect()
 }

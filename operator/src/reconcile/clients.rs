@@ -1,7 +1,8 @@
 //! Step 1b, the busiest clients (the gateways' admin API, read-only): for a policy whose client
 //! limits hold for the whole fleet, each of its live pods is asked for its busiest clients
 //! (`GET /v1/clients`), so that the planner can divide those clients' limits by where their calls
-//! arrive (`plan/clients.rs`). A pod that does not answer keeps no report: once its last one is
+//! arrive (`plan/clients.rs`); with a token budget, also for those that spend the most tokens
+//! (`?by=tokens`), whose budgets it divides by where they spend them (`plan/tokens.rs`). A pod that does not answer keeps no report: once its last one is
 //! older than two intervals the planner keeps the division in force. Never an error of the
 //! reconcile: the reports only refine a division the even split already makes safe.
 
@@ -16,7 +17,7 @@ use tracing::debug;
 
 use super::context::Context;
 use super::observe;
-use crate::gateway::{ClientsReport, Gateways};
+use crate::gateway::{ClientsReport, Gateways, Ranking};
 use crate::plan::input::ClientUse;
 use crate::plan::time::{Timestamp, elapsed};
 use crate::plan::{FleetInput, PolicyKey};
@@ -31,15 +32,19 @@ pub const CONCURRENCY: usize = 16;
 /// namespace pass to [`fill`] the planner's input from.
 pub async fn poll<G: Gateways>(ctx: &Context<G>, policy: &ConnectionPolicy, key: &PolicyKey) {
     let ns = &key.namespace;
-    let fleet_wide = policy
+    let Some(clients) = policy
         .spec
         .clients
         .as_ref()
-        .is_some_and(|c| c.scope == ClientScope::Fleet)
-        && policy.spec.autoscale.enabled;
-    if !fleet_wide {
+        .filter(|c| c.scope == ClientScope::Fleet && policy.spec.autoscale.enabled)
+    else {
         return;
-    }
+    };
+    let rankings: &[Ranking] = if clients.tokens.is_some() {
+        &[Ranking::Demand, Ranking::Tokens]
+    } else {
+        &[Ranking::Demand]
+    };
     let Some(token) = ctx.rollouts.lock().tokens.get(ns).map(|(t, _)| t.clone()) else {
         return;
     };
@@ -58,10 +63,16 @@ pub async fn poll<G: Gateways>(ctx: &Context<G>, policy: &ConnectionPolicy, key:
         .map(|(pod, addr)| {
             let token = token.clone();
             async move {
-                let report =
-                    tokio::time::timeout(REPORT_TIMEOUT, ctx.gateways.clients(ns, addr, &token))
-                        .await;
-                match report {
+                // Both rankings within the one timeout: a pod that answers one and not the
+                // other keeps no report rather than half of one.
+                let asked = async {
+                    let mut whole = ClientsReport::default();
+                    for by in rankings {
+                        whole.merge(ctx.gateways.clients(ns, addr, &token, *by).await?);
+                    }
+                    Ok::<_, crate::gateway::ReportError>(whole)
+                };
+                match tokio::time::timeout(REPORT_TIMEOUT, asked).await {
                     Ok(Ok(r)) => (pod, Some(r)),
                     Ok(Err(e)) => {
                         debug!(%pod, error = %e, "no client report");
@@ -153,15 +164,16 @@ fn by_policy(
             .filter(|c| {
                 c.key_sha256.len() == 64 && c.key_sha256.bytes().all(|b| b.is_ascii_hexdigit())
             })
-            .map(|c| ClientUse {
-                key_sha256: c.key_sha256.to_ascii_lowercase(),
-                in_flight: c.in_flight,
-                queued: c.queued,
-                demand: if c.demand.is_finite() {
-                    c.demand.max(0.0)
-                } else {
-                    0.0
-                },
+            .map(|c| {
+                let rate = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+                ClientUse {
+                    key_sha256: c.key_sha256.to_ascii_lowercase(),
+                    in_flight: c.in_flight,
+                    queued: c.queued,
+                    demand: rate(c.demand),
+                    input_tokens: rate(c.input_tokens_per_second),
+                    output_tokens: rate(c.output_tokens_per_second),
+                }
             })
             .collect();
         out.insert(key, clients);
@@ -199,6 +211,8 @@ mod tests {
                             in_flight: 3,
                             queued: 1,
                             demand: 3.5,
+                            input_tokens_per_second: 20.0,
+                            output_tokens_per_second: f64::NAN,
                         },
                         ReportedClient {
                             key_sha256: "not-a-digest".into(),
@@ -225,6 +239,8 @@ mod tests {
                 in_flight: 3,
                 queued: 1,
                 demand: 3.5,
+                input_tokens: 20.0,
+                output_tokens: 0.0,
             }]
         );
         assert!(

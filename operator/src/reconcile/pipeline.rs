@@ -419,6 +419,7 @@ async fn refuse<G: Gateways>(
         metrics_available: None,
         client_shares: Default::default(),
         token_shares: Default::default(),
+        client_token_shares: Default::default(),
         token_use: None,
         document: None,
     };

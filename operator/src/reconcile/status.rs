@@ -367,6 +367,7 @@ pub(super) mod tests {
             metrics_available: None,
             client_shares: Default::default(),
             token_shares: Default::default(),
+            client_token_shares: Default::default(),
             token_use: None,
             document: None,
         }

@@ -98,6 +98,7 @@ impl Gateways for FakeGateways {
         _namespace: &str,
         addr: SocketAddr,
         _token: &str,
+        _by: crate::gateway::Ranking,
     ) -> Result<crate::gateway::ClientsReport, crate::gateway::ReportError> {
         self.reports
             .lock()

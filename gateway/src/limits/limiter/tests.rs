@@ -1,7 +1,7 @@
 //! State-machine tests of the client limiter with paused time.
 
 use poolpilot_api::Duration as ApiDuration;
-use poolpilot_api::limits::{ClientOverride, ClientShare, SlowCalls};
+use poolpilot_api::limits::{ClientOverride, ClientShare, ClientTokenShare, SlowCalls};
 
 use super::*;
 
@@ -25,6 +25,7 @@ fn policy(max: u32, queue: u32) -> ClientPolicy {
         priority: None,
         client_shares: Vec::new(),
         tokens: None,
+        client_token_shares: Vec::new(),
     }
 }
 
@@ -785,4 +786,59 @@ async fn settled_tokens_are_counted_by_policy_and_client_and_a_call_never_sent_i
     drop(l.reserve_tokens(other, estimate).unwrap());
     assert_eq!(series("other"), Some(37.0), "{}", metrics.encode());
     assert_eq!(series("batch-team"), Some(3.0), "{}", metrics.encode());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_clients_token_share_is_its_budget_here_and_an_override_never_takes_one() {
+    let mut p = policy(4, 0);
+    // The even part of a fleet-wide 300 tokens a minute over three pods.
+    p.tokens = Some(serde_json::from_value(serde_json::json!({"perMinute": 100})).unwrap());
+    let pinned = ClientKey::of(b"pinned");
+    let someone = ClientKey::of(b"someone");
+    let batch = ClientKey::of(b"batch-key");
+    let share = |key: &ClientKey, per_minute| ClientTokenShare {
+        key_sha256: key.hex(),
+        per_minute,
+        per_day: None,
+        requests_per_minute: None,
+    };
+    // Its calls all arrive here: the operator gives it most of the budget.
+    p.client_token_shares = vec![share(&pinned, 280), share(&batch, 280)];
+    let l = ClientLimiter::new(p.clone(), Metrics::new());
+    let call = Estimate {
+        prompt: 20,
+        output: 70,
+    };
+    // 90 a call, each held open (a reservation dropped unsettled is given back): three fit in
+    // 280, one in 100.
+    let mut open = Vec::new();
+    for i in 0..3 {
+        let r = l.reserve_tokens(pinned, call).unwrap();
+        open.push(r.unwrap_or_else(|| panic!("call {i} of the pinned client has a budget")));
+    }
+    assert!(
+        l.reserve_tokens(pinned, call).is_err(),
+        "270 of 280 reserved"
+    );
+    open.extend(l.reserve_tokens(someone, call).unwrap());
+    assert!(
+        l.reserve_tokens(someone, call).is_err(),
+        "the even part, 100"
+    );
+    // The override has no budget of its own: the policy's, not the share listed for its key.
+    open.extend(l.reserve_tokens(batch, call).unwrap());
+    assert!(l.reserve_tokens(batch, call).is_err());
+    // The share moves to another pod: here the client is back to the even part, and what it
+    // used of its bucket is kept (270 of 280 reserved: over 100, refused until it refills);
+    // `someone` now has 280, of which 90 are reserved.
+    p.client_token_shares = vec![share(&someone, 280)];
+    l.set_policy(p);
+    assert!(l.reserve_tokens(pinned, call).is_err());
+    open.extend(l.reserve_tokens(someone, call).unwrap());
+    open.extend(l.reserve_tokens(someone, call).unwrap());
+    assert!(
+        l.reserve_tokens(someone, call).is_err(),
+        "270 of 280 reserved"
+    );
+    assert_eq!(open.len(), 7);
 }

@@ -238,3 +238,197 @@ proptest! {
         prop_assert_eq!(second.shares.iter().sum::<u64>(), budget);
     }
 }
+
+// === the clients without an override ===
+
+fn spend(key: &str, input: f64, output: f64) -> ClientUse {
+    ClientUse {
+        key_sha256: key.repeat(64 / key.len()),
+        input_tokens: input,
+        output_tokens: output,
+        ..ClientUse::default()
+    }
+}
+
+fn budget(per_minute: u64) -> TokenBudgetSpec {
+    serde_json::from_value(serde_json::json!({ "perMinute": per_minute })).expect("a budget")
+}
+
+#[test]
+fn a_client_without_an_override_pinned_to_one_pod_gets_the_budget_there() {
+    let holders = names(3);
+    let b = budget(60_000);
+    // `a` spends 300 tokens a second (18,000 a minute, 90% of its even part of 20,000) on
+    // gw-1 alone; `b` 30 a second spread over all three; `c` is an override.
+    let gw0 = [spend("b", 5.0, 5.0), spend("c", 1000.0, 0.0)];
+    let gw1 = [spend("a", 100.0, 200.0), spend("b", 5.0, 5.0)];
+    let gw2 = [spend("b", 5.0, 5.0)];
+    let reports = [Some(&gw0[..]), Some(&gw1[..]), Some(&gw2[..])];
+    let c_key = "c".repeat(64);
+    let got = divide_clients(
+        &holders,
+        &[true; 3],
+        &reports,
+        &b,
+        &[c_key.as_str()],
+        &BTreeMap::new(),
+        true,
+        at(0),
+    );
+    let a = "a".repeat(64);
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        [&a],
+        "only the client that presses its even part, never an override"
+    );
+    assert_eq!(got[&a].shares, vec![1_000, 58_000, 1_000]);
+    assert_eq!(got[&a].used, vec![Some(0.0), Some(18_000.0), Some(0.0)]);
+    assert_eq!(got[&a].shares.iter().sum::<u64>(), 60_000);
+}
+
+#[test]
+fn a_clients_tokens_are_charged_as_the_budget_counts_them() {
+    let output: TokenBudgetSpec =
+        serde_json::from_value(serde_json::json!({"perMinute": 60, "count": "Output"})).unwrap();
+    assert_eq!(charged_per_minute(&output, 10.0, 2.0), 120.0);
+    let weighted: TokenBudgetSpec = serde_json::from_value(serde_json::json!({
+        "perMinute": 60, "count": "Weighted", "weights": {"input": 0.5, "output": 2.0}
+    }))
+    .unwrap();
+    assert_eq!(charged_per_minute(&weighted, 10.0, 2.0), 60.0 * 9.0);
+    assert_eq!(charged_per_minute(&budget(60), 10.0, 2.0), 720.0);
+    // Counting output only, a client sending long prompts and asking little presses nothing.
+    let holders = names(2);
+    let gw0 = [spend("a", 1000.0, 0.1)];
+    let got = divide_clients(
+        &holders,
+        &[true; 2],
+        &[Some(&gw0[..]), Some(&[][..])],
+        &serde_json::from_value(serde_json::json!({"perMinute": 600, "count": "Output"})).unwrap(),
+        &[],
+        &BTreeMap::new(),
+        true,
+        at(0),
+    );
+    assert!(got.is_empty(), "{got:?}");
+}
+
+#[test]
+fn client_divisions_are_kept_while_a_pod_has_no_report_or_nothing_is_due_and_dropped_when_the_client_is_gone()
+ {
+    let holders = names(2);
+    let b = budget(1_200);
+    let pinned = [spend("a", 5.0, 5.0)];
+    let divided = divide_clients(
+        &holders,
+        &[true; 2],
+        &[Some(&pinned[..]), Some(&[][..])],
+        &b,
+        &[],
+        &BTreeMap::new(),
+        true,
+        at(0),
+    );
+    let a = "a".repeat(64);
+    assert_eq!(divided[&a].shares, vec![1_170, 30]);
+    // gw-1 serves and did not answer: the division in force stays.
+    let kept = divide_clients(
+        &holders,
+        &[true; 2],
+        &[Some(&[][..]), None],
+        &b,
+        &[],
+        &divided,
+        true,
+        at(15),
+    );
+    assert_eq!(kept, divided);
+    // Not due (no decision on fresh data): kept too.
+    assert_eq!(
+        divide_clients(
+            &holders,
+            &[true; 2],
+            &[Some(&[][..]); 2],
+            &b,
+            &[],
+            &divided,
+            false,
+            at(15)
+        ),
+        divided
+    );
+    // The client became an override: its budget is divided by name from then on.
+    assert!(
+        divide_clients(
+            &holders,
+            &[true; 2],
+            &[Some(&pinned[..]), Some(&[][..])],
+            &b,
+            &[a.as_str()],
+            &divided,
+            false,
+            at(15)
+        )
+        .is_empty()
+    );
+    // It spends nothing anywhere any more: back to the even split.
+    assert!(
+        divide_clients(
+            &holders,
+            &[true; 2],
+            &[Some(&[][..]); 2],
+            &b,
+            &[],
+            &divided,
+            true,
+            at(30)
+        )
+        .is_empty()
+    );
+    // A budget of another size, or other holders: the old division no longer fits.
+    assert!(
+        divide_clients(
+            &holders,
+            &[true; 2],
+            &[None, None],
+            &budget(600),
+            &[],
+            &divided,
+            true,
+            at(30)
+        )
+        .is_empty()
+    );
+}
+
+#[test]
+fn at_most_the_clients_that_spend_most_are_divided() {
+    let holders = names(2);
+    let b = budget(60_000);
+    // 40 clients each spending their whole even part (30,000 a minute) on gw-0.
+    let keys: Vec<String> = (0..40).map(|i| format!("{i:064x}")).collect();
+    let gw0: Vec<ClientUse> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| ClientUse {
+            key_sha256: k.clone(),
+            input_tokens: 500.0 + i as f64,
+            ..ClientUse::default()
+        })
+        .collect();
+    let got = divide_clients(
+        &holders,
+        &[true; 2],
+        &[Some(&gw0[..]), Some(&[][..])],
+        &b,
+        &[],
+        &BTreeMap::new(),
+        true,
+        at(0),
+    );
+    assert_eq!(got.len(), MAX_CLIENT_SHARES);
+    assert!(
+        got.contains_key(&keys[39]) && !got.contains_key(&keys[0]),
+        "the most first"
+    );
+}
