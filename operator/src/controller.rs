@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use futures::{StreamExt, future};
+use futures::{StreamExt, TryStreamExt, future};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ListParams};
@@ -33,6 +33,7 @@ use crate::metrics::{Metrics, QueryLabel};
 use crate::plan::selector;
 use crate::prom::{self, Queries, SaturationQueries, Snapshot};
 use crate::reconcile::observe::MANAGED_BY;
+use crate::reconcile::world::{Digest, Digested, World};
 use crate::reconcile::{self, Config, Context, Stores};
 
 /// Why the operator could not run.
@@ -106,24 +107,37 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         shutdown.clone(),
     ));
 
+    // The pod and EndpointSlice watches also keep the namespace fingerprint's digests.
+    let pod_digest = Arc::new(Digest::default());
     let pods = cache::<Pod>(
         scope.api(&client),
         watcher::Config::default().labels(&args.pod_selector),
         &shutdown,
+        digesting(&pod_digest),
     );
-    let slices = cache::<EndpointSlice>(scope.api(&client), watcher::Config::default(), &shutdown);
+    let slice_digest = Arc::new(Digest::default());
+    let slices = cache::<EndpointSlice>(
+        scope.api(&client),
+        watcher::Config::default(),
+        &shutdown,
+        digesting(&slice_digest),
+    );
     // Watching one namespace, the backend namespaces' EndpointSlices need a watch each (whose
     // changes reconcile like the namespace's own); watching all, the one watch sees them.
     let mut slice_stores = vec![slices.store.clone()];
+    let mut slice_digests = vec![slice_digest];
     if let Some(own) = &scope.0 {
         for ns in args.backend_namespaces.iter().filter(|ns| *ns != own) {
+            let digest = Arc::new(Digest::default());
             let extra = cache_feeding::<EndpointSlice>(
                 Api::namespaced(client.clone(), ns),
                 watcher::Config::default(),
                 &shutdown,
                 slices.touched.clone(),
+                digesting(&digest),
             );
             slice_stores.push(extra.store);
+            slice_digests.push(digest);
         }
     }
     let managed = format!("{}={}", MANAGED_BY.0, MANAGED_BY.1);
@@ -131,6 +145,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         scope.api(&client),
         watcher::Config::default().labels(&managed),
         &shutdown,
+        |_| {},
     );
 
     let snapshot = Arc::new(RwLock::new(Snapshot::default()));
@@ -164,6 +179,11 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         slices,
         slice_stores,
         configmaps,
+        world: World {
+            policies: Arc::default(),
+            pods: pod_digest,
+            slices: slice_digests,
+        },
     };
 
     if !args.leader_election {
@@ -254,6 +274,8 @@ struct Term {
     /// The slices' stores: the scope's, then one per backend namespace outside it.
     slice_stores: Vec<Store<EndpointSlice>>,
     configmaps: Cached<ConfigMap>,
+    /// The pods' and slices' digests (the policies' is each term's own, as its cache is).
+    world: World,
 }
 
 impl Term {
@@ -264,6 +286,11 @@ impl Term {
         // instead of failing the whole list and with it every other policy's reconcile.
         // The policy cache keeps no server-side-apply bookkeeping either.
         let (policies, writer) = reflector::store();
+        let world = World {
+            policies: Arc::new(Digest::default()),
+            ..self.world.clone()
+        };
+        let policy_digest = digesting(&world.policies);
         let watch = reflector::reflector(
             writer,
             watcher(
@@ -273,6 +300,7 @@ impl Term {
             .modify(strip_bookkeeping::<DeserializeGuard<ConnectionPolicy>>),
         )
         .default_backoff()
+        .inspect_ok(policy_digest)
         // A deleted policy has nothing left to reconcile (its cleanup ran behind the finalizer
         // while it was being deleted).
         .applied_objects()
@@ -316,6 +344,7 @@ impl Term {
                 pods: self.pods.store.clone(),
                 slices: self.slice_stores.clone(),
                 configmaps: self.configmaps.store.clone(),
+                world,
             },
             snapshot: self.snapshot.clone(),
             saturation: self.saturation.clone(),
@@ -544,8 +573,20 @@ fn strip_bookkeeping<K: ResourceExt>(object: &mut K) {
         .remove("kubectl.kubernetes.io/last-applied-configuration");
 }
 
-/// Starts the watch of `api` behind a [`Cached`].
-fn cache<K>(api: Api<K>, config: watcher::Config, shutdown: &CancellationToken) -> Cached<K>
+/// Feeds a watch's events to `digest`.
+fn digesting<K: Digested>(digest: &Arc<Digest>) -> impl FnMut(&watcher::Event<K>) + Send + 'static {
+    let digest = digest.clone();
+    move |event| digest.apply(event)
+}
+
+/// Starts the watch of `api` behind a [`Cached`], telling `seen` of each event after the cache
+/// applied it.
+fn cache<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    shutdown: &CancellationToken,
+    seen: impl FnMut(&watcher::Event<K>) + Send + 'static,
+) -> Cached<K>
 where
     K: kube::Resource<DynamicType = ()>
         + Clone
@@ -556,7 +597,7 @@ where
         + 'static,
 {
     let (touched, _) = tokio::sync::broadcast::channel(TOUCHED_BUFFER);
-    cache_feeding(api, config, shutdown, touched)
+    cache_feeding(api, config, shutdown, touched, seen)
 }
 
 /// [`cache`], telling the objects it touches to `touched` (another cache's, so that one stream
@@ -566,6 +607,7 @@ fn cache_feeding<K>(
     config: watcher::Config,
     shutdown: &CancellationToken,
     touched: tokio::sync::broadcast::Sender<Arc<K>>,
+    seen: impl FnMut(&watcher::Event<K>) + Send + 'static,
 ) -> Cached<K>
 where
     K: kube::Resource<DynamicType = ()>
@@ -579,6 +621,7 @@ where
     let (store, writer) = reflector::store();
     let stream = reflector::reflector(writer, watcher(api, config).modify(strip_bookkeeping::<K>))
         .default_backoff()
+        .inspect_ok(seen)
         .touched_objects();
     let shutdown = shutdown.clone();
     let sender = touched.clone();

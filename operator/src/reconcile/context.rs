@@ -195,6 +195,9 @@ pub struct Stores {
     pub slices: Vec<Store<EndpointSlice>>,
     /// The ConfigMaps the operator wrote.
     pub configmaps: Store<ConfigMap>,
+    /// The digests of the policies, pods and EndpointSlices, kept by the same watches
+    /// ([`super::world`]).
+    pub world: super::world::World,
 }
 
 /// Everything the reconciler needs, shared by every reconcile.

@@ -34,6 +34,7 @@ pub mod refresh;
 pub mod rollout;
 pub mod status;
 pub mod validate;
+pub mod world;
 
 #[cfg(test)]
 mod tests;

@@ -26,10 +26,9 @@
 mod store;
 
 use std::collections::BTreeSet;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kube::runtime::reflector::Store;
 use poolpilot_api::ConnectionPolicy;
 use tracing::info;
 
@@ -265,42 +264,17 @@ fn count_and_log<G: Gateways>(ctx: &Context<G>, fleet: &FleetPlan, memory: &Memo
 /// clients' reports (see the module's words): the pods (each one's resource version), the
 /// policies (name, uid, generation, whether being deleted), the EndpointSlices it may read, when
 /// the Prometheus snapshot was taken, and the generation floor. A policy's status write changes
-/// none of it. Every reconcile computes it, so it reads the caches' objects in place (no copy of
-/// a name or version) and hashes them with foldhash, a fast non-cryptographic hash with a fixed
-/// seed (SipHash made the digest a fifth of the operator's CPU at a 2,000-policy cold start; a
-/// collision would only keep a pass one change longer, and the names hashed are the API's).
+/// none of it. Every reconcile computes it, so the watched parts come from the digests the
+/// watches keep ([`world`](super::world)): a lookup each, instead of a walk of the pod and policy
+/// caches (a copy of each cache's list and a hash of every object of the namespace).
 pub fn fingerprint<G: Gateways>(ctx: &Context<G>, ns: &str) -> u64 {
-    let mut h = foldhash::quality::FixedState::with_seed(0x706f_6f6c_7069_6c74).build_hasher();
-    for pod in ctx.stores.pods.state() {
-        let meta = &pod.metadata;
-        if meta.namespace.as_deref() == Some(ns) {
-            (&meta.name, &meta.resource_version).hash(&mut h);
-        }
-    }
-    for policy in ctx.stores.policies.state() {
-        let meta = match &policy.0 {
-            Ok(p) => &p.metadata,
-            Err(invalid) => &invalid.metadata,
-        };
-        if meta.namespace.as_deref() == Some(ns) {
-            (
-                &meta.name,
-                &meta.uid,
-                meta.generation,
-                meta.deletion_timestamp.is_some(),
-                policy.0.is_ok(),
-            )
-                .hash(&mut h);
-        }
-    }
-    let allowed = &ctx.config.backend_namespaces;
-    for slice in ctx.stores.slices.iter().flat_map(Store::state) {
-        let meta = &slice.metadata;
-        let n = meta.namespace.as_deref().unwrap_or_default();
-        if n == ns || allowed.iter().any(|a| a == n) {
-            (n, &meta.name, &meta.resource_version).hash(&mut h);
-        }
-    }
+    let world = &ctx.stores.world;
+    let mut h = super::world::hasher();
+    world.pods.namespace(ns).hash(&mut h);
+    world.policies.namespace(ns).hash(&mut h);
+    world
+        .slices(ns, &ctx.config.backend_namespaces)
+        .hash(&mut h);
     ctx.snapshot.read().at.hash(&mut h);
     ctx.rollouts.lock().seen_generation.get(ns).hash(&mut h);
     h.finish()

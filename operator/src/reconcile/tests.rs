@@ -167,11 +167,30 @@ fn store<K>(objects: Vec<K>) -> Store<K>
 where
     K: kube::Resource<DynamicType = ()> + Clone + 'static,
 {
+    watched(objects, |_| {})
+}
+
+/// A cache of `objects` as its watch fills it, each event also told to `seen`.
+fn watched<K>(objects: Vec<K>, mut seen: impl FnMut(&watcher::Event<K>)) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + 'static,
+{
     let (reader, mut writer) = reflector::store();
     for o in objects {
-        writer.apply_watcher_event(&watcher::Event::Apply(o));
+        let event = watcher::Event::Apply(o);
+        writer.apply_watcher_event(&event);
+        seen(&event);
     }
     reader
+}
+
+/// A cache of `objects` and the digest its watch keeps ([`world`]).
+fn digested<K>(objects: Vec<K>) -> (Store<K>, Arc<world::Digest>)
+where
+    K: kube::Resource<DynamicType = ()> + world::Digested + Clone + 'static,
+{
+    let digest = Arc::new(world::Digest::default());
+    (watched(objects, |e| digest.apply(e)), digest)
 }
 
 fn context_with(
@@ -194,6 +213,9 @@ fn context_full<G: Gateways + Clone>(
 ) -> (Arc<Context<G>>, ApiHandle, G) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "ns");
+    let (policies, policy_digest) = digested(policies);
+    let (pods, pod_digest) = digested(pods);
+    let (slices, slice_digest) = digested::<EndpointSlice>(vec![]);
     let ctx = Context {
         client: client.clone(),
         config: Config {
@@ -206,10 +228,15 @@ fn context_full<G: Gateways + Clone>(
             pushes: PushBound::default(),
         },
         stores: Stores {
-            policies: store(policies),
-            pods: store(pods),
-            slices: vec![store::<EndpointSlice>(vec![])],
+            policies,
+            pods,
+            slices: vec![slices],
             configmaps: store(configmaps),
+            world: world::World {
+                policies: policy_digest,
+                pods: pod_digest,
+                slices: vec![slice_digest],
+            },
         },
         snapshot: Arc::default(),
         saturation: Default::default(),
