@@ -352,6 +352,7 @@ impl Term {
             rollouts: Mutex::default(),
             selections: Mutex::default(),
             passes: Default::default(),
+            samples: Mutex::default(),
             client_reports: Mutex::default(),
             status_refresh: reconcile::refresh::StatusRefresh::new(self.args.status_refresh_rate),
             queue: queue.clone(),

@@ -221,6 +221,9 @@ pub struct Context<G: Gateways> {
     pub selections: Mutex<BTreeMap<String, SelectionMemo>>,
     /// The namespaces' plans, shared by their reconciles ([`super::pass`]).
     pub passes: super::pass::Passes,
+    /// Each policy's samples as read from the latest Prometheus snapshot, per namespace
+    /// ([`super::samples`]).
+    pub samples: Mutex<BTreeMap<String, super::samples::SamplesMemo>>,
     /// The gateways' latest reports of their busiest clients (step 1b, `clients.rs`).
     pub client_reports: Mutex<ClientReports>,
     /// When each policy's status was last written, for the refresh of its observations.

@@ -32,6 +32,7 @@ pub mod pipeline;
 pub mod queue;
 pub mod refresh;
 pub mod rollout;
+pub mod samples;
 pub mod status;
 pub mod validate;
 pub mod world;

@@ -170,8 +170,16 @@ fn observe_policies<G: Gateways>(
     for i in by_policy.iter().flat_map(|s| s.iter()) {
         selected[*i] = true;
     }
-    let snapshot = ctx.snapshot.read().clone();
-    let acks = ctx.rollouts.lock().acked.clone();
+    let (acks, seen) = {
+        let rollouts = ctx.rollouts.lock();
+        (
+            rollouts.acked.clone(),
+            rollouts.seen_generation.get(ns).copied(),
+        )
+    };
+    // Read in place (a copy of the snapshot is a copy of every series the round returned); the
+    // poller's next write waits for this pass to be done with it.
+    let snapshot = ctx.snapshot.read();
     let mut gateway_pods = Vec::new();
     let mut admin = BTreeMap::new();
     for (_, pod) in pods.iter().enumerate().filter(|(i, _)| selected[*i]) {
@@ -200,7 +208,6 @@ fn observe_policies<G: Gateways>(
         });
     }
 
-    let seen = ctx.rollouts.lock().seen_generation.get(ns).copied();
     let published: Vec<Acked> = ctx
         .stores
         .configmaps
@@ -243,7 +250,13 @@ fn observe_policies<G: Gateways>(
             }
         })
         .collect();
-    let samples = snapshot.samples(ns, &selection, now, ctx.config.snapshot_max_age);
+    let samples = ctx
+        .samples
+        .lock()
+        .entry(ns.to_owned())
+        .or_default()
+        .samples(&snapshot, ns, &selection, now, ctx.config.snapshot_max_age);
+    drop(snapshot);
 
     Observed {
         namespace: ns.to_owned(),

@@ -347,6 +347,7 @@ async fn cleanup<G: Gateways>(policy: &ConnectionPolicy, ctx: &Context<G>) -> Re
     .await?;
     if observed.input.policies.is_empty() {
         ctx.passes.forget(&key.namespace);
+        ctx.samples.lock().remove(&key.namespace);
     }
     ctx.status_refresh
         .forget(&format!("{}/{}", key.namespace, key.name));

@@ -244,6 +244,7 @@ fn context_full<G: Gateways + Clone>(
         rollouts: Mutex::default(),
         selections: Mutex::default(),
         passes: Default::default(),
+        samples: Mutex::default(),
         client_reports: Mutex::default(),
         status_refresh: Default::default(),
         queue: Arc::new(ReconcileQueue::new(8)),
