@@ -134,39 +134,41 @@ pub fn plausible_generation(generation: u64) -> bool {
 }
 
 /// Every generation in `input` that is not [plausible](plausible_generation), saying where it
-/// was read: the planner ignores them, the reconcile reports them.
+/// was read: the planner ignores them, the reconcile reports them. Every reconcile asks, over
+/// every pod and policy of the namespace, so where a value was read is worded only for the
+/// values reported (wording it for each of 3,000 values took 13% of the operator's profiled CPU
+/// at 2,000 policies × 1,000 pods).
 pub fn implausible_generations(input: &FleetInput) -> Vec<String> {
     let mut out = Vec::new();
-    let mut note = |g: u64, place: String| {
+    let mut note = |g: u64, place: &dyn Fn() -> String| {
         if !plausible_generation(g) {
             out.push(format!(
-                "{place} generation {g}, above the largest the operator issues ({MAX_GENERATION}): ignored"
+                "{} generation {g}, above the largest the operator issues ({MAX_GENERATION}): ignored",
+                place()
             ));
         }
     };
     for a in &input.published {
-        note(
-            a.generation,
+        note(a.generation, &|| {
             format!(
                 "a published limits ConfigMap (revision {}) says",
                 a.revision
-            ),
-        );
+            )
+        });
     }
     for pod in &input.pods {
         if let Some(a) = &pod.acked {
-            note(a.generation, format!("pod {} reports", pod.name));
+            note(a.generation, &|| format!("pod {} reports", pod.name));
         }
     }
     for p in &input.policies {
         if let Some(g) = p.status.as_ref().and_then(|s| s.limits_generation) {
-            note(g, format!("the status of policy {} records", p.key));
+            note(g, &|| format!("the status of policy {} records", p.key));
         }
     }
-    note(
-        input.generation_floor,
-        "a pod's answer (409) names".to_owned(),
-    );
+    note(input.generation_floor, &|| {
+        "a pod's answer (409) names".to_owned()
+    });
     out
 }
 
