@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use poolpilot_api::GatewayLimits;
-use poolpilot_operator::gateway::{GatewayTrust, Gateways as _, HttpGateways, PutError};
+use poolpilot_operator::gateway::{GatewayTrust, Gateways as _, HttpGateways, PutError, Ranking};
 use poolpilot_operator::reconcile::PushBound;
 use poolpilot_operator::reconcile::rollout::{Delivery, send_all};
 
@@ -158,9 +158,14 @@ async fn twenty_pods_take_the_operators_rollout_except_the_slow_and_failing_ones
     );
     let wrong = client.put("sim", normal.addr, "other", &doc).await;
     assert!(matches!(wrong, Err(PutError::Unauthorized)), "{wrong:?}");
-    let report = client.clients("sim", normal.addr, "s3cr3t").await.unwrap();
-    assert_eq!(report.policies.len(), 1);
-    assert_eq!(report.policies[0].name, "default");
+    for by in [Ranking::Demand, Ranking::Tokens] {
+        let report = client
+            .clients("sim", normal.addr, "s3cr3t", by)
+            .await
+            .unwrap();
+        assert_eq!(report.policies.len(), 1, "{by:?}");
+        assert_eq!(report.policies[0].name, "default");
+    }
 
     // The scrape target: the series of every pod that runs a document, labelled with the pod.
     tokio::time::sleep(Duration::from_secs(1)).await;

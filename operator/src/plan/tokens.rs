@@ -228,13 +228,7 @@ pub fn divide_clients(
             // its busiest go).
             let used: Vec<Option<f64>> = reports
                 .iter()
-                .map(|r| {
-                    r.map(|r| {
-                        r.iter()
-                            .find(|c| c.key_sha256 == key)
-                            .map_or(0.0, &charged)
-                    })
-                })
+                .map(|r| r.map(|r| r.iter().find(|c| c.key_sha256 == key).map_or(0.0, &charged)))
                 .collect();
             let d = divide(holders, ready, &used, per_minute, last.get(key), true, now);
             (key.to_owned(), d)
