@@ -4,6 +4,7 @@
 //! with its conditions and Events ([`policy::conditions`]) and its reference doc
 //! ([`policy::reference`]).
 
+pub mod admin;
 pub mod duration;
 pub mod limits;
 #[cfg(feature = "kube")]

@@ -167,26 +167,7 @@ pub struct ClientDemand {
     pub output_tokens_per_second: f64,
 }
 
-/// How `GET /v1/clients` ranks a policy's clients.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Ranking {
-    /// By demand (calls in flight + queued), what the operator divides client limits by.
-    #[default]
-    Demand,
-    /// By tokens a second, input and output.
-    Tokens,
-}
-
-impl Ranking {
-    /// The ranking a `by` query value names (`demand`, `tokens`).
-    pub fn parse(by: &str) -> Option<Self> {
-        match by {
-            "demand" => Some(Self::Demand),
-            "tokens" => Some(Self::Tokens),
-            _ => None,
-        }
-    }
-}
+pub use poolpilot_api::admin::Ranking;
 
 /// A client among the top by tokens ([`ClientLimiter::top_by_tokens`]).
 #[derive(Clone, Debug, PartialEq)]

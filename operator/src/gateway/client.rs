@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use poolpilot_api::GatewayLimits;
+pub use poolpilot_api::admin::Ranking;
 use poolpilot_api::limits::MAX_DOCUMENT_BYTES;
 use serde::Deserialize;
 
@@ -165,26 +166,6 @@ pub struct ReportedClient {
     /// Output tokens a second of the same.
     #[serde(default)]
     pub output_tokens_per_second: f64,
-}
-
-/// Which busiest clients `GET /v1/clients` answers with.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Ranking {
-    /// The most calls in flight and queued (the concurrency limits' division).
-    #[default]
-    Demand,
-    /// The most tokens a second (the token budgets' division).
-    Tokens,
-}
-
-impl Ranking {
-    /// The path that asks for it.
-    pub fn path(self) -> &'static str {
-        match self {
-            Ranking::Demand => "/v1/clients",
-            Ranking::Tokens => "/v1/clients?by=tokens",
-        }
-    }
 }
 
 /// Sends limits documents to gateway pods and reads their client reports.
@@ -606,10 +587,5 @@ mod tests {
         };
         assert_eq!(keys(&by_demand.policies[0]), ["busy", "both", "spender"]);
         assert_eq!(keys(&by_demand.policies[1]), ["other"]);
-        assert_eq!(
-            (Ranking::Demand.path(), Ranking::Tokens.path()),
-            ("/v1/clients", "/v1/clients?by=tokens"),
-            "as the gateway's admin API reads them"
-        );
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use poolpilot_api::policy::{BackendSpec, ClientScope, DecisionAction, StartFrom};
+use poolpilot_api::policy::{BackendSpec, ClientScope, ClientsSpec, DecisionAction, StartFrom};
 
 use super::autoscale::{self, BackendMemory, Bounds};
 use super::budget::FdReport;
@@ -264,24 +264,10 @@ pub fn plan_with(
         }
         // The busiest clients' fleet-wide limits, divided by where their calls arrive; judged
         // again when a decision ran (once per interval).
-        let client_shares = match &policy.spec.clients {
-            Some(c)
-                if accepted && c.scope == ClientScope::Fleet && policy.spec.autoscale.enabled =>
-            {
-                let reports: Vec<Option<&[ClientUse]>> = holders
-                    .iter()
-                    .map(|h| {
-                        input
-                            .clients
-                            .get(&(policy.key.clone(), h.clone()))
-                            .map(Vec::as_slice)
-                    })
-                    .collect();
-                let overridden: Vec<&str> = c
-                    .overrides
-                    .iter()
-                    .map(|o| o.client.key_sha256.as_str())
-                    .collect();
+        let client_shares = match fleet_clients(policy, accepted) {
+            Some(c) => {
+                let reports = client_reports(policy, input, &holders);
+                let overridden = override_keys(c);
                 // Re-judged with a decision made on fresh data (not while Prometheus is away:
                 // the documents stay as they are then).
                 let due = backends
@@ -564,6 +550,41 @@ fn restored_idle_timeout(policy: &PolicyInput, backend: &str) -> Option<IdleTime
     })
 }
 
+/// The client rules of `policy` when they hold for the whole fleet and the operator divides
+/// them (the policy accepted, `clients.scope: Fleet`, autoscale on).
+fn fleet_clients(policy: &PolicyInput, accepted: bool) -> Option<&ClientsSpec> {
+    policy
+        .spec
+        .clients
+        .as_ref()
+        .filter(|c| accepted && c.scope == ClientScope::Fleet && policy.spec.autoscale.enabled)
+}
+
+/// What each of `holders` reported of `policy`'s busiest clients (`None`: no fresh report).
+fn client_reports<'a>(
+    policy: &PolicyInput,
+    input: &'a FleetInput,
+    holders: &[String],
+) -> Vec<Option<&'a [ClientUse]>> {
+    holders
+        .iter()
+        .map(|h| {
+            input
+                .clients
+                .get(&(policy.key.clone(), h.clone()))
+                .map(Vec::as_slice)
+        })
+        .collect()
+}
+
+/// The keys of the clients `c` names in its overrides (their limits and budgets are theirs).
+fn override_keys(c: &ClientsSpec) -> Vec<&str> {
+    c.overrides
+        .iter()
+        .map(|o| o.client.key_sha256.as_str())
+        .collect()
+}
+
 /// The policy's token budget divided for its busiest clients without an override by where they
 /// spend it (fleet-wide budgets only), re-judged when `due` (a decision ran on fresh data), from
 /// the pods' reports of the clients that spend the most tokens.
@@ -576,27 +597,14 @@ fn client_token_budgets(
     due: bool,
     now: Timestamp,
 ) -> BTreeMap<String, tokens::TokenDivision> {
-    let Some((c, budget)) = policy.spec.clients.as_ref().and_then(|c| {
-        let fleet = accepted && c.scope == ClientScope::Fleet && policy.spec.autoscale.enabled;
-        Some((c, c.tokens.as_ref().filter(|_| fleet)?))
-    }) else {
+    let Some((c, budget)) =
+        fleet_clients(policy, accepted).and_then(|c| Some((c, c.tokens.as_ref()?)))
+    else {
         memory.client_token_divisions.remove(&policy.key);
         return BTreeMap::new();
     };
-    let reports: Vec<Option<&[ClientUse]>> = holders
-        .iter()
-        .map(|h| {
-            input
-                .clients
-                .get(&(policy.key.clone(), h.clone()))
-                .map(Vec::as_slice)
-        })
-        .collect();
-    let overridden: Vec<&str> = c
-        .overrides
-        .iter()
-        .map(|o| o.client.key_sha256.as_str())
-        .collect();
+    let reports = client_reports(policy, input, holders);
+    let overridden = override_keys(c);
     let last = memory
         .client_token_divisions
         .get(&policy.key)
@@ -653,12 +661,7 @@ fn token_budgets(
         }
         total
     });
-    let Some(c) = policy
-        .spec
-        .clients
-        .as_ref()
-        .filter(|c| accepted && c.scope == ClientScope::Fleet && policy.spec.autoscale.enabled)
-    else {
+    let Some(c) = fleet_clients(policy, accepted) else {
         memory.token_divisions.remove(&policy.key);
         return (BTreeMap::new(), total);
     };

@@ -2386,19 +2386,28 @@ fn the_burst_fills_the_budget_left_by_the_shares_and_stops_at_a_hold() {
     assert_eq!(b.burst, 0, "no burst while growth is held");
 }
 
-#[test]
-fn a_new_operator_keeps_the_client_divisions_it_finds_in_status() {
-    // A client with all its calls on gw-0 gets most of its fleet-wide 8 there; a restarted (or
-    // newly elected) operator, with Prometheus away, must send the pods the same client limits,
-    // not fall back to the even split.
-    let extra = "autoscale: {min: 8, max: 8}\nclients:\n  identity: {header: x-api-key}\n  maxConcurrency: 8\n  maxQueue: 4\n";
-    let p = policy("a", 0, &spec("model-a", 64, extra), 2);
+/// One policy over two busy pods whose client limits (8 calls, 4 queue places, and `more`)
+/// hold for the whole fleet.
+fn fleet_wide_clients(more: &str) -> FleetInput {
+    let extra = format!(
+        "autoscale: {{min: 8, max: 8}}\nclients:\n  identity: {{header: x-api-key}}\n  maxConcurrency: 8\n  maxQueue: 4\n{more}"
+    );
+    let p = policy("a", 0, &spec("model-a", 64, &extra), 2);
     let mut input = input_with_fds(vec![p], pods(2), 65_536);
     input
         .samples
         .backends
         .insert((key("a"), "model-a".into()), busy_sample(10.0, 3.0));
     set_pools(&mut input, &[(8.0, 3.0), (2.0, 0.0)]);
+    input
+}
+
+#[test]
+fn a_new_operator_keeps_the_client_divisions_it_finds_in_status() {
+    // A client with all its calls on gw-0 gets most of its fleet-wide 8 there; a restarted (or
+    // newly elected) operator, with Prometheus away, must send the pods the same client limits,
+    // not fall back to the even split.
+    let mut input = fleet_wide_clients("");
     let client = "c".repeat(64);
     let busy = input::ClientUse {
         key_sha256: client.clone(),
@@ -2694,14 +2703,8 @@ fn parts_per_pod(f: &FleetPlan) -> Vec<u64> {
 #[test]
 fn a_client_without_an_override_spending_its_budget_on_one_pod_gets_it_there_in_that_pods_document()
 {
-    let extra = "autoscale: {min: 8, max: 8}\nclients:\n  identity: {header: x-api-key}\n  maxConcurrency: 8\n  maxQueue: 4\n  tokens: {perMinute: 6000, perDay: 600000, requestsPerMinute: 60}\n";
-    let p = policy("a", 0, &spec("model-a", 64, extra), 2);
-    let mut input = input_with_fds(vec![p], pods(2), 65_536);
-    input
-        .samples
-        .backends
-        .insert((key("a"), "model-a".into()), busy_sample(10.0, 3.0));
-    set_pools(&mut input, &[(8.0, 3.0), (2.0, 0.0)]);
+    let mut input =
+        fleet_wide_clients("  tokens: {perMinute: 6000, perDay: 600000, requestsPerMinute: 60}\n");
     let client = "c".repeat(64);
     // 50 tokens a second on gw-0 (3,000 a minute: all of its even part there).
     let spender = input::ClientUse {

@@ -21,6 +21,7 @@ use std::hash::{BuildHasher, Hash, Hasher};
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::core::DeserializeGuard;
 use kube::runtime::watcher;
 use parking_lot::Mutex;
@@ -43,29 +44,35 @@ pub trait Digested {
     fn digest_into(&self, h: &mut impl Hasher);
 }
 
+/// An object's namespace and name, when it has both.
+fn named(m: &ObjectMeta) -> Option<(&str, &str)> {
+    Some((m.namespace.as_deref()?, m.name.as_deref()?))
+}
+
+/// Hashes an object by its namespace, name and resource version (any change of it).
+fn by_version(m: &ObjectMeta, h: &mut impl Hasher) {
+    (&m.namespace, &m.name, &m.resource_version).hash(h);
+}
+
 /// A pod: its resource version (any change of it).
 impl Digested for Pod {
     fn identity(&self) -> Option<(&str, &str)> {
-        let m = &self.metadata;
-        Some((m.namespace.as_deref()?, m.name.as_deref()?))
+        named(&self.metadata)
     }
 
     fn digest_into(&self, h: &mut impl Hasher) {
-        let m = &self.metadata;
-        (&m.namespace, &m.name, &m.resource_version).hash(h);
+        by_version(&self.metadata, h);
     }
 }
 
 /// An EndpointSlice: its resource version.
 impl Digested for EndpointSlice {
     fn identity(&self) -> Option<(&str, &str)> {
-        let m = &self.metadata;
-        Some((m.namespace.as_deref()?, m.name.as_deref()?))
+        named(&self.metadata)
     }
 
     fn digest_into(&self, h: &mut impl Hasher) {
-        let m = &self.metadata;
-        (&m.namespace, &m.name, &m.resource_version).hash(h);
+        by_version(&self.metadata, h);
     }
 }
 
@@ -73,8 +80,7 @@ impl Digested for EndpointSlice {
 /// can read it. Its status is left out: a status write changes nothing a pass is made from.
 impl Digested for DeserializeGuard<ConnectionPolicy> {
     fn identity(&self) -> Option<(&str, &str)> {
-        let m = self.meta();
-        Some((m.namespace.as_deref()?, m.name.as_deref()?))
+        named(self.meta())
     }
 
     fn digest_into(&self, h: &mut impl Hasher) {
