@@ -1048,26 +1048,12 @@ impl GatewayLimits {
             if let Some(t) = &p.tokens {
                 v.tokens(&at("tokens"), t);
             }
-            if p.client_shares.len() > MAX_CLIENT_SHARES {
-                v.push(
-                    at("clientShares"),
-                    format!(
-                        "{} shares, at most {MAX_CLIENT_SHARES}",
-                        p.client_shares.len()
-                    ),
-                );
-            }
-            let mut share_keys = BTreeSet::new();
+            v.shares(
+                &at("clientShares"),
+                p.client_shares.iter().map(|c| c.key_sha256.as_str()),
+            );
             for (j, c) in p.client_shares.iter().enumerate() {
                 let at = |f: &str| format!("clientPolicies[{i}].clientShares[{j}].{f}");
-                if !is_sha256_hex(&c.key_sha256) {
-                    v.push(
-                        at("keySha256"),
-                        "must be 64 hex digits (the SHA-256 of the client's key)",
-                    );
-                } else if !share_keys.insert(c.key_sha256.to_ascii_lowercase()) {
-                    v.push(at("keySha256"), "duplicate client");
-                }
                 v.positive_u64(&at("maxConcurrency"), c.max_concurrency.into());
             }
             if !p.client_token_shares.is_empty() && p.tokens.is_none() {
@@ -1076,26 +1062,12 @@ impl GatewayLimits {
                     "parts of a token budget the policy does not have (no tokens)",
                 );
             }
-            if p.client_token_shares.len() > MAX_CLIENT_SHARES {
-                v.push(
-                    at("clientTokenShares"),
-                    format!(
-                        "{} shares, at most {MAX_CLIENT_SHARES}",
-                        p.client_token_shares.len()
-                    ),
-                );
-            }
-            let mut token_keys = BTreeSet::new();
+            v.shares(
+                &at("clientTokenShares"),
+                p.client_token_shares.iter().map(|c| c.key_sha256.as_str()),
+            );
             for (j, c) in p.client_token_shares.iter().enumerate() {
                 let at = |f: &str| format!("clientPolicies[{i}].clientTokenShares[{j}].{f}");
-                if !is_sha256_hex(&c.key_sha256) {
-                    v.push(
-                        at("keySha256"),
-                        "must be 64 hex digits (the SHA-256 of the client's key)",
-                    );
-                } else if !token_keys.insert(c.key_sha256.to_ascii_lowercase()) {
-                    v.push(at("keySha256"), "duplicate client");
-                }
                 if let Some(t) = &p.tokens {
                     v.tokens(&at("tokens"), &c.budget(t));
                 }
@@ -1369,6 +1341,29 @@ impl Validator {
     fn positive(&mut self, field: &str, d: Duration) {
         if d.is_zero() {
             self.push(field, "must be longer than 0s");
+        }
+    }
+
+    /// A list of per-client shares at `list`: at most [`MAX_CLIENT_SHARES`], each keyed by a
+    /// SHA-256 in hex, no client twice.
+    fn shares<'a>(&mut self, list: &str, keys: impl ExactSizeIterator<Item = &'a str>) {
+        if keys.len() > MAX_CLIENT_SHARES {
+            self.push(
+                list.to_owned(),
+                format!("{} shares, at most {MAX_CLIENT_SHARES}", keys.len()),
+            );
+        }
+        let mut seen = BTreeSet::new();
+        for (j, key) in keys.enumerate() {
+            let field = format!("{list}[{j}].keySha256");
+            if !is_sha256_hex(key) {
+                self.push(
+                    field,
+                    "must be 64 hex digits (the SHA-256 of the client's key)",
+                );
+            } else if !seen.insert(key.to_ascii_lowercase()) {
+                self.push(field, "duplicate client");
+            }
         }
     }
 
