@@ -19,11 +19,14 @@
 //!               with the most throughput measured) with a level above it that gave no more
 //!               (flat on enough evidence, short, lower, or 2× the time to first byte), or
 //!               below it one from which the step to it fell short
-//!  peak         with levels on both sides of the best one: the vertex of a parabola fitted to
-//!               log throughput over log in-flight (weights 1/noise²), within its neighbours;
-//!               the flat top of a throughput curve hides its peak from pairwise comparisons
+//!  peak         with levels on both sides of the best one, and one above the most throughput
+//!               that gave 10% less: the vertex of a parabola fitted to log throughput over log
+//!               in-flight (weights 1/noise²), within its neighbours; the flat top of a
+//!               throughput curve hides its peak from pairwise comparisons
 //!  then         probe the middle of the bracket around the best level (judged against it;
-//!               a tie: the lower level wins), step back to the peak, or hold there;
+//!               a tie: the lower level wins; below it, no lower than a level whose in-flight
+//!               over the call time measured at or below it may still tie), step back to the
+//!               peak, or hold there;
 //!               without a knee, measure a too noisy lower level again
 //!  queue        once the backend's own queue showed, only the levels at or under what it
 //!               serves at once are evidence, nothing above it is probed, and a knee the
@@ -74,8 +77,8 @@ pub const TTFB_TOLERANCE: f64 = 2.0;
 /// longer is forgotten, so a knee found from it is probed again (the level the target holds
 /// at keeps its evidence as long as it is measured).
 pub const KNEE_MEMORY: Duration = Duration::from_secs(600);
-/// A level above the best one that gives this share less than it shows a throughput that
-/// falls past a peak (rather than staying flat): the peak is located.
+/// A level above the one with the most throughput that gives this share less than it shows a
+/// throughput that falls past a peak (rather than staying flat): the peak is located.
 pub const FALL: f64 = 0.1;
 /// Levels within this in-flight ratio of the best one take part in the estimate of the peak.
 pub const PEAK_SPAN: f64 = 3.0;
@@ -570,8 +573,9 @@ pub struct Knee {
     /// Where the throughput peaks, from the levels on both sides of the best one
     /// ([`KneeMemory::peak`]; `None`: not measured on both sides yet).
     pub peak: Option<Peak>,
-    /// Whether a level above the best one gave at least [`FALL`] less than it: the throughput
-    /// has a peak to locate (otherwise it stays flat past the best level, which stands).
+    /// Whether a level above the one with the most throughput gave at least [`FALL`] less than
+    /// it: the throughput has a peak to locate (otherwise it stays flat past the best level,
+    /// which stands).
     pub falls: bool,
     /// The backend's own queue, when it showed: the knee is at or below what it serves at once.
     pub ceiling: Option<Ceiling>,
@@ -1023,12 +1027,14 @@ impl KneeMemory {
             .rev()
             .find(|l| far(best, l))
             .map(|l| self.compare(best, l));
-        // A curve that falls past the best level has a peak there to locate; one that stays
-        // flat (the knee of a backend that queues what it cannot serve) is held at its lowest
-        // level that gives the most.
+        // A curve that falls past the most throughput measured has a peak there to locate;
+        // one that stays flat (the knee of a backend that queues what it cannot serve) is held
+        // at its lowest level that gives the most. Against the most, not the best level: the
+        // best is the lowest level that ties with it, up to a tie below the peak, and a curve
+        // that falls as far past the peak stays within a tie of the best.
         let falls = evidence()
-            .filter(|l| l.in_flight > best.in_flight)
-            .any(|l| self.compare(l, best).gain < 1.0 - FALL);
+            .filter(|l| l.in_flight > max.in_flight)
+            .any(|l| self.compare(l, max).gain < 1.0 - FALL);
         let knee = Knee {
             best: *best,
             above,
@@ -1158,6 +1164,41 @@ impl KneeMemory {
         )
     }
 
+    /// The most a level of `in_flight` per endpoint can give, calls/s per endpoint, by Little's
+    /// law: its in-flight over the mean call time measured at a level at or below it, less that
+    /// time's noise, the least of those (a call takes at least as long beside more calls: a
+    /// batch slows each call as it fills, a queue delays it). `None`: no level at or below it
+    /// timed [`MIN_TIMED`] calls, or the spread of call times is not known yet.
+    pub fn most_at(&self, in_flight: u32) -> Option<f64> {
+        let cv = self.cv()?;
+        self.levels
+            .range(..=in_flight)
+            .filter(|(_, l)| l.timed.calls >= MIN_TIMED)
+            .filter_map(|(_, l)| {
+                let noise = l.uncertainty(Measure::Little { cv });
+                let w = l.timed.mean()? * (1.0 - SIGNIFICANCE * noise);
+                (w > 0.0).then(|| f64::from(in_flight) / w)
+            })
+            .min_by(f64::total_cmp)
+    }
+
+    /// The lowest level from `from` up that may give as much as `best` (within [`TIE`]), by
+    /// [`KneeMemory::most_at`], and is still [`MIN_RATIO`] below it: a probe below the best
+    /// level to a level that cannot tie with it costs its throughput and tells nothing. `from`
+    /// itself when the calls were not timed.
+    fn least_that_may_tie(&self, from: u32, best: &Level) -> Option<u32> {
+        let cv = self.cv();
+        let most = cv
+            .filter(|_| best.timed.calls >= MIN_TIMED)
+            .map(|cv| best.rate(Measure::Little { cv }) * (1.0 - TIE));
+        (from..best.in_flight)
+            .take_while(|m| f64::from(best.in_flight) >= f64::from(*m) * MIN_RATIO)
+            .find(|m| {
+                most.zip(self.most_at(*m))
+                    .is_none_or(|(most, bound)| bound >= most)
+            })
+    }
+
     /// The largest target per endpoint worth having, when a knee is known.
     pub fn cap(&self) -> Option<u32> {
         self.knee().map(|k| k.cap())
@@ -1278,7 +1319,9 @@ impl KneeMemory {
                 (m < best && f64::from(best) >= f64::from(m) * MIN_RATIO).then_some(m)
             }
         };
-        let down = down.map(|m| m.max(min)).filter(|m| *m < best);
+        let down = down
+            .map(|m| m.max(min))
+            .and_then(|m| self.least_that_may_tie(m, &knee.best));
         let fresh = |m: &u32| !measured(*m) && *m != current;
         let (up, down) = if knee.own() {
             (up, down)

@@ -1510,6 +1510,7 @@ fn the_documented_parameters_are_the_constants() {
         ("NARROW", NARROW),
         ("TTFB_TOLERANCE", TTFB_TOLERANCE),
         ("KNEE_MEMORY", KNEE_MEMORY.as_secs_f64()),
+        ("FALL", FALL),
         ("PEAK_SPAN", PEAK_SPAN),
         ("PEAK_ERROR", PEAK_ERROR),
         ("REFINE_SPAN", REFINE_SPAN),

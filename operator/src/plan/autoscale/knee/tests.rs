@@ -569,3 +569,72 @@ fn no_level_above_what_the_backend_serves_at_once_is_probed_or_measured() {
     }
     assert!(visited.len() > 1, "levels below 9 probed: {visited:?}");
 }
+
+#[test]
+fn a_curve_that_falls_past_its_most_throughput_has_a_peak_even_within_a_tie_of_its_best_level() {
+    // Peaks at 5: 4 ties with it (2.4% less) and is the best level; 8 gives 10.1% less than 5
+    // but only 7.9% less than 4. The fall is measured from the most throughput: the peak is
+    // located, and the target held there rather than at the lowest level within a tie.
+    let mut m = KneeMemory::default();
+    for (i, c) in [3.0, 4.0, 5.0, 6.0, 8.0].into_iter().enumerate() {
+        m.observe(obs(i as i64 * 10, c, thrashing(c, 5.0), 2500.0));
+    }
+    let knee = m.knee().expect("8 gave less than 5");
+    assert_eq!(knee.best.in_flight, 4, "{knee:?}");
+    assert!(knee.falls, "{knee:?}");
+    let peak = knee.peak.expect("levels on both sides of 4");
+    assert!((peak.at - 5.0).abs() < 0.5, "{peak:?}");
+    assert_eq!(knee.cap(), 5);
+}
+
+/// An interval at `in_flight` on one endpoint completing `rate` calls a second, each taking
+/// `duration` seconds (bytes in proportion).
+fn timed(secs: i64, in_flight: f64, rate: f64, duration: f64) -> Observation {
+    Observation {
+        duration: Some(duration),
+        calls: rate * 10.0,
+        ..obs(secs, in_flight, rate * 1000.0, rate * 10.0)
+    }
+}
+
+/// A light load at 1 in flight whose calls took `light` seconds, then a flat top: 4, 5 and 6
+/// in flight within 2% of each other (calls taking in-flight ÷ throughput), as the cluster's
+/// long calls measured them.
+fn flat_top(light: f64) -> KneeMemory {
+    let mut m = KneeMemory {
+        capacity: 12,
+        max_step_percent: 50,
+        ..KneeMemory::default()
+    };
+    let mut t = 0;
+    let mut add = |m: &mut KneeMemory, c: f64, rate: f64, n: usize| {
+        for _ in 0..n {
+            t += 10;
+            m.observe(timed(t, c, rate, c / rate));
+        }
+    };
+    add(&mut m, 1.0, 1.0 / light, 5);
+    add(&mut m, 4.0, 0.566, 5);
+    add(&mut m, 6.0, 0.566, 4);
+    add(&mut m, 5.0, 0.577, 4);
+    m
+}
+
+#[test]
+fn a_probe_below_the_best_level_goes_no_lower_than_a_level_that_may_give_as_much() {
+    // Calls took 4.4 s alone: at 2 in flight the backend gives at most 2 ÷ 4.4 s (0.45 calls/s,
+    // less their noise), short of 90% of the 0.57 at 4; at 3, up to 0.68. The probe below the
+    // best level (the middle of [1, 4] is 2) goes to 3.
+    let mut m = flat_top(4.4);
+    let knee = m.knee().expect("6 gave no more than 4");
+    assert_eq!(knee.best.in_flight, 4, "{knee:?}");
+    let most = m.most_at(2).expect("1 timed its calls");
+    assert!(most < 0.566 * (1.0 - TIE), "{most}");
+    let mv = m.plan(5, 20, (2, 25), Some(5));
+    assert!(matches!(mv, Move::Probe { to: 3, .. }), "{mv:?}");
+    // Calls that took 7 s alone (as long as at 4: the backend does not slow as it fills): no
+    // level below 4 can give 90% of it, and none is probed: the target holds at 4.
+    let mut m = flat_top(7.0);
+    let mv = m.plan(4, 20, (2, 25), Some(4));
+    assert!(matches!(mv, Move::Cap(k) if k.cap() == 4), "{mv:?}");
+}
