@@ -31,6 +31,11 @@ pub const HELD_EVENT_AFTER: u32 = 3;
 /// A window whose average in-flight differs from its latest by more than this share saw the
 /// load change: the knee guard does not judge its throughput.
 pub const UNSTEADY: f64 = 0.25;
+/// The calls in flight are evidence of a byte rate only when they spend at least this share of
+/// their time past their first byte: streamed answers (whose first byte comes after the prefill
+/// and any wait in the backend's queue) do; a whole answer's first byte is its end, and the
+/// ratio of two noisy readings of the same time is not exactly 1.
+pub const STREAMING: f64 = 0.3;
 /// A run this much earlier than the interval still counts as due (requeues jitter a little).
 const DUE_SLACK: f64 = 0.9;
 
@@ -319,7 +324,7 @@ fn observation(
         bytes: bytes / e,
         ttfb: usable(s.ttfb).filter(|t| *t > 0.0),
         calls: completed * s.window.min(interval).as_secs_f64(),
-        streams: streaming(leased, completed, s.ttfb),
+        streams: streaming(leased, completed, s.ttfb, usable(s.busy)),
         duration: usable(s.busy)
             .filter(|_| completed > 0.0)
             .map(|busy| busy / completed),
@@ -335,20 +340,30 @@ fn load_moved(before: f64, now: f64) -> bool {
     moved >= 1.0 && moved > UNSTEADY * now.max(before)
 }
 
-/// The calls in flight that streamed bytes over the window. By Little's law a call spends
-/// `leased / completed` seconds at the backend, and the first byte of its response's body comes
-/// `ttfb` into them; the share of the calls in flight past their first byte is
-/// `1 − ttfb / duration`. A whole answer's first byte comes with its end (`ttfb` ≈ the
-/// duration): such calls stream nothing while in flight, and only their completions are
-/// evidence. With nothing completed the calls outlast the window, and every call past its first
-/// byte streams; with no first byte measured, none counts.
-fn streaming(leased: f64, completed: f64, ttfb: Option<f64>) -> f64 {
+/// The calls in flight that streamed bytes over the window. A call spends its mean duration at
+/// the backend (the calls timed within the window, `busy / completed`; by Little's law
+/// `leased / completed` when they were not timed), and the first byte of its response's body
+/// comes `ttfb` into it; the share of the calls in flight past their first byte is
+/// `1 − ttfb / duration`, counted only from [`STREAMING`] on. A whole answer's first byte comes
+/// with its end (`ttfb` ≈ the duration): such calls stream nothing while in flight, and only
+/// their completions are evidence (on the cluster, whole answers of 8–20 s right after a step
+/// read as about as many streams as completions, and a level of 8 completions as measured to
+/// ±24%, which decided a probe). With nothing completed the calls outlast the window, and every
+/// call past its first byte streams; with no first byte measured, none counts.
+fn streaming(leased: f64, completed: f64, ttfb: Option<f64>, busy: Option<f64>) -> f64 {
     let Some(ttfb) = usable(ttfb).filter(|t| *t > 0.0) else {
         return 0.0;
     };
-    let past_first_byte = mean_call_duration(leased, completed)
+    let timed = busy
+        .filter(|b| *b > 0.0 && completed > 0.0)
+        .map(|b| b / completed);
+    let past_first_byte = timed
+        .or_else(|| mean_call_duration(leased, completed))
         .filter(|d| *d > 0.0)
         .map_or(1.0, |d| (1.0 - ttfb / d).clamp(0.0, 1.0));
+    if past_first_byte < STREAMING {
+        return 0.0;
+    }
     leased * past_first_byte
 }
 

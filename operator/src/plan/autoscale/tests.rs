@@ -737,17 +737,24 @@ fn a_step_that_only_made_the_first_byte_slower_is_stepped_back() {
 fn only_calls_in_flight_past_their_first_byte_are_evidence_of_a_byte_rate() {
     // 20 in flight completing 2 per second: 10 s at the backend each (Little's law).
     // Streamed, the first byte after 0.5 s: 95% of them stream.
-    assert!((streaming(20.0, 2.0, Some(0.5)) - 19.0).abs() < 1e-9);
+    assert!((streaming(20.0, 2.0, Some(0.5), None) - 19.0).abs() < 1e-9);
     // Whole answers: the first byte comes at the end (the median a little under the mean).
-    assert_eq!(streaming(20.0, 2.0, Some(10.0)), 0.0);
-    assert!(streaming(20.0, 2.0, Some(9.8)) < 0.5);
-    // Streams that queued in the backend for 4 s first: 60% of them stream.
-    assert!((streaming(20.0, 2.0, Some(4.0)) - 12.0).abs() < 1e-9);
+    assert_eq!(streaming(20.0, 2.0, Some(10.0), None), 0.0);
+    assert_eq!(streaming(20.0, 2.0, Some(9.8), None), 0.0);
+    // Whole answers of 7.5 s read as 10 s by Little's law (a window right after a step up, when
+    // the calls in flight have not turned over): a share of 0.25 is no stream. Timed, the same
+    // calls took 8 s: none either.
+    assert_eq!(streaming(20.0, 2.0, Some(7.5), None), 0.0);
+    assert_eq!(streaming(20.0, 2.0, Some(7.5), Some(16.0)), 0.0);
+    // Streams that queued in the backend for 4 s first: 60% of them stream; timed at 8 s each,
+    // half of them: still evidence (from STREAMING, 30%, on).
+    assert!((streaming(20.0, 2.0, Some(4.0), None) - 12.0).abs() < 1e-9);
+    assert!((streaming(20.0, 2.0, Some(4.0), Some(16.0)) - 10.0).abs() < 1e-9);
     // Nothing completed within the window: the calls outlast it, and those past their first
     // byte stream; no first byte measured: none counts.
-    assert_eq!(streaming(20.0, 0.0, Some(0.5)), 20.0);
-    assert_eq!(streaming(20.0, 2.0, None), 0.0);
-    assert_eq!(streaming(20.0, 2.0, Some(f64::NAN)), 0.0);
+    assert_eq!(streaming(20.0, 0.0, Some(0.5), None), 20.0);
+    assert_eq!(streaming(20.0, 2.0, None, None), 0.0);
+    assert_eq!(streaming(20.0, 2.0, Some(f64::NAN), None), 0.0);
     // And in a level's noise: the same completions with whole answers are noisier.
     let whole = BackendSample {
         ttfb: Some(1.0),
@@ -1519,6 +1526,7 @@ fn the_documented_parameters_are_the_constants() {
         ("MIN_TIMED", MIN_TIMED),
         ("MIN_SPREAD_DOF", MIN_SPREAD_DOF),
         ("MIN_CV", MIN_CV),
+        ("STREAMING", STREAMING),
         ("UNSTEADY", UNSTEADY),
         ("DEADBAND", DEADBAND),
         ("HELD_EVENT_AFTER", f64::from(HELD_EVENT_AFTER)),
