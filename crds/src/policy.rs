@@ -638,8 +638,8 @@ pub struct ClientsSpec {
     /// day), counted across the fleet or per pod as `scope` says. `Fleet`: an override's budget
     /// (its own `tokens`, else this one) is divided over the selected pods by where its tokens
     /// were used over the last interval (each pod's `poolpilot_client_tokens_total`), and
-    /// re-divided every autoscale interval, so that a client pinned to one pod gets over 95% of
-    /// its budget there (a pod without its calls keeps a twentieth of the even part); a client
+    /// re-divided every autoscale interval, so that a client pinned to one pod gets over 99% of
+    /// its budget there (a pod without its calls keeps a hundredth of the even part); a client
     /// without an override that spends most of its even part on one pod (the pods report the
     /// clients that spend the most tokens) has this budget divided the same way, and every
     /// other client gets the even part on each pod. Each gateway pod admits a call only if its

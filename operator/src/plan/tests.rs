@@ -2631,9 +2631,9 @@ fn a_named_clients_fleet_token_budget_follows_its_use_to_the_pod_it_is_pinned_to
     assert_eq!(
         parts(&second),
         [
-            (1_000, Some(100_000), Some(5), 20_000),
-            (58_000, Some(5_800_000), Some(290), 20_000),
-            (1_000, Some(100_000), Some(5), 20_000),
+            (200, Some(20_000), Some(1), 20_000),
+            (59_600, Some(5_960_000), Some(298), 20_000),
+            (200, Some(20_000), Some(1), 20_000),
         ]
     );
     for doc in second.documents.values() {
@@ -2654,7 +2654,7 @@ fn a_named_clients_fleet_token_budget_follows_its_use_to_the_pod_it_is_pinned_to
         .iter()
         .map(|s| (s.pod.as_str(), s.per_minute))
         .collect();
-    assert_eq!(shown, [("gw-0", 1_000), ("gw-1", 58_000), ("gw-2", 1_000)]);
+    assert_eq!(shown, [("gw-0", 200), ("gw-1", 59_600), ("gw-2", 200)]);
     let other = status
         .tokens
         .iter()
@@ -2734,11 +2734,11 @@ fn a_client_without_an_override_spending_its_budget_on_one_pod_gets_it_there_in_
             gw0[0].per_day,
             gw0[0].requests_per_minute
         ),
-        (client.as_str(), 5_850, Some(585_000), Some(58)),
-        "the floor (6000 ÷ 2 ÷ 20 = 150) elsewhere, the rest where it spends; the day and \
+        (client.as_str(), 5_970, Some(597_000), Some(59)),
+        "the floor (6000 ÷ 2 ÷ 100 = 30) elsewhere, the rest where it spends; the day and \
          requests in the same proportion"
     );
-    assert_eq!((gw1[0].per_minute, gw1[0].per_day), (150, Some(15_000)));
+    assert_eq!((gw1[0].per_minute, gw1[0].per_day), (30, Some(3_000)));
     // Every document is valid as the gateways check it, and the even part stays the policy's.
     for pod in ["gw-0", "gw-1"] {
         fleet.documents[pod].validate().expect("a valid document");

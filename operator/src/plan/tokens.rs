@@ -7,7 +7,7 @@
 //! operator's batched Prometheus round), with [`super::division::divide_above`]: the parts add
 //! up to the budget, and a pod without the client's calls keeps a floor of [`FLOOR_DIVISOR`]th
 //! of the even part (at least 1 token), so that a pinned client gets at least
-//! `1 − (n − 1) ÷ (20 n)` of its budget (over 95%) on its pod. Like the backends' shares and the
+//! `1 − (n − 1) ÷ (100 n)` of its budget (over 99%) on its pod. Like the backends' shares and the
 //! client limits the division is re-judged once per interval (with a decision made on fresh
 //! data) and sent only when it moves ([`super::division::moves_u64`]); while a ready pod has
 //! no fresh sample the division in force stays.
@@ -32,7 +32,12 @@ use super::input::ClientUse;
 use super::time::Timestamp;
 
 /// A pod without a client's calls keeps this fraction (1 ÷ it) of the even part of its budget.
-pub const FLOOR_DIVISOR: u64 = 20;
+/// A hundredth: the floors of the pods a pinned client does not use are budget it cannot
+/// spend, and a twentieth held back up to 5% of it (3.3% on 3 pods), all the room that a
+/// minute's use within 5% of the budget has for the edges of the minute. A client that moves
+/// to another pod has its budget there once its old pod's use has left the metrics window,
+/// whatever the floor (a larger one only gives it a little more meanwhile).
+pub const FLOOR_DIVISOR: u64 = 100;
 
 /// The label of the clients without an override in `poolpilot_client_tokens_total`.
 pub const OTHER: &str = "other";
