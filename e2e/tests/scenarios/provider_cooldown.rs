@@ -269,7 +269,13 @@ async fn a_providers_429_cools_its_backend_down_and_the_calls_meanwhile_go_to_th
             "the gateway's Retry-After is what is left of the provider's: {:?}",
             t.retry_after_secs
         );
-        assert_eq!(t.ok, served_a, "every answer was model-a's");
+        // The tally's window closes before the callers stop: a call the provider answered
+        // meanwhile (at most one per caller) counts at the provider and not in the window.
+        assert!(
+            (t.ok..=t.ok + WORKERS as u64).contains(&served_a),
+            "every answer was model-a's: {} ok, {served_a} served by it",
+            t.ok
+        );
         let windows = WITHOUT_FALLBACK.as_secs_f64() / WINDOW.as_secs_f64();
         assert!(refused <= ((windows + 1.0) * WORKERS as f64) as u64, "{refused}");
         assert_eq!(
