@@ -363,15 +363,22 @@ pub fn plan_with(
         };
     }
     fds::check(&input.policies, &mut plans, &fd_limits);
-    let documents = render::render_all(&input.policies, &input.pods, &mut plans, generations);
+    let rendering = render::render_all(
+        &input.policies,
+        &input.pods,
+        &mut plans,
+        generations,
+        memory.rendered.as_deref().map(|last| (last, &render_input)),
+    );
     memory.rendered = Some(Arc::new(memo::Rendered::new(
         render_input,
-        &plans,
-        documents.clone(),
+        rendering.plans,
+        rendering.documents.clone(),
+        rendering.on_pods,
     )));
     FleetPlan {
         policies: plans,
-        documents,
+        documents: rendering.documents,
         divided,
     }
 }

@@ -261,8 +261,8 @@ pub struct FleetInput {
     pub policies: Vec<PolicyInput>,
     /// Every gateway pod in the namespace (selected by at least one policy or not).
     pub pods: Vec<GatewayPod>,
-    /// The latest samples.
-    pub samples: Samples,
+    /// The latest samples (shared by the runs of one metrics round).
+    pub samples: std::sync::Arc<Samples>,
     /// Documents already published (the policies' ConfigMaps): generations never go back.
     pub published: Vec<Acked>,
     /// Every rendered document's generation must be above this (a pod said it runs it).

@@ -3,6 +3,13 @@
 //! (and hash) every pod's document of every backend again each time: quadratic in the number of
 //! policies. Most reconciles change nothing the documents depend on; comparing those inputs is
 //! far cheaper than rendering them.
+//!
+//! When something did change, most pods' documents usually did not: a decision of one policy
+//! changes the documents of the pods it selects, not the other pods'. [`Reuse`] tells the
+//! rendering which pods' last documents it may take as they are: those whose policies (the
+//! same ones, in the same order) are each unchanged since the last rendering, policy and
+//! rendered plan alike. A document depends on nothing else but the pod's name and the
+//! generation handed out for its revision, which the rendering still asks for.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -60,6 +67,9 @@ pub struct Rendered {
     pub plans: Vec<PolicyPlan>,
     /// The documents per pod.
     pub documents: BTreeMap<String, Arc<GatewayLimits>>,
+    /// The policies each pod's document was rendered from, by index into `plans`, in the
+    /// order the rendering took them.
+    pub on_pods: BTreeMap<String, Vec<usize>>,
 }
 
 impl std::fmt::Debug for Rendered {
@@ -72,16 +82,19 @@ impl std::fmt::Debug for Rendered {
 }
 
 impl Rendered {
-    /// Records a rendering.
+    /// Records a rendering: `plans` are the rendered plans without this run's facts
+    /// ([`rendered_plans`]).
     pub fn new(
         input: RenderInput,
-        plans: &[PolicyPlan],
+        plans: Vec<PolicyPlan>,
         documents: BTreeMap<String, Arc<GatewayLimits>>,
+        on_pods: BTreeMap<String, Vec<usize>>,
     ) -> Self {
         Self {
             input,
-            plans: plans.iter().map(without_run_facts).collect(),
+            plans,
             documents,
+            on_pods,
         }
     }
 
@@ -105,6 +118,64 @@ impl Rendered {
                 plan
             })
             .collect()
+    }
+}
+
+/// The rendered `plans` without what only this run decided or saw, as a [`Rendered`] keeps them
+/// and as [`Reuse::new`] compares them.
+pub fn rendered_plans(plans: &[PolicyPlan]) -> Vec<PolicyPlan> {
+    plans.iter().map(without_run_facts).collect()
+}
+
+/// Which pods' documents of the last rendering this one may take as they are.
+#[derive(Debug)]
+pub struct Reuse<'a> {
+    last: &'a Rendered,
+    /// Per policy of this rendering (by index): its index in `last` when it is the same policy
+    /// (its status aside) with the same rendered plan (this run's facts aside).
+    same: Vec<Option<usize>>,
+}
+
+impl<'a> Reuse<'a> {
+    /// Compares this rendering's policies (`input`) and plans (`plans`: after the fd check and
+    /// the documents' own validation, without this run's facts) with `last`'s, each policy
+    /// once.
+    pub fn new(last: &'a Rendered, input: &RenderInput, plans: &[PolicyPlan]) -> Self {
+        let index: std::collections::HashMap<&super::input::PolicyKey, usize> = last
+            .input
+            .policies
+            .iter()
+            .enumerate()
+            .map(|(j, p)| (&p.key, j))
+            .collect();
+        let same = input
+            .policies
+            .iter()
+            .zip(plans)
+            .map(|(policy, plan)| {
+                index.get(&policy.key).copied().filter(|&j| {
+                    last.input.policies[j] == *policy && last.plans.get(j) == Some(plan)
+                })
+            })
+            .collect();
+        Self { last, same }
+    }
+
+    /// The last document of `pod` when it was rendered from the same policies as `on_pod` (by
+    /// index into this rendering's plans, in order), each unchanged: what rendering it again
+    /// would give, but for its generation.
+    pub fn document(&self, pod: &str, on_pod: &[usize]) -> Option<&'a Arc<GatewayLimits>> {
+        let was = self.last.on_pods.get(pod)?;
+        let unchanged = was.len() == on_pod.len()
+            && on_pod
+                .iter()
+                .zip(was)
+                .all(|(&i, &j)| self.same.get(i).copied().flatten() == Some(j));
+        if unchanged {
+            self.last.documents.get(pod)
+        } else {
+            None
+        }
     }
 }
 

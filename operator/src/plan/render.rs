@@ -22,6 +22,7 @@ use sha2::{Digest, Sha256};
 
 use super::budget;
 use super::input::{Acked, FleetInput, GatewayPod, PolicyInput};
+use super::memo;
 use super::output::PolicyPlan;
 use super::tokens::TokenDivision;
 use super::validate::Acceptance;
@@ -31,13 +32,17 @@ use super::validate::Acceptance;
 /// policies on its first selected pod (or, without pods, the policies sharing its selector) at
 /// the base shares. A policy whose own document does not validate is marked invalid first.
 /// `generations` knows the documents already written, acknowledged or recorded in a status, so
-/// that generations keep increasing across operator restarts.
+/// that generations keep increasing across operator restarts. `last` (the last rendering and
+/// this one's inputs) lets a pod whose policies and their plans are all unchanged keep its last
+/// document instead of rendering and hashing it again (see [`memo::Reuse`]): the documents are
+/// those a rendering without it gives.
 pub fn render_all(
     policies: &[PolicyInput],
     pods: &[GatewayPod],
     plans: &mut [PolicyPlan],
     mut generations: Generations,
-) -> BTreeMap<String, Arc<GatewayLimits>> {
+    last: Option<(&memo::Rendered, &memo::RenderInput)>,
+) -> Rendering {
     for (i, plan) in plans.iter_mut().enumerate() {
         if plan.acceptance.is_accepted()
             && let Err(e) = document(policies, &[(i, &*plan)], None).validate()
@@ -105,16 +110,56 @@ pub fn render_all(
             }
         }
     }
-    let mut out = BTreeMap::new();
+    let rendered_plans = memo::rendered_plans(plans);
+    let reuse = last.map(|(last, input)| memo::Reuse::new(last, input, &rendered_plans));
+    let mut documents = BTreeMap::new();
+    let mut indices = BTreeMap::new();
     let mut pod_names: Vec<&GatewayPod> = pods.iter().collect();
     pod_names.sort_by(|a, b| a.name.cmp(&b.name));
     for pod in pod_names {
         let on_pod = on_pods.remove(pod.name.as_str()).unwrap_or_default();
-        let mut doc = document(policies, &on_pod, Some(&pod.name)).with_content_revision();
-        doc.generation = generations.of(&doc.revision);
-        out.insert(pod.name.clone(), Arc::new(doc));
+        let on_pod_indices: Vec<usize> = on_pod.iter().map(|(i, _)| *i).collect();
+        let kept = reuse
+            .as_ref()
+            .and_then(|r| r.document(&pod.name, &on_pod_indices));
+        let doc = match kept {
+            // The same content, so the same revision: only its generation is asked again, in
+            // the same order as a fresh rendering asks.
+            Some(kept) => {
+                let generation = generations.of(&kept.revision);
+                if generation == kept.generation {
+                    kept.clone()
+                } else {
+                    let mut doc = GatewayLimits::clone(kept);
+                    doc.generation = generation;
+                    Arc::new(doc)
+                }
+            }
+            None => {
+                let mut doc = document(policies, &on_pod, Some(&pod.name)).with_content_revision();
+                doc.generation = generations.of(&doc.revision);
+                Arc::new(doc)
+            }
+        };
+        documents.insert(pod.name.clone(), doc);
+        indices.insert(pod.name.clone(), on_pod_indices);
     }
-    out
+    Rendering {
+        documents,
+        on_pods: indices,
+        plans: rendered_plans,
+    }
+}
+
+/// What [`render_all`] made.
+#[derive(Debug)]
+pub struct Rendering {
+    /// The documents per pod.
+    pub documents: BTreeMap<String, Arc<GatewayLimits>>,
+    /// The policies each pod's document holds, by index into the plans.
+    pub on_pods: BTreeMap<String, Vec<usize>>,
+    /// The rendered plans without this run's facts ([`memo::rendered_plans`]).
+    pub plans: Vec<PolicyPlan>,
 }
 
 /// Which policies a ConfigMap document holds: those on one pod, or (a policy selecting no pod)

@@ -115,7 +115,7 @@ fn input_with_fds(policies: Vec<PolicyInput>, pods: Vec<GatewayPod>, max_fds: u6
         ..Samples::default()
     };
     FleetInput {
-        samples,
+        samples: samples.into(),
         ..input_of(policies, pods)
     }
 }
@@ -450,7 +450,7 @@ fn fd_check_counts_sockets_for_http2_backends_not_streams() {
             7,
         );
         let mut input = input_with_fds(vec![p], pods(1), 2048);
-        input.samples.backends.insert(
+        Arc::make_mut(&mut input.samples).backends.insert(
             (key("a"), "model-a".to_owned()),
             BackendSample {
                 h2_max_streams,
@@ -491,7 +491,7 @@ fn the_pods_http1_fallback_shows_in_status() {
     let spec = "gatewaySelector: {matchLabels: {app: gw}}\nbackends:\n- name: p\n  protocol: Auto\n  endpoints: {external: [{host: api.example.com, port: 443, tls: {}}]}\n  capacity: {maxConnectionsPerEndpoint: 8}\n";
     let fallback = |h2_fallback: Option<f64>| {
         let mut input = input_of(vec![policy("a", 0, spec, 1)], pods(2));
-        input.samples.backends.insert(
+        Arc::make_mut(&mut input.samples).backends.insert(
             (key("a"), "p".to_owned()),
             BackendSample {
                 h2_fallback,
@@ -515,8 +515,7 @@ fn the_pods_http1_fallback_shows_in_status() {
 fn the_providers_refusals_and_failed_certificates_show_in_status_while_the_window_has_some() {
     let seen = |sample: BackendSample| {
         let mut input = input_of(vec![policy("a", 0, &spec("model-a", 16, ""), 1)], pods(2));
-        input
-            .samples
+        Arc::make_mut(&mut input.samples)
             .backends
             .insert((key("a"), "model-a".to_owned()), sample);
         let memory = Memory::default();
@@ -558,7 +557,7 @@ fn the_providers_refusals_and_failed_certificates_show_in_status_while_the_windo
 fn a_backends_tokens_a_second_show_in_status_to_three_figures_and_not_without_samples() {
     let seen = |tokens: Option<input::TokenRates>| {
         let mut input = input_of(vec![policy("a", 0, &spec("model-a", 16, ""), 1)], pods(2));
-        input.samples.backends.insert(
+        Arc::make_mut(&mut input.samples).backends.insert(
             (key("a"), "model-a".to_owned()),
             BackendSample {
                 tokens,
@@ -625,7 +624,7 @@ fn a_backend_closing_idle_connections_sooner_gets_a_lower_idle_timeout_kept_acro
     );
     let mut input = input_of(vec![p], pods(2));
     let closes = |input: &mut FleetInput, closed_after: Option<f64>| {
-        input.samples.backends.insert(
+        Arc::make_mut(&mut input.samples).backends.insert(
             (key("a"), "model-a".to_owned()),
             BackendSample {
                 peer_idle_close: closed_after,
@@ -771,20 +770,21 @@ fn fd_limit_is_remembered_while_its_sample_is_missing_and_rechecked_when_it_chan
         samples: Samples {
             pods: fds(&pods, 2048),
             ..Samples::default()
-        },
+        }
+        .into(),
         ..FleetInput::default()
     };
     assert_eq!(
         plan(&input, &mut memory, at(0)).policies[0].backends[0].per_pod,
         36
     );
-    input.samples.pods.clear();
+    Arc::make_mut(&mut input.samples).pods.clear();
     let again = plan(&input, &mut memory, at(15));
     assert_eq!(
         again.policies[0].backends[0].per_pod, 36,
         "a missing fd sample holds the last known limit"
     );
-    input.samples.pods = fds(&pods, 65536);
+    Arc::make_mut(&mut input.samples).pods = fds(&pods, 65536);
     let raised = plan(&input, &mut memory, at(30));
     assert_eq!(
         raised.policies[0].backends[0].per_pod, 82,
@@ -801,7 +801,11 @@ fn a_pod_whose_fd_limit_is_not_known_yet_is_held_to_the_smallest_known() {
     let p = policy("a", 0, &spec("model-a", 200, extra), 3);
     let mut input = input_with_fds(vec![p], pods(3), 512);
     let newest = input.samples.pods.keys().last().cloned().unwrap();
-    input.samples.pods.get_mut(&newest).unwrap().max_fds = None;
+    Arc::make_mut(&mut input.samples)
+        .pods
+        .get_mut(&newest)
+        .unwrap()
+        .max_fds = None;
     let plan = plan_once(&input);
     let pp = &plan.policies[0];
     for (pod, doc) in &plan.documents {
@@ -1329,7 +1333,7 @@ fn autoscale_runs_once_per_interval_inside_the_plan() {
         }],
         ..Default::default()
     });
-    input.samples.backends.insert(
+    Arc::make_mut(&mut input.samples).backends.insert(
         k.clone(),
         BackendSample {
             leased: Some(300.0),
@@ -1368,8 +1372,7 @@ fn every_backend_due_decides_whichever_reconcile_plans_and_none_decides_twice() 
     };
     for k in ["a", "b"] {
         let backend = if k == "a" { "model-a" } else { "model-b" };
-        input
-            .samples
+        Arc::make_mut(&mut input.samples)
             .backends
             .insert((key(k), backend.to_owned()), busy);
     }
@@ -1411,8 +1414,7 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
         bytes: Some(10_000.0),
         ..BackendSample::default()
     };
-    input
-        .samples
+    Arc::make_mut(&mut input.samples)
         .backends
         .insert((key("a"), "model-a".into()), steady);
     let mut memory = Memory::default();
@@ -1421,7 +1423,7 @@ fn a_run_that_changes_nothing_rendered_reuses_the_last_rendering() {
 
     // Fresh samples, another policy in focus, a status written meanwhile: nothing the
     // documents are made from.
-    input.samples.backends.insert(
+    Arc::make_mut(&mut input.samples).backends.insert(
         (key("a"), "model-a".into()),
         BackendSample {
             leased: Some(11.0),
@@ -1486,12 +1488,10 @@ fn metrics_availability_names_the_backend_it_is_about() {
     };
     let mut memory = Memory::default();
     let mut state = |a: BackendSample, t: i64| {
-        input
-            .samples
+        Arc::make_mut(&mut input.samples)
             .backends
             .insert((key("a"), "model-a".into()), a);
-        input
-            .samples
+        Arc::make_mut(&mut input.samples)
             .backends
             .insert((key("a"), "model-b".into()), idle);
         let fleet = plan(&input, &mut memory, at(t));
@@ -1545,8 +1545,7 @@ fn a_new_backends_first_misses_within_the_samples_horizon_do_not_make_metrics_un
     input.samples_horizon = std::time::Duration::from_secs(60);
     let mut memory = Memory::default();
     let mut state = |sample: BackendSample, t: i64| {
-        input
-            .samples
+        Arc::make_mut(&mut input.samples)
             .backends
             .insert((key("a"), "model-a".into()), sample);
         let fleet = plan(&input, &mut memory, at(t));
@@ -1697,7 +1696,7 @@ prop_compose! {
                 leased: Some(*leased), pending: Some(*pending), completed: Some(100.0), bytes: Some(10_000.0), ..BackendSample::default()
             });
         }
-        (FleetInput { policies: vec![p], pods, samples, ..FleetInput::default() }, min)
+        (FleetInput { policies: vec![p], pods, samples: samples.into(), ..FleetInput::default() }, min)
     }
 }
 
@@ -1718,7 +1717,7 @@ proptest! {
         }).collect();
         let pods = pods(n_pods);
         let samples = Samples { pods: fds(&pods, fd_limit), ..Samples::default() };
-        let input = FleetInput { policies: policies.clone(), pods, samples, ..FleetInput::default() };
+        let input = FleetInput { policies: policies.clone(), pods, samples: samples.into(), ..FleetInput::default() };
         let fleet = plan_once(&input);
         let allowed = budget::allowed(fd_limit);
         let fixed = u64::from(listener) + 64;
@@ -1755,7 +1754,7 @@ proptest! {
                 // A pod said it runs a later generation (a 409).
                 4 => input.generation_floor += 3,
                 _ => {
-                    for s in input.samples.backends.values_mut() {
+                    for s in Arc::make_mut(&mut input.samples).backends.values_mut() {
                         s.pending = s.pending.map(|p| p + 50.0);
                     }
                 }
@@ -1904,7 +1903,7 @@ fn a_ready_pod_without_fresh_samples_holds_the_target_and_is_named() {
     let input = FleetInput {
         policies: vec![p],
         pods,
-        samples,
+        samples: samples.into(),
         ..FleetInput::default()
     };
     let mut memory = Memory::default();
@@ -1988,7 +1987,7 @@ proptest! {
     ) {
         let mut enforce = input;
         enforce.policies[0].spec.autoscale.start_from = start;
-        for s in enforce.samples.backends.values_mut() {
+        for s in Arc::make_mut(&mut enforce.samples).backends.values_mut() {
             s.current = current;
         }
         let mut shadow = enforce.clone();
@@ -1996,7 +1995,7 @@ proptest! {
         let (mut m_enforce, mut m_shadow) = (Memory::default(), Memory::default());
         for (t, d) in demand.iter().enumerate() {
             for input in [&mut enforce, &mut shadow] {
-                for s in input.samples.backends.values_mut() {
+                for s in Arc::make_mut(&mut input.samples).backends.values_mut() {
                     s.pending = Some(*d);
                 }
             }
@@ -2039,7 +2038,7 @@ fn a_new_policy_starts_from_max_min_or_what_the_pods_run() {
         let input = FleetInput {
             policies: vec![p],
             pods: pods(3),
-            samples,
+            samples: samples.into(),
             ..FleetInput::default()
         };
         // Not yet due to decide: the starting target stands.
@@ -2259,7 +2258,7 @@ fn busy_sample(leased: f64, pending: f64) -> BackendSample {
 /// Each pod's own pool in `input` for policy `a`'s backend `model-a`.
 fn set_pools(input: &mut FleetInput, pools: &[(f64, f64)]) {
     for (i, &(leased, pending)) in pools.iter().enumerate() {
-        input.samples.pools.insert(
+        Arc::make_mut(&mut input.samples).pools.insert(
             (key("a"), "model-a".into(), format!("gw-{i}")),
             input::PodPool {
                 leased,
@@ -2282,8 +2281,7 @@ fn a_crowd_on_one_pod_gets_the_target_divided_by_demand_and_a_rebalance_says_why
     );
     let mut input = input_with_fds(vec![p], pods(2), 65_536);
     let k = (key("a"), "model-a".to_owned());
-    input
-        .samples
+    Arc::make_mut(&mut input.samples)
         .backends
         .insert(k.clone(), busy_sample(10.0, 3.0));
     set_pools(&mut input, &[(5.0, 1.5), (5.0, 1.5)]);
@@ -2357,8 +2355,7 @@ fn the_burst_fills_the_budget_left_by_the_shares_and_stops_at_a_hold() {
         }],
         ..Default::default()
     });
-    input
-        .samples
+    Arc::make_mut(&mut input.samples)
         .backends
         .insert(k.clone(), busy_sample(3.0, 0.0));
     set_pools(&mut input, &[(2.0, 0.0), (1.0, 0.0)]);
@@ -2378,7 +2375,9 @@ fn the_burst_fills_the_budget_left_by_the_shares_and_stops_at_a_hold() {
         "a pod that starts from the ConfigMap is not counted yet: no burst"
     );
     // Growth held at the upper bound: no burst.
-    input.samples.backends.insert(k, busy_sample(40.0, 20.0));
+    Arc::make_mut(&mut input.samples)
+        .backends
+        .insert(k, busy_sample(40.0, 20.0));
     plan(&input, &mut memory, at(15));
     let held = plan(&input, &mut memory, at(30));
     let b = &held.policies[0].backends[0];
@@ -2394,8 +2393,7 @@ fn fleet_wide_clients(more: &str) -> FleetInput {
     );
     let p = policy("a", 0, &spec("model-a", 64, &extra), 2);
     let mut input = input_with_fds(vec![p], pods(2), 65_536);
-    input
-        .samples
+    Arc::make_mut(&mut input.samples)
         .backends
         .insert((key("a"), "model-a".into()), busy_sample(10.0, 3.0));
     set_pools(&mut input, &[(8.0, 3.0), (2.0, 0.0)]);
@@ -2458,8 +2456,8 @@ fn a_new_operator_keeps_the_client_divisions_it_finds_in_status() {
 
     // A new operator: nothing in memory, the status as stored, no samples from Prometheus.
     let mut restarted = input.clone();
-    restarted.samples.backends.clear();
-    restarted.samples.pools.clear();
+    Arc::make_mut(&mut restarted.samples).backends.clear();
+    Arc::make_mut(&mut restarted.samples).pools.clear();
     let forgetful = plan(&restarted, &mut Memory::default(), at(15));
     assert!(
         parts(&forgetful).is_empty(),
@@ -2504,13 +2502,12 @@ fn a_round_of_reconciles_divides_each_backend_once() {
     let set_demand = |input: &mut FleetInput, busy: usize| {
         for (i, name) in names.iter().enumerate() {
             let backend = format!("model-{i}");
-            input
-                .samples
+            Arc::make_mut(&mut input.samples)
                 .backends
                 .insert((key(name), backend.clone()), busy_sample(20.0, 4.0));
             for pod in 0..3 {
                 let leased = if pod == busy { 16.0 } else { 2.0 };
-                input.samples.pools.insert(
+                Arc::make_mut(&mut input.samples).pools.insert(
                     (key(name), backend.clone(), format!("gw-{pod}")),
                     input::PodPool {
                         leased,
@@ -2591,14 +2588,13 @@ fn a_named_clients_fleet_token_budget_follows_its_use_to_the_pod_it_is_pinned_to
     );
     let p = policy("a", 0, &spec("model-a", 64, &extra), 3);
     let mut input = input_with_fds(vec![p], pods(3), 65_536);
-    input
-        .samples
+    Arc::make_mut(&mut input.samples)
         .backends
         .insert((key("a"), "model-a".into()), busy_sample(3.0, 0.0));
     set_pools(&mut input, &[(1.0, 0.0), (1.0, 0.0), (1.0, 0.0)]);
     let use_on = |input: &mut FleetInput, used: [f64; 3]| {
         for (i, v) in used.iter().enumerate() {
-            input.samples.token_use.insert(
+            Arc::make_mut(&mut input.samples).token_use.insert(
                 (key("a"), format!("gw-{i}")),
                 BTreeMap::from([("batch".to_owned(), *v), ("other".to_owned(), 10.0)]),
             );
@@ -2668,7 +2664,7 @@ fn a_named_clients_fleet_token_budget_follows_its_use_to_the_pod_it_is_pinned_to
     // A new operator with the status as stored and Prometheus away keeps the division.
     let mut restarted = input.clone();
     restarted.policies[0].status = Some(status);
-    restarted.samples.token_use.clear();
+    Arc::make_mut(&mut restarted.samples).token_use.clear();
     let again = plan(&restarted, &mut Memory::default(), at(30));
     assert_eq!(parts(&again), parts(&second));
 
@@ -2753,4 +2749,152 @@ fn a_client_without_an_override_spending_its_budget_on_one_pod_gets_it_there_in_
     // The ConfigMap's document, for pods not counted yet, has none.
     let shared = fleet.policies[0].document.as_ref().expect("a document");
     assert!(shared.client_policies[0].client_token_shares.is_empty());
+}
+
+/// Pods `gw-0..` of groups of `per_group` (`group: gN`, and `app: gw` for the fleet-wide
+/// policy), every one sampled with plenty of file descriptors.
+fn grouped_fleet(n_pods: usize, per_group: usize) -> FleetInput {
+    let mut pods = pods(n_pods);
+    for (i, p) in pods.iter_mut().enumerate() {
+        p.labels
+            .insert("group".to_owned(), format!("g{}", i / per_group.max(1)));
+    }
+    FleetInput {
+        samples: Samples {
+            pods: fds(&pods, 65_536),
+            ..Samples::default()
+        }
+        .into(),
+        pods,
+        ..FleetInput::default()
+    }
+}
+
+/// A policy `name` of group `group` (`None`: fleet-wide) whose one backend `b-{name}` caps
+/// each endpoint at `capacity`.
+fn grouped_policy(name: &str, created: i64, group: Option<usize>, capacity: u32) -> PolicyInput {
+    let selector = match group {
+        Some(g) => format!("{{group: g{g}}}"),
+        None => "{app: gw}".to_owned(),
+    };
+    policy(
+        name,
+        created,
+        &format!(
+            "gatewaySelector: {{matchLabels: {selector}}}\nbackends:\n- name: b-{name}\n  endpoints: {{service: {{name: b-{name}, port: 80}}}}\n  capacity: {{maxConnectionsPerEndpoint: {capacity}, headroom: 0.2}}\nautoscale: {{enabled: false}}\n"
+        ),
+        2,
+    )
+}
+
+#[test]
+fn a_pod_whose_policies_are_unchanged_keeps_its_document_when_another_pods_change() {
+    let mut input = grouped_fleet(4, 2);
+    input.policies = vec![
+        grouped_policy("a", 0, Some(0), 32),
+        grouped_policy("b", 1, Some(1), 32),
+    ];
+    let mut memory = Memory::default();
+    let first = plan(&input, &mut memory, at(0));
+    // The pods run what they were sent.
+    for pod in &mut input.pods {
+        let doc = &first.documents[&pod.name];
+        pod.acked = Some(Acked {
+            revision: doc.revision.clone(),
+            generation: doc.generation,
+        });
+    }
+    // Policy a's capacity changes: the documents of its pods (group g0: gw-0, gw-1) change,
+    // group g1's are the last ones, the same allocation.
+    input.policies[0] = grouped_policy("a", 0, Some(0), 48);
+    let mut fresh = memory.clone();
+    fresh.rendered = None;
+    let second = plan(&input, &mut memory, at(15));
+    assert_eq!(second.documents, plan(&input, &mut fresh, at(15)).documents);
+    for pod in ["gw-0", "gw-1"] {
+        assert_ne!(
+            first.documents[pod].revision, second.documents[pod].revision,
+            "{pod} runs policy a"
+        );
+    }
+    for pod in ["gw-2", "gw-3"] {
+        assert!(
+            Arc::ptr_eq(&first.documents[pod], &second.documents[pod]),
+            "{pod} runs only policy b, unchanged: its document is kept, not rendered again"
+        );
+    }
+}
+
+proptest! {
+    /// Whatever the sequence of changes (a policy's spec edited, a policy added or deleted, a
+    /// pod moved to another group, added or removed, a later generation floor, statuses
+    /// recording generations), every pod's document and every plan are those a rendering
+    /// from nothing gives: a kept document is never stale, its generation never behind.
+    #[test]
+    fn kept_pod_documents_are_what_rendering_them_again_gives(
+        n_pods in 1usize..9,
+        per_group in 1usize..4,
+        changes in prop::collection::vec((0u8..9, 0usize..8, 1u32..200), 1..10),
+    ) {
+        let mut input = grouped_fleet(n_pods, per_group);
+        let groups = n_pods.div_ceil(per_group);
+        input.policies = vec![grouped_policy("fleet", 0, None, 64)];
+        for g in 0..groups {
+            input.policies.push(grouped_policy(&format!("p{g}"), 1 + g as i64, Some(g), 32));
+        }
+        let mut memory = Memory::default();
+        let mut next = 0;
+        for (t, (change, which, capacity)) in changes.into_iter().enumerate() {
+            match change {
+                0 => {}
+                1 => {
+                    let i = which % input.policies.len();
+                    let (name, created) = (input.policies[i].key.name.clone(), input.policies[i].created);
+                    let group = (name != "fleet").then_some(which % groups);
+                    input.policies[i] = grouped_policy(&name, 0, group, capacity);
+                    input.policies[i].created = created;
+                }
+                2 => {
+                    next += 1;
+                    input.policies.push(grouped_policy(&format!("new{next}"), 100 + next, Some(which % groups), capacity));
+                }
+                3 if input.policies.len() > 1 => {
+                    input.policies.remove(which % input.policies.len());
+                }
+                4 => {
+                    let i = which % input.pods.len();
+                    input.pods[i].labels.insert("group".to_owned(), format!("g{}", capacity as usize % groups));
+                }
+                5 => {
+                    next += 1;
+                    let mut pod = pods(1).remove(0);
+                    pod.name = format!("gw-new{next}");
+                    pod.labels.insert("group".to_owned(), format!("g{}", which % groups));
+                    input.pods.push(pod);
+                }
+                6 if input.pods.len() > 1 => {
+                    input.pods.remove(which % input.pods.len());
+                }
+                7 => input.generation_floor += u64::from(capacity),
+                // What the last run published, as if written: the statuses record it.
+                _ => {
+                    let last = plan(&input, &mut memory.clone(), at(t as i64 * 15));
+                    for (p, pp) in input.policies.iter_mut().zip(&last.policies) {
+                        if let Some(doc) = &pp.document {
+                            let status = p.status.get_or_insert_with(Default::default);
+                            status.revision = Some(doc.revision.clone());
+                            status.limits_generation = Some(doc.generation);
+                        }
+                    }
+                }
+            }
+            let mut fresh = memory.clone();
+            fresh.rendered = None;
+            let now = at(t as i64 * 15);
+            let kept = plan(&input, &mut memory, now);
+            let rendered = plan(&input, &mut fresh, now);
+            prop_assert_eq!(&kept.policies, &rendered.policies);
+            prop_assert_eq!(&kept.documents, &rendered.documents);
+        }
+    }
 }

@@ -1,29 +1,34 @@
 //! The planner's samples of a namespace, read out of the Prometheus snapshot once per round
-//! for each policy instead of at every pass.
+//! for each policy instead of at every pass, and shared by the passes.
 //!
 //! A snapshot changes once per `--metrics-interval`, while a namespace with thousands of
 //! policies plans many passes in that time (every decision due, every change). Reading one
 //! policy's samples looks up each of its backends on each of its pods in a dozen of the
-//! snapshot's maps; [`SamplesMemo`] keeps each policy's part of the result for the round and
-//! reads it again only when the snapshot is a new round or what it is read for (the policy's
-//! pods, which of them are ready, its backends and their saturation queries) changed. A part
-//! depends on nothing else, so the samples a pass gets are those a reading of every policy at
-//! once would give (`Snapshot::samples`); the tests check that.
+//! snapshot's maps; [`SamplesMemo`] keeps the namespace's samples of the round, every policy's
+//! part in one [`Samples`] that every pass of the round shares (an `Arc`, not a copy per pass
+//! nor a copy per policy), and reads a policy's part again only when the snapshot is a new
+//! round or what it is read for (the policy's pods, which of them are ready, its backends and
+//! their saturation queries) changed. A part depends on nothing else, so the samples a pass
+//! gets are those a reading of every policy at once would give (`Snapshot::samples`); the
+//! tests check that.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::plan::time::elapsed;
 use crate::plan::{PolicyKey, Samples, Timestamp};
 use crate::prom::{Selection, Snapshot};
 
-/// Each policy's samples as read from one snapshot, per namespace.
+/// The namespace's samples as read from one snapshot.
 #[derive(Debug, Default)]
 pub struct SamplesMemo {
     /// The round they were read from (`Snapshot::at`).
     at: Option<Timestamp>,
-    /// Per policy: what its samples were read for, and what was read.
-    parts: HashMap<PolicyKey, (Selection, Samples)>,
+    /// Per policy: what its part of `samples` was read for.
+    read_for: HashMap<PolicyKey, Selection>,
+    /// Every policy's part, as one reading of them all gives it.
+    samples: Arc<Samples>,
     /// Policies read (not taken from the memo) so far, for the tests.
     #[cfg(test)]
     read: u64,
@@ -33,7 +38,8 @@ impl SamplesMemo {
     /// The samples of namespace `ns`'s `selection` in `snapshot`, as
     /// [`Snapshot::samples`] reads them: each policy's part kept from an earlier call on the
     /// same round when it was read for the same selection, read anew otherwise. Forgets the
-    /// policies not in `selection`.
+    /// policies not in `selection`. Unchanged, the result is the one the last call returned
+    /// (the same allocation).
     pub fn samples(
         &mut self,
         snapshot: &Snapshot,
@@ -41,34 +47,66 @@ impl SamplesMemo {
         selection: &[Selection],
         now: Timestamp,
         max_age: Duration,
-    ) -> Samples {
+    ) -> Arc<Samples> {
         if snapshot.at != self.at {
-            self.parts.clear();
+            self.forget();
             self.at = snapshot.at;
         }
         // A stale snapshot is all missing (no part of it is kept).
         if snapshot.at.is_none_or(|t| elapsed(t, now) > max_age) {
-            self.parts.clear();
-            return Samples::default();
+            self.forget();
+            return self.samples.clone();
         }
-        let mut out = Samples::default();
-        let mut parts = HashMap::with_capacity(selection.len());
-        for s in selection {
-            let part = match self.parts.remove(&s.policy) {
-                Some((read_for, part)) if read_for == *s => part,
-                _ => {
-                    #[cfg(test)]
-                    {
-                        self.read += 1;
-                    }
-                    snapshot.samples(ns, std::slice::from_ref(s), now, max_age)
-                }
-            };
-            merge(&mut out, &part);
-            parts.insert(s.policy.clone(), (s.clone(), part));
+        let fresh: Vec<Selection> = selection
+            .iter()
+            .filter(|s| self.read_for.get(&s.policy) != Some(*s))
+            .cloned()
+            .collect();
+        let wanted: HashSet<&PolicyKey> = selection.iter().map(|s| &s.policy).collect();
+        let dropped: HashSet<PolicyKey> = self
+            .read_for
+            .keys()
+            .filter(|k| !wanted.contains(k))
+            .cloned()
+            .chain(fresh.iter().map(|s| s.policy.clone()))
+            .collect();
+        if dropped.is_empty() && fresh.is_empty() {
+            return self.samples.clone();
         }
-        self.parts = parts;
-        out
+        // A copy only when a pass still holds the last result.
+        let samples = Arc::make_mut(&mut self.samples);
+        if !dropped.is_empty() {
+            samples.backends.retain(|(k, _), _| !dropped.contains(k));
+            samples.pools.retain(|(k, ..), _| !dropped.contains(k));
+            samples.token_use.retain(|(k, _), _| !dropped.contains(k));
+        }
+        #[cfg(test)]
+        {
+            self.read += fresh.len() as u64;
+        }
+        let part = snapshot.samples(ns, &fresh, now, max_age);
+        samples.backends.extend(part.backends);
+        samples.pools.extend(part.pools);
+        samples.token_use.extend(part.token_use);
+        // The per-pod samples are the same in every part: those of the pods some policy
+        // selects.
+        let selected: HashSet<&String> = selection.iter().flat_map(|s| &s.pods).collect();
+        samples.pods.retain(|pod, _| selected.contains(pod));
+        for (pod, sample) in part.pods {
+            samples.pods.entry(pod).or_insert(sample);
+        }
+        for k in &dropped {
+            self.read_for.remove(k);
+        }
+        self.read_for
+            .extend(fresh.into_iter().map(|s| (s.policy.clone(), s)));
+        self.samples.clone()
+    }
+
+    /// Forgets every part.
+    fn forget(&mut self) {
+        self.read_for.clear();
+        self.samples = Arc::default();
     }
 
     /// How many policies' samples were read out of a snapshot (not taken from the memo).
@@ -76,21 +114,6 @@ impl SamplesMemo {
     pub(crate) fn read(&self) -> u64 {
         self.read
     }
-}
-
-/// Adds one policy's part to `out` (the per-pod samples are the same in every part).
-fn merge(out: &mut Samples, part: &Samples) {
-    out.backends
-        .extend(part.backends.iter().map(|(k, v)| (k.clone(), *v)));
-    out.pools
-        .extend(part.pools.iter().map(|(k, v)| (k.clone(), *v)));
-    for (pod, sample) in &part.pods {
-        if !out.pods.contains_key(pod) {
-            out.pods.insert(pod.clone(), *sample);
-        }
-    }
-    out.token_use
-        .extend(part.token_use.iter().map(|(k, v)| (k.clone(), v.clone())));
 }
 
 #[cfg(test)]
@@ -226,5 +249,62 @@ mod tests {
             seen(&stale),
             seen(&new.samples("ns", &selections, at(60), MAX_AGE))
         );
+    }
+
+    /// One policy's selection in a generated step: which of the pods `gw-0..gw-3` it
+    /// selects and which of those are ready (bit masks), and its backend.
+    fn generated(policy: usize, pods: u8, ready: u8, backend: bool) -> Selection {
+        let all = ["gw-0", "gw-1", "gw-2", "gw-3"];
+        let chosen: Vec<&str> = (0..4)
+            .filter(|i| pods & (1 << i) != 0)
+            .map(|i| all[i])
+            .collect();
+        let mut s = selection(
+            &format!("p{policy}"),
+            &chosen,
+            if backend { "b" } else { "a" },
+        );
+        s.ready = (0..4)
+            .filter(|i| pods & ready & (1 << i) != 0)
+            .map(|i| all[i].to_owned())
+            .collect();
+        s
+    }
+
+    proptest::proptest! {
+        /// Whatever the sequence of rounds and selections (policies coming, going, changing
+        /// pods, readiness or backend), the memo gives what reading every policy afresh gives.
+        #[test]
+        fn the_memo_reads_what_a_fresh_reading_reads(
+            steps in proptest::collection::vec(
+                (
+                    0..3i64,
+                    proptest::collection::vec(
+                        proptest::option::of((0..16u8, 0..16u8, proptest::bool::ANY)),
+                        5,
+                    ),
+                ),
+                1..12,
+            )
+        ) {
+            // Pod gw-3 is never scraped: a policy that selects it ready has missing samples.
+            let rounds: Vec<Snapshot> = (0..3)
+                .map(|r| snapshot(r * 15, &["gw-0", "gw-1", "gw-2"], &["a", "b"]))
+                .collect();
+            let mut memo = SamplesMemo::default();
+            for (i, (round, policies)) in steps.into_iter().enumerate() {
+                let selections: Vec<Selection> = policies
+                    .into_iter()
+                    .enumerate()
+                    .filter_map(|(p, s)| s.map(|(pods, ready, b)| generated(p, pods, ready, b)))
+                    .collect();
+                let snap = &rounds[round as usize];
+                // Now and then the round has gone stale.
+                let now = at(round * 15 + if i % 5 == 4 { 60 } else { 1 });
+                let got = memo.samples(snap, "ns", &selections, now, MAX_AGE);
+                let fresh = snap.samples("ns", &selections, now, MAX_AGE);
+                proptest::prop_assert_eq!(seen(&got), seen(&fresh));
+            }
+        }
     }
 }

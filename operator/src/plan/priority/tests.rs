@@ -127,8 +127,7 @@ fn the_target_is_sized_from_the_total_demand_and_the_status_splits_it_by_class()
             pods: pods(2),
             ..FleetInput::default()
         };
-        input
-            .samples
+        std::sync::Arc::make_mut(&mut input.samples)
             .backends
             .insert(key(), sample(40.0, 20.0, classes));
         let mut memory = Memory::default();
