@@ -15,7 +15,9 @@ use super::input::{
 use super::memory::Memory;
 use super::output::{BackendPlan, FleetPlan, MetricsState, PolicyPlan};
 use super::time::Timestamp;
-use super::{clients, division, fds, memo, render, selector, shares, tokens, validate};
+use super::{
+    clients, division, fds, generations, memo, render, selector, shares, tokens, validate,
+};
 
 /// Plans the namespace: validation and conflicts, autoscaling (only for backends whose interval is
 /// due at `now`), budgets, the fd check and the rendered documents (the last rendering when its
@@ -346,7 +348,7 @@ pub fn plan_with(
         .iter()
         .filter_map(|p| memory.fd_limits.get(&p.name).map(|l| (p.name.clone(), *l)))
         .collect();
-    let generations = render::Generations::new(
+    let generations = generations::Generations::new(
         &input.policies,
         &input.pods,
         &input.published,

@@ -16,9 +16,9 @@ use std::sync::Arc;
 
 use poolpilot_api::GatewayLimits;
 
+use super::generations::Generations;
 use super::input::{FleetInput, PolicyInput};
 use super::output::PolicyPlan;
-use super::render::Generations;
 
 /// Everything the fd check and the rendering read. Per-run facts that they do not read (the
 /// decisions, the samples, a re-division's reason, metrics availability, the policies' statuses

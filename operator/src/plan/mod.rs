@@ -29,6 +29,7 @@ pub mod conditions;
 pub mod division;
 pub mod fds;
 pub mod fleet;
+pub mod generations;
 pub mod idle_timeout;
 pub mod input;
 pub mod memo;
@@ -50,11 +51,11 @@ pub(crate) mod tests;
 
 pub use budget::FdReport;
 pub use fleet::{plan, plan_with};
+pub use generations::{implausible_generations, plausible_generation};
 pub use input::{
     Acked, BackendSample, FleetInput, GatewayPod, PodSample, PolicyInput, PolicyKey, Samples,
     SaturationSignal,
 };
 pub use memory::Memory;
 pub use output::{BackendPlan, FleetPlan, MetricsState, PolicyPlan};
-pub use render::{implausible_generations, plausible_generation};
 pub use time::Timestamp;
