@@ -21,6 +21,22 @@ pub(crate) fn at(secs: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + secs).unwrap()
 }
 
+/// Plans `input` with `memory`, and again with its last rendering forgotten: the same policies
+/// and documents (what the rendering keeps from the last one only saves work).
+fn plans_as_a_fresh_rendering(
+    input: &FleetInput,
+    memory: &mut Memory,
+    now: Timestamp,
+) -> Result<(), TestCaseError> {
+    let mut fresh = memory.clone();
+    fresh.rendered = None;
+    let kept = plan(input, memory, now);
+    let rendered = plan(input, &mut fresh, now);
+    prop_assert_eq!(&kept.policies, &rendered.policies);
+    prop_assert_eq!(&kept.documents, &rendered.documents);
+    Ok(())
+}
+
 /// A policy named `name`, created at `created`, from a YAML spec; every backend gets `endpoints`
 /// resolved endpoints.
 pub(crate) fn policy(name: &str, created: i64, spec: &str, endpoints: u32) -> PolicyInput {
@@ -1759,13 +1775,7 @@ proptest! {
                     }
                 }
             }
-            let mut without = memory.clone();
-            without.rendered = None;
-            let now = at(t as i64 * 15);
-            let reused = plan(&input, &mut memory, now);
-            let rendered = plan(&input, &mut without, now);
-            prop_assert_eq!(&reused.policies, &rendered.policies);
-            prop_assert_eq!(&reused.documents, &rendered.documents);
+            plans_as_a_fresh_rendering(&input, &mut memory, at(t as i64 * 15))?;
         }
     }
 
@@ -2888,13 +2898,7 @@ proptest! {
                     }
                 }
             }
-            let mut fresh = memory.clone();
-            fresh.rendered = None;
-            let now = at(t as i64 * 15);
-            let kept = plan(&input, &mut memory, now);
-            let rendered = plan(&input, &mut fresh, now);
-            prop_assert_eq!(&kept.policies, &rendered.policies);
-            prop_assert_eq!(&kept.documents, &rendered.documents);
+            plans_as_a_fresh_rendering(&input, &mut memory, at(t as i64 * 15))?;
         }
     }
 }
