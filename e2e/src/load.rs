@@ -300,8 +300,7 @@ impl Load {
             .flat_map(|(_, l)| l.iter().copied())
             .collect();
         all.sort_unstable();
-        let rank = ((q.clamp(0.0, 1.0) * all.len() as f64).ceil() as usize).max(1);
-        all.get(rank - 1).copied()
+        nearest_rank(&all, q)
     }
 
     /// Successful calls per second over each second of `[from, to)` since the start, each call
@@ -476,6 +475,12 @@ async fn call(client: &reqwest::Client, url: &str, key: &str, body: &str) -> Out
     }
 }
 
+/// The `q` quantile of `sorted` (ascending) by nearest rank: the smallest value with at least
+/// `q` of them at or below it (`None` when empty).
+pub fn nearest_rank<T: Copy>(sorted: &[T], q: f64) -> Option<T> {
+    let rank = ((q.clamp(0.0, 1.0) * sorted.len() as f64).ceil() as usize).max(1);
+    sorted.get(rank - 1).copied()
+}
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -40,7 +40,7 @@ use anyhow::Context as _;
 use poolpilot_api::GatewayLimits;
 use poolpilot_e2e::cluster::run;
 use poolpilot_e2e::eventually;
-use poolpilot_e2e::load::{Load, LoadSpec};
+use poolpilot_e2e::load::{Load, LoadSpec, nearest_rank};
 use poolpilot_e2e::scenario::{figure, serial};
 use poolpilot_e2e::stack::{
     BackendSpec, GatewayPod, POLICY, Stack, StackSpec, WAIT, metric_sum, one_backend_policy, set,
@@ -616,17 +616,16 @@ async fn p99(
         &format!("--since={since}s"),
     ]))
     .await?;
-    let mut waits: Vec<f64> = log
+    let mut waits: Vec<Duration> = log
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|v| v["client"] == "short" && v["status"] == 200)
         .filter_map(|v| v["lease_wait_ms"].as_f64())
+        .filter(|ms| ms.is_finite() && *ms >= 0.0)
+        .map(|ms| Duration::from_secs_f64(ms / 1000.0))
         .collect();
-    waits.sort_by(f64::total_cmp);
-    let quantile = |q: f64| {
-        let i = ((waits.len() as f64 * q).ceil() as usize).clamp(1, waits.len().max(1)) - 1;
-        waits.get(i).map(|ms| Duration::from_secs_f64(ms / 1000.0))
-    };
+    waits.sort_unstable();
+    let quantile = |q: f64| nearest_rank(&waits, q);
     let lease = quantile(0.99);
     figure(
         SCENARIO,

@@ -2590,7 +2590,7 @@ fn a_round_of_reconciles_divides_each_backend_once() {
 fn a_named_clients_fleet_token_budget_follows_its_use_to_the_pod_it_is_pinned_to() {
     // 60000 tokens a minute over 3 pods; the override `batch` (the policy's budget) sends all
     // of its calls to gw-1. Run 1 splits evenly; run 2, having seen its use there, gives gw-1
-    // all but a floor of 60000 ÷ 3 ÷ 20 = 1000 on each other pod. The clients without an
+    // all but a floor of 60000 ÷ 3 ÷ 100 = 200 on each other pod. The clients without an
     // override keep the even split: the metric does not tell them apart.
     let key_hash = "b".repeat(64);
     let extra = format!(
