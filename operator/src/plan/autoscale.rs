@@ -621,7 +621,14 @@ fn decide_fresh(
         .knee
         .plan(current, recommendation, (bounds.min, bounds.upper), level);
     match &mv {
-        Move::Back { to, knee } if *to < current && f64::from(current - to) >= band => {
+        // A level above what the backend serves at once is no evidence (its calls wait in the
+        // backend's queue): a target held there within the deadband, while the queue's level is
+        // still to be measured, would never be.
+        Move::Back { to, knee }
+            if *to < current
+                && (f64::from(current - to) >= band
+                    || knee.unmeasured_ceiling().is_some_and(|c| current > c)) =>
+        {
             let reason = format!(
                 "{demand_text}; stepped back to the best level: {}; calls beyond {to} per endpoint wait in the gateways' queues",
                 knee.evidence()

@@ -17,8 +17,8 @@
 //!               a healthy step's and the evidence does not suffice, ≤ 3 decisions
 //!  knee         among the levels that are evidence, the best level (the lowest one that ties
 //!               with the most throughput measured) with a level above it that gave no more
-//!               (flat on enough evidence, short, lower, or 2× the time to first byte), or
-//!               below it one from which the step to it fell short
+//!               (flat on enough evidence, short, lower, or 2× and ×rise the time to first
+//!               byte), or below it one from which the step to it fell short
 //!  peak         with levels on both sides of the best one, and one above the most throughput
 //!               that gave 10% less: the vertex of a parabola fitted to log throughput over log
 //!               in-flight (weights 1/noise²), within its neighbours; the flat top of a
@@ -385,7 +385,9 @@ pub enum Effect {
     Short,
     /// Significantly less throughput.
     Worse,
-    /// No more throughput and at least [`TTFB_TOLERANCE`]× the time to first byte.
+    /// No more throughput and at least [`TTFB_TOLERANCE`]× the time to first byte, and at least
+    /// as many times as in-flight rose (a batch that fills slows every call's first token too,
+    /// by less than it adds calls while it gives more).
     Slower,
 }
 
@@ -437,10 +439,11 @@ impl Comparison {
         let trusted = nh.max(nl) <= MAX_LEVEL_NOISE;
         let significant = SIGNIFICANCE * noise;
         let least = Self::least_for(higher.mean_in_flight(), lower.mean_in_flight(), capacity);
+        let rise = higher.mean_in_flight() / lower.mean_in_flight().max(f64::MIN_POSITIVE);
         let slower = higher
             .ttfb()
             .zip(lower.ttfb())
-            .is_some_and(|(h, l)| l > 0.0 && h >= TTFB_TOLERANCE * l);
+            .is_some_and(|(h, l)| l > 0.0 && h >= TTFB_TOLERANCE.max(rise) * l);
         // The noise is relative: the gain is uncertain by a factor of (1 + significant).
         let optimistic = gain * (1.0 + significant);
         let effect = if !trusted {
@@ -620,6 +623,17 @@ impl Knee {
             || self
                 .below
                 .is_some_and(|b| matches!(b.effect, Effect::Short | Effect::Slower))
+    }
+
+    /// What the backend serves at once, when only its queue shows the knee and the best level
+    /// is well below that ([`MIN_RATIO`]): only the light load's level was measured, and the
+    /// queue's level must be measured before anything below it is probed.
+    pub fn unmeasured_ceiling(&self) -> Option<u32> {
+        self.ceiling
+            .filter(|c| {
+                !self.own() && f64::from(c.level) >= f64::from(self.best.in_flight) * MIN_RATIO
+            })
+            .map(|c| c.level)
     }
 
     /// Whether there is evidence that more in flight does not pay: a level above that gave no
@@ -1288,12 +1302,17 @@ impl KneeMemory {
         let measured = |l: u32| self.levels.contains_key(&l);
         let middle = |a: u32, b: u32| (f64::from(a) * f64::from(b)).sqrt().round() as u32;
         // A probe below the best level into levels never measured is a shrink without
-        // evidence: at most maxStepPercent of it.
+        // evidence: at most maxStepPercent of it, or as far as the nearest level it can be
+        // compared with ([`MIN_RATIO`]) when that is further (a best level of 7 at 20% would
+        // probe 6, too close to compare, and so never probe at all).
         let share = match self.max_step_percent {
             0 => 0.5,
             p => f64::from(p.min(100)) / 100.0,
         };
-        let floor = ((f64::from(best) * (1.0 - share) - 1e-9).ceil() as u32).max(min);
+        let comparable = (f64::from(best) / MIN_RATIO + 1e-9).floor() as u32;
+        let floor = ((f64::from(best) * (1.0 - share) - 1e-9).ceil() as u32)
+            .min(comparable)
+            .max(min);
         // What the backend served at once when its queue last showed (no reading: no bound).
         let at_once = knee.ceiling.map_or(u32::MAX, |c| c.level);
         // Above first (towards the demand), then below; never above what the backend serves
@@ -1327,13 +1346,17 @@ impl KneeMemory {
             (up, down)
         } else if knee.ceiling.is_some()
             && best <= at_once
+            && knee.unmeasured_ceiling().is_none()
             && self.levels.range(floor.min(best)..best).next().is_none()
         {
             // Only the backend's queue says where growth stops: at what it serves at once.
             // Whether it gives more below that (a batch that thrashes as it fills) only a
             // level below can tell: one probe, within maxStepPercent of the best level, and
             // none while a level there is remembered (a backend that gives less below is
-            // not probed again until that level is forgotten).
+            // not probed again until that level is forgotten). The best level must be what
+            // the backend serves at once: a best level well below it is only the light load's,
+            // and the target first goes to the queue's level to measure it (a probe below the
+            // light level, with the crowd waiting, would undo growth the queue allows).
             (None, down.map(|m| m.max(floor)).filter(|m| *m < best))
         } else {
             (None, None)

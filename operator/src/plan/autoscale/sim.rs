@@ -616,7 +616,7 @@ pub struct KneeRun {
 /// beyond it, calls so long that an interval completes 5–20 of them at k (fleet), no
 /// saturation query (the knee shows in throughput only); from `start` (0.25–0.8 × k, or
 /// 1.5–3 × k from above), three light intervals, then a crowd of 4 × k per endpoint.
-pub fn knee_run(seed: u64, from_above: bool) -> Option<KneeRun> {
+pub fn knee_run(seed: u64, from_above: bool, query: bool) -> Option<KneeRun> {
     let d = |i, lo, hi| draw(seed, i, lo, hi);
     let endpoints = 1 + d(0, 0.0, 3.0) as usize;
     let slots = d(1, 8.0, 40.0).round() as usize;
@@ -628,7 +628,7 @@ pub fn knee_run(seed: u64, from_above: bool) -> Option<KneeRun> {
         batch: d(2, 0.0, 0.5),
         saturation: d(3, 4.0, 12.0),
         tokens: 100.0,
-        query: false,
+        query,
         stream: true,
     };
     let k = backend.peak();
@@ -663,7 +663,7 @@ pub fn knee_run(seed: u64, from_above: bool) -> Option<KneeRun> {
         max_step_percent: 20,
         capacity: upper * 2,
         interval: Duration::from_secs(10),
-        saturation_threshold: None,
+        saturation_threshold: query.then_some(1.0),
     };
     let mut sim = Sim::new(backend, bounds, start).seeded(seed, 0.2);
     let mut rows = Vec::new();
@@ -691,54 +691,67 @@ pub fn knee_run(seed: u64, from_above: bool) -> Option<KneeRun> {
 /// The knee guard against long calls, closed loop (calls started at one level still run after
 /// a step, as on the cluster): a crowd of 4 × k, from below and from above. Prints what it
 /// measured (`--nocapture`).
+/// The knee guard against long calls, closed loop (calls started at one level still run after
+/// a step, as on the cluster): a crowd of 4 × k, from below and from above, with the backend's
+/// waiting-queue query (as the sample policy configures for vLLM-shaped backends) and without it
+/// (the knee shows in throughput only). Prints what it measured (`--nocapture`).
 #[test]
 fn long_calls_closed_loop_end_near_the_knee_from_below_and_from_above() {
     const RUNS: u64 = 300;
-    for from_above in [false, true] {
-        let mut tally = KneeTally::default();
-        let mut failures = Vec::new();
-        for seed in 0..RUNS {
-            let Some(run) = knee_run(seed + u64::from(from_above) * RUNS, from_above) else {
-                continue;
-            };
-            if !tally.add(run.k, run.end, run.share) {
-                failures.push(run);
+    for query in [false, true] {
+        for from_above in [false, true] {
+            let mut tally = KneeTally::default();
+            let mut failures = Vec::new();
+            for seed in 0..RUNS {
+                let Some(run) = knee_run(seed + u64::from(from_above) * RUNS, from_above, query)
+                else {
+                    continue;
+                };
+                if !tally.add(run.k, run.end, run.share) {
+                    failures.push(run);
+                }
             }
-        }
-        let (runs, within) = (tally.runs, tally.within);
-        eprintln!(
-            "closed loop, from {}: {}",
-            if from_above { "above" } else { "below" },
-            tally.summary()
-        );
-        for f in failures.iter().take(3) {
+            let (runs, within) = (tally.runs, tally.within);
             eprintln!(
-                "  missed: k {} end {} start {} upper {} endpoints {} slots {}\n{}",
-                f.k,
-                f.end,
-                f.start,
-                f.upper,
-                f.endpoints,
-                f.slots,
-                table("run", &f.rows)
+                "closed loop, {} the queue query, from {}: {}",
+                if query { "with" } else { "without" },
+                if from_above { "above" } else { "below" },
+                tally.summary()
+            );
+            for f in failures.iter().take(3) {
+                eprintln!(
+                    "  missed: k {} end {} start {} upper {} endpoints {} slots {}\n{}",
+                    f.k,
+                    f.end,
+                    f.start,
+                    f.upper,
+                    f.endpoints,
+                    f.slots,
+                    table("run", &f.rows)
+                );
+            }
+            assert!(runs >= 100, "{runs} runs");
+            // NOT the acceptance (every run within ±25% of k). Measured (the runs are seeded, so
+            // this is exact), without the query: from below 230/300, from above 223/285; with
+            // it: 217/300 and 250/285. (Without the query 174 and 200 with throughput in
+            // counted completions and bytes and the settle wait after a change of the target
+            // only; 209 and 181 with Little's law and the call-time reading in the settle wait;
+            // 228 and 218 with the settle wait after a load's own start. With the query 177 and
+            // 202 before a target held within the deadband above the queue's level stepped back
+            // to it, the queue's level was measured before anything below it was probed, and a
+            // probe below could reach a level it can be compared with.) The runs that miss
+            // without the query: a crowd whose first step lands far beyond the knee with
+            // nothing below it that is evidence (the light load's few completions) waits for
+            // calls that last minutes at that in-flight before anything is compared, and 60
+            // decisions leave too few settled intervals; or it steps back on a comparison with
+            // the light level and stops short of the knee. With it, mostly runs that end below
+            // k with at least 90% of the peak's throughput (a tie within 10%: the lower level
+            // wins). The floors keep the measured rates from falling.
+            let floor = if query { 0.72 } else { 0.76 };
+            assert!(
+                f64::from(within) >= floor * f64::from(runs),
+                "query {query}, from above {from_above}: {within}/{runs} within ±25% of k, below the floor {floor}"
             );
         }
-        assert!(runs >= 100, "{runs} runs");
-        // NOT the acceptance (every run within ±25% of k). Measured (the runs are seeded, so
-        // this is exact): from below 228/300, from above 218/285, the median run at k with the
-        // peak's throughput. (174 and 200 with throughput in counted completions and bytes and
-        // the settle wait after a change of the target only; 209 and 181 with Little's law and
-        // the call-time reading in the settle wait; the rest from the settle wait after a load's
-        // own start.) The runs that miss: a crowd whose first step lands far beyond the knee
-        // with nothing below it that is evidence (the light load's few completions) waits for
-        // calls that last minutes at that in-flight before anything is compared, and 60
-        // decisions leave too few settled intervals; or it steps back on a comparison with the
-        // light level and stops short of the knee. The floor keeps the measured rate from
-        // falling.
-        let floor = 0.76;
-        assert!(
-            f64::from(within) >= floor * f64::from(runs),
-            "from above {from_above}: {within}/{runs} within ±25% of k, below the floor {floor}"
-        );
     }
 }

@@ -92,6 +92,16 @@ fn a_comparison_tells_better_flat_short_worse_and_slower() {
         Effect::Better,
         "batching: slower, but more"
     );
+    // A batch that fills, on little evidence (25 calls a level: significant beyond ±56.6%):
+    // the first byte 2.15× later at 2.7× the calls, and no less throughput. Slower would need
+    // the first byte at least 2.7× later (calls waiting in the backend, not a batch).
+    let few = level(10, 1000.0, 25.0, 1);
+    let effect_few = |h: Level| Comparison::of(&h, &few, WIDE).effect;
+    let mut batch = level(27, 1040.0, 25.0, 1);
+    batch.ttfb = (0.43, 1);
+    assert_eq!(effect_few(batch), Effect::Flat, "a batch, not a queue");
+    batch.ttfb = (0.55, 1);
+    assert_eq!(effect_few(batch), Effect::Slower, "2.75× the first byte");
     // Calls count where a level has no bytes.
     let mut no_bytes = level(20, 0.0, 400.0, 1);
     no_bytes.calls = Sum {
@@ -543,6 +553,64 @@ fn a_knee_known_only_from_the_backends_queue_is_probed_below_once() {
     assert!(!knee.own() && !knee.measured_above, "{knee:?}");
     let mv = m.plan(9, 24, (2, 25), Some(9));
     assert!(matches!(mv, Move::Back { to: 6, .. }), "{mv:?}");
+}
+
+#[test]
+fn a_queue_far_above_the_light_loads_level_is_measured_before_anything_below_it_is_probed() {
+    // The light load at 4 per endpoint is the only level measured; the crowd's step filled the
+    // backend's queue, which says it serves about 27 at once. Below the light load's level there
+    // is nothing to learn (the crowd waits): the target goes to the queue's level first, even
+    // from within the deadband above it, where no level is evidence.
+    let mut m = KneeMemory {
+        capacity: 76,
+        max_step_percent: 20,
+        ceiling: Some(Ceiling::read(29.0, 2.0, at(20))),
+        ..KneeMemory::default()
+    };
+    for t in [0, 10, 20] {
+        m.observe(obs(t, 4.0, 100.0, 40.0));
+    }
+    let knee = m.knee().expect("the backend's queue");
+    assert_eq!(
+        (knee.best.in_flight, knee.unmeasured_ceiling()),
+        (4, Some(27))
+    );
+    let mv = m.plan(29, 63, (1, 78), Some(29));
+    assert!(matches!(mv, Move::Back { to: 27, .. }), "{mv:?}");
+    // Measured there, and more than the light load: the queue's level is the best, and whether
+    // a batch that thrashes gives more below it is probed once.
+    for t in [60, 70, 80] {
+        m.observe(obs(t, 27.0, 400.0, 40.0));
+    }
+    let mv = m.plan(27, 63, (1, 78), Some(27));
+    let Move::Probe { to, knee } = mv else {
+        panic!("a probe below the queue's level: {mv:?}")
+    };
+    assert_eq!(
+        (to, knee.best.in_flight, knee.unmeasured_ceiling()),
+        (22, 27, None)
+    );
+}
+
+#[test]
+fn a_probe_below_a_small_best_level_reaches_a_level_it_can_be_compared_with() {
+    // Best at 7, nothing measured below it but the light load's 1, maxStepPercent 20%: 20%
+    // below 7 is 6 (rounded up), closer than 1.2× and never compared; the probe goes to 5.
+    let mut m = KneeMemory {
+        capacity: 20,
+        max_step_percent: 20,
+        ceiling: Some(Ceiling::read(9.5, 2.0, at(20))),
+        ..KneeMemory::default()
+    };
+    m.observe(obs(0, 1.0, 100.0, 40.0));
+    for t in [30, 40, 50] {
+        m.observe(obs(t, 7.0, 500.0, 40.0));
+    }
+    let mv = m.plan(7, 15, (1, 15), Some(7));
+    let Move::Probe { to, knee } = mv else {
+        panic!("a probe below the queue's level: {mv:?}")
+    };
+    assert_eq!((to, knee.best.in_flight), (5, 7));
 }
 
 #[test]
