@@ -593,6 +593,48 @@ fn the_backends_own_saturation_signal_holds_growth_and_names_its_value() {
 }
 
 #[test]
+fn a_target_within_the_deadband_above_the_backends_queue_steps_back_to_it_to_measure_it() {
+    // The light load measured at 4 per endpoint, the crowd's step to 29, and the backend's
+    // queue reading 2 there: it serves about 27 at once. 29 is within the deadband of 27 (10%),
+    // but no level above 27 is evidence (its calls queue in the backend): held at 29 the guard
+    // would never measure the queue's level, the only one that can show the knee.
+    let b = Bounds {
+        saturation_threshold: Some(1.0),
+        ..bounds(1, 78)
+    };
+    let mut mem = memory(&b, 29);
+    for t in [0, 10, 20] {
+        mem.knee.observe(knee::Observation {
+            at: at(t - 100),
+            in_flight: 4.0,
+            completed: 4.0,
+            bytes: 4000.0,
+            ttfb: Some(0.2),
+            calls: 40.0,
+            streams: 0.0,
+            duration: Some(1.0),
+        });
+    }
+    let queued = BackendSample {
+        saturation: SaturationSignal::Value(2.0),
+        ..sample(29.0, 34.0)
+    };
+    let d = decide(&b, &mut mem, &queued, 1, at(15));
+    assert_eq!(d.scale().map(|s| (s.from, s.to)), Some((29, 27)), "{d:?}");
+    assert!(
+        mem.last_decision.as_ref().unwrap().reason.contains(
+            "stepped back to the best level: the most throughput is at 4 in flight per endpoint (the backend's own queue read 2 at 29 in flight per endpoint: it serves about 27 at once)"
+        ),
+        "{:?}",
+        mem.last_decision
+    );
+    // Measured there, and more than the light load: the queue's level is the best one, and a
+    // target within the deadband of it holds.
+    let d = decide(&b, &mut mem, &sample(27.0, 36.0), 1, at(30));
+    assert!(d.scale().is_none(), "{d:?}");
+}
+
+#[test]
 fn a_diluted_queue_reading_as_the_load_rises_keeps_the_remembered_queue_and_three_in_a_row_drop_it()
 {
     // The square wave's backend: 6 batch slots per endpoint, target at its min of 10, 2
