@@ -629,8 +629,15 @@ fn decide_fresh(
                 && (f64::from(current - to) >= band
                     || knee.unmeasured_ceiling().is_some_and(|c| current > c)) =>
         {
+            // Only the backend's queue stops growth: the target goes to what it serves at once,
+            // not to a best level.
+            let whither = if knee.best.in_flight < *to {
+                "what the backend serves at once"
+            } else {
+                "the best level"
+            };
             let reason = format!(
-                "{demand_text}; stepped back to the best level: {}; calls beyond {to} per endpoint wait in the gateways' queues",
+                "{demand_text}; stepped back to {whither}: {}; calls beyond {to} per endpoint wait in the gateways' queues",
                 knee.evidence()
             );
             return step_back(mem, *to, reason, knee, now);

@@ -623,7 +623,7 @@ fn a_target_within_the_deadband_above_the_backends_queue_steps_back_to_it_to_mea
     assert_eq!(d.scale().map(|s| (s.from, s.to)), Some((29, 27)), "{d:?}");
     assert!(
         mem.last_decision.as_ref().unwrap().reason.contains(
-            "stepped back to the best level: the most throughput is at 4 in flight per endpoint (the backend's own queue read 2 at 29 in flight per endpoint: it serves about 27 at once)"
+            "stepped back to what the backend serves at once: the most throughput is at 4 in flight per endpoint (the backend's own queue read 2 at 29 in flight per endpoint: it serves about 27 at once)"
         ),
         "{:?}",
         mem.last_decision
