@@ -38,4 +38,5 @@ mod signals;
 mod soft_throttle;
 mod timeouts;
 mod tokens;
+mod upstream_framing;
 mod upstream_tls;

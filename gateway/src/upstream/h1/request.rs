@@ -8,8 +8,11 @@
 //! body longer or shorter than it fails the exchange, since the backend would read the next
 //! request's bytes as this one's or wait for bytes that never come); else a body that is empty
 //! gets no length header, one of known size a `Content-Length`, and one of unknown size
-//! `Transfer-Encoding: chunked`. Hop-by-hop fields, `Transfer-Encoding` among them, were
-//! dropped before (`crate::proxy::headers`): the gateway never forwards a client's chunking.
+//! `Transfer-Encoding: chunked` (whatever the method: hyper's client sends a `GET`, `HEAD` or
+//! `CONNECT` body of unknown size as no body at all). Trailers follow the last chunk, without
+//! the fields that must not trail ([`may_trail`]). Hop-by-hop fields, `Transfer-Encoding`
+//! among them, were dropped before (`crate::proxy::headers`): the gateway never forwards a
+//! client's chunking.
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
@@ -142,6 +145,27 @@ fn field(out: &mut Vec<u8>, name: &str, value: &HeaderValue) {
     out.extend_from_slice(b"\r\n");
 }
 
+/// Whether a field may go in a request's trailer section: not one that frames, routes,
+/// authenticates or describes the content (RFC 9110 §6.5.1), which a backend merging trailers
+/// into the head would act on after the fact. The same fields hyper's client leaves out.
+fn may_trail(name: &header::HeaderName) -> bool {
+    !matches!(
+        *name,
+        header::AUTHORIZATION
+            | header::CACHE_CONTROL
+            | header::CONTENT_ENCODING
+            | header::CONTENT_LENGTH
+            | header::CONTENT_RANGE
+            | header::CONTENT_TYPE
+            | header::HOST
+            | header::MAX_FORWARDS
+            | header::SET_COOKIE
+            | header::TRAILER
+            | header::TRANSFER_ENCODING
+            | header::TE
+    )
+}
+
 /// The framing's state as the body goes out.
 #[derive(Debug)]
 pub(super) struct BodyEncoder {
@@ -177,9 +201,9 @@ impl BodyEncoder {
         Ok(())
     }
 
-    /// Appends the end of the body: the last chunk with `trailers` (chunked), or nothing once
-    /// the whole length went out (a length body has no room for trailers: they are dropped,
-    /// as hyper drops them).
+    /// Appends the end of the body: the last chunk with `trailers` (chunked; those that
+    /// [`may_trail`]), or nothing once the whole length went out (a length body has no room
+    /// for trailers: they are dropped, as hyper drops them).
     pub(super) fn end(
         &mut self,
         out: &mut Vec<u8>,
@@ -191,7 +215,9 @@ impl BodyEncoder {
             Framing::Chunked => {
                 out.extend_from_slice(b"0\r\n");
                 for (name, value) in trailers.into_iter().flatten() {
-                    field(out, name.as_str(), value);
+                    if may_trail(name) {
+                        field(out, name.as_str(), value);
+                    }
                 }
                 out.extend_from_slice(b"\r\n");
                 Ok(())
@@ -314,6 +340,8 @@ mod tests {
         chunked.data(&mut out, &Bytes::new()).unwrap();
         let mut trailers = HeaderMap::new();
         trailers.insert("x-checksum", HeaderValue::from_static("abc"));
+        trailers.insert("content-length", HeaderValue::from_static("0"));
+        trailers.insert("host", HeaderValue::from_static("elsewhere"));
         chunked.end(&mut out, Some(&trailers)).unwrap();
         let expected = format!("1a\r\n{}\r\n0\r\nx-checksum: abc\r\n\r\n", "x".repeat(26));
         assert_eq!(String::from_utf8(out).unwrap(), expected);

@@ -5,9 +5,10 @@
 //! A pooled connection carries the next client's request after this one, so a body delimited
 //! wrongly would hand one client's bytes to another: every ambiguity here fails the exchange or
 //! closes the connection after it. A `Content-Length` must be one number (a list of the same
-//! number is that number); `Transfer-Encoding` beside it wins and the connection is not reused;
-//! a `Transfer-Encoding` that does not end in `chunked` is read until the backend closes; a
-//! response with neither is read until close.
+//! number is that number); `Transfer-Encoding` beside it wins, the length is not passed on, and
+//! the connection is not reused; a `Transfer-Encoding` that does not end in `chunked` is read
+//! until the backend closes (in HTTP/1.0 it fails the exchange); a response with neither is read
+//! until close.
 
 use bytes::BytesMut;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -59,6 +60,8 @@ pub(crate) enum HeadError {
     InvalidLength,
     #[error("the response's Transfer-Encoding applies chunked more than once")]
     InvalidTransferEncoding,
+    #[error("the HTTP/1.0 response has a Transfer-Encoding")]
+    CodingInHttp10,
     #[error("the backend switched protocols, which the gateway never asks for")]
     UnaskedUpgrade,
 }
@@ -149,8 +152,13 @@ pub(super) fn parse(buf: &mut BytesMut, head_request: bool) -> Result<Option<Hea
             .map_err(|_| HeadError::InvalidField)?;
         headers.append(name, value);
     }
-    let (body, mut keep_alive) = framing(&headers, status, head_request)?;
+    let (body, mut keep_alive) = framing(&headers, status, version, head_request)?;
     keep_alive &= persistent(&headers, version);
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        // RFC 9112 §6.3: the coding overrides a length, which must not be passed on (the client
+        // would be told a length the body does not have).
+        headers.remove(header::CONTENT_LENGTH);
+    }
     Ok(Some(Head {
         status,
         version,
@@ -164,6 +172,7 @@ pub(super) fn parse(buf: &mut BytesMut, head_request: bool) -> Result<Option<Hea
 fn framing(
     headers: &HeaderMap,
     status: StatusCode,
+    version: Version,
     head_request: bool,
 ) -> Result<(BodyFraming, bool), HeadError> {
     if head_request
@@ -186,6 +195,11 @@ fn framing(
             Some(length) => (BodyFraming::Length(length), true),
             None => (BodyFraming::Close, false),
         });
+    }
+    if version == Version::HTTP_10 {
+        // RFC 9112 §6.1: an HTTP/1.0 message with a coding is faulty framing (hyper's client
+        // refuses it too).
+        return Err(HeadError::CodingInHttp10);
     }
     let codings: Vec<&[u8]> = codings.collect();
     let chunked = |c: &[u8]| c.eq_ignore_ascii_case(b"chunked");
@@ -273,6 +287,18 @@ mod tests {
             framed("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"),
             (BodyFraming::Chunked, false),
             "chunked wins over a length, and the connection goes after"
+        );
+        let both =
+            head("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+                .unwrap()
+                .unwrap();
+        assert!(
+            !both.headers.contains_key(header::CONTENT_LENGTH),
+            "the overridden length is not passed on"
+        );
+        assert_eq!(
+            head("HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n").unwrap_err(),
+            HeadError::CodingInHttp10
         );
         assert_eq!(
             framed("HTTP/1.1 200 OK\r\n\r\n"),
@@ -461,11 +487,13 @@ mod tests {
                 return Ok(());
             };
             let coded = head.headers.contains_key(header::TRANSFER_ENCODING);
-            let lengths: std::collections::BTreeSet<&[u8]> = head
-                .headers
-                .get_all(header::CONTENT_LENGTH)
+            // The lengths the backend sent (a coded head passes none on).
+            let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let _ = httparse::Response::new(&mut fields).parse(text.as_bytes());
+            let lengths: std::collections::BTreeSet<&[u8]> = fields
                 .iter()
-                .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+                .filter(|f| f.name.eq_ignore_ascii_case("content-length"))
+                .flat_map(|f| f.value.split(|b| *b == b','))
                 .map(trim)
                 .collect();
             proptest::prop_assert!(lengths.len() <= 1, "disagreeing lengths accepted: {text:?}");
@@ -473,6 +501,10 @@ mod tests {
                 proptest::prop_assert!(
                     !matches!(head.body, BodyFraming::Length(_)),
                     "a length overrode a coding: {text:?}"
+                );
+                proptest::prop_assert!(
+                    !head.headers.contains_key(header::CONTENT_LENGTH),
+                    "an overridden length passed on: {text:?}"
                 );
             }
             if head.keep_alive {
