@@ -646,7 +646,8 @@ pub struct ClientsSpec {
     /// estimate fits (its
     /// `max_completion_tokens` or `max_tokens`, else `defaultMaxTokens`, plus its prompt's
     /// bytes ÷ 4), refuses it otherwise with 429 (OpenAI's `rate_limit_exceeded`, with
-    /// `Retry-After` and the `x-ratelimit-*` headers) before it reaches a backend, and settles
+    /// `Retry-After`, `retry-after-ms` and the `x-ratelimit-*` headers) before it reaches a
+    /// backend, and settles
     /// the reservation with the backend's `usage` once the response ends. An override's
     /// `tokens` replaces it for its client. Omitted: calls are not limited by tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -431,7 +431,10 @@ func (n *node) startContainerd(ctx context.Context) (*child, error) {
 // kubeletConfig is the kubelet's KubeletConfiguration: cgroup v1 allowed (this machine's
 // layout), cgroupfs under the node's own cgroup root, containerd's socket, its API on the node's
 // address with the serving pair and the apiserver's client CA, no image or eviction pressure
-// from a busy development disk, no DNS servers of the machine leaking into pods.
+// from a busy development disk, no DNS servers of the machine leaking into pods, and a
+// container's log rotated only past 256 MiB (the default 10 MiB rotates a gateway's access log
+// within a minute of a few hundred calls a second, and `kubectl logs` reads only the newest
+// file: e2e/tests/scenarios/token_budgets.rs reads every call of a phase from it).
 func (n *node) kubeletConfig(p *pki) string {
 	return fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -469,6 +472,8 @@ fileCheckFrequency: 5s
 nodeStatusUpdateFrequency: 5s
 shutdownGracePeriod: 0s
 podLogsDir: %s
+containerLogMaxSize: 256Mi
+containerLogMaxFiles: 2
 `, n.cgroup, n.socket(), nodeLinkIP, p.path(kubeletServingCert), p.path(kubeletServingKey), p.path(kubeletClientCA),
 		filepath.Join(n.dir, "resolv.conf"), filepath.Join(n.dir, "pod-logs"))
 }

@@ -293,14 +293,20 @@ impl Load {
     /// The `q` quantile (0 to 1, nearest rank) of the durations of the successful calls that
     /// ended in seconds `[from, to)` since the start; `None` without one.
     pub fn latency_quantile(&self, from: u64, to: u64, q: f64) -> Option<Duration> {
+        let mut all = self.latencies(from, to);
+        all.sort_unstable();
+        nearest_rank(&all, q)
+    }
+
+    /// The durations of the successful calls that ended in seconds `[from, to)` since the
+    /// start, in no order (to pool several windows before taking a quantile).
+    pub fn latencies(&self, from: u64, to: u64) -> Vec<Duration> {
         let record = self.record.lock();
-        let mut all: Vec<Duration> = record
+        record
             .latencies
             .range(from..to)
             .flat_map(|(_, l)| l.iter().copied())
-            .collect();
-        all.sort_unstable();
-        nearest_rank(&all, q)
+            .collect()
     }
 
     /// Successful calls per second over each second of `[from, to)` since the start, each call

@@ -255,6 +255,7 @@ struct Families {
     client_class_queue_wait: HistogramFamily<ClassLabel>,
     pool_created: Family<EndpointLabels, Counter>,
     pool_reused: Family<EndpointLabels, Counter>,
+    endpoint_output_tokens: Family<EndpointLabels, Counter>,
     pool_closed: Family<ClosedLabels, Counter>,
     upstream_duration: HistogramFamily<DurationLabels>,
     upstream_first_byte: HistogramFamily<BackendLabel>,
@@ -386,6 +387,7 @@ impl Metrics {
             client_class_queue_wait: Family::new_with_constructor(wait_histogram),
             pool_created: Family::default(),
             pool_reused: Family::default(),
+            endpoint_output_tokens: Family::default(),
             pool_closed: Family::default(),
             upstream_duration: Family::new_with_constructor(duration_histogram),
             upstream_first_byte: Family::new_with_constructor(duration_histogram),
@@ -606,6 +608,11 @@ impl Metrics {
             "poolpilot_tokens",
             "Model tokens of calls, by backend, direction (input, cached_input: the part of input a backend served from its cache, output) and source (usage: the backend's own count; chunks: a stream without usage, one token a content chunk, exact for servers that stream a token a chunk; estimate: the gateway's estimate before the call)",
             m.tokens.clone(),
+        );
+        r.register(
+            "poolpilot_endpoint_output_tokens",
+            "Output tokens of calls by the endpoint (backend instance) that served them, counted as poolpilot_tokens_total counts them (the backend's usage, else a stream's content chunks, else the estimate): rate() is an instance's output tokens a second",
+            m.endpoint_output_tokens.clone(),
         );
         r.register_with_unit(
             "poolpilot_time_to_first_token",
@@ -829,8 +836,12 @@ impl Metrics {
             .set(bursting.into());
     }
 
-    /// `(created, reused)` counters of one endpoint.
-    pub(crate) fn endpoint_counters(&self, backend: &str, endpoint: &str) -> (Counter, Counter) {
+    /// `(created, reused, output tokens)` counters of one endpoint.
+    pub(crate) fn endpoint_counters(
+        &self,
+        backend: &str,
+        endpoint: &str,
+    ) -> (Counter, Counter, Counter) {
         let labels = EndpointLabels {
             backend: backend.into(),
             endpoint: endpoint.into(),
@@ -838,6 +849,7 @@ impl Metrics {
         (
             self.0.pool_created.get_or_create_owned(&labels),
             self.0.pool_reused.get_or_create_owned(&labels),
+            self.0.endpoint_output_tokens.get_or_create_owned(&labels),
         )
     }
 

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use parking_lot::MutexGuard;
 use poolpilot_api::limits::PriorityClass;
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -378,11 +379,12 @@ impl<C: Connect> Inner<C> {
                 idle,
                 burst,
             } => {
-                let name = self.endpoint_name(endpoint);
+                let (name, output_tokens) = self.endpoint_handles(endpoint);
                 Ok(Lease {
                     pool: self,
                     endpoint,
                     endpoint_name: name,
+                    output_tokens,
                     conn: Some(idle.conn),
                     created_at: idle.created_at,
                     leased_at: now,
@@ -396,13 +398,14 @@ impl<C: Connect> Inner<C> {
                 })
             }
             Grant::Slot { endpoint, burst } => {
-                let (name, address, timeout) = {
+                let (name, output_tokens, address, timeout) = {
                     let state = self.state.lock();
                     let ep = state
                         .endpoint(endpoint)
                         .expect("a reserved endpoint stays listed");
                     (
                         ep.name.clone(),
+                        ep.output_tokens.clone(),
                         ep.address,
                         state.limits.connect_timeout.get(),
                     )
@@ -444,6 +447,7 @@ impl<C: Connect> Inner<C> {
                             pool: self,
                             endpoint,
                             endpoint_name: name,
+                            output_tokens,
                             conn: Some(conn),
                             created_at,
                             leased_at,
@@ -673,11 +677,12 @@ impl<C: Connect> Inner<C> {
         self.slot_freed.notify_waiters();
     }
 
-    pub(super) fn endpoint_name(&self, endpoint: u64) -> Arc<str> {
+    /// A leased endpoint's name and output-token counter, for its lease.
+    pub(super) fn endpoint_handles(&self, endpoint: u64) -> (Arc<str>, Counter) {
         let state = self.state.lock();
         state
             .endpoint(endpoint)
-            .map(|ep| ep.name.clone())
+            .map(|ep| (ep.name.clone(), ep.output_tokens.clone()))
             .expect("a leased endpoint stays listed")
     }
 }

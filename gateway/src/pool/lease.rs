@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use poolpilot_api::limits::PriorityClass;
+use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
 use super::connect::Connect;
@@ -20,6 +21,8 @@ pub struct Lease<C: Connect> {
     pub(super) pool: Arc<Inner<C>>,
     pub(super) endpoint: u64,
     pub(super) endpoint_name: Arc<str>,
+    /// Its endpoint's output tokens (`poolpilot_endpoint_output_tokens_total`).
+    pub(super) output_tokens: Counter,
     pub(super) conn: Option<C::Conn>,
     pub(super) created_at: Instant,
     pub(super) leased_at: Instant,
@@ -95,6 +98,13 @@ impl<C: Connect> Lease<C> {
     /// The endpoint's name.
     pub fn endpoint(&self) -> &Arc<str> {
         &self.endpoint_name
+    }
+
+    /// Its call produced `n` output tokens (as counted at its end): its endpoint's count.
+    pub fn count_output_tokens(&self, n: u64) {
+        if n > 0 {
+            self.output_tokens.inc_by(n);
+        }
     }
 
     /// Returns the connection to the pool when the lease is dropped (the exchange completed

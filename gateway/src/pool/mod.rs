@@ -326,7 +326,7 @@ impl<C: Connect> Pool<C> {
                 let id = state.next_endpoint_id;
                 state.next_endpoint_id += 1;
                 let name: Arc<str> = e.name.as_str().into();
-                let (created, reused) = self
+                let (created, reused, output_tokens) = self
                     .inner
                     .metrics
                     .endpoint_counters(&self.inner.backend, &name);
@@ -345,6 +345,7 @@ impl<C: Connect> Pool<C> {
                     keep_alive: KeepAlive::default(),
                     created,
                     reused,
+                    output_tokens,
                 });
             }
         }

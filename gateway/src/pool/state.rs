@@ -89,6 +89,9 @@ pub(super) struct EndpointState<T> {
     pub(super) keep_alive: KeepAlive,
     pub(super) created: Counter,
     pub(super) reused: Counter,
+    /// Output tokens of the calls it served (`poolpilot_endpoint_output_tokens_total`), handed
+    /// to each lease.
+    pub(super) output_tokens: Counter,
 }
 
 #[derive(Debug)]

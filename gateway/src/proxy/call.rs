@@ -2,7 +2,8 @@
 //! ([`CallContext`]), and, once its response head arrived, the call in progress ([`Call`]) and
 //! what its end settles ([`Call::finish`]): the upstream duration and timeout metrics, the
 //! connection kept for the pool or discarded, the endpoint's outcome for outlier detection, the
-//! lease hold, the call's tokens (counted, and its token reservation settled: [`Meter`]), and
+//! lease hold, the call's tokens (counted, its output on its endpoint's count, and its token
+//! reservation settled: [`Meter`]), and
 //! the client's permit released. A call that ends by the client's doing is
 //! never held against the backend.
 
@@ -128,6 +129,7 @@ impl Call {
         {
             permit.used_tokens(input, output);
         }
+        self.lease.count_output_tokens(output);
         if self.settle_fair {
             self.lease.settle_tokens(input + output);
         }

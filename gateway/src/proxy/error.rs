@@ -6,13 +6,14 @@
 //! `x-ratelimit-*` headers ([`crate::tokens::headers`]).
 //!
 //! Every 503, and every 502/504 a retry can cure (another endpoint, a connection that was not
-//! stale), carries `Retry-After`. The message a client sees names no internal address or
+//! stale), carries `Retry-After`, and beside it `retry-after-ms` (read first by OpenAI's SDKs):
+//! a token budget's refill to the millisecond, else the same whole seconds. The message a client sees names no internal address or
 //! endpoint: those stay in the gateway's logs (the error's `Display`).
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
+use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 
 use super::body::ResponseBody;
@@ -26,6 +27,10 @@ use crate::upstream::TlsError;
 /// `Retry-After` of failures whose cause passes quickly (a stale connection, an endpoint about
 /// to be ejected, a pod going away behind its Service): come back in a second.
 const RETRY_SOON: Duration = Duration::from_secs(1);
+
+/// `retry-after-ms`: `Retry-After` in milliseconds, as OpenAI and Azure OpenAI send it;
+/// OpenAI's SDKs read it before `Retry-After`.
+pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
 
 /// `Retry-After` of a gateway without backends: a policy takes a reconcile to arrive.
 const NO_BACKENDS_RETRY: Duration = Duration::from_secs(5);
@@ -258,6 +263,20 @@ impl ProxyError {
         }
     }
 
+    /// When the client should retry, to the millisecond (`retry-after-ms`), whenever
+    /// [`ProxyError::retry_after`] says it should: a token budget's wait for its refill
+    /// exactly (at least 1 ms, at most `Retry-After`), else `Retry-After`'s whole seconds.
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        let secs = self.retry_after()?.as_secs().max(1);
+        Some(match self {
+            Self::Tokens(r) => {
+                let ms = u64::try_from(r.wait.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
+                ms.clamp(1, secs.saturating_mul(1000))
+            }
+            _ => secs.saturating_mul(1000),
+        })
+    }
+
     /// What the client is told: the `Display` text, except for failures whose text names an
     /// endpoint or its address.
     fn public_message(&self) -> String {
@@ -279,6 +298,7 @@ impl ProxyError {
     pub fn to_response(&self) -> Response<ResponseBody> {
         let status = self.status();
         let retry_after = self.retry_after().map(|d| d.as_secs().max(1));
+        let retry_after_ms = self.retry_after_ms();
         let mut response = match self {
             Self::Tokens(r) => {
                 let mut response = openai_error(
@@ -296,6 +316,11 @@ impl ProxyError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if let Some(ms) = retry_after_ms {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER_MS, HeaderValue::from(ms));
         }
         response
     }
@@ -481,11 +506,18 @@ mod tests {
         for (err, status, reason, retry) in cases {
             let response = err.to_response();
             assert_eq!(response.status().as_u16(), status, "{reason}");
-            let header = response
-                .headers()
-                .get(header::RETRY_AFTER)
-                .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
-            assert_eq!(header, retry, "{reason}");
+            let header = |name| {
+                response
+                    .headers()
+                    .get(name)
+                    .map(|v| v.to_str().unwrap().parse::<u64>().unwrap())
+            };
+            assert_eq!(header(header::RETRY_AFTER), retry, "{reason}");
+            assert_eq!(
+                header(RETRY_AFTER_MS),
+                retry.map(|secs| secs * 1000),
+                "{reason}: retry-after-ms beside Retry-After, the same time"
+            );
             let body = body_json(response).await;
             assert_eq!(body["error"]["code"], reason);
             let kind = match status {
@@ -515,6 +547,7 @@ mod tests {
             remaining: 12,
             requested: 100,
             retry_after: Duration::from_secs(9),
+            wait: Duration::from_micros(8_200_400),
             quote,
         }));
         assert_eq!(error.reason(), "client_tokens");
@@ -522,6 +555,8 @@ mod tests {
         assert_eq!(response.status(), 429);
         let h = response.headers();
         assert_eq!(h[header::RETRY_AFTER], "9");
+        // The refill to the millisecond, rounded up: never before the tokens are there.
+        assert_eq!(h[RETRY_AFTER_MS], "8201");
         assert_eq!(h["x-ratelimit-limit-tokens"], "600");
         assert_eq!(h["x-ratelimit-remaining-tokens"], "12");
         assert_eq!(h["x-ratelimit-reset-tokens"], "58.8s");

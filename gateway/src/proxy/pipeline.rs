@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use super::body::{BodyPace, ResponseBody};
 use super::call::CallContext;
 use super::deadline::DeadlineSlot;
-use super::error::ProxyError;
+use super::error::{ProxyError, RETRY_AFTER_MS};
 use super::replay::Replay;
 use super::{fallback, forward, head, headers, identity, models, route};
 use crate::limits::fair;
@@ -191,28 +191,34 @@ async fn proxy(
 }
 
 /// Remembers a refusal that told the client when to come back (429, 503), for the next call of
-/// the same client to be counted early or on time; an early retry refused again is told to wait
-/// `earlyRetries.penaltyFactor` times longer.
+/// the same client to be counted early or on time (by `retry-after-ms`, the earlier of its two
+/// headers); an early retry refused again is told to wait `earlyRetries.penaltyFactor` times
+/// longer, in both.
 fn remember_refusal(
     gw: &Gateway,
     record: &Record,
     error: &ProxyError,
     response: &mut Response<ResponseBody>,
 ) {
-    let (Some(key), Some(retry_after)) = (record.client_key(), error.retry_after()) else {
+    let (Some(key), Some(retry_after), Some(mut ms)) = (
+        record.client_key(),
+        error.retry_after(),
+        error.retry_after_ms(),
+    ) else {
         return;
     };
     if !matches!(error.status().as_u16(), 429 | 503) {
         return;
     }
-    let mut secs = retry_after.as_secs().max(1);
     if record.early_retry() && gw.early_retry_penalty() > 1 {
-        secs *= u64::from(gw.early_retry_penalty());
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        let factor = u64::from(gw.early_retry_penalty());
+        let secs = retry_after.as_secs().max(1) * factor;
+        ms = ms.saturating_mul(factor);
+        let headers = response.headers_mut();
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        headers.insert(RETRY_AFTER_MS, HeaderValue::from(ms));
     }
     let class = record.client_name().unwrap_or_else(|| NO_CLIENT.into());
     gw.refusals()
-        .refused(key, class, Duration::from_secs(secs), Instant::now());
+        .refused(key, class, Duration::from_millis(ms), Instant::now());
 }

@@ -90,8 +90,10 @@ pub struct TokenRejection {
     pub remaining: u64,
     /// What the call would cost in it.
     pub requested: u64,
-    /// When that much will be there (whole seconds, rounded up).
+    /// When that much will be there (whole seconds, rounded up: `Retry-After`).
     pub retry_after: Duration,
+    /// The same, exactly (to the millisecond in `retry-after-ms`).
+    pub wait: Duration,
     /// The client's budget now, for the headers.
     pub quote: Quote,
 }
@@ -367,6 +369,7 @@ impl<K: Copy + Eq + Hash> TokenBudgets<K> {
                 remaining: bucket.remaining(),
                 requested: cost.ceil() as u64,
                 retry_after: whole_seconds(wait),
+                wait,
                 quote: buckets.quote(&budget),
             }));
         }

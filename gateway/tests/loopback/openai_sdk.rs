@@ -2,7 +2,9 @@
 //! client, more than its connection cap, gets 429s with `Retry-After` that the SDK honours and
 //! retries, never an `APIConnectionError`; the SDK parses the gateway's error bodies; and a
 //! client with a token budget reads `x-ratelimit-remaining-tokens` falling call by call, gets
-//! OpenAI's own 429 once over it, and its retry waits out `Retry-After` and succeeds.
+//! OpenAI's own 429 once over it, and its retry waits out `retry-after-ms` (which the SDK reads
+//! before `Retry-After`: the refill to the millisecond, not rounded up to a second), comes back
+//! on time by the gateway's own count, and succeeds.
 //!
 //! Needs a Python with the `openai` package: `POOLPILOT_PYTHON` names it (`make sdk` installs
 //! one in a virtualenv of the cache, and `make unit` runs this test with it). Ignored without.
@@ -132,6 +134,7 @@ for _ in range(20):
         h = e.response.headers
         refused = {"status": e.status_code, "type": e.type, "code": e.code,
                    "retry_after": h.get("retry-after"),
+                   "retry_after_ms": h.get("retry-after-ms"),
                    "reset": h.get("x-ratelimit-reset-tokens"),
                    "limit": h.get("x-ratelimit-limit-tokens")}
         break
@@ -202,14 +205,34 @@ async fn the_openai_sdk_sees_its_remaining_tokens_fall_and_waits_out_a_token_ref
         "{report}"
     );
     let retry_after: f64 = refused["retry_after"].as_str().unwrap().parse().unwrap();
+    let retry_after_ms: f64 = refused["retry_after_ms"].as_str().unwrap().parse().unwrap();
+    assert!(
+        retry_after_ms > (retry_after - 1.0) * 1000.0 && retry_after_ms <= retry_after * 1000.0,
+        "retry-after-ms is Retry-After to the millisecond: {report}"
+    );
     assert_eq!(
         report["status"], 200,
         "the SDK's retry got through: {report}"
     );
     assert!(report["retries"].as_u64().unwrap() >= 1, "{report}");
     assert!(
-        report["waited"].as_f64().unwrap() >= retry_after - 1.0,
-        "the SDK waited out Retry-After: {report}"
+        report["waited"].as_f64().unwrap() >= retry_after_ms / 1000.0 - 0.1,
+        "the SDK waited out retry-after-ms: {report}"
+    );
+    // The gateway remembers the refusal by retry-after-ms too: every retry the SDK made after
+    // waiting it out was on time (its first attempt, sent at once, was early).
+    let text = gw.metrics().await;
+    let retries = |timing: &str| {
+        metric(
+            &text,
+            &format!("poolpilot_client_retries_total{{client=\"other\",timing=\"{timing}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(
+        retries("on_time"),
+        report["retries"].as_f64().unwrap(),
+        "{report}: {text}"
     );
     assert_eq!(
         sim.stats().requests_received,

@@ -1,6 +1,7 @@
 //! Loopback tests of token budgets and token metrics: the real gateway against modelsim (which
 //! reports `usage` as vLLM does) on 127.0.0.1. A call over its client's budget is refused 429
-//! in OpenAI's shape, with `Retry-After` and the `x-ratelimit-*` headers, before any byte
+//! in OpenAI's shape, with `Retry-After`, `retry-after-ms` (the refill to the millisecond)
+//! and the `x-ratelimit-*` headers, before any byte
 //! reaches the backend; every admitted response carries the headers, the remaining tokens
 //! falling call by call (and a `requestsPerMinute` budget its `-requests` triple, refusing
 //! the call over it as `type: requests`); reservations are settled with the backend's usage (a JSON body, a
@@ -8,7 +9,8 @@
 //! cut by a deadline or abandoned by its client, with what was streamed; a prompt modelsim
 //! serves from its prefix cache is counted as cached input, as modelsim reports it; clients
 //! ranked by tokens in `/v1/clients?by=tokens`, and the top-10 gauge bounded among 1,000
-//! clients; a call without `max_tokens` estimated with its backend's `defaultMaxTokens`.
+//! clients; a call without `max_tokens` estimated with its backend's `defaultMaxTokens`;
+//! output tokens counted by the endpoint that served them.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -119,6 +121,12 @@ async fn remaining_tokens_fall_call_by_call_and_the_call_over_budget_never_reach
     refused(status, &body, "tokens", "tokens per minute");
     let retry = header(&headers, "retry-after").expect("Retry-After");
     assert!((1..=10).contains(&retry), "{retry}");
+    // The same wait to the millisecond: Retry-After is it rounded up to whole seconds.
+    let retry_ms = header(&headers, "retry-after-ms").expect("retry-after-ms");
+    assert!(
+        retry_ms > (retry - 1) * 1000 && retry_ms <= retry * 1000,
+        "retry-after-ms {retry_ms}, Retry-After {retry}"
+    );
     assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some(400));
     assert!(header(&headers, "x-ratelimit-remaining-tokens").unwrap() < 60);
     assert!(headers.contains_key("x-ratelimit-reset-tokens"));
@@ -549,4 +557,46 @@ async fn a_call_without_max_tokens_reserves_its_backends_default_over_its_budget
         "1000 − 2 × 110: {remaining}"
     );
     assert_eq!(second.await.unwrap().0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_tokens_are_counted_by_the_endpoint_that_served_them() {
+    // Two instances of one backend, one producing 10 tokens a call and the other 30.
+    let (ten, thirty) = (modelsim(10, 0).await, modelsim(30, 0).await);
+    let gw = Gw::start(limits("model-a", &[ten.addr(), thirty.addr()], 8)).await;
+    for _ in 0..12 {
+        let (status, _, body) = post(
+            gw.proxy,
+            "/v1/chat/completions",
+            &[("content-type", "application/json")],
+            &chat(100, false, false),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let (served_ten, served_thirty) = (
+        ten.stats().requests_received,
+        thirty.stats().requests_received,
+    );
+    assert_eq!(served_ten + served_thirty, 12);
+    let text = gw.metrics().await;
+    let endpoint = |name: &str| {
+        metric(
+            &text,
+            &format!(
+                "poolpilot_endpoint_output_tokens_total{{backend=\"model-a\",endpoint=\"{name}\"}}"
+            ),
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(endpoint("model-a-0"), 10.0 * served_ten as f64, "{text}");
+    assert_eq!(endpoint("model-a-1"), 30.0 * served_thirty as f64, "{text}");
+    assert_eq!(
+        metric(
+            &text,
+            "poolpilot_tokens_total{backend=\"model-a\",direction=\"output\",source=\"usage\"}"
+        ),
+        Some(endpoint("model-a-0") + endpoint("model-a-1")),
+        "the endpoints' counts add up to the backend's: {text}"
+    );
 }
