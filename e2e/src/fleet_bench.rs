@@ -123,6 +123,11 @@ pub struct FleetResult {
     pub change_all: (f64, Option<f64>),
     /// Policies settled when that wait ended.
     pub change_settled: usize,
+    /// Reconcile latency p50 and p99 from the first write of that change to the end of its
+    /// wait, seconds.
+    pub change_reconcile: (Option<f64>, Option<f64>),
+    /// Where that change's reconciles spent their time: each step of the pipeline.
+    pub change_steps: Vec<StepTimes>,
     /// The operator's resident memory: highest sample (every 500 ms) and its own peak (`VmHWM`).
     pub rss: (u64, Option<u64>),
     /// The operator's CPU seconds by the settle, and by the end.
@@ -145,11 +150,23 @@ const STEPS: [&str; 4] = ["clients", "plan", "rollout", "status"];
 
 /// The steps' times in one operator `/metrics` text (counted from the operator's start).
 pub fn step_times(text: &str) -> Vec<StepTimes> {
+    step_times_between("", text)
+}
+
+/// The steps' times between two operator `/metrics` texts (`before` empty: from the start).
+pub fn step_times_between(before: &str, after: &str) -> Vec<StepTimes> {
     STEPS
         .iter()
         .map(|step| {
             let label = format!("step=\"{step}\"");
-            let h = histogram_where(text, "poolpilot_operator_step_duration_seconds", &[&label]);
+            let of = |text: &str| {
+                histogram_where(text, "poolpilot_operator_step_duration_seconds", &[&label])
+            };
+            let h = if before.is_empty() {
+                of(after)
+            } else {
+                bucket_delta(&of(before), &of(after))
+            };
             StepTimes {
                 step: (*step).to_owned(),
                 count: h.last().map_or(0.0, |b| b.1),
@@ -805,6 +822,10 @@ async fn measure(
 
     let end = scrape(metrics_url).await?;
     keep(logs, "operator-metrics-end.txt", &end);
+    let change_hist = bucket_delta(
+        &histogram(&end_rollout, RECONCILE_HISTOGRAM),
+        &histogram(&end, RECONCILE_HISTOGRAM),
+    );
     let cpu_end = operator
         .proc_file("stat")
         .and_then(|s| stat_cpu_seconds(&s));
@@ -834,6 +855,8 @@ async fn measure(
         rollout_puts: puts(&end_rollout) - puts(&before_rollout),
         change_all: (writes, change_settle),
         change_settled,
+        change_reconcile: (quantile(&change_hist, 0.5), quantile(&change_hist, 0.99)),
+        change_steps: step_times_between(&end_rollout, &end),
         rss: (0, None),
         cpu: (cpu_settle, cpu_end),
     })

@@ -256,6 +256,8 @@ fn served_per_metric_round_and_the_highest_metric() {
         rollout_reached: 0,
         rollout_puts: 0.0,
         change_all: (12.0, Some(45.0)),
+        change_reconcile: (None, None),
+        change_steps: Vec::new(),
         change_settled: 0,
         rss: (0, None),
         cpu: (None, None),

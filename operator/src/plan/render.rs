@@ -37,8 +37,9 @@ use super::validate::Acceptance;
 /// `generations` knows the documents already written, acknowledged or recorded in a status, so
 /// that generations keep increasing across operator restarts. `last` (the last rendering and
 /// this one's inputs) lets a pod whose policies and their plans are all unchanged keep its last
-/// document instead of rendering and hashing it again (see [`memo::Reuse`]): the documents are
-/// those a rendering without it gives.
+/// document instead of rendering and hashing it again, a ConfigMap likewise, and a policy
+/// unchanged since a rendering that accepted it skip its own document's validation (see
+/// [`memo::Reuse`]): the documents and verdicts are those a rendering without it gives.
 pub fn render_all(
     policies: &[PolicyInput],
     pods: &[GatewayPod],
@@ -46,12 +47,34 @@ pub fn render_all(
     mut generations: Generations,
     last: Option<(&memo::Rendered, &memo::RenderInput)>,
 ) -> Rendering {
+    // The plans as the memo compares and records them (this run's facts left out), and which
+    // policies are the same as in the last rendering.
+    let mut rendered = memo::rendered_plans(plans);
+    let reuse = last.map(|(last, input)| memo::Reuse::new(last, input, &rendered));
     for (i, plan) in plans.iter_mut().enumerate() {
         if plan.acceptance.is_accepted()
+            && !reuse.as_ref().is_some_and(|r| r.validated(i))
             && let Err(e) = document(policies, &[(i, &*plan)], None).validate()
         {
             plan.acceptance =
                 Acceptance::Invalid(e.violations.iter().map(ToString::to_string).collect());
+            rendered[i].acceptance = plan.acceptance.clone();
+        }
+    }
+
+    // Each pod's accepted policies, in the plans' order: gathered in one walk over what every
+    // plan selects (asking every plan about every pod costs pods × policies × selected).
+    let mut on_pods: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (i, plan) in plans.iter().enumerate() {
+        if plan.acceptance.is_accepted() {
+            for pod in &plan.selected {
+                match on_pods.get_mut(pod.as_str()) {
+                    Some(on_pod) => on_pod.push(i),
+                    None => {
+                        on_pods.insert(pod.clone(), vec![i]);
+                    }
+                }
+            }
         }
     }
 
@@ -82,66 +105,60 @@ pub fn render_all(
             plans[i].document = Some(doc.clone());
             continue;
         }
-        let peers: Vec<(usize, &PolicyPlan)> = plans
-            .iter()
-            .enumerate()
-            .filter(|(j, p)| {
-                p.acceptance.is_accepted()
-                    && match &set {
-                        // Sorted (`PolicyPlan::selected`).
-                        PeerSet::OnPod(pod) => p.selected.binary_search(pod).is_ok(),
-                        PeerSet::Selector(_) => &policies[*j].spec.gateway_selector == selector,
-                    }
-            })
-            .collect();
         // At the base shares: a pod that starts from this document later (a new pod, or one
         // restarted while the operator is away) never takes more than any pod's share.
-        let mut doc = document(policies, &peers, None).with_content_revision();
-        doc.generation = generations.of(&doc.revision);
-        let doc = Arc::new(doc);
+        let doc = match &set {
+            // The accepted policies on the pod, as its own document takes them.
+            PeerSet::OnPod(pod) => {
+                let on_pod = on_pods.get(pod).map_or(&[][..], Vec::as_slice);
+                match reuse
+                    .as_ref()
+                    .and_then(|r| r.configmap_document(i, pod, on_pod))
+                {
+                    Some(kept) => with_generation(kept, &mut generations),
+                    None => {
+                        let peers: Vec<(usize, &PolicyPlan)> =
+                            on_pod.iter().map(|&j| (j, &plans[j])).collect();
+                        rendered_document(policies, &peers, None, &mut generations)
+                    }
+                }
+            }
+            PeerSet::Selector(_) => {
+                let peers: Vec<(usize, &PolicyPlan)> = plans
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, p)| {
+                        p.acceptance.is_accepted()
+                            && &policies[*j].spec.gateway_selector == selector
+                    })
+                    .collect();
+                rendered_document(policies, &peers, None, &mut generations)
+            }
+        };
         shared.insert(set, doc.clone());
         plans[i].document = Some(doc);
     }
-
-    // Each pod's accepted policies, in the plans' order: gathered in one walk over what every
-    // plan selects (asking every plan about every pod costs pods × policies × selected).
-    let mut on_pods: BTreeMap<&str, Vec<(usize, &PolicyPlan)>> = BTreeMap::new();
-    for (i, plan) in plans.iter().enumerate() {
-        if plan.acceptance.is_accepted() {
-            for pod in &plan.selected {
-                on_pods.entry(pod.as_str()).or_default().push((i, plan));
-            }
-        }
+    for (r, plan) in rendered.iter_mut().zip(plans.iter()) {
+        r.document.clone_from(&plan.document);
     }
-    let rendered_plans = memo::rendered_plans(plans);
-    let reuse = last.map(|(last, input)| memo::Reuse::new(last, input, &rendered_plans));
+
     let mut documents = BTreeMap::new();
     let mut indices = BTreeMap::new();
     let mut pod_names: Vec<&GatewayPod> = pods.iter().collect();
     pod_names.sort_by(|a, b| a.name.cmp(&b.name));
     for pod in pod_names {
-        let on_pod = on_pods.remove(pod.name.as_str()).unwrap_or_default();
-        let on_pod_indices: Vec<usize> = on_pod.iter().map(|(i, _)| *i).collect();
+        let on_pod_indices = on_pods.remove(pod.name.as_str()).unwrap_or_default();
         let kept = reuse
             .as_ref()
             .and_then(|r| r.document(&pod.name, &on_pod_indices));
         let doc = match kept {
             // The same content, so the same revision: only its generation is asked again, in
             // the same order as a fresh rendering asks.
-            Some(kept) => {
-                let generation = generations.of(&kept.revision);
-                if generation == kept.generation {
-                    kept.clone()
-                } else {
-                    let mut doc = GatewayLimits::clone(kept);
-                    doc.generation = generation;
-                    Arc::new(doc)
-                }
-            }
+            Some(kept) => with_generation(kept, &mut generations),
             None => {
-                let mut doc = document(policies, &on_pod, Some(&pod.name)).with_content_revision();
-                doc.generation = generations.of(&doc.revision);
-                Arc::new(doc)
+                let on_pod: Vec<(usize, &PolicyPlan)> =
+                    on_pod_indices.iter().map(|&i| (i, &plans[i])).collect();
+                rendered_document(policies, &on_pod, Some(&pod.name), &mut generations)
             }
         };
         documents.insert(pod.name.clone(), doc);
@@ -150,8 +167,33 @@ pub fn render_all(
     Rendering {
         documents,
         on_pods: indices,
-        plans: rendered_plans,
+        plans: rendered,
     }
+}
+
+/// A document kept from the last rendering, with the generation its revision gets now (asked
+/// where a fresh rendering asks, so that every later revision gets the same generation).
+fn with_generation(kept: &Arc<GatewayLimits>, generations: &mut Generations) -> Arc<GatewayLimits> {
+    let generation = generations.of(&kept.revision);
+    if generation == kept.generation {
+        kept.clone()
+    } else {
+        let mut doc = GatewayLimits::clone(kept);
+        doc.generation = generation;
+        Arc::new(doc)
+    }
+}
+
+/// The document of `plans` for `pod` ([`document`]) with its content revision and generation.
+fn rendered_document(
+    policies: &[PolicyInput],
+    plans: &[(usize, &PolicyPlan)],
+    pod: Option<&str>,
+    generations: &mut Generations,
+) -> Arc<GatewayLimits> {
+    let mut doc = document(policies, plans, pod).with_content_revision();
+    doc.generation = generations.of(&doc.revision);
+    Arc::new(doc)
 }
 
 /// What [`render_all`] made.

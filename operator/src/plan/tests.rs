@@ -2820,7 +2820,9 @@ fn a_pod_whose_policies_are_unchanged_keeps_its_document_when_another_pods_chang
     let mut fresh = memory.clone();
     fresh.rendered = None;
     let second = plan(&input, &mut memory, at(15));
-    assert_eq!(second.documents, plan(&input, &mut fresh, at(15)).documents);
+    let again = plan(&input, &mut fresh, at(15));
+    assert_eq!(second.documents, again.documents);
+    assert_eq!(second.policies, again.policies);
     for pod in ["gw-0", "gw-1"] {
         assert_ne!(
             first.documents[pod].revision, second.documents[pod].revision,
@@ -2833,6 +2835,16 @@ fn a_pod_whose_policies_are_unchanged_keeps_its_document_when_another_pods_chang
             "{pod} runs only policy b, unchanged: its document is kept, not rendered again"
         );
     }
+    // The ConfigMaps' documents likewise: a's is rendered again, b's kept.
+    let configmap = |fleet: &FleetPlan, i: usize| fleet.policies[i].document.clone().unwrap();
+    assert_ne!(
+        configmap(&first, 0).revision,
+        configmap(&second, 0).revision
+    );
+    assert!(
+        Arc::ptr_eq(&configmap(&first, 1), &configmap(&second, 1)),
+        "policy b is unchanged: its ConfigMap's document is kept, not rendered again"
+    );
 }
 
 proptest! {
