@@ -631,7 +631,7 @@ fn decide_fresh(
         {
             // Only the backend's queue stops growth: the target goes to what it serves at once,
             // not to a best level.
-            let whither = if knee.best.in_flight < *to {
+            let whither = if knee.queue_alone() {
                 "what the backend serves at once"
             } else {
                 "the best level"

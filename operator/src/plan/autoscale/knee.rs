@@ -611,10 +611,16 @@ impl Knee {
             // Only the backend's queue says where growth stops: at what it serves at once (the
             // levels measured are all below it, and none is known better than it) or, once a
             // level above the best one below it was measured too, at the best one.
-            Some(c) if !self.own() && !self.measured_above => c.level,
+            Some(c) if self.queue_alone() => c.level,
             Some(c) => cap.min(c.level),
             None => cap,
         }
+    }
+
+    /// Whether only the backend's queue says where growth stops: [`Knee::cap`] is what it
+    /// serves at once.
+    pub fn queue_alone(&self) -> bool {
+        self.ceiling.is_some() && !self.own() && !self.measured_above
     }
 
     /// Whether the levels themselves show the knee (not only the backend's queue).
