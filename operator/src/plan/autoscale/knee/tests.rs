@@ -543,7 +543,7 @@ fn a_knee_known_only_from_the_backends_queue_is_probed_below_once() {
         panic!("the middle of [5, 9]: {mv:?}")
     };
     assert_eq!(knee.best.in_flight, 5);
-    assert!(knee.own(), "{knee:?}");
+    assert!(knee.own() && !knee.queue_alone(), "{knee:?}");
     // A new reading below every level measured but the light load's: those levels were
     // calls served and queued, no evidence; the reading alone caps, at what it serves at once.
     let mut m = held_at_the_queue(1000.0);
@@ -575,6 +575,7 @@ fn a_queue_far_above_the_light_loads_level_is_measured_before_anything_below_it_
         (knee.best.in_flight, knee.unmeasured_ceiling()),
         (4, Some(27))
     );
+    assert!(knee.queue_alone() && knee.cap() == 27, "{knee:?}");
     let mv = m.plan(29, 63, (1, 78), Some(29));
     assert!(matches!(mv, Move::Back { to: 27, .. }), "{mv:?}");
     // Measured there, and more than the light load: the queue's level is the best, and whether
