@@ -28,7 +28,7 @@
 //! ```text
 //!  long (8 workers, budget 24000/min) ──► gw-0 ──┐
 //!  pinned (8 workers, no override) ─────► gw-1 ──┼─► model-a (2 instances, 8 connections a gateway)
-//!  short (16 workers, 4 tokens a call) ─► gw-0 ──┘
+//!  short (24 workers, 4 tokens a call) ─► gw-0 ──┘
 //!  parts of long's budget: [8000, 8000, 8000] ──(its use on gw-0)──► [23840, 80, 80]
 //!  parts of pinned's:      [8000, 8000, 8000] ──(its use on gw-1)──► [80, 23840, 80]
 //! ```
